@@ -1,0 +1,32 @@
+# The whole set-up on a fresh machine with only Python 3.11: `make demo`, `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+WORKDIR ?= runs/demo
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# One stamp per extra set, rebuilt when pyproject.toml changes.
+$(VENV)/.core: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e . 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -c "import distillax, jax, flax, optax, orbax.checkpoint, grain, qwix"
+	touch $@
+
+$(VENV)/.test: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test,hf]' 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -c "import distillax, jax, pytest, torch, transformers"
+	touch $@ $(VENV)/.core
+
+demo: $(VENV)/.core
+	$(BIN)/python -m distillax.partitioning
+
+test: $(VENV)/.test
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs
