@@ -11,8 +11,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 
-def model_shaped_tree(vocab: int = 512, embed: int = 64, layers: int = 2, heads: int = 4,
-                      kv_heads: int = 2, head_dim: int = 16, mlp: int = 256,
+def model_shaped_tree(vocab: int = 512, embed: int = 128, layers: int = 2, heads: int = 16,
+                      kv_heads: int = 8, head_dim: int = 8, mlp: int = 256,
                       dtype=np.float32):
   """(abstract params, logical specs) shaped like a Llama-style decoder."""
   sds = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)

@@ -73,9 +73,32 @@ def create_mesh(mesh_config=None, *, devices: Sequence[jax.Device] | None = None
     except (ValueError, AssertionError, NotImplementedError):
       dev_array = np.asarray(devices).reshape(data, model)
   else:
-    dev_array = mesh_utils.create_hybrid_device_mesh(
-        (data, model), dcn, devices=devices, allow_split_physical_axes=True)
+    dev_array = _hybrid_device_array((data, model), dcn, devices)
   return Mesh(dev_array, AXES, axis_types=axis_types)
+
+
+def _hybrid_device_array(ici: tuple[int, int], dcn: tuple[int, int],
+                         devices: list[jax.Device]) -> np.ndarray:
+  """(dcn_data*data, dcn_model*model) devices; each slice fills one (data, model) block.
+
+  Real pods: slices come from `slice_index` (TPU) or from processes (GPU hosts). Simulated CPU
+  devices have neither, so contiguous blocks stand in for slices: that keeps the layout testable
+  on a laptop with the same block structure a pod gets.
+  """
+  if hasattr(devices[0], "slice_index"):
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
+                                                allow_split_physical_axes=True)
+  if jax.process_count() > 1:
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
+                                                process_is_granule=True,
+                                                allow_split_physical_axes=True)
+  per_slice = ici[0] * ici[1]
+  out = np.empty((dcn[0] * ici[0], dcn[1] * ici[1]), dtype=object)
+  for s in range(dcn[0] * dcn[1]):
+    i, j = divmod(s, dcn[1])
+    block = np.asarray(devices[s * per_slice:(s + 1) * per_slice], dtype=object).reshape(ici)
+    out[i * ici[0]:(i + 1) * ici[0], j * ici[1]:(j + 1) * ici[1]] = block
+  return out
 
 
 def mesh_shape_str(mesh: Mesh) -> str:

@@ -63,14 +63,14 @@ def logical_tree(state) -> Any:
     return PartitionSpec(*axes)
 
   tree = jax.tree_util.tree_map_with_path(spec, state, is_leaf=_is_variable)
-  return tree.to_pure_dict() if isinstance(tree, nnx.State) else tree
+  return nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
 
 
 def pure_values(state) -> Any:
   """The arrays of an nnx State/Module as a plain nested dict (the layout of train state)."""
   if isinstance(state, nnx.Module):
     state = nnx.state(state)
-  return state.to_pure_dict()
+  return nnx.to_pure_dict(state)
 
 
 def tree_specs(tree, logical, mesh: Mesh, rules: RuleSet) -> Any:

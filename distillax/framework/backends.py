@@ -1,0 +1,207 @@
+"""Run the one step body under `jit` (GSPMD), `shard_map`, `pmap` or `vmap(axis_name=...)`.
+
+Each backend owns three things only: where the state lives (`place_state` / `fetch_state`), how
+a process-local numpy batch becomes device input (`place_batch`), and the compiled call. The
+step body is the same function everywhere; `shard_map`, `pmap` and `vmap` pass it the data axis
+name so it reduces explicitly, and they are data parallel (parameters replicated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from distillax import partitioning as pt
+from distillax.errors import ConfigError
+from distillax.framework.state import StateLayout, TrainState
+
+BACKENDS = ("jit", "shard_map", "pmap", "vmap")
+DATA_AXIS = "data"
+BATCH_LOGICAL = ("batch", "length")
+
+
+def check_batch_size(global_batch: int, data_parallel: int, accum_steps: int,
+                     process_count: int = 1) -> None:
+  """Clear errors for a global batch the data-parallel layout cannot split evenly."""
+  unit = math.lcm(data_parallel * accum_steps, process_count)
+  if global_batch % unit:
+    lo = max(unit, global_batch - global_batch % unit)
+    raise ConfigError(
+        f"train.batch_size={global_batch} cannot be split over {data_parallel} data-parallel "
+        f"workers x {accum_steps} accumulation steps ({process_count} processes); it must be a "
+        f"multiple of {unit}, e.g. {lo} or {lo + unit}")
+
+
+def compiled_stats(compiled) -> dict[str, float]:
+  """Per-device memory (bytes) and FLOPs of a compiled executable, where XLA reports them."""
+  stats: dict[str, float] = {}
+  try:
+    mem = compiled.memory_analysis()
+    if mem is not None:
+      for key in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                  "alias_size_in_bytes", "generated_code_size_in_bytes"):
+        stats[key] = float(getattr(mem, key, 0) or 0)
+  except Exception:  # noqa: BLE001 - not every backend implements it
+    pass
+  try:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    if cost and "flops" in cost:
+      stats["flops"] = float(cost["flops"])
+  except Exception:  # noqa: BLE001
+    pass
+  return stats
+
+
+def log_compiled_stats(backend: str, stats: Mapping[str, float]) -> None:
+  if not stats:
+    return
+  fmt = pt.shard.format_bytes
+  logging.info(
+      "compiled %s step, per device: arguments %s, temporaries %s, outputs %s (aliased %s); "
+      "%.3g FLOPs", backend, fmt(stats.get("argument_size_in_bytes", 0)),
+      fmt(stats.get("temp_size_in_bytes", 0)), fmt(stats.get("output_size_in_bytes", 0)),
+      fmt(stats.get("alias_size_in_bytes", 0)), stats.get("flops", float("nan")))
+
+
+@dataclasses.dataclass
+class StepRunner:
+  """A compiled step for one backend, with the placement rules of that backend."""
+
+  backend: str
+  call: Callable[[Any, Any], tuple[Any, dict]]
+  place_state: Callable[[TrainState], Any]
+  fetch_state: Callable[[Any], TrainState]
+  place_batch: Callable[[Mapping[str, np.ndarray]], Any]
+  data_parallel: int
+  stats: dict[str, float] = dataclasses.field(default_factory=dict)
+  compile_seconds: float = 0.0
+
+  def __call__(self, state, batch):
+    return self.call(state, batch)
+
+
+def _require_data_parallel(backend: str, mesh: Mesh, layout: StateLayout) -> None:
+  if mesh.shape.get("model", 1) != 1:
+    raise ConfigError(
+        f"backend={backend} is data parallel only, but mesh.model={mesh.shape['model']}; set "
+        f"--config.mesh.model=1, or use backend=jit for tensor parallelism")
+  specs = jax.tree.leaves(layout.shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+  if any(any(a is not None for a in s.spec) for s in specs):
+    raise ConfigError(
+        f"backend={backend} keeps parameters replicated, but partitioning.strategy shards them; "
+        f"use --config.partitioning.strategy=dp, or backend=jit for fsdp/tp/fsdp_tp")
+
+
+def _batch_sharding(mesh: Mesh, rules: pt.RuleSet, ndim: int, shape) -> NamedSharding:
+  logical = BATCH_LOGICAL[:ndim] + (None,) * max(0, ndim - len(BATCH_LOGICAL))
+  return NamedSharding(mesh, rules.resolve(logical, shape, mesh, "batch"))
+
+
+def _global_batch(mesh: Mesh, rules: pt.RuleSet):
+  def place(batch):
+    def one(x):
+      x = np.asarray(x)
+      global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
+      sh = _batch_sharding(mesh, rules, x.ndim, global_shape)
+      return jax.make_array_from_process_local_data(sh, x, global_shape)
+    return {k: one(v) for k, v in batch.items()}
+  return place
+
+
+def build_runner(backend: str, make_step: Callable[[str | None], Callable], layout: StateLayout,
+                 mesh: Mesh, rules: pt.RuleSet, batch_shapes: Mapping[str, jax.ShapeDtypeStruct],
+                 *, donate: bool = True, compile_now: bool = True) -> StepRunner:
+  """Compiles `make_step(axis_name)` for `backend`. `batch_shapes` are the global batch shapes."""
+  if backend not in BACKENDS:
+    raise ConfigError(f"backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
+  if layout.shardings is None:
+    raise ValueError("build_runner needs a layout built for a mesh")
+  data_parallel = mesh.shape[DATA_AXIS]
+  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                layout.abstract, layout.shardings)
+  t0 = time.perf_counter()
+
+  if backend == "jit":
+    body = make_step(None)
+
+    def traced(state, batch):
+      with pt.use_rules(mesh, rules):
+        return body(state, batch)
+    rep = NamedSharding(mesh, P())
+    batch_sh = {k: _batch_sharding(mesh, rules, len(v.shape), v.shape)
+                for k, v in batch_shapes.items()}
+    fn = jax.jit(traced, in_shardings=(layout.shardings, batch_sh),
+                 out_shardings=(layout.shardings, rep), donate_argnums=(0,) if donate else ())
+    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh[k])
+                      for k, v in batch_shapes.items()}
+    call = fn.lower(abstract_state, abstract_batch).compile() if compile_now else fn
+    runner = StepRunner(backend, call, lambda s: jax.device_put(s, layout.shardings),
+                        lambda s: s, _global_batch(mesh, rules), data_parallel)
+
+  elif backend == "shard_map":
+    _require_data_parallel(backend, mesh, layout)
+    body = make_step(DATA_AXIS)
+    rep = NamedSharding(mesh, P())
+    batch_spec = {k: P(DATA_AXIS) for k in batch_shapes}
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), P()),
+                           check_vma=False)
+    fn = jax.jit(mapped, donate_argnums=(0,) if donate else ())
+    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                              sharding=NamedSharding(mesh, P(DATA_AXIS)))
+                      for k, v in batch_shapes.items()}
+    call = fn.lower(abstract_state, abstract_batch).compile() if compile_now else fn
+    runner = StepRunner(backend, call, lambda s: jax.device_put(s, rep), lambda s: s,
+                        _global_batch(mesh, rules), data_parallel)
+
+  elif backend == "pmap":
+    _require_data_parallel(backend, mesh, layout)
+    body = make_step(DATA_AXIS)
+    n_local = jax.local_device_count()
+    fn = jax.pmap(body, axis_name=DATA_AXIS, donate_argnums=(0,) if donate else ())
+
+    def place_state(s):
+      return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n_local,) + x.shape), s)
+
+    def fetch_state(s):
+      return jax.tree.map(lambda x: x[0], s)
+
+    def place_batch(batch):
+      return {k: np.asarray(v).reshape((n_local, -1) + np.shape(v)[1:]) for k, v in batch.items()}
+
+    def call(state, batch):
+      new_state, metrics = fn(state, batch)
+      return new_state, jax.tree.map(lambda x: x[0], metrics)
+    runner = StepRunner(backend, call, place_state, fetch_state, place_batch,
+                        n_local * jax.process_count())
+
+  else:  # vmap: N data-parallel workers emulated on one device
+    body = make_step(DATA_AXIS)
+    workers = data_parallel
+    fn = jax.jit(jax.vmap(body, in_axes=(None, 0), out_axes=(None, None), axis_name=DATA_AXIS),
+                 donate_argnums=(0,) if donate else ())
+    device = jax.local_devices()[0]
+
+    def place_batch(batch):
+      return {k: jax.device_put(np.asarray(v).reshape((workers, -1) + np.shape(v)[1:]), device)
+              for k, v in batch.items()}
+    abstract_batch = {k: jax.ShapeDtypeStruct((workers, v.shape[0] // workers) + v.shape[1:],
+                                              v.dtype) for k, v in batch_shapes.items()}
+    abstract_single = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                   layout.abstract)
+    call = fn.lower(abstract_single, abstract_batch).compile() if compile_now else fn
+    runner = StepRunner(backend, call, lambda s: jax.device_put(s, device), lambda s: s,
+                        place_batch, workers)
+
+  runner.compile_seconds = time.perf_counter() - t0
+  if compile_now and hasattr(runner.call, "memory_analysis"):
+    runner.stats = compiled_stats(runner.call)
+    log_compiled_stats(backend, runner.stats)
+  return runner

@@ -1,0 +1,76 @@
+"""Optimizer and learning-rate schedule from config.
+
+AdamW with decoupled weight decay, masked off parameters whose path matches `no_decay` (norm
+scales, biases, embeddings by default: decaying them hurts small models and buys nothing), global
+norm clipping, and one of three schedules. Only trainable parameters reach the optimizer, so frozen
+parts (a teacher, base weights under LoRA) hold no optimizer state.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import ml_collections
+import optax
+
+from distillax.errors import ConfigError
+from distillax.partitioning.shard import path_str
+
+SCHEDULES = ("constant", "warmup_cosine", "warmup_linear")
+
+
+def default_optimizer_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.learning_rate = 3e-4  # peak learning rate
+  c.schedule = "warmup_cosine"  # one of constant | warmup_cosine | warmup_linear
+  c.warmup_steps = 10  # linear warmup from 0 to the peak
+  c.end_lr_fraction = 0.1  # final lr as a fraction of the peak (cosine / linear decay)
+  c.b1 = 0.9  # Adam beta1
+  c.b2 = 0.95  # Adam beta2
+  c.eps = 1e-8  # Adam epsilon
+  c.weight_decay = 0.1  # decoupled weight decay (AdamW)
+  c.no_decay = r"(norm|bias|embed)"  # regex over param paths excluded from weight decay
+  c.grad_clip_norm = 1.0  # global-norm clipping; 0 disables
+  return c
+
+
+def make_schedule(cfg, total_steps: int) -> optax.Schedule:
+  peak = float(cfg.learning_rate)
+  warmup = int(cfg.get("warmup_steps", 0))
+  end = peak * float(cfg.get("end_lr_fraction", 0.0))
+  kind = cfg.get("schedule", "constant")
+  if kind == "constant":
+    return optax.constant_schedule(peak) if warmup == 0 else optax.join_schedules(
+        [optax.linear_schedule(0.0, peak, warmup), optax.constant_schedule(peak)], [warmup])
+  if warmup >= total_steps:
+    raise ConfigError(f"optimizer.warmup_steps={warmup} must be smaller than train.steps="
+                      f"{total_steps}; lower the warmup or raise the steps")
+  if kind == "warmup_cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total_steps, end)
+  if kind == "warmup_linear":
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
+                                 optax.linear_schedule(peak, end, total_steps - warmup)], [warmup])
+  raise ConfigError(f"optimizer.schedule={kind!r} is unknown; use one of {', '.join(SCHEDULES)}")
+
+
+def decay_mask(params: Any, no_decay: str) -> Any:
+  """True where weight decay applies: every param whose path does not match `no_decay`."""
+  pattern = re.compile(no_decay) if no_decay else None
+  return jax.tree_util.tree_map_with_path(
+      lambda p, _: not (pattern and pattern.search(path_str(p))), params)
+
+
+def make_optimizer(cfg, total_steps: int, params: Any = None
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """(transformation, schedule). `params` (arrays or shapes) fixes the weight-decay mask."""
+  schedule = make_schedule(cfg, total_steps)
+  mask = (lambda p: decay_mask(p, cfg.get("no_decay", ""))) if params is None else decay_mask(
+      params, cfg.get("no_decay", ""))
+  parts = []
+  if float(cfg.get("grad_clip_norm", 0.0)) > 0:
+    parts.append(optax.clip_by_global_norm(float(cfg.grad_clip_norm)))
+  parts.append(optax.adamw(schedule, b1=float(cfg.b1), b2=float(cfg.b2), eps=float(cfg.eps),
+                           weight_decay=float(cfg.weight_decay), mask=mask))
+  return optax.chain(*parts), schedule

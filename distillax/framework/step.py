@@ -1,0 +1,128 @@
+"""The one train step: `(state, batch) -> (state, metrics)`, pure and backend-agnostic.
+
+Objectives return *sums* over tokens (`ObjectiveOutput`), never means. The step adds them over
+micro-batches (gradient accumulation is a `lax.scan` inside the step), then over data-parallel
+workers, and divides by the global count of real tokens once at the end. That single rule makes
+every backend, every partitioning preset and every accumulation setting compute the same numbers.
+
+The only backend-specific part is `axis_name`: `None` under GSPMD `jit` (the compiler inserts the
+collectives), the data axis under `shard_map`, `pmap` and `vmap`, where gradients, losses and token
+counts are `psum`-reduced explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from distillax import partitioning as pt
+from distillax.framework.state import ModelDefs, TrainState, master_dtype_params
+
+Batch = Mapping[str, jax.Array]
+
+
+@flax.struct.dataclass
+class ObjectiveOutput:
+  loss_sum: jax.Array  # sum of the per-token loss over real tokens of this (micro-)batch
+  tokens: jax.Array  # number of real (non-padding) tokens that went into loss_sum
+  sums: dict[str, jax.Array]  # per-token metric sums, reported divided by global tokens
+
+
+# (trainable model, frozen extras by name, batch, rng) -> ObjectiveOutput
+Objective = Callable[[nnx.Module, Mapping[str, nnx.Module], Batch, jax.Array], ObjectiveOutput]
+
+
+def per_sequence(fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]):
+  """Vectorises a loss written for one sequence over the batch dim with `jax.vmap`.
+
+  `fn(*arrays_for_one_sequence) -> (loss_sum, metric_sums)`; the wrapper takes batched arrays
+  and returns the sums over the batch, ready for an ObjectiveOutput.
+  """
+  def batched(*arrays):
+    loss, sums = jax.vmap(fn)(*arrays)
+    return jnp.sum(loss), jax.tree.map(jnp.sum, sums)
+  return batched
+
+
+def split_microbatches(batch: Batch, accum_steps: int) -> Batch:
+  """[B, ...] -> [A, B/A, ...], taking every A-th row so each micro-batch draws evenly from every
+  device's block of a data-sharded batch (no resharding needed)."""
+  def split(x):
+    b = x.shape[0]
+    return jnp.swapaxes(x.reshape((b // accum_steps, accum_steps) + x.shape[1:]), 0, 1)
+  return jax.tree.map(split, batch)
+
+
+def _storage_cast(p32, like):
+  return jax.tree.map(lambda x, ref: x.astype(ref.dtype), p32, like)
+
+
+def make_train_step(defs: ModelDefs, objective: Objective, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule, *, accum_steps: int = 1,
+                    axis_name: str | None = None) -> Callable[[TrainState, Batch], Any]:
+  """The step body. Wrap it with a backend from `framework.backends` to run it."""
+
+  def reduce(x):
+    return jax.lax.psum(x, axis_name) if axis_name else x
+
+  def step(state: TrainState, batch: Batch):
+    step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    params32 = master_dtype_params(state.params)
+
+    def loss_fn(p32, micro_batch, rng):
+      student, extras = defs.merge(_storage_cast(p32, state.params), state.frozen)
+      out = objective(student, extras, micro_batch, rng)
+      return out.loss_sum, out
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if accum_steps == 1:
+      (_, out), grads = grad_fn(params32, batch, step_rng)
+    else:
+      micro = split_microbatches(batch, accum_steps)
+      first = jax.tree.map(lambda x: x[0], micro)
+      out_shape = jax.eval_shape(lambda: grad_fn(params32, first, step_rng))
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
+
+      def body(carry, xs):
+        i, mb = xs
+        mb = jax.tree.map(lambda x: pt.constrain(x, ("batch",) + (None,) * (x.ndim - 1)), mb)
+        res = grad_fn(params32, mb, jax.random.fold_in(step_rng, i))
+        return jax.tree.map(jnp.add, carry, res), None
+
+      ((_, out), grads), _ = jax.lax.scan(body, zeros, (jnp.arange(accum_steps), micro))
+
+    tokens = reduce(out.tokens.astype(jnp.float32))
+    denom = jnp.maximum(tokens, 1.0)
+    grads = jax.tree.map(lambda g: reduce(g) / denom, grads)
+    loss = reduce(out.loss_sum) / denom
+    sums = {k: reduce(v) / denom for k, v in out.sums.items()}
+
+    updates, opt_state = tx.update(grads, state.opt_state, params32)
+    new_params = _storage_cast(optax.apply_updates(params32, updates), state.params)
+    metrics = {"loss": loss, "tokens": tokens, "grad_norm": optax.global_norm(grads),
+               "update_norm": optax.global_norm(updates),
+               "learning_rate": jnp.asarray(schedule(state.step), jnp.float32), **sums}
+    new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
+    return new_state, metrics
+
+  return step
+
+
+def make_eval_step(defs: ModelDefs, objective: Objective, *, axis_name: str | None = None):
+  """(state, batch) -> sums {"loss_sum", "tokens", **metric sums}, for exact eval means."""
+
+  def reduce(x):
+    return jax.lax.psum(x, axis_name) if axis_name else x
+
+  def step(state: TrainState, batch: Batch):
+    student, extras = defs.merge(state.params, state.frozen)
+    out = objective(student, extras, batch, jax.random.wrap_key_data(state.rng))
+    return {"loss_sum": reduce(out.loss_sum), "tokens": reduce(out.tokens.astype(jnp.float32)),
+            **{k: reduce(v) for k, v in out.sums.items()}}
+
+  return step
