@@ -1,0 +1,211 @@
+"""Tokenizers behind one small interface: byte-level (no files), SentencePiece, Hugging Face.
+
+Every tokenizer has `encode(str) -> list[int]`, `decode(list[int]) -> str`, `vocab_size` (the
+number of ids it can emit), `pad_id` (always an int: padding is masked out of the loss, so any id
+is safe; tokenizers without one use 0), and `bos_id` / `eos_id` (int or None). `encode_array`
+returns the ids as an int32 numpy array, which is what the grain pipeline packs.
+
+Tokenizers are built from a spec string: 'byte', 'spm:<model file>' or 'hf:<tokenizer.json>'.
+The file-backed ones reload from their path when copied into a grain worker process, so nothing
+but the path crosses the process boundary.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from distillax.errors import ConfigError, UserError
+
+
+class Tokenizer:
+  """The interface the data pipeline and the samplers code against."""
+
+  vocab_size: int
+  pad_id: int
+  bos_id: int | None
+  eos_id: int | None
+
+  def encode(self, text: str) -> list[int]:
+    raise NotImplementedError
+
+  def decode(self, ids) -> str:
+    raise NotImplementedError
+
+  def encode_array(self, text: str) -> np.ndarray:
+    return np.asarray(self.encode(text), dtype=np.int32)
+
+
+class ByteTokenizer(Tokenizer):
+  """UTF-8 bytes shifted past three specials (ByT5's layout): pad=0, eos=1, bos=2, byte b=b+3.
+
+  vocab_size is 259; use `padded_vocab_size` for a model embedding that shards evenly.
+  """
+
+  NUM_SPECIALS = 3
+  vocab_size = 256 + NUM_SPECIALS
+  pad_id = 0
+  eos_id = 1
+  bos_id = 2
+
+  def encode(self, text: str) -> list[int]:
+    return self.encode_array(text).tolist()
+
+  def encode_array(self, text: str) -> np.ndarray:
+    raw = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    return raw.astype(np.int32) + self.NUM_SPECIALS
+
+  def decode(self, ids) -> str:
+    ids_N = np.asarray(ids, dtype=np.int64).reshape(-1)
+    # Specials and ids past the byte range (a model with a padded vocab may emit them) are dropped.
+    ids_N = ids_N[(ids_N >= self.NUM_SPECIALS) & (ids_N < self.vocab_size)]
+    return (ids_N - self.NUM_SPECIALS).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+  def __repr__(self):
+    return "ByteTokenizer()"
+
+
+class SentencePieceTokenizer(Tokenizer):
+  """A SentencePiece `.model` file (needs the `spm` extra: pip install 'distillax[spm]')."""
+
+  def __init__(self, model_path: str):
+    self.model_path = os.fspath(model_path)
+    self._load()
+
+  def _load(self):
+    try:
+      import sentencepiece
+    except ImportError as e:
+      raise ConfigError(
+          f"tokenizer 'spm:{self.model_path}' needs the sentencepiece package; "
+          "install it with pip install 'distillax[spm]'") from e
+    self._sp = sentencepiece.SentencePieceProcessor()
+    try:
+      self._sp.Load(self.model_path)
+    except (OSError, RuntimeError) as e:
+      raise UserError(
+          f"tokenizer 'spm:{self.model_path}' is not a readable SentencePiece model file ({e}); "
+          "point data.tokenizer at a .model file written by SentencePieceTrainer") from e
+    self.vocab_size = int(self._sp.GetPieceSize())
+    self.pad_id = _id_or_none(self._sp.pad_id())
+    self.bos_id = _id_or_none(self._sp.bos_id())
+    self.eos_id = _id_or_none(self._sp.eos_id())
+    if self.pad_id is None:
+      self.pad_id = 0
+
+  def encode(self, text: str) -> list[int]:
+    return list(self._sp.EncodeAsIds(text))
+
+  def decode(self, ids) -> str:
+    return self._sp.DecodeIds([int(i) for i in np.asarray(ids).reshape(-1)])
+
+  def __getstate__(self):  # grain workers get a copy: send the path, not the C++ object
+    return {"model_path": self.model_path}
+
+  def __setstate__(self, state):
+    self.model_path = state["model_path"]
+    self._load()
+
+  def __repr__(self):
+    return f"SentencePieceTokenizer({self.model_path!r})"
+
+
+# Special tokens recognised in a tokenizer.json, in order of preference.
+_HF_PAD = ("<pad>", "[PAD]", "<|pad|>", "<|finetune_right_pad_id|>")
+_HF_BOS = ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]")
+_HF_EOS = ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>", "<|im_end|>", "[SEP]")
+
+
+class HuggingFaceTokenizer(Tokenizer):
+  """A Hugging Face `tokenizer.json` loaded with the `tokenizers` package.
+
+  BOS/EOS/PAD are found by their usual spellings (<s>, </s>, <eos>, <|endoftext|>, <pad>, ...).
+  """
+
+  def __init__(self, path: str):
+    self.path = os.fspath(path)
+    self._load()
+
+  def _load(self):
+    try:
+      import tokenizers
+    except ImportError as e:
+      raise ConfigError(
+          f"tokenizer 'hf:{self.path}' needs the tokenizers package; install it with "
+          "pip install tokenizers (it comes with the 'hf' extra)") from e
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(self.path)
+    except Exception as e:  # tokenizers raises a bare Exception for unreadable files
+      raise UserError(
+          f"tokenizer 'hf:{self.path}' is not a readable tokenizer.json ({e}); "
+          "point data.tokenizer at the tokenizer.json of a Hugging Face model") from e
+    self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+    self.bos_id = self._find(_HF_BOS)
+    self.eos_id = self._find(_HF_EOS)
+    pad = self._find(_HF_PAD)
+    self.pad_id = pad if pad is not None else 0
+
+  def _find(self, candidates) -> int | None:
+    for token in candidates:
+      token_id = self._tok.token_to_id(token)
+      if token_id is not None:
+        return int(token_id)
+    return None
+
+  def encode(self, text: str) -> list[int]:
+    return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+  def decode(self, ids) -> str:
+    return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)],
+                            skip_special_tokens=True)
+
+  def __getstate__(self):
+    return {"path": self.path}
+
+  def __setstate__(self, state):
+    self.path = state["path"]
+    self._load()
+
+  def __repr__(self):
+    return f"HuggingFaceTokenizer({self.path!r})"
+
+
+def _id_or_none(token_id: int) -> int | None:
+  return int(token_id) if token_id >= 0 else None
+
+
+def make_tokenizer(spec: str) -> Tokenizer:
+  """'byte' | 'spm:<model file>' | 'hf:<tokenizer.json>' -> a Tokenizer."""
+  spec = str(spec).strip()
+  if spec == "byte":
+    return ByteTokenizer()
+  kind, sep, path = spec.partition(":")
+  if not sep or kind not in ("spm", "hf") or not path:
+    raise ConfigError(
+        f"data.tokenizer={spec!r} is not a tokenizer spec; use 'byte', 'spm:<path to .model>' "
+        "or 'hf:<path to tokenizer.json>'")
+  path = os.path.expanduser(path)
+  if not os.path.isfile(path):
+    raise UserError(f"data.tokenizer={spec!r}: no such file {path!r}; check the path")
+  return SentencePieceTokenizer(path) if kind == "spm" else HuggingFaceTokenizer(path)
+
+
+def padded_vocab_size(tokenizer: Tokenizer | int, multiple: int = 128) -> int:
+  """The tokenizer's vocab rounded up to `multiple`, so a 'vocab' dim shards on any small mesh."""
+  size = tokenizer if isinstance(tokenizer, int) else tokenizer.vocab_size
+  return -(-int(size) // multiple) * multiple
+
+
+def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
+  """Raises ConfigError when the model's embedding cannot hold every id the tokenizer emits.
+
+  A larger model vocab is fine (padded embeddings are common); a smaller one would index past
+  the embedding table.
+  """
+  if int(model_vocab_size) < tokenizer.vocab_size:
+    raise ConfigError(
+        f"model vocab_size={model_vocab_size} is smaller than the tokenizer's vocabulary "
+        f"({tokenizer!r} emits {tokenizer.vocab_size} ids); set the model's vocab_size to at "
+        f"least {tokenizer.vocab_size} (e.g. {padded_vocab_size(tokenizer)}) or use the "
+        "tokenizer the model was trained with")
