@@ -104,8 +104,8 @@ def make_train_step(defs: ModelDefs, objective: Objective, tx: optax.GradientTra
 
     updates, opt_state = tx.update(grads, state.opt_state, params32)
     new_params = _storage_cast(optax.apply_updates(params32, updates), state.params)
-    metrics = {"loss": loss, "tokens": tokens, "grad_norm": optax.global_norm(grads),
-               "update_norm": optax.global_norm(updates),
+    metrics = {"loss": loss, "tokens": tokens, "grad_norm": optax.tree.norm(grads),
+               "update_norm": optax.tree.norm(updates),
                "learning_rate": jnp.asarray(schedule(state.step), jnp.float32), **sums}
     new_state = state.replace(step=state.step + 1, params=new_params, opt_state=opt_state)
     return new_state, metrics

@@ -1,0 +1,68 @@
+"""Assembles models, optimizer, state layout and a compiled step: what every job needs first.
+
+The trainer, the tests and the benchmarks all go through `build_engine`, so the step they measure
+is the step users run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from distillax import partitioning as pt
+from distillax.framework import backends, optim
+from distillax.framework.state import StateLayout, TrainState, build_layout, init_state
+from distillax.framework.step import Objective, make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class Engine:
+  layout: StateLayout
+  tx: optax.GradientTransformation
+  schedule: optax.Schedule
+  runner: backends.StepRunner
+  mesh: Mesh
+  rules: pt.RuleSet
+  objective: Objective
+
+  def init_state(self, student: nnx.Module, extras: Mapping[str, nnx.Module], seed: int):
+    """Fresh state placed for this backend."""
+    return self.runner.place_state(init_state(student, extras, self.tx, self.layout, seed))
+
+  def eval_fn(self):
+    """A jit-compiled eval step over global (GSPMD) state; for any backend's fetched state."""
+    body = make_eval_step(self.layout.defs, self.objective)
+    mesh, rules = self.mesh, self.rules
+
+    def traced(state, batch):
+      with pt.use_rules(mesh, rules):
+        return body(state, batch)
+    return jax.jit(traced)
+
+
+def build_engine(student: nnx.Module, extras: Mapping[str, nnx.Module], objective: Objective,
+                 optimizer_cfg: Any, total_steps: int, mesh: Mesh, rules: pt.RuleSet,
+                 backend: str, batch_shapes: Mapping[str, jax.ShapeDtypeStruct], *,
+                 accum_steps: int = 1, trainable: Any = nnx.Param,
+                 compile_now: bool = True) -> Engine:
+  """`student`/`extras` may be abstract (nnx.eval_shape) or real modules: only shapes are read."""
+  global_batch = next(iter(batch_shapes.values())).shape[0]
+  data_parallel = mesh.shape[backends.DATA_AXIS] if backend != "pmap" else jax.device_count()
+  backends.check_batch_size(global_batch, data_parallel, accum_steps, jax.process_count())
+  _, trainable_state, _ = nnx.split(student, trainable, ...)
+  tx, schedule = optim.make_optimizer(optimizer_cfg, total_steps,
+                                      nnx.to_pure_dict(trainable_state))
+  layout = build_layout(student, extras, tx, mesh, rules, trainable)
+  make_step = lambda axis: make_train_step(layout.defs, objective, tx, schedule,
+                                           accum_steps=accum_steps, axis_name=axis)
+  runner = backends.build_runner(backend, make_step, layout, mesh, rules, batch_shapes,
+                                 compile_now=compile_now)
+  return Engine(layout, tx, schedule, runner, mesh, rules, objective)
+
+
+__all__ = ["Engine", "TrainState", "build_engine"]

@@ -1,0 +1,83 @@
+"""Multi-controller runtime: `jax.distributed` set-up and the per-process view of a run.
+
+One process needs nothing. Several processes (hosts of a pod, or local processes in tests) each
+run the same program; `initialize` joins them into one JAX runtime, after which `jax.devices()`
+is the global device list and a mesh spans every host. Each process loads its own slice of the
+data; `backends` turns those process-local batches into global arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import jax
+
+from distillax.errors import ConfigError
+
+_ENV_HINTS = ("COORDINATOR_ADDRESS", "JAX_COORDINATOR_ADDRESS")
+
+
+def _get(cfg: Any, key: str, default=None):
+  if cfg is None:
+    return default
+  return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+
+
+def initialize(config: Any = None, *, coordinator_address: str | None = None,
+               num_processes: int | None = None, process_id: int | None = None,
+               local_device_ids=None, timeout_s: int = 300) -> bool:
+  """Joins the distributed runtime when asked; a no-op for a single process.
+
+  Explicit arguments (CLI flags) win over `config.runtime.*`, which win over the environment
+  (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`). With
+  `config.runtime.auto_detect=True` and nothing else given, JAX's own cluster detection runs
+  (TPU pods, SLURM, Open MPI). Returns True when the runtime was initialised here.
+  """
+  rt = _get(config, "runtime")
+  address = coordinator_address or _get(rt, "coordinator_address") or next(
+      (os.environ[k] for k in _ENV_HINTS if os.environ.get(k)), None)
+  num = num_processes or _get(rt, "num_processes") or _env_int("JAX_NUM_PROCESSES")
+  pid = process_id if process_id is not None else _get(rt, "process_id")
+  if pid is None or pid < 0:
+    pid = _env_int("JAX_PROCESS_ID")
+  auto = bool(_get(rt, "auto_detect", False))
+  if jax.distributed.is_initialized():
+    return False
+  if not address and not auto:
+    if num and num > 1:
+      raise ConfigError(f"num_processes={num} but no coordinator address; pass "
+                        f"--coordinator_address=HOST:PORT (the same on every process)")
+    return False
+  if address and (num is None or pid is None):
+    raise ConfigError("a coordinator address needs --num_processes and --process_id too "
+                      "(or JAX_NUM_PROCESSES / JAX_PROCESS_ID)")
+  kwargs = dict(initialization_timeout=timeout_s)
+  if local_device_ids is not None:
+    kwargs["local_device_ids"] = local_device_ids
+  if address:
+    jax.distributed.initialize(address, num_processes=int(num), process_id=int(pid), **kwargs)
+  else:
+    jax.distributed.initialize(**kwargs)
+  logging.info("process %d of %d joined: %d local devices, %d global", jax.process_index(),
+               jax.process_count(), jax.local_device_count(), jax.device_count())
+  return True
+
+
+def _env_int(name: str) -> int | None:
+  v = os.environ.get(name)
+  return int(v) if v not in (None, "") else None
+
+
+def is_primary() -> bool:
+  """Only process 0 writes logs, metrics and summaries; every process joins checkpoints."""
+  return jax.process_index() == 0
+
+
+def per_process_batch(global_batch: int) -> int:
+  n = jax.process_count()
+  if global_batch % n:
+    raise ConfigError(f"train.batch_size={global_batch} is not divisible by the {n} processes; "
+                      f"use a multiple of {n}")
+  return global_batch // n
