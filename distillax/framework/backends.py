@@ -105,7 +105,8 @@ def _batch_sharding(mesh: Mesh, rules: pt.RuleSet, ndim: int, shape) -> NamedSha
   return NamedSharding(mesh, rules.resolve(logical, shape, mesh, "batch"))
 
 
-def _global_batch(mesh: Mesh, rules: pt.RuleSet):
+def global_batch_placer(mesh: Mesh, rules: pt.RuleSet):
+  """Process-local numpy batches -> global arrays sharded like ('batch', 'length')."""
   def place(batch):
     def one(x):
       x = np.asarray(x)
@@ -144,7 +145,7 @@ def build_runner(backend: str, make_step: Callable[[str | None], Callable], layo
                       for k, v in batch_shapes.items()}
     call = fn.lower(abstract_state, abstract_batch).compile() if compile_now else fn
     runner = StepRunner(backend, call, lambda s: jax.device_put(s, layout.shardings),
-                        lambda s: s, _global_batch(mesh, rules), data_parallel)
+                        lambda s: s, global_batch_placer(mesh, rules), data_parallel)
 
   elif backend == "shard_map":
     _require_data_parallel(backend, mesh, layout)
@@ -159,7 +160,7 @@ def build_runner(backend: str, make_step: Callable[[str | None], Callable], layo
                       for k, v in batch_shapes.items()}
     call = fn.lower(abstract_state, abstract_batch).compile() if compile_now else fn
     runner = StepRunner(backend, call, lambda s: jax.device_put(s, rep), lambda s: s,
-                        _global_batch(mesh, rules), data_parallel)
+                        global_batch_placer(mesh, rules), data_parallel)
 
   elif backend == "pmap":
     _require_data_parallel(backend, mesh, layout)

@@ -7,15 +7,19 @@ is the step users run.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
 
 from distillax import partitioning as pt
+from distillax.errors import UserError
 from distillax.framework import backends, optim
+from distillax.framework.evaluation import loss_and_perplexity
 from distillax.framework.state import StateLayout, TrainState, build_layout, init_state
 from distillax.framework.step import Objective, make_eval_step, make_train_step
 
@@ -29,20 +33,41 @@ class Engine:
   mesh: Mesh
   rules: pt.RuleSet
   objective: Objective
+  _eval: Any = None
 
   def init_state(self, student: nnx.Module, extras: Mapping[str, nnx.Module], seed: int):
     """Fresh state placed for this backend."""
     return self.runner.place_state(init_state(student, extras, self.tx, self.layout, seed))
 
-  def eval_fn(self):
-    """A jit-compiled eval step over global (GSPMD) state; for any backend's fetched state."""
-    body = make_eval_step(self.layout.defs, self.objective)
-    mesh, rules = self.mesh, self.rules
+  def global_state(self, state) -> TrainState:
+    """The state as GSPMD arrays on the mesh, whatever the backend (no copy under `jit`)."""
+    return jax.device_put(self.runner.fetch_state(state), self.layout.shardings)
 
-    def traced(state, batch):
-      with pt.use_rules(mesh, rules):
-        return body(state, batch)
-    return jax.jit(traced)
+  def evaluate(self, state, batches: Iterable[Mapping[str, np.ndarray]],
+               prefix: str = "eval_") -> dict[str, float]:
+    """Exact means over every real token of `batches`: loss, perplexity and objective metrics."""
+    if self._eval is None:
+      body = make_eval_step(self.layout.defs, self.objective)
+      mesh, rules = self.mesh, self.rules
+
+      def traced(state, batch):
+        with pt.use_rules(mesh, rules):
+          return body(state, batch)
+      self._eval = jax.jit(traced)
+    gstate = self.global_state(state)
+    place = backends.global_batch_placer(self.mesh, self.rules)
+    totals = None
+    for batch in batches:
+      sums = self._eval(gstate, place(batch))
+      totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+    if totals is None:
+      raise UserError("evaluation got no batches: the validation split is empty; check "
+                      "data.source / data.eval_source")
+    host = {k: float(v) for k, v in jax.device_get(totals).items()}
+    tokens, loss_sum = host.pop("tokens"), host.pop("loss_sum")
+    out = {f"{prefix}{k}": v for k, v in loss_and_perplexity(loss_sum, tokens).items()}
+    out.update({f"{prefix}{k}": v / max(tokens, 1.0) for k, v in host.items()})
+    return out
 
 
 def build_engine(student: nnx.Module, extras: Mapping[str, nnx.Module], objective: Objective,

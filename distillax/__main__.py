@@ -1,0 +1,3 @@
+from distillax.main import run
+
+run()

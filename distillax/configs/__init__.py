@@ -1,0 +1,1 @@
+"""Job configs: Python files returning an ml_collections.ConfigDict (`get_config(arg)`)."""

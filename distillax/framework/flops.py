@@ -1,0 +1,148 @@
+"""Analytic model FLOPs of a decoder transformer, for TFLOP/s and MFU.
+
+Only matmuls are counted (2*m*n*k each): they are what an accelerator's peak refers to, and
+elementwise work (norms, softmax, activations) is a few percent at any realistic size. The
+embedding lookup is a gather, not a matmul, so it costs nothing here; the output projection to the
+vocabulary is counted whether or not it shares the embedding matrix.
+
+Attention is counted as the work a causal kernel must do: half of the full L x L score and value
+products (`causal=True`), and only the band of a sliding-window layer. A naive implementation that
+masks a full matrix does more; MFU is still reported against the useful part, as MaxText and PaLM
+do. `causal=False` counts the full matrix (what such a naive kernel executes).
+
+Training counts the forward three times (forward + backward, which is two matmuls per forward
+matmul: one for the input gradient, one for the weight gradient). Distillation adds the frozen
+teacher's forward once: it gets no backward pass.
+
+The config is read by attribute name only (vocab_size, embed_dim, num_layers, num_heads,
+num_kv_heads, head_dim, mlp_dim, mlp_activation; optionally sliding_window and
+sliding_window_pattern), so any object with those fields works, e.g.
+`distillax.models.config.TransformerConfig`. tie_embeddings does not change the count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distillax.errors import ConfigError
+
+# Activations whose MLP has a gate matrix next to the up matrix: three matmuls instead of two.
+GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu")
+
+
+def _field(cfg: Any, name: str, default: Any = None) -> Any:
+  value = getattr(cfg, name, default)
+  if value is None and default is None:
+    raise ConfigError(f"model config {type(cfg).__name__} has no field '{name}': "
+                      f"FLOPs counting needs it (set {name} in the model config)")
+  return value
+
+
+def _shape_numbers(cfg: Any) -> dict[str, int]:
+  """The integer sizes the count needs, with the usual defaults filled in."""
+  num_heads = int(_field(cfg, "num_heads"))
+  embed_dim = int(_field(cfg, "embed_dim"))
+  num_kv_heads = getattr(cfg, "num_kv_heads", None) or num_heads
+  head_dim = getattr(cfg, "head_dim", None) or embed_dim // num_heads
+  return dict(vocab=int(_field(cfg, "vocab_size")), embed=embed_dim,
+              layers=int(_field(cfg, "num_layers")), heads=num_heads,
+              kv_heads=int(num_kv_heads), head_dim=int(head_dim), mlp=int(_field(cfg, "mlp_dim")))
+
+
+def mlp_matrix_count(activation: str) -> int:
+  """Number of D x F matrices in one MLP block: 3 for gated (SwiGLU/GeGLU), else 2."""
+  return 3 if str(activation).lower() in GATED_ACTIVATIONS else 2
+
+
+def layer_windows(cfg: Any) -> list[int | None]:
+  """Attention span of each layer: None = global, else the sliding window (Gemma 2 style).
+
+  With `sliding_window` set, layer i attends globally iff (i + 1) % sliding_window_pattern == 0
+  (pattern 0: every layer local), matching distillax.models.config.TransformerConfig.
+  """
+  num_layers = int(_field(cfg, "num_layers"))
+  window = getattr(cfg, "sliding_window", None)
+  if not window:
+    return [None] * num_layers
+  pattern = getattr(cfg, "sliding_window_pattern", 2)
+  return [None if pattern and (i + 1) % pattern == 0 else int(window) for i in range(num_layers)]
+
+
+def attended_pairs(seq_len: int, window: int | None, causal: bool = True) -> float:
+  """(query, key) pairs a kernel computes per head: L^2 full, L^2/2 causal, ~L*W - W^2/2 local.
+
+  The causal figures are the continuous approximations (L^2/2 rather than L(L+1)/2) that MFU
+  conventions use; they meet at W = L.
+  """
+  if not causal:
+    return float(seq_len * seq_len)
+  if window is None or window >= seq_len:
+    return seq_len * seq_len / 2.0
+  return seq_len * window - window * window / 2.0
+
+
+def forward_flops_breakdown(cfg: Any, batch: int, seq_len: int, *,
+                            causal: bool = True) -> dict[str, float]:
+  """Matmul FLOPs of one forward pass over a [batch, seq_len] block of tokens, by component.
+
+  Keys: qkv_proj, out_proj (attention output), attn_scores (Q.K^T), attn_values (P.V), mlp,
+  logits (output projection), total. All layers are included.
+  """
+  n = _shape_numbers(cfg)
+  tokens = batch * seq_len
+  q_width = n["heads"] * n["head_dim"]
+  kv_width = n["kv_heads"] * n["head_dim"]
+  layers = n["layers"]
+  pairs = sum(attended_pairs(seq_len, window, causal) for window in layer_windows(cfg))
+  attn_product = 2.0 * batch * n["heads"] * n["head_dim"] * pairs  # summed over layers
+  mlp_matrices = mlp_matrix_count(getattr(cfg, "mlp_activation", "swiglu"))
+  out = {
+      "qkv_proj": layers * 2.0 * tokens * n["embed"] * (q_width + 2 * kv_width),
+      "out_proj": layers * 2.0 * tokens * q_width * n["embed"],
+      "attn_scores": attn_product,
+      "attn_values": attn_product,
+      "mlp": layers * mlp_matrices * 2.0 * tokens * n["embed"] * n["mlp"],
+      "logits": 2.0 * tokens * n["embed"] * n["vocab"],
+  }
+  out["total"] = sum(out.values())
+  return out
+
+
+def forward_flops(cfg: Any, batch: int, seq_len: int, *, causal: bool = True) -> float:
+  """Matmul FLOPs of one forward pass over [batch, seq_len] tokens."""
+  return forward_flops_breakdown(cfg, batch, seq_len, causal=causal)["total"]
+
+
+def train_step_flops(student_cfg: Any, batch: int, seq_len: int, teacher_cfg: Any = None, *,
+                     causal: bool = True) -> dict[str, float]:
+  """Model FLOPs of one training (or distillation) step over a global [batch, seq_len] batch.
+
+  Returns {'student_forward', 'student_backward', 'teacher_forward', 'total'}: the backward is
+  twice the forward, the teacher (if any) runs forward only. Divide 'total' by step time and
+  device count for TFLOP/s per device.
+  """
+  student_forward = forward_flops(student_cfg, batch, seq_len, causal=causal)
+  teacher_forward = 0.0
+  if teacher_cfg is not None:
+    teacher_forward = forward_flops(teacher_cfg, batch, seq_len, causal=causal)
+  out = {
+      "student_forward": student_forward,
+      "student_backward": 2.0 * student_forward,
+      "teacher_forward": teacher_forward,
+  }
+  out["total"] = sum(out.values())
+  return out
+
+
+def matmul_param_count(cfg: Any) -> int:
+  """Parameters used in matmuls: all projections plus the output projection (once, tied or not).
+
+  The input embedding table is a gather and norms are elementwise, so neither is included.
+  A cross-check: when seq_len is small next to embed_dim, forward_flops ~= 2 * this * tokens
+  (the 6ND rule for training).
+  """
+  n = _shape_numbers(cfg)
+  per_layer = (n["embed"] * (n["heads"] + 2 * n["kv_heads"]) * n["head_dim"]
+               + n["heads"] * n["head_dim"] * n["embed"]
+               + mlp_matrix_count(getattr(cfg, "mlp_activation", "swiglu")) * n["embed"] * n["mlp"])
+  return n["layers"] * per_layer + n["embed"] * n["vocab"]

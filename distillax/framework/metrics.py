@@ -1,0 +1,181 @@
+"""Per-step training metrics: accumulated on device, fetched one step late, written on process 0.
+
+The train step returns a flat `{name: scalar jax.Array}` dict. Reading it on the host right away
+would block until that step finishes and leave the device idle while Python prepares the next
+one. So `MetricLogger.record(step, metrics)`:
+
+  1. folds the step's metrics into a `clu.metrics` collection on device (one tiny jitted merge;
+     the mean over the `log_every` window for most names, the last value for learning rates),
+  2. at a log step, starts the copy of the window's result to the host and keeps it pending,
+  3. converts the *previous* pending result to floats and writes it (step N-1 is done or nearly
+     so by the time step N has been dispatched), measuring throughput between those fetches.
+
+`flush()` fetches what is pending (before eval, checkpoints, exit) and `close()` also logs a
+partial last window. Host-side values (eval results) go through `write()` as rows of their own.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping
+
+import jax
+import numpy as np
+from clu import metrics as clu_metrics
+
+from distillax.framework.throughput import Throughput
+from distillax.framework.writers import MetricWriter
+
+# Names whose window value is the last step's, not the mean (schedules, counters).
+DEFAULT_LAST_VALUE_NAMES = ("learning_rate", "lr", "step", "tokens_seen")
+
+
+def to_host_scalar(x) -> float:
+  """A float from a scalar jax.Array, also when it spans other processes' devices (multi-host).
+
+  A 0-d array is replicated by construction, so every process reads it from a local device
+  (jax.device_get would refuse a not fully addressable array).
+  """
+  return float(np.asarray(x))
+
+
+def collection_class(names, last_value_names=DEFAULT_LAST_VALUE_NAMES):
+  """A clu Collection type with one field per metric name: Average, or LastValue for schedules."""
+  fields = {name: (clu_metrics.LastValue if name in last_value_names else clu_metrics.Average)
+                  .from_output(name)
+            for name in names}
+  return clu_metrics.Collection.create(**fields)
+
+
+class StepAccumulator:
+  """Running clu collection over a window of steps, merged on device by one jitted call per step."""
+
+  def __init__(self, last_value_names=DEFAULT_LAST_VALUE_NAMES):
+    self._last_value_names = tuple(last_value_names)
+    self._names: tuple[str, ...] | None = None
+    self._order: tuple[str, ...] = ()
+    self._start_fn = self._merge_fn = self._compute_fn = None
+    self.collection = None
+    self.num_steps = 0
+
+  def _build(self, names: tuple[str, ...]):
+    cls = collection_class(names, self._last_value_names)
+    self._names = names
+    self._start_fn = jax.jit(lambda m: cls.single_from_model_output(**m))
+    self._merge_fn = jax.jit(lambda acc, m: acc.merge(cls.single_from_model_output(**m)))
+    self._compute_fn = jax.jit(lambda acc: acc.compute())
+
+  def add(self, metrics: Mapping[str, jax.Array]):
+    names = tuple(sorted(metrics))
+    self._order = tuple(metrics)
+    for name in names:
+      if np.ndim(metrics[name]) != 0:
+        raise ValueError(f"metric '{name}' has shape {np.shape(metrics[name])}: per-step metrics "
+                         "must be scalars (reduce them inside the step)")
+    if names != self._names:
+      if self.collection is not None:
+        raise ValueError(f"metric names changed within a logging window: {self._names} -> {names}")
+      self._build(names)
+    metrics = dict(metrics)
+    if self.collection is None:
+      self.collection = self._start_fn(metrics)
+    else:
+      self.collection = self._merge_fn(self.collection, metrics)
+    self.num_steps += 1
+
+  def take(self) -> dict[str, jax.Array]:
+    """The window's values as device arrays (copy to host started), and reset the window."""
+    computed = self._compute_fn(self.collection)
+    values = {name: computed[name] for name in self._order}  # the step's own key order
+    for value in values.values():
+      value.copy_to_host_async()
+    self.collection, self.num_steps = None, 0
+    return values
+
+
+class MetricLogger:
+  """Logs device metrics every `log_every` steps through `writer`, one step late (see module doc).
+
+  throughput: if given, every row after the first also gets step_time_s, tokens_per_s,
+  tflops_per_device and mfu, timed between consecutive fetches (the first window includes
+  compilation, so it gets none).
+  """
+
+  def __init__(self, writer: MetricWriter, *, log_every: int = 1,
+               throughput: Throughput | None = None,
+               last_value_names=DEFAULT_LAST_VALUE_NAMES,
+               clock: Callable[[], float] = time.perf_counter):
+    if log_every < 1:
+      raise ValueError(f"log_every must be >= 1, got {log_every}")
+    self.writer = writer
+    self.log_every = log_every
+    self.throughput = throughput
+    self._clock = clock
+    self._window = StepAccumulator(last_value_names)
+    self._pending: tuple[int, dict[str, jax.Array]] | None = None
+    self._last_step: int | None = None
+    self._last_fetch: tuple[int, float] | None = None  # (step, time) of the previous fetch
+    self.latest: dict[str, float] | None = None        # the last row written (host floats)
+
+  def record(self, step: int, metrics: Mapping[str, jax.Array]) -> dict[str, float] | None:
+    """Take step `step`'s device metrics; returns the row written now (an earlier step's) or None."""
+    self._window.add(metrics)
+    self._last_step = step
+    written = self._fetch_pending()
+    if step % self.log_every == 0:
+      self._pending = (step, self._window.take())
+    return written
+
+  def write(self, step: int, scalars: Mapping[str, float]) -> dict[str, float]:
+    """Write host-side values (eval results, ...) as their own row at `step`.
+
+    Pending train rows are written first, so the file stays in step order. Call flush() before
+    the eval itself: the train row is then timed before the eval work, and this call restarts
+    the step timer so the eval is not counted as step time either.
+    """
+    self._fetch_pending()
+    row = {name: float(value) for name, value in scalars.items()}
+    self.writer.write_scalars(step, row)
+    self.resume_timing()
+    return row
+
+  def resume_timing(self):
+    """Exclude the time since the last fetch from step timing (after eval, checkpoint saves).
+
+    Only when every recorded step has been fetched: then nothing ran on device since, and the
+    gap was host work. Otherwise the gap still overlaps steps and is kept.
+    """
+    if (self._last_fetch is not None and self._pending is None and not self._window.num_steps
+        and self._last_fetch[0] == self._last_step):
+      self._last_fetch = (self._last_step, self._clock())
+
+  def flush(self) -> dict[str, float] | None:
+    """Fetch and write what is pending, and flush the writers."""
+    written = self._fetch_pending()
+    self.writer.flush()
+    return written
+
+  def close(self) -> dict[str, float] | None:
+    """Log a partial last window too, then flush and close the writers."""
+    written = self._fetch_pending()
+    if self._window.num_steps:
+      self._pending = (self._last_step, self._window.take())
+      written = self._fetch_pending()
+    self.writer.flush()
+    self.writer.close()
+    return written
+
+  def _fetch_pending(self) -> dict[str, float] | None:
+    if self._pending is None:
+      return None
+    step, device_values = self._pending
+    self._pending = None
+    row = {name: to_host_scalar(value) for name, value in device_values.items()}
+    now = self._clock()  # the fetch blocked until `step` finished: a completion timestamp
+    if self.throughput is not None and self._last_fetch is not None:
+      previous_step, previous_time = self._last_fetch
+      row.update(self.throughput.rates(step - previous_step, now - previous_time))
+    self._last_fetch = (step, now)
+    self.writer.write_scalars(step, row)
+    self.latest = row
+    return row

@@ -1,0 +1,162 @@
+"""Peak FLOP/s per device, achieved TFLOP/s and MFU (model FLOPs utilisation).
+
+Accelerator peaks come from a table of vendor figures (dense bf16 matmul, per chip) matched on
+`device.device_kind`. A CPU has no meaningful datasheet figure, so its peak is measured once per
+process with a dense fp32 matmul probe; the result is divided among the simulated host devices
+that share those cores, so MFU over all devices still compares against the machine's real peak.
+Anything else gets no peak: a warning, TFLOP/s only, and MFU left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+# Dense bf16 peak FLOP/s per chip (vendor figures without structured sparsity). Matched in order
+# against the lower-cased device_kind; the first entry whose every needle is present wins, so the
+# more specific variants come first.
+#   TPU v4  275 TFLOP/s  cloud.google.com/tpu/docs/v4  ("275 teraflops" bf16 per chip)
+#   TPU v5e 197 TFLOP/s  cloud.google.com/tpu/docs/v5e (device_kind "TPU v5 lite")
+#   TPU v5p 459 TFLOP/s  cloud.google.com/tpu/docs/v5p (device_kind "TPU v5" / "TPU v5p")
+#   TPU v6e 918 TFLOP/s  cloud.google.com/tpu/docs/v6e (Trillium, device_kind "TPU v6 lite")
+#   A100    312 TFLOP/s  NVIDIA A100 datasheet (bf16 tensor core, SXM and PCIe alike)
+#   H100    989 TFLOP/s SXM, 756 PCIe, 835 NVL  NVIDIA H100 datasheet (1979/1513/1671 "with
+#           sparsity", halved for dense)
+#   H200    989 TFLOP/s SXM, 835 NVL  NVIDIA H200 datasheet (1979/1671 with sparsity, halved)
+_PEAK_TABLE: tuple[tuple[tuple[str, ...], float, str], ...] = (
+    (("v6", "lite"), 918e12, "TPU v6e"),
+    (("v6e",), 918e12, "TPU v6e"),
+    (("v5", "lite"), 197e12, "TPU v5e"),
+    (("v5e",), 197e12, "TPU v5e"),
+    (("v5p",), 459e12, "TPU v5p"),
+    (("tpu", "v5"), 459e12, "TPU v5p"),
+    (("tpu", "v4"), 275e12, "TPU v4"),
+    (("h200", "nvl"), 835e12, "H200 NVL"),
+    (("h200",), 989e12, "H200 SXM"),
+    (("h100", "pcie"), 756e12, "H100 PCIe"),
+    (("h100", "nvl"), 835e12, "H100 NVL"),
+    (("h100",), 989e12, "H100 SXM"),
+    (("a100",), 312e12, "A100"),
+)
+
+# Matmul sizes of the CPU probe: big enough to reach the BLAS kernel's steady rate, small enough
+# that the whole probe (compile included) takes well under a second on two cores.
+CPU_PROBE_SIZES = (256, 512, 1024)
+CPU_PROBE_REPEATS = 5
+
+_cpu_probe_lock = threading.Lock()
+_cpu_probe_cache: dict[str, float] = {}
+_warned_kinds: set[str] = set()
+
+
+def table_peak(device_kind: str) -> tuple[float, str] | None:
+  """(bf16 dense FLOP/s, name) from the table for a device_kind string, or None if unknown."""
+  kind = device_kind.lower()
+  for needles, peak, name in _PEAK_TABLE:
+    if all(needle in kind for needle in needles):
+      return peak, name
+  return None
+
+
+def measure_cpu_matmul_flops(sizes=CPU_PROBE_SIZES, repeats: int = CPU_PROBE_REPEATS,
+                             device: Any = None) -> float:
+  """Best fp32 matmul FLOP/s over a few square sizes on one CPU device (uncached)."""
+  device = device or jax.devices("cpu")[0]
+  best = 0.0
+  rng = np.random.default_rng(0)
+  matmul = jax.jit(lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
+  for n in sizes:
+    a = jax.device_put(rng.standard_normal((n, n), dtype=np.float32), device)
+    b = jax.device_put(rng.standard_normal((n, n), dtype=np.float32), device)
+    matmul(a, b).block_until_ready()  # compile and warm the caches
+    for _ in range(repeats):
+      start = time.perf_counter()
+      matmul(a, b).block_until_ready()
+      elapsed = time.perf_counter() - start
+      best = max(best, 2.0 * n ** 3 / max(elapsed, 1e-9))
+  return best
+
+
+def cpu_peak_flops() -> float:
+  """The whole host's measured matmul FLOP/s, probed once per process."""
+  with _cpu_probe_lock:
+    if "peak" not in _cpu_probe_cache:
+      _cpu_probe_cache["peak"] = measure_cpu_matmul_flops()
+    return _cpu_probe_cache["peak"]
+
+
+def peak_flops_per_device(device: Any = None) -> tuple[float | None, str]:
+  """(peak FLOP/s of one device or None, where the figure comes from).
+
+  TPUs and NVIDIA GPUs: the dense bf16 datasheet figure. CPU: the measured fp32 matmul peak of
+  the host divided by the number of CPU devices this process simulates (they share the cores).
+  Unknown accelerators: None with a warning, so callers report TFLOP/s without MFU.
+  """
+  device = device or jax.local_devices()[0]
+  if device.platform == "cpu":
+    host_peak = cpu_peak_flops()
+    num_cpu_devices = max(1, len(jax.local_devices(backend="cpu")))
+    source = f"cpu fp32 matmul probe: {host_peak / 1e9:.1f} GFLOP/s per host"
+    if num_cpu_devices > 1:
+      source += f", shared by {num_cpu_devices} host devices"
+    return host_peak / num_cpu_devices, source
+  found = table_peak(device.device_kind)
+  if found is None:
+    if device.device_kind not in _warned_kinds:
+      _warned_kinds.add(device.device_kind)
+      logging.warning("No peak FLOP/s known for device kind %r: reporting TFLOP/s without MFU.",
+                      device.device_kind)
+    return None, f"unknown device kind {device.device_kind!r}"
+  peak, name = found
+  return peak, f"{name} bf16 dense datasheet peak ({peak / 1e12:.0f} TFLOP/s)"
+
+
+def tflops_per_device(model_flops_per_step: float, step_time_s: float, num_devices: int) -> float:
+  """Achieved model TFLOP/s per device."""
+  return model_flops_per_step / step_time_s / num_devices / 1e12
+
+
+def mfu(model_flops_per_step: float, step_time_s: float, num_devices: int,
+        peak: float | None) -> float | None:
+  """Model FLOPs utilisation in [0, 1]: achieved FLOP/s over num_devices * peak (None if no peak)."""
+  if peak is None or not peak > 0 or not step_time_s > 0:
+    return None
+  return model_flops_per_step / step_time_s / (num_devices * peak)
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+  """What one step processes, for turning a measured step time into rates.
+
+  tokens_per_step and model_flops_per_step are global (all devices); peak_flops_per_device is
+  from `peak_flops_per_device()` and may be None (then no MFU).
+  """
+  tokens_per_step: int
+  model_flops_per_step: float
+  num_devices: int
+  peak_flops_per_device: float | None = None
+
+  def rates(self, num_steps: int, seconds: float) -> dict[str, float]:
+    """step_time_s, tokens_per_s, tflops_per_device and mfu (if a peak is known)."""
+    if num_steps <= 0 or not seconds > 0 or not math.isfinite(seconds):
+      return {}
+    step_time = seconds / num_steps
+    out = {
+        "step_time_s": step_time,
+        "tokens_per_s": self.tokens_per_step / step_time,
+        "tflops_per_device": tflops_per_device(self.model_flops_per_step, step_time,
+                                               self.num_devices),
+    }
+    utilisation = mfu(self.model_flops_per_step, step_time, self.num_devices,
+                      self.peak_flops_per_device)
+    if utilisation is not None:
+      out["mfu"] = utilisation
+    return out

@@ -1,0 +1,283 @@
+"""The training loop: init or resume, steps, eval, checkpoints, metrics, preemption, rollback.
+
+Subclasses contribute only what differs between jobs: the models (`build_models`), the objective
+and which parameters train (`trainable`). Everything a user relies on to trust a run lives here
+once: exact resume from the newest valid checkpoint (state, data position and RNG), a checkpoint
+on SIGTERM, metrics one step late so logging never stalls the device, and rollback to the best
+checkpoint when eval perplexity jumps or the loss stops being finite.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping
+
+import jax
+from absl import logging
+from flax import nnx
+
+from distillax import partitioning as pt
+from distillax.data import (check_vocab, iterator_state_json, make_eval_iterator,
+                            make_train_iterator, make_tokenizer, padded_vocab_size,
+                            restore_iterator_state)
+from distillax.errors import ConfigError, UserError
+from distillax.framework import flops, runtime
+from distillax.framework.checkpoint import Checkpointer
+from distillax.framework.engine import Engine, build_engine
+from distillax.framework.metrics import MetricLogger
+from distillax.framework.preemption import PreemptionGuard
+from distillax.framework.profiling import ProfileWindow
+from distillax.framework.progress import ProgressBar
+from distillax.framework.step import Objective
+from distillax.framework.throughput import Throughput, peak_flops_per_device
+from distillax.framework.writers import create_writers
+from distillax.models.config import TransformerConfig
+from distillax.models.init import abstract_model, create_model
+
+CONFIG_FILE = "config.json"
+SUMMARY_FILE = "summary.json"
+CHECKPOINT_DIR = "checkpoints"
+
+
+class Trainer:
+  """Next-token training of one model. Subclass hooks: build_models, objective, trainable."""
+
+  name = "lm"
+
+  def __init__(self, config, workdir: str):
+    self.config = config
+    self.workdir = os.path.abspath(workdir)
+    self.primary = runtime.is_primary()
+
+  # ---- hooks ---------------------------------------------------------------------------------
+
+  def objective(self) -> Objective:
+    from distillax.trainers.lm import lm_objective
+    return lm_objective
+
+  def trainable(self) -> Any:
+    return nnx.Param
+
+  def build_models(self, mesh, rules, *, abstract: bool) -> tuple[nnx.Module, dict]:
+    """(student, frozen extras). Abstract modules cost no memory; real ones are sharded."""
+    cfg = self.model_config
+    if abstract:
+      return abstract_model(cfg, self.config.seed), {}
+    return create_model(cfg, mesh=mesh, rules=rules, seed=self.config.seed), {}
+
+  def teacher_config(self) -> TransformerConfig | None:
+    """Counted in the FLOPs of a step (forward only) when a teacher runs inside it."""
+    return None
+
+  # ---- set-up --------------------------------------------------------------------------------
+
+  def resolve_model_config(self, model_cfg, tokenizer) -> TransformerConfig:
+    """The model's TransformerConfig with the vocabulary taken from, or checked against, data."""
+    values = dict(model_cfg)
+    if int(values.get("vocab_size") or 0) <= 0:
+      values["vocab_size"] = padded_vocab_size(tokenizer)
+    cfg = TransformerConfig.from_dict(values)
+    check_vocab(tokenizer, cfg.vocab_size)
+    return cfg
+
+  def prepare_workdir(self) -> None:
+    try:
+      os.makedirs(self.workdir, exist_ok=True)
+      probe = os.path.join(self.workdir, f".write_probe_{jax.process_index()}")
+      with open(probe, "w") as f:
+        f.write("ok")
+      os.remove(probe)
+    except OSError as e:
+      raise UserError(f"workdir {self.workdir} is not writable ({e.strerror}); pass --workdir "
+                      f"pointing to a directory you can write") from None
+    if self.primary:
+      tmp = os.path.join(self.workdir, CONFIG_FILE + ".tmp")
+      with open(tmp, "w") as f:
+        f.write(self.config.to_json_best_effort(indent=2, sort_keys=True))
+      os.replace(tmp, os.path.join(self.workdir, CONFIG_FILE))
+
+  def setup(self) -> None:
+    c = self.config
+    self.mesh = pt.create_mesh(c.mesh)
+    self.rules = pt.rules_from_config(c.partitioning)
+    self.tokenizer = make_tokenizer(c.data.tokenizer)
+    self.model_config = self.resolve_model_config(c.model, self.tokenizer)
+    self.batch_size, self.seq_len = int(c.train.batch_size), int(c.train.seq_len)
+    if self.seq_len > self.model_config.max_seq_len:
+      raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="
+                        f"{self.model_config.max_seq_len}; lower the first or raise the second")
+    self.engine = self._build_engine(float(c.optimizer.learning_rate))
+
+  def _build_engine(self, learning_rate: float) -> Engine:
+    c = self.config
+    optimizer_cfg = c.optimizer.copy_and_resolve_references()
+    optimizer_cfg.learning_rate = learning_rate
+    student, extras = self.build_models(self.mesh, self.rules, abstract=True)
+    runtime.per_process_batch(self.batch_size)
+    local = self.batch_size // jax.process_count()
+    shapes = {k: jax.ShapeDtypeStruct((self.batch_size, self.seq_len), v.dtype)
+              for k, v in self._batch_dtypes(local).items()}
+    return build_engine(student, extras, self.objective(), optimizer_cfg, int(c.train.steps),
+                        self.mesh, self.rules, c.backend, shapes,
+                        accum_steps=int(c.train.accum_steps), trainable=self.trainable())
+
+  def _batch_dtypes(self, local: int) -> Mapping[str, Any]:
+    import numpy as np
+    from distillax.data import padding_rows
+    return padding_rows(1, 1, 0) if local else {"inputs_BxL": np.zeros((1, 1), np.int32)}
+
+  def _throughput(self) -> Throughput:
+    teacher = self.teacher_config()
+    model_flops = flops.train_step_flops(self.model_config, self.batch_size, self.seq_len,
+                                         teacher_cfg=teacher)["total"]
+    peak, source = peak_flops_per_device()
+    logging.info("MFU peak per device: %s", source)
+    return Throughput(self.batch_size * self.seq_len, model_flops, jax.device_count(), peak)
+
+  # ---- the run -------------------------------------------------------------------------------
+
+  def init_or_restore(self, ckpt: Checkpointer):
+    layout = self.engine.layout
+    restored = ckpt.restore_latest_valid(abstract_state=layout.abstract, shardings=layout.shardings)
+    if restored is not None:
+      state, data_state, meta = restored
+      logging.info("resuming from step %d", int(meta.get("step", -1)))
+      return self.engine.runner.place_state(state), data_state, dict(meta.get("extra") or {})
+    student, extras = self.build_models(self.mesh, self.rules, abstract=False)
+    return self.engine.init_state(student, extras, self.config.seed), None, {}
+
+  def evaluate(self, state) -> dict[str, float]:
+    c = self.config
+    batches = make_eval_iterator(c.data, global_batch_size=self.batch_size, seq_len=self.seq_len,
+                                 num_batches=int(c.train.eval_batches), tokenizer=self.tokenizer)
+    return self.engine.evaluate(state, batches)
+
+  def run(self) -> dict[str, float]:
+    c = self.config
+    self.prepare_workdir()
+    self.setup()
+    total_steps = int(c.train.steps)
+    ckpt = Checkpointer(os.path.join(self.workdir, CHECKPOINT_DIR),
+                        every_steps=int(c.checkpoint.every_steps), keep_last=int(c.checkpoint.keep),
+                        keep_best=int(c.checkpoint.keep_best), best_metric="eval_loss",
+                        async_save=bool(c.checkpoint.async_save))
+    state, data_state, extra = self.init_or_restore(ckpt)
+    start = int(jax.device_get(self.engine.runner.fetch_state(state).step))
+    rollbacks = int(extra.get("rollbacks", 0))
+    best = extra.get("best_eval_perplexity")
+    if rollbacks:
+      self.engine = self._build_engine(self._scaled_lr(rollbacks))
+    train_it = make_train_iterator(c.data, global_batch_size=self.batch_size,
+                                   seq_len=self.seq_len, seed=int(c.seed),
+                                   tokenizer=self.tokenizer)
+    if data_state is not None:
+      restore_iterator_state(train_it, data_state)
+    writers = create_writers(self.workdir, is_primary=self.primary, resume_step=start,
+                             console=not c.train.progress)
+    logger = MetricLogger(writers, log_every=int(c.train.log_every),
+                          throughput=self._throughput())
+    guard = PreemptionGuard()
+    profile = ProfileWindow(self.workdir, max(int(c.profile.start_step), 0),
+                            int(c.profile.num_steps) if int(c.profile.start_step) >= 0 else 0,
+                            enabled=self.primary)
+    progress = ProgressBar(total_steps, desc=self.name, initial=start,
+                           enabled=bool(c.train.progress) and self.primary)
+    self._log_plan()
+    eval_every = int(c.train.eval_every)
+    last_eval: dict[str, float] = {}
+    step = start
+    try:
+      while step < total_steps:
+        profile.step(step, block_on=state)
+        batch = next(train_it)
+        state, metrics = self.engine.runner(state, self.engine.runner.place_batch(batch))
+        step += 1
+        row = logger.record(step, metrics)
+        loss = row.get("loss") if row else None
+        progress.update(tokens=self.batch_size * self.seq_len, loss=loss)
+        bad_loss = loss is not None and not math.isfinite(loss)
+        if bad_loss or (eval_every and step % eval_every == 0) or step == total_steps:
+          logger.flush()
+          last_eval = {} if bad_loss else self.evaluate(state)
+          if last_eval:
+            logger.write(step, last_eval)
+            progress.log(f"step {step}: eval loss {last_eval['eval_loss']:.4f}, perplexity "
+                         f"{last_eval['eval_perplexity']:.3f}")
+          ppl = last_eval.get("eval_perplexity", math.inf)
+          limit = (best or math.inf) * (1 + float(c.train.rollback_threshold))
+          if bad_loss or not math.isfinite(ppl) or ppl > limit:
+            state, train_it, step, rollbacks = self._rollback(ckpt, step, rollbacks, best, loss,
+                                                              ppl)
+            progress.count = step
+            continue
+          best = ppl if best is None else min(best, ppl)
+        extra_meta = {"rollbacks": rollbacks, "best_eval_perplexity": best}
+        if ckpt.should_save(step) or step == total_steps:
+          ckpt.save(step, self.engine.runner.fetch_state(state),
+                    data_state=iterator_state_json(train_it),
+                    metrics=last_eval if last_eval.get("eval_loss") else None, extra=extra_meta,
+                    force=True)
+          logger.resume_timing()
+        if guard.should_stop(step):
+          logging.warning("preemption signal: saving step %d and stopping", step)
+          ckpt.save(step, self.engine.runner.fetch_state(state),
+                    data_state=iterator_state_json(train_it), extra=extra_meta, force=True)
+          break
+    finally:
+      profile.close(block_on=state)
+      logger.close()
+      progress.close()
+      guard.close()
+      ckpt.close()
+    summary = {"step": step, "finished": step >= total_steps, "rollbacks": rollbacks,
+               **(logger.latest or {}), **last_eval}
+    if self.primary:
+      with open(os.path.join(self.workdir, SUMMARY_FILE), "w") as f:
+        json.dump(summary, f, indent=2, sort_keys=True)
+    return summary
+
+  def _scaled_lr(self, rollbacks: int) -> float:
+    c = self.config
+    return float(c.optimizer.learning_rate) * float(c.train.rollback_lr_factor) ** rollbacks
+
+  def _rollback(self, ckpt: Checkpointer, step: int, rollbacks: int, best, loss, ppl):
+    """Restores the best checkpoint and continues with a smaller learning rate."""
+    c = self.config
+    reason = (f"loss {loss}" if loss is not None and not math.isfinite(loss)
+              else f"eval perplexity {ppl:.4g} vs best {best}")
+    if rollbacks >= int(c.train.max_rollbacks):
+      raise UserError(f"training diverged at step {step} ({reason}) after {rollbacks} rollbacks; "
+                      f"lower optimizer.learning_rate or raise train.max_rollbacks")
+    ckpt.wait()
+    best_step = ckpt.best_step() if hasattr(ckpt, "best_step") else None
+    rollbacks += 1
+    self.engine = self._build_engine(self._scaled_lr(rollbacks))
+    layout = self.engine.layout
+    if best_step is None and not ckpt.all_steps():
+      student, extras = self.build_models(self.mesh, self.rules, abstract=False)
+      state, data_state, to_step = self.engine.init_state(student, extras, self.config.seed), None, 0
+    else:
+      state, data_state, meta = ckpt.restore(best_step, abstract_state=layout.abstract,
+                                             shardings=layout.shardings)
+      state, to_step = self.engine.runner.place_state(state), int(meta["step"])
+    logging.warning("rollback %d at step %d (%s): back to step %d, learning rate x%g", rollbacks,
+                    step, reason, to_step, float(c.train.rollback_lr_factor) ** rollbacks)
+    train_it = make_train_iterator(c.data, global_batch_size=self.batch_size,
+                                   seq_len=self.seq_len, seed=int(c.seed), tokenizer=self.tokenizer)
+    if data_state is not None:
+      restore_iterator_state(train_it, data_state)
+    return state, train_it, to_step, rollbacks
+
+  def _log_plan(self) -> None:
+    if not self.primary:
+      return
+    layout = self.engine.layout
+    n_params = sum(int(x.size) for x in jax.tree.leaves(layout.abstract.params))
+    stats = self.engine.runner.stats
+    logging.info("%s: %d trainable params, mesh %s, strategy %s, backend %s; per-device arguments "
+                 "%s, temporaries %s", self.name, n_params, pt.mesh_shape_str(self.mesh),
+                 self.rules.name, self.engine.runner.backend,
+                 pt.shard.format_bytes(stats.get("argument_size_in_bytes", 0)),
+                 pt.shard.format_bytes(stats.get("temp_size_in_bytes", 0)))
