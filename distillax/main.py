@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
   from distillax.errors import UserError
 
   fv = flags.FlagValues()
+  flag_argv = argv[:1] + argv[2:]
+  # config_flags discovers `--config.a.b` overrides by scanning sys.argv when the flag is defined.
+  saved_argv, sys.argv = sys.argv, flag_argv
   config_flags.DEFINE_config_file("config", None, "job config file[:arg]", flag_values=fv,
                                   lock_config=True)
   flags.DEFINE_string("workdir", None, "run directory (config.json, metrics, checkpoints)",
@@ -65,10 +68,11 @@ def main(argv: list[str] | None = None) -> int:
   flags.DEFINE_string("output", None, "export: output directory", flag_values=fv)
   flags.DEFINE_string("format", "hf", "export: hf | quantized", flag_values=fv)
   try:
-    fv(argv[:1] + argv[2:])
+    fv(flag_argv)
     if fv["config"].value is None:
       raise UserError("--config is required, e.g. --config distillax/configs/lm.py:tiny")
     config = fv.config
+    config.to_dict()  # a config file that failed to load raises only when first read
   except flags.Error as e:
     return _fail(command, _flag_error_line(str(e)))
   except UserError as e:
@@ -76,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
   except Exception as e:  # noqa: BLE001 - a config file that fails to load is a user error
     return _fail(command, f"could not load the config ({type(e).__name__}: {e}); check the "
                           f"--config path and the override values")
+  finally:
+    sys.argv = saved_argv
 
   _quiet_library_logs(logging)
   try:

@@ -144,6 +144,13 @@ class Checkpointer:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  def best_step(self) -> int | None:
+    """The step with the lowest `best_metric` (not known to be corrupt); the latest if none has
+    the metric; None when there are no steps."""
+    steps = [s for s in self.all_steps() if s not in self._invalid_steps]
+    scored = sorted((self._metric_by_step[s], s) for s in steps if s in self._metric_by_step)
+    return scored[0][1] if scored else (steps[-1] if steps else None)
+
   def should_save(self, step: int) -> bool:
     """Due by `every_steps` and not yet saved (a step found corrupt counts as not saved)."""
     step = int(step)
@@ -174,7 +181,7 @@ class Checkpointer:
         log.info("checkpoint step %d already exists in %s; not saving it again", step,
                  self.directory)
         return False
-      self._move_aside(step)
+      self._move_aside(step, "corrupt")
     data_json = items.to_json(data_state, "data_state")
     plain_metrics = _plain_metrics(metrics)
     meta = {"step": step, "metrics": plain_metrics, "extra": dict(extra or {}),
@@ -190,6 +197,16 @@ class Checkpointer:
     if saved:
       log.info("checkpoint: saving step %d to %s", step, self.directory)
     return bool(saved)
+
+  def set_aside_steps_after(self, step: int, reason: str = "rolled-back") -> list[int]:
+    """Renames every step newer than `step` to `<n>.<reason>-<time>` (kept on disk, no longer a
+    step), e.g. after a rollback to `step`: otherwise a later resume would pick the abandoned
+    trajectory's newer steps, and re-saving those step numbers would be refused."""
+    self.wait()
+    newer = [s for s in self.all_steps() if s > int(step)]
+    for s in newer:
+      self._move_aside(s, reason)
+    return newer
 
   def wait(self) -> None:
     """Blocks until every started save is committed (and raises if one failed)."""
@@ -302,16 +319,17 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - a damaged step must not stop the run from starting
       log.info("checkpoint step %d: no readable metrics (%s: %s)", step, type(e).__name__, e)
 
-  def _move_aside(self, step: int) -> None:
-    """Renames a known-corrupt step out of the way of a new save of the same step number."""
+  def _move_aside(self, step: int, reason: str) -> None:
+    """Renames a step out of the way (never deletes it): orbax no longer lists it as a step."""
     src = self.step_dir(step)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    dst = self.directory / f"{step}.corrupt-{stamp}"
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    dst = self.directory / f"{step}.{reason}-{stamp}"
     if jax.process_index() == self.primary_host:
-      log.warning("checkpoint step %d in %s was found corrupt earlier; moving it to %s (not "
-                  "deleted) so that step %d can be saved again", step, self.directory, dst, step)
+      log.warning("checkpoint step %d in %s (%s) moved to %s, not deleted, so that step %d can be "
+                  "saved again", step, self.directory, reason, dst, step)
       src.rename(dst)
     if jax.process_count() > 1:
-      multihost_utils.sync_global_devices(f"distillax_checkpoint_move_aside_{step}")
+      multihost_utils.sync_global_devices(f"distillax_checkpoint_move_aside_{step}_{reason}")
     self._invalid_steps.discard(step)
+    self._metric_by_step.pop(step, None)
     self._manager.reload()

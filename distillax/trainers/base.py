@@ -83,12 +83,11 @@ class Trainer:
     return cfg
 
   def prepare_workdir(self) -> None:
+    """Creates the workdir and writes config.json; runs only after the config validated."""
     try:
       os.makedirs(self.workdir, exist_ok=True)
-      probe = os.path.join(self.workdir, f".write_probe_{jax.process_index()}")
-      with open(probe, "w") as f:
-        f.write("ok")
-      os.remove(probe)
+      if not os.access(self.workdir, os.W_OK):
+        raise PermissionError(13, "Permission denied")
     except OSError as e:
       raise UserError(f"workdir {self.workdir} is not writable ({e.strerror}); pass --workdir "
                       f"pointing to a directory you can write") from None
@@ -109,6 +108,12 @@ class Trainer:
       raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="
                         f"{self.model_config.max_seq_len}; lower the first or raise the second")
     self.engine = self._build_engine(float(c.optimizer.learning_rate))
+    self.train_it = self._train_iterator()
+
+  def _train_iterator(self):
+    c = self.config
+    return make_train_iterator(c.data, global_batch_size=self.batch_size, seq_len=self.seq_len,
+                               seed=int(c.seed), tokenizer=self.tokenizer)
 
   def _build_engine(self, learning_rate: float) -> Engine:
     c = self.config
@@ -156,22 +161,17 @@ class Trainer:
 
   def run(self) -> dict[str, float]:
     c = self.config
+    self.setup()  # every config/data/shape error surfaces here, before the workdir is touched
+    ckpt = self._checkpointer()
     self.prepare_workdir()
-    self.setup()
     total_steps = int(c.train.steps)
-    ckpt = Checkpointer(os.path.join(self.workdir, CHECKPOINT_DIR),
-                        every_steps=int(c.checkpoint.every_steps), keep_last=int(c.checkpoint.keep),
-                        keep_best=int(c.checkpoint.keep_best), best_metric="eval_loss",
-                        async_save=bool(c.checkpoint.async_save))
     state, data_state, extra = self.init_or_restore(ckpt)
     start = int(jax.device_get(self.engine.runner.fetch_state(state).step))
     rollbacks = int(extra.get("rollbacks", 0))
     best = extra.get("best_eval_perplexity")
     if rollbacks:
       self.engine = self._build_engine(self._scaled_lr(rollbacks))
-    train_it = make_train_iterator(c.data, global_batch_size=self.batch_size,
-                                   seq_len=self.seq_len, seed=int(c.seed),
-                                   tokenizer=self.tokenizer)
+    train_it = self.train_it
     if data_state is not None:
       restore_iterator_state(train_it, data_state)
     writers = create_writers(self.workdir, is_primary=self.primary, resume_step=start,
@@ -238,6 +238,17 @@ class Trainer:
         json.dump(summary, f, indent=2, sort_keys=True)
     return summary
 
+  def _checkpointer(self) -> Checkpointer:
+    c = self.config
+    try:
+      return Checkpointer(os.path.join(self.workdir, CHECKPOINT_DIR),
+                          every_steps=int(c.checkpoint.every_steps),
+                          keep_last=int(c.checkpoint.keep), keep_best=int(c.checkpoint.keep_best),
+                          best_metric="eval_loss", async_save=bool(c.checkpoint.async_save))
+    except OSError as e:
+      raise UserError(f"workdir {self.workdir} is not writable ({e.strerror or e}); pass "
+                      f"--workdir pointing to a directory you can write") from None
+
   def _scaled_lr(self, rollbacks: int) -> float:
     c = self.config
     return float(c.optimizer.learning_rate) * float(c.train.rollback_lr_factor) ** rollbacks
@@ -251,7 +262,7 @@ class Trainer:
       raise UserError(f"training diverged at step {step} ({reason}) after {rollbacks} rollbacks; "
                       f"lower optimizer.learning_rate or raise train.max_rollbacks")
     ckpt.wait()
-    best_step = ckpt.best_step() if hasattr(ckpt, "best_step") else None
+    best_step = ckpt.best_step()
     rollbacks += 1
     self.engine = self._build_engine(self._scaled_lr(rollbacks))
     layout = self.engine.layout
@@ -262,10 +273,12 @@ class Trainer:
       state, data_state, meta = ckpt.restore(best_step, abstract_state=layout.abstract,
                                              shardings=layout.shardings)
       state, to_step = self.engine.runner.place_state(state), int(meta["step"])
+      # Newer steps belong to the diverged trajectory: set aside (not deleted) so a later resume
+      # cannot pick them up.
+      ckpt.set_aside_steps_after(to_step)
     logging.warning("rollback %d at step %d (%s): back to step %d, learning rate x%g", rollbacks,
                     step, reason, to_step, float(c.train.rollback_lr_factor) ** rollbacks)
-    train_it = make_train_iterator(c.data, global_batch_size=self.batch_size,
-                                   seq_len=self.seq_len, seed=int(c.seed), tokenizer=self.tokenizer)
+    train_it = self._train_iterator()
     if data_state is not None:
       restore_iterator_state(train_it, data_state)
     return state, train_it, to_step, rollbacks

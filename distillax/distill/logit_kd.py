@@ -1,0 +1,176 @@
+"""Logit distillation: soft targets from the teacher mixed with the hard-label cross-entropy.
+
+Per real token (all math in fp32):
+
+  loss = alpha * T^2 * D(teacher_T, student_T) + (1 - alpha) * CE(student, hard label)
+
+where x_T = softmax(logits / T) and D is one of divergences.DIVERGENCES (teacher = P, student =
+Q). The T^2 factor keeps the soft-target gradients on the scale of the hard-label ones when T
+changes (Hinton et al., 2015). With `top_k`, the teacher is its top-k probabilities plus one rest
+bucket (see divergences.py); the student stays normalised over the full vocabulary.
+
+`CachedLogitKD` is the same loss with the teacher's top-k log-probabilities read from the batch
+(an offline teacher cache, cache.py) instead of computed by a teacher in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from distillax.distill import divergences
+from distillax.distill.base import Needs, Strategy, check_common
+from distillax.errors import ConfigError
+from distillax.framework import losses
+
+# Batch keys an offline teacher cache adds (cache.py writes them, CachedLogitKD reads them).
+TOPK_IDS = "teacher_topk_ids_BxLxK"  # int32 token ids of the teacher's top-k at temperature T
+TOPK_LOGPROBS = "teacher_topk_logprobs_BxLxK"  # float32 log softmax(teacher_logits / T) of those
+TEACHER_NLL = "teacher_nll_BxL"  # float32 teacher NLL of the target (T = 1): the teacher_ce metric
+
+
+def _check_kd_fields(s) -> None:
+  owner = type(s).__name__
+  check_common(s)
+  if not isinstance(s.temperature, (int, float)) or not s.temperature > 0:
+    raise ConfigError(f"{owner}.temperature={s.temperature!r} must be > 0 (2.0 is usual)")
+  if not isinstance(s.alpha, (int, float)) or not 0.0 <= s.alpha <= 1.0:
+    raise ConfigError(f"{owner}.alpha={s.alpha!r} must be in [0, 1] (weight of the soft targets)")
+  if s.divergence not in divergences.DIVERGENCES:
+    raise ConfigError(f"{owner}.divergence={s.divergence!r}; choose one of "
+                      f"{', '.join(divergences.DIVERGENCES)}")
+  if s.divergence == "jsd" and not (isinstance(s.beta, (int, float)) and 0.0 < s.beta < 1.0):
+    raise ConfigError(f"{owner}.beta={s.beta!r} must be strictly between 0 and 1 for the "
+                      f"generalised JSD (0.5 is the symmetric JSD)")
+
+
+def soft_and_hard(kind: str, beta: float, temperature: float, alpha: float,
+                  teacher_buckets_NxK: jax.Array, student_buckets_NxK: jax.Array,
+                  s_logits_NxV: jax.Array, targets_N: jax.Array, prefix: str):
+  """The per-token mix and its divergence, from bucketed log-probs at temperature T."""
+  div_N = divergences.divergence(kind, teacher_buckets_NxK, student_buckets_NxK, beta)
+  loss_N = alpha * temperature ** 2 * div_N
+  if alpha < 1.0:
+    loss_N = loss_N + (1.0 - alpha) * losses.token_nll(s_logits_NxV, targets_N)
+  return {prefix: loss_N, f"{prefix}_divergence": div_N}
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitKD(Strategy):
+  """alpha * T^2 * D(teacher_T || student_T) + (1 - alpha) * CE(student, labels), per token.
+
+  divergence: 'forward_kl' KL(teacher || student), 'reverse_kl' KL(student || teacher), or 'jsd'
+    beta * KL(teacher || M) + (1 - beta) * KL(student || M), M = beta*teacher + (1-beta)*student.
+  top_k: compare over the teacher's top-k tokens plus a rest bucket (teacher: 1 - top-k mass;
+    student: its mass outside the teacher's top-k); None or >= vocab: the full vocabulary.
+  Reports `{name}` (the mixed per-token loss) and `{name}_divergence` (D alone, without T^2).
+  """
+
+  temperature: float = 2.0
+  alpha: float = 0.7
+  divergence: str = "forward_kl"
+  beta: float = 0.5
+  top_k: int | None = None
+  weight: float = 1.0
+  name: str = "logit_kd"
+
+  def __post_init__(self):
+    _check_kd_fields(self)
+    if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
+                                   or self.top_k <= 0):
+      raise ConfigError(f"LogitKD.top_k={self.top_k!r} must be a positive integer or None")
+
+  @property
+  def needs(self) -> Needs:
+    return Needs(logits=True, teacher=True)
+
+  def token_values(self, s_logits_NxV, t_logits_NxV, tokens):
+    if t_logits_NxV is None:
+      raise ConfigError(f"LogitKD {self.name!r} needs an online teacher; use CachedLogitKD to "
+                        f"train from an offline teacher cache")
+    T = float(self.temperature)
+    s_logits_NxV = s_logits_NxV.astype(jnp.float32)
+    s_logp_NxV = jax.nn.log_softmax(s_logits_NxV / T, axis=-1)
+    t_logp_NxV = jax.nn.log_softmax(t_logits_NxV.astype(jnp.float32) / T, axis=-1)
+    V = s_logp_NxV.shape[-1]
+    if self.top_k is None or self.top_k >= V:
+      t_buckets, s_buckets = t_logp_NxV, s_logp_NxV
+    else:
+      top_logp_NxK, top_ids_NxK = jax.lax.top_k(t_logp_NxV, self.top_k)
+      t_buckets = divergences.teacher_buckets(top_logp_NxK, V)
+      s_buckets = divergences.student_buckets(s_logp_NxV, top_ids_NxK)
+    return soft_and_hard(self.divergence, self.beta, T, self.alpha, t_buckets, s_buckets,
+                         s_logits_NxV, tokens[losses.BATCH_TARGETS], self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedLogitKD(Strategy):
+  """LogitKD against an offline teacher cache: no teacher in memory.
+
+  The batch carries the teacher's top-k ids and log-probabilities at the cache's temperature
+  (TOPK_IDS, TOPK_LOGPROBS; cache.py). `temperature` must equal the temperature the cache was
+  written with (`read_teacher_cache(..., temperature=...)` checks; `from_cache_info` copies it).
+  Missing mass is the same rest bucket as LogitKD(top_k=K), so with the same K and T both give the
+  same loss (up to fp32 rounding).
+  """
+
+  temperature: float = 2.0
+  alpha: float = 0.7
+  divergence: str = "forward_kl"
+  beta: float = 0.5
+  weight: float = 1.0
+  name: str = "logit_kd"
+
+  def __post_init__(self):
+    _check_kd_fields(self)
+
+  @classmethod
+  def from_cache_info(cls, info, **kwargs) -> "CachedLogitKD":
+    return cls(temperature=info.temperature, **kwargs)
+
+  @property
+  def needs(self) -> Needs:
+    return Needs(logits=True, teacher=False)
+
+  def token_values(self, s_logits_NxV, t_logits_NxV, tokens):
+    del t_logits_NxV
+    if TOPK_IDS not in tokens or TOPK_LOGPROBS not in tokens:
+      raise ConfigError(f"CachedLogitKD {self.name!r}: the batch has no {TOPK_IDS}/"
+                        f"{TOPK_LOGPROBS}; feed batches from distill.cache.read_teacher_cache")
+    T = float(self.temperature)
+    s_logits_NxV = s_logits_NxV.astype(jnp.float32)
+    s_logp_NxV = jax.nn.log_softmax(s_logits_NxV / T, axis=-1)
+    V = s_logp_NxV.shape[-1]
+    ids_NxK = tokens[TOPK_IDS].astype(jnp.int32)
+    t_buckets = divergences.teacher_buckets(tokens[TOPK_LOGPROBS].astype(jnp.float32), V)
+    s_buckets = divergences.student_buckets(s_logp_NxV, ids_NxK)
+    return soft_and_hard(self.divergence, self.beta, T, self.alpha, t_buckets, s_buckets,
+                         s_logits_NxV, tokens[losses.BATCH_TARGETS], self.name)
+
+
+def logit_metric_values(s_logits_NxV, t_logits_NxV, tokens) -> dict[str, jax.Array]:
+  """Per-token metrics every distillation run reports (sums become means in the step).
+
+  hard_ce: student NLL of the label (perplexity = exp(mean hard_ce)); teacher_ce: the teacher's
+  (from the cache's TEACHER_NLL without an online teacher); top1_agreement: 1 where student and
+  teacher argmax agree (the cached top-1 offline); logit_cosine: cosine similarity of the two
+  raw logit vectors (online teacher only: a cache holds no full logits).
+  """
+  s = s_logits_NxV.astype(jnp.float32)
+  targets_N = tokens[losses.BATCH_TARGETS]
+  s_top1 = jnp.argmax(s, axis=-1)
+  out = {"hard_ce": losses.token_nll(s, targets_N)}
+  if t_logits_NxV is not None:
+    t = t_logits_NxV.astype(jnp.float32)
+    out["teacher_ce"] = losses.token_nll(t, targets_N)
+    out["top1_agreement"] = (s_top1 == jnp.argmax(t, axis=-1)).astype(jnp.float32)
+    norms = jnp.sqrt(jnp.sum(s * s, axis=-1) * jnp.sum(t * t, axis=-1))
+    out["logit_cosine"] = jnp.sum(s * t, axis=-1) / jnp.maximum(norms, 1e-30)
+  else:
+    if TEACHER_NLL in tokens:
+      out["teacher_ce"] = tokens[TEACHER_NLL].astype(jnp.float32)
+    if TOPK_IDS in tokens:
+      out["top1_agreement"] = (s_top1 == tokens[TOPK_IDS][:, 0]).astype(jnp.float32)
+  return jax.tree.map(jax.lax.stop_gradient, out)

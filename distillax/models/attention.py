@@ -1,0 +1,126 @@
+"""Grouped-query attention with causal + segment masks, sliding windows and a KV cache.
+
+Masks are built from token *indices* (order in the sequence or slot in the cache) and segment
+ids: a query sees a key iff the key is not later, both carry the same segment id (packed
+documents never see each other; padding, id 0, only sees padding) and, for local layers, the key
+is less than `window` tokens back. Positions only feed RoPE, so they may restart per document.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from distillax.models.config import TransformerConfig
+from distillax.models.layers import apply_rope, normal_param, softcap
+from distillax.partitioning import constrain
+
+_MASKED = -1e30  # finite, so a fully masked row can never produce NaNs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """Keys/values of every layer (stacked on a leading layer axis) plus each slot's segment id.
+
+  `end_index` is the next slot to write; slots past it are never attended (causality).
+  """
+
+  k_NxBxSxKxH: jax.Array
+  v_NxBxSxKxH: jax.Array
+  segment_ids_BxS: jax.Array
+  end_index: jax.Array  # int32 scalar
+
+  @classmethod
+  def zeros(cls, config: TransformerConfig, batch: int, length: int, dtype=None) -> "KVCache":
+    dtype = jnp.dtype(dtype or config.dtype)
+    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+    k = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
+    v = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
+    return cls(k, v, jnp.zeros((batch, length), jnp.int32), jnp.zeros((), jnp.int32))
+
+  @property
+  def length(self) -> int:
+    return self.segment_ids_BxS.shape[1]
+
+
+def attention_mask(q_index_BxL, k_index_BxS, q_segment_BxL, k_segment_BxS) -> jax.Array:
+  """Causal and segment mask, bool (B, L, S)."""
+  causal = k_index_BxS[:, None, :] <= q_index_BxL[:, :, None]
+  same_segment = k_segment_BxS[:, None, :] == q_segment_BxL[:, :, None]
+  return causal & same_segment
+
+
+def window_mask(mask_BxLxS, q_index_BxL, k_index_BxS, window) -> jax.Array:
+  """Restricts a mask to keys less than `window` tokens back (`window` may be traced)."""
+  if window is None:
+    return mask_BxLxS
+  distance = q_index_BxL[:, :, None] - k_index_BxS[:, None, :]
+  return mask_BxLxS & (distance < window)
+
+
+class Attention(nnx.Module):
+  """Multi-head attention over `num_kv_heads` key/value heads shared by groups of query heads."""
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    D, H, K, Dh = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
+    pd = config.jnp_param_dtype
+    self.q = normal_param(rngs, (D, H, Dh), D ** -0.5, pd, ("embed", "heads", "head_dim"))
+    self.k = normal_param(rngs, (D, K, Dh), D ** -0.5, pd, ("embed", "kv_heads", "head_dim"))
+    self.v = normal_param(rngs, (D, K, Dh), D ** -0.5, pd, ("embed", "kv_heads", "head_dim"))
+    out_std = (H * Dh) ** -0.5 / math.sqrt(2 * config.num_layers)
+    self.o = normal_param(rngs, (H, Dh, D), out_std, pd, ("heads", "head_dim", "embed"))
+    self.config = config
+
+  def __call__(self, x_BxLxD, *, sin_cos, mask_BxLxS, q_index_BxL, k_index_BxS, window=None,
+               cache_kv=None, cache_index=None, return_probs: bool = False):
+    """Returns (out_BxLxD, new (k, v) cache slices or None, probs_BxHxLxS or None).
+
+    Without a cache, keys are this call's tokens (S = L). With `cache_kv=(k_BxSxKxH, v_...)`,
+    this call's keys/values are written at `cache_index` and the queries attend the whole cache.
+    """
+    cfg = self.config
+    dt = cfg.jnp_dtype
+    B, L, _ = x_BxLxD.shape
+    K, G, Dh = cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
+    q_BxLxHxK = jnp.einsum("BLD,DHK->BLHK", x_BxLxD, self.q[...].astype(dt))
+    k_BxLxKxH = jnp.einsum("BLD,DKH->BLKH", x_BxLxD, self.k[...].astype(dt))
+    v_BxLxKxH = jnp.einsum("BLD,DKH->BLKH", x_BxLxD, self.v[...].astype(dt))
+    q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, *sin_cos),
+                          ("batch", "length", "heads", "head_dim"))
+    k_BxLxKxH = constrain(apply_rope(k_BxLxKxH, *sin_cos),
+                          ("batch", "length", "kv_heads", "head_dim"))
+    v_BxLxKxH = constrain(v_BxLxKxH, ("batch", "length", "kv_heads", "head_dim"))
+
+    new_cache = None
+    if cache_kv is not None:
+      k_cache, v_cache = cache_kv
+      start = (0, cache_index, 0, 0)
+      k_cache = jax.lax.dynamic_update_slice(k_cache, k_BxLxKxH.astype(k_cache.dtype), start)
+      v_cache = jax.lax.dynamic_update_slice(v_cache, v_BxLxKxH.astype(v_cache.dtype), start)
+      new_cache = (k_cache, v_cache)
+      k_BxSxKxH, v_BxSxKxH = k_cache.astype(dt), v_cache.astype(dt)
+    else:
+      k_BxSxKxH, v_BxSxKxH = k_BxLxKxH, v_BxLxKxH
+
+    # Query head h = kv_head * G + g uses kv head h // G (the layout of HF checkpoints).
+    q_BxLxKxGxH = q_BxLxHxK.reshape(B, L, K, G, Dh)
+    logits_BxKxGxLxS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BxLxKxGxH, k_BxSxKxH,
+                                  preferred_element_type=jnp.float32) * cfg.attn_scale
+    logits_BxKxGxLxS = softcap(logits_BxKxGxLxS, cfg.attn_logit_softcap)
+    mask = window_mask(mask_BxLxS, q_index_BxL, k_index_BxS, window)
+    logits_BxKxGxLxS = jnp.where(mask[:, None, None], logits_BxKxGxLxS, _MASKED)
+    probs_BxKxGxLxS = jax.nn.softmax(logits_BxKxGxLxS, axis=-1)
+    attn_BxLxKxGxH = jnp.einsum("BKGLS,BSKH->BLKGH", probs_BxKxGxLxS.astype(dt), v_BxSxKxH)
+    attn_BxLxHxK = constrain(attn_BxLxKxGxH.reshape(B, L, K * G, Dh),
+                             ("batch", "length", "heads", "head_dim"))
+    out_BxLxD = jnp.einsum("BLHK,HKD->BLD", attn_BxLxHxK, self.o[...].astype(dt))
+    probs = None
+    if return_probs:
+      S = probs_BxKxGxLxS.shape[-1]
+      probs = probs_BxKxGxLxS.reshape(B, K * G, L, S)
+    return constrain(out_BxLxD, ("batch", "length", "embed")), new_cache, probs

@@ -1,0 +1,214 @@
+"""`TransformerConfig`: one frozen dataclass for every Llama- and Gemma-family decoder.
+
+Configs are data (dtypes are names such as 'bfloat16'), so they round-trip through JSON and
+ConfigDict overrides. Named presets cover the tests (`tiny`, `tiny_gemma`), the CPU demo
+(`demo_teacher`, `demo_student`) and the real shapes of published checkpoints (shapes only;
+nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+
+from distillax.errors import ConfigError
+
+MLP_ACTIVATIONS = ("swiglu", "geglu")
+REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
+# A window no sequence reaches: the value a global-attention layer gets in the per-layer windows.
+GLOBAL_WINDOW = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Shapes and numerics of a decoder-only LM (Llama 3 and Gemma 1/2 families)."""
+
+  vocab_size: int = 256
+  embed_dim: int = 64
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2  # < num_heads: GQA; 1: MQA
+  head_dim: int = 16
+  mlp_dim: int = 128
+  mlp_activation: str = "swiglu"  # 'swiglu' (Llama: silu gate) | 'geglu' (Gemma: tanh-gelu gate)
+  norm_eps: float = 1e-6
+  norm_scale_plus_one: bool = False  # Gemma RMSNorm: x * (1 + scale), scale initialised at 0
+  rope_theta: float = 10_000.0
+  # Llama 3.1 "llama3" RoPE frequency scaling; None = plain RoPE.
+  rope_scaling_factor: float | None = None
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
+  tie_embeddings: bool = False  # output projection = embedding table transposed
+  scale_embeddings: bool = False  # Gemma: embeddings multiplied by sqrt(embed_dim)
+  attn_logit_softcap: float | None = None  # Gemma 2: cap * tanh(logits / cap) on attention scores
+  final_logit_softcap: float | None = None  # Gemma 2: the same on the output logits
+  query_pre_attn_scalar: float | None = None  # attention scale is this**-0.5 (default head_dim)
+  sliding_window: int | None = None  # local attention span for the layers that use it
+  # With sliding_window set: layer i (0-based) attends globally iff (i + 1) % pattern == 0 and
+  # locally otherwise (Gemma 2: 2 = local, global, local, ...); 0 = every layer local.
+  sliding_window_pattern: int = 2
+  use_post_norms: bool = False  # Gemma 2: RMSNorm after attention and after the MLP too
+  max_seq_len: int = 2048
+  param_dtype: str = "float32"
+  dtype: str = "float32"  # compute dtype; softmax and norms always run in float32
+  scan_layers: bool = False  # stack layers and run them with lax.scan (flat compile time)
+  remat: str = "none"  # 'none' | 'full' | 'save_dots' | 'save_dots_no_batch'
+
+  def __post_init__(self):
+    positive = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                "mlp_dim", "max_seq_len")
+    for name in positive:
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"model.{name}={value!r} must be a positive integer")
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads="
+                        f"{self.num_kv_heads}; pick kv heads that divide the query heads")
+    if self.mlp_activation not in MLP_ACTIVATIONS:
+      raise ConfigError(f"model.mlp_activation={self.mlp_activation!r}; choose one of "
+                        f"{', '.join(MLP_ACTIVATIONS)}")
+    if self.remat not in REMAT_POLICIES:
+      raise ConfigError(f"model.remat={self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
+    for name in ("param_dtype", "dtype"):
+      value = getattr(self, name)
+      try:
+        dt = jnp.dtype(value)
+      except TypeError:
+        dt = None
+      if not isinstance(value, str) or dt is None or not jnp.issubdtype(dt, jnp.floating):
+        raise ConfigError(f"model.{name}={value!r} is not a floating dtype name; use e.g. "
+                          f"'float32' or 'bfloat16'")
+    if self.sliding_window is not None and self.sliding_window <= 0:
+      raise ConfigError(f"model.sliding_window={self.sliding_window} must be positive or None")
+    if self.sliding_window_pattern < 0:
+      raise ConfigError(f"model.sliding_window_pattern={self.sliding_window_pattern} must be >= 0")
+    for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
+                 "rope_scaling_factor"):
+      value = getattr(self, name)
+      if value is not None and not value > 0:
+        raise ConfigError(f"model.{name}={value!r} must be positive or None")
+
+  # ---- derived quantities ----------------------------------------------------------------
+
+  @property
+  def num_groups(self) -> int:
+    """Query heads per key/value head."""
+    return self.num_heads // self.num_kv_heads
+
+  @property
+  def jnp_param_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def attn_scale(self) -> float:
+    return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+  def layer_uses_sliding_window(self, layer: int) -> bool:
+    if self.sliding_window is None:
+      return False
+    p = self.sliding_window_pattern
+    return p == 0 or (layer + 1) % p != 0
+
+  def layer_windows(self) -> tuple[int, ...] | None:
+    """Attention span per layer (GLOBAL_WINDOW for global layers); None without sliding window."""
+    if self.sliding_window is None:
+      return None
+    return tuple(self.sliding_window if self.layer_uses_sliding_window(i) else GLOBAL_WINDOW
+                 for i in range(self.num_layers))
+
+  # ---- data round trip -------------------------------------------------------------------
+
+  def replace(self, **changes) -> "TransformerConfig":
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+    if unknown:
+      raise ConfigError(f"unknown model config field(s) {unknown}; known fields: "
+                        f"{', '.join(f.name for f in dataclasses.fields(self))}")
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "TransformerConfig":
+    """From a dict/ConfigDict; a 'preset' key starts from that preset, other keys override."""
+    values = dict(values)
+    base = get_preset(values.pop("preset")) if values.get("preset") else cls()
+    return base.replace(**values)
+
+
+# ---- presets ---------------------------------------------------------------------------------
+
+def _llama3(**kw) -> TransformerConfig:
+  base = dict(vocab_size=128_256, mlp_activation="swiglu", norm_eps=1e-5, rope_theta=500_000.0,
+              rope_scaling_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+              rope_original_max_len=8192, max_seq_len=131_072, scan_layers=True,
+              param_dtype="bfloat16", dtype="bfloat16")
+  return TransformerConfig(**{**base, **kw})
+
+
+def _gemma(**kw) -> TransformerConfig:
+  base = dict(vocab_size=256_000, mlp_activation="geglu", norm_eps=1e-6, norm_scale_plus_one=True,
+              rope_theta=10_000.0, tie_embeddings=True, scale_embeddings=True, max_seq_len=8192,
+              head_dim=256, scan_layers=True, param_dtype="bfloat16", dtype="bfloat16")
+  return TransformerConfig(**{**base, **kw})
+
+
+def _gemma2(**kw) -> TransformerConfig:
+  return _gemma(use_post_norms=True, attn_logit_softcap=50.0, final_logit_softcap=30.0,
+                query_pre_attn_scalar=256.0, sliding_window=4096, sliding_window_pattern=2, **kw)
+
+
+PRESETS: dict[str, TransformerConfig] = {
+    # Seconds-fast test shapes: byte vocabulary, GQA (4 query heads over 2 kv heads).
+    "tiny": TransformerConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=16, mlp_dim=128, max_seq_len=128),
+    # Every Gemma-2 feature at test size: GeGLU, (1+scale) norms, sqrt(D) embeddings, tied
+    # output, post norms, soft-capping, query pre-attention scalar, alternating sliding window.
+    "tiny_gemma": TransformerConfig(
+        vocab_size=256, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        mlp_dim=128, mlp_activation="geglu", norm_scale_plus_one=True, tie_embeddings=True,
+        scale_embeddings=True, attn_logit_softcap=50.0, final_logit_softcap=30.0,
+        query_pre_attn_scalar=16.0, sliding_window=8, sliding_window_pattern=2,
+        use_post_norms=True, max_seq_len=128),
+    # CPU demo pair (byte-level): a ~4.8M teacher and a ~1.5M student that train a few hundred
+    # steps on two cores in minutes. Same family and head_dim so every KD strategy applies.
+    "demo_teacher": TransformerConfig(vocab_size=256, embed_dim=256, num_layers=6, num_heads=8,
+                                      num_kv_heads=4, head_dim=32, mlp_dim=768,
+                                      tie_embeddings=True, max_seq_len=256),
+    "demo_student": TransformerConfig(vocab_size=256, embed_dim=128, num_layers=6, num_heads=4,
+                                      num_kv_heads=2, head_dim=32, mlp_dim=512,
+                                      tie_embeddings=True, max_seq_len=256),
+    # Published shapes (Hugging Face config.json of each checkpoint).
+    "llama3.2-1b": _llama3(embed_dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                           head_dim=64, mlp_dim=8192, tie_embeddings=True),
+    "llama3.2-3b": _llama3(embed_dim=3072, num_layers=28, num_heads=24, num_kv_heads=8,
+                           head_dim=128, mlp_dim=8192, tie_embeddings=True),
+    "llama3.1-8b": _llama3(embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                           head_dim=128, mlp_dim=14_336, tie_embeddings=False,
+                           rope_scaling_factor=8.0),
+    "gemma-2b": _gemma(embed_dim=2048, num_layers=18, num_heads=8, num_kv_heads=1, mlp_dim=16_384),
+    "gemma-7b": _gemma(embed_dim=3072, num_layers=28, num_heads=16, num_kv_heads=16,
+                       mlp_dim=24_576),
+    "gemma2-2b": _gemma2(embed_dim=2304, num_layers=26, num_heads=8, num_kv_heads=4,
+                         mlp_dim=9216),
+    "gemma2-9b": _gemma2(embed_dim=3584, num_layers=42, num_heads=16, num_kv_heads=8,
+                         mlp_dim=14_336),
+}
+
+
+def preset_names() -> tuple[str, ...]:
+  return tuple(PRESETS)
+
+
+def get_preset(name: str, **overrides) -> TransformerConfig:
+  """A named preset, optionally with fields replaced (`get_preset('tiny', scan_layers=True)`)."""
+  if name not in PRESETS:
+    raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
+  return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

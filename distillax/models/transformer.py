@@ -1,0 +1,267 @@
+"""The decoder LM: embedding, N pre-norm blocks (unrolled or stacked+scanned), final norm, logits.
+
+`model(tokens_BxL, ...)` returns a `ModelOutput`; what distillation needs beyond the logits
+(per-layer hidden states, per-layer attention probabilities) is only computed when asked for,
+since the flags are Python values fixed at trace time. `logits_from_hidden` lets a loss turn the
+final hidden states into logits chunk by chunk without ever holding (B, L, V) at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from distillax.errors import ConfigError
+from distillax.models.attention import Attention, KVCache, attention_mask
+from distillax.models.config import TransformerConfig
+from distillax.models.layers import MLP, Embedder, RMSNorm, normal_param, rope_sin_cos, softcap
+from distillax.partitioning import constrain
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole block in the backward pass
+    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+    "save_dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelOutput:
+  """What a forward pass returns. Optional fields are None unless requested.
+
+  hidden_states: (num_layers + 1, B, L, D): index 0 is the embedding output, index i the output
+    of block i (the residual stream before the final norm).
+  attention_probs: (num_layers, B, num_heads, L, S) float32 softmax probabilities.
+  cache: the updated KVCache when one was passed in.
+  """
+
+  logits_BxLxV: jax.Array
+  final_hidden_BxLxD: jax.Array
+  hidden_states: jax.Array | None = None
+  attention_probs: jax.Array | None = None
+  cache: KVCache | None = None
+
+
+class Block(nnx.Module):
+  """Pre-norm attention + gated MLP, each added to the residual (Gemma 2 also post-norms)."""
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(config)
+    self.attn = Attention(config, rngs=rngs)
+    self.mlp_norm = RMSNorm(config)
+    self.mlp = MLP(config, rngs=rngs)
+    self.post_attn_norm = RMSNorm(config) if config.use_post_norms else None
+    self.post_mlp_norm = RMSNorm(config) if config.use_post_norms else None
+
+  def __call__(self, x_BxLxD, ctx: dict, window=None, cache_kv=None, return_probs=False):
+    h = self.attn_norm(x_BxLxD)
+    h, new_cache, probs = self.attn(h, sin_cos=ctx["sin_cos"], mask_BxLxS=ctx["mask"],
+                                    q_index_BxL=ctx["q_index"], k_index_BxS=ctx["k_index"],
+                                    window=window, cache_kv=cache_kv,
+                                    cache_index=ctx.get("cache_index"), return_probs=return_probs)
+    if self.post_attn_norm is not None:
+      h = self.post_attn_norm(h)
+    x_BxLxD = x_BxLxD + h
+    h = self.mlp(self.mlp_norm(x_BxLxD))
+    if self.post_mlp_norm is not None:
+      h = self.post_mlp_norm(h)
+    x_BxLxD = constrain(x_BxLxD + h, ("batch", "length", "embed"))
+    return x_BxLxD, new_cache, probs
+
+
+def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
+  """One Block whose parameters carry a leading layer axis (logical name 'layers')."""
+
+  @nnx.split_rngs(splits=config.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(layer_rngs):
+    return Block(config, rngs=layer_rngs)
+
+  blocks = make(rngs)
+  for _, node in nnx.iter_graph(blocks):
+    if isinstance(node, nnx.Variable):
+      node.set_metadata("logical_axes", ("layers",) + tuple(node.get_metadata()["logical_axes"]))
+  return blocks
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM of the Llama and Gemma families."""
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.embedder = Embedder(config, rngs=rngs)
+    if config.scan_layers:
+      self.layers = _stacked_blocks(config, rngs)
+    else:
+      self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+    self.final_norm = RMSNorm(config)
+    if config.tie_embeddings:
+      self.lm_head = None
+    else:
+      self.lm_head = normal_param(rngs, (config.embed_dim, config.vocab_size),
+                                  config.embed_dim ** -0.5, config.jnp_param_dtype,
+                                  ("embed", "vocab"))
+
+  # ---- output projection -------------------------------------------------------------------
+
+  def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
+    """Float32 logits (soft-capped when configured) from final hidden states of any leading shape."""
+    dt = self.config.jnp_dtype
+    h_xD = h_xD.astype(dt)
+    if self.lm_head is None:
+      logits = jnp.einsum("...D,VD->...V", h_xD, self.embedder.embedding[...].astype(dt),
+                          preferred_element_type=jnp.float32)
+    else:
+      logits = jnp.einsum("...D,DV->...V", h_xD, self.lm_head[...].astype(dt),
+                          preferred_element_type=jnp.float32)
+    logits = softcap(logits, self.config.final_logit_softcap)
+    if logits.ndim == 3:
+      logits = constrain(logits, ("batch", "length", "vocab"))
+    return logits
+
+  # ---- forward -----------------------------------------------------------------------------
+
+  def __call__(self, tokens_BxL: jax.Array, *, positions_BxL: jax.Array | None = None,
+               segment_ids_BxL: jax.Array | None = None, return_hidden_states: bool = False,
+               return_attention: bool = False, cache: KVCache | None = None) -> ModelOutput:
+    """Logits for every position.
+
+    positions_BxL: RoPE positions (default 0..L-1, or continuing the cache); restart them per
+      packed document. segment_ids_BxL: document id per token, 0 = padding (default all 1).
+    cache: a KVCache to extend; this call's tokens are written at `cache.end_index` and attend
+      to everything cached before them. The updated cache is returned in the output.
+    """
+    cfg = self.config
+    B, L = tokens_BxL.shape
+    offsets_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    if segment_ids_BxL is None:
+      segment_ids_BxL = jnp.ones((B, L), jnp.int32)
+    segment_ids_BxL = segment_ids_BxL.astype(jnp.int32)
+    if cache is None:
+      q_index_BxL = k_index_BxS = offsets_BxL
+      k_segment_BxS = segment_ids_BxL
+      start = None
+    else:
+      start = cache.end_index
+      q_index_BxL = start + offsets_BxL
+      k_index_BxS = jnp.broadcast_to(jnp.arange(cache.length, dtype=jnp.int32), (B, cache.length))
+      k_segment_BxS = jax.lax.dynamic_update_slice(cache.segment_ids_BxS, segment_ids_BxL,
+                                                   (0, start))
+    if positions_BxL is None:
+      positions_BxL = q_index_BxL
+    ctx = {
+        "sin_cos": rope_sin_cos(positions_BxL, cfg),
+        "mask": attention_mask(q_index_BxL, k_index_BxS, segment_ids_BxL, k_segment_BxS),
+        "q_index": q_index_BxL,
+        "k_index": k_index_BxS,
+    }
+    if start is not None:
+      ctx["cache_index"] = start
+
+    x_BxLxD = embedded_BxLxD = self.embedder(tokens_BxL)
+    cache_kv = None if cache is None else (cache.k_NxBxSxKxH, cache.v_NxBxSxKxH)
+    run = self._run_scanned if cfg.scan_layers else self._run_unrolled
+    x_BxLxD, per_layer_x, new_kv, probs = run(x_BxLxD, ctx, cache_kv, return_hidden_states,
+                                              return_attention)
+
+    final_hidden_BxLxD = self.final_norm(x_BxLxD)
+    hidden_states = None
+    if return_hidden_states:
+      hidden_states = jnp.concatenate([embedded_BxLxD[None], per_layer_x], axis=0)
+    new_cache = None
+    if cache is not None:
+      new_cache = KVCache(new_kv[0], new_kv[1], k_segment_BxS, start + L)
+    return ModelOutput(self.logits_from_hidden(final_hidden_BxLxD), final_hidden_BxLxD,
+                       hidden_states, probs, new_cache)
+
+  def _block_fn(self, graphdef, return_probs: bool):
+    """A pure (state, x, ctx, window, cache_kv) -> outputs function of one block, remat-wrapped."""
+
+    def apply(state, x_BxLxD, ctx, window, cache_kv):
+      block = nnx.merge(graphdef, state)
+      return block(x_BxLxD, ctx, window, cache_kv, return_probs)
+
+    if self.config.remat == "none":
+      return apply
+    return jax.checkpoint(apply, policy=_REMAT_POLICIES[self.config.remat],
+                          prevent_cse=not self.config.scan_layers)
+
+  def _run_unrolled(self, x_BxLxD, ctx, cache_kv, want_hidden, want_probs):
+    cfg = self.config
+    xs, ks, vs, probs = [], [], [], []
+    for i, block in enumerate(self.layers):
+      graphdef, state = nnx.split(block)
+      layer_kv = None if cache_kv is None else (cache_kv[0][i], cache_kv[1][i])
+      window = cfg.sliding_window if cfg.layer_uses_sliding_window(i) else None
+      x_BxLxD, new_kv, p = self._block_fn(graphdef, want_probs)(state, x_BxLxD, ctx, window,
+                                                                layer_kv)
+      if want_hidden:
+        xs.append(x_BxLxD)
+      if want_probs:
+        probs.append(p)
+      if new_kv is not None:
+        ks.append(new_kv[0])
+        vs.append(new_kv[1])
+    stack = lambda items: jnp.stack(items) if items else None
+    new_kv = (stack(ks), stack(vs)) if cache_kv is not None else None
+    return x_BxLxD, stack(xs), new_kv, stack(probs)
+
+  def _run_scanned(self, x_BxLxD, ctx, cache_kv, want_hidden, want_probs):
+    graphdef, state = nnx.split(self.layers)
+    windows = self.config.layer_windows()
+    windows = None if windows is None else jnp.asarray(windows, jnp.int32)
+    block_fn = self._block_fn(graphdef, want_probs)
+
+    def body(x_BxLxD, layer):
+      layer_state, window, layer_kv = layer
+      x_BxLxD, new_kv, p = block_fn(layer_state, x_BxLxD, ctx, window, layer_kv)
+      return x_BxLxD, (x_BxLxD if want_hidden else None, new_kv, p)
+
+    x_BxLxD, (xs, new_kv, probs) = jax.lax.scan(body, x_BxLxD, (state, windows, cache_kv))
+    return x_BxLxD, xs, new_kv, probs
+
+
+# ---- layout conversion -------------------------------------------------------------------------
+
+def layer_params(model: Transformer) -> list[dict[str, Any]]:
+  """Per-layer parameter dicts (pure values), whatever the layout."""
+  if model.config.scan_layers:
+    stacked = nnx.to_pure_dict(nnx.state(model.layers))
+    return [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(model.config.num_layers)]
+  return [nnx.to_pure_dict(nnx.state(block)) for block in model.layers]
+
+
+def with_config(model: Transformer, **changes) -> Transformer:
+  """The same weights under a config with `changes` (layout, remat, dtypes, ...).
+
+  Shapes must stay the same; `param_dtype` changes cast the weights. Arrays keep their
+  placement except when the layer layout changes (they are restacked).
+  """
+  config = model.config.replace(**changes)
+  values = nnx.to_pure_dict(nnx.state(model))
+  if config.scan_layers != model.config.scan_layers:
+    per_layer = layer_params(model)
+    if config.scan_layers:
+      values["layers"] = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+    else:
+      values["layers"] = dict(enumerate(per_layer))
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+  want = nnx.to_pure_dict(abstract)
+  shapes_of = lambda t: jax.tree.map(lambda x: tuple(x.shape), t)
+  if shapes_of(want) != shapes_of(values):
+    raise ConfigError(f"with_config({changes}) changes parameter shapes; only numerics, layout "
+                      f"and remat may change on an existing model")
+  values = jax.tree.map(lambda v, w: v.astype(w.dtype), values, want)
+  nnx.replace_by_pure_dict(abstract, values)
+  return nnx.merge(graphdef, abstract)
+
+
+def with_layer_layout(model: Transformer, scan_layers: bool) -> Transformer:
+  """The same weights in the unrolled or the stacked (scan) layout."""
+  if model.config.scan_layers == scan_layers:
+    return model
+  return with_config(model, scan_layers=scan_layers)

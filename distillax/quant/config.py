@@ -1,0 +1,142 @@
+"""What to quantize and how: an ordered list of rules over module paths, first match wins.
+
+A rule names a module path regex (re.fullmatch against paths such as 'layers/0/attn',
+'layers/1/mlp', 'layers/attn' under scan_layers, and '' for the top module, whose matmul is the
+untied output projection `lm_head`), the weight type, the activation type and the scale layout:
+per-channel (tile_size None: one scale per output channel) or tiled (one scale per `tile_size`
+consecutive inputs of the last contracted axis). A rule whose weight_qtype is None keeps the
+matched modules in full precision, which lets an early rule exempt modules from a later catch-all.
+
+Configs are plain data: `QuantConfig.from_config` takes a ConfigDict / dict whose `rules` are
+dicts or (module_path, weight_qtype, act_qtype, tile_size) tuples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+import ml_collections
+
+from distillax.errors import ConfigError
+
+WEIGHT_QTYPES = ("int8", "int4", "nf4", "float8_e4m3fn")
+ACT_QTYPES = ("int8", "float8_e4m3fn")
+# Bits per stored element, for size estimates (scales are counted separately).
+QTYPE_BITS = {"int8": 8, "int4": 4, "nf4": 4, "float8_e4m3fn": 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRule:
+  """One rule: modules whose path fullmatches `module_path` get these types."""
+
+  module_path: str = ".*"
+  weight_qtype: str | None = "int8"  # int8 | int4 | nf4 | float8_e4m3fn | None (keep fp)
+  act_qtype: str | None = None  # int8 | float8_e4m3fn | None (activations stay fp)
+  tile_size: int | None = None  # None: per-channel scales; int: scales per tile of inputs
+
+  def __post_init__(self):
+    where = f"quant rule module_path={self.module_path!r}"
+    try:
+      re.compile(self.module_path)
+    except re.error as e:
+      raise ConfigError(f"{where}: not a valid regex ({e}); fix the pattern") from None
+    if self.weight_qtype is not None and self.weight_qtype not in WEIGHT_QTYPES:
+      raise ConfigError(f"{where}: weight_qtype={self.weight_qtype!r}; choose one of "
+                        f"{', '.join(WEIGHT_QTYPES)} or None")
+    if self.act_qtype is not None and self.act_qtype not in ACT_QTYPES:
+      raise ConfigError(f"{where}: act_qtype={self.act_qtype!r}; choose one of "
+                        f"{', '.join(ACT_QTYPES)} or None")
+    if self.act_qtype is not None and self.weight_qtype is None:
+      raise ConfigError(f"{where}: act_qtype={self.act_qtype!r} needs a weight_qtype; "
+                        f"activations are only quantized at quantized weight matmuls")
+    if self.tile_size is not None and (isinstance(self.tile_size, bool) or
+                                       not isinstance(self.tile_size, int) or
+                                       self.tile_size <= 0):
+      raise ConfigError(f"{where}: tile_size={self.tile_size!r} must be a positive integer "
+                        f"or None (per-channel)")
+
+  def matches(self, module_path: str) -> bool:
+    return re.fullmatch(self.module_path, module_path) is not None
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+  """Ordered rules (first match wins) and the step at which fake quantization starts."""
+
+  rules: tuple[QuantRule, ...] = ()
+  start_step: int = 0  # full-precision steps before the trainer swaps to the fake-quant model
+
+  def __post_init__(self):
+    if not isinstance(self.start_step, int) or self.start_step < 0:
+      raise ConfigError(f"qat.start_step={self.start_step!r} must be a non-negative integer")
+    object.__setattr__(self, "rules", tuple(self.rules))
+
+  def rule_for(self, module_path: str) -> QuantRule | None:
+    """The first rule matching `module_path`, or None."""
+    for rule in self.rules:
+      if rule.matches(module_path):
+        return rule
+    return None
+
+  @property
+  def quantizes_activations(self) -> bool:
+    return any(r.act_qtype is not None for r in self.rules)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"rules": [r.to_dict() for r in self.rules], "start_step": self.start_step}
+
+  @classmethod
+  def from_config(cls, cfg: Mapping[str, Any] | "QuantConfig") -> "QuantConfig":
+    """From a ConfigDict/dict with `rules` (dicts or 4-tuples) and optional `start_step`."""
+    if isinstance(cfg, QuantConfig):
+      return cfg
+    if isinstance(cfg, ml_collections.ConfigDict):
+      cfg = cfg.to_dict()
+    unknown = sorted(set(cfg) - {"rules", "start_step"})
+    if unknown:
+      raise ConfigError(f"unknown qat config field(s) {unknown}; known: rules, start_step")
+    return cls(rules=tuple(_rule(r, i) for i, r in enumerate(cfg.get("rules") or ())),
+               start_step=int(cfg.get("start_step", 0)))
+
+  @classmethod
+  def simple(cls, weight_qtype: str, act_qtype: str | None = None, tile_size: int | None = None,
+             module_path: str = ".*", start_step: int = 0) -> "QuantConfig":
+    """One rule for every module: the common case."""
+    return cls((QuantRule(module_path, weight_qtype, act_qtype, tile_size),), start_step)
+
+
+def _rule(value: Any, index: int) -> QuantRule:
+  if isinstance(value, QuantRule):
+    return value
+  if isinstance(value, ml_collections.ConfigDict):
+    value = value.to_dict()
+  if isinstance(value, Mapping):
+    fields = {f.name for f in dataclasses.fields(QuantRule)}
+    unknown = sorted(set(value) - fields)
+    if unknown:
+      raise ConfigError(f"qat.rules[{index}] has unknown field(s) {unknown}; known: "
+                        f"{', '.join(sorted(fields))}")
+    return QuantRule(**value)
+  if isinstance(value, Sequence) and not isinstance(value, str) and 1 <= len(value) <= 4:
+    return QuantRule(*value)
+  raise ConfigError(f"qat.rules[{index}]={value!r}; give a dict or a (module_path, weight_qtype, "
+                    f"act_qtype, tile_size) tuple")
+
+
+def default_qat_config() -> ml_collections.ConfigDict:
+  """The `qat` section of a job config."""
+  c = ml_collections.ConfigDict()
+  # Ordered rules, first match wins: (module_path regex, weight_qtype, act_qtype, tile_size).
+  c.rules = [(".*", "int8", None, None)]
+  c.start_step = 0  # full-precision steps before fake quantization starts
+  return c
+
+
+def rules_summary(rules: Iterable[QuantRule]) -> str:
+  return "; ".join(f"{r.module_path!r}->w:{r.weight_qtype},a:{r.act_qtype},tile:{r.tile_size}"
+                   for r in rules)

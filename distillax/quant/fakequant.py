@@ -1,0 +1,192 @@
+"""Fake quantization with a straight-through backward, in one code path for QAT, PTQ and export.
+
+Weights: a matched weight's variable becomes a `QuantSiteParam` (an `nnx.Param`: same path,
+value, `logical_axes` and sharding) whose read returns the weight rounded to its grid. The
+rounding is qwix's (`qwix.quantize` / `qwix.dequantize`: absmax, one scale per output channel or
+per tile of the last contracted axis, round to nearest) on the weight cast to the compute dtype,
+so PTQ, the exported integers and the QAT forward agree bit for bit.
+
+Activations: the input of a quantized weight's matmul is rounded the same way (one scale per
+token, or per tile of its last contracted axis) by the interceptor (`intercept.py`), which
+learns which matmul a weight feeds because the weight notes its read.
+
+Backward: straight through (identity) for both, so gradients reach the full-precision weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import qwix
+from flax import nnx
+
+from distillax.errors import UserError
+from distillax.quant import intercept
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightQuant:
+  """How one weight (and the input of its matmul) is quantized. Static: lives in the GraphDef.
+
+  Axes are those of the weight as its matmul sees it (one layer under scan_layers); stored
+  variables may carry extra leading (stacked) axes, which get their own scales.
+  """
+
+  qtype: str
+  contract_axes: tuple[int, ...]  # in dot_general order; tiles go on the last one
+  ndim: int
+  tile_size: int | None = None
+  compute_dtype: str = "float32"  # weights are rounded in the dtype the matmul uses
+  act_qtype: str | None = None
+
+  def axes(self, stored_ndim: int) -> tuple[tuple[int, ...], dict[int, int]]:
+    """(channelwise axes, {tiled axis: tile}) for a stored array of rank `stored_ndim`."""
+    lead = stored_ndim - self.ndim
+    contract = [a + lead for a in self.contract_axes]
+    tiled = {contract[-1]: self.tile_size} if self.tile_size else {}
+    channelwise = tuple(i for i in range(stored_ndim) if i not in contract and i not in tiled)
+    return channelwise, tiled
+
+
+# ---- weights -----------------------------------------------------------------------------------
+
+def quantize_weight(w: jax.Array, wq: WeightQuant) -> tuple[jax.Array, jax.Array]:
+  """(qvalue, scale): qvalue int8 / int4 / uint4 (nf4 codes) / float8_e4m3fn; scale in the
+  compute dtype with the weight's rank (1 on reduced axes, #tiles on tiled axes)."""
+  channelwise, tiled = wq.axes(w.ndim)
+  q = qwix.quantize(w.astype(wq.compute_dtype), wq.qtype, channelwise_axes=channelwise,
+                    tiled_axes=tiled)
+  return q.qvalue, q.scale
+
+
+def dequantize(qvalue: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
+  """Values on the quantization grid, in the scale's dtype."""
+  return qwix.dequantize(qwix.QArray(qvalue, scale, None, qtype))
+
+
+def fake_quantize_weight(w: jax.Array, wq: WeightQuant) -> jax.Array:
+  """The weight rounded to its grid, in its own dtype (exact: grid values fit the dtype)."""
+  return dequantize(*quantize_weight(w, wq), wq.qtype).astype(w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def ste_weight(w: jax.Array, wq: WeightQuant) -> jax.Array:
+  return fake_quantize_weight(w, wq)
+
+
+def _ste_weight_fwd(w, wq):
+  return fake_quantize_weight(w, wq), None
+
+
+def _ste_weight_bwd(wq, _, g):
+  del wq
+  return (g,)
+
+
+ste_weight.defvjp(_ste_weight_fwd, _ste_weight_bwd)
+
+
+# ---- activations -------------------------------------------------------------------------------
+
+def fake_quantize(x: jax.Array, qtype: str, channelwise: Sequence[int],
+                  tiled: tuple[tuple[int, int], ...]) -> jax.Array:
+  q = qwix.quantize(x, qtype, channelwise_axes=tuple(channelwise), tiled_axes=dict(tiled))
+  return dequantize(q.qvalue, q.scale, qtype).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def ste_activation(x, qtype, channelwise, tiled):
+  return fake_quantize(x, qtype, channelwise, tiled)
+
+
+def _ste_act_fwd(x, qtype, channelwise, tiled):
+  return fake_quantize(x, qtype, channelwise, tiled), None
+
+
+def _ste_act_bwd(qtype, channelwise, tiled, _, g):
+  del qtype, channelwise, tiled
+  return (g,)
+
+
+ste_activation.defvjp(_ste_act_fwd, _ste_act_bwd)
+
+
+def einsum_parts(spec: str, ndims: Sequence[int]) -> tuple[list[list[str | None]], str]:
+  """Per-operand letters (None for dims under '...') and the output letters."""
+  spec = spec.replace(" ", "")
+  if "->" in spec:
+    ins, out = spec.split("->")
+  else:  # implicit output: letters seen once, sorted (numpy's rule)
+    ins = spec
+    letters = ins.replace(",", "").replace(".", "")
+    out = ("..." if "..." in ins else "") + "".join(sorted(c for c in set(letters)
+                                                           if letters.count(c) == 1))
+  parts = []
+  for term, ndim in zip(ins.split(","), ndims):
+    if "..." in term:
+      head, tail = term.split("...")
+      parts.append(list(head) + [None] * (ndim - len(head) - len(tail)) + list(tail))
+    else:
+      parts.append(list(term))
+  return parts, out
+
+
+def activation_axes(x_letters: Sequence[str | None], w_letters: Sequence[str | None], out: str,
+                    tile_size: int | None) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+  """One scale per non-contracted index of the input (per token), tiles on its last
+  contracted axis."""
+  contract = [i for i, c in enumerate(x_letters)
+              if c is not None and c in w_letters and c not in out]
+  tiled = ((contract[-1], tile_size),) if tile_size and contract else ()
+  skip = set(contract)
+  return tuple(i for i in range(len(x_letters)) if i not in skip), tiled
+
+
+class QuantSiteParam(nnx.Param):
+  """A weight feeding a quantized matmul. Metadata `quant` (a WeightQuant) says how.
+
+  `round_on_read=True` (QAT): reads return the straight-through fake-quantized weight.
+  False (PTQ / loaded models): the stored value is already on the grid and is read as is; the
+  variable is only there to tell the interceptor which matmul quantizes its input.
+  """
+
+  def __getitem__(self, index) -> Any:
+    value = super().__getitem__(index)
+    meta = self.get_metadata()
+    if meta.get("round_on_read", True):
+      value = ste_weight(value, meta["quant"])
+    intercept.note_read(self, value)
+    return value
+
+  @property
+  def quant(self) -> WeightQuant:
+    return self.get_metadata()["quant"]
+
+  def intercepted_einsum(self, spec, operands, index, kwargs):
+    wq = self.quant
+    if wq.act_qtype is None:
+      return jnp.einsum(spec, *operands, **kwargs)
+    parts, out = einsum_parts(spec, [o.ndim for o in operands])
+    x = operands[1 - index]
+    channelwise, tiled = activation_axes(parts[1 - index], parts[index], out, wq.tile_size)
+    ops = list(operands)
+    ops[1 - index] = ste_activation(x, wq.act_qtype, channelwise, tiled)
+    return jnp.einsum(spec, *ops, **kwargs)
+
+  def intercepted_dot_general(self, lhs, rhs, dimension_numbers, index, kwargs):
+    wq = self.quant
+    if wq.act_qtype is not None:
+      x_side = 1 - index
+      x = (lhs, rhs)[x_side]
+      contract = list(dimension_numbers[0][x_side])
+      if not contract:
+        raise UserError(f"{wq} matmul contracts no input axis; cannot quantize its input")
+      tiled = ((contract[-1], wq.tile_size),) if wq.tile_size else ()
+      channelwise = tuple(i for i in range(x.ndim) if i not in contract)
+      xq = ste_activation(x, wq.act_qtype, channelwise, tiled)
+      lhs, rhs = (xq, rhs) if x_side == 0 else (lhs, xq)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, **kwargs)

@@ -1,0 +1,159 @@
+"""How activation quantization and adapters reach the model's matmuls without model changes.
+
+Our layers call `jnp.einsum(spec, x, self.w[...].astype(dt))` on `nnx.Param` values. qwix's
+interception (`qwix.quantize_model` with a `QuantizationProvider`) swaps `jnp.einsum` and
+`lax.dot_general` while the model's `__call__` runs (a per-instance subclass; state untouched).
+Verified on our Transformer, unrolled and scanned, eager and under `jit`, with qwix's own
+`QtProvider`: it recognises q/k/v/o, gate/up/down and lm_head as weights and fake-quantizes them.
+
+We do not use `QtProvider`'s matmul itself: it also quantizes matmuls between two activations
+(attention scores) and computes the quantized dot in an order a dequantized model cannot
+reproduce, so PTQ and exported models would only match it up to rounding flips. Instead weights
+are fake-quantized where they are read (`fakequant.QuantSiteParam`), and this interceptor only
+hands each einsum / dot_general to the weight object that fed it, which quantizes the activation
+input (QAT, PTQ) or adds its LoRA path (`lora.LoRAWeight`). A weight notes itself when read
+(`note_read`); model code reads a weight right before the einsum it feeds, so the next
+intercepted matmul with an operand of that shape is the weight's.
+
+qwix internals used (pinned qwix 0.1.8): `flax_util.get_current_module_path` and
+`model._apply_interceptors`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import qwix
+from flax import nnx
+from qwix._src import model as qwix_model
+from qwix._src.utils import flax_util
+
+
+QWIX_ATTRS = ("qwix_path", "disable_quant_stats_update", "qwix_rngs")
+# qwix 0.1.8 on flax 0.12.8 emits DeprecationWarnings at every traced call; they are noise here.
+warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"qwix\..*")
+
+
+# ---- weight reads ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class WeightRead:
+  owner: Any  # the object whose __getitem__ produced `value`
+  value: Any  # the array handed to the model
+
+
+class _Reads(threading.local):
+  pending: WeightRead | None = None
+
+
+_READS = _Reads()
+
+
+def note_read(owner: Any, value: Any) -> None:
+  """Called by weight objects when the model reads them."""
+  _READS.pending = WeightRead(owner, value)
+
+
+def clear_reads() -> None:
+  _READS.pending = None
+
+
+def take_read(operands: Sequence[Any]) -> tuple[WeightRead, int] | None:
+  """The pending read and the index of the operand it feeds, consuming it.
+
+  The operand is the read value itself or a cast of it (`.astype(compute dtype)`), so identity
+  is tried first and the shape second.
+  """
+  read, _READS.pending = _READS.pending, None
+  if read is None or len(operands) != 2:
+    return None
+  for i in (1, 0):
+    if operands[i] is read.value:
+      return read, i
+  for i in (1, 0):
+    if tuple(getattr(operands[i], "shape", ())) == tuple(read.value.shape):
+      return read, i
+  return None
+
+
+def current_module_path() -> str:
+  return "/".join(map(str, flax_util.get_current_module_path()))
+
+
+# ---- the interceptor ---------------------------------------------------------------------------
+
+class Interceptor(qwix.QuantizationProvider):
+  """Hands each intercepted einsum / dot_general fed by a noting weight to that weight."""
+
+  def __init__(self):
+    super().__init__([])
+
+  def get_intercept_map(self):
+    return super().get_intercept_map() | {"jax.numpy.einsum": self.einsum,
+                                          "jax.lax.dot_general": self.dot_general}
+
+  def process_model_inputs(self, model, model_args, model_kwargs):
+    clear_reads()
+    return super().process_model_inputs(model, model_args, model_kwargs)
+
+  def einsum(self, einsum_str, *operands, **kwargs):
+    taken = take_read(operands)
+    if taken is not None and hasattr(taken[0].owner, "intercepted_einsum"):
+      read, index = taken
+      return read.owner.intercepted_einsum(einsum_str, operands, index, kwargs)
+    return jnp.einsum(einsum_str, *operands, **kwargs)
+
+  def dot_general(self, lhs, rhs, dimension_numbers, precision=None,
+                  preferred_element_type=None, *, out_sharding=None):
+    taken = take_read((lhs, rhs))
+    kwargs = dict(precision=precision, preferred_element_type=preferred_element_type)
+    if out_sharding is not None:
+      kwargs["out_sharding"] = out_sharding
+    if taken is not None and hasattr(taken[0].owner, "intercepted_dot_general"):
+      read, index = taken
+      return read.owner.intercepted_dot_general(lhs, rhs, dimension_numbers, index, kwargs)
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, **kwargs)
+
+
+# ---- installing and removing interception ------------------------------------------------------
+
+def unintercepted_type(model: nnx.Module) -> type:
+  cls = type(model)
+  return getattr(cls, "_unquantized_type", cls)
+
+
+def is_intercepted(model: nnx.Module) -> bool:
+  return hasattr(type(model), "_unquantized_type")
+
+
+def install(model: nnx.Module, provider: qwix.QuantizationProvider,
+            sample_tokens: jax.Array | None = None) -> nnx.Module:
+  """A copy of `model` whose forward runs under `provider` (`__call__` and, where the model has
+  it, `logits_from_hidden`, which chunked losses call outside `__call__`).
+
+  The copy shares the arrays (shardings kept) and has the same state tree; only its GraphDef
+  differs. Nothing is computed: qwix's initialising call is skipped (no static scales).
+  """
+  tokens = jnp.zeros((1, 1), jnp.int32) if sample_tokens is None else sample_tokens
+  quantized = qwix.quantize_model(model, provider, tokens, skip_nnx_init=True)
+  cls, base = type(quantized), unintercepted_type(quantized)
+  if hasattr(base, "logits_from_hidden"):
+    cls.logits_from_hidden = qwix_model._apply_interceptors(  # pylint: disable=protected-access
+        base.logits_from_hidden, provider, output_transform=lambda out: out)
+  return quantized
+
+
+def strip(model: nnx.Module) -> nnx.Module:
+  """A copy of `model` with no interception: its own class, no qwix attributes."""
+  plain = nnx.clone(model)
+  plain.__class__ = unintercepted_type(plain)
+  for _, module in plain.iter_modules():
+    for name in QWIX_ATTRS:
+      if name in vars(module):
+        delattr(module, name)
+  return plain

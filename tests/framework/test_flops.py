@@ -1,0 +1,292 @@
+"""Analytic FLOPs against hand arithmetic and XLA's own count; peaks, MFU and the CPU probe."""
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from distillax.errors import ConfigError
+from distillax.framework import flops, throughput
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+  """Stands in for distillax.models.config.TransformerConfig: flops.py reads fields by name."""
+  vocab_size: int
+  embed_dim: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  mlp_activation: str = "swiglu"
+  tie_embeddings: bool = False
+  sliding_window: int | None = None
+  sliding_window_pattern: int = 2
+
+
+TINY = Cfg(vocab_size=10, embed_dim=4, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2,
+           mlp_dim=8)
+
+
+def test_forward_flops_by_hand():
+  # batch 1, seq 3 -> 3 tokens.
+  got = flops.forward_flops_breakdown(TINY, batch=1, seq_len=3)
+  assert got["qkv_proj"] == 2 * 3 * 4 * (2 * 2 + 2 * 1 * 2)   # q: 4 wide, k and v: 2 wide each
+  assert got["out_proj"] == 2 * 3 * 4 * 4
+  assert got["attn_scores"] == 2 * 1 * 2 * 3 * 3 * 2 / 2     # causal: half the 3x3 scores
+  assert got["attn_values"] == 2 * 1 * 2 * 3 * 3 * 2 / 2
+  assert got["mlp"] == 3 * 2 * 3 * 4 * 8                     # gate, up, down
+  assert got["logits"] == 2 * 3 * 4 * 10
+  assert got["total"] == 192 + 96 + 36 + 36 + 576 + 240
+  assert flops.forward_flops(TINY, 1, 3, causal=False) == 1176 + 72
+
+  gelu = dataclasses.replace(TINY, mlp_activation="gelu", num_layers=2)
+  assert flops.forward_flops_breakdown(gelu, 1, 3)["mlp"] == 2 * (2 * 2 * 3 * 4 * 8)
+
+
+def test_sliding_window_layers_count_only_their_band():
+  # 4 layers, pattern 2: layers 0 and 2 local (window 2), 1 and 3 global; L = 8.
+  local = dataclasses.replace(TINY, num_layers=4, sliding_window=2, sliding_window_pattern=2)
+  got = flops.forward_flops_breakdown(local, batch=1, seq_len=8)
+  local_pairs = 8 * 2 - 2 * 2 / 2     # the band of width 2 under the diagonal
+  global_pairs = 8 * 8 / 2
+  assert got["attn_scores"] == 2 * 1 * 2 * 2 * (2 * local_pairs + 2 * global_pairs)
+  full = flops.forward_flops_breakdown(local, batch=1, seq_len=8, causal=False)
+  assert full["attn_scores"] == 2 * 1 * 2 * 2 * 4 * 64
+  wide = dataclasses.replace(local, sliding_window=16)  # wider than the sequence: plain causal
+  assert flops.forward_flops_breakdown(wide, 1, 8)["attn_scores"] == 2 * 1 * 2 * 2 * 4 * 32
+
+
+def test_train_step_flops_counts_backward_twice_and_teacher_once():
+  teacher = dataclasses.replace(TINY, embed_dim=8, num_heads=4, num_kv_heads=4, num_layers=2)
+  out = flops.train_step_flops(TINY, 2, 3, teacher_cfg=teacher)
+  student = 2 * 1176  # linear in batch
+  teacher_forward = flops.forward_flops(teacher, 2, 3)
+  assert out["student_forward"] == student
+  assert out["student_backward"] == 2 * student
+  assert out["teacher_forward"] == teacher_forward > 0
+  assert out["total"] == 3 * student + teacher_forward
+  assert flops.train_step_flops(TINY, 2, 3)["teacher_forward"] == 0
+
+
+def test_defaults_and_missing_fields():
+  @dataclasses.dataclass
+  class Sparse:
+    vocab_size: int = 10
+    embed_dim: int = 4
+    num_layers: int = 1
+    num_heads: int = 2
+    num_kv_heads: int = None  # -> num_heads
+    head_dim: int = None      # -> embed_dim // num_heads
+    mlp_dim: int = 8
+  full = dataclasses.replace(TINY, num_kv_heads=2)
+  assert flops.forward_flops(Sparse(), 1, 3) == flops.forward_flops(full, 1, 3)
+
+  @dataclasses.dataclass
+  class NoMlp:
+    vocab_size: int = 10
+    embed_dim: int = 4
+    num_layers: int = 1
+    num_heads: int = 2
+  with pytest.raises(ConfigError, match="mlp_dim"):
+    flops.forward_flops(NoMlp(), 1, 3)
+
+
+def test_matmul_params_give_the_2nd_rule_when_attention_is_negligible():
+  cfg = Cfg(vocab_size=512, embed_dim=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+            mlp_dim=512)
+  tokens = 4
+  without_attention = flops.forward_flops(cfg, 1, tokens) - sum(
+      flops.forward_flops_breakdown(cfg, 1, tokens)[k] for k in ("attn_scores", "attn_values"))
+  assert without_attention == 2 * flops.matmul_param_count(cfg) * tokens
+
+
+# --- an independent reference: a plain JAX decoder with the same shapes, counted by XLA --------
+
+def _init_params(cfg, key):
+  d, h, kv, hd, f, v = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
+                        cfg.vocab_size)
+  gated = cfg.mlp_activation in ("swiglu", "geglu")
+  keys = iter(jax.random.split(key, 8 * cfg.num_layers + 2))
+  normal = lambda shape: 0.05 * jax.random.normal(next(keys), shape, jnp.float32)
+  layers = []
+  for _ in range(cfg.num_layers):
+    layer = dict(q=normal((d, h, hd)), k=normal((d, kv, hd)), v=normal((d, kv, hd)),
+                 o=normal((h, hd, d)), up=normal((d, f)), down=normal((f, d)))
+    if gated:
+      layer["gate"] = normal((d, f))
+    layers.append(layer)
+  params = dict(embed=normal((v, d)), layers=layers)
+  if not cfg.tie_embeddings:
+    params["unembed"] = normal((d, v))
+  return params
+
+
+def _reference_forward(cfg, params, tokens_BxL):
+  """Full (masked) attention: XLA computes the whole LxL matrix, so compare with causal=False."""
+  x_BxLxD = params["embed"][tokens_BxL]
+  seq_len = tokens_BxL.shape[1]
+  mask_LxL = jnp.tril(jnp.ones((seq_len, seq_len), bool))
+  group = cfg.num_heads // cfg.num_kv_heads
+  for layer in params["layers"]:
+    h_BxLxD = x_BxLxD * jax.lax.rsqrt(jnp.mean(x_BxLxD ** 2, -1, keepdims=True) + 1e-6)
+    q_BxLxHxK = jnp.einsum("bld,dhk->blhk", h_BxLxD, layer["q"])
+    k_BxLxGxK = jnp.einsum("bld,dgk->blgk", h_BxLxD, layer["k"])
+    v_BxLxGxK = jnp.einsum("bld,dgk->blgk", h_BxLxD, layer["v"])
+    q_BxLxGxRxK = q_BxLxHxK.reshape(*q_BxLxHxK.shape[:2], cfg.num_kv_heads, group, cfg.head_dim)
+    s_BxGxRxLxL = jnp.einsum("blgrk,bmgk->bgrlm", q_BxLxGxRxK, k_BxLxGxK) / np.sqrt(cfg.head_dim)
+    p_BxGxRxLxL = jax.nn.softmax(jnp.where(mask_LxL, s_BxGxRxLxL, -1e9), axis=-1)
+    a_BxLxGxRxK = jnp.einsum("bgrlm,bmgk->blgrk", p_BxGxRxLxL, v_BxLxGxK)
+    a_BxLxHxK = a_BxLxGxRxK.reshape(q_BxLxHxK.shape)
+    x_BxLxD = x_BxLxD + jnp.einsum("blhk,hkd->bld", a_BxLxHxK, layer["o"])
+    h_BxLxD = x_BxLxD * jax.lax.rsqrt(jnp.mean(x_BxLxD ** 2, -1, keepdims=True) + 1e-6)
+    up_BxLxF = h_BxLxD @ layer["up"]
+    if "gate" in layer:
+      up_BxLxF = jax.nn.silu(h_BxLxD @ layer["gate"]) * up_BxLxF
+    else:
+      up_BxLxF = jax.nn.gelu(up_BxLxF)
+    x_BxLxD = x_BxLxD + up_BxLxF @ layer["down"]
+  unembed_DxV = params["embed"].T if cfg.tie_embeddings else params["unembed"]
+  return x_BxLxD @ unembed_DxV
+
+
+def _loss(cfg, params, tokens_BxL):
+  logits_BxLxV = _reference_forward(cfg, params, tokens_BxL)
+  return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits_BxLxV), tokens_BxL[..., None], -1))
+
+
+def _xla_flops(fn, *args):
+  return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+
+STUDENT = Cfg(vocab_size=256, embed_dim=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+              mlp_dim=192, mlp_activation="swiglu")
+TEACHER = Cfg(vocab_size=256, embed_dim=96, num_layers=1, num_heads=6, num_kv_heads=6, head_dim=16,
+              mlp_dim=256, mlp_activation="gelu", tie_embeddings=True)
+BATCH, SEQ = 2, 32
+
+
+@pytest.mark.parametrize("cfg", [STUDENT, TEACHER], ids=["swiglu_gqa", "gelu_tied"])
+def test_forward_matches_xla_cost_analysis(cfg):
+  params = _init_params(cfg, jax.random.key(0))
+  tokens = jnp.zeros((BATCH, SEQ), jnp.int32)
+  xla = _xla_flops(lambda p, t: _reference_forward(cfg, p, t), params, tokens)
+  analytic = flops.forward_flops(cfg, BATCH, SEQ, causal=False)
+  # XLA also counts norms, softmax and activations: a few percent on top of the matmuls.
+  assert analytic <= xla <= 1.05 * analytic, (xla, analytic)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_gemma"])
+def test_the_real_model_matches_xla_cost_analysis(preset):
+  # The project's own Transformer computes the full masked score matrix (also for its sliding
+  # window layers), so XLA's count is compared with causal=False.
+  from flax import nnx
+  from distillax.models.config import get_preset
+  from distillax.models.transformer import Transformer
+  cfg = get_preset(preset)
+  graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+  tokens = jnp.zeros((BATCH, SEQ), jnp.int32)
+  xla = _xla_flops(lambda s, t: nnx.merge(graphdef, s)(t).logits_BxLxV, state, tokens)
+  analytic = flops.forward_flops(cfg, BATCH, SEQ, causal=False)
+  assert analytic <= xla <= 1.10 * analytic, (xla, analytic)
+
+
+def test_distill_step_matches_xla_cost_analysis():
+  student = _init_params(STUDENT, jax.random.key(1))
+  teacher = _init_params(TEACHER, jax.random.key(2))
+  tokens = jnp.zeros((BATCH, SEQ), jnp.int32)
+
+  def distill_step(student, teacher, tokens):
+    teacher_logits = jax.lax.stop_gradient(_reference_forward(TEACHER, teacher, tokens))
+    def loss_fn(student):
+      student_logits = _reference_forward(STUDENT, student, tokens)
+      return jnp.mean((student_logits - teacher_logits) ** 2)
+    return jax.grad(loss_fn)(student)
+
+  xla = _xla_flops(distill_step, student, teacher, tokens)
+  analytic = flops.train_step_flops(STUDENT, BATCH, SEQ, teacher_cfg=TEACHER, causal=False)
+  assert analytic["total"] <= xla <= 1.05 * analytic["total"], (xla, analytic)
+
+  train_only = _xla_flops(lambda p, t: jax.grad(lambda p: _loss(STUDENT, p, t))(p), student, tokens)
+  expected = flops.train_step_flops(STUDENT, BATCH, SEQ, causal=False)["total"]
+  assert expected <= train_only <= 1.05 * expected, (train_only, expected)
+
+
+# --- peaks, MFU -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,peak", [
+    ("TPU v4", 275e12), ("TPU v5 lite", 197e12), ("TPU v5e", 197e12), ("TPU v5", 459e12),
+    ("TPU v5p", 459e12), ("TPU v6 lite", 918e12), ("TPU v6e", 918e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100 80GB PCIe", 312e12),
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12),
+])
+def test_table_peaks_match_datasheets(kind, peak):
+  assert throughput.table_peak(kind)[0] == pytest.approx(peak)
+
+
+@dataclasses.dataclass
+class FakeDevice:
+  platform: str
+  device_kind: str
+
+
+def test_unknown_accelerator_warns_and_has_no_peak(caplog, monkeypatch):
+  monkeypatch.setattr(throughput, "_warned_kinds", set())  # warned once per process otherwise
+  with caplog.at_level(logging.WARNING):
+    peak, source = throughput.peak_flops_per_device(FakeDevice("gpu", "Mystery Accelerator 9"))
+  assert peak is None and "Mystery Accelerator 9" in source
+  assert "Mystery Accelerator 9" in caplog.text
+  assert throughput.mfu(1e12, 1.0, 8, peak) is None
+  assert throughput.peak_flops_per_device(FakeDevice("tpu", "TPU v4"))[0] == 275e12
+
+
+def test_mfu_and_rates_by_hand():
+  # 8e12 FLOPs per step in 0.5 s on 4 devices of 10 TFLOP/s peak: 4 TFLOP/s each, 40%.
+  assert throughput.tflops_per_device(8e12, 0.5, 4) == pytest.approx(4.0)
+  assert throughput.mfu(8e12, 0.5, 4, 10e12) == pytest.approx(0.4)
+  rates = throughput.Throughput(tokens_per_step=1000, model_flops_per_step=8e12, num_devices=4,
+                                peak_flops_per_device=10e12).rates(num_steps=10, seconds=5.0)
+  assert rates == pytest.approx({"step_time_s": 0.5, "tokens_per_s": 2000.0,
+                                 "tflops_per_device": 4.0, "mfu": 0.4})
+  no_peak = throughput.Throughput(1000, 8e12, 4).rates(10, 5.0)
+  assert "mfu" not in no_peak and no_peak["tflops_per_device"] == pytest.approx(4.0)
+  assert throughput.Throughput(1000, 8e12, 4).rates(0, 5.0) == {}
+
+
+def test_cpu_probe_counts_2n3_per_matmul(monkeypatch):
+  ticks = iter(np.arange(0, 100, 1e-3))  # every clock read advances 1 ms: each matmul "takes" 1 ms
+  monkeypatch.setattr(throughput.time, "perf_counter", lambda: float(next(ticks)))
+  best = throughput.measure_cpu_matmul_flops(sizes=(64, 128), repeats=2)
+  assert best == pytest.approx(2 * 128 ** 3 / 1e-3)
+
+
+def test_cpu_peak_is_measured_once_and_shared_by_host_devices(monkeypatch):
+  calls = []
+  monkeypatch.setattr(throughput, "_cpu_probe_cache", {})
+  monkeypatch.setattr(throughput, "measure_cpu_matmul_flops",
+                      lambda: calls.append(1) or 80e9)
+  peak, source = throughput.peak_flops_per_device(jax.devices("cpu")[0])
+  again, _ = throughput.peak_flops_per_device()
+  assert len(calls) == 1
+  assert peak == again == pytest.approx(80e9 / jax.local_device_count())
+  assert "probe" in source and "80.0 GFLOP/s" in source
+
+
+def test_cpu_probe_measures_a_real_rate():
+  # Independent check: numpy's BLAS on the same matmul. Both share two busy cores, so only the
+  # order of magnitude is compared.
+  n = 512
+  a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+  import time
+  best_numpy = 0.0
+  for _ in range(3):
+    start = time.perf_counter()
+    a @ a
+    best_numpy = max(best_numpy, 2 * n ** 3 / (time.perf_counter() - start))
+  probe = throughput.measure_cpu_matmul_flops(sizes=(n,), repeats=3)
+  assert best_numpy / 20 < probe < best_numpy * 20, (probe, best_numpy)

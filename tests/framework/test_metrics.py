@@ -1,0 +1,340 @@
+"""Metric logging (one step late, windowed), writers read back independently, eval, profiling."""
+
+import glob
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from distillax.errors import ConfigError, UserError
+from distillax.framework import event_reader, evaluation, metrics, profiling, writers
+from distillax.framework.throughput import Throughput
+from distillax.partitioning.mesh import create_mesh
+
+
+class MemoryWriter:
+  def __init__(self):
+    self.rows, self.flushed, self.closed = [], 0, False
+
+  def write_scalars(self, step, scalars):
+    self.rows.append((step, dict(scalars)))
+
+  def flush(self):
+    self.flushed += 1
+
+  def close(self):
+    self.closed = True
+
+
+class FakeClock:
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+def _step_fn():
+  """A jitted 'train step' over a batch sharded on 8 devices; metrics come out replicated."""
+  mesh = create_mesh({"data": 8, "model": 1})
+  batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+
+  @jax.jit
+  def step(x_B, lr):
+    return {"loss": jnp.mean(x_B ** 2), "grad_norm": jnp.max(jnp.abs(x_B)), "learning_rate": lr}
+
+  def run(x_B, lr):
+    return step(jax.device_put(x_B, batch_sharding), jnp.float32(lr))
+  return run
+
+
+def test_rows_are_fetched_one_step_late_and_match_numpy():
+  rng = np.random.default_rng(0)
+  batches = [rng.standard_normal(16).astype(np.float32) for _ in range(4)]
+  step = _step_fn()
+  writer = MemoryWriter()
+  logger = metrics.MetricLogger(writer)
+  for i, x in enumerate(batches, start=1):
+    written = logger.record(i, step(x, 0.1 * i))
+    # Step i's values reach the host only when step i+1 arrives.
+    assert [s for s, _ in writer.rows] == list(range(1, i))
+    if i > 1:
+      assert written == writer.rows[-1][1]
+  logger.flush()
+  assert [s for s, _ in writer.rows] == [1, 2, 3, 4]
+  for (row_step, row), x in zip(writer.rows, batches):
+    assert row["loss"] == pytest.approx(np.mean(x.astype(np.float64) ** 2), rel=1e-6)
+    assert row["grad_norm"] == pytest.approx(np.max(np.abs(x)), rel=1e-6)
+    assert row["learning_rate"] == pytest.approx(0.1 * row_step, rel=1e-6)
+  assert logger.latest == writer.rows[-1][1]
+
+
+def test_window_means_and_last_values_and_partial_close():
+  rng = np.random.default_rng(1)
+  batches = [rng.standard_normal(8).astype(np.float32) for _ in range(7)]
+  step = _step_fn()
+  writer = MemoryWriter()
+  logger = metrics.MetricLogger(writer, log_every=3)
+  for i, x in enumerate(batches, start=1):
+    logger.record(i, step(x, 0.01 * i))
+  logger.close()
+  assert writer.closed
+  assert [s for s, _ in writer.rows] == [3, 6, 7]
+  windows = [batches[0:3], batches[3:6], batches[6:7]]
+  for (row_step, row), window in zip(writer.rows, windows):
+    losses = [np.mean(x.astype(np.float64) ** 2) for x in window]
+    norms = [np.max(np.abs(x)) for x in window]
+    assert row["loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+    assert row["grad_norm"] == pytest.approx(np.mean(norms), rel=1e-6)
+    assert row["learning_rate"] == pytest.approx(0.01 * row_step, rel=1e-6)  # last, not mean
+
+
+def test_throughput_is_timed_between_fetches():
+  clock = FakeClock()
+  writer = MemoryWriter()
+  tp = Throughput(tokens_per_step=512, model_flops_per_step=4e9, num_devices=8,
+                  peak_flops_per_device=1e9)
+  logger = metrics.MetricLogger(writer, log_every=2, throughput=tp, clock=clock)
+  loss = {"loss": jnp.float32(1.0)}
+  for i in range(1, 7):
+    clock.now = 10.0 + 0.5 * i     # steps 2, 4, 6 are fetched at records 3, 5 and at flush
+    logger.record(i, loss)
+  clock.now = 14.0
+  logger.flush()
+  first, second, third = (row for _, row in writer.rows)
+  assert "step_time_s" not in first  # the first window holds compilation: not timed
+  # step 2 fetched at t=11.5, step 4 at t=12.5: 2 steps in 1 s.
+  assert second["step_time_s"] == pytest.approx(0.5)
+  assert second["tokens_per_s"] == pytest.approx(1024.0)
+  assert second["tflops_per_device"] == pytest.approx(4e9 / 0.5 / 8 / 1e12)
+  assert second["mfu"] == pytest.approx(4e9 / 0.5 / 8 / 1e9)
+  assert third["step_time_s"] == pytest.approx((14.0 - 12.5) / 2)
+
+
+def test_eval_rows_and_resume_timing_keep_eval_out_of_step_time():
+  clock = FakeClock()
+  writer = MemoryWriter()
+  logger = metrics.MetricLogger(writer, throughput=Throughput(10, 1e9, 1), clock=clock)
+  for i in (1, 2):
+    clock.now = float(i)
+    logger.record(i, {"loss": jnp.float32(i)})
+  clock.now = 3.0
+  logger.flush()                      # step 2 fetched at t=3
+  clock.now = 100.0                   # a long eval
+  logger.write(2, {"eval_loss": 0.5})
+  clock.now = 101.0
+  logger.record(3, {"loss": jnp.float32(3.0)})
+  clock.now = 102.0
+  logger.flush()
+  assert [(s, sorted(r)) for s, r in writer.rows][:3] == [
+      (1, ["loss"]), (2, ["loss", "step_time_s", "tflops_per_device", "tokens_per_s"]),
+      (2, ["eval_loss"])]
+  assert writer.rows[3][0] == 3
+  assert writer.rows[3][1]["step_time_s"] == pytest.approx(2.0)  # 100 -> 102, not 3 -> 102
+
+
+def test_metric_validation():
+  logger = metrics.MetricLogger(MemoryWriter(), log_every=2)
+  with pytest.raises(ValueError, match="scalars"):
+    logger.record(1, {"loss": jnp.ones(3)})
+  logger.record(1, {"loss": jnp.float32(1)})
+  with pytest.raises(ValueError, match="names changed"):
+    logger.record(2, {"loss": jnp.float32(1), "other": jnp.float32(2)})
+
+
+def test_files_on_disk_read_back_independently(tmp_path):
+  lines = []
+  out = writers.create_writers(str(tmp_path), is_primary=True, printer=lines.append)
+  logger = metrics.MetricLogger(out)
+  values = [(1, 3.25, 1e-4), (2, 2.5, 2e-4), (3, 1.875, 3e-4)]
+  for step, loss, lr in values:
+    logger.record(step, {"loss": jnp.float32(loss), "learning_rate": jnp.float32(lr)})
+  logger.close()
+
+  with open(tmp_path / "metrics.jsonl") as f:
+    rows = [json.loads(line) for line in f]
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  for row, (_, loss, lr) in zip(rows, values):
+    assert row["loss"] == pytest.approx(loss) and row["learning_rate"] == pytest.approx(lr, rel=1e-6)
+
+  scalars = event_reader.read_scalars(str(tmp_path / "tensorboard"))
+  assert [s for s, _ in scalars["loss"]] == [1, 2, 3]
+  np.testing.assert_allclose([v for _, v in scalars["loss"]], [v[1] for v in values], rtol=1e-6)
+  np.testing.assert_allclose([v for _, v in scalars["learning_rate"]], [v[2] for v in values],
+                             rtol=1e-6)
+
+  assert len(lines) == 3 and lines[0].startswith("step 1 | ") and "loss 3.25" in lines[0]
+  assert "learning_rate 1.000e-04" in lines[0]
+
+
+def test_non_primary_process_writes_nothing(tmp_path):
+  out = writers.create_writers(str(tmp_path), is_primary=False)
+  out.write_scalars(1, {"loss": 1.0})
+  out.close()
+  assert os.listdir(tmp_path) == []
+
+
+def test_resume_drops_rows_after_the_checkpoint_in_both_files(tmp_path):
+  first = writers.create_writers(str(tmp_path), is_primary=True, console=False)
+  for step in range(1, 6):
+    first.write_scalars(step, {"loss": float(step)})
+  first.close()
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 6, "lo')  # torn by a kill mid-write
+
+  resumed = writers.create_writers(str(tmp_path), is_primary=True, console=False, resume_step=3)
+  for step in (4, 5):
+    resumed.write_scalars(step, {"loss": 10.0 * step})
+  resumed.close()
+
+  rows = writers.read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0),
+                                                    (5, 50.0)]
+  tb = event_reader.read_scalars(str(tmp_path / "tensorboard"))
+  assert tb["loss"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+  assert len(glob.glob(str(tmp_path / "tensorboard" / "events.out.tfevents.*"))) == 2
+
+
+def test_jsonl_reopen_without_resume_only_removes_a_torn_line(tmp_path):
+  path = str(tmp_path / "m.jsonl")
+  with open(path, "w") as f:
+    f.write('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')
+  w = writers.JsonlWriter(path)
+  w.write_scalars(2, {"loss": 2.0})
+  w.close()
+  assert writers.read_jsonl(path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}]
+
+
+def test_event_reader_rejects_a_corrupted_record(tmp_path):
+  w = writers.TensorBoardWriter(str(tmp_path))
+  w.write_scalars(1, {"loss": 1.0})
+  w.close()
+  (path,) = glob.glob(str(tmp_path / "events.out.tfevents.*"))
+  data = bytearray(open(path, "rb").read())
+  data[-6] ^= 0xFF  # inside the last record's payload
+  open(path, "wb").write(bytes(data))
+  with pytest.raises(UserError, match="corrupt"):
+    event_reader.read_scalars(str(tmp_path))
+
+
+_TWO_PROCESS_WORKER = textwrap.dedent("""
+    import sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 4)
+    pid, port, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=pid, initialization_timeout=60)
+    import jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from distillax.framework import evaluation, metrics, writers
+    mesh = jax.make_mesh((8, 1), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    step = jax.jit(lambda x: {"loss": jnp.mean(x)})
+    logger = metrics.MetricLogger(writers.create_writers(workdir, console=False), log_every=2)
+    acc = evaluation.EvalAccumulator()
+    for i in range(1, 5):
+      local = np.full((4,), 10.0 * i + pid, np.float32)  # this process's half of the batch
+      x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), local)
+      out = step(x)
+      assert not out["loss"].is_fully_addressable
+      logger.record(i, out)
+      acc.add(jnp.sum(x), jnp.float32(8))
+    logger.write(4, acc.result())
+    logger.close()
+    jax.distributed.shutdown()
+""")
+
+
+def test_two_processes_fetch_global_metrics_and_only_process_0_writes(tmp_path):
+  script = tmp_path / "worker.py"
+  script.write_text(_TWO_PROCESS_WORKER)
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  workdirs = [tmp_path / f"p{i}" for i in range(2)]
+  procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port), str(workdirs[i])],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+           for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert [p.returncode for p in procs] == [0, 0], outputs
+  assert not workdirs[1].exists()  # process 1 wrote nothing
+  rows = writers.read_jsonl(str(workdirs[0] / "metrics.jsonl"))
+  # Global batch = 4 values 10*i (process 0) and 4 values 10*i + 1 (process 1).
+  step_means = [10.0 * i + 0.5 for i in range(1, 5)]
+  assert rows[0] == {"step": 2, "loss": pytest.approx(np.mean(step_means[:2]))}
+  assert rows[1] == {"step": 4, "loss": pytest.approx(np.mean(step_means[2:]))}
+  assert rows[2]["step"] == 4 and rows[2]["eval_loss"] == pytest.approx(np.mean(step_means))
+  assert rows[2]["eval_tokens"] == 32
+  assert event_reader.read_scalars(str(workdirs[0] / "tensorboard"))["loss"] == [
+      (2, pytest.approx(np.mean(step_means[:2]))), (4, pytest.approx(np.mean(step_means[2:])))]
+
+
+# --- eval -----------------------------------------------------------------------------------
+
+def test_eval_accumulator_weights_by_tokens():
+  rng = np.random.default_rng(2)
+  token_losses = [rng.uniform(1, 4, size=(2, 8)) for _ in range(3)]
+  masks = [rng.uniform(size=(2, 8)) < p for p in (1.0, 0.5, 0.2)]
+  acc = evaluation.EvalAccumulator()
+  for losses, mask in zip(token_losses, masks):
+    acc.add(jnp.sum(jnp.asarray(losses, jnp.float32) * mask), jnp.sum(mask))
+  result = acc.result()
+  all_losses = np.concatenate([l[m] for l, m in zip(token_losses, masks)])
+  assert result["eval_loss"] == pytest.approx(all_losses.mean(), rel=1e-5)
+  assert result["eval_perplexity"] == pytest.approx(np.exp(all_losses.mean()), rel=1e-5)
+  assert result["eval_tokens"] == all_losses.size
+
+
+def test_perplexity_overflow_and_empty_eval():
+  assert evaluation.loss_and_perplexity(6.0, 3)["perplexity"] == pytest.approx(math.exp(2.0))
+  huge = evaluation.loss_and_perplexity(1e6, 2)
+  assert huge["loss"] == 5e5 and huge["perplexity"] == math.inf
+  with pytest.raises(UserError, match="no tokens"):
+    evaluation.loss_and_perplexity(0.0, 0)
+  with pytest.raises(UserError, match="no tokens"):
+    evaluation.EvalAccumulator().result()
+
+
+# --- profiling ------------------------------------------------------------------------------
+
+def test_profile_window_traces_only_its_steps(tmp_path):
+  step = jax.jit(lambda x: jnp.tanh(x @ x))
+  x = jnp.ones((32, 32)) / 32
+  window = profiling.ProfileWindow(str(tmp_path), start_step=2, num_steps=2)
+  started_at = stopped_at = None
+  for i in range(1, 6):
+    window.step(i, block_on=x)
+    if window.active and started_at is None:
+      started_at = i
+    if window.done and stopped_at is None:
+      stopped_at = i
+    x = step(x)
+  window.close(x)
+  assert (started_at, stopped_at) == (2, 4)
+  traces = glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+  assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
+
+
+def test_profile_window_off_and_invalid(tmp_path):
+  off = profiling.ProfileWindow(str(tmp_path), start_step=1, num_steps=0)
+  for i in range(1, 4):
+    off.step(i)
+  off.close()
+  assert not (tmp_path / "profile").exists()
+  with pytest.raises(ConfigError, match="num_steps"):
+    profiling.ProfileWindow(str(tmp_path), start_step=1, num_steps=-1)

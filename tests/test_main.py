@@ -1,0 +1,108 @@
+"""The CLI as a user meets it: every config runs (tiny), and malformed input fails cleanly."""
+
+import glob
+import json
+import os
+
+import pytest
+
+from distillax.main import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "distillax", "configs", "*.py"))
+                 if os.path.basename(p) not in ("__init__.py", "common.py"))
+LM = os.path.join(ROOT, "distillax", "configs", "lm.py")
+
+
+def test_every_config_has_its_launch_command_in_the_docstring():
+  for path in CONFIGS:
+    source = open(path).read()
+    name = os.path.relpath(path, ROOT)
+    assert f"--config {name}" in source, f"{name}: docstring lacks its launch command"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
+def test_every_config_trains_on_tiny_overrides(config, tmp_path):
+  workdir = tmp_path / "run"
+  code = main(["distillax", "train", "--config", f"{config}:tiny", "--workdir", str(workdir),
+               "--config.train.steps=3", "--config.train.eval_every=3"])
+  assert code == 0
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert any("loss" in r for r in rows) and any("eval_loss" in r for r in rows)
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["step"] == 3 and summary["finished"]
+  assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 3
+
+
+def _bad(tmp_path):
+  """(name, argv tail, expected fragment of the one-line error)."""
+  wd = str(tmp_path / "wd")
+  cfg = f"{LM}:tiny"
+  return [
+      ("unknown command", ["trian"], "unknown command 'trian'"),
+      ("missing config", ["train", "--workdir", wd], "--config is required"),
+      ("missing config file", ["train", "--config", "/nope/cfg.py", "--workdir", wd], "nope"),
+      ("bad config arg", ["train", "--config", f"{LM}:huge", "--workdir", wd], "huge"),
+      ("unknown key", ["train", "--config", cfg, "--workdir", wd, "--config.train.stepz=3"],
+       "stepz"),
+      ("wrong type", ["train", "--config", cfg, "--workdir", wd, "--config.train.steps=abc"],
+       "abc"),
+      ("unknown flag", ["train", "--config", cfg, "--workdir", wd, "--stepz=3"], "stepz"),
+      ("missing workdir", ["train", "--config", cfg], "--workdir is required"),
+      ("mesh mismatch", ["train", "--config", cfg, "--workdir", wd, "--config.mesh.data=3"],
+       "devices"),
+      ("mesh too large", ["train", "--config", cfg, "--workdir", wd, "--config.mesh.data=16"],
+       "needs 16 devices but 8 are available"),
+      ("two auto axes", ["train", "--config", cfg, "--workdir", wd, "--config.mesh.model=-1"],
+       "at most one axis may be -1"),
+      ("missing data path", ["train", "--config", cfg, "--workdir", wd,
+                             "--config.data.source=/nope/corpus/*.txt"], "/nope/corpus"),
+      ("vocab mismatch", ["train", "--config", cfg, "--workdir", wd,
+                          "--config.model.vocab_size=100"], "vocab"),
+      ("unwritable workdir", ["train", "--config", cfg, "--workdir", "/proc/distillax_wd"],
+       "not writable"),
+      ("unknown strategy", ["train", "--config", cfg, "--workdir", wd,
+                            "--config.partitioning.strategy=zero3"], "zero3"),
+      ("unknown backend", ["train", "--config", cfg, "--workdir", wd, "--config.backend=xla"],
+       "backend='xla'"),
+      ("indivisible batch", ["train", "--config", cfg, "--workdir", wd,
+                             "--config.train.batch_size=6"], "multiple of 8"),
+      ("pmap with tp", ["train", "--config", cfg, "--workdir", wd, "--config.backend=pmap",
+                        "--config.partitioning.strategy=tp", "--config.mesh.model=2"],
+       "data parallel only"),
+      ("sequence too long", ["train", "--config", cfg, "--workdir", wd,
+                             "--config.train.seq_len=4096"], "max_seq_len"),
+      ("unknown trainer", ["train", "--config", cfg, "--workdir", wd,
+                           "--config.trainer=rlhf"], "rlhf"),
+      ("bad tokenizer", ["train", "--config", cfg, "--workdir", wd,
+                         "--config.data.tokenizer=spm:/nope/tok.model"], "/nope/tok.model"),
+      ("bad schedule", ["train", "--config", cfg, "--workdir", wd,
+                        "--config.optimizer.schedule=exp"], "exp"),
+      ("bad remat", ["train", "--config", cfg, "--workdir", wd, "--config.model.remat=most"],
+       "remat"),
+      ("bad heads", ["train", "--config", cfg, "--workdir", wd, "--config.model.num_kv_heads=3"],
+       "num_kv_heads"),
+      ("bad rule axis", ["train", "--config", cfg, "--workdir", wd,
+                         "--config.partitioning.rules=(('mlp','fsdp'),)"], "'fsdp'"),
+      ("bad checkpoint period", ["train", "--config", cfg, "--workdir", wd,
+                                 "--config.checkpoint.every_steps=-1"], "every_steps"),
+  ]
+
+
+def test_malformed_invocations_fail_with_one_line_and_status_2(tmp_path, capsys):
+  existing = tmp_path / "wd"
+  existing.mkdir()
+  (existing / "config.json").write_text('{"keep": true}')
+  (existing / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+  before = {p.name: p.read_bytes() for p in existing.iterdir()}
+  cases = _bad(tmp_path)
+  assert len(cases) >= 20
+  for name, argv, fragment in cases:
+    code = main(["distillax"] + argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in err if not line.startswith(("WARNING: Logging before", "W1", "I1"))]
+    assert code == 2, f"{name}: exit {code}, stderr {err}"
+    assert len(err) == 1 and err[0].startswith("distillax"), f"{name}: {err}"
+    assert "Traceback" not in err[0]
+    assert fragment.lower() in err[0].lower(), f"{name}: {err[0]!r} lacks {fragment!r}"
+    assert {p.name: p.read_bytes() for p in existing.iterdir()} == before, name
