@@ -97,7 +97,8 @@ class Trainer:
         f.write(self.config.to_json_best_effort(indent=2, sort_keys=True))
       os.replace(tmp, os.path.join(self.workdir, CONFIG_FILE))
 
-  def setup(self) -> None:
+  def setup(self, *, with_data: bool = True) -> None:
+    """Mesh, rules, model config and the compiled step (and the data pipeline, when asked)."""
     c = self.config
     self.mesh = pt.create_mesh(c.mesh)
     self.rules = pt.rules_from_config(c.partitioning)
@@ -108,7 +109,7 @@ class Trainer:
       raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="
                         f"{self.model_config.max_seq_len}; lower the first or raise the second")
     self.engine = self._build_engine(float(c.optimizer.learning_rate))
-    self.train_it = self._train_iterator()
+    self.train_it = self._train_iterator() if with_data else None
 
   def _train_iterator(self):
     c = self.config

@@ -1,0 +1,94 @@
+"""`distillax plan`: size a run on a laptop. Compiles the real step for N simulated devices
+without materialising a single parameter, then prints where every array lives, what each device
+holds, the compiled memory, FLOPs and collectives per step, and whether it fits a memory budget.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from distillax import partitioning as pt
+from distillax.errors import UserError
+from distillax.framework import flops
+from distillax.framework.hlo import collective_stats
+from distillax.trainers import get_trainer
+
+fmt = pt.shard.format_bytes
+
+
+def _tree_bytes(abstract, shardings) -> tuple[int, int]:
+  """(total bytes, bytes per device) of a tree of ShapeDtypeStructs under its shardings."""
+  total = per_device = 0
+  for x, sh in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+    itemsize = np.dtype(x.dtype).itemsize
+    total += int(np.prod(x.shape)) * itemsize
+    per_device += int(np.prod(sh.shard_shape(x.shape))) * itemsize
+  return total, per_device
+
+
+def plan_report(trainer) -> dict:
+  """Figures of the compiled plan (also used by tests and benchmarks)."""
+  engine = trainer.engine
+  layout, runner = engine.layout, engine.runner
+  a, sh = layout.abstract, layout.shardings
+  params = _tree_bytes(a.params, sh.params)
+  frozen = _tree_bytes(a.frozen, sh.frozen)
+  opt = _tree_bytes(a.opt_state, sh.opt_state)
+  stats = dict(runner.stats)
+  hlo = runner.call.as_text() if hasattr(runner.call, "as_text") else ""
+  model_flops = flops.train_step_flops(trainer.model_config, trainer.batch_size, trainer.seq_len,
+                                       teacher_cfg=trainer.teacher_config())["total"]
+  peak = (stats.get("argument_size_in_bytes", 0) + stats.get("temp_size_in_bytes", 0) +
+          stats.get("output_size_in_bytes", 0) - stats.get("alias_size_in_bytes", 0))
+  return {
+      "devices": jax.device_count(), "mesh": pt.mesh_shape_str(engine.mesh),
+      "strategy": engine.rules.name, "backend": runner.backend,
+      "params_total_bytes": params[0], "params_bytes_per_device": params[1],
+      "frozen_total_bytes": frozen[0], "frozen_bytes_per_device": frozen[1],
+      "optimizer_total_bytes": opt[0], "optimizer_bytes_per_device": opt[1],
+      "compiled": stats, "peak_bytes_per_device": peak,
+      "model_flops_per_step": model_flops, "collectives": collective_stats(hlo),
+      "compile_seconds": runner.compile_seconds,
+  }
+
+
+def run_plan(config, devices: int | None = None, memory_gb: float | None = None) -> int:
+  if devices is not None and jax.device_count() != devices:
+    raise UserError(f"--devices={devices} but JAX sees {jax.device_count()} devices; plan runs "
+                    f"on simulated CPU devices, so leave JAX_PLATFORMS unset or set it to cpu")
+  trainer = get_trainer(config.trainer)(config, "/nonexistent-plan-workdir")
+  trainer.setup(with_data=False)
+  layout = trainer.engine.layout
+  rows = pt.describe(layout.abstract.params, layout.logical.params, trainer.mesh, trainer.rules)
+  print(pt.format_plan(rows, f"trainable parameters ({trainer.model_config.__class__.__name__})"))
+  r = plan_report(trainer)
+  c = r["compiled"]
+  print(f"\nplan: {r['devices']} devices, mesh {r['mesh']} (data x model), strategy "
+        f"{r['strategy']}, backend {r['backend']}, batch {trainer.batch_size} x "
+        f"{trainer.seq_len}")
+  print(f"  parameters     {fmt(r['params_total_bytes']):>12} total, "
+        f"{fmt(r['params_bytes_per_device']):>12} per device")
+  if r["frozen_total_bytes"]:
+    print(f"  frozen         {fmt(r['frozen_total_bytes']):>12} total, "
+          f"{fmt(r['frozen_bytes_per_device']):>12} per device")
+  print(f"  optimizer      {fmt(r['optimizer_total_bytes']):>12} total, "
+        f"{fmt(r['optimizer_bytes_per_device']):>12} per device")
+  print(f"  compiled step per device: arguments {fmt(c.get('argument_size_in_bytes', 0))}, "
+        f"temporaries/activations {fmt(c.get('temp_size_in_bytes', 0))}, outputs "
+        f"{fmt(c.get('output_size_in_bytes', 0))} (aliased {fmt(c.get('alias_size_in_bytes', 0))})")
+  print(f"  peak per device ~ {fmt(r['peak_bytes_per_device'])}")
+  print(f"  model FLOPs per step {r['model_flops_per_step']:.4g} (analytic); XLA per device "
+        f"{c.get('flops', float('nan')):.4g}")
+  coll = r["collectives"]
+  parts = ", ".join(f"{k} x{v['count']} ({fmt(v['bytes'])})" for k, v in coll.items()
+                    if k != "total")
+  print(f"  collectives per step per device: {parts or 'none'}; total "
+        f"{fmt(coll['total']['bytes'])}")
+  print(f"  compiled in {r['compile_seconds']:.1f}s")
+  if memory_gb:
+    budget = memory_gb * 2**30
+    verdict = "FITS" if r["peak_bytes_per_device"] <= budget else "DOES NOT FIT"
+    print(f"  {verdict} in {memory_gb:g} GiB per device "
+          f"({r['peak_bytes_per_device'] / budget:.0%} of it)")
+  return 0

@@ -1,0 +1,36 @@
+"""`distillax plan` compiles without materialising parameters and reports consistent figures."""
+
+import os
+import subprocess
+import sys
+
+from distillax.main import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_plan_reports_sharded_bytes_and_fit(capsys):
+  code = main(["distillax", "plan", "--config", f"{ROOT}/distillax/configs/lm.py:tiny",
+               "--devices", "8", "--memory_gb", "1", "--config.partitioning.strategy=fsdp"])
+  out = capsys.readouterr().out
+  assert code == 0, out
+  assert "mesh 8x1" in out and "FITS in 1 GiB" in out
+  # Under fsdp on 8 devices each device holds an eighth of every parameter.
+  line = next(l for l in out.splitlines() if l.strip().startswith("total"))
+  assert "(0.125 of total)" in line
+  assert "collectives per step per device" in out and "all-gather" in out
+
+
+def test_plan_sizes_llama_8b_on_64_simulated_devices():
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(
+      [sys.executable, "-m", "distillax", "plan", "--config",
+       f"{ROOT}/distillax/configs/llama3_8b.py", "--devices", "64", "--memory_gb", "95",
+       "--config.partitioning.strategy=fsdp_tp", "--config.mesh.model=8"],
+      env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  text = out.stdout
+  assert "64 devices, mesh 8x8" in text and "FITS in 95 GiB" in text
+  # 8,030,261,248 fp32 parameters = 29.92 GiB, 1/64 of it per device.
+  assert "29.92 GiB total" in text and "478.75 MiB per device" in text
