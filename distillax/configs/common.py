@@ -67,6 +67,7 @@ def base_config(model_preset: str = "tiny") -> ml_collections.ConfigDict:
   c.train.rollback_lr_factor = 0.5  # learning-rate scale after a rollback
   c.train.max_rollbacks = 2  # rollbacks allowed before the run fails
   c.train.progress = True  # progress bar with ETA on the console
+  c.train.init_from = ""  # workdir of an earlier run whose final weights start this one
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 100  # steps between checkpoints (0 = only at the end)

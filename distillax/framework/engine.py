@@ -67,6 +67,10 @@ class Engine:
     tokens, loss_sum = host.pop("tokens"), host.pop("loss_sum")
     out = {f"{prefix}{k}": v for k, v in loss_and_perplexity(loss_sum, tokens).items()}
     out.update({f"{prefix}{k}": v / max(tokens, 1.0) for k, v in host.items()})
+    # Perplexity is always of the next-token cross-entropy: for objectives whose loss mixes in
+    # other terms (distillation) that is their reported hard-label CE.
+    if "hard_ce" in host:
+      out[f"{prefix}perplexity"] = loss_and_perplexity(host["hard_ce"], tokens)["perplexity"]
     return out
 
 

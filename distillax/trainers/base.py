@@ -41,6 +41,16 @@ SUMMARY_FILE = "summary.json"
 CHECKPOINT_DIR = "checkpoints"
 
 
+def resolve_model_config(model_cfg, tokenizer) -> TransformerConfig:
+  """The model's TransformerConfig with the vocabulary taken from, or checked against, data."""
+  values = dict(model_cfg)
+  if int(values.get("vocab_size") or 0) <= 0:
+    values["vocab_size"] = padded_vocab_size(tokenizer)
+  cfg = TransformerConfig.from_dict(values)
+  check_vocab(tokenizer, cfg.vocab_size)
+  return cfg
+
+
 class Trainer:
   """Next-token training of one model. Subclass hooks: build_models, objective, trainable."""
 
@@ -62,25 +72,31 @@ class Trainer:
 
   def build_models(self, mesh, rules, *, abstract: bool) -> tuple[nnx.Module, dict]:
     """(student, frozen extras). Abstract modules cost no memory; real ones are sharded."""
-    cfg = self.model_config
+    return self.build_student_model(mesh, rules, abstract=abstract), {}
+
+  def build_student_model(self, mesh, rules, *, abstract: bool) -> nnx.Module:
+    """Fresh weights, or those of an earlier run when `train.init_from` names its workdir."""
+    cfg, init_from = self.model_config, self.config.train.get("init_from", "")
     if abstract:
-      return abstract_model(cfg, self.config.seed), {}
-    return create_model(cfg, mesh=mesh, rules=rules, seed=self.config.seed), {}
+      return abstract_model(cfg, self.config.seed)
+    if init_from:
+      from distillax.trainers.loading import load_trained_model
+      model = load_trained_model(init_from, mesh, rules)
+      if model.config != cfg:
+        raise ConfigError(f"train.init_from={init_from} holds a model of another shape "
+                          f"({model.config}); make the model section match it")
+      return model
+    return create_model(cfg, mesh=mesh, rules=rules, seed=self.config.seed)
+
+  def export_model(self, student: nnx.Module) -> nnx.Module:
+    """The deployable model inside the trained student (wrappers and training-only parts off)."""
+    return student
 
   def teacher_config(self) -> TransformerConfig | None:
     """Counted in the FLOPs of a step (forward only) when a teacher runs inside it."""
     return None
 
   # ---- set-up --------------------------------------------------------------------------------
-
-  def resolve_model_config(self, model_cfg, tokenizer) -> TransformerConfig:
-    """The model's TransformerConfig with the vocabulary taken from, or checked against, data."""
-    values = dict(model_cfg)
-    if int(values.get("vocab_size") or 0) <= 0:
-      values["vocab_size"] = padded_vocab_size(tokenizer)
-    cfg = TransformerConfig.from_dict(values)
-    check_vocab(tokenizer, cfg.vocab_size)
-    return cfg
 
   def prepare_workdir(self) -> None:
     """Creates the workdir and writes config.json; runs only after the config validated."""
@@ -103,7 +119,7 @@ class Trainer:
     self.mesh = pt.create_mesh(c.mesh)
     self.rules = pt.rules_from_config(c.partitioning)
     self.tokenizer = make_tokenizer(c.data.tokenizer)
-    self.model_config = self.resolve_model_config(c.model, self.tokenizer)
+    self.model_config = resolve_model_config(c.model, self.tokenizer)
     self.batch_size, self.seq_len = int(c.train.batch_size), int(c.train.seq_len)
     if self.seq_len > self.model_config.max_seq_len:
       raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="
