@@ -1,8 +1,13 @@
-"""Llama/Gemma-family decoders with logical axes, sharded creation, HF weights, sampling."""
+"""Llama/Gemma-family decoders with logical axes, sharded creation, HF weights, sampling.
+
+`distillax.models.hf` (safetensors import/export) is imported on demand: `from distillax.models
+import hf`.
+"""
 
 from distillax.models.attention import KVCache
 from distillax.models.config import PRESETS, TransformerConfig, get_preset, preset_names
 from distillax.models.init import (abstract_model, create_model, model_shardings, param_count,
                                    resolve_rules)
+from distillax.models.sampler import GenerationOutput, Sampler, SamplingConfig, generate
 from distillax.models.transformer import (ModelOutput, Transformer, layer_params, with_config,
                                           with_layer_layout)

@@ -39,7 +39,7 @@ class ModelOutput:
   cache: the updated KVCache when one was passed in.
   """
 
-  logits_BxLxV: jax.Array
+  logits_BxLxV: jax.Array | None
   final_hidden_BxLxD: jax.Array
   hidden_states: jax.Array | None = None
   attention_probs: jax.Array | None = None
@@ -109,7 +109,7 @@ class Transformer(nnx.Module):
   # ---- output projection -------------------------------------------------------------------
 
   def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
-    """Float32 logits (soft-capped when configured) from final hidden states of any leading shape."""
+    """Float32 logits (soft-capped if configured) from final hidden states, any leading shape."""
     dt = self.config.jnp_dtype
     h_xD = h_xD.astype(dt)
     if self.lm_head is None:
@@ -127,13 +127,16 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BxL: jax.Array, *, positions_BxL: jax.Array | None = None,
                segment_ids_BxL: jax.Array | None = None, return_hidden_states: bool = False,
-               return_attention: bool = False, cache: KVCache | None = None) -> ModelOutput:
+               return_attention: bool = False, cache: KVCache | None = None,
+               return_logits: bool = True) -> ModelOutput:
     """Logits for every position.
 
     positions_BxL: RoPE positions (default 0..L-1, or continuing the cache); restart them per
       packed document. segment_ids_BxL: document id per token, 0 = padding (default all 1).
     cache: a KVCache to extend; this call's tokens are written at `cache.end_index` and attend
       to everything cached before them. The updated cache is returned in the output.
+    return_logits: False skips the output projection (logits_BxLxV is None), for losses that
+      project `final_hidden_BxLxD` in chunks and for the sampler's prefill.
     """
     cfg = self.config
     B, L = tokens_BxL.shape
@@ -175,7 +178,8 @@ class Transformer(nnx.Module):
     new_cache = None
     if cache is not None:
       new_cache = KVCache(new_kv[0], new_kv[1], k_segment_BxS, start + L)
-    return ModelOutput(self.logits_from_hidden(final_hidden_BxLxD), final_hidden_BxLxD,
+    logits = self.logits_from_hidden(final_hidden_BxLxD) if return_logits else None
+    return ModelOutput(logits, final_hidden_BxLxD,
                        hidden_states, probs, new_cache)
 
   def _block_fn(self, graphdef, return_probs: bool):

@@ -1,0 +1,173 @@
+"""KV-cached autoregressive generation: greedy, temperature, top-k, top-p; batched and jitted.
+
+Prompts of different lengths are right-aligned inside the jit (left padding with segment id 0),
+so every row's last prompt token sits at the same slot and one prefill plus a `lax.scan` of
+single-token steps serves the whole batch with static shapes. Padding never leaks into the
+attention (segment ids), and positions count real tokens only, so results match running each
+prompt alone. The model may be sharded: its arrays keep their shardings and the activation
+constraints of `distillax.partitioning` apply when `mesh` and `rules` are given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from distillax import partitioning as pt
+from distillax.errors import UserError
+from distillax.models.attention import KVCache
+from distillax.models.init import RulesLike, resolve_rules
+from distillax.models.transformer import Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How to pick each token. temperature 0 is greedy (top_k / top_p are then ignored)."""
+
+  max_new_tokens: int
+  temperature: float = 0.0
+  top_k: int | None = None
+  top_p: float | None = None
+  eos_id: int | None = None
+  pad_id: int = 0
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise UserError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
+    if self.temperature < 0:
+      raise UserError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+    if self.top_k is not None and self.top_k < 1:
+      raise UserError(f"top_k={self.top_k} must be >= 1 or None")
+    if self.top_p is not None and not 0 < self.top_p <= 1:
+      raise UserError(f"top_p={self.top_p} must be in (0, 1] or None")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GenerationOutput:
+  """tokens_BxT: generated tokens, pad_id after an EOS. lengths_B: tokens generated per row
+  (EOS included). logprobs_BxT: the model's log-probability (temperature 1, no filtering) of
+  each generated token, 0 after EOS: what sequence-level distillation needs."""
+
+  tokens_BxT: jax.Array
+  lengths_B: jax.Array
+  logprobs_BxT: jax.Array
+
+
+def filter_logits(logits_BxV: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """Temperature, then top-k, then top-p (nucleus) filtering; removed tokens get -inf."""
+  logits = logits_BxV.astype(jnp.float32) / cfg.temperature
+  if cfg.top_k is not None and cfg.top_k < logits.shape[-1]:
+    kth_Bx1 = jax.lax.top_k(logits, cfg.top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth_Bx1, -jnp.inf, logits)
+  if cfg.top_p is not None and cfg.top_p < 1:
+    sorted_BxV = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_BxV, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
+    keep = before < cfg.top_p  # the best token always stays
+    threshold_Bx1 = jnp.min(jnp.where(keep, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < threshold_Bx1, -jnp.inf, logits)
+  return logits
+
+
+def sample_token(logits_BxV: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  if cfg.temperature == 0:
+    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+  return jax.random.categorical(key, filter_logits(logits_BxV, cfg), axis=-1).astype(jnp.int32)
+
+
+def _generate(graphdef, state, prompt_BxP, lengths_B, key, cfg: SamplingConfig, cache_dtype):
+  model = nnx.merge(graphdef, state)
+  B, P = prompt_BxP.shape
+  shift_B = P - lengths_B
+  # Right-align the prompts: row b moves shift_B[b] slots right; the wrapped-in slots are padding.
+  prompt_BxP = jax.vmap(jnp.roll)(prompt_BxP, shift_B)
+  slots_BxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+  segments_BxP = (slots_BxP >= shift_B[:, None]).astype(jnp.int32)
+  positions_BxP = jnp.maximum(slots_BxP - shift_B[:, None], 0)
+  cache = KVCache.zeros(model.config, B, P + cfg.max_new_tokens, cache_dtype)
+  out = model(prompt_BxP, positions_BxL=positions_BxP, segment_ids_BxL=segments_BxP,
+              cache=cache, return_logits=False)
+  logits_BxV = model.logits_from_hidden(out.final_hidden_BxLxD[:, -1])
+
+  def emit(logits_BxV, key, done_B):
+    token_B = sample_token(logits_BxV, key, cfg)
+    logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), token_B[:, None], -1)[:, 0]
+    token_B = jnp.where(done_B, cfg.pad_id, token_B)
+    logprob_B = jnp.where(done_B, 0.0, logprob_B)
+    now_done_B = done_B if cfg.eos_id is None else done_B | (token_B == cfg.eos_id)
+    return token_B, logprob_B, now_done_B
+
+  def step(carry, step_key):
+    cache, token_B, position_B, done_B = carry
+    out = model(token_B[:, None], positions_BxL=position_B[:, None],
+                segment_ids_BxL=jnp.ones((B, 1), jnp.int32), cache=cache)
+    next_B, logprob_B, next_done_B = emit(out.logits_BxLxV[:, 0], step_key, done_B)
+    return (out.cache, next_B, position_B + 1, next_done_B), (next_B, logprob_B, done_B)
+
+  keys = jax.random.split(key, cfg.max_new_tokens)
+  first_B, first_logprob_B, done_B = emit(logits_BxV, keys[0], jnp.zeros((B,), bool))
+  carry = (out.cache, first_B, lengths_B, done_B)
+  _, (rest_TxB, rest_logprobs_TxB, was_done_TxB) = jax.lax.scan(step, carry, keys[1:])
+  tokens_BxT = jnp.concatenate([first_B[:, None], rest_TxB.T], axis=1)
+  logprobs_BxT = jnp.concatenate([first_logprob_B[:, None], rest_logprobs_TxB.T], axis=1)
+  # A token counts unless the row had already finished before it.
+  counted_BxT = jnp.concatenate([jnp.ones((B, 1), bool), ~was_done_TxB.T], axis=1)
+  return GenerationOutput(tokens_BxT, counted_BxT.sum(axis=1).astype(jnp.int32), logprobs_BxT)
+
+
+class Sampler:
+  """Compiled generation for one model; one compile per prompt shape and SamplingConfig."""
+
+  def __init__(self, model: Transformer, *, mesh: Mesh | None = None, rules: RulesLike = None,
+               cache_dtype: str | None = None):
+    self.graphdef, self.state = nnx.split(model)
+    self.config = model.config
+    self.mesh = mesh
+    self.rules = resolve_rules(rules) if mesh is not None else None
+    self.cache_dtype = cache_dtype or model.config.dtype
+    self._compiled = {}
+
+  def set_weights(self, model: Transformer) -> None:
+    """Samples from `model`'s current weights next time (same architecture: no recompile)."""
+    self.state = nnx.state(model)
+
+  def _fn(self, cfg: SamplingConfig):
+    if cfg not in self._compiled:
+      fn = functools.partial(_generate, self.graphdef, cfg=cfg, cache_dtype=self.cache_dtype)
+      if self.mesh is not None:
+        inner = fn
+
+        def fn(*args):
+          with pt.use_rules(self.mesh, self.rules):
+            return inner(*args)
+      self._compiled[cfg] = jax.jit(fn)
+    return self._compiled[cfg]
+
+  def __call__(self, prompt_tokens_BxP, prompt_lengths_B=None, *, max_new_tokens: int,
+               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+               eos_id: int | None = None, pad_id: int = 0, seed: int | jax.Array = 0
+               ) -> GenerationOutput:
+    """Continues each prompt. prompt_tokens_BxP is right-padded; prompt_lengths_B gives each
+    row's real length (default: all P tokens). seed: an int or a PRNG key."""
+    cfg = SamplingConfig(max_new_tokens, float(temperature), top_k, top_p, eos_id, pad_id)
+    prompt = jnp.asarray(prompt_tokens_BxP, jnp.int32)
+    B, P = prompt.shape
+    if P + max_new_tokens > self.config.max_seq_len:
+      raise UserError(f"prompt length {P} + max_new_tokens {max_new_tokens} exceeds the model's "
+                      f"max_seq_len={self.config.max_seq_len}; shorten one of them")
+    lengths = (jnp.full((B,), P, jnp.int32) if prompt_lengths_B is None
+               else jnp.asarray(prompt_lengths_B, jnp.int32))
+    key = jax.random.key(seed) if isinstance(seed, int) else seed
+    return self._fn(cfg)(self.state, prompt, lengths, key)
+
+
+def generate(model: Transformer, prompt_tokens_BxP, prompt_lengths_B=None, *,
+             mesh: Mesh | None = None, rules: RulesLike = None, **sampling) -> GenerationOutput:
+  """One-off generation (builds a Sampler; keep a Sampler to reuse its compiled function)."""
+  return Sampler(model, mesh=mesh, rules=rules)(prompt_tokens_BxP, prompt_lengths_B, **sampling)

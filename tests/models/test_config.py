@@ -1,0 +1,92 @@
+"""Config validation, presets and parameter counts against the published model sizes."""
+
+import dataclasses
+
+import pytest
+
+from distillax.errors import ConfigError
+from distillax.models import config as mc
+from distillax.models.init import param_count
+
+# Published sizes (model cards / safetensors metadata of the Hugging Face checkpoints).
+PUBLISHED = {
+    "llama3.2-1b": 1_235_814_400,
+    "llama3.2-3b": 3_212_749_824,
+    "llama3.1-8b": 8_030_261_248,
+    "gemma-2b": 2_506_172_416,
+    "gemma-7b": 8_537_680_896,
+    "gemma2-2b": 2_614_341_888,
+    "gemma2-9b": 9_241_705_984,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_real_presets_match_published_parameter_counts(name):
+  cfg = mc.get_preset(name)
+  assert cfg.scan_layers
+  assert param_count(cfg) == PUBLISHED[name]
+
+
+def _closed_form(cfg):
+  """Parameter count written out by hand from the shapes."""
+  D, F = cfg.embed_dim, cfg.mlp_dim
+  attn = D * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+  norms = (4 if cfg.use_post_norms else 2) * D
+  per_layer = attn + 3 * D * F + norms
+  head = 0 if cfg.tie_embeddings else D * cfg.vocab_size
+  return cfg.vocab_size * D + cfg.num_layers * per_layer + D + head
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_gemma", "demo_teacher", "demo_student"])
+def test_small_presets(name):
+  cfg = mc.get_preset(name)
+  assert param_count(cfg) == _closed_form(cfg)
+  assert cfg.vocab_size == 256
+
+
+def test_demo_sizes():
+  assert 4e6 <= param_count(mc.get_preset("demo_teacher")) <= 8e6
+  assert 1e6 <= param_count(mc.get_preset("demo_student")) <= 2e6
+
+
+def test_scan_layout_does_not_change_count():
+  cfg = mc.get_preset("tiny_gemma")
+  assert param_count(cfg.replace(scan_layers=True)) == param_count(cfg)
+
+
+def test_gemma2_alternates_local_and_global_layers():
+  cfg = mc.get_preset("gemma2-2b")
+  assert [cfg.layer_uses_sliding_window(i) for i in range(4)] == [True, False, True, False]
+  assert cfg.layer_windows()[:2] == (4096, mc.GLOBAL_WINDOW)
+  assert mc.get_preset("tiny").layer_windows() is None
+  every = cfg.replace(sliding_window_pattern=0)
+  assert all(every.layer_uses_sliding_window(i) for i in range(cfg.num_layers))
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(num_heads=6, num_kv_heads=4), "num_kv_heads"),
+    (dict(mlp_activation="relu"), "mlp_activation"),
+    (dict(remat="some"), "remat"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(param_dtype="float17"), "param_dtype"),
+    (dict(embed_dim=0), "embed_dim"),
+    (dict(sliding_window=-3), "sliding_window"),
+])
+def test_bad_values_raise_config_error_naming_the_field(changes, field):
+  with pytest.raises(ConfigError, match=field):
+    mc.get_preset("tiny").replace(**changes)
+
+
+def test_unknown_preset_and_field():
+  with pytest.raises(ConfigError, match="tiny"):
+    mc.get_preset("nope")
+  with pytest.raises(ConfigError, match="widht"):
+    mc.get_preset("tiny").replace(widht=3)
+
+
+def test_dict_round_trip_and_frozen():
+  cfg = mc.TransformerConfig.from_dict({"preset": "tiny_gemma", "num_layers": 3})
+  assert cfg.num_layers == 3 and cfg.use_post_norms
+  assert mc.TransformerConfig.from_dict(cfg.to_dict()) == cfg
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.num_layers = 4
