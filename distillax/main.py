@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "export":
       from distillax.export import run_export
       return run_export(config, fv.workdir, fv.output, fv.format)
-    from distillax.distill.cache import run_cache_teacher
+    from distillax.distill.cache_job import run_cache_teacher
     return run_cache_teacher(config, fv.workdir)
   except UserError as e:
     return _fail(command, str(e))

@@ -75,6 +75,21 @@ def base_config(model_preset: str = "tiny") -> ml_collections.ConfigDict:
   c.checkpoint.keep_best = 1  # best-by-eval-loss checkpoints kept besides the newest
   c.checkpoint.async_save = True  # write checkpoints in the background
 
+  c.qat = ml_collections.ConfigDict()
+  # Fake-quant rules, first match wins: (module path regex, weight qtype int8|int4|nf4|
+  # float8_e4m3fn, activation qtype int8|float8_e4m3fn|None, tile size or None = per channel).
+  # Empty = no quantization-aware training.
+  c.qat.rules = ()
+  c.qat.start_step = 0  # full-precision steps before fake quantization starts
+
+  c.lora = ml_collections.ConfigDict()
+  c.lora.module_regex = ""  # matmul weights that get adapters, e.g. 'layers/.*/attn/.*'; '' = off
+  c.lora.rank = 8  # adapter rank
+  c.lora.alpha = 16.0  # adapter scaling numerator (scale = alpha / rank)
+  c.lora.dropout = 0.1  # dropout on the adapter input during training
+  c.lora.base_qtype = ""  # QLoRA: store frozen base weights as nf4 | int4 ('' = full precision)
+  c.lora.base_tile_size = 64  # QLoRA: inputs per quantization scale tile
+
   c.profile = ml_collections.ConfigDict()
   c.profile.start_step = -1  # first step traced with jax.profiler (-1 = off)
   c.profile.num_steps = 3  # steps in the traced window

@@ -166,7 +166,7 @@ def logit_metric_values(s_logits_NxV, t_logits_NxV, tokens) -> dict[str, jax.Arr
     t = t_logits_NxV.astype(jnp.float32)
     out["teacher_ce"] = losses.token_nll(t, targets_N)
     out["top1_agreement"] = (s_top1 == jnp.argmax(t, axis=-1)).astype(jnp.float32)
-    norms = jnp.sqrt(jnp.sum(s * s, axis=-1) * jnp.sum(t * t, axis=-1))
+    norms = jnp.sqrt(jnp.sum(s * s, axis=-1)) * jnp.sqrt(jnp.sum(t * t, axis=-1))
     out["logit_cosine"] = jnp.sum(s * t, axis=-1) / jnp.maximum(norms, 1e-30)
   else:
     if TEACHER_NLL in tokens:

@@ -51,6 +51,15 @@ def resolve_model_config(model_cfg, tokenizer) -> TransformerConfig:
   return cfg
 
 
+def place_module(module: nnx.Module, mesh, rules) -> nnx.Module:
+  """Puts every variable of `module` on the mesh by its logical axes (for parts created after
+  the sharded init: adapters, projections)."""
+  graph, state = nnx.split(module)
+  values = nnx.to_pure_dict(state)
+  shardings = pt.tree_shardings(values, pt.logical_tree(state), mesh, rules)
+  return nnx.merge(graph, jax.device_put(values, shardings))
+
+
 class Trainer:
   """Next-token training of one model. Subclass hooks: build_models, objective, trainable."""
 
@@ -68,29 +77,76 @@ class Trainer:
     return lm_objective
 
   def trainable(self) -> Any:
+    """Only LoRA adapters train under `lora.rank > 0`; otherwise every parameter."""
+    if self.lora_enabled:
+      from distillax.quant import LoRAParam
+      return LoRAParam
     return nnx.Param
 
-  def build_models(self, mesh, rules, *, abstract: bool) -> tuple[nnx.Module, dict]:
-    """(student, frozen extras). Abstract modules cost no memory; real ones are sharded."""
-    return self.build_student_model(mesh, rules, abstract=abstract), {}
+  @property
+  def lora_enabled(self) -> bool:
+    return bool(self.config.get("lora") and self.config.lora.module_regex)
 
-  def build_student_model(self, mesh, rules, *, abstract: bool) -> nnx.Module:
-    """Fresh weights, or those of an earlier run when `train.init_from` names its workdir."""
+  @property
+  def qat_enabled(self) -> bool:
+    return bool(self.config.get("qat") and self.config.qat.rules)
+
+  def transform_student(self, model: nnx.Module, *, quantize: bool = True) -> nnx.Module:
+    """LoRA/QLoRA adapters and QAT fake quantization, from the `lora` and `qat` sections.
+
+    The state tree is the same with and without fake quantization, so a delayed QAT start
+    (`qat.start_step`) swaps compiled steps without touching the state.
+    """
+    from distillax import quant
+    if self.lora_enabled:
+      lc = self.config.lora
+      model = quant.apply_lora(model, module_regex=lc.module_regex, rank=int(lc.rank),
+                               alpha=float(lc.alpha), dropout=float(lc.dropout),
+                               base_qtype=lc.base_qtype or None,
+                               base_tile_size=(int(lc.base_tile_size) or None) if lc.base_qtype
+                               else None,
+                               seed=int(self.config.seed))
+    if quantize and self.qat_enabled:
+      qc = self.config.qat
+      model = quant.quantize_for_training(model, {"rules": [tuple(r) for r in qc.rules],
+                                                  "start_step": int(qc.start_step)})
+    return model
+
+  def build_models(self, mesh, rules, *, abstract: bool,
+                   quantize: bool = True) -> tuple[nnx.Module, dict]:
+    """(student, frozen extras). Abstract modules cost no memory; real ones are sharded.
+    quantize=False leaves QAT fake quantization off (the steps before `qat.start_step`)."""
+    return self.build_student_model(mesh, rules, abstract=abstract, quantize=quantize), {}
+
+  def build_student_model(self, mesh, rules, *, abstract: bool,
+                          quantize: bool = True) -> nnx.Module:
+    """Fresh weights, or those of an earlier run when `train.init_from` names its workdir,
+    then LoRA / QAT as configured. Abstract modules hold shapes only."""
     cfg, init_from = self.model_config, self.config.train.get("init_from", "")
     if abstract:
-      return abstract_model(cfg, self.config.seed)
+      return nnx.eval_shape(lambda: self.transform_student(
+          abstract_model(cfg, self.config.seed), quantize=quantize))
     if init_from:
       from distillax.trainers.loading import load_trained_model
       model = load_trained_model(init_from, mesh, rules)
       if model.config != cfg:
         raise ConfigError(f"train.init_from={init_from} holds a model of another shape "
                           f"({model.config}); make the model section match it")
-      return model
-    return create_model(cfg, mesh=mesh, rules=rules, seed=self.config.seed)
+    else:
+      model = create_model(cfg, mesh=mesh, rules=rules, seed=self.config.seed)
+    return place_module(self.transform_student(model, quantize=quantize), mesh, rules)
 
   def export_model(self, student: nnx.Module) -> nnx.Module:
-    """The deployable model inside the trained student (wrappers and training-only parts off)."""
-    return student
+    """The plain deployable model inside the trained student: wrappers and training-only parts
+    off, LoRA merged, fake quantization stripped (quantized export applies it again)."""
+    from distillax import quant
+    from distillax.distill.student import unwrap_student
+    model = unwrap_student(student)[0]
+    if self.lora_enabled:
+      model = quant.merge_lora(model)
+    if self.qat_enabled:
+      model = quant.full_precision(model)
+    return model
 
   def teacher_config(self) -> TransformerConfig | None:
     """Counted in the FLOPs of a step (forward only) when a teacher runs inside it."""
@@ -124,7 +180,7 @@ class Trainer:
     if self.seq_len > self.model_config.max_seq_len:
       raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="
                         f"{self.model_config.max_seq_len}; lower the first or raise the second")
-    self.engine = self._build_engine(float(c.optimizer.learning_rate))
+    self._build_engines(float(c.optimizer.learning_rate))
     self.train_it = self._train_iterator() if with_data else None
 
   def _train_iterator(self):
@@ -132,11 +188,22 @@ class Trainer:
     return make_train_iterator(c.data, global_batch_size=self.batch_size, seq_len=self.seq_len,
                                seed=int(c.seed), tokenizer=self.tokenizer)
 
-  def _build_engine(self, learning_rate: float) -> Engine:
+  def _build_engines(self, learning_rate: float) -> None:
+    """The compiled step; with a delayed QAT start also the full-precision one used before it."""
+    self.engine = self._build_engine(learning_rate)
+    delayed = self.qat_enabled and int(self.config.qat.start_step) > 0
+    self.engine_fp = self._build_engine(learning_rate, quantize=False) if delayed else None
+
+  def engine_at(self, step: int) -> Engine:
+    if self.engine_fp is not None and step < int(self.config.qat.start_step):
+      return self.engine_fp
+    return self.engine
+
+  def _build_engine(self, learning_rate: float, quantize: bool = True) -> Engine:
     c = self.config
     optimizer_cfg = c.optimizer.copy_and_resolve_references()
     optimizer_cfg.learning_rate = learning_rate
-    student, extras = self.build_models(self.mesh, self.rules, abstract=True)
+    student, extras = self.build_models(self.mesh, self.rules, abstract=True, quantize=quantize)
     runtime.per_process_batch(self.batch_size)
     local = self.batch_size // jax.process_count()
     shapes = {k: jax.ShapeDtypeStruct((self.batch_size, self.seq_len), v.dtype)
@@ -174,7 +241,8 @@ class Trainer:
     c = self.config
     batches = make_eval_iterator(c.data, global_batch_size=self.batch_size, seq_len=self.seq_len,
                                  num_batches=int(c.train.eval_batches), tokenizer=self.tokenizer)
-    return self.engine.evaluate(state, batches)
+    return self.engine_at(int(jax.device_get(self.engine.runner.fetch_state(state).step))
+                          ).evaluate(state, batches)
 
   def run(self) -> dict[str, float]:
     c = self.config
@@ -187,7 +255,7 @@ class Trainer:
     rollbacks = int(extra.get("rollbacks", 0))
     best = extra.get("best_eval_perplexity")
     if rollbacks:
-      self.engine = self._build_engine(self._scaled_lr(rollbacks))
+      self._build_engines(self._scaled_lr(rollbacks))
     train_it = self.train_it
     if data_state is not None:
       restore_iterator_state(train_it, data_state)
@@ -209,7 +277,8 @@ class Trainer:
       while step < total_steps:
         profile.step(step, block_on=state)
         batch = next(train_it)
-        state, metrics = self.engine.runner(state, self.engine.runner.place_batch(batch))
+        runner = self.engine_at(step).runner
+        state, metrics = runner(state, runner.place_batch(batch))
         step += 1
         row = logger.record(step, metrics)
         loss = row.get("loss") if row else None
@@ -281,7 +350,7 @@ class Trainer:
     ckpt.wait()
     best_step = ckpt.best_step()
     rollbacks += 1
-    self.engine = self._build_engine(self._scaled_lr(rollbacks))
+    self._build_engines(self._scaled_lr(rollbacks))
     layout = self.engine.layout
     if best_step is None and not ckpt.all_steps():
       student, extras = self.build_models(self.mesh, self.rules, abstract=False)

@@ -12,13 +12,12 @@ import ml_collections
 from flax import nnx
 
 from distillax.distill import (AttentionTransfer, DistillStudent, FeaturePooling,
-                               FeatureProjection, LogitKD, Strategy, make_distill_objective,
-                               unwrap_student)
+                               FeatureProjection, LogitKD, Strategy, make_distill_objective)
 from distillax.distill.objective import TEACHER
 from distillax.errors import ConfigError
 from distillax.models.config import TransformerConfig
 from distillax.models.init import abstract_model, create_model
-from distillax.trainers.base import Trainer, resolve_model_config
+from distillax.trainers.base import Trainer, place_module, resolve_model_config
 
 
 def default_distill_config() -> ml_collections.ConfigDict:
@@ -133,7 +132,7 @@ class DistillTrainer(Trainer):
     chunk = int(self.config.distill.chunk_size) or None
     return make_distill_objective(self.strategy(), chunk_size=chunk)
 
-  def build_models(self, mesh, rules, *, abstract: bool):
+  def build_models(self, mesh, rules, *, abstract: bool, quantize: bool = True):
     teacher_cfg, strategy = self.teacher_config(), self.strategy()
     seed = int(self.config.seed)
 
@@ -142,20 +141,11 @@ class DistillTrainer(Trainer):
                             rngs=nnx.Rngs(seed + 1), param_dtype=self.model_config.param_dtype)
 
     if abstract:
-      student = nnx.eval_shape(lambda: wrap(abstract_model(self.model_config, seed)))
-      return student, {TEACHER: abstract_model(teacher_cfg, seed)}
-    student = self.build_student_model(mesh, rules, abstract=False)
-    student = self._place(wrap(student), mesh, rules)
+      student = self.build_student_model(mesh, rules, abstract=True, quantize=quantize)
+      return nnx.eval_shape(lambda: wrap(student)), {TEACHER: abstract_model(teacher_cfg, seed)}
+    student = self.build_student_model(mesh, rules, abstract=False, quantize=quantize)
+    student = place_module(wrap(student), mesh, rules)
     return student, {TEACHER: self._load_teacher(teacher_cfg, mesh, rules)}
-
-  def _place(self, module, mesh, rules):
-    """Projections are created eagerly; put the whole wrapper on the mesh by its rules."""
-    import jax
-    from distillax import partitioning as pt
-    graph, state = nnx.split(module)
-    values = nnx.to_pure_dict(state)
-    shardings = pt.tree_shardings(values, pt.logical_tree(state), mesh, rules)
-    return nnx.merge(graph, jax.device_put(values, shardings))
 
   def _load_teacher(self, cfg: TransformerConfig, mesh, rules):
     t = self.config.teacher
@@ -170,9 +160,6 @@ class DistillTrainer(Trainer):
     if model.config != cfg:
       model = _recast(model, cfg, mesh, rules)
     return model
-
-  def export_model(self, student):
-    return unwrap_student(student)[0]
 
 
 def _hf_model_config(path: str) -> TransformerConfig:

@@ -1,0 +1,25 @@
+"""Quantization-aware training: int4 weights / int8 activations fake-quantized in the forward,
+straight-through backward, next-token objective. Quantization-aware *distillation* is
+distillax/configs/qat_distill.py (the same `qat` section on the distill trainer).
+
+  distillax train --config distillax/configs/qat.py --workdir runs/qat \
+      --config.train.init_from=runs/lm
+  distillax train --config distillax/configs/qat.py:tiny --workdir runs/qat_tiny
+Other types: --config.qat.rules="(('.*', 'int8', None, None),)" or nf4 / float8_e4m3fn weights.
+"""
+
+from distillax.configs.common import base_config, shrink_for_tiny
+
+
+def get_config(arg: str | None = None):
+  c = base_config("demo_student")
+  c.trainer = "lm"
+  c.qat.rules = ((".*", "int4", "int8", None),)
+  c.qat.start_step = 0
+  c.optimizer.learning_rate = 1e-4
+  if arg == "tiny":
+    shrink_for_tiny(c)
+    c.qat.start_step = 2  # exercise the delayed start: 2 full-precision steps first
+  elif arg:
+    raise ValueError(f"unknown config argument {arg!r}; use ':tiny' or nothing")
+  return c
