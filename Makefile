@@ -23,7 +23,7 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 	touch $@ $(VENV)/.core
 
 demo: $(VENV)/.core
-	$(BIN)/python -m distillax.partitioning
+	$(BIN)/distillax train --config distillax/configs/demo.py --workdir $(WORKDIR)
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

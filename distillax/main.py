@@ -128,7 +128,8 @@ def _train(config, workdir: str | None) -> int:
     raise UserError("--workdir is required for train, e.g. --workdir runs/my_run")
   trainer = get_trainer(config.trainer)(config, workdir)
   summary = trainer.run()
-  print(f"distillax train: done at step {summary.get('step')}; workdir {os.path.abspath(workdir)}")
+  at = f" at step {summary['step']}" if "step" in summary else ""
+  print(f"distillax train: done{at}; workdir {os.path.abspath(workdir)}")
   return 0
 
 

@@ -10,6 +10,8 @@ def get_trainer(name: str):
   registry = {"lm": Trainer}
   from distillax.trainers.distill import DistillTrainer
   registry["distill"] = DistillTrainer
+  from distillax.demo import DemoPipeline
+  registry["demo"] = DemoPipeline
   if name not in registry:
     raise ConfigError(f"trainer={name!r} is unknown; use one of {', '.join(sorted(registry))}")
   return registry[name]

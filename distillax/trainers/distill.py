@@ -101,9 +101,9 @@ def strategy_from_config(c, student: TransformerConfig, teacher: TransformerConf
 class DistillTrainer(Trainer):
   name = "distill"
 
-  def setup(self, *, with_data: bool = True) -> None:
-    self._teacher_cfg = None
-    super().setup(with_data=with_data)
+  def __init__(self, config, workdir: str):
+    super().__init__(config, workdir)
+    self._teacher_cfg: TransformerConfig | None = None
 
   def teacher_config(self) -> TransformerConfig:
     if self._teacher_cfg is None:
