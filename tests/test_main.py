@@ -4,6 +4,7 @@ import glob
 import json
 import os
 
+import numpy as np
 import pytest
 
 from distillax.main import main
@@ -11,6 +12,8 @@ from distillax.main import main
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "distillax", "configs", "*.py"))
                  if os.path.basename(p) not in ("__init__.py", "common.py"))
+DEMO = os.path.join(ROOT, "distillax", "configs", "demo.py")
+JOBS = [p for p in CONFIGS if p != DEMO]
 LM = os.path.join(ROOT, "distillax", "configs", "lm.py")
 
 
@@ -21,7 +24,7 @@ def test_every_config_has_its_launch_command_in_the_docstring():
     assert f"--config {name}" in source, f"{name}: docstring lacks its launch command"
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=os.path.basename)
+@pytest.mark.parametrize("config", JOBS, ids=os.path.basename)
 def test_every_config_trains_on_tiny_overrides(config, tmp_path):
   workdir = tmp_path / "run"
   code = main(["distillax", "train", "--config", f"{config}:tiny", "--workdir", str(workdir),
@@ -32,6 +35,26 @@ def test_every_config_trains_on_tiny_overrides(config, tmp_path):
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["step"] == 3 and summary["finished"]
   assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 3
+
+
+def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path, capsys):
+  workdir = tmp_path / "demo"
+  argv = ["distillax", "train", "--config", f"{DEMO}:tiny", "--workdir", str(workdir)]
+  assert main(argv) == 0
+  report = json.loads((workdir / "report.json").read_text())
+  for stage in ("teacher", "student_scratch", "student_kd", "student_ptq_int4",
+                "student_qat_int4"):
+    assert np.isfinite(report[stage]["val_loss"]), stage
+    assert (workdir / stage / "summary.json").exists() or stage == "student_ptq_int4"
+  assert report["teacher"]["top1_agreement"] == 1.0
+  # int4 export is much smaller than the fp32 one and reloads to the fake-quant forward.
+  assert report["student_qat_int4"]["bytes_on_disk"] < report["student_kd"]["bytes_on_disk"] / 2
+  assert report["checks"]["int4_export_max_abs_ce_sum_diff"] < 1e-3
+  assert (workdir / "report.md").read_text().count("|") > 30
+  assert (workdir / "loss_curves.png").stat().st_size > 10_000
+  capsys.readouterr()
+  assert main(argv) == 0
+  assert capsys.readouterr().out.count("finished earlier, reusing") == 4
 
 
 def _bad(tmp_path):
