@@ -129,7 +129,9 @@ def _train(config, workdir: str | None) -> int:
   trainer = get_trainer(config.trainer)(config, workdir)
   summary = trainer.run()
   at = f" at step {summary['step']}" if "step" in summary else ""
-  print(f"distillax train: done{at}; workdir {os.path.abspath(workdir)}")
+  import jax
+  if jax.process_index() == 0:
+    print(f"distillax train: done{at}; workdir {os.path.abspath(workdir)}")
   return 0
 
 

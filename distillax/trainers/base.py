@@ -289,6 +289,7 @@ class Trainer:
           last_eval = {} if bad_loss else self.evaluate(state)
           if last_eval:
             logger.write(step, last_eval)
+          if last_eval and self.primary:
             progress.log(f"step {step}: eval loss {last_eval['eval_loss']:.4f}, perplexity "
                          f"{last_eval['eval_perplexity']:.3f}")
           ppl = last_eval.get("eval_perplexity", math.inf)
