@@ -18,7 +18,7 @@ from distillax import partitioning as pt
 from distillax.errors import UserError
 
 FORMATS = ("hf", "quantized")
-DEFAULT_QUANT_RULES = ((".*", "int4", "int8", None),)
+DEFAULT_QUANT_RULES = (("", None, None, None), (".*", "int4", "int8", None))
 
 
 def run_export(config, workdir: str | None, output: str | None, fmt: str) -> int:

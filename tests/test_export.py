@@ -36,7 +36,7 @@ def test_export_hf_and_quantized_from_a_qat_run(tmp_path):
   np.testing.assert_allclose(got, want, atol=1e-5)
   # The int4 file equals the fake-quant (PTQ-rounded) forward of the same weights, placed alike
   # (int8 activation rounding flips on last-bit differences of another reduction order).
-  qcfg = {"rules": [(".*", "int4", "int8", None)]}
+  qcfg = {"rules": [("", None, None, None), (".*", "int4", "int8", None)]}  # as qat.py
   fake = quant.quantize_post_training(trained, qcfg, tokens[:1])
   loaded = quant.load_quantized(str(tmp_path / "int4"), mesh=mesh, rules=rules,
                                 sample_tokens=tokens[:1])

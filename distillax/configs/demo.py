@@ -49,7 +49,9 @@ def get_config(arg: str | None = None):
   c.distill = default_distill_config()
   c.distill.logit.weight = 1.0
   c.distill.feature_pooling.weight = 0.5
-  c.quant_rules = ((".*", "int4", "int8", None),)  # QAT/PTQ/export: int4 weights, int8 acts
+  # QAT/PTQ/export: int4 weights, int8 activations; the tied embedding (module path "")
+  # stays full precision, as deployments usually keep it.
+  c.quant_rules = (("", None, None, None), (".*", "int4", "int8", None))
   c.report_eval_batches = 16  # validation batches behind every number of the report
   c.sample_prompts = ("def ", "import ", "class ")  # samples printed at the end
   c.sample_tokens = 48  # tokens generated per sample

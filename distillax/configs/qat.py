@@ -14,7 +14,7 @@ from distillax.configs.common import base_config, shrink_for_tiny
 def get_config(arg: str | None = None):
   c = base_config("demo_student")
   c.trainer = "lm"
-  c.qat.rules = ((".*", "int4", "int8", None),)
+  c.qat.rules = (("", None, None, None), (".*", "int4", "int8", None))  # embedding kept fp
   c.qat.start_step = 0
   c.optimizer.learning_rate = 1e-4
   if arg == "tiny":

@@ -10,6 +10,6 @@ from distillax.configs import distill
 
 def get_config(arg: str | None = None):
   c = distill.get_config(arg)
-  c.qat.rules = ((".*", "int4", "int8", None),)
+  c.qat.rules = (("", None, None, None), (".*", "int4", "int8", None))  # embedding kept fp
   c.optimizer.learning_rate = 1e-4 if not arg else c.optimizer.learning_rate
   return c

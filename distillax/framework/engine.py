@@ -32,7 +32,7 @@ class Engine:
   runner: backends.StepRunner
   mesh: Mesh
   rules: pt.RuleSet
-  objective: Objective
+  objective: Objective  # the one evaluation runs (training may add dropout on top)
   _eval: Any = None
 
   def init_state(self, student: nnx.Module, extras: Mapping[str, nnx.Module], seed: int):
@@ -78,8 +78,11 @@ def build_engine(student: nnx.Module, extras: Mapping[str, nnx.Module], objectiv
                  optimizer_cfg: Any, total_steps: int, mesh: Mesh, rules: pt.RuleSet,
                  backend: str, batch_shapes: Mapping[str, jax.ShapeDtypeStruct], *,
                  accum_steps: int = 1, trainable: Any = nnx.Param,
-                 compile_now: bool = True) -> Engine:
-  """`student`/`extras` may be abstract (nnx.eval_shape) or real modules: only shapes are read."""
+                 compile_now: bool = True, eval_objective: Objective | None = None) -> Engine:
+  """`student`/`extras` may be abstract (nnx.eval_shape) or real modules: only shapes are read.
+
+  `eval_objective` (default: `objective`) serves evaluation, e.g. without training-only dropout.
+  """
   global_batch = next(iter(batch_shapes.values())).shape[0]
   data_parallel = mesh.shape[backends.DATA_AXIS] if backend != "pmap" else jax.device_count()
   backends.check_batch_size(global_batch, data_parallel, accum_steps, jax.process_count())
@@ -91,7 +94,7 @@ def build_engine(student: nnx.Module, extras: Mapping[str, nnx.Module], objectiv
                                            accum_steps=accum_steps, axis_name=axis)
   runner = backends.build_runner(backend, make_step, layout, mesh, rules, batch_shapes,
                                  compile_now=compile_now)
-  return Engine(layout, tx, schedule, runner, mesh, rules, objective)
+  return Engine(layout, tx, schedule, runner, mesh, rules, eval_objective or objective)
 
 
 __all__ = ["Engine", "TrainState", "build_engine"]

@@ -1,0 +1,35 @@
+"""Quantization for deployment, as transforms of a student model (the step does not change).
+
+  QuantConfig / QuantRule       ordered (module_path regex, weight_qtype, act_qtype, tile_size)
+  quantize_for_training         QAT: fake-quantized forward, straight-through backward, same state
+  full_precision, check_swappable   the delayed start (`start_step`) swaps GraphDefs, not state
+  quantize_post_training        PTQ baseline: weights rounded once (+ activation rounding)
+  apply_lora / merge_lora       LoRA adapters (LoRAParam, trainable=LoRAParam); base_qtype: QLoRA
+  save_adapters / load_adapters the adapters alone, safetensors
+  with_lora_dropout             the training objective with adapter dropout keyed by the step rng
+  export_quantized / load_quantized / size_report   integer weights + scales, safetensors + JSON
+
+Built on qwix's numerics (`qwix.quantize` / `dequantize`) and its interception of `jnp.einsum`;
+see intercept.py for why its QtProvider matmul is not used.
+"""
+
+from distillax.quant.config import (ACT_QTYPES, WEIGHT_QTYPES, QuantConfig, QuantRule,
+                                    default_qat_config)
+from distillax.quant.export import (export_quantized, format_size_report, load_quantized,
+                                    size_report)
+from distillax.quant.fakequant import QuantSiteParam, WeightQuant
+from distillax.quant.lora import (LoRAParam, LoRAWeight, apply_lora, load_adapters, lora_dropout,
+                                  merge_lora, save_adapters, with_lora_dropout)
+from distillax.quant.qat import (check_swappable, full_precision, quantize_for_training,
+                                 quantize_post_training)
+from distillax.quant.sites import MatmulSite, find_matmul_sites
+from distillax.quant.weights import QuantizedValue, QuantizedWeight
+
+__all__ = [
+    "ACT_QTYPES", "WEIGHT_QTYPES", "QuantConfig", "QuantRule", "default_qat_config",
+    "export_quantized", "format_size_report", "load_quantized", "size_report", "QuantSiteParam",
+    "WeightQuant", "LoRAParam", "LoRAWeight", "apply_lora", "load_adapters", "lora_dropout",
+    "merge_lora", "save_adapters", "with_lora_dropout", "check_swappable", "full_precision",
+    "quantize_for_training", "quantize_post_training", "MatmulSite", "find_matmul_sites",
+    "QuantizedValue", "QuantizedWeight",
+]

@@ -152,7 +152,7 @@ def strip(model: nnx.Module) -> nnx.Module:
   """A copy of `model` with no interception: its own class, no qwix attributes."""
   plain = nnx.clone(model)
   plain.__class__ = unintercepted_type(plain)
-  for _, module in plain.iter_modules():
+  for _, module in nnx.iter_modules(plain):
     for name in QWIX_ATTRS:
       if name in vars(module):
         delattr(module, name)

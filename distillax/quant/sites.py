@@ -19,6 +19,7 @@ from flax import nnx
 
 from distillax.errors import ConfigError, UserError
 from distillax.quant import intercept
+from distillax.quant.fakequant import WeightQuant
 from distillax.quant.graph import get_path, path_name, set_path
 
 
@@ -45,7 +46,6 @@ class MatmulSite:
 
   def quant(self, qtype: str, tile_size: int | None, compute_dtype, act_qtype=None):
     """The WeightQuant of this weight under a rule; checks that tiles divide."""
-    from distillax.quant.fakequant import WeightQuant  # pylint: disable=import-outside-toplevel
     if tile_size:
       dim = self.shape[self.contract_axes[-1]]
       if dim % tile_size:
@@ -121,20 +121,26 @@ def find_matmul_sites(model: nnx.Module, sample_tokens: jax.Array | None = None
   """Every (weight, matmul) pair of one forward, in call order, one entry per weight.
 
   Works on real or abstract (`nnx.eval_shape`) models and costs one abstract trace.
+  `sample_tokens` is the model's input (a dummy int32 [1, 2] when omitted).
   """
   if has_wrapped_weights(model):
     raise UserError("the model has LoRA adapters; call distillax.quant.merge_lora(model) first")
   probe = intercept.strip(model)
   for path, node in list(nnx.iter_graph(probe)):
-    if type(node) is nnx.Param:  # pylint: disable=unidiomatic-typecheck
+    if isinstance(node, nnx.Param):  # fake-quant weights (QuantSiteParam) included
       meta = {k: v for k, v in node.get_metadata().items()
-              if k not in ("hijax", "ref", "eager_sharding")}
+              if k not in ("hijax", "ref", "eager_sharding", "quant", "round_on_read")}
       set_path(probe, path, _ProbeParam(node.get_raw_value(), probe_path=tuple(path), **meta))
   recorder = _SiteRecorder()
   tokens = jnp.zeros((1, 2), jnp.int32) if sample_tokens is None else sample_tokens
   traced = intercept.install(probe, recorder, tokens)
   graphdef, state = nnx.split(traced)
-  jax.eval_shape(lambda s, t: nnx.merge(graphdef, s)(t).logits_BxLxV, state, tokens)
+
+  def forward(s, t):
+    out = nnx.merge(graphdef, s)(t)
+    return getattr(out, "logits_BxLxV", out)
+
+  jax.eval_shape(forward, state, tokens)
   intercept.clear_reads()
 
   sites, seen = [], {}

@@ -208,9 +208,15 @@ class Trainer:
     local = self.batch_size // jax.process_count()
     shapes = {k: jax.ShapeDtypeStruct((self.batch_size, self.seq_len), v.dtype)
               for k, v in self._batch_dtypes(local).items()}
-    return build_engine(student, extras, self.objective(), optimizer_cfg, int(c.train.steps),
+    objective = self.objective()
+    train_objective = objective
+    if self.lora_enabled and float(c.lora.dropout) > 0:
+      from distillax.quant import with_lora_dropout
+      train_objective = with_lora_dropout(objective)
+    return build_engine(student, extras, train_objective, optimizer_cfg, int(c.train.steps),
                         self.mesh, self.rules, c.backend, shapes,
-                        accum_steps=int(c.train.accum_steps), trainable=self.trainable())
+                        accum_steps=int(c.train.accum_steps), trainable=self.trainable(),
+                        eval_objective=objective)
 
   def _batch_dtypes(self, local: int) -> Mapping[str, Any]:
     import numpy as np

@@ -1,0 +1,88 @@
+"""QAT recovers the loss PTQ loses: a tiny student learns a sparse bigram (Markov) distribution;
+from step N the run either continues in full precision (then PTQ) or continues as a fake-quant
+student (the delayed-start swap, same optimizer state and schedule) for the same K steps.
+
+recovery = (PTQ loss - QAT loss) / (PTQ loss - full-precision loss), on held-out sequences.
+"""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from distillax import partitioning as pt
+from distillax.framework import optim
+from distillax.framework.engine import build_engine
+from distillax.quant import QuantConfig, quantize_for_training, quantize_post_training
+from distillax.trainers.lm import lm_objective
+from tests.quant.helpers import TINY1, markov_batches, markov_table, numpy_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+N_STEPS, K_STEPS, BATCH, LENGTH = 300, 150, 32, 32
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _loss(graphdef, state, batch):
+  out = lm_objective(nnx.merge(graphdef, state), {}, batch, None)
+  return out.loss_sum / out.tokens
+
+
+def _val_loss(model, batches):
+  graphdef, state = nnx.split(model)
+  return float(np.mean([_loss(graphdef, state, b) for b in batches]))
+
+
+def _with_params(model, params):
+  graphdef, state = nnx.split(model)
+  nnx.replace_by_pure_dict(state, jax.device_get(params))
+  return nnx.merge(graphdef, state)
+
+
+def _run(engine, state, batches):
+  for batch in batches:
+    state, _ = engine.runner(state, engine.runner.place_batch(batch))
+  return state
+
+
+@pytest.mark.slow
+def test_qat_recovers_most_of_the_ptq_degradation():
+  config = TINY1.replace(max_seq_len=64)
+  table = markov_table(config.vocab_size, successors=2, seed=0)
+  train = markov_batches(table, N_STEPS + K_STEPS, BATCH, LENGTH, seed=1)
+  val = markov_batches(table, 4, 128, LENGTH, seed=2)
+  mesh = pt.create_mesh({"data": 1, "model": 1}, devices=jax.devices()[:1])
+  rules = pt.rules_from_config({"strategy": "dp"})
+  opt = optim.default_optimizer_config()
+  opt.learning_rate, opt.warmup_steps, opt.weight_decay, opt.end_lr_fraction = 3e-3, 20, 0.0, 0.0
+  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in train[0].items()}
+  build = lambda m: build_engine(m, {}, lm_objective, opt, N_STEPS + K_STEPS, mesh, rules, "jit",
+                                 shapes)
+
+  model = numpy_model(config, seed=0)
+  fp_engine = build(model)
+  state = _run(fp_engine, fp_engine.init_state(model, {}, seed=0), train[:N_STEPS])
+  at_start = jax.device_get(state)  # the engine donates its input state
+  fp = _with_params(model, _run(fp_engine, jax.device_put(at_start), train[N_STEPS:]).params)
+  fp_loss = _val_loss(fp, val)
+
+  results = {}
+  for qtype in ("int4", "int8"):
+    qcfg = QuantConfig.simple(qtype)  # per-channel weights, activations in full precision
+    ptq_loss = _val_loss(quantize_post_training(fp, qcfg), val)
+    qat_model = quantize_for_training(model, qcfg)
+    qat_state = _run(build(qat_model), jax.device_put(at_start), train[N_STEPS:])
+    qat_loss = _val_loss(_with_params(qat_model, qat_state.params), val)
+    results[qtype] = dict(fp=fp_loss, ptq=ptq_loss, qat=qat_loss,
+                          recovery=(ptq_loss - qat_loss) / (ptq_loss - fp_loss))
+  print("\nQAT recovery (val loss):", {q: {k: round(v, 5) for k, v in r.items()}
+                                      for q, r in results.items()})
+
+  int4, int8 = results["int4"], results["int8"]
+  assert int4["ptq"] - fp_loss > 2e-3  # int4 PTQ costs something measurable here
+  assert int4["recovery"] > 0.6, int4
+  # int8 PTQ is nearly lossless, so its ratio is a ratio of noise; QAT must not hurt though.
+  assert abs(int8["ptq"] - fp_loss) < 0.1 * (int4["ptq"] - fp_loss), int8
+  assert int8["qat"] < int8["ptq"] + 1e-3, int8
