@@ -42,8 +42,8 @@ def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path,
   argv = ["distillax", "train", "--config", f"{DEMO}:tiny", "--workdir", str(workdir)]
   assert main(argv) == 0
   report = json.loads((workdir / "report.json").read_text())
-  for stage in ("teacher", "student_scratch", "student_kd", "student_ptq_int4",
-                "student_qat_int4"):
+  for stage in ("teacher", "student_scratch", "student_kd", "student_kd_fp",
+                "student_ptq_int4", "student_qat_int4"):
     assert np.isfinite(report[stage]["val_loss"]), stage
     assert (workdir / stage / "summary.json").exists() or stage == "student_ptq_int4"
   assert report["teacher"]["top1_agreement"] == 1.0
@@ -54,7 +54,7 @@ def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path,
   assert (workdir / "loss_curves.png").stat().st_size > 10_000
   capsys.readouterr()
   assert main(argv) == 0
-  assert capsys.readouterr().out.count("finished earlier, reusing") == 4
+  assert capsys.readouterr().out.count("finished earlier, reusing") == 5
 
 
 def _bad(tmp_path):

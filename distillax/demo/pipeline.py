@@ -17,10 +17,11 @@ from absl import logging
 from distillax.configs.common import base_config
 from distillax.trainers.base import SUMMARY_FILE
 
-TRAINED_STAGES = ("teacher", "student_scratch", "student_kd", "student_qat_int4")
-REPORT_STAGES = ("teacher", "student_scratch", "student_kd", "student_ptq_int4",
-                 "student_qat_int4")
-
+# student_kd_fp: the distilled student trained on, in full precision, for as many extra steps as
+# QAT takes: the fair source of the PTQ baseline and the full-precision reference of the QAT
+# recovery ratio (QAT must not win merely by training longer).
+TRAINED_STAGES = ("teacher", "student_scratch", "student_kd", "student_kd_fp",
+                  "student_qat_int4")
 
 def _copy_common(c: ml_collections.ConfigDict, demo: ml_collections.ConfigDict) -> None:
   c.seed = demo.seed
@@ -58,12 +59,13 @@ def stage_config(demo: ml_collections.ConfigDict, stage: str, workdir: str
   c.distill.update(demo.distill.copy_and_resolve_references())
   if stage == "student_kd":
     return c
-  if stage == "student_qat_int4":
+  if stage in ("student_kd_fp", "student_qat_int4"):
     c.train.steps = demo.qat_steps
     c.train.init_from = os.path.join(workdir, "student_kd")
     c.optimizer.learning_rate = demo.qat_learning_rate
     c.optimizer.warmup_steps = min(c.optimizer.warmup_steps, max(demo.qat_steps // 10, 1))
-    c.qat.rules = tuple(tuple(r) for r in demo.quant_rules)
+    if stage == "student_qat_int4":
+      c.qat.rules = tuple(tuple(r) for r in demo.quant_rules)
     return c
   raise ValueError(f"unknown demo stage {stage!r}")
 

@@ -296,8 +296,8 @@ class Trainer:
           if last_eval:
             logger.write(step, last_eval)
           if last_eval and self.primary:
-            progress.log(f"step {step}: eval loss {last_eval['eval_loss']:.4f}, perplexity "
-                         f"{last_eval['eval_perplexity']:.3f}")
+            progress.log(f"step {step}: eval objective {last_eval['eval_loss']:.4f}, "
+                         f"next-token perplexity {last_eval['eval_perplexity']:.3f}")
           ppl = last_eval.get("eval_perplexity", math.inf)
           limit = (best or math.inf) * (1 + float(c.train.rollback_threshold))
           if bad_loss or not math.isfinite(ppl) or ppl > limit:
