@@ -41,6 +41,8 @@ def make_schedule(cfg, total_steps: int) -> optax.Schedule:
   warmup = int(cfg.get("warmup_steps", 0))
   end = peak * float(cfg.get("end_lr_fraction", 0.0))
   kind = cfg.get("schedule", "constant")
+  if kind not in SCHEDULES:
+    raise ConfigError(f"optimizer.schedule={kind!r} is unknown; use one of {', '.join(SCHEDULES)}")
   if kind == "constant":
     return optax.constant_schedule(peak) if warmup == 0 else optax.join_schedules(
         [optax.linear_schedule(0.0, peak, warmup), optax.constant_schedule(peak)], [warmup])
@@ -49,10 +51,8 @@ def make_schedule(cfg, total_steps: int) -> optax.Schedule:
                       f"{total_steps}; lower the warmup or raise the steps")
   if kind == "warmup_cosine":
     return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, total_steps, end)
-  if kind == "warmup_linear":
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
-                                 optax.linear_schedule(peak, end, total_steps - warmup)], [warmup])
-  raise ConfigError(f"optimizer.schedule={kind!r} is unknown; use one of {', '.join(SCHEDULES)}")
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
+                               optax.linear_schedule(peak, end, total_steps - warmup)], [warmup])
 
 
 def decay_mask(params: Any, no_decay: str) -> Any:
