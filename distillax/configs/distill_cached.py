@@ -10,7 +10,8 @@ distillax/configs/lm.py with the demo_teacher model:
       --config.teacher.cache_dir=runs/kd_cache
 Without teacher.cache_dir the same config distils online with LogitKD(top_k=cache.top_k), the
 loss the cache reproduces. A seconds-long pair with a fresh tiny teacher:
-  distillax cache-teacher --config distillax/configs/distill_cached.py:tiny --workdir runs/cache_tiny
+  distillax cache-teacher --config distillax/configs/distill_cached.py:tiny \
+      --workdir runs/cache_tiny
   distillax train --config distillax/configs/distill_cached.py:tiny --workdir runs/kd_cached_tiny \
       --config.teacher.cache_dir=runs/cache_tiny
 """

@@ -10,6 +10,8 @@ def get_trainer(name: str):
   registry = {"lm": Trainer}
   from distillax.trainers.distill import DistillTrainer
   registry["distill"] = DistillTrainer
+  from distillax.distill.sequence_kd import SequenceKDTrainer
+  registry["sequence_kd"] = SequenceKDTrainer
   from distillax.demo import DemoPipeline
   registry["demo"] = DemoPipeline
   if name not in registry:

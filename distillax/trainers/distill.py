@@ -4,6 +4,10 @@ The teacher comes from a distillax run (`teacher.workdir`), a Hugging Face check
 (`teacher.hf_path`) or, for tests, a preset with fresh weights (`teacher.model`). Both models are
 sharded by the same rules on the same mesh, each with its own dtypes. The strategy is a weighted
 sum of the configured terms (`distill.*.weight > 0`); see `distillax.distill` for each one.
+
+With `teacher.cache_dir` (written by `distillax cache-teacher`) no teacher is loaded at all: the
+strategy is CachedLogitKD, the batches come from the cache and eval is hard-label CE on the
+validation split (distillax/distill/cache_job.py).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def default_teacher_config() -> ml_collections.ConfigDict:
   c.preset = "demo_teacher"  # or a preset with fresh weights (tests, benchmarks)
   c.param_dtype = ""  # override the teacher's parameter dtype ('' = as stored)
   c.dtype = ""  # override the teacher's compute dtype ('' = as stored)
+  c.cache_dir = ""  # an offline teacher cache (distillax cache-teacher): train without a teacher
   return c
 
 
@@ -104,8 +109,23 @@ class DistillTrainer(Trainer):
   def __init__(self, config, workdir: str):
     super().__init__(config, workdir)
     self._teacher_cfg: TransformerConfig | None = None
+    self._cache_info = None
 
-  def teacher_config(self) -> TransformerConfig:
+  @property
+  def cache_dir(self) -> str:
+    """The offline teacher cache this run trains from ('' = an online teacher)."""
+    return str(self.config.teacher.get("cache_dir", "") or "")
+
+  def cache_info(self):
+    if self._cache_info is None:
+      from distillax.distill.cache import read_cache_info
+      self._cache_info = read_cache_info(self.cache_dir)
+    return self._cache_info
+
+  def teacher_config(self) -> TransformerConfig | None:
+    """The teacher's config; None when training from a cache (no teacher runs in the step)."""
+    if self.cache_dir:
+      return None
     if self._teacher_cfg is None:
       t = self.config.teacher
       if t.workdir:
@@ -126,26 +146,61 @@ class DistillTrainer(Trainer):
     return self._teacher_cfg
 
   def strategy(self) -> Strategy:
+    if self.cache_dir:
+      from distillax.distill import cache_job
+      return cache_job.cached_strategy(self.config.distill, self.cache_info(),
+                                       self.model_config.vocab_size)
     return strategy_from_config(self.config.distill, self.model_config, self.teacher_config())
 
   def objective(self):
     chunk = int(self.config.distill.chunk_size) or None
+    if self.cache_dir:
+      from distillax.distill import cache_job
+      return cache_job.cached_objective(self.strategy(), chunk_size=chunk)
     return make_distill_objective(self.strategy(), chunk_size=chunk)
 
+  def _train_iterator(self):
+    if not self.cache_dir:
+      return super()._train_iterator()
+    from distillax.distill import cache_job
+    return cache_job.cached_train_iterator(self.cache_dir, global_batch_size=self.batch_size,
+                                           seq_len=self.seq_len, seed=int(self.config.seed),
+                                           temperature=float(self.config.distill.logit.temperature))
+
+  def _build_engine(self, learning_rate: float, quantize: bool = True):
+    if not self.cache_dir:
+      return super()._build_engine(learning_rate, quantize)
+    from distillax.distill import cache_job
+    return cache_job.build_cached_engine(self, learning_rate, quantize)
+
   def build_models(self, mesh, rules, *, abstract: bool, quantize: bool = True):
-    teacher_cfg, strategy = self.teacher_config(), self.strategy()
+    teacher_cfg = self.teacher_config()
+    # From a cache there is no teacher and nothing to project to (CachedLogitKD only).
+    strategy = self.strategy() if teacher_cfg is not None else None
     seed = int(self.config.seed)
 
     def wrap(model):
-      return DistillStudent(model, strategy, teacher_embed_dim=teacher_cfg.embed_dim,
+      return DistillStudent(model, strategy,
+                            teacher_embed_dim=teacher_cfg.embed_dim if teacher_cfg else None,
                             rngs=nnx.Rngs(seed + 1), param_dtype=self.model_config.param_dtype)
 
     if abstract:
       student = self.build_student_model(mesh, rules, abstract=True, quantize=quantize)
-      return nnx.eval_shape(lambda: wrap(student)), {TEACHER: abstract_model(teacher_cfg, seed)}
+      extras = {} if teacher_cfg is None else {TEACHER: abstract_model(teacher_cfg, seed)}
+      return nnx.eval_shape(lambda: wrap(student)), extras
     student = self.build_student_model(mesh, rules, abstract=False, quantize=quantize)
     student = place_module(wrap(student), mesh, rules)
+    if teacher_cfg is None:
+      return student, {}
     return student, {TEACHER: self._load_teacher(teacher_cfg, mesh, rules)}
+
+  def load_teacher(self, mesh, rules):
+    """The frozen teacher alone, sharded on `mesh` (the cache-teacher and sequence-KD jobs)."""
+    cfg = self.teacher_config()
+    if cfg is None:
+      raise ConfigError("teacher.cache_dir is set, but this job runs the teacher itself; clear "
+                        "--config.teacher.cache_dir and name teacher.workdir, hf_path or preset")
+    return self._load_teacher(cfg, mesh, rules)
 
   def _load_teacher(self, cfg: TransformerConfig, mesh, rules):
     t = self.config.teacher
