@@ -1,0 +1,128 @@
+"""Smoke tests: every benchmark script runs with --quick and its JSON holds figures that agree
+with hand arithmetic (parameter counts, shard sizes, FLOPs) and with a second code path (the
+hand-written step, the other backends)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distillax.models.config import get_preset
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_script(name: str, out: Path) -> dict:
+  proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--quick",
+                         "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return json.loads((out / f"{name}.json").read_text())
+
+
+def layer_params(c) -> int:
+  """Parameters of one decoder block from the config, by hand: q, k, v, o, gated MLP, 2 norms."""
+  attn = c.embed_dim * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+  return attn + 3 * c.embed_dim * c.mlp_dim + 2 * c.embed_dim
+
+
+def total_params(c, layers=None) -> int:
+  head = 0 if c.tie_embeddings else c.vocab_size * c.embed_dim
+  return ((layers or c.num_layers) * layer_params(c) + c.vocab_size * c.embed_dim + head
+          + c.embed_dim)
+
+
+def train_flops(c, batch, seq) -> float:
+  """3 x forward matmul FLOPs: projections, causal attention (half of L x L), output layer."""
+  tokens = batch * seq
+  proj = (c.embed_dim * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+          + 3 * c.embed_dim * c.mlp_dim)
+  attn = 2 * 2 * batch * c.num_heads * c.head_dim * seq * seq / 2
+  forward = c.num_layers * (2 * tokens * proj + attn) + 2 * tokens * c.embed_dim * c.vocab_size
+  return 3 * forward
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("bench")
+
+
+def test_step(out_dir):
+  res = run_script("step", out_dir)
+  (suite,) = res["backends"]
+  assert {r["variant"] for r in suite["rows"]} == {"jit/dp", "pmap"}
+  assert suite["loss_check"]["pass"]
+  losses = [r["final_loss"] for r in suite["rows"]]
+  assert max(losses) - min(losses) <= 1e-4 * abs(losses[0])
+  ref = next(r for r in suite["rows"] if r["variant"] == "jit/dp")
+  assert ref["ratio_to_jit_dp"] == pytest.approx(1.0)
+  (over,) = res["overhead"]
+  assert over["devices"] == 1
+  # The hand-written flax+optax step computes the same training run as the framework.
+  assert over["framework_losses"][0] == pytest.approx(over["minimal_losses"][0], rel=1e-5)
+  assert over["framework_losses"][-1] == pytest.approx(over["minimal_losses"][-1], rel=1e-3)
+  assert over["framework_losses"][-1] < over["framework_losses"][0]  # it trains
+  assert over["framework_step_s"] > 0 and over["minimal_step_s"] > 0
+
+
+def test_scaling(out_dir):
+  res = run_script("scaling", out_dir)
+  assert res["checks_total"] >= 3 and res["checks_passed"] == res["checks_total"]
+  tiny = get_preset("tiny")
+  p = total_params(tiny)
+  rows = {(r["model"], r["strategy"]): r for r in res["rows"]}
+  fsdp = rows[("tiny", "fsdp")]["state_bytes"]
+  assert fsdp["params_total"] == 4 * p
+  assert fsdp["params_per_device"] == 4 * p / 2
+  # Adam's two fp32 moments plus two int32 step counters (adam, schedule).
+  assert fsdp["opt_total"] == 2 * 4 * p + 2 * 4
+  tp = rows[("tiny", "tp")]
+  assert tp["mesh"] == "1x2"
+  # Everything but the three norm scales carries a heads/kv_heads/mlp/vocab dim.
+  sharded = p - (2 * tiny.num_layers + 1) * tiny.embed_dim
+  assert tp["state_bytes"]["model_sharded_total"] == 4 * sharded
+  assert tp["state_bytes"]["model_sharded_per_device"] == 4 * sharded / 2
+  dp = rows[("tiny", "dp")]
+  assert dp["collectives"]["all-reduce"]["count"] >= 1
+  assert 0.95 <= dp["collectives"]["all-reduce"]["bytes"] / (4 * p) <= 1.10
+  assert dp["model_flops_per_step"] == pytest.approx(
+      train_flops(tiny, dp["global_batch"], dp["seq_len"]))
+  for r in res["rows"]:
+    if r["mode"] == "measured":
+      assert r["step_s"] > 0 and r["tokens_per_s_per_device"] > 0
+    else:
+      assert "step_s" not in r and r["memory"]["argument_size_in_bytes"] > 0
+  assert (out_dir / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_backends(out_dir):
+  res = run_script("backends", out_dir)
+  rows = {r["variant"]: r for r in res["rows"]}
+  assert set(rows) == {"jit/dp", "shard_map", "vmap"}
+  assert res["loss_check"]["pass"]
+  for r in rows.values():
+    assert r["compile_s"] > 0 and r["argument_bytes"] > 0 and r["step_s"] > 0
+  # vmap emulates 8 workers on one device: that device holds the whole batch's activations,
+  # while under jit/dp each device holds an eighth.
+  assert rows["vmap"]["temp_bytes"] > rows["jit/dp"]["temp_bytes"]
+
+
+def test_accelerator_on_cpu(out_dir):
+  res = run_script("accelerator", out_dir)
+  assert res["backend"] == "cpu"
+  rows = {r["label"]: r for r in res["rows"]}
+  assert set(rows) == {"train", "distill"}
+  tiny = get_preset("tiny")
+  assert rows["train"]["params"] == total_params(tiny)
+  teacher = rows["distill"]["teacher_params"]
+  assert teacher == total_params(tiny, layers=res["teacher"]["num_layers"])
+  assert 1.8 <= teacher / total_params(tiny) <= 2.2
+  for r in rows.values():
+    assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["step_s"])
+    assert r["mfu"] is not None and 0 < r["mfu"] < 1
+  # The distillation step adds the teacher's forward (2 FLOPs per matmul weight per token).
+  extra = rows["distill"]["model_flops_per_step"] - rows["train"]["model_flops_per_step"]
+  assert extra == pytest.approx(train_flops(get_preset("tiny", num_layers=res["teacher"][
+      "num_layers"]), rows["train"]["batch"], rows["train"]["seq_len"]) / 3)
