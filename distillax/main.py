@@ -22,7 +22,8 @@ def _fail(command: str, message: str) -> int:
 
 
 def _preset_devices(argv: list[str]) -> None:
-  """`plan --devices N` simulates N CPU devices; XLA reads this before JAX is imported."""
+  """`--devices N` simulates N CPU devices (plan; train on a CPU host, as the demo does); XLA
+  reads this before JAX is imported, so it is handled before anything imports JAX."""
   for i, arg in enumerate(argv):
     value = arg.split("=", 1)[1] if arg.startswith("--devices=") else (
         argv[i + 1] if arg == "--devices" and i + 1 < len(argv) else None)
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
   command = argv[1]
   if command not in COMMANDS:
     return _fail("", f"unknown command {command!r}; use one of {', '.join(COMMANDS)}")
-  if command == "plan":
+  if command in ("plan", "train"):
     _preset_devices(argv)
 
   from absl import flags, logging
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                       flag_values=fv)
   flags.DEFINE_integer("num_processes", None, "processes in the job", flag_values=fv)
   flags.DEFINE_integer("process_id", None, "index of this process", flag_values=fv)
-  flags.DEFINE_integer("devices", None, "plan: simulated devices to plan for", flag_values=fv)
+  flags.DEFINE_integer("devices", None, "simulate this many CPU devices (plan; CPU training)",
+                       flag_values=fv)
   flags.DEFINE_float("memory_gb", None, "plan: per-device memory to check the plan against",
                      flag_values=fv)
   flags.DEFINE_string("output", None, "export: output directory", flag_values=fv)

@@ -1,7 +1,9 @@
 """The main job: distil and quantize a model end to end on the embedded corpus, no download.
 
-  distillax train --config distillax/configs/demo.py --workdir runs/demo     (what `make demo` runs)
-  distillax train --config distillax/configs/demo.py:tiny --workdir runs/demo_tiny
+  distillax train --config distillax/configs/demo.py --workdir runs/demo --devices 8   (`make demo`)
+  distillax train --config distillax/configs/demo.py:tiny --workdir runs/demo_tiny --devices 8
+
+(`--devices 8` simulates the 8 CPU devices of the 4x2 mesh.)
 
 Stages (each its own workdir under the demo workdir; rerunning resumes/reuses them): teacher
 pretraining, student from scratch (the baseline), distilled student (LogitKD + feature pooling),
