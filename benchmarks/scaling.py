@@ -12,7 +12,7 @@ batches ShapeDtypeStructs, so no parameter is ever allocated.
 
 Checks, printed as PASS/FAIL: fsdp keeps params + optimizer state per device within 5% of
 total/N; tp keeps the weights it shards within 5% of their total / model-axis size; dp moves one
-gradient all-reduce per step (all-reduce bytes within [0.95, 1.10] of the fp32 gradient bytes).
+gradient all-reduce per step (all-reduce bytes within [0.99, 1.01] of the fp32 gradient bytes).
 Weak scaling: the global batch is `per_device_batch` sequences per device.
 
 Writes benchmarks/results/scaling.json and scaling.png.
@@ -60,7 +60,8 @@ def one_config(name, cfg, strategy, shape, per_device_batch, seq_len, measure, r
   """Compile (and maybe run) one model x preset x mesh; everything the table and checks need."""
   import jax
 
-  from benchmarks import common, hlo, sharding_checks
+  from benchmarks import common, sharding_checks
+  from distillax.framework import hlo
   from distillax.framework import flops as flops_lib
   from distillax.framework import throughput
 
@@ -91,9 +92,7 @@ def one_config(name, cfg, strategy, shape, per_device_batch, seq_len, measure, r
   if strategy == "tp" and shape[1] > 1:  # (fsdp_tp: covered by the total/N check above)
     checks.append(sharding_checks.tp_check(sb, shape[1]))
   if strategy == "dp" and n > 1:
-    tied_table = 4.0 * cfg.vocab_size * cfg.embed_dim if cfg.tie_embeddings else 0.0
-    checks.append(sharding_checks.dp_check(coll["all-reduce"]["bytes"], grad_bytes,
-                                           tied_table_bytes=tied_table))
+    checks.append(sharding_checks.dp_check(coll["all-reduce"]["bytes"], grad_bytes))
   row["checks"] = checks
   if measure:
     data = common.packed_batch(batch, seq_len, cfg.vocab_size, seed=1)
@@ -154,7 +153,8 @@ def check_cell(row) -> str:
 
 
 def print_tables(rows) -> None:
-  from benchmarks import common, hlo
+  from benchmarks import common
+  from distillax.framework import hlo
 
   def mfu_cell(r):
     return "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
@@ -262,8 +262,6 @@ def main() -> int:
   for r, c in checks:
     print(f"{'PASS' if c['pass'] else 'FAIL'}  {r['model']} {r['strategy']} {r['mesh']}: "
           f"{c['check']}: ratio {c['ratio']:.3f}")
-    if "diagnosis" in c:
-      print(f"      {c['diagnosis']}")
   failed = [c for _, c in checks if not c["pass"]]
   print(f"{len(checks) - len(failed)}/{len(checks)} checks pass")
   cut = None if args.quick else (

@@ -82,9 +82,10 @@ def run_plan(config, devices: int | None = None, memory_gb: float | None = None)
         f"{c.get('flops', float('nan')):.4g}")
   coll = r["collectives"]
   parts = ", ".join(f"{k} x{v['count']} ({fmt(v['bytes'])})" for k, v in coll.items()
-                    if k != "total")
+                    if isinstance(v, dict) and k != "total" and v["count"])
   print(f"  collectives per step per device: {parts or 'none'}; total "
-        f"{fmt(coll['total']['bytes'])}")
+        f"{fmt(coll['total']['bytes'])}"
+        + (" (a loop's trip count is unknown: counted once)" if coll["trip_count_unknown"] else ""))
   print(f"  compiled in {r['compile_seconds']:.1f}s")
   if memory_gb:
     budget = memory_gb * 2**30

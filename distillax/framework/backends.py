@@ -117,6 +117,50 @@ def global_batch_placer(mesh: Mesh, rules: pt.RuleSet):
   return place
 
 
+def _mesh_axes(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _runs_per_data_worker(mesh: Mesh, layout: StateLayout,
+                          batch_sh: Mapping[str, NamedSharding]) -> bool:
+  """Whether the jit step can run as one body per data-parallel worker: nothing in the state is
+  split over the data axis (dp, tp), and every batch input is split over it on dim 0 only."""
+  if mesh.shape[DATA_AXIS] == 1:
+    return False
+  specs = jax.tree.leaves(layout.shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+  if any(DATA_AXIS in _mesh_axes(a) for s in specs for a in s.spec):
+    return False
+  for sh in batch_sh.values():
+    spec = tuple(sh.spec)
+    if not spec or _mesh_axes(spec[0]) != (DATA_AXIS,):
+      return False
+    if any(DATA_AXIS in _mesh_axes(a) for a in spec[1:]):
+      return False
+  return True
+
+
+def _per_data_worker(body: Callable, mesh: Mesh, rules: pt.RuleSet,
+                     batch_sh: Mapping[str, NamedSharding]) -> Callable:
+  """`body` (built with the data axis name) under `shard_map` over the data axis alone.
+
+  Why: with replicated parameters GSPMD all-reduces every gradient contribution where it is
+  produced, so a scanned accumulation of A micro-batches moves A gradients per step, and a tied
+  embedding (lookup + output projection) moves its table twice unless the compiler reassociates
+  the sum (XLA:CPU does not). Per worker, the body sums all of that locally and `psum`s once.
+  The model axis stays automatic, so tensor parallelism still follows the logical rules.
+  """
+  inner_rules = rules.without_mesh_axes([DATA_AXIS])
+
+  def local(state, batch):
+    with pt.use_rules(jax.sharding.get_abstract_mesh(), inner_rules):
+      return body(state, batch)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(), {k: P(DATA_AXIS) for k in batch_sh}),
+                       out_specs=(P(), P()), axis_names={DATA_AXIS}, check_vma=False)
+
+
 def build_runner(backend: str, make_step: Callable[[str | None], Callable], layout: StateLayout,
                  mesh: Mesh, rules: pt.RuleSet, batch_shapes: Mapping[str, jax.ShapeDtypeStruct],
                  *, donate: bool = True, compile_now: bool = True) -> StepRunner:
@@ -131,14 +175,19 @@ def build_runner(backend: str, make_step: Callable[[str | None], Callable], layo
   t0 = time.perf_counter()
 
   if backend == "jit":
-    body = make_step(None)
-
-    def traced(state, batch):
-      with pt.use_rules(mesh, rules):
-        return body(state, batch)
     rep = NamedSharding(mesh, P())
     batch_sh = {k: _batch_sharding(mesh, rules, len(v.shape), v.shape)
                 for k, v in batch_shapes.items()}
+    if _runs_per_data_worker(mesh, layout, batch_sh):
+      traced = _per_data_worker(make_step(DATA_AXIS), mesh, rules, batch_sh)
+      logging.info("jit step runs per data-parallel worker (parameters are replicated over "
+                   "'%s'): gradients are all-reduced once per step", DATA_AXIS)
+    else:
+      body = make_step(None)
+
+      def traced(state, batch):
+        with pt.use_rules(mesh, rules):
+          return body(state, batch)
     fn = jax.jit(traced, in_shardings=(layout.shardings, batch_sh),
                  out_shardings=(layout.shardings, rep), donate_argnums=(0,) if donate else ())
     abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh[k])
@@ -168,8 +217,15 @@ def build_runner(backend: str, make_step: Callable[[str | None], Callable], layo
     n_local = jax.local_device_count()
     fn = jax.pmap(body, axis_name=DATA_AXIS, donate_argnums=(0,) if donate else ())
 
+    # Placed the way pmap lays out its own outputs, so the step compiles once, not again on its
+    # second call (numpy in, device arrays out). With several processes pmap's layout spans them
+    # all; there the state goes in as numpy and the second call compiles once more.
+    local_mesh = Mesh(np.array(jax.local_devices()), (DATA_AXIS,))
+    stacked = NamedSharding(local_mesh, P(DATA_AXIS)) if jax.process_count() == 1 else None
+
     def place_state(s):
-      return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n_local,) + x.shape), s)
+      s = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n_local,) + np.shape(x)), s)
+      return jax.device_put(s, stacked) if stacked is not None else s
 
     def fetch_state(s):
       return jax.tree.map(lambda x: x[0], s)

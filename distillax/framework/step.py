@@ -5,9 +5,14 @@ micro-batches (gradient accumulation is a `lax.scan` inside the step), then over
 workers, and divides by the global count of real tokens once at the end. That single rule makes
 every backend, every partitioning preset and every accumulation setting compute the same numbers.
 
-The only backend-specific part is `axis_name`: `None` under GSPMD `jit` (the compiler inserts the
-collectives), the data axis under `shard_map`, `pmap` and `vmap`, where gradients, losses and token
-counts are `psum`-reduced explicitly.
+The only backend-specific part is `axis_name`: `None` where GSPMD inserts the collectives (`jit`
+with parameters sharded over the data axis), the data axis where each data-parallel worker runs
+the body on its own rows (`shard_map`, `pmap`, `vmap`, and `jit` with parameters replicated over
+data): there gradients, losses and token counts are `psum`-reduced explicitly, once per step,
+after the micro-batches and every use of a shared weight have been summed locally.
+
+Random draws (dropout) depend on the data-parallel layout: each worker folds its index into the
+step's key, and each micro-batch its number.
 """
 
 from __future__ import annotations
@@ -72,6 +77,9 @@ def make_train_step(defs: ModelDefs, objective: Objective, tx: optax.GradientTra
 
   def step(state: TrainState, batch: Batch):
     step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    if axis_name:
+      # Each worker draws its own randomness (dropout) for its own rows of the batch.
+      step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
     params32 = master_dtype_params(state.params)
 
     def loss_fn(p32, micro_batch, rng):

@@ -127,6 +127,21 @@ class RuleSet:
         raise PartitioningError(f"rule {rule!r} of rule set {self.name!r} uses a mesh axis twice; "
                                 f"list each mesh axis once")
 
+  def without_mesh_axes(self, axes: Iterable[str]) -> "RuleSet":
+    """The same rules with `axes` taken out of every rule (a rule left with no axis replicates).
+
+    For code that runs per shard of those axes (inside `shard_map` over them): its activations
+    are already split over them, so constraints there may only name the remaining axes.
+    """
+    drop = set(axes)
+
+    def strip(rule: Rule) -> Rule:
+      kept = tuple(a for a in _axes_tuple(rule[1]) if a not in drop)
+      return (rule[0], None if not kept else kept[0] if len(kept) == 1 else kept)
+
+    return dataclasses.replace(self, rules=tuple(strip(r) for r in self.rules),
+                               name=f"{self.name} without {'/'.join(sorted(drop))}")
+
   def resolve(self, logical: LogicalAxes, shape: Sequence[int], mesh: Mesh,
               path: str = "<array>") -> PartitionSpec:
     """The mesh PartitionSpec of one array, or a PartitioningError naming path, shape and rule."""

@@ -114,8 +114,11 @@ _ACTIVE: contextvars.ContextVar[_ActiveRules | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def use_rules(mesh: Mesh, rules: RuleSet):
+def use_rules(mesh: Mesh | jax.sharding.AbstractMesh, rules: RuleSet):
   """Activates `constrain` for code traced inside (the GSPMD `jit` path).
+
+  Inside `shard_map` over some axes, pass `jax.sharding.get_abstract_mesh()` (which marks them
+  manual) and rules `without_mesh_axes` those axes.
 
   Outside this context (shard_map, pmap, vmap backends, plain eager use) `constrain` is the
   identity, so the same model code runs under every backend.

@@ -1,5 +1,7 @@
 """Every backend and preset computes the same training run (fp32, 10 steps, same data)."""
 
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -51,3 +53,28 @@ def test_gradient_accumulation_4x2_equals_one_batch_of_8():
   # The collective path accumulates identically: 2 vmap workers x 4 micro-batches of 1 row.
   acc_vmap = run_training("vmap", "dp", (2, 4), BATCHES[:4], accum_steps=4)
   _assert_same(acc_vmap, one, "vmap accumulation")
+
+
+def test_pmap_compiles_its_step_once(caplog):
+  """The state is placed the way pmap lays out its outputs, so step 2 reuses step 1's program."""
+  from tests.framework.engine_fixtures import MODEL, optimizer_config
+  from distillax import partitioning as pt
+  from distillax.framework.engine import build_engine
+  from distillax.models.init import create_model
+  from distillax.trainers.lm import lm_objective
+
+  mesh = pt.create_mesh({"data": 8, "model": 1})
+  rules = pt.rules_from_config({"strategy": "dp"})
+  model = create_model(MODEL, mesh=mesh, rules=rules, seed=0)
+  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in BATCHES[0].items()}
+  engine = build_engine(model, {}, lm_objective, optimizer_config(), 3, mesh, rules, "pmap",
+                        shapes)
+  state = engine.init_state(model, {}, seed=0)
+  with caplog.at_level(logging.WARNING), jax.log_compiles(True):
+    for b in BATCHES[:3]:
+      state, metrics = engine.runner(state, engine.runner.place_batch(b))
+    jax.block_until_ready(metrics)
+  # The step is the compiled program whose arguments include the stacked rng key data.
+  step_compiles = [r for r in caplog.records
+                   if r.getMessage().startswith("Compiling") and "uint32[8,2]" in r.getMessage()]
+  assert len(step_compiles) == 1, [r.getMessage()[:120] for r in step_compiles]

@@ -114,3 +114,14 @@ def test_registry_adds_presets_by_name(mesh42):
     register_preset("fsdp", preset("dp"))
   with pytest.raises(PartitioningError, match="unknown partitioning strategy 'zero3'.*register"):
     rules_from_config({"strategy": "zero3"})
+
+
+def test_without_mesh_axes_keeps_the_other_axes(mesh42):
+  """Inside shard_map over 'data' the activations are already split over it: the rules that
+  remain place the rest exactly as before, and a batch of 1 local row resolves."""
+  rs = RuleSet((("batch", "data"), ("embed", ("data", "model")), ("heads", "model")))
+  inner = rs.without_mesh_axes(["data"])
+  assert inner.rules == (("batch", None), ("embed", "model"), ("heads", "model"))
+  assert inner.resolve(("batch", "heads"), (1, 4), mesh42) == P(None, "model")
+  assert rs.resolve(("batch", "heads"), (4, 4), mesh42) == P("data", "model")
+  assert "without data" in inner.name

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from benchmarks import hlo
+from distillax.framework import hlo
 
 # A while loop with trip count 5 holding an all-reduce of f32[256] (1 KiB), an async all-gather
 # pair bf16[1,128] -> bf16[8,128] in the entry, and a reduce-scatter f32[64] -> f32[8].
