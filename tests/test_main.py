@@ -110,6 +110,9 @@ def _bad(tmp_path):
                          "--config.partitioning.rules=(('mlp','fsdp'),)"], "'fsdp'"),
       ("bad checkpoint period", ["train", "--config", cfg, "--workdir", wd,
                                  "--config.checkpoint.every_steps=-1"], "every_steps"),
+      ("per-step reduction under fsdp", ["train", "--config", cfg, "--workdir", wd,
+                                         "--config.partitioning.gradient_reduction=per_step"],
+       "use strategy dp or tp"),
   ]
 
 

@@ -50,6 +50,11 @@ def base_config(model_preset: str = "tiny") -> ml_collections.ConfigDict:
   c.partitioning.strategy = "fsdp"  # dp | fsdp | tp | fsdp_tp | a registered preset
   c.partitioning.rules = ()  # extra (logical, mesh axes) rules placed before the preset's
   c.partitioning.replicate_indivisible = False  # replicate dims a mesh axis does not divide
+  # auto | per_step | per_use. With parameters replicated over data (dp, tp): per_step sums
+  # micro-batches and tied weights locally and all-reduces once per step; per_use lets the
+  # compiler reduce each contribution where it is made (overlappable with backward). auto picks
+  # per_step under accumulation or tied embeddings. fsdp/fsdp_tp always reduce per use.
+  c.partitioning.gradient_reduction = "auto"
 
   c.model = model_config(model_preset, vocab_size=0)
   c.optimizer = default_optimizer_config()

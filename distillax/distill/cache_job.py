@@ -269,7 +269,8 @@ def build_cached_engine(trainer, learning_rate: float, quantize: bool = True):
   shapes = cached_batch_shapes(trainer.cache_dir, trainer.batch_size, trainer.seq_len)
   return build_engine(student, extras, trainer.objective(), optimizer_cfg, int(c.train.steps),
                       trainer.mesh, trainer.rules, c.backend, shapes,
-                      accum_steps=int(c.train.accum_steps), trainable=trainer.trainable())
+                      accum_steps=int(c.train.accum_steps), trainable=trainer.trainable(),
+                      gradient_reduction=str(c.partitioning.get("gradient_reduction", "auto")))
 
 
 __all__ = ["ReplayThenShuffle", "build_cached_engine", "cached_batch_shapes", "cached_objective",

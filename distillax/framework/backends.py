@@ -83,6 +83,9 @@ class StepRunner:
   data_parallel: int
   stats: dict[str, float] = dataclasses.field(default_factory=dict)
   compile_seconds: float = 0.0
+  # "per_step": one explicit psum of the summed gradient (shard_map, pmap, vmap, jit per worker);
+  # "per_use": GSPMD reduces each contribution where it is produced.
+  gradient_reduction: str = "per_step"
 
   def __call__(self, state, batch):
     return self.call(state, batch)
@@ -123,14 +126,17 @@ def _mesh_axes(entry) -> tuple[str, ...]:
   return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def state_split_over_data(layout: StateLayout) -> bool:
+  """Whether any array of the train state is sharded over the data axis (fsdp, fsdp_tp)."""
+  specs = jax.tree.leaves(layout.shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+  return any(DATA_AXIS in _mesh_axes(a) for s in specs for a in s.spec)
+
+
 def _runs_per_data_worker(mesh: Mesh, layout: StateLayout,
                           batch_sh: Mapping[str, NamedSharding]) -> bool:
   """Whether the jit step can run as one body per data-parallel worker: nothing in the state is
   split over the data axis (dp, tp), and every batch input is split over it on dim 0 only."""
-  if mesh.shape[DATA_AXIS] == 1:
-    return False
-  specs = jax.tree.leaves(layout.shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
-  if any(DATA_AXIS in _mesh_axes(a) for s in specs for a in s.spec):
+  if mesh.shape[DATA_AXIS] == 1 or state_split_over_data(layout):
     return False
   for sh in batch_sh.values():
     spec = tuple(sh.spec)
@@ -149,7 +155,9 @@ def _per_data_worker(body: Callable, mesh: Mesh, rules: pt.RuleSet,
   produced, so a scanned accumulation of A micro-batches moves A gradients per step, and a tied
   embedding (lookup + output projection) moves its table twice unless the compiler reassociates
   the sum (XLA:CPU does not). Per worker, the body sums all of that locally and `psum`s once.
-  The model axis stays automatic, so tensor parallelism still follows the logical rules.
+  The price: that one reduction waits for the whole backward pass, where GSPMD's per-layer
+  reductions can overlap it. The model axis stays automatic, so tensor parallelism still follows
+  the logical rules.
   """
   inner_rules = rules.without_mesh_axes([DATA_AXIS])
 
@@ -163,8 +171,13 @@ def _per_data_worker(body: Callable, mesh: Mesh, rules: pt.RuleSet,
 
 def build_runner(backend: str, make_step: Callable[[str | None], Callable], layout: StateLayout,
                  mesh: Mesh, rules: pt.RuleSet, batch_shapes: Mapping[str, jax.ShapeDtypeStruct],
-                 *, donate: bool = True, compile_now: bool = True) -> StepRunner:
-  """Compiles `make_step(axis_name)` for `backend`. `batch_shapes` are the global batch shapes."""
+                 *, donate: bool = True, compile_now: bool = True,
+                 reduce_once: bool = False) -> StepRunner:
+  """Compiles `make_step(axis_name)` for `backend`. `batch_shapes` are the global batch shapes.
+
+  `reduce_once` (jit only): run the body per data-parallel worker and all-reduce gradients once
+  per step, where nothing in the state is split over the data axis; see `_per_data_worker`.
+  """
   if backend not in BACKENDS:
     raise ConfigError(f"backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
   if layout.shardings is None:
@@ -178,7 +191,8 @@ def build_runner(backend: str, make_step: Callable[[str | None], Callable], layo
     rep = NamedSharding(mesh, P())
     batch_sh = {k: _batch_sharding(mesh, rules, len(v.shape), v.shape)
                 for k, v in batch_shapes.items()}
-    if _runs_per_data_worker(mesh, layout, batch_sh):
+    per_worker = reduce_once and _runs_per_data_worker(mesh, layout, batch_sh)
+    if per_worker:
       traced = _per_data_worker(make_step(DATA_AXIS), mesh, rules, batch_sh)
       logging.info("jit step runs per data-parallel worker (parameters are replicated over "
                    "'%s'): gradients are all-reduced once per step", DATA_AXIS)
@@ -194,7 +208,8 @@ def build_runner(backend: str, make_step: Callable[[str | None], Callable], layo
                       for k, v in batch_shapes.items()}
     call = fn.lower(abstract_state, abstract_batch).compile() if compile_now else fn
     runner = StepRunner(backend, call, lambda s: jax.device_put(s, layout.shardings),
-                        lambda s: s, global_batch_placer(mesh, rules), data_parallel)
+                        lambda s: s, global_batch_placer(mesh, rules), data_parallel,
+                        gradient_reduction="per_step" if per_worker else "per_use")
 
   elif backend == "shard_map":
     _require_data_parallel(backend, mesh, layout)

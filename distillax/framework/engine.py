@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from distillax import partitioning as pt
-from distillax.errors import UserError
+from distillax.errors import ConfigError, UserError
 from distillax.framework import backends, optim
 from distillax.framework.evaluation import loss_and_perplexity
 from distillax.framework.state import StateLayout, TrainState, build_layout, init_state
@@ -74,14 +74,44 @@ class Engine:
     return out
 
 
+GRADIENT_REDUCTIONS = ("auto", "per_step", "per_use")
+
+
+def reduces_once(mode: str, accum_steps: int, student: nnx.Module, layout: StateLayout,
+                 backend: str) -> bool:
+  """Whether the jit step all-reduces gradients once per step (`per_step`) rather than where
+  GSPMD produces each contribution (`per_use`).
+
+  `auto` reduces once when that saves traffic: with accumulation (else one reduction per
+  micro-batch) or tied embeddings (else the table twice on compilers that do not reassociate
+  the sum, e.g. XLA:CPU). Otherwise it keeps per-use reductions, which the compiler can overlap
+  with the rest of the backward pass. Only applies when nothing in the state is split over data.
+  """
+  if mode not in GRADIENT_REDUCTIONS:
+    raise ConfigError(f"partitioning.gradient_reduction={mode!r} is unknown; use one of "
+                      f"{', '.join(GRADIENT_REDUCTIONS)}")
+  if mode == "per_step" and backend == "jit" and layout.shardings is not None:
+    if backends.state_split_over_data(layout):
+      raise ConfigError(
+          "partitioning.gradient_reduction=per_step needs parameters replicated over the data "
+          "axis, but partitioning.strategy shards them over it; use strategy dp or tp, or "
+          "gradient_reduction=auto")
+  if mode != "auto":
+    return mode == "per_step"
+  tied = bool(getattr(getattr(student, "config", None), "tie_embeddings", False))
+  return accum_steps > 1 or tied
+
+
 def build_engine(student: nnx.Module, extras: Mapping[str, nnx.Module], objective: Objective,
                  optimizer_cfg: Any, total_steps: int, mesh: Mesh, rules: pt.RuleSet,
                  backend: str, batch_shapes: Mapping[str, jax.ShapeDtypeStruct], *,
                  accum_steps: int = 1, trainable: Any = nnx.Param,
-                 compile_now: bool = True, eval_objective: Objective | None = None) -> Engine:
+                 compile_now: bool = True, eval_objective: Objective | None = None,
+                 gradient_reduction: str = "auto") -> Engine:
   """`student`/`extras` may be abstract (nnx.eval_shape) or real modules: only shapes are read.
 
   `eval_objective` (default: `objective`) serves evaluation, e.g. without training-only dropout.
+  `gradient_reduction` is `partitioning.gradient_reduction`; see `reduces_once`.
   """
   global_batch = next(iter(batch_shapes.values())).shape[0]
   data_parallel = mesh.shape[backends.DATA_AXIS] if backend != "pmap" else jax.device_count()
@@ -92,8 +122,9 @@ def build_engine(student: nnx.Module, extras: Mapping[str, nnx.Module], objectiv
   layout = build_layout(student, extras, tx, mesh, rules, trainable)
   make_step = lambda axis: make_train_step(layout.defs, objective, tx, schedule,
                                            accum_steps=accum_steps, axis_name=axis)
+  once = reduces_once(gradient_reduction, accum_steps, student, layout, backend)
   runner = backends.build_runner(backend, make_step, layout, mesh, rules, batch_shapes,
-                                 compile_now=compile_now)
+                                 compile_now=compile_now, reduce_once=once)
   return Engine(layout, tx, schedule, runner, mesh, rules, eval_objective or objective)
 
 

@@ -216,7 +216,8 @@ class Trainer:
     return build_engine(student, extras, train_objective, optimizer_cfg, int(c.train.steps),
                         self.mesh, self.rules, c.backend, shapes,
                         accum_steps=int(c.train.accum_steps), trainable=self.trainable(),
-                        eval_objective=objective)
+                        eval_objective=objective,
+                        gradient_reduction=str(c.partitioning.get("gradient_reduction", "auto")))
 
   def _batch_dtypes(self, local: int) -> Mapping[str, Any]:
     import numpy as np

@@ -1,5 +1,6 @@
-"""With parameters replicated over the data axis (dp, tp) the jit step reduces gradients once per
-step: accumulation and tied embeddings sum locally first. Bytes are read from the compiled HLO
+"""With parameters replicated over the data axis (dp, tp) the jit step can reduce gradients once
+per step (`partitioning.gradient_reduction`; auto does so under accumulation or tied embeddings):
+micro-batches and both uses of a tied table sum locally first. Bytes are read from the compiled HLO
 (loops weighted by trip count) and compared with the fp32 gradient and with the shard_map backend;
 the numbers are compared with the GSPMD path (fsdp), which reduces where gradients are produced."""
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from distillax import partitioning as pt
+from distillax.errors import ConfigError
 from distillax.framework import hlo
 from distillax.framework.engine import build_engine
 from distillax.framework.step import ObjectiveOutput
@@ -22,13 +24,15 @@ from tests.framework.engine_fixtures import MODEL, optimizer_config, packed_batc
 TIED = dataclasses.replace(MODEL, tie_embeddings=True, vocab_size=1024)
 
 
-def _engine(strategy, mesh_shape, backend="jit", accum_steps=1, cfg=None, batch=32, seq=16):
+def _engine(strategy, mesh_shape, backend="jit", accum_steps=1, cfg=None, batch=32, seq=16,
+            reduction="auto"):
   mesh = pt.create_mesh({"data": mesh_shape[0], "model": mesh_shape[1]})
   rules = pt.rules_from_config({"strategy": strategy})
   shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
             for k, v in packed_batches(1, batch=batch, seq_len=seq)[0].items()}
   return build_engine(abstract_model(cfg or TIED), {}, lm_objective, optimizer_config(), 10,
-                      mesh, rules, backend, shapes, accum_steps=accum_steps)
+                      mesh, rules, backend, shapes, accum_steps=accum_steps,
+                      gradient_reduction=reduction)
 
 
 def _all_reduce_bytes(engine):
@@ -45,10 +49,31 @@ def _grad_bytes(engine):
 def test_dp_all_reduces_one_gradient_per_step(accum_steps):
   jit = _engine("dp", (8, 1), accum_steps=accum_steps)
   manual = _engine("dp", (8, 1), backend="shard_map", accum_steps=accum_steps)
+  assert jit.runner.gradient_reduction == "per_step"  # auto: tied, or accumulating
   grad = _grad_bytes(jit)
   # fp32 gradients plus a few scalars (loss, token count, metric sums).
   assert grad <= _all_reduce_bytes(jit) <= grad * 1.001
   assert _all_reduce_bytes(jit) == pytest.approx(_all_reduce_bytes(manual), rel=1e-3)
+
+
+def test_per_use_reduction_moves_a_gradient_per_micro_batch():
+  """What per_step saves, measured on the same step: GSPMD reduces inside the micro-batch loop."""
+  per_use = _engine("dp", (8, 1), accum_steps=4, cfg=MODEL, reduction="per_use")
+  assert per_use.runner.gradient_reduction == "per_use"
+  assert _all_reduce_bytes(per_use) == pytest.approx(4 * _grad_bytes(per_use), rel=1e-2)
+
+
+def test_auto_keeps_per_use_reductions_where_nothing_is_saved():
+  """Untied and not accumulating: per-layer reductions stay, so the compiler may overlap them
+  with the backward pass; parameters split over data always reduce per use."""
+  assert _engine("dp", (8, 1), cfg=MODEL).runner.gradient_reduction == "per_use"
+  assert _engine("fsdp", (8, 1), accum_steps=4).runner.gradient_reduction == "per_use"
+  assert _engine("dp", (8, 1), cfg=MODEL, reduction="per_step").runner.gradient_reduction == (
+      "per_step")
+  with pytest.raises(ConfigError, match="gradient_reduction=per_step needs parameters"):
+    _engine("fsdp", (8, 1), reduction="per_step")
+  with pytest.raises(ConfigError, match="gradient_reduction='sometimes' is unknown"):
+    _engine("dp", (8, 1), reduction="sometimes")
 
 
 def test_tp_communication_does_not_grow_with_accumulation():
@@ -90,7 +115,8 @@ def test_each_data_worker_draws_its_own_randomness(backend):
   rules = pt.rules_from_config({"strategy": "dp"})
   shapes = {"inputs_BxL": jax.ShapeDtypeStruct((8, 4), jnp.int32)}
   model = create_model(MODEL, mesh=mesh, rules=rules, seed=0)
-  engine = build_engine(model, {}, objective, optimizer_config(), 10, mesh, rules, backend, shapes)
+  engine = build_engine(model, {}, objective, optimizer_config(), 10, mesh, rules, backend, shapes,
+                        gradient_reduction="per_step")
   state = engine.init_state(model, {}, seed=0)
   _, metrics = engine.runner(state, engine.runner.place_batch(
       {"inputs_BxL": np.zeros((8, 4), np.int32)}))
