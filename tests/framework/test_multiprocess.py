@@ -24,3 +24,5 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
   assert result["processes"] == 2
   single, _, _ = run_training("jit", "fsdp", (8, 1), packed_batches(10))
   np.testing.assert_allclose(result["losses"], single, rtol=1e-5)
+  # Every preset computes the same run, so the per-step dp losses match the fsdp ones too.
+  np.testing.assert_allclose(result["per_step_losses"], single, rtol=1e-5)

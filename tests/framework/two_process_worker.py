@@ -1,4 +1,5 @@
-"""One of two processes of the multi-process test: 10 fsdp steps, losses written as JSON."""
+"""One of two processes of the multi-process test: 10 fsdp steps, then 10 dp steps reducing
+gradients once per step (accumulating 2), losses written as JSON."""
 
 import json
 import sys
@@ -15,9 +16,13 @@ def main(out_path: str) -> None:
   assert jax.device_count() == 8 and jax.local_device_count() == 4
   from tests.framework.engine_fixtures import packed_batches, run_training
   losses, params, _ = run_training("jit", "fsdp", (8, 1), packed_batches(10))
+  # The per-worker jit path (shard_map over data spanning both processes), accumulating.
+  per_step, _, engine = run_training("jit", "dp", (4, 2), packed_batches(10), accum_steps=2)
+  assert engine.runner.gradient_reduction == "per_step"
   if runtime.is_primary():
     with open(out_path, "w") as f:
-      json.dump({"losses": losses.tolist(), "processes": jax.process_count()}, f)
+      json.dump({"losses": losses.tolist(), "per_step_losses": per_step.tolist(),
+                 "processes": jax.process_count()}, f)
 
 
 if __name__ == "__main__":
