@@ -44,6 +44,7 @@ def plan_report(trainer) -> dict:
   return {
       "devices": jax.device_count(), "mesh": pt.mesh_shape_str(engine.mesh),
       "strategy": engine.rules.name, "backend": runner.backend,
+      "gradient_reduction": runner.gradient_reduction,
       "params_total_bytes": params[0], "params_bytes_per_device": params[1],
       "frozen_total_bytes": frozen[0], "frozen_bytes_per_device": frozen[1],
       "optimizer_total_bytes": opt[0], "optimizer_bytes_per_device": opt[1],
@@ -66,7 +67,7 @@ def run_plan(config, devices: int | None = None, memory_gb: float | None = None)
   c = r["compiled"]
   print(f"\nplan: {r['devices']} devices, mesh {r['mesh']} (data x model), strategy "
         f"{r['strategy']}, backend {r['backend']}, batch {trainer.batch_size} x "
-        f"{trainer.seq_len}")
+        f"{trainer.seq_len}, gradients reduced {r['gradient_reduction'].replace('_', ' ')}")
   print(f"  parameters     {fmt(r['params_total_bytes']):>12} total, "
         f"{fmt(r['params_bytes_per_device']):>12} per device")
   if r["frozen_total_bytes"]:

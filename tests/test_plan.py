@@ -19,6 +19,24 @@ def test_plan_reports_sharded_bytes_and_fit(capsys):
   line = next(l for l in out.splitlines() if l.strip().startswith("total"))
   assert "(0.125 of total)" in line
   assert "collectives per step per device" in out and "all-gather" in out
+  assert "gradients reduced per use" in out
+
+
+def test_plan_says_how_gradients_are_reduced(capsys):
+  """dp with accumulation reduces once per step: one all-reduce, where per use makes two."""
+  base = ["distillax", "plan", "--config", f"{ROOT}/distillax/configs/lm.py:tiny", "--devices",
+          "8", "--config.partitioning.strategy=dp", "--config.train.accum_steps=2",
+          "--config.train.batch_size=16"]
+  counts = {}
+  for mode in ("auto", "per_use"):
+    assert main(base + [f"--config.partitioning.gradient_reduction={mode}"]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if "collectives per step per device" in l)
+    counts[mode] = line
+    expected = "per step" if mode == "auto" else "per use"
+    assert f"gradients reduced {expected}" in out
+  assert "all-reduce x1 " in counts["auto"]
+  assert "all-reduce x1 " not in counts["per_use"]
 
 
 def test_plan_sizes_llama_8b_on_64_simulated_devices():
