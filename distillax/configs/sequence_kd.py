@@ -14,28 +14,20 @@ A seconds-long run with a fresh tiny teacher:
   distillax train --config distillax/configs/sequence_kd.py:tiny --workdir runs/seqkd_tiny
 """
 
-from distillax.configs.common import base_config, shrink_for_tiny
+from distillax.configs import distill
 from distillax.distill.sequence_kd import default_sequence_kd_config
-from distillax.trainers.distill import default_teacher_config
 
 
 def get_config(arg: str | None = None):
-  c = base_config("demo_student")
+  # The distillation config (teacher, optimizer defaults, tiny shrink) with the sequence-level
+  # section in place of the logit/feature terms, which this trainer does not use.
+  c = distill.get_config(arg)
   c.trainer = "sequence_kd"
-  c.teacher = default_teacher_config()
+  del c["distill"]
   c.sequence_kd = default_sequence_kd_config()
-  # The distillation defaults: AdamW with weight decay 0.1, clipping at 1.0, warmup + cosine.
-  c.optimizer.weight_decay = 0.1
-  c.optimizer.grad_clip_norm = 1.0
-  c.optimizer.schedule = "warmup_cosine"
   if arg == "tiny":
-    shrink_for_tiny(c)
-    c.teacher.preset = "tiny"
-    c.model.num_layers = 1
     c.sequence_kd.num_prompts = 16
     c.sequence_kd.prompt_len = 8
     c.sequence_kd.max_new_tokens = 40
     c.sequence_kd.batch_size = 8
-  elif arg:
-    raise ValueError(f"unknown config argument {arg!r}; use ':tiny' or nothing")
   return c

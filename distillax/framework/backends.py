@@ -120,16 +120,10 @@ def global_batch_placer(mesh: Mesh, rules: pt.RuleSet):
   return place
 
 
-def _mesh_axes(entry) -> tuple[str, ...]:
-  if entry is None:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def state_split_over_data(layout: StateLayout) -> bool:
   """Whether any array of the train state is sharded over the data axis (fsdp, fsdp_tp)."""
   specs = jax.tree.leaves(layout.shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
-  return any(DATA_AXIS in _mesh_axes(a) for s in specs for a in s.spec)
+  return any(DATA_AXIS in pt.axes_tuple(a) for s in specs for a in s.spec)
 
 
 def _runs_per_data_worker(mesh: Mesh, layout: StateLayout,
@@ -140,9 +134,9 @@ def _runs_per_data_worker(mesh: Mesh, layout: StateLayout,
     return False
   for sh in batch_sh.values():
     spec = tuple(sh.spec)
-    if not spec or _mesh_axes(spec[0]) != (DATA_AXIS,):
+    if not spec or pt.axes_tuple(spec[0]) != (DATA_AXIS,):
       return False
-    if any(DATA_AXIS in _mesh_axes(a) for a in spec[1:]):
+    if any(DATA_AXIS in pt.axes_tuple(a) for a in spec[1:]):
       return False
   return True
 

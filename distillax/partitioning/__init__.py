@@ -1,8 +1,8 @@
 """Logical axis names -> ('data', 'model') mesh: the partitioning core of distillax."""
 
 from distillax.partitioning.mesh import AXES, create_mesh, mesh_shape_str, resolve_axis_sizes
-from distillax.partitioning.rules import (BUILTIN_PRESETS, LOGICAL_AXES, RuleSet, preset,
-                                          preset_names, register_preset, rules_from_config)
+from distillax.partitioning.rules import (BUILTIN_PRESETS, LOGICAL_AXES, RuleSet, axes_tuple,
+                                          preset, preset_names, register_preset, rules_from_config)
 from distillax.partitioning.shard import (LOGICAL_AXES_KEY, PlanRow, check_sufficiency,
                                           constrain, describe, format_plan, logical_tree,
                                           no_rules, optimizer_shardings, pure_values,

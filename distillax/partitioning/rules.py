@@ -93,7 +93,8 @@ def _check_rule(rule) -> Rule:
   return (name, axes)
 
 
-def _axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
+def axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
+  """The mesh axes of one rule or PartitionSpec entry: None -> (), 'data' -> ('data',)."""
   if axes is None:
     return ()
   return (axes,) if isinstance(axes, str) else tuple(axes)
@@ -117,7 +118,7 @@ class RuleSet:
   def check_mesh(self, mesh: Mesh) -> None:
     """Fails on a rule naming a mesh axis the mesh lacks, before any array is resolved."""
     for rule in self.rules:
-      axes = _axes_tuple(rule[1])
+      axes = axes_tuple(rule[1])
       for a in axes:
         if a not in mesh.axis_names:
           raise PartitioningError(
@@ -136,7 +137,7 @@ class RuleSet:
     drop = set(axes)
 
     def strip(rule: Rule) -> Rule:
-      kept = tuple(a for a in _axes_tuple(rule[1]) if a not in drop)
+      kept = tuple(a for a in axes_tuple(rule[1]) if a not in drop)
       return (rule[0], None if not kept else kept[0] if len(kept) == 1 else kept)
 
     return dataclasses.replace(self, rules=tuple(strip(r) for r in self.rules),
@@ -164,7 +165,7 @@ class RuleSet:
       chosen: MeshAxes | bool = False
       blocked: list[Rule] = []
       for rule in candidates:
-        axes = _axes_tuple(rule[1])
+        axes = axes_tuple(rule[1])
         for a in axes:
           if a not in mesh.axis_names:
             raise PartitioningError(
@@ -191,7 +192,7 @@ class RuleSet:
         # Without replicate_indivisible an indivisible rule already raised, so every candidate
         # here was blocked by an axis taken earlier in this spec.
         if not self.replicate_indivisible:
-          taken = sorted({a for r in blocked for a in _axes_tuple(r[1])} & used)
+          taken = sorted({a for r in blocked for a in axes_tuple(r[1])} & used)
           raise PartitioningError(
               f"{where}: mesh axis {taken} would be used twice in one spec by rule "
               f"{blocked[-1]!r} and no fallback is left; add a later fallback rule ({name!r}, "
