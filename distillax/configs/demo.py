@@ -1,7 +1,7 @@
 """The main job: distil and quantize a model end to end on the embedded corpus, no download.
 
-  distillax train --config distillax/configs/demo.py --workdir runs/demo --devices 8   (`make demo`)
-  distillax train --config distillax/configs/demo.py:tiny --workdir runs/demo_tiny --devices 8
+  distillax demo --config distillax/configs/demo.py --workdir runs/demo --devices 8   (`make demo`)
+  distillax demo --config distillax/configs/demo.py:tiny --workdir runs/demo_tiny --devices 8
 
 (`--devices 8` simulates the 8 CPU devices of the 4x2 mesh.)
 
@@ -13,14 +13,15 @@ export; then report.md, report.json and loss_curves.png in the workdir.
 
 import ml_collections
 
-from distillax.configs.common import base_config, model_config
-from distillax.trainers.distill import default_distill_config
+from distillax.configs import sections
+from distillax.configs.common import base_config, model_config, parse_arg
+from distillax.quant import INT4_INT8_RULES
 
 
 def get_config(arg: str | None = None):
   b = base_config()
   c = ml_collections.ConfigDict()
-  c.trainer = "demo"
+  c.job = "demo"  # run by `distillax demo`, not `distillax train`
   c.seed = 0  # seeds every stage
   c.backend = "jit"  # backend of every stage
   c.mesh = b.mesh
@@ -52,16 +53,16 @@ def get_config(arg: str | None = None):
   c.student_steps = 200  # steps of the scratch and the distilled student (same token budget)
   c.qat_steps = 60  # quantization-aware distillation steps, starting from the distilled student
   c.qat_learning_rate = 5e-4  # QAT peak lr
-  c.distill = default_distill_config()
+  c.distill = sections.distill_section()
   c.distill.logit.weight = 1.0
   c.distill.feature_pooling.weight = 0.5
   # QAT/PTQ/export: int4 weights, int8 activations; the tied embedding (module path "")
   # stays full precision, as deployments usually keep it.
-  c.quant_rules = (("", None, None, None), (".*", "int4", "int8", None))
+  c.quant_rules = INT4_INT8_RULES
   c.report_eval_batches = 16  # validation batches behind every number of the report
   c.sample_prompts = ("def ", "import ", "class ")  # samples printed at the end
   c.sample_tokens = 48  # tokens generated per sample
-  if arg == "tiny":
+  if parse_arg(arg, tiny=False).tiny:
     c.teacher_model = model_config("tiny", vocab_size=0)
     c.student_model = model_config("tiny", vocab_size=0, num_layers=1)
     c.teacher_steps, c.student_steps, c.qat_steps = 6, 4, 3
@@ -72,6 +73,4 @@ def get_config(arg: str | None = None):
     c.data.shuffle_buffer = 64
     c.report_eval_batches = 2
     c.sample_tokens = 8
-  elif arg:
-    raise ValueError(f"unknown config argument {arg!r}; use ':tiny' or nothing")
   return c

@@ -10,23 +10,22 @@ A seconds-long run with a fresh tiny teacher:
   distillax train --config distillax/configs/distill.py:tiny --workdir runs/kd_tiny
 """
 
-from distillax.configs.common import base_config, shrink_for_tiny
-from distillax.trainers.distill import default_distill_config, default_teacher_config
+from distillax.configs import sections
+from distillax.configs.common import base_config, parse_arg, shrink_for_tiny
 
 
 def get_config(arg: str | None = None):
   c = base_config("demo_student")
   c.trainer = "distill"
-  c.teacher = default_teacher_config()
-  c.distill = default_distill_config()
+  c.teacher = sections.teacher_section()
+  c.distill = sections.distill_section()
+  c.cache = sections.cache_section()  # read by `distillax cache-teacher`
   # Usual practice for LLM distillation: T=2, alpha=0.7, AdamW wd 0.1, clip 1.0, warmup+cosine.
   c.optimizer.weight_decay = 0.1
   c.optimizer.grad_clip_norm = 1.0
   c.optimizer.schedule = "warmup_cosine"
-  if arg == "tiny":
+  if parse_arg(arg, tiny=False).tiny:
     shrink_for_tiny(c)
     c.teacher.preset = "tiny"
     c.model.num_layers = 1
-  elif arg:
-    raise ValueError(f"unknown config argument {arg!r}; use ':tiny' or nothing")
   return c

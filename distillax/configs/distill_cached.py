@@ -17,14 +17,13 @@ loss the cache reproduces. A seconds-long pair with a fresh tiny teacher:
 """
 
 from distillax.configs import distill
-from distillax.distill.cache_job import default_cache_config
+from distillax.configs.common import parse_arg
 
 
 def get_config(arg: str | None = None):
   c = distill.get_config(arg)
-  c.cache = default_cache_config()
   c.cache.num_batches = 200  # 200 x 16 x 128 tokens: the steps of the default run, once each
-  if arg == "tiny":
+  if parse_arg(arg, tiny=False).tiny:
     c.cache.num_batches = 4  # 32 rows: the 6 steps wrap into a reshuffled second epoch
     c.cache.top_k = 16
   c.distill.logit.top_k = c.cache.top_k  # online fallback computes the loss the cache stores

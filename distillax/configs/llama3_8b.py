@@ -8,7 +8,7 @@ Train (on real hardware):
   distillax train --config distillax/configs/llama3_8b.py --workdir runs/llama8b
 """
 
-from distillax.configs.common import base_config, model_config, shrink_for_tiny
+from distillax.configs.common import base_config, model_config, parse_arg, shrink_for_tiny
 
 
 def get_config(arg: str | None = None):
@@ -20,9 +20,7 @@ def get_config(arg: str | None = None):
   c.train.seq_len = 2048
   c.train.steps = 1000
   c.optimizer.warmup_steps = 100
-  if arg == "tiny":
+  if parse_arg(arg, tiny=False).tiny:
     shrink_for_tiny(c)
     c.model.vocab_size = 0
-  elif arg:
-    raise ValueError(f"unknown config argument {arg!r}; use ':tiny' or nothing")
   return c

@@ -5,14 +5,12 @@ Launch:
   distillax train --config distillax/configs/lm.py:tiny --workdir runs/lm_tiny
 """
 
-from distillax.configs.common import base_config, shrink_for_tiny
+from distillax.configs.common import base_config, parse_arg, shrink_for_tiny
 
 
 def get_config(arg: str | None = None):
   c = base_config("demo_student")
   c.trainer = "lm"
-  if arg == "tiny":
+  if parse_arg(arg, tiny=False).tiny:
     shrink_for_tiny(c)
-  elif arg:
-    raise ValueError(f"unknown config argument {arg!r}; use ':tiny' or nothing")
   return c

@@ -6,7 +6,7 @@ optimizer state. QLoRA is distillax/configs/qlora.py.
   distillax train --config distillax/configs/lora.py:tiny --workdir runs/lora_tiny
 """
 
-from distillax.configs.common import base_config, shrink_for_tiny
+from distillax.configs.common import base_config, parse_arg, shrink_for_tiny
 
 
 def get_config(arg: str | None = None):
@@ -14,8 +14,6 @@ def get_config(arg: str | None = None):
   c.trainer = "lm"
   c.lora.module_regex = r"layers/.*/(attn|mlp)/.*"
   c.optimizer.learning_rate = 1e-3
-  if arg == "tiny":
+  if parse_arg(arg, tiny=False).tiny:
     shrink_for_tiny(c)
-  elif arg:
-    raise ValueError(f"unknown config argument {arg!r}; use ':tiny' or nothing")
   return c

@@ -8,18 +8,17 @@ distillax/configs/qat_distill.py (the same `qat` section on the distill trainer)
 Other types: --config.qat.rules="(('.*', 'int8', None, None),)" or nf4 / float8_e4m3fn weights.
 """
 
-from distillax.configs.common import base_config, shrink_for_tiny
+from distillax.configs.common import base_config, parse_arg, shrink_for_tiny
+from distillax.quant import INT4_INT8_RULES
 
 
 def get_config(arg: str | None = None):
   c = base_config("demo_student")
   c.trainer = "lm"
-  c.qat.rules = (("", None, None, None), (".*", "int4", "int8", None))  # embedding kept fp
+  c.qat.rules = INT4_INT8_RULES  # int4 weights, int8 activations; embedding kept fp
   c.qat.start_step = 0
   c.optimizer.learning_rate = 1e-4
-  if arg == "tiny":
+  if parse_arg(arg, tiny=False).tiny:
     shrink_for_tiny(c)
     c.qat.start_step = 2  # exercise the delayed start: 2 full-precision steps first
-  elif arg:
-    raise ValueError(f"unknown config argument {arg!r}; use ':tiny' or nothing")
   return c

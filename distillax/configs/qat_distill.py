@@ -6,10 +6,13 @@
 """
 
 from distillax.configs import distill
+from distillax.configs.common import parse_arg
+from distillax.quant import INT4_INT8_RULES
 
 
 def get_config(arg: str | None = None):
   c = distill.get_config(arg)
-  c.qat.rules = (("", None, None, None), (".*", "int4", "int8", None))  # embedding kept fp
-  c.optimizer.learning_rate = 1e-4 if not arg else c.optimizer.learning_rate
+  c.qat.rules = INT4_INT8_RULES  # int4 weights, int8 activations; embedding kept fp
+  if not parse_arg(arg, tiny=False).tiny:
+    c.optimizer.learning_rate = 1e-4
   return c

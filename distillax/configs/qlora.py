@@ -6,10 +6,12 @@
 """
 
 from distillax.configs import lora
+from distillax.configs.common import parse_arg
 
 
 def get_config(arg: str | None = None):
   c = lora.get_config(arg)
   c.lora.base_qtype = "nf4"
-  c.lora.base_tile_size = 32 if not arg else 16  # must divide every contracted axis (head_dim)
+  # Tiles must divide every contracted axis (head_dim: 16 in the tiny model).
+  c.lora.base_tile_size = 16 if parse_arg(arg, tiny=False).tiny else 32
   return c

@@ -14,8 +14,8 @@ A seconds-long run with a fresh tiny teacher:
   distillax train --config distillax/configs/sequence_kd.py:tiny --workdir runs/seqkd_tiny
 """
 
-from distillax.configs import distill
-from distillax.distill.sequence_kd import default_sequence_kd_config
+from distillax.configs import distill, sections
+from distillax.configs.common import parse_arg
 
 
 def get_config(arg: str | None = None):
@@ -24,8 +24,9 @@ def get_config(arg: str | None = None):
   c = distill.get_config(arg)
   c.trainer = "sequence_kd"
   del c["distill"]
-  c.sequence_kd = default_sequence_kd_config()
-  if arg == "tiny":
+  del c["cache"]
+  c.sequence_kd = sections.sequence_kd_section()
+  if parse_arg(arg, tiny=False).tiny:
     c.sequence_kd.num_prompts = 16
     c.sequence_kd.prompt_len = 8
     c.sequence_kd.max_new_tokens = 40

@@ -13,8 +13,8 @@ Built on qwix's numerics (`qwix.quantize` / `dequantize`) and its interception o
 see intercept.py for why its QtProvider matmul is not used.
 """
 
-from distillax.quant.config import (ACT_QTYPES, WEIGHT_QTYPES, QuantConfig, QuantRule,
-                                    default_qat_config)
+from distillax.quant.config import (ACT_QTYPES, INT4_INT8_RULES, WEIGHT_QTYPES, QuantConfig,
+                                    QuantRule)
 from distillax.quant.export import (export_quantized, format_size_report, load_quantized,
                                     size_report)
 from distillax.quant.fakequant import QuantSiteParam, WeightQuant
@@ -26,8 +26,8 @@ from distillax.quant.sites import MatmulSite, find_matmul_sites
 from distillax.quant.weights import QuantizedValue, QuantizedWeight
 
 __all__ = [
-    "ACT_QTYPES", "WEIGHT_QTYPES", "QuantConfig", "QuantRule", "default_qat_config",
-    "export_quantized", "format_size_report", "load_quantized", "size_report", "QuantSiteParam",
+    "ACT_QTYPES", "INT4_INT8_RULES", "WEIGHT_QTYPES", "QuantConfig", "QuantRule", "export_quantized",
+    "format_size_report", "load_quantized", "size_report", "QuantSiteParam",
     "WeightQuant", "LoRAParam", "LoRAWeight", "apply_lora", "load_adapters", "lora_dropout",
     "merge_lora", "save_adapters", "with_lora_dropout", "check_swappable", "full_precision",
     "quantize_for_training", "quantize_post_training", "MatmulSite", "find_matmul_sites",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import ml_collections
 
@@ -24,9 +24,6 @@ from distillax.errors import ConfigError
 WEIGHT_QTYPES = ("int8", "int4", "nf4", "float8_e4m3fn")
 ACT_QTYPES = ("int8", "float8_e4m3fn")
 # Bits per stored element, for size estimates (scales are counted separately).
-QTYPE_BITS = {"int8": 8, "int4": 4, "nf4": 4, "float8_e4m3fn": 8}
-
-
 @dataclasses.dataclass(frozen=True)
 class QuantRule:
   """One rule: modules whose path fullmatches `module_path` get these types."""
@@ -64,6 +61,12 @@ class QuantRule:
     return dataclasses.asdict(self)
 
 
+# The deployment default: int4 weights / int8 activations for every matmul except the embedding
+# lookup (module path ""), which deployments usually keep in full precision; with tied
+# embeddings that keeps the output projection full precision too.
+INT4_INT8_RULES = (("", None, None, None), (".*", "int4", "int8", None))
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
   """Ordered rules (first match wins) and the step at which fake quantization starts."""
@@ -82,10 +85,6 @@ class QuantConfig:
       if rule.matches(module_path):
         return rule
     return None
-
-  @property
-  def quantizes_activations(self) -> bool:
-    return any(r.act_qtype is not None for r in self.rules)
 
   def to_dict(self) -> dict[str, Any]:
     return {"rules": [r.to_dict() for r in self.rules], "start_step": self.start_step}
@@ -126,17 +125,3 @@ def _rule(value: Any, index: int) -> QuantRule:
     return QuantRule(*value)
   raise ConfigError(f"qat.rules[{index}]={value!r}; give a dict or a (module_path, weight_qtype, "
                     f"act_qtype, tile_size) tuple")
-
-
-def default_qat_config() -> ml_collections.ConfigDict:
-  """The `qat` section of a job config."""
-  c = ml_collections.ConfigDict()
-  # Ordered rules, first match wins: (module_path regex, weight_qtype, act_qtype, tile_size).
-  c.rules = [(".*", "int8", None, None)]
-  c.start_step = 0  # full-precision steps before fake quantization starts
-  return c
-
-
-def rules_summary(rules: Iterable[QuantRule]) -> str:
-  return "; ".join(f"{r.module_path!r}->w:{r.weight_qtype},a:{r.act_qtype},tile:{r.tile_size}"
-                   for r in rules)

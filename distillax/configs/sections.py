@@ -1,0 +1,160 @@
+"""Every config section's defaults, each in one place. A job config composes the sections it
+needs (`configs/common.base_config` and the job files); the CLI's `--config.a.b=v` overrides are
+type-checked against these values. Each field has a one-line comment.
+
+The `data` and `optimizer` sections live with the code that reads them
+(`distillax.data.default_data_config`, `distillax.framework.optim.default_optimizer_config`).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def mesh_section() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.data = -1  # data-parallel axis size; -1 = whatever the model axis leaves
+  c.model = 1  # tensor-parallel axis size
+  c.dcn_data = 1  # slices along data over DCN (multi-slice pods)
+  c.dcn_model = 1  # slices along model over DCN (rarely useful)
+  return c
+
+
+def partitioning_section() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.strategy = "fsdp"  # dp | fsdp | tp | fsdp_tp | a registered preset
+  c.rules = ()  # extra (logical, mesh axes) rules placed before the preset's
+  c.replicate_indivisible = False  # replicate dims a mesh axis does not divide
+  # auto | per_step | per_use. With parameters replicated over data (dp, tp): per_step sums
+  # micro-batches and tied weights locally and all-reduces once per step; per_use lets the
+  # compiler reduce each contribution where it is made (overlappable with backward). auto picks
+  # per_step under accumulation or tied embeddings. fsdp/fsdp_tp always reduce per use.
+  c.gradient_reduction = "auto"
+  return c
+
+
+def train_section() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.steps = 200  # optimizer steps in the run
+  c.batch_size = 16  # global batch, in sequences
+  c.seq_len = 128  # tokens per sequence
+  c.accum_steps = 1  # micro-batches per step (gradient accumulation inside the step)
+  c.log_every = 10  # steps between metric rows
+  c.eval_every = 50  # steps between evals (0 = only at the end)
+  c.eval_batches = 8  # batches per eval
+  c.rollback_threshold = 0.05  # roll back when eval perplexity rises this much over best
+  c.rollback_lr_factor = 0.5  # learning-rate scale after a rollback
+  c.max_rollbacks = 2  # rollbacks allowed before the run fails
+  c.progress = True  # progress bar with ETA on the console
+  c.init_from = ""  # workdir of an earlier run whose final weights start this one
+  return c
+
+
+def checkpoint_section() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.every_steps = 100  # steps between checkpoints (0 = only at the end)
+  c.keep = 2  # newest checkpoints kept
+  c.keep_best = 1  # best-by-eval-loss checkpoints kept besides the newest
+  c.async_save = True  # write checkpoints in the background
+  return c
+
+
+def qat_section() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  # Fake-quant rules, first match wins. Each rule is a (module path regex, weight qtype int8|
+  # int4|nf4|float8_e4m3fn, activation qtype int8|float8_e4m3fn|None, tile size or None = per
+  # channel) tuple or a dict with those names ({"module_path": ..., "weight_qtype": ...}).
+  # Empty = no quantization-aware training.
+  c.rules = ()
+  c.start_step = 0  # full-precision steps before fake quantization starts
+  return c
+
+
+def lora_section() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.module_regex = ""  # matmul weights that get adapters, e.g. 'layers/.*/attn/.*'; '' = off
+  c.rank = 8  # adapter rank
+  c.alpha = 16.0  # adapter scaling numerator (scale = alpha / rank)
+  c.dropout = 0.1  # dropout on the adapter input during training
+  c.base_qtype = ""  # QLoRA: store frozen base weights as nf4 | int4 ('' = full precision)
+  c.base_tile_size = 64  # QLoRA: inputs per quantization scale tile
+  return c
+
+
+def profile_section() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.start_step = -1  # first step traced with jax.profiler (-1 = off)
+  c.num_steps = 3  # steps in the traced window
+  return c
+
+
+def runtime_section() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.coordinator_address = ""  # HOST:PORT of process 0 for multi-process runs
+  c.num_processes = 0  # processes in the job (0 = single process or auto)
+  c.process_id = -1  # this process's index (-1 = from the environment)
+  c.auto_detect = False  # let JAX detect a TPU pod / SLURM / Open MPI cluster
+  return c
+
+
+def teacher_section() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.workdir = ""  # a distillax run whose newest checkpoint is the teacher
+  c.hf_path = ""  # or a Hugging Face checkpoint directory (config.json + safetensors)
+  c.preset = "demo_teacher"  # or a preset with fresh weights (tests, benchmarks)
+  c.param_dtype = ""  # override the teacher's parameter dtype ('' = as stored)
+  c.dtype = ""  # override the teacher's compute dtype ('' = as stored)
+  c.cache_dir = ""  # an offline teacher cache (distillax cache-teacher): train without a teacher
+  return c
+
+
+def distill_section() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.chunk_size = 0  # tokens per logit chunk (student and teacher together); 0 = unchunked
+  c.logit = ml_collections.ConfigDict()
+  c.logit.weight = 1.0  # weight of LogitKD in the total loss (0 = off)
+  c.logit.temperature = 2.0  # softmax temperature of both models
+  c.logit.alpha = 0.7  # share of the soft (teacher) term; 1 - alpha goes to hard-label CE
+  c.logit.divergence = "forward_kl"  # forward_kl | reverse_kl | jsd
+  c.logit.beta = 0.5  # JSD mixing weight
+  c.logit.top_k = 0  # compare over the teacher's top-k tokens (+ a rest bucket); 0 = full vocab
+  # AttentionTransfer, FeaturePooling, FeatureProjection: one sub-section each.
+  for name, loss in (("attention", "kl"), ("feature_pooling", "cosine"),
+                     ("feature_projection", "cosine")):
+    s = ml_collections.ConfigDict()
+    s.weight = 0.0  # weight of this strategy in the total loss (0 = off)
+    s.layer_map = "auto"  # "s:t,..." student->teacher blocks (attention) or hidden states
+    # (features; 0 = embeddings); auto maps each student layer to the same relative depth
+    s.loss = loss  # kl | mse (attention); cosine | mse (features)
+    c[name] = s
+  return c
+
+
+def cache_section() -> ml_collections.ConfigDict:
+  """Read by `distillax cache-teacher`."""
+  c = ml_collections.ConfigDict()
+  c.num_batches = 100  # train batches (train.batch_size x train.seq_len) the teacher runs over
+  c.top_k = 32  # teacher tokens kept per position (the rest is one bucket of missing mass)
+  c.dir = ""  # where the cache goes ('' = --workdir)
+  c.rows_per_file = 4096  # rows per ArrayRecord file
+  return c
+
+
+def sequence_kd_section() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.num_prompts = 256  # train documents whose beginnings become prompts
+  c.prompt_len = 32  # prompt tokens per document (BOS included); shorter documents give less
+  c.max_new_tokens = 96  # teacher tokens generated per prompt (fewer if it emits EOS)
+  c.temperature = 1.0  # teacher sampling temperature (0 = greedy decoding)
+  c.top_k = 0  # sample from the teacher's top-k tokens only (0 = off)
+  c.top_p = 1.0  # nucleus sampling mass (1 = off)
+  c.batch_size = 32  # prompts per generation call (rounded up to the data-parallel size)
+  c.include_prompt = True  # each sample's text starts with its prompt (False: continuation only)
+  c.output = ""  # the JSONL written ('' = <workdir>/teacher_samples.jsonl)
+  return c
+
+
+__all__ = ["cache_section", "checkpoint_section", "distill_section",
+           "lora_section", "mesh_section", "partitioning_section", "profile_section",
+           "qat_section", "runtime_section", "sequence_kd_section", "teacher_section",
+           "train_section"]
