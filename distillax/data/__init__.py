@@ -35,7 +35,9 @@ model `vocab_size >= tokenizer.vocab_size` (`padded_vocab_size` rounds up to 128
 `check_vocab(tokenizer, model_vocab_size)` when building the model.
 """
 
-from distillax.data.packing import BATCH_KEYS, PackedIterDataset, padding_rows
+from distillax.data.batch import (BATCH_DTYPES, BATCH_KEYS, batch_shapes, check_batch_size,
+                                  padding_rows)
+from distillax.data.packing import PackedIterDataset
 from distillax.data.pipeline import (default_data_config, make_eval_iterator, make_train_iterator,
                                      per_process_batch_size, resolve_data_config, split_documents)
 from distillax.data.sources import Documents, load_documents, stdlib_files, validation_mask
@@ -45,8 +47,9 @@ from distillax.data.tokenizer import (ByteTokenizer, HuggingFaceTokenizer, Sente
                                       Tokenizer, check_vocab, make_tokenizer, padded_vocab_size)
 
 __all__ = [
-    "BATCH_KEYS", "ByteTokenizer", "Documents", "HuggingFaceTokenizer", "PackedIterDataset",
-    "SentencePieceTokenizer", "Tokenizer", "check_vocab", "default_data_config",
+    "BATCH_DTYPES", "BATCH_KEYS", "ByteTokenizer", "Documents", "HuggingFaceTokenizer",
+    "PackedIterDataset", "SentencePieceTokenizer", "Tokenizer", "batch_shapes",
+    "check_batch_size", "check_vocab", "default_data_config",
     "iterator_state_json", "load_documents", "load_iterator_state", "make_eval_iterator",
     "make_tokenizer", "make_train_iterator", "orbax_restore_args", "orbax_save_args",
     "padded_vocab_size", "padding_rows", "per_process_batch_size", "resolve_data_config",

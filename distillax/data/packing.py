@@ -20,19 +20,8 @@ import copy
 import grain
 import numpy as np
 
-BATCH_KEYS = ("inputs_BxL", "targets_BxL", "segment_ids_BxL", "positions_BxL", "loss_mask_BxL")
-
-
-def padding_rows(num_rows: int, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
-  """Rows that hold nothing: pad tokens, segment 0, loss mask 0."""
-  shape = (num_rows, seq_len)
-  return {
-      "inputs_BxL": np.full(shape, pad_id, np.int32),
-      "targets_BxL": np.full(shape, pad_id, np.int32),
-      "segment_ids_BxL": np.zeros(shape, np.int32),
-      "positions_BxL": np.zeros(shape, np.int32),
-      "loss_mask_BxL": np.zeros(shape, np.float32),
-  }
+from distillax.data.batch import (BATCH_KEYS, INPUTS, LOSS_MASK, POSITIONS, SEGMENT_IDS, TARGETS,
+                                  padding_rows)
 
 
 class PackedIterDataset(grain.IterDataset):
@@ -88,15 +77,15 @@ class _PackedIterator(grain.DatasetIterator):
       take = min(length - filled, self._doc_pairs_left())
       start, stop = self._offset, self._offset + take
       segment += 1
-      row["inputs_BxL"][filled:filled + take] = self._doc[start:stop]
-      row["targets_BxL"][filled:filled + take] = self._doc[start + 1:stop + 1]
-      row["segment_ids_BxL"][filled:filled + take] = segment
-      row["positions_BxL"][filled:filled + take] = np.arange(take, dtype=np.int32)
+      row[INPUTS][filled:filled + take] = self._doc[start:stop]
+      row[TARGETS][filled:filled + take] = self._doc[start + 1:stop + 1]
+      row[SEGMENT_IDS][filled:filled + take] = segment
+      row[POSITIONS][filled:filled + take] = np.arange(take, dtype=np.int32)
       filled += take
       self._offset = stop
     if filled == 0:
       raise StopIteration
-    row["loss_mask_BxL"][:filled] = 1.0
+    row[LOSS_MASK][:filled] = 1.0
     return row
 
   def get_state(self) -> dict:

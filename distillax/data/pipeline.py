@@ -15,7 +15,9 @@ import numpy as np
 from ml_collections import config_dict
 
 from distillax.data import sources
-from distillax.data.packing import PackedIterDataset, StackRows, padding_rows
+from distillax.data.batch import check_batch_size
+from distillax.data.batch import padding_rows
+from distillax.data.packing import PackedIterDataset, StackRows
 from distillax.data.tokenizer import Tokenizer, make_tokenizer
 from distillax.errors import ConfigError, UserError
 
@@ -115,12 +117,8 @@ def resolve_data_config(data_cfg) -> ml_collections.ConfigDict:
 
 
 def per_process_batch_size(global_batch_size: int, process_count: int) -> int:
-  _check_positive("global_batch_size", global_batch_size)
-  if global_batch_size % process_count:
-    raise ConfigError(
-        f"global batch size {global_batch_size} is not divisible by the {process_count} JAX "
-        f"processes; use a multiple of {process_count}")
-  return global_batch_size // process_count
+  return check_batch_size(global_batch_size, process_count=process_count,
+                          field="global_batch_size")
 
 
 def split_documents(cfg, which: str) -> sources.Documents:

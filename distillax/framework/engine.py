@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from distillax import partitioning as pt
+from distillax.data.batch import check_batch_size
 from distillax.errors import ConfigError, UserError
 from distillax.framework import backends, optim
 from distillax.framework.evaluation import loss_and_perplexity
@@ -115,7 +116,8 @@ def build_engine(student: nnx.Module, extras: Mapping[str, nnx.Module], objectiv
   """
   global_batch = next(iter(batch_shapes.values())).shape[0]
   data_parallel = mesh.shape[backends.DATA_AXIS] if backend != "pmap" else jax.device_count()
-  backends.check_batch_size(global_batch, data_parallel, accum_steps, jax.process_count())
+  check_batch_size(global_batch, data_parallel=data_parallel, accum_steps=accum_steps,
+                   process_count=jax.process_count())
   _, trainable_state, _ = nnx.split(student, trainable, ...)
   tx, schedule = optim.make_optimizer(optimizer_cfg, total_steps,
                                       nnx.to_pure_dict(trainable_state))

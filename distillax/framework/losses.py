@@ -5,11 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-BATCH_INPUTS = "inputs_BxL"
-BATCH_TARGETS = "targets_BxL"
-BATCH_SEGMENTS = "segment_ids_BxL"
-BATCH_POSITIONS = "positions_BxL"
-BATCH_MASK = "loss_mask_BxL"
+from distillax.data import batch as batch_spec
+
+# The batch keys under the names the objectives read them by; the spec is distillax.data.batch.
+BATCH_INPUTS = batch_spec.INPUTS
+BATCH_TARGETS = batch_spec.TARGETS
+BATCH_SEGMENTS = batch_spec.SEGMENT_IDS
+BATCH_POSITIONS = batch_spec.POSITIONS
+BATCH_MASK = batch_spec.LOSS_MASK
 
 
 def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:

@@ -73,11 +73,3 @@ def _env_int(name: str) -> int | None:
 def is_primary() -> bool:
   """Only process 0 writes logs, metrics and summaries; every process joins checkpoints."""
   return jax.process_index() == 0
-
-
-def per_process_batch(global_batch: int) -> int:
-  n = jax.process_count()
-  if global_batch % n:
-    raise ConfigError(f"train.batch_size={global_batch} is not divisible by the {n} processes; "
-                      f"use a multiple of {n}")
-  return global_batch // n

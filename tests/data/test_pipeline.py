@@ -120,7 +120,8 @@ def test_config_errors(corpus):
   folder, _ = corpus
   cfg = data_config(source=folder)
   kwargs = dict(seq_len=16, seed=0, process_index=0)
-  with pytest.raises(ConfigError, match="global batch size 6 is not divisible by the 4 JAX"):
+  with pytest.raises(ConfigError, match="global_batch_size=6 cannot be split evenly over 4 JAX "
+                                        "processes; it must be a multiple of 4"):
     data.make_train_iterator(cfg, global_batch_size=6, process_count=4, **kwargs)
   with pytest.raises(ConfigError, match="data.shufle_buffer is not a data config field"):
     data.make_train_iterator({"shufle_buffer": 3}, global_batch_size=4, process_count=1, **kwargs)
