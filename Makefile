@@ -23,7 +23,7 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 	touch $@ $(VENV)/.core
 
 demo: $(VENV)/.core
-	$(BIN)/distillax train --config distillax/configs/demo.py --workdir $(WORKDIR) --devices 8
+	$(BIN)/distillax demo --config distillax/configs/demo.py --workdir $(WORKDIR) --devices 8
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

@@ -18,7 +18,6 @@ from distillax import partitioning as pt
 from distillax.errors import UserError
 
 FORMATS = ("hf", "quantized")
-DEFAULT_QUANT_RULES = (("", None, None, None), (".*", "int4", "int8", None))
 
 
 def run_export(config, workdir: str | None, output: str | None, fmt: str) -> int:
@@ -32,7 +31,7 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str) -> int
     raise UserError(f"--output {output} exists and is not empty; choose a new directory")
   from distillax import quant
   from distillax.models import hf
-  from distillax.trainers.loading import load_trained_model
+  from distillax.trainers import load_trained_model
   mesh = pt.create_mesh(config.mesh)
   rules = pt.rules_from_config(config.partitioning)
   model = load_trained_model(workdir, mesh, rules)
@@ -40,7 +39,7 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str) -> int
     hf.save(model, output)
     print(f"distillax export: wrote {output} (Hugging Face safetensors)")
     return 0
-  qrules = tuple(tuple(r) for r in (config.get("qat", {}).get("rules") or DEFAULT_QUANT_RULES))
-  quant.export_quantized(model, {"rules": qrules}, output)
+  rules = tuple(config.get("qat", {}).get("rules") or quant.INT4_INT8_RULES)
+  quant.export_quantized(model, {"rules": rules}, output)
   print(f"distillax export: wrote {output}; {quant.format_size_report(quant.size_report(output))}")
   return 0

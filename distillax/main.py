@@ -1,4 +1,4 @@
-"""`distillax train|plan|export|cache-teacher --config=<file.py>[:arg] [--config.a.b=v ...]`.
+"""`distillax train|plan|export|cache-teacher|demo --config=<file.py>[:arg] [--config.a.b=v ...]`.
 
 A thin entry: parse flags, join the distributed runtime when asked, hand the config to the
 command. Errors a user can cause print one line naming the problem and the fix and exit with
@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
-COMMANDS = ("train", "plan", "export", "cache-teacher")
-USAGE = ("usage: distillax {train,plan,export,cache-teacher} --config <file.py>[:arg] "
+COMMANDS = ("train", "plan", "export", "cache-teacher", "demo")
+USAGE = ("usage: distillax {train,plan,export,cache-teacher,demo} --config <file.py>[:arg] "
          "[--workdir DIR] [--config.key=value ...]")
 
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
   command = argv[1]
   if command not in COMMANDS:
     return _fail("", f"unknown command {command!r}; use one of {', '.join(COMMANDS)}")
-  if command in ("plan", "train"):
+  if command in ("plan", "train", "demo"):
     _preset_devices(argv)
 
   from absl import flags, logging
@@ -90,16 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from distillax.framework import runtime
     runtime.initialize(config, coordinator_address=fv.coordinator_address,
                        num_processes=fv.num_processes, process_id=fv.process_id)
-    if command == "train":
-      return _train(config, fv.workdir)
-    if command == "plan":
-      from distillax.plan import run_plan
-      return run_plan(config, devices=fv.devices, memory_gb=fv.memory_gb)
-    if command == "export":
-      from distillax.export import run_export
-      return run_export(config, fv.workdir, fv.output, fv.format)
-    from distillax.distill.cache_job import run_cache_teacher
-    return run_cache_teacher(config, fv.workdir)
+    return _run_job(command, config, fv)
   except UserError as e:
     return _fail(command, str(e))
 
@@ -123,13 +114,29 @@ def _flag_error_line(message: str) -> str:
   return first + " (see --help; config keys are checked against the config file's defaults)"
 
 
+def _run_job(command: str, config, fv) -> int:
+  """The job a command names; each imports only what it needs."""
+  if command == "train":
+    return _train(config, fv.workdir)
+  if command == "plan":
+    from distillax.plan import run_plan
+    return run_plan(config, devices=fv.devices, memory_gb=fv.memory_gb)
+  if command == "export":
+    from distillax.export import run_export
+    return run_export(config, fv.workdir, fv.output, fv.format)
+  if command == "demo":
+    from distillax.demo import run_demo
+    return run_demo(config, fv.workdir)
+  from distillax.cache_teacher import run_cache_teacher
+  return run_cache_teacher(config, fv.workdir)
+
+
 def _train(config, workdir: str | None) -> int:
   from distillax.errors import UserError
-  from distillax.trainers import get_trainer
+  from distillax.trainers import Trainer, recipe_for
   if not workdir:
     raise UserError("--workdir is required for train, e.g. --workdir runs/my_run")
-  trainer = get_trainer(config.trainer)(config, workdir)
-  summary = trainer.run()
+  summary = Trainer(recipe_for(config, workdir=workdir), workdir).run()
   at = f" at step {summary['step']}" if "step" in summary else ""
   import jax
   if jax.process_index() == 0:

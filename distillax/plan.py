@@ -10,9 +10,8 @@ import numpy as np
 
 from distillax import partitioning as pt
 from distillax.errors import UserError
-from distillax.framework import flops
 from distillax.framework.hlo import collective_stats
-from distillax.trainers import get_trainer
+from distillax.trainers import Recipe, recipe_for
 
 fmt = pt.shard.format_bytes
 
@@ -27,9 +26,8 @@ def _tree_bytes(abstract, shardings) -> tuple[int, int]:
   return total, per_device
 
 
-def plan_report(trainer) -> dict:
-  """Figures of the compiled plan (also used by tests and benchmarks)."""
-  engine = trainer.engine
+def plan_report(recipe: Recipe, engine) -> dict:
+  """Figures of `recipe`'s compiled `engine` (also used by tests and benchmarks)."""
   layout, runner = engine.layout, engine.runner
   a, sh = layout.abstract, layout.shardings
   params = _tree_bytes(a.params, sh.params)
@@ -37,8 +35,7 @@ def plan_report(trainer) -> dict:
   opt = _tree_bytes(a.opt_state, sh.opt_state)
   stats = dict(runner.stats)
   hlo = runner.call.as_text() if hasattr(runner.call, "as_text") else ""
-  model_flops = flops.train_step_flops(trainer.model_config, trainer.batch_size, trainer.seq_len,
-                                       teacher_cfg=trainer.teacher_config())["total"]
+  model_flops = recipe.step_flops()
   peak = (stats.get("argument_size_in_bytes", 0) + stats.get("temp_size_in_bytes", 0) +
           stats.get("output_size_in_bytes", 0) - stats.get("alias_size_in_bytes", 0))
   return {
@@ -58,16 +55,16 @@ def run_plan(config, devices: int | None = None, memory_gb: float | None = None)
   if devices is not None and jax.device_count() != devices:
     raise UserError(f"--devices={devices} but JAX sees {jax.device_count()} devices; plan runs "
                     f"on simulated CPU devices, so leave JAX_PLATFORMS unset or set it to cpu")
-  trainer = get_trainer(config.trainer)(config, "/nonexistent-plan-workdir")
-  trainer.setup(with_data=False)
-  layout = trainer.engine.layout
-  rows = pt.describe(layout.abstract.params, layout.logical.params, trainer.mesh, trainer.rules)
-  print(pt.format_plan(rows, f"trainable parameters ({trainer.model_config.__class__.__name__})"))
-  r = plan_report(trainer)
+  recipe = recipe_for(config)
+  engine = recipe.build_engines().main
+  layout = engine.layout
+  rows = pt.describe(layout.abstract.params, layout.logical.params, recipe.mesh, recipe.rules)
+  print(pt.format_plan(rows, f"trainable parameters ({recipe.model_config.__class__.__name__})"))
+  r = plan_report(recipe, engine)
   c = r["compiled"]
   print(f"\nplan: {r['devices']} devices, mesh {r['mesh']} (data x model), strategy "
-        f"{r['strategy']}, backend {r['backend']}, batch {trainer.batch_size} x "
-        f"{trainer.seq_len}, gradients reduced {r['gradient_reduction'].replace('_', ' ')}")
+        f"{r['strategy']}, backend {r['backend']}, batch {recipe.batch_size} x "
+        f"{recipe.seq_len}, gradients reduced {r['gradient_reduction'].replace('_', ' ')}")
   print(f"  parameters     {fmt(r['params_total_bytes']):>12} total, "
         f"{fmt(r['params_bytes_per_device']):>12} per device")
   if r["frozen_total_bytes"]:

@@ -9,7 +9,7 @@ from distillax import partitioning as pt
 from distillax import quant
 from distillax.main import main
 from distillax.models import hf
-from distillax.trainers.loading import load_trained_model
+from distillax.trainers import load_trained_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QAT = f"{ROOT}/distillax/configs/qat.py:tiny"

@@ -10,8 +10,9 @@ import pytest
 from distillax.main import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Job configs are the files with a get_config (common.py and sections.py are their parts).
 CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "distillax", "configs", "*.py"))
-                 if os.path.basename(p) not in ("__init__.py", "common.py"))
+                 if "def get_config(" in open(p).read())
 DEMO = os.path.join(ROOT, "distillax", "configs", "demo.py")
 JOBS = [p for p in CONFIGS if p != DEMO]
 LM = os.path.join(ROOT, "distillax", "configs", "lm.py")
@@ -39,7 +40,7 @@ def test_every_config_trains_on_tiny_overrides(config, tmp_path):
 
 def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path, capsys):
   workdir = tmp_path / "demo"
-  argv = ["distillax", "train", "--config", f"{DEMO}:tiny", "--workdir", str(workdir)]
+  argv = ["distillax", "demo", "--config", f"{DEMO}:tiny", "--workdir", str(workdir)]
   assert main(argv) == 0
   report = json.loads((workdir / "report.json").read_text())
   for stage in ("teacher", "student_scratch", "student_kd", "student_kd_fp",
@@ -110,6 +111,12 @@ def _bad(tmp_path):
                          "--config.partitioning.rules=(('mlp','fsdp'),)"], "'fsdp'"),
       ("bad checkpoint period", ["train", "--config", cfg, "--workdir", wd,
                                  "--config.checkpoint.every_steps=-1"], "every_steps"),
+      ("demo config under train", ["train", "--config", f"{DEMO}:tiny", "--workdir", wd],
+       "distillax demo"),
+      ("job config under demo", ["demo", "--config", cfg, "--workdir", wd], "demo.py"),
+      ("unknown qat rule field", ["train", "--config", cfg, "--workdir", wd,
+                                  "--config.qat.rules=({'module_path': '.*', 'bits': 4},)"],
+       "unknown field(s) ['bits']"),
       ("per-step reduction under fsdp", ["train", "--config", cfg, "--workdir", wd,
                                          "--config.partitioning.gradient_reduction=per_step"],
        "use strategy dp or tp"),
@@ -133,3 +140,23 @@ def test_malformed_invocations_fail_with_one_line_and_status_2(tmp_path, capsys)
     assert "Traceback" not in err[0]
     assert fragment.lower() in err[0].lower(), f"{name}: {err[0]!r} lacks {fragment!r}"
     assert {p.name: p.read_bytes() for p in existing.iterdir()} == before, name
+
+
+def test_qat_rules_by_name_train_and_export(tmp_path):
+  """`qat.rules` as named fields: the run trains with them, and the quantized export (which
+  reads the same rules) writes int8 weights for the matmuls and keeps the embedding full."""
+  qat = os.path.join(ROOT, "distillax", "configs", "qat.py") + ":tiny"
+  rules = ("--config.qat.rules=({'module_path': '', 'weight_qtype': None}, "
+           "{'module_path': '.*', 'weight_qtype': 'int8', 'act_qtype': 'int8'})")
+  run, out = tmp_path / "run", tmp_path / "int8"
+  assert main(["distillax", "train", "--config", qat, "--workdir", str(run), rules,
+               "--config.train.steps=3", "--config.train.eval_every=3"]) == 0
+  saved = json.loads((run / "config.json").read_text())["qat"]["rules"]
+  assert saved[1] == {"module_path": ".*", "weight_qtype": "int8", "act_qtype": "int8"}
+  assert main(["distillax", "export", "--config", qat, "--workdir", str(run), "--output",
+               str(out), "--format", "quantized", rules]) == 0
+  exported = json.loads((out / "quant_config.json").read_text())
+  qtypes = {r["module_path"]: r["weight_qtype"] for r in exported["quant_config"]["rules"]}
+  assert qtypes == {"": None, ".*": "int8"}
+  assert {w["qtype"] for w in exported["quantized"].values()} == {"int8"}
+  assert "embedder/embedding" not in exported["quantized"]

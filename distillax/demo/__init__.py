@@ -1,3 +1,7 @@
-"""The main job (`make demo`): teacher -> scratch student -> distilled -> QAT int4 -> report."""
+"""The main job (`distillax demo`, `make demo`): teacher -> scratch student -> distilled -> QAT
+int4 -> report."""
 
-from distillax.demo.pipeline import DemoPipeline, stage_config
+from distillax.demo.pipeline import DemoPipeline, run_demo
+from distillax.demo.stages import stage_config
+
+__all__ = ["DemoPipeline", "run_demo", "stage_config"]

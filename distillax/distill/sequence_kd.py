@@ -2,7 +2,8 @@
 
 Kim & Rush (2016): instead of matching the teacher's distribution token by token, sample (or
 greedily decode) whole continuations from the teacher and train the student with plain
-cross-entropy on them. The job (`trainer = 'sequence_kd'`, distillax/configs/sequence_kd.py):
+cross-entropy on them. The job (`trainer = 'sequence_kd'`, distillax/configs/sequence_kd.py; its
+recipe is trainers/sequence_kd.py):
 
   1. takes the beginnings of train-split documents as prompts (`sequence_kd.prompt_len` tokens,
      BOS included; documents in a seeded random order),
@@ -13,7 +14,7 @@ cross-entropy on them. The job (`trainer = 'sequence_kd'`, distillax/configs/seq
   4. trains the student with the `lm` objective on that file; eval stays on the validation split
      of the original `data.source`, so the figures compare with any other run on that data.
 
-The teacher is loaded as the distillation trainer loads it (`teacher` section) and dropped before
+The teacher is loaded as every distillation job loads it (`teacher` section) and dropped before
 training starts. A finished sample file is reused on resume (it is written to a temporary name
 and renamed at the end), so a restarted run trains on the same data.
 """
@@ -24,29 +25,9 @@ import json
 import os
 
 import jax
-import ml_collections
 import numpy as np
-from absl import logging
 
-from distillax.errors import ConfigError, UserError
-from distillax.trainers.base import Trainer
-
-SAMPLES_FILE = "teacher_samples.jsonl"
-
-
-def default_sequence_kd_config() -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
-  c.num_prompts = 256  # train documents whose beginnings become prompts
-  c.prompt_len = 32  # prompt tokens per document (BOS included); shorter documents give less
-  c.max_new_tokens = 96  # teacher tokens generated per prompt (fewer if it emits EOS)
-  c.temperature = 1.0  # teacher sampling temperature (0 = greedy decoding)
-  c.top_k = 0  # sample from the teacher's top-k tokens only (0 = off)
-  c.top_p = 1.0  # nucleus sampling mass (1 = off)
-  c.batch_size = 32  # prompts per generation call (rounded up to the data-parallel size)
-  c.include_prompt = True  # each sample's text starts with its prompt (False: continuation only)
-  c.output = ""  # the JSONL written ('' = <workdir>/teacher_samples.jsonl)
-  return c
-
+from distillax.errors import UserError
 
 def take_prompts(data_cfg, tokenizer, *, count: int, prompt_len: int, seed: int
                  ) -> list[np.ndarray]:
@@ -113,61 +94,4 @@ def write_jsonl(path: str, texts: list[str]) -> None:
   os.replace(tmp, path)
 
 
-class SequenceKDTrainer(Trainer):
-  """The `lm` trainer whose train data are teacher samples it writes first."""
-
-  name = "sequence_kd"
-
-  @property
-  def samples_path(self) -> str:
-    return os.path.abspath(self.config.sequence_kd.output or os.path.join(self.workdir,
-                                                                         SAMPLES_FILE))
-
-  def setup(self, *, with_data: bool = True) -> None:
-    super().setup(with_data=False)  # every student-side config error surfaces first
-    if with_data:
-      self.ensure_samples()
-      self.train_it = self._train_iterator()
-
-  def samples_data_config(self) -> ml_collections.ConfigDict:
-    """The `data` section with the sample file as the whole train set."""
-    data = ml_collections.ConfigDict(self.config.data.to_dict())
-    data.source, data.format, data.text_field = self.samples_path, "jsonl", "text"
-    data.eval_source, data.validation_fraction = "", 0.0
-    return data
-
-  def _train_iterator(self):
-    from distillax.data import make_train_iterator
-    return make_train_iterator(self.samples_data_config(), global_batch_size=self.batch_size,
-                               seq_len=self.seq_len, seed=int(self.config.seed),
-                               tokenizer=self.tokenizer)
-
-  def ensure_samples(self) -> str:
-    """Writes the teacher samples unless a finished file is already there; returns its path."""
-    path, sc = self.samples_path, self.config.sequence_kd
-    if os.path.exists(path):
-      logging.info("sequence_kd: reusing the teacher samples in %s", path)
-      return path
-    if jax.process_count() > 1:
-      raise UserError("sequence_kd generates its samples in one process; run it without "
-                      "--num_processes, or generate once and train the lm config on the file")
-    for name in ("num_prompts", "prompt_len", "batch_size"):
-      if int(sc[name]) < 1:
-        raise ConfigError(f"sequence_kd.{name}={sc[name]} must be >= 1")
-    from distillax.distill.cache_job import teacher_host
-    host = teacher_host(self.config, self.workdir)
-    host.mesh, host.rules = self.mesh, self.rules
-    teacher = host.load_teacher(self.mesh, self.rules)
-    prompts = take_prompts(self.config.data, self.tokenizer, count=int(sc.num_prompts),
-                           prompt_len=int(sc.prompt_len), seed=int(self.config.seed))
-    texts, stats = generate_samples(teacher, prompts, self.tokenizer, sc, mesh=self.mesh,
-                                    rules=self.rules, seed=int(self.config.seed))
-    write_jsonl(path, texts)
-    logging.info("sequence_kd: %d teacher samples (%d generated tokens, teacher NLL %.3f per "
-                 "token) in %s", stats["samples"], stats["generated_tokens"],
-                 stats["teacher_nll_per_token"], path)
-    return path
-
-
-__all__ = ["SAMPLES_FILE", "SequenceKDTrainer", "default_sequence_kd_config", "generate_samples",
-           "take_prompts", "write_jsonl"]
+__all__ = ["generate_samples", "take_prompts", "write_jsonl"]

@@ -17,7 +17,8 @@ from distillax import main as cli
 from distillax.configs import sequence_kd as seqkd_config
 from distillax.data import (make_tokenizer, make_train_iterator, resolve_data_config,
                             split_documents)
-from distillax.distill.sequence_kd import SequenceKDTrainer, take_prompts
+from distillax.distill.sequence_kd import take_prompts
+from distillax.trainers import SequenceKDRecipe
 from distillax.models.config import get_preset
 from distillax.models.init import create_model
 
@@ -75,7 +76,7 @@ def test_the_student_trains_on_the_samples(run):
   assert summary["finished"] and summary["step"] == config.train.steps
   assert math.isfinite(summary["loss"]) and math.isfinite(summary["eval_loss"])
   # Train batches come from the sample file; eval stays on the original data's validation split.
-  trainer = SequenceKDTrainer(config, workdir)
+  trainer = SequenceKDRecipe(config, workdir=workdir)
   it = make_train_iterator(trainer.samples_data_config(), global_batch_size=8, seq_len=32, seed=0)
   row = next(it)
   first = row["inputs_BxL"][0][row["segment_ids_BxL"][0] == row["segment_ids_BxL"][0][0]]

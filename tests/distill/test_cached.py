@@ -17,8 +17,8 @@ from flax import nnx
 from distillax import main as cli
 from distillax.data import make_train_iterator, restore_iterator_state
 from distillax.distill import LogitKD, read_cache_info, read_teacher_cache
-from distillax.distill.cache_job import cached_objective, cached_train_iterator
-from distillax.trainers.lm import lm_objective
+from distillax.distill.cached import cached_objective, cached_train_iterator
+from distillax.trainers import lm_objective
 from tests.distill import helpers as h
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

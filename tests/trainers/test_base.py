@@ -1,6 +1,15 @@
-"""A run killed with SIGKILL and restarted ends exactly where an uninterrupted run ends."""
+"""The loop (trainers/base.py): exact resume and recovery from a diverged step.
+
+Resume: a run killed with SIGKILL (or stopped by SIGTERM, or whose newest checkpoint is corrupt)
+and restarted ends exactly where an uninterrupted run ends.
+Rollback: a NaN injected into one train batch (its loss mask) makes the loss NaN; the loop must
+restore the best checkpoint, scale the learning rate by train.rollback_lr_factor, log the event
+and finish with finite losses.
+"""
 
 import json
+import logging
+import math
 import os
 import random
 import signal
@@ -11,6 +20,9 @@ import time
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+
+from distillax.configs import lm as lm_config
+from distillax.trainers import Recipe, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 10
@@ -124,3 +136,64 @@ def test_sigterm_saves_the_current_step_and_the_next_run_resumes(uninterrupted, 
   assert 3 <= stopped < STEPS and "preemption" in out
   _train(workdir)
   _assert_same_run(workdir, uninterrupted)
+
+
+# ---- rollback -------------------------------------------------------------------------------
+
+class PoisonOnce:
+  """Wraps a train iterator; the `at`-th batch handed out in the process gets a NaN loss mask."""
+
+  def __init__(self, inner, counter):
+    self.inner, self.counter = inner, counter
+
+  def __next__(self):
+    batch = next(self.inner)
+    self.counter["served"] += 1
+    if self.counter["served"] == self.counter["at"]:
+      batch = dict(batch, loss_mask_BxL=np.full_like(batch["loss_mask_BxL"], np.nan))
+    return batch
+
+  def get_state(self):
+    return self.inner.get_state()
+
+  def set_state(self, state):
+    self.inner.set_state(state)
+
+
+class PoisonedRecipe(Recipe):
+  """The lm recipe whose train batches pass through PoisonOnce."""
+  counter = {"served": 0, "at": 5}
+
+  def train_iterator(self):
+    return PoisonOnce(super().train_iterator(), self.counter)
+
+
+def test_nan_loss_rolls_back_to_the_best_checkpoint(tmp_path, caplog):
+  config = lm_config.get_config("tiny")
+  config.train.steps, config.train.log_every, config.train.eval_every = 8, 1, 2
+  config.checkpoint.every_steps, config.checkpoint.async_save = 2, False
+  config.train.rollback_lr_factor = 0.5
+  trainer = Trainer(PoisonedRecipe(config), str(tmp_path))
+  with caplog.at_level(logging.WARNING):
+    summary = trainer.run()
+
+  rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl") if l.strip()]
+  train = [r for r in rows if "loss" in r]
+  poisoned = [r for r in train if not math.isfinite(r["loss"])]
+  assert poisoned and poisoned[0]["step"] == 5
+  # Back to the step-4 checkpoint, then steps 5..8 again with half the learning rate.
+  messages = [r.getMessage() for r in caplog.records if "rollback" in r.getMessage()]
+  assert len(messages) == 1 and "back to step 4" in messages[0], messages
+  step5 = [r for r in train if r["step"] == 5]
+  assert len(step5) == 2 and math.isfinite(step5[1]["loss"])
+  assert step5[1]["learning_rate"] == pytest.approx(0.5 * step5[0]["learning_rate"], rel=1e-6)
+  assert summary["rollbacks"] == 1 and summary["finished"] and summary["step"] == 8
+  assert math.isfinite(summary["loss"]) and math.isfinite(summary["eval_loss"])
+  # Rows of the diverged trajectory (steps 5 and 6, one step late) stay in the log; every row
+  # after the rollback is finite and the steps run 5..8 again.
+  after = train[train.index(step5[1]):]
+  assert [r["step"] for r in after] == [5, 6, 7, 8]
+  assert all(math.isfinite(r["loss"]) for r in after)
+  # The diverged trajectory's checkpoints are set aside, the new ones are there.
+  kept = {int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()}
+  assert 8 in kept

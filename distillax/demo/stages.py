@@ -1,0 +1,73 @@
+"""The demo's trained stages: each an ordinary distillax job config, built from the demo config.
+
+A finished stage (its summary.json says so) is reused and an unfinished one resumes from its
+checkpoints, so rerunning the demo continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from distillax.configs import sections
+from distillax.configs.common import base_config
+from distillax.trainers.workdir import read_summary
+
+# student_kd_fp: the distilled student trained on, in full precision, for as many extra steps as
+# QAT takes: the fair source of the PTQ baseline and the full-precision reference of the QAT
+# recovery ratio (QAT must not win merely by training longer).
+TRAINED_STAGES = ("teacher", "student_scratch", "student_kd", "student_kd_fp",
+                  "student_qat_int4")
+
+
+def _copy_common(c: ml_collections.ConfigDict, demo: ml_collections.ConfigDict) -> None:
+  c.seed = demo.seed
+  c.backend = demo.backend
+  c.mesh = demo.mesh.copy_and_resolve_references()
+  c.partitioning = demo.partitioning.copy_and_resolve_references()
+  c.data = demo.data.copy_and_resolve_references()
+  c.optimizer = demo.optimizer.copy_and_resolve_references()
+  for key in ("batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "progress"):
+    c.train[key] = demo.train[key]
+  c.checkpoint.every_steps = demo.checkpoint.every_steps
+
+
+def stage_config(demo: ml_collections.ConfigDict, stage: str, workdir: str
+                 ) -> ml_collections.ConfigDict:
+  """The full job config of one trained stage of the demo."""
+  c = base_config()
+  _copy_common(c, demo)
+  if stage == "teacher":
+    c.trainer = "lm"
+    c.model = demo.teacher_model.copy_and_resolve_references()
+    c.train.steps = demo.teacher_steps
+    c.optimizer.learning_rate = demo.teacher_learning_rate
+    return c
+  c.model = demo.student_model.copy_and_resolve_references()
+  c.train.steps = demo.student_steps
+  if stage == "student_scratch":
+    c.trainer = "lm"
+    return c
+  c.trainer = "distill"
+  c.teacher = sections.teacher_section()
+  c.teacher.workdir = os.path.join(workdir, "teacher")
+  c.distill = sections.distill_section()
+  c.distill.update(demo.distill.copy_and_resolve_references())
+  if stage == "student_kd":
+    return c
+  if stage in ("student_kd_fp", "student_qat_int4"):
+    c.train.steps = demo.qat_steps
+    c.train.init_from = os.path.join(workdir, "student_kd")
+    c.optimizer.learning_rate = demo.qat_learning_rate
+    c.optimizer.warmup_steps = min(c.optimizer.warmup_steps, max(demo.qat_steps // 10, 1))
+    if stage == "student_qat_int4":
+      c.qat.rules = tuple(demo.quant_rules)
+    return c
+  raise ValueError(f"unknown demo stage {stage!r}")
+
+
+def stage_finished(stage_dir: str) -> bool:
+  return bool((read_summary(stage_dir) or {}).get("finished"))
+
+

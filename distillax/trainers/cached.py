@@ -1,0 +1,43 @@
+"""Distillation from an offline teacher cache: the distillation recipe with the teacher's
+outputs read from disk instead of a teacher in the step. Only the objective, the batches and
+their shapes differ; the engine is built exactly as for every other recipe (so LoRA dropout,
+eval objectives and QAT apply here too)."""
+
+from __future__ import annotations
+
+from distillax.distill import read_cache_info
+from distillax.distill.cached import (cached_batch_shapes, cached_objective, cached_strategy,
+                                      cached_train_iterator)
+from distillax.framework.step import Objective
+from distillax.trainers.distill import DistillRecipe
+from distillax.trainers.registry import register
+
+
+@register("distill_cached")
+class CachedDistillRecipe(DistillRecipe):
+  """`trainer='distill'` with `teacher.cache_dir` set."""
+
+  def __init__(self, config, **kwargs):
+    super().__init__(config, **kwargs)
+    self.cache_dir = str(config.teacher.cache_dir)
+    self.cache_info = read_cache_info(self.cache_dir)
+
+  def strategy(self):
+    return cached_strategy(self.config.distill, self.cache_info, self.model_config.vocab_size)
+
+  def objective(self, *, train: bool = False) -> Objective:
+    chunk = int(self.config.distill.chunk_size) or None
+    objective = cached_objective(self.strategy(), chunk_size=chunk)
+    return self.transforms.train_objective(objective) if train else objective
+
+  def build(self, *, abstract: bool, quantize: bool = True):
+    student = self.build_student(abstract=abstract, quantize=quantize)
+    return self.wrap_student(student, abstract=abstract), {}
+
+  def batch_shapes(self):
+    return cached_batch_shapes(self.cache_dir, self.batch_size, self.seq_len)
+
+  def train_iterator(self):
+    return cached_train_iterator(self.cache_dir, global_batch_size=self.batch_size,
+                                 seq_len=self.seq_len, seed=int(self.config.seed),
+                                 temperature=float(self.config.distill.logit.temperature))

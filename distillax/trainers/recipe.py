@@ -1,0 +1,141 @@
+"""The recipe half of a job: everything a config alone determines.
+
+A recipe resolves the mesh, rules, tokenizer and model configs; builds the student (fresh or from
+an earlier run, with the LoRA/QAT transforms) and the frozen extras; gives the objective, what
+trains, the batch shapes, the data, the compiled engines and the model that export writes.
+`plan`, `export`, `cache-teacher`, loading an earlier run and the benchmarks ask a recipe; the
+loop (base.py) runs one. A new kind of job is a new recipe, usually a few methods over this one.
+
+    recipe = recipe_for(config)                  # mesh, rules, tokenizer, model config
+    engines = recipe.build_engines()             # compiled step(s); nothing materialised
+    student, extras = recipe.build(abstract=False)
+    state = engines.main.init_state(student, extras, config.seed)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+from flax import nnx
+
+from distillax import partitioning as pt
+from distillax.data import batch_shapes, make_eval_iterator, make_tokenizer, make_train_iterator
+from distillax.errors import ConfigError
+from distillax.framework import flops
+from distillax.framework.engine import Engine, build_engine
+from distillax.framework.step import Objective
+from distillax.models.config import TransformerConfig
+from distillax.trainers.common import place_module, resolve_model_config
+from distillax.trainers.lm import lm_objective
+from distillax.trainers.registry import register
+from distillax.trainers.students import base_student
+from distillax.trainers.transforms import StudentTransforms
+
+
+@dataclasses.dataclass
+class Engines:
+  """The compiled step(s) of a run: with a delayed QAT start, a full-precision engine serves the
+  steps before `start_step` (same state tree, so switching touches nothing)."""
+
+  main: Engine
+  before_start: Engine | None = None
+  start_step: int = 0
+
+  def at(self, step: int) -> Engine:
+    if self.before_start is not None and step < self.start_step:
+      return self.before_start
+    return self.main
+
+
+@register("lm")
+class Recipe:
+  """Next-token training of one model; the base every other recipe specialises.
+
+  `workdir` is where the job's own files go (sequence KD writes its samples there); `mesh` and
+  `rules` override the config's (loading an earlier run onto this run's topology).
+  """
+
+  name = "lm"
+  # The model run frozen inside the step (counted in its FLOPs); distillation recipes set it.
+  teacher_model_config: TransformerConfig | None = None
+
+  def __init__(self, config, *, workdir: str | None = None, mesh=None,
+               rules: pt.RuleSet | None = None):
+    self.config = config
+    self.workdir = workdir
+    self.mesh = mesh if mesh is not None else pt.create_mesh(config.mesh)
+    self.rules = rules if rules is not None else pt.rules_from_config(config.partitioning)
+    self.tokenizer = make_tokenizer(config.data.tokenizer)
+    self.model_config = resolve_model_config(config.model, self.tokenizer)
+    self.batch_size, self.seq_len = int(config.train.batch_size), int(config.train.seq_len)
+    if self.seq_len > self.model_config.max_seq_len:
+      raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="
+                        f"{self.model_config.max_seq_len}; lower the first or raise the second")
+    self.transforms = StudentTransforms.from_config(config)
+
+  # ---- what the job builds (subclasses override these) ----------------------------------------
+
+  def objective(self, *, train: bool = False) -> Objective:
+    """The evaluation objective; `train=True` adds training-only parts (adapter dropout)."""
+    return self.transforms.train_objective(lm_objective) if train else lm_objective
+
+  def build(self, *, abstract: bool, quantize: bool = True) -> tuple[nnx.Module, dict]:
+    """(student, frozen extras). Abstract modules cost no memory; real ones are sharded.
+    quantize=False leaves QAT fake quantization off (the steps before `qat.start_step`)."""
+    return self.build_student(abstract=abstract, quantize=quantize), {}
+
+  def batch_shapes(self) -> Mapping[str, jax.ShapeDtypeStruct]:
+    return batch_shapes(self.batch_size, self.seq_len)
+
+  def train_iterator(self):
+    c = self.config
+    return make_train_iterator(c.data, global_batch_size=self.batch_size, seq_len=self.seq_len,
+                               seed=int(c.seed), tokenizer=self.tokenizer)
+
+  # ---- shared by every recipe -------------------------------------------------------------------
+
+  def build_student(self, *, abstract: bool, quantize: bool = True) -> nnx.Module:
+    """The plain student (fresh or `train.init_from`) with the LoRA/QAT transforms applied."""
+    apply = lambda m: self.transforms.apply(m, quantize=quantize)
+    model = base_student(self.model_config, self.config, self.mesh, self.rules, abstract=abstract)
+    if abstract:
+      return nnx.eval_shape(lambda: apply(model))
+    return place_module(apply(model), self.mesh, self.rules)
+
+  def trainable(self) -> Any:
+    return self.transforms.trainable()
+
+  def eval_iterator(self):
+    c = self.config
+    return make_eval_iterator(c.data, global_batch_size=self.batch_size, seq_len=self.seq_len,
+                              num_batches=int(c.train.eval_batches), tokenizer=self.tokenizer)
+
+  def export_model(self, student: nnx.Module) -> nnx.Module:
+    """The plain deployable model inside a trained student: LoRA merged, fake quantization off
+    (quantized export applies it again)."""
+    return self.transforms.strip(student)
+
+  def build_engines(self, learning_rate: float | None = None) -> Engines:
+    """The compiled step(s) at `learning_rate` (default: the optimizer section's)."""
+    lr = float(self.config.optimizer.learning_rate if learning_rate is None else learning_rate)
+    start = self.transforms.qat_start_step
+    return Engines(self._engine(lr), self._engine(lr, quantize=False) if start > 0 else None,
+                   start)
+
+  def step_flops(self) -> float:
+    """Model FLOPs of one train step (forward + backward, a frozen teacher's forward)."""
+    return flops.train_step_flops(self.model_config, self.batch_size, self.seq_len,
+                                  teacher_cfg=self.teacher_model_config)["total"]
+
+  def _engine(self, learning_rate: float, quantize: bool = True) -> Engine:
+    c = self.config
+    optimizer_cfg = c.optimizer.copy_and_resolve_references()
+    optimizer_cfg.learning_rate = learning_rate
+    student, extras = self.build(abstract=True, quantize=quantize)
+    return build_engine(student, extras, self.objective(train=True), optimizer_cfg,
+                        int(c.train.steps), self.mesh, self.rules, c.backend, self.batch_shapes(),
+                        accum_steps=int(c.train.accum_steps), trainable=self.trainable(),
+                        eval_objective=self.objective(),
+                        gradient_reduction=str(c.partitioning.get("gradient_reduction", "auto")))

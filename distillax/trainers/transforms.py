@@ -1,0 +1,71 @@
+"""The student transforms a job composes onto any recipe: LoRA/QLoRA adapters and QAT fake
+quantization, from the `lora` and `qat` sections. They change the student model, never the
+step: any objective can train an adapted or fake-quantized student."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from flax import nnx
+
+from distillax import quant
+from distillax.framework.step import Objective
+
+
+@dataclasses.dataclass(frozen=True)
+class StudentTransforms:
+  lora: Any = None  # the `lora` section when module_regex is set, else None
+  qat: quant.QuantConfig | None = None  # the parsed `qat` section when it has rules
+  seed: int = 0
+
+  @classmethod
+  def from_config(cls, config) -> "StudentTransforms":
+    lora = config.get("lora")
+    qat = config.get("qat")
+    qat_cfg = None
+    if qat and qat.rules:
+      qat_cfg = quant.QuantConfig.from_config({"rules": list(qat.rules),
+                                               "start_step": int(qat.start_step)})
+    return cls(lora=lora if lora and lora.module_regex else None, qat=qat_cfg,
+               seed=int(config.seed))
+
+  @property
+  def qat_start_step(self) -> int:
+    """Full-precision steps before fake quantization starts (0 = from the first step)."""
+    return self.qat.start_step if self.qat is not None else 0
+
+  def apply(self, model: nnx.Module, *, quantize: bool = True) -> nnx.Module:
+    """Adapters first, then fake quantization (its rounding sees the frozen base weights).
+
+    The state tree is the same with and without fake quantization, so a delayed QAT start
+    swaps compiled steps without touching the state.
+    """
+    if self.lora is not None:
+      lc = self.lora
+      model = quant.apply_lora(model, module_regex=lc.module_regex, rank=int(lc.rank),
+                               alpha=float(lc.alpha), dropout=float(lc.dropout),
+                               base_qtype=lc.base_qtype or None,
+                               base_tile_size=(int(lc.base_tile_size) or None) if lc.base_qtype
+                               else None, seed=self.seed)
+    if quantize and self.qat is not None:
+      model = quant.quantize_for_training(model, self.qat)
+    return model
+
+  def trainable(self) -> Any:
+    """Only the adapters train under LoRA; otherwise every parameter."""
+    return quant.LoRAParam if self.lora is not None else nnx.Param
+
+  def train_objective(self, objective: Objective) -> Objective:
+    """Adapter dropout is a training-only part of the objective (eval runs `objective`)."""
+    if self.lora is not None and float(self.lora.dropout) > 0:
+      return quant.with_lora_dropout(objective)
+    return objective
+
+  def strip(self, model: nnx.Module) -> nnx.Module:
+    """The plain model inside: LoRA merged, fake quantization off (export re-applies it)."""
+    if self.lora is not None:
+      model = quant.merge_lora(model)
+    if self.qat is not None:
+      model = quant.full_precision(model)
+    return model

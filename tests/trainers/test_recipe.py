@@ -1,0 +1,85 @@
+"""Recipes: every job config compiles under every preset, and cached distillation builds its
+engine exactly as every other recipe does (LoRA dropout in training, not in eval).
+
+tests/test_main.py trains every config for a few steps under its default preset (fsdp); here each
+of these configs compiles its step, with real shardings, under the other presets: compiling is
+where a preset that cannot place a parameter or an activation fails. (That every preset then
+computes the same numbers is tests/framework/test_backends.py.)
+"""
+
+import importlib
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from distillax import main as cli
+from distillax.configs import distill_cached
+from distillax.distill import read_teacher_cache
+from distillax.quant import LoRAParam
+from distillax.trainers import CachedDistillRecipe, recipe_for
+
+CONFIGS = ("distill_features", "qat_distill", "lora", "qlora")
+PRESETS = {"dp": (8, 1), "tp": (4, 2), "fsdp_tp": (4, 2)}  # fsdp: trained in test_main
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("strategy", PRESETS)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_config_compiles_under_preset(config, strategy):
+  c = importlib.import_module(f"distillax.configs.{config}").get_config("tiny")
+  assert c.partitioning.strategy == "fsdp"  # the default that test_main trains under
+  c.partitioning.strategy = strategy
+  c.mesh.data, c.mesh.model = PRESETS[strategy]
+  engine = recipe_for(c).build_engines().main
+  specs = [s.spec for s in jax.tree.leaves(engine.layout.shardings.params)]
+  if strategy == "dp":
+    assert all(all(a is None for a in spec) for spec in specs)
+  else:
+    assert any("model" in [a for a in spec] for spec in specs)
+  assert engine.runner.stats.get("flops", 0) > 0
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+  cache = str(tmp_path_factory.mktemp("recipe_cache") / "cache")
+  config = os.path.join(ROOT, "distillax/configs/distill_cached.py") + ":tiny"
+  assert cli.main(["distillax", "cache-teacher", "--config", config, "--workdir", cache]) == 0
+  return cache
+
+
+def _first_step_vs_eval(cache: str, dropout: float) -> tuple[float, float]:
+  """(loss of the first train step, eval loss of the same state on the same batch) of a cached
+  distillation run with LoRA adapters whose dropout is `dropout`."""
+  c = distill_cached.get_config("tiny")
+  c.teacher.cache_dir = cache
+  c.lora.module_regex, c.lora.dropout = r"layers/.*/(attn|mlp)/.*", dropout
+  recipe = recipe_for(c)
+  assert isinstance(recipe, CachedDistillRecipe)
+  engine = recipe.build_engines().main
+  student, extras = recipe.build(abstract=False)
+  # LoRA's B starts at zero, where dropout on the adapter input cannot change the forward: move
+  # every B off zero so that a dropped input shows in the loss.
+  adapters = nnx.state(student, LoRAParam)
+  values = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.05 if "lora_b" in jax.tree_util.keystr(path) else x,
+      nnx.to_pure_dict(adapters))
+  nnx.replace_by_pure_dict(adapters, values)
+  nnx.update(student, adapters)
+  state = engine.init_state(student, extras, int(c.seed))
+  batch = next(iter(read_teacher_cache(cache, batch_size=recipe.batch_size)))
+  eval_loss = engine.evaluate(state, [batch])["eval_loss"]
+  _, metrics = engine.runner(state, engine.runner.place_batch(batch))
+  return float(np.asarray(jax.device_get(metrics["loss"]))), eval_loss
+
+
+def test_cached_lora_run_drops_adapter_inputs_in_training_only(cache_dir):
+  """The same state and batch: the train step's loss equals eval's without dropout and differs
+  with it, so dropout reaches the cached run's training step and never its eval."""
+  train, evaluated = _first_step_vs_eval(cache_dir, dropout=0.0)
+  assert train == pytest.approx(evaluated, rel=1e-6)
+  train_d, evaluated_d = _first_step_vs_eval(cache_dir, dropout=0.5)
+  assert evaluated_d == pytest.approx(evaluated, rel=1e-6)  # eval never drops
+  assert train_d != pytest.approx(evaluated_d, rel=1e-6)
