@@ -28,7 +28,7 @@ MEMORY_HEADROOM = 0.85  # use at most this fraction of the chip's memory for the
 
 def teacher_twice(student_cfg):
   """The student's shapes with as many layers as make about twice its parameters."""
-  from distillax.models.init import param_count
+  from distillax.models import param_count
 
   total = param_count(student_cfg)
   per_layer = (param_count(student_cfg.replace(num_layers=2)) -
@@ -39,7 +39,7 @@ def teacher_twice(student_cfg):
 
 
 def settings(backend: str, quick: bool) -> dict:
-  from distillax.models.config import get_preset
+  from distillax.models import get_preset
 
   if quick:
     student = get_preset("tiny")
@@ -70,7 +70,7 @@ def compiled_bytes(stats: dict) -> float:
 def prepare(label, cfg, teacher_cfg, objective, s, limit) -> dict:
   """Compiles the step for the largest batch that fits and places a fresh state for it."""
   from benchmarks import common
-  from distillax.models.init import abstract_model, create_model
+  from distillax.models import abstract_model, create_model
 
   extras_abstract = {"teacher": abstract_model(teacher_cfg)} if teacher_cfg else {}
   tried = []
@@ -127,7 +127,7 @@ def time_steps(prepared: list[dict], s, peak) -> list[dict]:
 
 
 def _params(cfg) -> int:
-  from distillax.models.init import param_count
+  from distillax.models import param_count
   return param_count(cfg)
 
 
@@ -140,9 +140,8 @@ def main() -> int:
 
   from benchmarks import common
   from distillax.distill import LogitKD, make_distill_objective
-  from distillax.framework import throughput
-  from distillax.framework.progress import format_count
-  from distillax.trainers.lm import lm_objective
+  from distillax.framework import format_count, throughput
+  from distillax.trainers import lm_objective
 
   backend = jax.default_backend()
   s = settings(backend, args.quick)

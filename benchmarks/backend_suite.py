@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from benchmarks import common
-from distillax.models.config import TransformerConfig
+from distillax.models import TransformerConfig
 
 REFERENCE = "jit/dp"
 WARMUP_STEPS = 2

@@ -33,7 +33,7 @@ def main() -> int:
     args.model, args.batch, args.seq_len, args.reps = "tiny", 8, 32, 2
 
   from benchmarks import backend_suite, common
-  from distillax.models.config import get_preset
+  from distillax.models import get_preset
 
   print(f"{args.model}: global batch {args.batch} x {args.seq_len} on {args.devices} devices",
         flush=True)

@@ -23,11 +23,9 @@ import numpy as np
 from flax import nnx
 
 from distillax import partitioning as pt
-from distillax.framework import losses, optim
-from distillax.framework.engine import Engine, build_engine
-from distillax.models.config import TransformerConfig
-from distillax.models.init import abstract_model, create_model
-from distillax.trainers.lm import lm_objective
+from distillax.framework import Engine, build_engine, losses, optim
+from distillax.models import TransformerConfig, abstract_model, create_model
+from distillax.trainers import lm_objective
 
 STRATEGIES = ("dp", "fsdp", "tp", "fsdp_tp")
 

@@ -38,9 +38,8 @@ def run(quick: bool) -> dict:
   from distillax import partitioning as pt
   from distillax.distill import (CachedLogitKD, LogitKD, make_distill_objective,
                                  read_teacher_cache, write_teacher_cache)
-  from distillax.framework.engine import build_engine
-  from distillax.models.config import get_preset
-  from distillax.models.init import abstract_model, create_model
+  from distillax.framework import build_engine
+  from distillax.models import abstract_model, create_model, get_preset
 
   s = settings(quick)
   B, L = s["batch"], s["seq_len"]

@@ -38,8 +38,7 @@ def build(vocab: int, chunk: int | None):
 
   from benchmarks import common
   from distillax.distill import LogitKD, make_distill_objective
-  from distillax.models.config import TransformerConfig
-  from distillax.models.init import create_model
+  from distillax.models import TransformerConfig, create_model
 
   small = dict(vocab_size=vocab, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                max_seq_len=L)

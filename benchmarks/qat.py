@@ -2,10 +2,10 @@
 
   python benchmarks/qat.py [--quick] [--model tiny|demo_student] [--strategy fsdp]
 
-Every variant is built the way `distillax train` builds it: a `Trainer` from the job's config
-file (distillax/configs/lm.py, qat.py, lora.py, qlora.py) compiles its step (`setup`) and makes
-its student (`build_models`: LoRA / QLoRA adapters and QAT fake quantization by
-`transform_student`, sharded by `place_module`). Variants:
+Every variant is built the way `distillax train` builds it: the recipe of the job's config file
+(distillax/configs/lm.py, qat.py, lora.py, qlora.py; `recipe_for`) compiles its step
+(`build_engines`) and makes its student (`build`: LoRA / QLoRA adapters and QAT fake
+quantization applied, sharded by the recipe's rules). Variants:
 
   plain      lm.py: full-precision fp32 training, every parameter trains
   qat_int8   qat.py with int8 weights and int8 activations (embedding kept full precision)
@@ -23,7 +23,6 @@ state it implies. Writes benchmarks/results/qat.json.
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -99,24 +98,23 @@ def tree_bytes(abstract, shardings=None) -> int:
   return total
 
 
-def build_variant(name: str, s: dict, workdir: str):
-  """(stepper, row of static figures) for one variant, through the trainer's own set-up."""
+def build_variant(name: str, s: dict):
+  """(stepper, row of static figures) for one variant, through the job's own recipe."""
   import time
 
   import jax
   import numpy as np
 
   from benchmarks import common
-  from distillax.framework.state import STUDENT
-  from distillax.trainers.base import Trainer
+  from distillax.framework import STUDENT
+  from distillax.trainers import recipe_for
 
   c = variant_config(name, s)
   start = time.perf_counter()
-  trainer = Trainer(c, workdir)
-  trainer.setup(with_data=False)  # mesh, rules, model config, compiled step
-  student, extras = trainer.build_models(trainer.mesh, trainer.rules, abstract=False)
-  engine = trainer.engine
-  batch = common.packed_batch(s["batch"], s["seq_len"], trainer.model_config.vocab_size, seed=1)
+  recipe = recipe_for(c)  # mesh, rules, model config
+  engine = recipe.build_engines().main  # compiled step (QAT from step 0: the only engine)
+  student, extras = recipe.build(abstract=False)
+  batch = common.packed_batch(s["batch"], s["seq_len"], recipe.model_config.vocab_size, seed=1)
   stepper = common.Stepper(engine, student, batch, extras, seed=int(c.seed))
   jax.block_until_ready(stepper.state)
   build_s = time.perf_counter() - start
@@ -131,7 +129,7 @@ def build_variant(name: str, s: dict, workdir: str):
       "qat_rules": [list(r) for r in c.qat.rules],
       "lora": ({k: c.lora[k] for k in ("module_regex", "rank", "alpha", "dropout", "base_qtype",
                                         "base_tile_size")} if c.lora.module_regex else None),
-      "mesh": dict(trainer.mesh.shape), "strategy": trainer.rules.name,
+      "mesh": dict(recipe.mesh.shape), "strategy": recipe.rules.name,
       "trainable_params": sum(int(x.size) for x in jax.tree.leaves(layout.abstract.params)),
       "param_bytes": tree_bytes(layout.abstract.params),
       "frozen_bytes": tree_bytes(layout.abstract.frozen[STUDENT]),
@@ -144,8 +142,8 @@ def build_variant(name: str, s: dict, workdir: str):
       # buffers reused for outputs.
       "compiled_total_bytes": mem["argument"] + mem["output"] + mem["temp"] - mem["alias"],
       "flops": stats.get("flops"), "build_s": build_s,
-      "model": common.config_summary(trainer.model_config)
-      | {"tie_embeddings": trainer.model_config.tie_embeddings},
+      "model": common.config_summary(recipe.model_config)
+      | {"tie_embeddings": recipe.model_config.tie_embeddings},
   }
   return stepper, row
 
@@ -188,7 +186,8 @@ def run_checks(rows: dict) -> list[dict]:
   return checks
 
 
-def main() -> int:
+def parse_args():
+  """Parsed before JAX is imported: `--devices` sets how many CPU devices it simulates."""
   parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=8)
   parser.add_argument("--model", choices=("tiny", "demo_student"), default=None,
                       help="model preset (default demo_student; tiny with --quick)")
@@ -200,22 +199,14 @@ def main() -> int:
   parser.add_argument("--mesh-model", dest="mesh_model", type=int, default=1,
                       help="devices on the 'model' axis (the rest go to 'data')")
   parser.add_argument("--only", default="", help=f"comma list from {','.join(VARIANTS)}")
-  args = subproc.parse_args_before_jax(parser)
-  s = settings(args)
+  return subproc.parse_args_before_jax(parser)
 
-  import jax
 
+def time_variants(steppers: dict, rows: dict, s: dict) -> None:
+  """Adds each variant's timings, losses and ratios to plain (time and memory) to its row."""
   from benchmarks import common
 
-  print(f"{s['model']}: global batch {s['batch']} x {s['seq_len']}, {jax.device_count()} "
-        f"{jax.devices()[0].platform} devices, strategy {s['strategy']}, "
-        f"{s['reps']} rounds x {s['steps_per_rep']} steps", flush=True)
-  steppers, rows = {}, {}
-  with tempfile.TemporaryDirectory() as workdir:  # Trainer wants one; setup writes nothing
-    for name in s["variants"]:
-      steppers[name], rows[name] = build_variant(name, s, workdir)
-      print(f"  built {name} in {rows[name]['build_s']:.1f} s", flush=True)
-  for name, stepper in steppers.items():
+  for stepper in steppers.values():
     stepper(1)  # loss at the initial weights (and a first call out of the timed rounds)
   times, warmup = common.interleaved(steppers, reps=s["reps"], steps_per_rep=s["steps_per_rep"],
                                      warmup_steps=2)
@@ -231,7 +222,11 @@ def main() -> int:
   for r in rows.values():
     r["memory_ratio_to_plain"] = (r["compiled_total_bytes"]
                                   / rows[REFERENCE]["compiled_total_bytes"])
-  checks = run_checks(rows)
+
+
+def print_results(rows: dict, checks: list[dict]) -> None:
+  """The table and the checks for the console; the JSON carries the same figures in full."""
+  from benchmarks import common
 
   fb = common.fmt_bytes
   print()
@@ -253,6 +248,26 @@ def main() -> int:
         "devices; frozen: the student's non-trainable storage in all devices")
   for c in checks:
     print(f"{'PASS' if c['pass'] else 'FAIL'}  {c['check']}")
+
+
+def main() -> int:
+  args = parse_args()
+  s = settings(args)
+
+  import jax
+
+  from benchmarks import common
+
+  print(f"{s['model']}: global batch {s['batch']} x {s['seq_len']}, {jax.device_count()} "
+        f"{jax.devices()[0].platform} devices, strategy {s['strategy']}, "
+        f"{s['reps']} rounds x {s['steps_per_rep']} steps", flush=True)
+  steppers, rows = {}, {}
+  for name in s["variants"]:
+    steppers[name], rows[name] = build_variant(name, s)
+    print(f"  built {name} in {rows[name]['build_s']:.1f} s", flush=True)
+  time_variants(steppers, rows, s)
+  checks = run_checks(rows)
+  print_results(rows, checks)
 
   model = [r.pop("model") for r in rows.values()][0]  # one model config for every variant
   payload = {"benchmark": "qat", "quick": args.quick, "machine": common.machine_info(),

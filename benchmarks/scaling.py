@@ -113,7 +113,7 @@ def child(args) -> dict:
 
   from benchmarks import common
   from distillax.framework import throughput
-  from distillax.models.config import get_preset
+  from distillax.models import get_preset
 
   n = jax.device_count()
   todo = plan(args.quick)[n]

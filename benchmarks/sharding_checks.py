@@ -13,7 +13,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from distillax.framework.engine import Engine
+from distillax.framework import Engine
 
 
 def _leaf_bytes(abstract, sharding) -> tuple[float, float]:

@@ -40,7 +40,7 @@ def overhead_part(quick: bool) -> dict:
   import jax
 
   from benchmarks import baseline, common
-  from distillax.models.config import get_preset
+  from distillax.models import get_preset
 
   s = settings(quick)
   out = []
@@ -79,7 +79,7 @@ def overhead_part(quick: bool) -> dict:
 
 def backends_part(quick: bool) -> list[dict]:
   from benchmarks import backend_suite
-  from distillax.models.config import get_preset
+  from distillax.models import get_preset
 
   s = settings(quick)
   results = []

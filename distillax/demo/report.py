@@ -20,12 +20,12 @@ from flax import nnx
 from distillax import partitioning as pt
 from distillax import quant
 from distillax.data import make_eval_iterator, make_tokenizer
-from distillax.demo.pipeline import TRAINED_STAGES
+from distillax.demo.stages import TRAINED_STAGES
 from distillax.framework import losses
 from distillax.framework.backends import global_batch_placer
 from distillax.framework.writers import read_jsonl
 from distillax.models import hf
-from distillax.trainers.loading import load_trained_model
+from distillax.trainers import load_trained_model
 
 LABELS = {"teacher": "teacher", "student_scratch": "student, from scratch",
           "student_kd": "student, distilled",
@@ -136,27 +136,31 @@ def _samples(models: dict, tokenizer, mesh, rules, prompts, max_new_tokens: int)
   return out
 
 
-def build_report(pipeline) -> dict:
-  c = pipeline.config
-  workdir = pipeline.workdir
-  mesh = pt.create_mesh(c.mesh)
-  rules = pt.rules_from_config(c.partitioning)
-  tokenizer = make_tokenizer(c.data.tokenizer)
+def _placed_eval_batches(c, mesh, rules, tokenizer):
+  """The report's validation batches, placed on the mesh, and one row of inputs that PTQ and
+  the quantized export calibrate on."""
   batches = list(make_eval_iterator(c.data, global_batch_size=int(c.train.batch_size),
                                     seq_len=int(c.train.seq_len),
                                     num_batches=int(c.report_eval_batches), tokenizer=tokenizer))
   place = global_batch_placer(mesh, rules)
   placed = [place(b) for b in batches]
   sample = jnp.asarray(batches[0][losses.BATCH_INPUTS][:1])
-  qcfg = {"rules": [tuple(r) for r in c.quant_rules]}
+  return placed, sample
 
-  plain = {s: load_trained_model(pipeline.stage_dir(s), mesh, rules) for s in TRAINED_STAGES}
+
+def _models_by_row(plain: dict, qcfg: dict, sample) -> dict:
+  """Every row's model: the trained stages as they are, plus the int4 PTQ of the fp twin and
+  the QAT student with its fake quantization made real (PTQ of QAT-trained weights)."""
   models = dict(plain)
   models["student_ptq_int4"] = quant.quantize_post_training(plain["student_kd_fp"], qcfg, sample)
   models["student_qat_int4"] = quant.quantize_post_training(plain["student_qat_int4"], qcfg,
                                                             sample)
+  return models
 
-  export_dir = os.path.join(workdir, "export")
+
+def _export_all(plain: dict, qcfg: dict, sample, export_dir: str) -> dict:
+  """Writes every row's model under `export_dir` (fp32 HF checkpoints, int4 exports) and returns
+  each row's bytes on disk: the size column measures what was actually written."""
   sizes = {}
   for stage in ("teacher", "student_scratch", "student_kd", "student_kd_fp"):
     path = os.path.join(export_dir, f"{stage}_fp32")
@@ -167,12 +171,12 @@ def build_report(pipeline) -> dict:
     path = os.path.join(export_dir, stage)
     quant.export_quantized(plain[source], qcfg, path, sample)
     sizes[stage] = quant.size_report(path)["bytes_on_disk"]
-  reloaded = quant.load_quantized(os.path.join(export_dir, "student_qat_int4"), mesh=mesh,
-                                  rules=rules, sample_tokens=sample)
-  evaluate = _evaluator(mesh, rules, plain["teacher"])
-  export_diff = float(jnp.max(jnp.abs(
-      evaluate(reloaded)(placed[0])[0] - evaluate(models["student_qat_int4"])(placed[0])[0])))
+  return sizes
 
+
+def _stage_rows(pipeline, evaluate, models: dict, plain: dict, sizes: dict, placed) -> dict:
+  """Each row's numbers: CE, perplexity and teacher agreement summed over the same batches,
+  parameter count, bytes on disk, and training speed from the stage's own metrics."""
   stages = {}
   for name in ROWS:
     fn = evaluate(models[name])
@@ -188,29 +192,34 @@ def build_report(pipeline) -> dict:
     stages[name] = {"val_loss": float(nll / tokens), "val_perplexity": math.exp(nll / tokens),
                     "top1_agreement": float(agree / tokens), "params": n_params,
                     "bytes_on_disk": int(sizes[name]), "val_tokens": float(tokens), **speed}
+  return stages
 
+
+def _checks(stages: dict, export_diff: float) -> dict:
+  """The claims the demo exists to show, as booleans and numbers the tests can read."""
   s = stages
   ptq_gap = s["student_ptq_int4"]["val_loss"] - s["student_kd_fp"]["val_loss"]
   recovery = ((s["student_ptq_int4"]["val_loss"] - s["student_qat_int4"]["val_loss"]) / ptq_gap
               if ptq_gap > 0 else float("nan"))
-  checks = {
+  return {
       "kd_beats_scratch": bool(s["student_kd"]["val_loss"] < s["student_scratch"]["val_loss"]),
       "qat_beats_ptq": bool(s["student_qat_int4"]["val_loss"] < s["student_ptq_int4"]["val_loss"]),
       "qat_recovery_of_ptq_degradation": recovery,
       "int4_export_max_abs_ce_sum_diff": export_diff,
   }
-  _plot(pipeline, s["student_ptq_int4"]["val_loss"], os.path.join(workdir, "loss_curves.png"))
-  samples = _samples({"teacher": plain["teacher"], "student_scratch": plain["student_scratch"],
-                      "student_kd": plain["student_kd"]}, tokenizer, mesh, rules,
-                     list(c.sample_prompts), int(c.sample_tokens))
 
-  table = _format_table(stages)
+
+def _report_markdown(c, mesh, stages: dict, checks: dict, samples: dict) -> str:
+  """report.md: the setup, the table, the checks in words, and the samples."""
+  s = stages
+  recovery, export_diff = (checks["qat_recovery_of_ptq_degradation"],
+                           checks["int4_export_max_abs_ce_sum_diff"])
   lines = [
       "# distillax demo report", "",
       f"Mesh {pt.mesh_shape_str(mesh)} (data x model), strategy {c.partitioning.strategy}, "
       f"{jax.device_count()} {jax.devices()[0].platform} devices; validation: "
       f"{int(s['teacher']['val_tokens'])} tokens of the held-out split, the same for every row.",
-      "", table, "",
+      "", _format_table(stages), "",
       f"- distilled student beats scratch student: {checks['kd_beats_scratch']}",
       f"- QAT int4 beats PTQ int4: {checks['qat_beats_ptq']}; both start from the distilled "
       f"student and take the same {int(c.qat_steps)} extra steps; QAT recovers {recovery:.0%} "
@@ -221,11 +230,46 @@ def build_report(pipeline) -> dict:
   for name, texts in samples.items():
     for t in texts:
       lines.append(f"- **{name}**: `{t!r}`")
-  report_md = "\n".join(lines) + "\n"
+  return "\n".join(lines) + "\n"
+
+
+def _write_report(workdir: str, report_md: str, stages: dict, checks: dict,
+                  samples: dict) -> None:
+  """report.md, and report.json with the stages at top level next to checks and samples."""
   with open(os.path.join(workdir, "report.md"), "w") as f:
     f.write(report_md)
-  report = {"stages": stages, "checks": checks, "samples": samples}
   with open(os.path.join(workdir, "report.json"), "w") as f:
     json.dump({**stages, "checks": checks, "samples": samples}, f, indent=2)
+
+
+def build_report(pipeline) -> dict:
+  """Evaluates, exports and samples every stage of a finished demo; writes report.md,
+  report.json and loss_curves.png into its workdir; returns stages, checks and samples."""
+  c = pipeline.config
+  workdir = pipeline.workdir
+  mesh = pt.create_mesh(c.mesh)
+  rules = pt.rules_from_config(c.partitioning)
+  tokenizer = make_tokenizer(c.data.tokenizer)
+  placed, sample = _placed_eval_batches(c, mesh, rules, tokenizer)
+  qcfg = {"rules": [tuple(r) for r in c.quant_rules]}
+
+  plain = {s: load_trained_model(pipeline.stage_dir(s), mesh, rules) for s in TRAINED_STAGES}
+  models = _models_by_row(plain, qcfg, sample)
+  export_dir = os.path.join(workdir, "export")
+  sizes = _export_all(plain, qcfg, sample, export_dir)
+  reloaded = quant.load_quantized(os.path.join(export_dir, "student_qat_int4"), mesh=mesh,
+                                  rules=rules, sample_tokens=sample)
+  evaluate = _evaluator(mesh, rules, plain["teacher"])
+  export_diff = float(jnp.max(jnp.abs(
+      evaluate(reloaded)(placed[0])[0] - evaluate(models["student_qat_int4"])(placed[0])[0])))
+
+  stages = _stage_rows(pipeline, evaluate, models, plain, sizes, placed)
+  checks = _checks(stages, export_diff)
+  _plot(pipeline, stages["student_ptq_int4"]["val_loss"], os.path.join(workdir, "loss_curves.png"))
+  samples = _samples({"teacher": plain["teacher"], "student_scratch": plain["student_scratch"],
+                      "student_kd": plain["student_kd"]}, tokenizer, mesh, rules,
+                     list(c.sample_prompts), int(c.sample_tokens))
+  report_md = _report_markdown(c, mesh, stages, checks, samples)
+  _write_report(workdir, report_md, stages, checks, samples)
   print("\n" + report_md)
-  return report
+  return {"stages": stages, "checks": checks, "samples": samples}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from typing import Any, Callable, Mapping
 
@@ -25,18 +24,6 @@ from distillax.framework.state import StateLayout, TrainState
 BACKENDS = ("jit", "shard_map", "pmap", "vmap")
 DATA_AXIS = "data"
 BATCH_LOGICAL = ("batch", "length")
-
-
-def check_batch_size(global_batch: int, data_parallel: int, accum_steps: int,
-                     process_count: int = 1) -> None:
-  """Clear errors for a global batch the data-parallel layout cannot split evenly."""
-  unit = math.lcm(data_parallel * accum_steps, process_count)
-  if global_batch % unit:
-    lo = max(unit, global_batch - global_batch % unit)
-    raise ConfigError(
-        f"train.batch_size={global_batch} cannot be split over {data_parallel} data-parallel "
-        f"workers x {accum_steps} accumulation steps ({process_count} processes); it must be a "
-        f"multiple of {unit}, e.g. {lo} or {lo + unit}")
 
 
 def compiled_stats(compiled) -> dict[str, float]:
@@ -163,6 +150,137 @@ def _per_data_worker(body: Callable, mesh: Mesh, rules: pt.RuleSet,
                        out_specs=(P(), P()), axis_names={DATA_AXIS}, check_vma=False)
 
 
+def _donated(donate: bool) -> tuple[int, ...]:
+  """The state (argument 0) is donated so the update reuses its buffers, unless told not to."""
+  return (0,) if donate else ()
+
+
+def _compiled(fn, abstract_state, abstract_batch, compile_now: bool):
+  """Ahead-of-time compiled `fn`, or `fn` itself (compiled on first call) if not `compile_now`."""
+  return fn.lower(abstract_state, abstract_batch).compile() if compile_now else fn
+
+
+def _sharded_abstract_state(layout: StateLayout):
+  """The state's shapes and dtypes with their shardings, for lowering before any array exists."""
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      layout.abstract, layout.shardings)
+
+
+def _jit_body(make_step: Callable[[str | None], Callable], mesh: Mesh, rules: pt.RuleSet,
+              batch_sh: Mapping[str, NamedSharding], per_worker: bool) -> Callable:
+  """The step body jit traces: per data-parallel worker (explicit psum), or one GSPMD program
+  under the logical rules (GSPMD inserts the reductions)."""
+  if per_worker:
+    traced = _per_data_worker(make_step(DATA_AXIS), mesh, rules, batch_sh)
+    logging.info("jit step runs per data-parallel worker (parameters are replicated over "
+                 "'%s'): gradients are all-reduced once per step", DATA_AXIS)
+    return traced
+  body = make_step(None)
+
+  def traced(state, batch):
+    with pt.use_rules(mesh, rules):
+      return body(state, batch)
+  return traced
+
+
+def _jit_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.RuleSet, batch_shapes,
+                *, donate: bool, compile_now: bool, reduce_once: bool) -> StepRunner:
+  """GSPMD: the state keeps the layout's shardings, the batch is split by the logical rules."""
+  batch_sh = {k: _batch_sharding(mesh, rules, len(v.shape), v.shape)
+              for k, v in batch_shapes.items()}
+  per_worker = reduce_once and _runs_per_data_worker(mesh, layout, batch_sh)
+  traced = _jit_body(make_step, mesh, rules, batch_sh, per_worker)
+  fn = jax.jit(traced, in_shardings=(layout.shardings, batch_sh),
+               out_shardings=(layout.shardings, NamedSharding(mesh, P())),
+               donate_argnums=_donated(donate))
+  abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh[k])
+                    for k, v in batch_shapes.items()}
+  call = _compiled(fn, _sharded_abstract_state(layout), abstract_batch, compile_now)
+  return StepRunner("jit", call, lambda s: jax.device_put(s, layout.shardings), lambda s: s,
+                    global_batch_placer(mesh, rules), mesh.shape[DATA_AXIS],
+                    gradient_reduction="per_step" if per_worker else "per_use")
+
+
+def _shard_map_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.RuleSet,
+                      batch_shapes, *, donate: bool, compile_now: bool,
+                      reduce_once: bool) -> StepRunner:
+  """Data parallel under `shard_map`: replicated state, batch split over 'data' on dim 0."""
+  del reduce_once  # the body always reduces explicitly, once per step
+  _require_data_parallel("shard_map", mesh, layout)
+  body = make_step(DATA_AXIS)
+  rep = NamedSharding(mesh, P())
+  batch_spec = {k: P(DATA_AXIS) for k in batch_shapes}
+  mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), P()),
+                         check_vma=False)
+  fn = jax.jit(mapped, donate_argnums=_donated(donate))
+  abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
+                                            sharding=NamedSharding(mesh, P(DATA_AXIS)))
+                    for k, v in batch_shapes.items()}
+  call = _compiled(fn, _sharded_abstract_state(layout), abstract_batch, compile_now)
+  return StepRunner("shard_map", call, lambda s: jax.device_put(s, rep), lambda s: s,
+                    global_batch_placer(mesh, rules), mesh.shape[DATA_AXIS])
+
+
+def _pmap_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.RuleSet, batch_shapes,
+                 *, donate: bool, compile_now: bool, reduce_once: bool) -> StepRunner:
+  """Data parallel under `pmap` over this process's devices: the state is stacked per device
+  and the batch reshaped to (devices, per-device batch). pmap compiles on first call."""
+  del rules, batch_shapes, compile_now, reduce_once
+  _require_data_parallel("pmap", mesh, layout)
+  body = make_step(DATA_AXIS)
+  n_local = jax.local_device_count()
+  fn = jax.pmap(body, axis_name=DATA_AXIS, donate_argnums=_donated(donate))
+
+  # Placed the way pmap lays out its own outputs, so the step compiles once, not again on its
+  # second call (numpy in, device arrays out). With several processes pmap's layout spans them
+  # all; there the state goes in as numpy and the second call compiles once more.
+  local_mesh = Mesh(np.array(jax.local_devices()), (DATA_AXIS,))
+  stacked = NamedSharding(local_mesh, P(DATA_AXIS)) if jax.process_count() == 1 else None
+
+  def place_state(s):
+    s = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n_local,) + np.shape(x)), s)
+    return jax.device_put(s, stacked) if stacked is not None else s
+
+  def fetch_state(s):
+    return jax.tree.map(lambda x: x[0], s)
+
+  def place_batch(batch):
+    return {k: np.asarray(v).reshape((n_local, -1) + np.shape(v)[1:]) for k, v in batch.items()}
+
+  def call(state, batch):
+    new_state, metrics = fn(state, batch)
+    return new_state, jax.tree.map(lambda x: x[0], metrics)
+  return StepRunner("pmap", call, place_state, fetch_state, place_batch,
+                    n_local * jax.process_count())
+
+
+def _vmap_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.RuleSet, batch_shapes,
+                 *, donate: bool, compile_now: bool, reduce_once: bool) -> StepRunner:
+  """N data-parallel workers emulated on one device with `vmap(axis_name='data')`, N the
+  mesh's data axis: tests the explicit-reduction body without N devices."""
+  del rules, reduce_once
+  body = make_step(DATA_AXIS)
+  workers = mesh.shape[DATA_AXIS]
+  fn = jax.jit(jax.vmap(body, in_axes=(None, 0), out_axes=(None, None), axis_name=DATA_AXIS),
+               donate_argnums=_donated(donate))
+  device = jax.local_devices()[0]
+
+  def place_batch(batch):
+    return {k: jax.device_put(np.asarray(v).reshape((workers, -1) + np.shape(v)[1:]), device)
+            for k, v in batch.items()}
+  abstract_batch = {k: jax.ShapeDtypeStruct((workers, v.shape[0] // workers) + v.shape[1:],
+                                            v.dtype) for k, v in batch_shapes.items()}
+  abstract_single = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                                 layout.abstract)
+  call = _compiled(fn, abstract_single, abstract_batch, compile_now)
+  return StepRunner("vmap", call, lambda s: jax.device_put(s, device), lambda s: s,
+                    place_batch, workers)
+
+
+_RUNNER_BUILDERS = {"jit": _jit_runner, "shard_map": _shard_map_runner, "pmap": _pmap_runner,
+                    "vmap": _vmap_runner}
+
+
 def build_runner(backend: str, make_step: Callable[[str | None], Callable], layout: StateLayout,
                  mesh: Mesh, rules: pt.RuleSet, batch_shapes: Mapping[str, jax.ShapeDtypeStruct],
                  *, donate: bool = True, compile_now: bool = True,
@@ -176,96 +294,9 @@ def build_runner(backend: str, make_step: Callable[[str | None], Callable], layo
     raise ConfigError(f"backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
   if layout.shardings is None:
     raise ValueError("build_runner needs a layout built for a mesh")
-  data_parallel = mesh.shape[DATA_AXIS]
-  abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                                layout.abstract, layout.shardings)
   t0 = time.perf_counter()
-
-  if backend == "jit":
-    rep = NamedSharding(mesh, P())
-    batch_sh = {k: _batch_sharding(mesh, rules, len(v.shape), v.shape)
-                for k, v in batch_shapes.items()}
-    per_worker = reduce_once and _runs_per_data_worker(mesh, layout, batch_sh)
-    if per_worker:
-      traced = _per_data_worker(make_step(DATA_AXIS), mesh, rules, batch_sh)
-      logging.info("jit step runs per data-parallel worker (parameters are replicated over "
-                   "'%s'): gradients are all-reduced once per step", DATA_AXIS)
-    else:
-      body = make_step(None)
-
-      def traced(state, batch):
-        with pt.use_rules(mesh, rules):
-          return body(state, batch)
-    fn = jax.jit(traced, in_shardings=(layout.shardings, batch_sh),
-                 out_shardings=(layout.shardings, rep), donate_argnums=(0,) if donate else ())
-    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh[k])
-                      for k, v in batch_shapes.items()}
-    call = fn.lower(abstract_state, abstract_batch).compile() if compile_now else fn
-    runner = StepRunner(backend, call, lambda s: jax.device_put(s, layout.shardings),
-                        lambda s: s, global_batch_placer(mesh, rules), data_parallel,
-                        gradient_reduction="per_step" if per_worker else "per_use")
-
-  elif backend == "shard_map":
-    _require_data_parallel(backend, mesh, layout)
-    body = make_step(DATA_AXIS)
-    rep = NamedSharding(mesh, P())
-    batch_spec = {k: P(DATA_AXIS) for k in batch_shapes}
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), P()),
-                           check_vma=False)
-    fn = jax.jit(mapped, donate_argnums=(0,) if donate else ())
-    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
-                                              sharding=NamedSharding(mesh, P(DATA_AXIS)))
-                      for k, v in batch_shapes.items()}
-    call = fn.lower(abstract_state, abstract_batch).compile() if compile_now else fn
-    runner = StepRunner(backend, call, lambda s: jax.device_put(s, rep), lambda s: s,
-                        global_batch_placer(mesh, rules), data_parallel)
-
-  elif backend == "pmap":
-    _require_data_parallel(backend, mesh, layout)
-    body = make_step(DATA_AXIS)
-    n_local = jax.local_device_count()
-    fn = jax.pmap(body, axis_name=DATA_AXIS, donate_argnums=(0,) if donate else ())
-
-    # Placed the way pmap lays out its own outputs, so the step compiles once, not again on its
-    # second call (numpy in, device arrays out). With several processes pmap's layout spans them
-    # all; there the state goes in as numpy and the second call compiles once more.
-    local_mesh = Mesh(np.array(jax.local_devices()), (DATA_AXIS,))
-    stacked = NamedSharding(local_mesh, P(DATA_AXIS)) if jax.process_count() == 1 else None
-
-    def place_state(s):
-      s = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (n_local,) + np.shape(x)), s)
-      return jax.device_put(s, stacked) if stacked is not None else s
-
-    def fetch_state(s):
-      return jax.tree.map(lambda x: x[0], s)
-
-    def place_batch(batch):
-      return {k: np.asarray(v).reshape((n_local, -1) + np.shape(v)[1:]) for k, v in batch.items()}
-
-    def call(state, batch):
-      new_state, metrics = fn(state, batch)
-      return new_state, jax.tree.map(lambda x: x[0], metrics)
-    runner = StepRunner(backend, call, place_state, fetch_state, place_batch,
-                        n_local * jax.process_count())
-
-  else:  # vmap: N data-parallel workers emulated on one device
-    body = make_step(DATA_AXIS)
-    workers = data_parallel
-    fn = jax.jit(jax.vmap(body, in_axes=(None, 0), out_axes=(None, None), axis_name=DATA_AXIS),
-                 donate_argnums=(0,) if donate else ())
-    device = jax.local_devices()[0]
-
-    def place_batch(batch):
-      return {k: jax.device_put(np.asarray(v).reshape((workers, -1) + np.shape(v)[1:]), device)
-              for k, v in batch.items()}
-    abstract_batch = {k: jax.ShapeDtypeStruct((workers, v.shape[0] // workers) + v.shape[1:],
-                                              v.dtype) for k, v in batch_shapes.items()}
-    abstract_single = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                   layout.abstract)
-    call = fn.lower(abstract_single, abstract_batch).compile() if compile_now else fn
-    runner = StepRunner(backend, call, lambda s: jax.device_put(s, device), lambda s: s,
-                        place_batch, workers)
-
+  runner = _RUNNER_BUILDERS[backend](make_step, layout, mesh, rules, batch_shapes, donate=donate,
+                                     compile_now=compile_now, reduce_once=reduce_once)
   runner.compile_seconds = time.perf_counter() - t0
   if compile_now and hasattr(runner.call, "memory_analysis"):
     runner.stats = compiled_stats(runner.call)
