@@ -1,7 +1,8 @@
 """Checkpoints: bit-exact round trips across meshes, retention, corrupt-step fallback, preemption.
 
-The reference is a host-side numpy TrainState built here (random params, two real AdamW updates
-so moments and count are non-trivial, a bf16 frozen "teacher"); every restore is compared leaf by
+The reference is a host-side numpy TrainState built here over a small real Transformer (random
+params, two real AdamW updates so moments and count are non-trivial, a bf16 copy of the model as
+frozen "teacher"); every restore is compared leaf by
 leaf against it with np.array_equal, and the restored shardings against the requested ones.
 """
 
@@ -17,7 +18,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -29,9 +29,11 @@ from distillax.errors import UserError
 from distillax.framework.checkpoint import Checkpointer, CorruptCheckpointError
 from distillax.framework.preemption import PreemptionGuard
 from distillax.framework.state import TrainState, build_layout, init_state
-from distillax.partitioning.example import model_shaped_tree
+from tests.models.sharding import param_tree
 
-SHAPES = dict(vocab=64, embed=16, layers=1, heads=8, kv_heads=8, head_dim=4, mlp=32)
+# 8 query and 8 kv heads, so every strategy below splits on any mesh of 8 without fallbacks.
+SHAPES = dict(vocab_size=64, embed_dim=16, num_layers=1, num_heads=8, num_kv_heads=8, head_dim=4,
+              mlp_dim=32)
 TX = optax.adamw(1e-2)
 DATA_STATE = {"next_index": 123, "epoch": 1, "window": [3, 1, 2], "source": "stdlib"}
 
@@ -52,8 +54,8 @@ def _two_adamw_steps(params, grads):
 
 def reference_state(step: int = 5, seed: int = 0) -> TrainState:
   """All leaves numpy: the independent expectation every restore is compared with."""
-  abs_params, _ = model_shaped_tree(**SHAPES)
-  abs_teacher, _ = model_shaped_tree(**SHAPES, dtype=ml_dtypes.bfloat16)
+  abs_params, _ = param_tree("tiny", **SHAPES)
+  abs_teacher, _ = param_tree("tiny", **SHAPES, param_dtype="bfloat16")
   params, opt_state = _two_adamw_steps(_random_tree(abs_params, seed),
                                        [_random_tree(abs_params, seed + 100 + i) for i in range(2)])
   rng = np.asarray(jax.random.key_data(jax.random.key(seed + step)), np.uint32)
@@ -68,7 +70,7 @@ def abstract_of(state):
 
 
 def state_shardings(mesh, strategy) -> TrainState:
-  abs_params, logical = model_shaped_tree(**SHAPES)
+  abs_params, logical = param_tree("tiny", **SHAPES)
   rules = pt.rules_from_config({"strategy": strategy})
   params = pt.tree_shardings(abs_params, logical, mesh, rules)
   teacher = pt.tree_shardings(abs_params, logical, mesh, rules)
@@ -153,7 +155,7 @@ def test_restore_onto_another_topology(saved_fsdp_tp, target):
   assert_shardings(state, shardings)
   assert data_state == {**DATA_STATE, "at": 3} and meta["mesh"] == {"data": 4, "model": 2}
   # The layout really changed: under fsdp_tp 4x2 lm_head was split over both axes.
-  kernel = state.params["lm_head"]["kernel"]
+  kernel = state.params["lm_head"]
   expected_shard = {"8x1 fsdp": (2, 64), "1x8 tp": (16, 8), "one device": (16, 64)}[target]
   assert kernel.addressable_shards[0].data.shape == expected_shard
 

@@ -1,4 +1,3 @@
-import jax
 import pytest
 
 from distillax.errors import ConfigError

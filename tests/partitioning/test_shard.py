@@ -1,6 +1,9 @@
-import json
-import os
-import pathlib
+"""The partitioning core over the parameters of a real `Transformer` (tests/models/sharding.py).
+
+Golden dumps of every model preset x strategy x mesh live with the models, in
+tests/models/test_sharding_goldens.py; here the trees are inputs to describe, sufficiency,
+optimizer shardings and activation constraints.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -12,76 +15,51 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from distillax import partitioning as pt
 from distillax.errors import PartitioningError
-from distillax.partitioning.example import model_shaped_tree
-
-GOLDEN_DIR = pathlib.Path(__file__).parent / "goldens"
-MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
+from tests.models.sharding import param_tree, plan
 
 
-def _plan(strategy, data, model):
-  abstract, logical = model_shaped_tree()
+@pytest.mark.parametrize("strategy,data,model,replicate_indivisible", [
+    ("fsdp_tp", 4, 2, False), ("tp", 2, 4, True)])
+def test_describe_matches_what_devices_actually_hold(strategy, data, model,
+                                                    replicate_indivisible):
+  """The plan's bytes per device are what each shard of the materialised tree holds, also where
+  tiny's 2 kv heads fall back to replicated on a model axis of 4."""
+  abstract, logical = param_tree("tiny")
   mesh = pt.create_mesh({"data": data, "model": model})
-  return pt.describe(abstract, logical, mesh, pt.rules_from_config({"strategy": strategy}))
-
-
-def _snapshot(rows):
-  return {r.path: {"mesh": [list(a) if isinstance(a, tuple) else a for a in r.mesh_spec],
-                   "bytes_per_device": r.bytes_per_device} for r in rows}
-
-
-@pytest.mark.parametrize("strategy", pt.BUILTIN_PRESETS)
-@pytest.mark.parametrize("data,model", MESHES)
-def test_golden_sharding_snapshot(strategy, data, model):
-  """Fails when a rule change moves a parameter. Regenerate deliberately with
-  DISTILLAX_UPDATE_GOLDENS=1 and read the diff before committing it."""
-  path = GOLDEN_DIR / f"{strategy}_{data}x{model}.json"
-  got = _snapshot(_plan(strategy, data, model))
-  if os.environ.get("DISTILLAX_UPDATE_GOLDENS"):
-    GOLDEN_DIR.mkdir(exist_ok=True)
-    path.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
-  assert got == json.loads(path.read_text())
-
-
-@pytest.mark.parametrize("data,model", MESHES)
-def test_fsdp_per_device_bytes_are_total_over_data_size(data, model):
-  rows = _plan("fsdp", data, model)
-  total = sum(r.bytes_total for r in rows)
-  per_device = sum(r.bytes_per_device for r in rows)
-  assert per_device == total // data
-  # And every row individually: the embed dim is split over data, nothing else.
-  for r in rows:
-    assert r.bytes_per_device * data == r.bytes_total, r.path
-
-
-def test_describe_matches_what_devices_actually_hold():
-  abstract, logical = model_shaped_tree()
-  mesh = pt.create_mesh({"data": 4, "model": 2})
-  rules = pt.rules_from_config({"strategy": "fsdp_tp"})
+  rules = pt.rules_from_config({"strategy": strategy,
+                                "replicate_indivisible": replicate_indivisible})
   rows = pt.describe(abstract, logical, mesh, rules)
   shardings = pt.tree_shardings(abstract, logical, mesh, rules)
   arrays = jax.jit(lambda: jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), abstract),
                    out_shardings=shardings)()
   for row, x in zip(rows, jax.tree.leaves(arrays)):
+    assert tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec)) == row.mesh_spec
     for shard in x.addressable_shards:
       assert shard.data.nbytes == row.bytes_per_device, row.path
   table = pt.format_plan(rows, "plan")
-  assert "layer_0/attn/q" in table and "(data, model, -)" in table
-  assert "per device" in table.splitlines()[-1]
+  assert "layers/0/attn/q" in table and "per device" in table.splitlines()[-1]
+  if strategy == "fsdp_tp":
+    assert "(data, model, -)" in table
 
 
 def test_sufficiency_check_flags_replicated_bytes():
-  dp_rows = _plan("dp", 8, 1)
+  dp_rows = plan("tiny", "dp", 8, 1)
   with pytest.raises(PartitioningError, match=r"100.0% of parameter bytes are replicated.*embedder/embedding"):
     pt.check_sufficiency(dp_rows)
-  assert pt.check_sufficiency(_plan("fsdp", 8, 1)).replicated_fraction == 0.0
+  assert pt.check_sufficiency(plan("tiny", "fsdp", 8, 1)).replicated_fraction == 0.0
   # tp leaves the small norm scales (embed) replicated: below the default 5% limit here.
-  tp = pt.check_sufficiency(_plan("tp", 2, 4))
+  tp = pt.check_sufficiency(plan("tiny", "tp", 4, 2))
   assert 0 < tp.replicated_fraction < 0.05 and tp.ok
   assert all(r.path.endswith("scale") for r in tp.offenders)
+  # On a model axis of 4, tiny's 2 kv heads fall back to replicated too: now it is too much.
+  gqa = pt.check_sufficiency(plan("tiny", "tp", 2, 4, replicate_indivisible=True),
+                             raise_on_failure=False)
+  assert not gqa.ok and gqa.replicated_fraction > 0.05
+  assert {r.path for r in gqa.offenders} >= {"layers/0/attn/k", "layers/0/attn/v"}
 
 
 def test_optimizer_state_mirrors_parameter_shardings():
-  abstract, logical = model_shaped_tree(layers=1)
+  abstract, logical = param_tree("tiny", num_layers=1)
   mesh = pt.create_mesh({"data": 4, "model": 2})
   p_sh = pt.tree_shardings(abstract, logical, mesh, pt.rules_from_config({"strategy": "fsdp_tp"}))
   tx = optax.adamw(1e-3)
@@ -91,8 +69,8 @@ def test_optimizer_state_mirrors_parameter_shardings():
                    out_shardings=p_sh)()
   opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
   mu = opt_state[0].mu
-  assert mu["layer_0"]["mlp"]["up"].sharding.spec == P("data", "model")
-  assert mu["lm_head"]["kernel"].sharding == p_sh["lm_head"]["kernel"]
+  assert mu["layers"][0]["mlp"]["up"].sharding.spec == P("data", "model")
+  assert mu["lm_head"].sharding == p_sh["lm_head"]
   assert opt_state[0].count.sharding.spec == P()
 
 

@@ -1,0 +1,168 @@
+"""Golden sharding dumps of real `Transformer` presets, per partitioning preset and mesh.
+
+Like MaxText's sharding dumps: for every parameter of the abstract model (`nnx.eval_shape`, no
+memory) each dump records its shape, dtype, logical axes, mesh spec and bytes per device, so a
+change to the rules or to the model's logical axes that moves a parameter fails here with the
+paths that moved. Regenerate deliberately with DISTILLAX_UPDATE_GOLDENS=1 and read the diff
+before committing it.
+
+The models cover the features that change the tree: `tiny` (untied output, GQA with 2 kv heads),
+`tiny_gemma` (tied embeddings, post norms) and `llama3.2-1b` (a published shape: stacked layers
+under scan, bfloat16, 128k vocabulary). tiny's 4 query and 2 kv heads do not divide a model axis
+of 4 or 8; the default rules reject that, so the dumps are made with `replicate_indivisible`
+(the dim falls back to its replicated rule) and list the paths that need it.
+"""
+
+import json
+import os
+import pathlib
+
+import pytest
+
+from distillax import partitioning as pt
+from distillax.errors import PartitioningError
+from tests.models.sharding import plan, rows_by_path
+
+GOLDEN_DIR = pathlib.Path(__file__).parent / "goldens"
+MODELS = ("tiny", "tiny_gemma", "llama3.2-1b")
+MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
+
+
+def _spec_json(spec):
+  return [list(a) if isinstance(a, tuple) else a for a in spec]
+
+
+def _rejected_by_default(rows, strategy, data, model):
+  """Paths whose spec the default rules (replicate_indivisible=False) refuse to resolve."""
+  rules = pt.rules_from_config({"strategy": strategy})
+  mesh = pt.create_mesh({"data": data, "model": model})
+  rejected = []
+  for r in rows:
+    try:
+      rules.resolve(r.logical, r.shape, mesh, r.path)
+    except PartitioningError:
+      rejected.append(r.path)
+  return rejected
+
+
+def sharding_dump(preset, strategy, data, model):
+  rows = plan(preset, strategy, data, model, replicate_indivisible=True)
+  return {
+      "model": preset, "strategy": strategy, "mesh": {"data": data, "model": model},
+      "raises_without_replicate_indivisible": _rejected_by_default(rows, strategy, data, model),
+      "total_bytes": sum(r.bytes_total for r in rows),
+      "bytes_per_device": sum(r.bytes_per_device for r in rows),
+      "params": {r.path: {"shape": list(r.shape), "dtype": r.dtype, "logical": list(r.logical),
+                          "mesh": _spec_json(r.mesh_spec),
+                          "bytes_per_device": r.bytes_per_device} for r in rows},
+  }
+
+
+def dumps(dump) -> str:
+  """JSON with one line per parameter, so a golden reads (and diffs) like a plan table."""
+  head = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in dump.items() if k != "params"]
+  body = ",\n".join(f"  {json.dumps(p)}: {json.dumps(e)}" for p, e in dump["params"].items())
+  return "{\n" + "\n".join(head) + '\n "params": {\n' + body + "\n }\n}\n"
+
+
+def _differences(got, want):
+  """What moved, parameter by parameter, for a failure message a reviewer can act on."""
+  lines = [f"{k}: {want.get(k)!r} -> {got[k]!r}" for k in got
+           if k != "params" and got[k] != want.get(k)]
+  gp, wp = got["params"], want.get("params", {})
+  lines += [f"new parameter {p}: {gp[p]}" for p in gp if p not in wp]
+  lines += [f"parameter gone {p}: {wp[p]}" for p in wp if p not in gp]
+  lines += [f"{p}: {wp[p]} -> {gp[p]}" for p in gp if p in wp and gp[p] != wp[p]]
+  return lines
+
+
+@pytest.mark.parametrize("preset", MODELS)
+@pytest.mark.parametrize("strategy", pt.BUILTIN_PRESETS)
+@pytest.mark.parametrize("data,model", MESHES)
+def test_golden_sharding_dump(preset, strategy, data, model):
+  path = GOLDEN_DIR / preset / f"{strategy}_{data}x{model}.json"
+  got = sharding_dump(preset, strategy, data, model)
+  if os.environ.get("DISTILLAX_UPDATE_GOLDENS"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dumps(got))
+  want = json.loads(path.read_text())
+  assert got == want, "\n".join([f"{path} differs:"] + _differences(got, want))
+
+
+# ---- what the rules say, written by hand (not read off a dump) --------------------------------
+
+def test_tiny_fsdp_tp_4x2_by_hand():
+  """embed -> data, heads/kv_heads/mlp/vocab -> model, head_dim has no rule beyond replicate."""
+  rows = rows_by_path(plan("tiny", "fsdp_tp", 4, 2))
+  q = rows["layers/0/attn/q"]  # (embed 64, heads 4, head_dim 16) f32
+  assert q.mesh_spec == ("data", "model", None) and q.bytes_per_device == 64 * 4 * 16 * 4 // 8
+  assert rows["layers/0/attn/k"].mesh_spec == ("data", "model", None)  # 2 kv heads over 2
+  assert rows["layers/1/attn/o"].mesh_spec == ("model", None, "data")
+  assert rows["layers/0/mlp/down"].mesh_spec == ("model", "data")
+  emb = rows["embedder/embedding"]  # (vocab 256, embed 64)
+  assert emb.mesh_spec == ("model", "data") and emb.bytes_per_device == 256 * 64 * 4 // 8
+  assert rows["lm_head"].mesh_spec == ("data", "model")  # untied: (embed, vocab)
+  # A norm scale is (embed,): split over data like every embed dim, untouched by model.
+  scale = rows["layers/0/attn_norm/scale"]
+  assert scale.mesh_spec == ("data",) and scale.bytes_per_device == 64 * 4 // 4
+
+
+def test_tp_replicates_norm_scales_and_splits_the_rest_over_model():
+  rows = rows_by_path(plan("tiny", "tp", 4, 2))
+  for path in ("final_norm/scale", "layers/0/attn_norm/scale", "layers/1/mlp_norm/scale"):
+    assert rows[path].replicated and rows[path].bytes_per_device == rows[path].bytes_total
+  assert rows["layers/0/attn/q"].mesh_spec == (None, "model", None)
+  assert rows["layers/0/mlp/gate"].mesh_spec == (None, "model")
+  assert rows["embedder/embedding"].mesh_spec == ("model", None)
+
+
+def test_kv_heads_that_do_not_divide_the_model_axis_fall_back_to_replicated():
+  """tiny has 2 kv heads: a model axis of 4 rejects them unless replicate_indivisible is set,
+  and then they take the preset's trailing ('kv_heads', None); 4 query heads still split."""
+  with pytest.raises(PartitioningError, match=r"layers/0/attn/k .*'kv_heads', size 2.*size 4"):
+    plan("tiny", "tp", 2, 4)
+  rows = rows_by_path(plan("tiny", "tp", 2, 4, replicate_indivisible=True))
+  assert rows["layers/0/attn/k"].mesh_spec == (None, None, None)
+  assert rows["layers/0/attn/q"].mesh_spec == (None, "model", None)
+  # On 8, the 4 query heads fall back too.
+  rows = rows_by_path(plan("tiny", "fsdp_tp", 1, 8, replicate_indivisible=True))
+  assert rows["layers/0/attn/q"].mesh_spec == ("data", None, None)
+  assert rows["layers/0/mlp/up"].mesh_spec == ("data", "model")
+
+
+def test_tied_gemma_has_no_lm_head_and_shards_its_post_norms():
+  rows = rows_by_path(plan("tiny_gemma", "fsdp", 8, 1))
+  assert "lm_head" not in rows and rows["embedder/embedding"].mesh_spec == (None, "data")
+  assert rows["layers/1/post_mlp_norm/scale"].mesh_spec == ("data",)
+
+
+def test_llama_1b_stacked_layers_by_hand():
+  rows = rows_by_path(plan("llama3.2-1b", "fsdp_tp", 2, 4))
+  q = rows["layers/attn/q"]  # (layers 16, embed 2048, heads 32, head_dim 64) bf16
+  assert q.shape == (16, 2048, 32, 64) and q.dtype == "bfloat16"
+  assert q.mesh_spec == (None, "data", "model", None)
+  assert q.bytes_per_device == 16 * 2048 * 32 * 64 * 2 // 8
+  assert rows["layers/attn/k"].mesh_spec == (None, "data", "model", None)  # 8 kv heads over 4
+  emb = rows["embedder/embedding"]
+  assert emb.mesh_spec == ("model", "data") and emb.bytes_per_device == 128_256 * 2048 * 2 // 8
+  assert "lm_head" not in rows  # tied
+
+
+@pytest.mark.parametrize("strategy", pt.BUILTIN_PRESETS)
+def test_dp_replicates_everything_and_only_dp(strategy):
+  rows = plan("tiny", strategy, 4, 2)
+  replicated = all(r.bytes_per_device == r.bytes_total for r in rows)
+  assert replicated == (strategy == "dp")
+
+
+@pytest.mark.parametrize("preset", MODELS)
+@pytest.mark.parametrize("data,model", MESHES)
+def test_fsdp_per_device_bytes_are_total_over_data_size(preset, data, model):
+  """Every embed dim of these models divides every data size, so fsdp splits every parameter
+  exactly data ways and nothing over model."""
+  rows = plan(preset, "fsdp", data, model)
+  total = sum(r.bytes_total for r in rows)
+  assert sum(r.bytes_per_device for r in rows) == total // data
+  for r in rows:
+    assert r.bytes_per_device * data == r.bytes_total, r.path
+    assert "model" not in r.mesh_spec, r.path
