@@ -103,7 +103,8 @@ class Strategy:
     return sums[self.name], sums
 
   def loss_sums(self, inputs: DistillInputs) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(weight * term sum, metric sums): the strategy as a loss."""
+    """(weight * term sum, metric sums) of one leaf. A composite is evaluated only by the
+    objective (objective.py), which shares one pass over the logits between its leaves."""
     term, sums = self.term_sums(inputs)
     return self.weight * term, sums
 
@@ -166,12 +167,6 @@ class Composite(Strategy):
   def leaves(self):
     return tuple((self.weight * w, leaf) for s in self.strategies for w, leaf in s.leaves())
 
-  def term_sums(self, inputs):
-    total, sums = jnp.zeros((), jnp.float32), {}
-    for s in self.strategies:
-      loss, metrics = s.loss_sums(inputs)
-      total, sums = total + loss, {**sums, **metrics}
-    return total, sums
 
 
 # ---- layer maps -----------------------------------------------------------------------------

@@ -132,17 +132,3 @@ def train_step_flops(student_cfg: Any, batch: int, seq_len: int, teacher_cfg: An
   }
   out["total"] = sum(out.values())
   return out
-
-
-def matmul_param_count(cfg: Any) -> int:
-  """Parameters used in matmuls: all projections plus the output projection (once, tied or not).
-
-  The input embedding table is a gather and norms are elementwise, so neither is included.
-  A cross-check: when seq_len is small next to embed_dim, forward_flops ~= 2 * this * tokens
-  (the 6ND rule for training).
-  """
-  n = _shape_numbers(cfg)
-  per_layer = (n["embed"] * (n["heads"] + 2 * n["kv_heads"]) * n["head_dim"]
-               + n["heads"] * n["head_dim"] * n["embed"]
-               + mlp_matrix_count(getattr(cfg, "mlp_activation", "swiglu")) * n["embed"] * n["mlp"])
-  return n["layers"] * per_layer + n["embed"] * n["vocab"]

@@ -42,18 +42,6 @@ class ObjectiveOutput:
 Objective = Callable[[nnx.Module, Mapping[str, nnx.Module], Batch, jax.Array], ObjectiveOutput]
 
 
-def per_sequence(fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]):
-  """Vectorises a loss written for one sequence over the batch dim with `jax.vmap`.
-
-  `fn(*arrays_for_one_sequence) -> (loss_sum, metric_sums)`; the wrapper takes batched arrays
-  and returns the sums over the batch, ready for an ObjectiveOutput.
-  """
-  def batched(*arrays):
-    loss, sums = jax.vmap(fn)(*arrays)
-    return jnp.sum(loss), jax.tree.map(jnp.sum, sums)
-  return batched
-
-
 def split_microbatches(batch: Batch, accum_steps: int) -> Batch:
   """[B, ...] -> [A, B/A, ...], taking every A-th row so each micro-batch draws evenly from every
   device's block of a data-sharded batch (no resharding needed)."""

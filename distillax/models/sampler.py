@@ -133,10 +133,6 @@ class Sampler:
     self.cache_dtype = cache_dtype or model.config.dtype
     self._compiled = {}
 
-  def set_weights(self, model: Transformer) -> None:
-    """Samples from `model`'s current weights next time (same architecture: no recompile)."""
-    self.state = nnx.state(model)
-
   def _fn(self, cfg: SamplingConfig):
     if cfg not in self._compiled:
       fn = functools.partial(_generate, self.graphdef, cfg=cfg, cache_dtype=self.cache_dtype)

@@ -130,10 +130,6 @@ def use_rules(mesh: Mesh | jax.sharding.AbstractMesh, rules: RuleSet):
     _ACTIVE.reset(token)
 
 
-def active_rules() -> _ActiveRules | None:
-  return _ACTIVE.get()
-
-
 @contextlib.contextmanager
 def no_rules():
   """Turns activation constraints off inside (e.g. per-device code under shard_map)."""

@@ -127,10 +127,6 @@ def unintercepted_type(model: nnx.Module) -> type:
   return getattr(cls, "_unquantized_type", cls)
 
 
-def is_intercepted(model: nnx.Module) -> bool:
-  return hasattr(type(model), "_unquantized_type")
-
-
 def install(model: nnx.Module, provider: qwix.QuantizationProvider,
             sample_tokens: jax.Array | None = None) -> nnx.Module:
   """A copy of `model` whose forward runs under `provider` (`__call__` and, where the model has

@@ -40,11 +40,10 @@ def test_composite_objective_matches_numpy():
   def run(ss, ts, batch):
     student, extras = nnx.merge(sg, ss), {"teacher": nnx.merge(tg, ts)}
     out = objective(student, extras, batch, None)
-    # A second code path: the composite as a plain strategy over the same forward outputs.
     inputs = run_models(STRATEGY, student, extras, batch)
-    return out, inputs.student, inputs.teacher, STRATEGY.loss_sums(inputs)
+    return out, inputs.student, inputs.teacher
 
-  out, s, t, (loss, sums) = run(ss, ts, h.to_jnp(batch))
+  out, s, t = run(ss, ts, h.to_jnp(batch))
   mask = batch["loss_mask_BxL"]
   keep = mask.reshape(-1) > 0
   V = h.VOCAB
@@ -67,8 +66,6 @@ def test_composite_objective_matches_numpy():
                    + 0.3 * ref["feature_projection"])
   np.testing.assert_allclose(float(out.loss_sum), expected_loss, rtol=2e-5)
   assert float(out.tokens) == mask.sum()
-  np.testing.assert_allclose(float(loss), float(out.loss_sum), rtol=1e-5)
-  assert set(sums) >= {"logit_kd", "attention_transfer", "feature_pooling", "feature_projection"}
 
 
 def test_weights_compose():

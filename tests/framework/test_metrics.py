@@ -1,8 +1,7 @@
-"""Metric logging (one step late, windowed), writers read back independently, eval, profiling."""
+"""Metric logging (one step late, windowed), writers read back independently, throughput."""
 
 import glob
 import json
-import math
 import os
 import socket
 import subprocess
@@ -15,10 +14,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from distillax.errors import ConfigError, UserError
-from distillax.framework import event_reader, evaluation, metrics, profiling, writers
+from distillax.errors import UserError
+from distillax.framework import metrics, writers
 from distillax.framework.throughput import Throughput
 from distillax.partitioning.mesh import create_mesh
+from tests.framework import event_reader
 
 
 class MemoryWriter:
@@ -239,15 +239,16 @@ _TWO_PROCESS_WORKER = textwrap.dedent("""
     mesh = jax.make_mesh((8, 1), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     step = jax.jit(lambda x: {"loss": jnp.mean(x)})
     logger = metrics.MetricLogger(writers.create_writers(workdir, console=False), log_every=2)
-    acc = evaluation.EvalAccumulator()
+    total = 0.0
     for i in range(1, 5):
       local = np.full((4,), 10.0 * i + pid, np.float32)  # this process's half of the batch
       x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), local)
       out = step(x)
       assert not out["loss"].is_fully_addressable
       logger.record(i, out)
-      acc.add(jnp.sum(x), jnp.float32(8))
-    logger.write(4, acc.result())
+      total += metrics.to_host_scalar(jnp.sum(x))  # a global sum, read on either process
+    values = evaluation.loss_and_perplexity(total, 32)
+    logger.write(4, {f"eval_{k}": v for k, v in values.items()})
     logger.close()
     jax.distributed.shutdown()
 """)
@@ -282,59 +283,3 @@ def test_two_processes_fetch_global_metrics_and_only_process_0_writes(tmp_path):
   assert rows[2]["eval_tokens"] == 32
   assert event_reader.read_scalars(str(workdirs[0] / "tensorboard"))["loss"] == [
       (2, pytest.approx(np.mean(step_means[:2]))), (4, pytest.approx(np.mean(step_means[2:])))]
-
-
-# --- eval -----------------------------------------------------------------------------------
-
-def test_eval_accumulator_weights_by_tokens():
-  rng = np.random.default_rng(2)
-  token_losses = [rng.uniform(1, 4, size=(2, 8)) for _ in range(3)]
-  masks = [rng.uniform(size=(2, 8)) < p for p in (1.0, 0.5, 0.2)]
-  acc = evaluation.EvalAccumulator()
-  for losses, mask in zip(token_losses, masks):
-    acc.add(jnp.sum(jnp.asarray(losses, jnp.float32) * mask), jnp.sum(mask))
-  result = acc.result()
-  all_losses = np.concatenate([l[m] for l, m in zip(token_losses, masks)])
-  assert result["eval_loss"] == pytest.approx(all_losses.mean(), rel=1e-5)
-  assert result["eval_perplexity"] == pytest.approx(np.exp(all_losses.mean()), rel=1e-5)
-  assert result["eval_tokens"] == all_losses.size
-
-
-def test_perplexity_overflow_and_empty_eval():
-  assert evaluation.loss_and_perplexity(6.0, 3)["perplexity"] == pytest.approx(math.exp(2.0))
-  huge = evaluation.loss_and_perplexity(1e6, 2)
-  assert huge["loss"] == 5e5 and huge["perplexity"] == math.inf
-  with pytest.raises(UserError, match="no tokens"):
-    evaluation.loss_and_perplexity(0.0, 0)
-  with pytest.raises(UserError, match="no tokens"):
-    evaluation.EvalAccumulator().result()
-
-
-# --- profiling ------------------------------------------------------------------------------
-
-def test_profile_window_traces_only_its_steps(tmp_path):
-  step = jax.jit(lambda x: jnp.tanh(x @ x))
-  x = jnp.ones((32, 32)) / 32
-  window = profiling.ProfileWindow(str(tmp_path), start_step=2, num_steps=2)
-  started_at = stopped_at = None
-  for i in range(1, 6):
-    window.step(i, block_on=x)
-    if window.active and started_at is None:
-      started_at = i
-    if window.done and stopped_at is None:
-      stopped_at = i
-    x = step(x)
-  window.close(x)
-  assert (started_at, stopped_at) == (2, 4)
-  traces = glob.glob(str(tmp_path / "profile" / "plugins" / "profile" / "*" / "*.xplane.pb"))
-  assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
-
-
-def test_profile_window_off_and_invalid(tmp_path):
-  off = profiling.ProfileWindow(str(tmp_path), start_step=1, num_steps=0)
-  for i in range(1, 4):
-    off.step(i)
-  off.close()
-  assert not (tmp_path / "profile").exists()
-  with pytest.raises(ConfigError, match="num_steps"):
-    profiling.ProfileWindow(str(tmp_path), start_step=1, num_steps=-1)

@@ -4,7 +4,7 @@ Event files are TFRecord streams: [u64 length][u32 masked crc32c of length][payl
 crc32c of payload], each payload an `Event` proto. This reader checks both checksums, decodes with
 tensorboardX's copy of the proto, and applies TensorBoard's purge rule: a `SessionLog.START` event
 at step S hides every event at step >= S read before it (a resumed run overwriting the tail of a
-crashed one). Used by tests, benchmarks and tools to check what a run logged.
+crashed one). The tests use it to check what a run logged, independently of the writer.
 """
 
 from __future__ import annotations

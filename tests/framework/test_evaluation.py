@@ -1,0 +1,58 @@
+"""Engine.evaluate: exact token-weighted means over every eval batch (framework/engine.py and
+framework/evaluation.py), against numpy on the same model's logits."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from distillax import partitioning as pt
+from distillax.errors import UserError
+from distillax.framework import evaluation, losses
+from distillax.framework.engine import build_engine
+from distillax.models.init import create_model
+from distillax.trainers import lm_objective
+from tests.framework.engine_fixtures import MODEL, optimizer_config, packed_batches
+
+
+def _numpy_nll(model, batch):
+  """Per-token next-token NLL from the model's own forward, in float64 numpy."""
+  out = model(batch["inputs_BxL"], **losses.model_inputs(batch))
+  logits = np.asarray(out.logits_BxLxV, np.float64)
+  logits -= logits.max(-1, keepdims=True)
+  log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  return -np.take_along_axis(log_probs, batch["targets_BxL"][..., None], -1)[..., 0]
+
+
+def test_eval_weights_every_real_token_alike():
+  """Three batches with very different numbers of real tokens: the eval loss is the mean over
+  all their tokens, not the mean of per-batch means."""
+  mesh = pt.create_mesh({"data": 4, "model": 2})
+  rules = pt.rules_from_config({"strategy": "fsdp_tp"})
+  model = create_model(MODEL, mesh=mesh, rules=rules, seed=3)
+  batches = packed_batches(3, seed=5)
+  for batch, keep in zip(batches, (1.0, 0.5, 0.1)):
+    rows = int(len(batch["loss_mask_BxL"]) * keep) or 1
+    batch["loss_mask_BxL"][rows:] = 0.0
+  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batches[0].items()}
+  engine = build_engine(model, {}, lm_objective, optimizer_config(), 10, mesh, rules, "jit",
+                        shapes)
+  got = engine.evaluate(engine.init_state(model, {}, seed=0), batches)
+
+  nll = np.concatenate([_numpy_nll(model, b)[b["loss_mask_BxL"] > 0] for b in batches])
+  assert got["eval_tokens"] == nll.size
+  assert got["eval_loss"] == pytest.approx(nll.mean(), rel=1e-5)
+  assert got["eval_perplexity"] == pytest.approx(math.exp(nll.mean()), rel=1e-5)
+  per_batch_means = [_numpy_nll(model, b)[b["loss_mask_BxL"] > 0].mean() for b in batches]
+  # The tolerance above is tight enough to tell the two apart (a random model's losses differ
+  # little between batches, so the gap is small but several tolerances wide).
+  assert abs(np.mean(per_batch_means) - nll.mean()) > 5 * 1e-5 * nll.mean()
+
+
+def test_perplexity_overflow_and_empty_eval():
+  assert evaluation.loss_and_perplexity(6.0, 3)["perplexity"] == pytest.approx(math.exp(2.0))
+  huge = evaluation.loss_and_perplexity(1e6, 2)
+  assert huge["loss"] == 5e5 and huge["perplexity"] == math.inf
+  with pytest.raises(UserError, match="no tokens.*train.eval_batches"):
+    evaluation.loss_and_perplexity(0.0, 0)
