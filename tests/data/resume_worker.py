@@ -1,4 +1,4 @@
-"""Run as a fresh process by test_data_resume: rebuild the train iterator, restore its state from
+"""Run as a fresh process by test_state: rebuild the train iterator, restore its state from
 an orbax checkpoint and from a JSON file, and write the next batches of each to .npz files."""
 
 import json

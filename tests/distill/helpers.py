@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from distillax.distill import DistillInputs
 from distillax.models.config import TransformerConfig
-from distillax.models.transformer import Transformer
+from distillax.models.transformer import ModelOutput, Transformer
 
 VOCAB = 48
 # A teacher twice as wide with twice the heads and one more layer than the student, as in practice.
@@ -155,3 +156,35 @@ def np_pool(t_feats, width):
   for j in range(width):
     out[..., j] = t[..., j * g:(j + 1) * g].mean(-1)
   return out
+
+
+# Strategy inputs without models (attention, features): random hidden states and causal attention.
+B, L = 2, 6
+
+
+def causal_probs(rng, layers, heads):
+  logits = rng.normal(size=(layers, B, heads, L, L)) * 2
+  causal = np.tril(np.ones((L, L), bool))
+  logits = np.where(causal, logits, -np.inf)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  return (p / p.sum(-1, keepdims=True)).astype(np.float32)
+
+
+def make_inputs(seed=0, s_heads=2, t_heads=4, s_layers=2, t_layers=3, ds=4, dt=8,
+                projections=None):
+  rng = np.random.default_rng(seed)
+  mask = np.ones((B, L), np.float32)
+  mask[1, -2:] = 0
+  s_hidden = rng.normal(size=(s_layers + 1, B, L, ds)).astype(np.float32)
+  t_hidden = rng.normal(size=(t_layers + 1, B, L, dt)).astype(np.float32)
+  out = lambda hid, probs: ModelOutput(
+      logits_BxLxV=jnp.zeros((B, L, 3)), final_hidden_BxLxD=jnp.asarray(hid[-1]),
+      hidden_states=jnp.asarray(hid), attention_probs=jnp.asarray(probs))
+  s_probs = causal_probs(rng, s_layers, s_heads)
+  t_probs = causal_probs(rng, t_layers, t_heads)
+  batch = {"inputs_BxL": jnp.zeros((B, L), jnp.int32), "targets_BxL": jnp.zeros((B, L), jnp.int32),
+           "loss_mask_BxL": jnp.asarray(mask)}
+  inputs = DistillInputs(batch=batch, student=out(s_hidden, s_probs),
+                         teacher=out(t_hidden, t_probs), projections=projections)
+  return inputs, dict(mask=mask, s_hidden=s_hidden, t_hidden=t_hidden, s_probs=s_probs,
+                      t_probs=t_probs)

@@ -8,7 +8,7 @@ from distillax.framework import optim
 from distillax.framework.engine import build_engine
 from distillax.models.config import get_preset
 from distillax.models.init import create_model
-from distillax.trainers.lm import lm_objective
+from distillax.trainers import lm_objective
 
 # 8 query heads over 4 kv heads so every preset places on meshes with model <= 4.
 MODEL = get_preset("tiny", num_heads=8, num_kv_heads=4, head_dim=8, vocab_size=128)

@@ -17,7 +17,7 @@ from distillax.framework import hlo
 from distillax.framework.engine import build_engine
 from distillax.framework.step import ObjectiveOutput
 from distillax.models.init import abstract_model, create_model
-from distillax.trainers.lm import lm_objective
+from distillax.trainers import lm_objective
 from tests.framework.engine_fixtures import MODEL, optimizer_config, packed_batches, run_training
 
 # Tied table of 1024 x 64: most of the gradient bytes, so a second reduction of it cannot hide.
@@ -92,7 +92,7 @@ def test_fsdp_still_shards_through_gspmd():
 
 def test_tied_model_with_accumulation_matches_the_gspmd_path():
   """Per-worker tp against GSPMD fsdp, tied and accumulating: same losses and parameters over 3
-  steps. (Untied per-worker dp is the reference of test_engine_equivalence.)"""
+  steps. (Untied per-worker dp is the reference of test_backends.)"""
   batches = packed_batches(3)
   ref = run_training("jit", "fsdp", (4, 2), batches, accum_steps=2, model_cfg=TIED)
   losses, params, _ = run_training("jit", "tp", (2, 4), batches, accum_steps=2, model_cfg=TIED)

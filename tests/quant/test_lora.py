@@ -16,7 +16,7 @@ from distillax.quant import (LoRAParam, LoRAWeight, QuantConfig, apply_lora, loa
                              lora_dropout, merge_lora, quantize_post_training, save_adapters,
                              with_lora_dropout)
 from distillax.quant.weights import QuantizedValue
-from distillax.trainers.lm import lm_objective
+from distillax.trainers import lm_objective
 from tests.framework.engine_fixtures import optimizer_config, packed_batches
 from tests.quant.helpers import TINY1, logits, numpy_model, tokens
 

@@ -16,7 +16,7 @@ from distillax import partitioning as pt
 from distillax.framework import optim
 from distillax.framework.engine import build_engine
 from distillax.quant import QuantConfig, quantize_for_training, quantize_post_training
-from distillax.trainers.lm import lm_objective
+from distillax.trainers import lm_objective
 from tests.quant.helpers import TINY1, markov_batches, markov_table, numpy_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

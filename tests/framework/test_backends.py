@@ -61,7 +61,7 @@ def test_pmap_compiles_its_step_once(caplog):
   from distillax import partitioning as pt
   from distillax.framework.engine import build_engine
   from distillax.models.init import create_model
-  from distillax.trainers.lm import lm_objective
+  from distillax.trainers import lm_objective
 
   mesh = pt.create_mesh({"data": 8, "model": 1})
   rules = pt.rules_from_config({"strategy": "dp"})

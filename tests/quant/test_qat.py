@@ -12,7 +12,7 @@ from distillax import partitioning as pt
 from distillax.framework.engine import build_engine
 from distillax.quant import (QuantConfig, QuantSiteParam, check_swappable, quantize_for_training,
                              quantize_post_training)
-from distillax.trainers.lm import lm_objective
+from distillax.trainers import lm_objective
 from tests.framework.engine_fixtures import optimizer_config, packed_batches
 from tests.quant.helpers import TINY1, numpy_model
 
