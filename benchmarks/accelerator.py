@@ -62,6 +62,21 @@ def memory_limit() -> float | None:
   return float(stats["bytes_limit"]) if "bytes_limit" in stats else None
 
 
+def numpy_matmul_flops(n: int = 512, repeats: int = 3) -> float:
+  """numpy's BLAS on one n x n fp32 matmul, best of `repeats`: a second opinion on the CPU
+  probe's peak (distillax.framework.throughput). Two timings compared, so it is reported here
+  rather than asserted in a test; on a busy host the two can differ by several times."""
+  import numpy as np
+
+  a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+  best = 0.0
+  for _ in range(repeats):
+    start = time.perf_counter()
+    a @ a
+    best = max(best, 2 * n ** 3 / max(time.perf_counter() - start, 1e-9))
+  return best
+
+
 def compiled_bytes(stats: dict) -> float:
   return (stats.get("argument_size_in_bytes", 0) + stats.get("temp_size_in_bytes", 0) +
           stats.get("output_size_in_bytes", 0) - stats.get("alias_size_in_bytes", 0))
@@ -148,6 +163,10 @@ def main() -> int:
   peak, peak_source = throughput.peak_flops_per_device()
   limit = memory_limit()
   print(f"{backend}: {jax.devices()[0].device_kind}; peak {peak_source}", flush=True)
+  numpy_flops = numpy_matmul_flops() if backend == "cpu" else None
+  if numpy_flops is not None:
+    print(f"cpu cross-check: numpy BLAS fp32 matmul {numpy_flops / 1e9:.1f} GFLOP/s, the probe "
+          f"{throughput.cpu_peak_flops() / 1e9:.1f} GFLOP/s per host", flush=True)
   if args.quick:
     print("quick: tiny student, teacher with twice its parameters", flush=True)
   elif backend not in ("gpu", "tpu"):
@@ -182,6 +201,7 @@ def main() -> int:
       print(f"FAIL  {r['label']}: {r['error']}")
   payload = {"benchmark": "accelerator", "quick": args.quick, "machine": common.machine_info(),
              "backend": backend, "peak_flops_per_device": peak, "peak_source": peak_source,
+             "numpy_matmul_flops": numpy_flops,
              "memory_limit_bytes": limit, "student": common.config_summary(s["student"]),
              "teacher": common.config_summary(s["teacher"]), "rows": rows,
              "wall_s": time.perf_counter() - start}

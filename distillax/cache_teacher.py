@@ -13,7 +13,6 @@ the cache is the cached-distillation recipe (trainers/cached.py).
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
@@ -21,7 +20,7 @@ import numpy as np
 
 from distillax.distill.cache import CACHE_INFO, write_teacher_cache
 from distillax.errors import ConfigError, UserError
-from distillax.framework import losses
+from distillax.framework import jsonio, losses
 from distillax.framework.progress import ProgressBar
 from distillax.trainers import DistillRecipe, recipe_for
 
@@ -90,7 +89,7 @@ def run_cache_teacher(config, workdir: str | None) -> int:
                 "seq_len": recipe.seq_len, "num_batches": int(cc.num_batches), "top_k": top_k,
                 "temperature": temperature}
   with open(os.path.join(directory, PROVENANCE_FILE), "w") as f:
-    json.dump(provenance, f, indent=1, sort_keys=True)
+    jsonio.dump(provenance, f, indent=1, sort_keys=True)
   print(f"distillax cache-teacher: wrote {info.rows} rows ({cc.num_batches} batches of "
         f"{recipe.batch_size}x{recipe.seq_len}, top-{top_k} at T={temperature:g}) to {directory}")
   return 0

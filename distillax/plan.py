@@ -5,6 +5,8 @@ holds, the compiled memory, FLOPs and collectives per step, and whether it fits 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 
@@ -52,6 +54,9 @@ def plan_report(recipe: Recipe, engine) -> dict:
 
 
 def run_plan(config, devices: int | None = None, memory_gb: float | None = None) -> int:
+  if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
+    raise UserError(f"--memory_gb={memory_gb:g} must be a positive number of GiB per device "
+                    f"to check the plan against, e.g. --memory_gb 16")
   if devices is not None and jax.device_count() != devices:
     raise UserError(f"--devices={devices} but JAX sees {jax.device_count()} devices; plan runs "
                     f"on simulated CPU devices, so leave JAX_PLATFORMS unset or set it to cpu")
@@ -85,7 +90,7 @@ def run_plan(config, devices: int | None = None, memory_gb: float | None = None)
         f"{fmt(coll['total']['bytes'])}"
         + (" (a loop's trip count is unknown: counted once)" if coll["trip_count_unknown"] else ""))
   print(f"  compiled in {r['compile_seconds']:.1f}s")
-  if memory_gb:
+  if memory_gb is not None:
     budget = memory_gb * 2**30
     verdict = "FITS" if r["peak_bytes_per_device"] <= budget else "DOES NOT FIT"
     print(f"  {verdict} in {memory_gb:g} GiB per device "

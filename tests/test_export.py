@@ -19,8 +19,10 @@ def test_export_hf_and_quantized_from_a_qat_run(tmp_path):
   run = tmp_path / "run"
   assert main(["distillax", "train", "--config", QAT, "--workdir", str(run),
                "--config.train.steps=3"]) == 0
+  # --config may place the model differently from training (mesh, rules): same job.
   assert main(["distillax", "export", "--config", QAT, "--workdir", str(run),
-               "--output", str(tmp_path / "hf")]) == 0
+               "--output", str(tmp_path / "hf"), "--config.mesh.model=2",
+               "--config.partitioning.strategy=fsdp_tp"]) == 0
   assert main(["distillax", "export", "--config", QAT, "--workdir", str(run),
                "--output", str(tmp_path / "int4"), "--format", "quantized"]) == 0
   # Refuses to overwrite.

@@ -1,8 +1,12 @@
 """The CLI as a user meets it: every config runs (tiny), and malformed input fails cleanly."""
 
 import glob
+import importlib.metadata
 import json
 import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -38,11 +42,30 @@ def test_every_config_trains_on_tiny_overrides(config, tmp_path):
   assert json.loads((workdir / "config.json").read_text())["train"]["steps"] == 3
 
 
+def strict_json(text: str):
+  """json.loads that refuses NaN / Infinity, as every JSON reader but Python's does."""
+  def refuse(name):
+    raise ValueError(f"{name} is not JSON")
+  return json.loads(text, parse_constant=refuse)
+
+
 def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path, capsys):
   workdir = tmp_path / "demo"
   argv = ["distillax", "demo", "--config", f"{DEMO}:tiny", "--workdir", str(workdir)]
   assert main(argv) == 0
-  report = json.loads((workdir / "report.json").read_text())
+  # Strict JSON although PTQ has no training speed (null): any JSON reader can read the report.
+  report = strict_json((workdir / "report.json").read_text())
+  assert report["student_ptq_int4"]["tokens_per_s"] is None
+  for metrics in workdir.glob("*/metrics.jsonl"):
+    assert all(strict_json(line) for line in metrics.read_text().splitlines())
+  markdown = (workdir / "report.md").read_text()
+  assert "nan" not in markdown.lower()
+  recovery = report["checks"]["qat_recovery_of_ptq_degradation"]
+  ptq_gap = report["student_ptq_int4"]["val_loss"] - report["student_kd_fp"]["val_loss"]
+  if ptq_gap > 0:
+    assert recovery is not None and f"QAT recovers {recovery:.0%}" in markdown
+  else:  # PTQ is not worse than full precision: no degradation, no ratio to report
+    assert recovery is None and "nothing for QAT to recover" in markdown
   for stage in ("teacher", "student_scratch", "student_kd", "student_kd_fp",
                 "student_ptq_int4", "student_qat_int4"):
     assert np.isfinite(report[stage]["val_loss"]), stage
@@ -59,87 +82,315 @@ def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path,
   assert capsys.readouterr().out.count("finished earlier, reusing") == 5
 
 
-def _bad(tmp_path):
-  """(name, argv tail, expected fragment of the one-line error)."""
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+  """A finished lm.py:tiny run and its Hugging Face export: what the malformed invocations that
+  need an earlier run (init_from, export) point at."""
+  root = tmp_path_factory.mktemp("lm_run")
+  run, hf_dir = root / "run", root / "hf"
+  assert main(["distillax", "train", "--config", f"{LM}:tiny", "--workdir", str(run),
+               "--config.train.steps=3", "--config.train.eval_every=3"]) == 0
+  assert main(["distillax", "export", "--config", f"{LM}:tiny", "--workdir", str(run),
+               "--output", str(hf_dir)]) == 0
+  return run, hf_dir
+
+
+def _bad(tmp_path, run, hf_dir):
+  """(name, argv tail, fragments of the one-line error: the field or flag at fault, the fix)."""
   wd = str(tmp_path / "wd")
   cfg = f"{LM}:tiny"
+  train = ["train", "--config", cfg, "--workdir", wd]
+  plan = ["plan", "--config", cfg]
+  layers = json.loads((run / "config.json").read_text())["model"]["num_layers"]
+  unfinished = tmp_path / "unfinished"  # a distillax config.json but no checkpoints yet
+  unfinished.mkdir()
+  (unfinished / "config.json").write_bytes((run / "config.json").read_bytes())
+  raising = tmp_path / "raising.py"
+  raising.write_text("def get_config(arg=None):\n  raise RuntimeError('boom from the file')\n")
+  export = ["export", "--config", cfg, "--workdir", str(run), "--output",
+            str(tmp_path / "out")]
   return [
-      ("unknown command", ["trian"], "unknown command 'trian'"),
-      ("missing config", ["train", "--workdir", wd], "--config is required"),
-      ("missing config file", ["train", "--config", "/nope/cfg.py", "--workdir", wd], "nope"),
-      ("bad config arg", ["train", "--config", f"{LM}:huge", "--workdir", wd], "huge"),
-      ("unknown key", ["train", "--config", cfg, "--workdir", wd, "--config.train.stepz=3"],
-       "stepz"),
-      ("wrong type", ["train", "--config", cfg, "--workdir", wd, "--config.train.steps=abc"],
-       "abc"),
-      ("unknown flag", ["train", "--config", cfg, "--workdir", wd, "--stepz=3"], "stepz"),
-      ("missing workdir", ["train", "--config", cfg], "--workdir is required"),
-      ("mesh mismatch", ["train", "--config", cfg, "--workdir", wd, "--config.mesh.data=3"],
-       "devices"),
-      ("mesh too large", ["train", "--config", cfg, "--workdir", wd, "--config.mesh.data=16"],
-       "needs 16 devices but 8 are available"),
-      ("two auto axes", ["train", "--config", cfg, "--workdir", wd, "--config.mesh.model=-1"],
-       "at most one axis may be -1"),
-      ("missing data path", ["train", "--config", cfg, "--workdir", wd,
-                             "--config.data.source=/nope/corpus/*.txt"], "/nope/corpus"),
-      ("vocab mismatch", ["train", "--config", cfg, "--workdir", wd,
-                          "--config.model.vocab_size=100"], "vocab"),
+      ("unknown command", ["trian"], ["unknown command 'trian'", "use one of"]),
+      ("missing config", ["train", "--workdir", wd], ["--config is required",
+                                                      "--config distillax/configs"]),
+      ("missing config file", ["train", "--config", "/nope/cfg.py", "--workdir", wd],
+       ["/nope/cfg.py", "no such file"]),
+      ("bad config arg", ["train", "--config", f"{LM}:huge", "--workdir", wd],
+       ["'huge'", ":tiny"]),
+      ("config arg of another config", ["train", "--config", f"{LM}:small", "--workdir", wd],
+       ["unknown config argument 'small'", "this config takes :tiny"]),
+      ("config file raises", ["train", "--config", str(raising), "--workdir", wd],
+       ["RuntimeError", "boom from the file", "check the --config file"]),
+      ("unknown key", train + ["--config.train.stepz=3"], ["train.stepz", "train.steps"]),
+      ("unknown key, near miss", train + ["--config.train.step=10"],
+       ["--config.train.step:", "no field 'step'", "did you mean train.steps",
+        "--config.train.steps=10"]),
+      ("unknown key, no near miss", train + ["--config.train.zzzz=1"],
+       ["no field 'zzzz'", "batch_size", "fix the name"]),
+      ("unknown section", train + ["--config.trian.steps=10"],
+       ["'trian'", "--config.train.steps=10"]),
+      ("wrong type", train + ["--config.train.steps=abc"],
+       ["--config.train.steps=abc", "a whole number", "--config.train.steps=6"]),
+      ("wrong type, float", train + ["--config.optimizer.learning_rate=fast"],
+       ["optimizer.learning_rate=fast", "a number"]),
+      ("wrong type, bool", train + ["--config.train.progress=maybe"],
+       ["train.progress=maybe", "true or false"]),
+      ("wrong type, placeholder", train + ["--config.model.sliding_window=wide"],
+       ["model.sliding_window=wide", "a whole number"]),
+      ("value for a section", train + ["--config.train=3"],
+       ["--config.train is a section", "--config.train."]),
+      ("override without value", train + ["--config.train.steps"],
+       ["--config.train.steps", "distillax train --help"]),
+      ("unknown flag", train + ["--stepz=3"], ["--stepz", "--workdir", "distillax train --help"]),
+      ("flag typo", train + ["--workdri=x"], ["--workdri", "did you mean --workdir"]),
+      ("config field as a flag", train + ["--steps=3"], ["--steps", "--config.train.steps"]),
+      ("flag of another command", plan + ["--output", wd], ["--output", "distillax plan"]),
+      ("missing workdir", ["train", "--config", cfg], ["--workdir is required",
+                                                       "--workdir runs/"]),
+      ("devices zero", train + ["--devices", "0"], ["--devices=0", "e.g. --devices 8"]),
+      ("devices negative", train + ["--devices=-2"], ["--devices=-2", "positive whole number"]),
+      ("devices not a number", train + ["--devices", "eight"],
+       ["--devices=eight", "e.g. --devices 8"]),
+      ("plan devices zero", plan + ["--devices", "0"], ["--devices=0", "e.g. --devices 8"]),
+      ("plan memory negative", plan + ["--memory_gb", "-3"], ["--memory_gb=-3", "positive",
+                                                              "e.g. --memory_gb 16"]),
+      ("plan memory zero", plan + ["--memory_gb=0"], ["--memory_gb=0", "e.g. --memory_gb"]),
+      ("mesh mismatch", train + ["--config.mesh.data=3"], ["mesh", "devices"]),
+      ("mesh too large", train + ["--config.mesh.data=16"],
+       ["needs 16 devices but 8 are available"]),
+      ("two auto axes", train + ["--config.mesh.model=-1"], ["at most one axis may be -1"]),
+      ("missing data path", train + ["--config.data.source=/nope/corpus/*.txt"],
+       ["/nope/corpus"]),
+      ("vocab mismatch", train + ["--config.model.vocab_size=100"], ["vocab"]),
       ("unwritable workdir", ["train", "--config", cfg, "--workdir", "/proc/distillax_wd"],
-       "not writable"),
-      ("unknown strategy", ["train", "--config", cfg, "--workdir", wd,
-                            "--config.partitioning.strategy=zero3"], "zero3"),
-      ("unknown backend", ["train", "--config", cfg, "--workdir", wd, "--config.backend=xla"],
-       "backend='xla'"),
-      ("indivisible batch", ["train", "--config", cfg, "--workdir", wd,
-                             "--config.train.batch_size=6"], "multiple of 8"),
-      ("pmap with tp", ["train", "--config", cfg, "--workdir", wd, "--config.backend=pmap",
-                        "--config.partitioning.strategy=tp", "--config.mesh.model=2"],
-       "data parallel only"),
-      ("sequence too long", ["train", "--config", cfg, "--workdir", wd,
-                             "--config.train.seq_len=4096"], "max_seq_len"),
-      ("unknown trainer", ["train", "--config", cfg, "--workdir", wd,
-                           "--config.trainer=rlhf"], "rlhf"),
-      ("bad tokenizer", ["train", "--config", cfg, "--workdir", wd,
-                         "--config.data.tokenizer=spm:/nope/tok.model"], "/nope/tok.model"),
-      ("bad schedule", ["train", "--config", cfg, "--workdir", wd,
-                        "--config.optimizer.schedule=exp"], "exp"),
-      ("bad remat", ["train", "--config", cfg, "--workdir", wd, "--config.model.remat=most"],
-       "remat"),
-      ("bad heads", ["train", "--config", cfg, "--workdir", wd, "--config.model.num_kv_heads=3"],
-       "num_kv_heads"),
-      ("bad rule axis", ["train", "--config", cfg, "--workdir", wd,
-                         "--config.partitioning.rules=(('mlp','fsdp'),)"], "'fsdp'"),
-      ("bad checkpoint period", ["train", "--config", cfg, "--workdir", wd,
-                                 "--config.checkpoint.every_steps=-1"], "every_steps"),
+       ["/proc/distillax_wd", "not writable"]),
+      ("unknown strategy", train + ["--config.partitioning.strategy=zero3"], ["zero3"]),
+      ("unknown backend", train + ["--config.backend=xla"], ["backend='xla'"]),
+      ("negative batch", train + ["--config.train.batch_size=-8"],
+       ["train.batch_size=-8", "--config.train.batch_size="]),
+      ("indivisible batch", train + ["--config.train.batch_size=6"], ["multiple of 8"]),
+      ("negative steps", train + ["--config.train.steps=-5"],
+       ["train.steps=-5", "1 or more", "--config.train.steps="]),
+      ("zero steps", train + ["--config.train.steps=0"], ["train.steps=0", "1 or more"]),
+      ("zero seq_len", train + ["--config.train.seq_len=0"], ["train.seq_len=0", "1 or more"]),
+      ("zero accumulation", train + ["--config.train.accum_steps=0"],
+       ["train.accum_steps=0", "--config.train.accum_steps="]),
+      ("zero log period", train + ["--config.train.log_every=0"],
+       ["train.log_every=0", "--config.train.log_every="]),
+      ("negative eval period", train + ["--config.train.eval_every=-1"],
+       ["train.eval_every=-1", "0 or more"]),
+      ("zero eval batches", train + ["--config.train.eval_batches=0"],
+       ["train.eval_batches=0", "--config.train.eval_batches="]),
+      ("negative rollback threshold", train + ["--config.train.rollback_threshold=-0.1"],
+       ["train.rollback_threshold=-0.1", "0 or more"]),
+      ("zero rollback factor", train + ["--config.train.rollback_lr_factor=0.0"],
+       ["train.rollback_lr_factor=0.0", "(0, 1]"]),
+      ("growing rollback factor", train + ["--config.train.rollback_lr_factor=1.5"],
+       ["train.rollback_lr_factor=1.5", "--config.train.rollback_lr_factor="]),
+      ("negative max rollbacks", train + ["--config.train.max_rollbacks=-1"],
+       ["train.max_rollbacks=-1", "0 or more"]),
+      ("negative learning rate", train + ["--config.optimizer.learning_rate=-1e-3"],
+       ["optimizer.learning_rate=-0.001", "positive", "--config.optimizer.learning_rate="]),
+      ("zero learning rate", train + ["--config.optimizer.learning_rate=0.0"],
+       ["optimizer.learning_rate=0.0", "positive"]),
+      ("nan learning rate", train + ["--config.optimizer.learning_rate=nan"],
+       ["optimizer.learning_rate=nan", "positive"]),
+      ("infinite learning rate", train + ["--config.optimizer.learning_rate=inf"],
+       ["optimizer.learning_rate=inf", "--config.optimizer.learning_rate="]),
+      ("negative warmup", train + ["--config.optimizer.warmup_steps=-1"],
+       ["optimizer.warmup_steps=-1", "0 or more"]),
+      ("warmup past the run", train + ["--config.optimizer.warmup_steps=10"],
+       ["optimizer.warmup_steps=10", "train.steps"]),
+      ("negative weight decay", train + ["--config.optimizer.weight_decay=-0.1"],
+       ["optimizer.weight_decay=-0.1", "--config.optimizer.weight_decay="]),
+      ("adam beta of one", train + ["--config.optimizer.b2=1.0"],
+       ["optimizer.b2=1.0", "[0, 1)"]),
+      ("negative adam epsilon", train + ["--config.optimizer.eps=-1e-08"],
+       ["optimizer.eps=-1e-08", "0 or more"]),
+      ("pmap with tp", train + ["--config.backend=pmap", "--config.partitioning.strategy=tp",
+                                "--config.mesh.model=2"], ["data parallel only"]),
+      ("sequence too long", train + ["--config.train.seq_len=4096"],
+       ["train.seq_len=4096", "max_seq_len"]),
+      ("unknown trainer", train + ["--config.trainer=rlhf"], ["rlhf", "use one of"]),
+      ("bad tokenizer", train + ["--config.data.tokenizer=spm:/nope/tok.model"],
+       ["/nope/tok.model"]),
+      ("bad schedule", train + ["--config.optimizer.schedule=exp"], ["exp", "warmup_cosine"]),
+      ("bad remat", train + ["--config.model.remat=most"], ["remat"]),
+      ("bad heads", train + ["--config.model.num_kv_heads=3"], ["num_kv_heads"]),
+      ("bad rule axis", train + ["--config.partitioning.rules=(('mlp','fsdp'),)"], ["'fsdp'"]),
+      ("bad checkpoint period", train + ["--config.checkpoint.every_steps=-1"],
+       ["every_steps"]),
+      ("init_from a Hugging Face dir", train + [f"--config.train.init_from={hf_dir}"],
+       ["train.init_from", "Hugging Face", "not supported there yet",
+        "--config.teacher.hf_path"]),
+      ("init_from nowhere", train + ["--config.train.init_from=/nope/run"],
+       ["train.init_from=/nope/run", "not a distillax run", "--workdir"]),
+      ("init_from an untrained run", train + [f"--config.train.init_from={unfinished}"],
+       ["train.init_from", "no checkpoints/", "train that run first"]),
+      ("init_from another shape", train + [f"--config.train.init_from={run}",
+                                           f"--config.model.num_layers={layers + 2}"],
+       ["train.init_from", f"num_layers={layers}", f"--config.model.num_layers={layers}"]),
       ("demo config under train", ["train", "--config", f"{DEMO}:tiny", "--workdir", wd],
-       "distillax demo"),
-      ("job config under demo", ["demo", "--config", cfg, "--workdir", wd], "demo.py"),
-      ("unknown qat rule field", ["train", "--config", cfg, "--workdir", wd,
-                                  "--config.qat.rules=({'module_path': '.*', 'bits': 4},)"],
-       "unknown field(s) ['bits']"),
-      ("per-step reduction under fsdp", ["train", "--config", cfg, "--workdir", wd,
-                                         "--config.partitioning.gradient_reduction=per_step"],
-       "use strategy dp or tp"),
+       ["distillax demo"]),
+      ("job config under demo", ["demo", "--config", cfg, "--workdir", wd], ["demo.py"]),
+      ("demo devices zero", ["demo", "--config", f"{DEMO}:tiny", "--workdir", wd,
+                             "--devices", "0"], ["--devices=0"]),
+      ("unknown qat rule field", train + ["--config.qat.rules=({'module_path': '.*', "
+                                          "'bits': 4},)"], ["unknown field(s) ['bits']"]),
+      ("per-step reduction under fsdp", train + [
+          "--config.partitioning.gradient_reduction=per_step"], ["use strategy dp or tp"]),
+      ("processes without coordinator", train + ["--num_processes=2"],
+       ["num_processes=2", "--coordinator_address"]),
+      ("coordinator without processes", train + ["--coordinator_address=127.0.0.1:1"],
+       ["--num_processes", "--process_id"]),
+      ("export without workdir", ["export", "--config", cfg, "--output", wd],
+       ["--workdir is required"]),
+      ("export without output", ["export", "--config", cfg, "--workdir", str(run)],
+       ["--output is required"]),
+      ("export unknown format", export + ["--format", "onnx"], ["--format='onnx'", "quantized"]),
+      ("export into a full directory", ["export", "--config", cfg, "--workdir", str(run),
+                                        "--output", wd], ["--output", "not empty"]),
+      ("export of no run", ["export", "--config", cfg, "--workdir", wd, "--output",
+                            str(tmp_path / "out")], ["--workdir", "not written by distillax"]),
+      ("export of a Hugging Face dir", ["export", "--config", cfg, "--workdir", str(hf_dir),
+                                        "--output", str(tmp_path / "out")],
+       ["--workdir", "Hugging Face checkpoint"]),
+      ("export with a distill config", ["export", "--config", f"{ROOT}/distillax/configs/"
+                                        "distill.py:tiny", "--workdir", str(run), "--output",
+                                        str(tmp_path / "out")],
+       ["trainer 'distill'", "'lm'", "--config"]),
+      ("export with the full-size config", ["export", "--config", LM, "--workdir", str(run),
+                                            "--output", str(tmp_path / "out")],
+       ["another job", "model.", "config.json"]),
+      ("export with another model override", export + ["--config.model.num_layers=9"],
+       ["model.num_layers 9", f"the run's {layers}"]),
+      ("cache-teacher of an lm config", ["cache-teacher", "--config", cfg, "--workdir", wd],
+       ["distillation config", "distill_cached.py"]),
   ]
 
 
-def test_malformed_invocations_fail_with_one_line_and_status_2(tmp_path, capsys):
+def _files(root) -> dict:
+  """Every file under `root` (recursively) by relative path, with its bytes."""
+  return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+          if p.is_file()}
+
+
+# Found only once the step is compiled (the loop opens the workdir after compiling), so one
+# distillax INFO line ("compiled jit step ...") comes before the error.
+AFTER_COMPILE = {"unwritable workdir"}
+
+
+def test_malformed_invocations_fail_with_one_line_and_status_2(tmp_path, capsys, lm_run):
   existing = tmp_path / "wd"
-  existing.mkdir()
+  (existing / "checkpoints").mkdir(parents=True)
   (existing / "config.json").write_text('{"keep": true}')
   (existing / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
-  before = {p.name: p.read_bytes() for p in existing.iterdir()}
-  cases = _bad(tmp_path)
-  assert len(cases) >= 20
-  for name, argv, fragment in cases:
+  (existing / "checkpoints" / "note.txt").write_text("not a checkpoint")
+  run, hf_dir = lm_run
+  watched = [existing, run, hf_dir]
+  before = [_files(d) for d in watched]
+  cases = _bad(tmp_path, run, hf_dir)
+  assert len(cases) >= 60
+  for name, argv, fragments in cases:
     code = main(["distillax"] + argv)
-    err = capsys.readouterr().err.strip().splitlines()
-    err = [line for line in err if not line.startswith(("WARNING: Logging before", "W1", "I1"))]
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    if name in AFTER_COMPILE:
+      err = [line for line in err if not re.match(r"I\d{4} [\d:.]+ backends\.py:\d+\] ", line)]
     assert code == 2, f"{name}: exit {code}, stderr {err}"
     assert len(err) == 1 and err[0].startswith("distillax"), f"{name}: {err}"
-    assert "Traceback" not in err[0]
-    assert fragment.lower() in err[0].lower(), f"{name}: {err[0]!r} lacks {fragment!r}"
-    assert {p.name: p.read_bytes() for p in existing.iterdir()} == before, name
+    assert "Traceback" not in captured.err and captured.out == "", name
+    for fragment in fragments:
+      assert fragment.lower() in err[0].lower(), f"{name}: {err[0]!r} lacks {fragment!r}"
+    assert [_files(d) for d in watched] == before, f"{name} changed a directory"
+    assert not (tmp_path / "out").exists(), name
+
+
+def test_help_and_version_print_and_exit_0(capsys):
+  version = importlib.metadata.version("distillax")
+  for argv in (["--version"], ["train", "--version"], ["export", "--config", "x", "--version"]):
+    assert main(["distillax"] + argv) == 0, argv
+    assert capsys.readouterr().out == f"distillax {version}\n"
+  assert main(["distillax", "--help"]) == 0
+  overview = capsys.readouterr().out
+  assert all(f"  {c} " in overview for c in ("train", "plan", "export", "cache-teacher", "demo"))
+  # The flags a user needs for each command (README); plan writes nothing, so no --workdir.
+  needs = {"train": ["--workdir", "--devices", "--num_processes", "--coordinator_address"],
+           "plan": ["--devices", "--memory_gb"], "export": ["--workdir", "--output", "--format"],
+           "cache-teacher": ["--workdir"], "demo": ["--workdir", "--devices"]}
+  for command, flags in needs.items():
+    for form in ("--help", "-h"):
+      assert main(["distillax", command, form]) == 0
+      captured = capsys.readouterr()
+      assert captured.out.startswith(f"usage: distillax {command} --config") and not captured.err
+      for flag in flags + ["--config.KEY=VALUE", "--verbose", "--version"]:
+        assert flag in captured.out, (command, flag)
+  assert main(["distillax", "plan", "--help"]) == 0
+  assert "--workdir" not in capsys.readouterr().out
+  # The console entry point, in a fresh interpreter: no JAX start-up, nothing on stderr.
+  out = subprocess.run([sys.executable, "-m", "distillax", "--version"], capture_output=True,
+                       text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert (out.returncode, out.stdout, out.stderr) == (0, f"distillax {version}\n", "")
+
+
+LOG_LINE = re.compile(r"^(\[process \d+/\d+\] )?[IWEF]\d{4} [\d:.]+ ([\w.]+):\d+\] ")
+
+
+def test_logs_are_distillax_lines_unless_verbose(tmp_path, capsys):
+  """The console shows distillax's own INFO lines (one per checkpoint save) and no library INFO
+  lines unless --verbose; never absl's "Logging before flag parsing" warning."""
+  argv = ["distillax", "train", "--config", f"{LM}:tiny", "--config.train.steps=3",
+          "--config.train.eval_every=3", "--config.checkpoint.every_steps=3"]
+  own = {os.path.basename(p) for p in glob.glob(f"{ROOT}/distillax/**/*.py", recursive=True)}
+  assert main(argv + ["--workdir", str(tmp_path / "quiet")]) == 0
+  quiet = capsys.readouterr().err.splitlines()
+  assert main(argv + ["--workdir", str(tmp_path / "verbose"), "--verbose"]) == 0
+  verbose = capsys.readouterr().err.splitlines()
+  assert not any("Logging before flag parsing" in line for line in quiet + verbose)
+  quiet_logs = [LOG_LINE.match(line) for line in quiet]
+  assert quiet_logs and all(quiet_logs), [l for l, m in zip(quiet, quiet_logs) if not m]
+  assert {m.group(2) for m in quiet_logs} <= own
+  assert not any("orbax" in line.lower() for line in quiet)
+  assert sum("checkpoint: saving step 3" in line for line in quiet) == 1
+  verbose_files = {m.group(2) for m in map(LOG_LINE.match, verbose) if m}
+  assert verbose_files - own, "--verbose shows no library line"
+  assert len(verbose) > 2 * len(quiet)
+
+
+def test_every_log_line_names_its_process_when_there_are_several(tmp_path, lm_run):
+  """Two real processes export one run: each log line starts with `[process i/2]`, and the
+  checkpoint restore, which every process joins, is one line (process 0's)."""
+  from distillax.launch_local import launch
+  run, _ = lm_run
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env.pop("XLA_FLAGS", None)
+  status = launch([sys.executable, "-m", "distillax", "export", "--config", f"{LM}:tiny",
+                   "--workdir", str(run), "--output", str(tmp_path / "hf")],
+                  num_processes=2, devices_per_process=4, timeout_s=600, env=env,
+                  log_dir=str(tmp_path / "logs"))
+  logs = [(tmp_path / "logs" / f"process_{i}.log").read_text().splitlines() for i in (0, 1)]
+  assert status == 0, "\n".join(logs[0] + logs[1])
+  assert (tmp_path / "hf" / "config.json").exists()
+  for i, lines in enumerate(logs):
+    ours = [m for m in map(LOG_LINE.match, lines) if m]
+    assert ours and all(m.group(1) == f"[process {i}/2] " for m in ours), lines
+  restores = [sum("checkpoint: restored step" in line for line in lines) for lines in logs]
+  assert restores == [1, 0]
+
+
+def test_a_run_from_init_from_exports_after_that_run_is_gone(tmp_path, lm_run):
+  """train.init_from is checked when a run starts, not when it is loaded later: its weights
+  are in its own checkpoints by then."""
+  import shutil
+  base, run, out = tmp_path / "base", tmp_path / "continued", tmp_path / "hf"
+  shutil.copytree(lm_run[0], base)
+  assert main(["distillax", "train", "--config", f"{LM}:tiny", "--workdir", str(run),
+               f"--config.train.init_from={base}", "--config.train.steps=3",
+               "--config.train.eval_every=3"]) == 0
+  shutil.rmtree(base)
+  assert main(["distillax", "export", "--config", f"{LM}:tiny", "--workdir", str(run),
+               "--output", str(out)]) == 0
+  assert (out / "config.json").exists()
 
 
 def test_qat_rules_by_name_train_and_export(tmp_path):

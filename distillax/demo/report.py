@@ -7,7 +7,6 @@ MFU come from each stage's own metrics.jsonl.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -21,7 +20,7 @@ from distillax import partitioning as pt
 from distillax import quant
 from distillax.data import make_eval_iterator, make_tokenizer
 from distillax.demo.stages import TRAINED_STAGES
-from distillax.framework import losses
+from distillax.framework import jsonio, losses
 from distillax.framework.backends import global_batch_placer
 from distillax.framework.writers import read_jsonl
 from distillax.models import hf
@@ -60,9 +59,12 @@ def _evaluator(mesh, rules, teacher):
 
 
 def _stage_speed(stage_dir: str) -> dict:
-  rows = [r for r in read_jsonl(os.path.join(stage_dir, "metrics.jsonl")) if "tokens_per_s" in r]
-  med = lambda k: statistics.median(r[k] for r in rows) if rows and k in rows[0] else float("nan")
-  return {"tokens_per_s": med("tokens_per_s"), "mfu": med("mfu")}
+  rows = read_jsonl(os.path.join(stage_dir, "metrics.jsonl"))
+
+  def median(key: str) -> float:
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]  # null: not measured
+    return statistics.median(values) if values else float("nan")
+  return {"tokens_per_s": median("tokens_per_s"), "mfu": median("mfu")}
 
 
 def _dir_bytes(path: str) -> int:
@@ -72,6 +74,7 @@ def _dir_bytes(path: str) -> int:
 def _curve(stage_dir: str):
   rows = read_jsonl(os.path.join(stage_dir, "metrics.jsonl"))
   pts = [(r["step"], r.get("eval_hard_ce", r.get("eval_loss"))) for r in rows if "eval_loss" in r]
+  pts = [p for p in pts if p[1] is not None]  # a diverged eval is null in strict JSON
   return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -209,6 +212,15 @@ def _checks(stages: dict, export_diff: float) -> dict:
   }
 
 
+def _recovery_words(recovery: float) -> str:
+  """The recovery claim in words; without a PTQ degradation there is no ratio to state."""
+  if not math.isfinite(recovery):
+    return ("PTQ int4 costs nothing here (its loss is not above full precision's), so there is "
+            "nothing for QAT to recover")
+  return (f"QAT recovers {recovery:.0%} of the degradation PTQ causes "
+          f"((PTQ - QAT) / (PTQ - full precision))")
+
+
 def _report_markdown(c, mesh, stages: dict, checks: dict, samples: dict) -> str:
   """report.md: the setup, the table, the checks in words, and the samples."""
   s = stages
@@ -222,8 +234,7 @@ def _report_markdown(c, mesh, stages: dict, checks: dict, samples: dict) -> str:
       "", _format_table(stages), "",
       f"- distilled student beats scratch student: {checks['kd_beats_scratch']}",
       f"- QAT int4 beats PTQ int4: {checks['qat_beats_ptq']}; both start from the distilled "
-      f"student and take the same {int(c.qat_steps)} extra steps; QAT recovers {recovery:.0%} "
-      f"of the degradation PTQ causes ((PTQ - QAT) / (PTQ - full precision))",
+      f"student and take the same {int(c.qat_steps)} extra steps; {_recovery_words(recovery)}",
       f"- int4 export reloaded: CE sum on one batch differs by {export_diff:.2e} from the "
       f"fake-quant forward",
       "", "## Samples (temperature 0.7, top-p 0.9, seed 0)", ""]
@@ -238,8 +249,10 @@ def _write_report(workdir: str, report_md: str, stages: dict, checks: dict,
   """report.md, and report.json with the stages at top level next to checks and samples."""
   with open(os.path.join(workdir, "report.md"), "w") as f:
     f.write(report_md)
+  # Strict JSON: a number that does not exist (PTQ's training speed, the recovery ratio when PTQ
+  # costs nothing) is null, not NaN.
   with open(os.path.join(workdir, "report.json"), "w") as f:
-    json.dump({**stages, "checks": checks, "samples": samples}, f, indent=2)
+    jsonio.dump({**stages, "checks": checks, "samples": samples}, f, indent=2)
 
 
 def build_report(pipeline) -> dict:

@@ -1,7 +1,9 @@
 """The demo's trained stages: each an ordinary distillax job config, built from the demo config.
 
-A finished stage (its summary.json says so) is reused and an unfinished one resumes from its
-checkpoints, so rerunning the demo continues where it stopped.
+A finished stage is reused and an unfinished one resumes from its checkpoints, so rerunning the
+demo continues where it stopped. Whether a stage directory holds *this* stage is the workdir's
+job identity, as for every run (trainers/workdir.py): a stage made by another demo config (the
+tiny one, say) is refused, never reused.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import ml_collections
 
 from distillax.configs import sections
 from distillax.configs.common import base_config
-from distillax.trainers.workdir import read_summary
+from distillax.trainers.workdir import check_workdir
 
 # student_kd_fp: the distilled student trained on, in full precision, for as many extra steps as
 # QAT takes: the fair source of the PTQ baseline and the full-precision reference of the QAT
@@ -67,7 +69,10 @@ def stage_config(demo: ml_collections.ConfigDict, stage: str, workdir: str
   raise ValueError(f"unknown demo stage {stage!r}")
 
 
-def stage_finished(stage_dir: str) -> bool:
-  return bool((read_summary(stage_dir) or {}).get("finished"))
+def stage_finished(stage: str, stage_dir: str, config: ml_collections.ConfigDict) -> bool:
+  """Whether `stage_dir` holds this stage finished (to reuse); False for one to train or resume.
+  A stage directory of another job (another demo config's stage) is a UserError."""
+  owner = f"demo stage {stage} ({stage_dir})"
+  return check_workdir(stage_dir, config, owner=owner).finished
 
 

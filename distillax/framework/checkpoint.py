@@ -56,6 +56,13 @@ from distillax.framework.state import TrainState
 
 log = logging.getLogger(__name__)
 
+
+def _info_once(message: str, *args) -> None:
+  """An INFO line from process 0 only: every process joins each save and restore, and one line
+  per checkpoint says it (warnings about a process's own view stay on every process)."""
+  if jax.process_index() == 0:
+    log.info(message, *args, stacklevel=2)
+
 __all__ = ["Checkpointer", "CorruptCheckpointError"]
 
 
@@ -178,8 +185,8 @@ class Checkpointer:
       return False
     if step in self.all_steps():
       if step not in self._invalid_steps:
-        log.info("checkpoint step %d already exists in %s; not saving it again", step,
-                 self.directory)
+        _info_once("checkpoint step %d already exists in %s; not saving it again", step,
+                   self.directory)
         return False
       self._move_aside(step, "corrupt")
     data_json = items.to_json(data_state, "data_state")
@@ -195,7 +202,7 @@ class Checkpointer:
                                  items.META: ocp.args.JsonSave(meta)})
     saved = self._manager.save(step, args=args, force=True)
     if saved:
-      log.info("checkpoint: saving step %d to %s", step, self.directory)
+      _info_once("checkpoint: saving step %d to %s", step, self.directory)
     return bool(saved)
 
   def set_aside_steps_after(self, step: int, reason: str = "rolled-back") -> list[int]:
@@ -265,8 +272,8 @@ class Checkpointer:
     except Exception as e:  # noqa: BLE001 - I/O and decoding failures of a step are corruption
       raise CorruptCheckpointError(step, str(self.directory), items.short_problem(e)) from e
     data_state = self._data_state(step, data)
-    log.info("checkpoint: restored step %d from %s (saved on mesh %s by %s process(es))", step,
-             self.directory, meta.get("mesh"), meta.get("process_count"))
+    _info_once("checkpoint: restored step %d from %s (saved on mesh %s by %s process(es))", step,
+               self.directory, meta.get("mesh"), meta.get("process_count"))
     return state, data_state, meta
 
   def restore_latest_valid(self, *, abstract_state: TrainState,

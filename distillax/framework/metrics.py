@@ -12,6 +12,10 @@ one. So `MetricLogger.record(step, metrics)`:
 
 `flush()` fetches what is pending (before eval, checkpoints, exit) and `close()` also logs a
 partial last window. Host-side values (eval results) go through `write()` as rows of their own.
+
+Windows end at multiples of `log_every`. A run stopped or killed between two of them resumes
+from a checkpoint that carries the open window (`window_state()`, `restore_window()`), so the
+resumed run's rows equal an uninterrupted run's, row for row (the timing keys aside).
 """
 
 from __future__ import annotations
@@ -82,6 +86,33 @@ class StepAccumulator:
     else:
       self.collection = self._merge_fn(self.collection, metrics)
     self.num_steps += 1
+
+  def state(self) -> dict | None:
+    """The open window as exact JSON (None when empty): names, key order, step count, and each
+    collection leaf as (dtype, value), floats as hex strings so nothing is rounded or non-JSON."""
+    if self.collection is None:
+      return None
+    leaves = [np.asarray(leaf) for leaf in jax.tree.leaves(self.collection)]
+    return {"names": list(self._names), "order": list(self._order), "num_steps": self.num_steps,
+            "leaves": [[str(a.dtype), float(a).hex() if a.dtype.kind == "f" else int(a)]
+                       for a in leaves]}
+
+  def restore(self, state: dict | None) -> None:
+    """Reopens a window saved by `state()` (None: an empty window); the next `add` merges into
+    it exactly as it would have into the original."""
+    self.collection, self.num_steps = None, 0
+    if not state:
+      return
+    names = tuple(state["names"])
+    if names != self._names:
+      self._build(names)
+    self._order = tuple(state["order"])
+    template = jax.eval_shape(self._start_fn, {n: jax.ShapeDtypeStruct((), np.float32)
+                                               for n in names})
+    leaves = [np.asarray(float.fromhex(v) if isinstance(v, str) else v, dtype=np.dtype(dtype))
+              for dtype, v in state["leaves"]]
+    self.collection = jax.tree.unflatten(jax.tree.structure(template), leaves)
+    self.num_steps = int(state["num_steps"])
 
   def take(self) -> dict[str, jax.Array]:
     """The window's values as device arrays (copy to host started), and reset the window."""
@@ -155,10 +186,28 @@ class MetricLogger:
     self.writer.flush()
     return written
 
-  def close(self) -> dict[str, float] | None:
-    """Log a partial last window too, then flush and close the writers."""
+  def window_state(self) -> dict | None:
+    """The window still open after the last log step (exact JSON, for a checkpoint; None when
+    empty). Call flush() first so that every finished window is written."""
+    state = self._window.state()
+    if state is None:
+      return None
+    return {"log_every": self.log_every, "last_step": self._last_step, **state}
+
+  def restore_window(self, state: dict | None) -> None:
+    """Continues the window a checkpoint carried (after resume or rollback); an empty window
+    when there is none or it was cut for another `log_every`."""
+    if state is not None and int(state.get("log_every", 0)) != self.log_every:
+      state = None
+    self._window.restore(state)
+    if state is not None:
+      self._last_step = int(state["last_step"])
+
+  def close(self, *, log_partial: bool = True) -> dict[str, float] | None:
+    """Log a partial last window too (unless `log_partial` is False: a stopped run's checkpoint
+    carries it instead), then flush and close the writers."""
     written = self._fetch_pending()
-    if self._window.num_steps:
+    if log_partial and self._window.num_steps:
       self._pending = (self._last_step, self._window.take())
       written = self._fetch_pending()
     self.writer.flush()

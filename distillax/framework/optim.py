@@ -8,6 +8,7 @@ parts (a teacher, base weights under LoRA) hold no optimizer state.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -34,6 +35,29 @@ def default_optimizer_config() -> ml_collections.ConfigDict:
   c.no_decay = r"(norm|bias|embed)"  # regex over param paths excluded from weight decay
   c.grad_clip_norm = 1.0  # global-norm clipping; 0 disables
   return c
+
+
+# (field, test, what it must be). A value outside these cannot train: a negative learning rate
+# climbs the loss until rollback gives up steps later, a NaN one poisons the first update.
+_LIMITS = (("learning_rate", lambda v: v > 0, "a positive number"),
+           ("warmup_steps", lambda v: v >= 0, "0 or more steps"),
+           ("weight_decay", lambda v: v >= 0, "0 (off) or more"),
+           ("end_lr_fraction", lambda v: 0 <= v <= 1, "between 0 and 1"),
+           ("b1", lambda v: 0 <= v < 1, "in [0, 1)"),
+           ("b2", lambda v: 0 <= v < 1, "in [0, 1)"),
+           ("eps", lambda v: v >= 0, "0 or more"),
+           ("grad_clip_norm", lambda v: v >= 0, "0 (off) or more"))
+
+
+def check_optimizer_config(cfg) -> None:
+  """Refuses optimizer values no run can train with, in one line naming the field and a good
+  value (the default), before anything is built."""
+  defaults = default_optimizer_config()
+  for key, ok, must in _LIMITS:
+    value = cfg.get(key, defaults[key])
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
+      raise ConfigError(f"optimizer.{key}={value!r} must be {must}, e.g. "
+                        f"--config.optimizer.{key}={defaults[key]!r}")
 
 
 def make_schedule(cfg, total_steps: int) -> optax.Schedule:
@@ -65,6 +89,7 @@ def decay_mask(params: Any, no_decay: str) -> Any:
 def make_optimizer(cfg, total_steps: int, params: Any = None
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """(transformation, schedule). `params` (arrays or shapes) fixes the weight-decay mask."""
+  check_optimizer_config(cfg)
   schedule = make_schedule(cfg, total_steps)
   mask = (lambda p: decay_mask(p, cfg.get("no_decay", ""))) if params is None else decay_mask(
       params, cfg.get("no_decay", ""))

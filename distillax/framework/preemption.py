@@ -1,15 +1,20 @@
-"""Preemption: turn SIGTERM into "save at this step and exit cleanly", agreed by every process.
+"""Preemption: turn SIGTERM (and Ctrl-C) into "save at this step and exit cleanly", agreed by
+every process.
 
 The loop asks `guard.should_stop(step)` once per step; when it turns True the loop force-saves a
-checkpoint at that step and returns, and the next run resumes there.
+checkpoint at that step and returns, and the next run resumes there. The command then exits with
+STOPPED_EXIT_CODE. Ctrl-C (SIGINT) is handled like SIGTERM; the first one puts SIGINT back to
+the operating system's default, so a second Ctrl-C ends the process at once (even while Python
+waits inside a long device call), without saving.
 
 Where the notice comes from:
 - One process: a Python SIGTERM handler sets a flag (the process is not killed).
 - Several processes with JAX's preemption service (on by default after
   `jax.distributed.initialize`): JAX's runtime already listens for SIGTERM and runs a sync
   protocol that picks one step at which *every* process sees
-  `reached_preemption_sync_point(step)` True. A Python handler would replace the runtime's, so
-  none is installed and the sync point alone decides.
+  `reached_preemption_sync_point(step)` True. A Python SIGTERM handler would replace the
+  runtime's, so none is installed and the sync point alone decides; Ctrl-C is forwarded to it as
+  a SIGTERM to the own process.
 - Several processes without that service: the Python handler sets the local flag and the
   processes OR their flags with an allgather every `multihost_check_every` steps, so all stop at
   the same step (each must call `should_stop` with the same steps).
@@ -29,6 +34,13 @@ from jax.experimental import multihost_utils
 
 log = logging.getLogger(__name__)
 
+# The exit status of a command whose run a signal stopped before its last step (saved; rerunning
+# the same command resumes). 0 is a finished run, 2 a user error.
+STOPPED_EXIT_CODE = 3
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_INTERRUPT_NOTICE = (b"distillax: interrupted: saving a checkpoint at the end of this step, then "
+                     b"stopping (Ctrl-C again aborts at once, without saving)\n")
+
 
 def _preemption_service_active() -> bool:
   try:
@@ -43,7 +55,7 @@ class PreemptionGuard:
   """Install once before the loop; `close()` (or leaving the `with` block) restores the previous
   signal handlers."""
 
-  def __init__(self, signals: Iterable[int] = (signal.SIGTERM,), *,
+  def __init__(self, signals: Iterable[int] = DEFAULT_SIGNALS, *,
                multihost_check_every: int = 1):
     self._signals = tuple(signals)
     self._check_every = max(1, int(multihost_check_every))
@@ -53,22 +65,31 @@ class PreemptionGuard:
     self._previous: dict[int, object] = {}
     self._multi = jax.process_count() > 1
     self._use_sync_point = self._multi and _preemption_service_active()
-    if not self._use_sync_point:
-      self._install()
+    # Under the preemption service the runtime owns SIGTERM.
+    self._install([s for s in self._signals
+                   if not (self._use_sync_point and s == signal.SIGTERM)])
 
-  def _install(self) -> None:
+  def _install(self, signals: list[int]) -> None:
     """Python runs handlers between bytecodes of the main thread: the process keeps running."""
+    if not signals:
+      return
     if threading.current_thread() is not threading.main_thread():
       log.warning("PreemptionGuard created off the main thread: Python can install signal "
                   "handlers only on the main thread, so %s will not be caught",
-                  [signal.Signals(s).name for s in self._signals])
+                  [signal.Signals(s).name for s in signals])
       return
-    for sig in self._signals:
+    for sig in signals:
       self._previous[sig] = signal.signal(sig, self._on_signal)
 
   def _on_signal(self, signum, frame) -> None:
     del frame
-    self._signal_name = signal.Signals(signum).name
+    if signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, signal.SIG_DFL)  # the next Ctrl-C ends the process at once
+      os.write(2, _INTERRUPT_NOTICE)
+    self._signal_name = self._signal_name or signal.Signals(signum).name
+    if self._use_sync_point:
+      os.kill(os.getpid(), signal.SIGTERM)  # the runtime's notifier picks the common stop step
+      return
     self._received.set()
 
   @property

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -66,22 +66,33 @@ def table_peak(device_kind: str) -> tuple[float, str] | None:
   return None
 
 
+# The probe's matmul: fp32 at full precision, so its rate is the host's dense fp32 matmul rate.
+_matmul_fp32 = jax.jit(lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
+
+
 def measure_cpu_matmul_flops(sizes=CPU_PROBE_SIZES, repeats: int = CPU_PROBE_REPEATS,
-                             device: Any = None) -> float:
-  """Best fp32 matmul FLOP/s over a few square sizes on one CPU device (uncached)."""
+                             device: Any = None, *, clock: Callable[[], float] | None = None,
+                             matmul: Callable[[Any, Any], Any] | None = None) -> float:
+  """Best fp32 matmul FLOP/s over a few square sizes on one CPU device (uncached).
+
+  An n x n matmul counts 2 n^3 FLOPs and is timed from its dispatch until its result is ready;
+  the first call of each size (compilation, cold caches) is not timed. `clock` (default
+  time.perf_counter) and `matmul` can be replaced so that this arithmetic is tested without
+  reading a real clock.
+  """
   device = device or jax.devices("cpu")[0]
+  clock = clock or time.perf_counter
+  matmul = matmul or _matmul_fp32
   best = 0.0
   rng = np.random.default_rng(0)
-  matmul = jax.jit(lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
   for n in sizes:
     a = jax.device_put(rng.standard_normal((n, n), dtype=np.float32), device)
     b = jax.device_put(rng.standard_normal((n, n), dtype=np.float32), device)
     matmul(a, b).block_until_ready()  # compile and warm the caches
     for _ in range(repeats):
-      start = time.perf_counter()
+      start = clock()
       matmul(a, b).block_until_ready()
-      elapsed = time.perf_counter() - start
-      best = max(best, 2.0 * n ** 3 / max(elapsed, 1e-9))
+      best = max(best, 2.0 * n ** 3 / max(clock() - start, 1e-9))
   return best
 
 

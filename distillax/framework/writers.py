@@ -20,6 +20,8 @@ import jax
 import numpy as np
 from absl import logging
 
+from distillax.framework import jsonio
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -38,8 +40,8 @@ class JsonlWriter:
   """One JSON object per line, `{"step": int, name: float, ...}`, flushed line by line.
 
   Opened in append mode so a resumed run continues the file. A line cut short by a crash is
-  removed when the file is reopened; non-finite values are written as NaN/Infinity (Python's json
-  reads them back).
+  removed when the file is reopened. The file is strict JSON: a non-finite value (a diverged
+  loss) is written as null, so any JSON reader, not only Python's, can read every line.
   """
 
   def __init__(self, path: str, *, resume_step: int | None = None):
@@ -80,7 +82,7 @@ class JsonlWriter:
   def write_scalars(self, step: int, scalars: Mapping[str, float]):
     row = {"step": int(step)}
     row.update((name, _as_float(value)) for name, value in scalars.items() if name != "step")
-    self._file.write(json.dumps(row) + "\n")
+    self._file.write(jsonio.dumps(row) + "\n")
     self._file.flush()
 
   def flush(self):

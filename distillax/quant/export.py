@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from distillax.errors import UserError
+from distillax.framework import jsonio
 from distillax.models.config import TransformerConfig
 from distillax.models.init import abstract_model, model_shardings, param_count
 from distillax.quant import qat
@@ -119,7 +120,7 @@ def export_quantized(model: nnx.Module, qcfg: QuantConfig | Mapping[str, Any], p
   os.makedirs(path, exist_ok=True)
   safetensors.numpy.save_file(tensors, os.path.join(path, WEIGHTS_FILE))
   with open(os.path.join(path, CONFIG_FILE), "w") as f:
-    json.dump(meta, f, indent=1)
+    jsonio.dump(meta, f, indent=1)
   return meta
 
 

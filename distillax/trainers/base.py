@@ -1,10 +1,11 @@
 """The training loop: init or resume, steps, eval, checkpoints, metrics, preemption, rollback.
 
 It runs whatever a recipe builds and knows nothing of distillation or quantization. Everything a
-user relies on to trust a run lives here once: exact resume from the newest valid checkpoint
-(state, data position and RNG), a checkpoint on SIGTERM, metrics one step late so logging never
-stalls the device, and rollback to the best checkpoint when eval perplexity jumps or the loss
-stops being finite.
+user relies on to trust a run lives here once: a workdir that belongs to one job (workdir.py),
+exact resume from the newest valid checkpoint (state, data position, RNG and the open metrics
+window), a checkpoint on SIGTERM or Ctrl-C, metrics one step late so logging never stalls the
+device, and rollback to the best checkpoint when eval perplexity jumps or the loss stops being
+finite.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from distillax.framework.profiling import ProfileWindow
 from distillax.framework.progress import ProgressBar
 from distillax.framework.throughput import Throughput, peak_flops_per_device
 from distillax.framework.writers import create_writers
-from distillax.trainers.workdir import open_checkpointer, prepare_workdir, write_summary
+from distillax.trainers.workdir import (check_workdir, open_checkpointer, prepare_workdir,
+                                        write_summary)
 from distillax.trainers.recipe import Engines, Recipe
 
 
@@ -41,6 +43,7 @@ class _Run:
   rollbacks: int = 0
   best: float | None = None  # best eval perplexity so far
   last_eval: dict = dataclasses.field(default_factory=dict)
+  window: dict | None = None  # the open metrics window the restored checkpoint carried
 
   @property
   def meta(self) -> dict:
@@ -54,10 +57,12 @@ class _Tools:
   profile: ProfileWindow
   progress: ProgressBar
 
-  def close(self, state) -> None:
+  def close(self, state, ckpt: Checkpointer, *, finished: bool) -> None:
+    """The signal handlers go last: a Ctrl-C while the last save completes is still caught."""
     self.profile.close(block_on=state)
-    self.logger.close()
+    self.logger.close(log_partial=finished)
     self.progress.close()
+    ckpt.close()
     self.guard.close()
 
 
@@ -70,13 +75,20 @@ class Trainer:
     self.primary = runtime.is_primary()
     self.engines: Engines | None = None
 
-  def run(self) -> dict[str, float]:
+  def run(self) -> dict[str, Any]:
+    """Trains to `train.steps`; returns the summary (also written to summary.json), whose
+    `finished` is False when a signal stopped the run first. A workdir this job already
+    finished is left as it is: its summary comes back with `already_finished` True."""
     c = self.config
-    # Every config, data and shape error surfaces here, before the workdir is touched.
+    # Another job's workdir fails first, before any work; then every config, data and shape
+    # error surfaces, before the workdir is touched.
+    workdir_state = check_workdir(self.workdir, c)
+    if workdir_state.finished:
+      return {**workdir_state.summary, "already_finished": True}
     self.engines = self.recipe.build_engines()
     train_it = self.recipe.train_iterator()
+    prepare_workdir(workdir_state, c, primary=self.primary)
     ckpt = open_checkpointer(self.workdir, c.checkpoint)
-    prepare_workdir(self.workdir, c, primary=self.primary)
     run = self._start(ckpt, train_it)
     tools = _Tools(
         MetricLogger(create_writers(self.workdir, is_primary=self.primary, resume_step=run.step,
@@ -88,14 +100,15 @@ class Trainer:
                       enabled=self.primary),
         ProgressBar(int(c.train.steps), desc=self.recipe.name, initial=run.step,
                     enabled=bool(c.train.progress) and self.primary))
+    tools.logger.restore_window(run.window)
     self._log_plan()
     try:
       self._train(run, ckpt, tools)
     finally:
-      tools.close(run.state)
-      ckpt.close()
-    summary = {"step": run.step, "finished": run.step >= int(c.train.steps),
-               "rollbacks": run.rollbacks, **(tools.logger.latest or {}), **run.last_eval}
+      tools.close(run.state, ckpt, finished=run.step >= int(c.train.steps))
+    summary = {"step": run.step, "total_steps": int(c.train.steps),
+               "finished": run.step >= int(c.train.steps), "rollbacks": run.rollbacks,
+               **(tools.logger.latest or {}), **run.last_eval}
     if self.primary:
       write_summary(self.workdir, summary)
     return summary
@@ -114,13 +127,15 @@ class Trainer:
       bad_loss = loss is not None and not math.isfinite(loss)
       if bad_loss or (eval_every and run.step % eval_every == 0) or run.step == total:
         if self._eval_point(run, ckpt, tools, loss if bad_loss else None):
+          tools.logger.restore_window(run.window)
           continue  # rolled back: run.step is the restored step
       if ckpt.should_save(run.step) or run.step == total:
-        self._save(run, ckpt, metrics=run.last_eval if run.last_eval.get("eval_loss") else None)
+        self._save(run, ckpt, tools,
+                   metrics=run.last_eval if run.last_eval.get("eval_loss") else None)
         tools.logger.resume_timing()
       if tools.guard.should_stop(run.step):
-        logging.warning("preemption signal: saving step %d and stopping", run.step)
-        self._save(run, ckpt)
+        logging.warning("stop requested: saving step %d of %d and stopping", run.step, total)
+        self._save(run, ckpt, tools)
         break
 
   def _eval_point(self, run: _Run, ckpt: Checkpointer, tools: _Tools, bad_loss) -> bool:
@@ -147,9 +162,13 @@ class Trainer:
   def _evaluate(self, state, step: int) -> dict[str, float]:
     return self.engines.at(step).evaluate(state, self.recipe.eval_iterator())
 
-  def _save(self, run: _Run, ckpt: Checkpointer, metrics=None) -> None:
+  def _save(self, run: _Run, ckpt: Checkpointer, tools: _Tools, metrics=None) -> None:
+    """Saves the step with the open metrics window; the finished windows' rows are written
+    first, so a run killed after this save resumes with every row up to this step on disk."""
+    tools.logger.flush()
+    extra = {**run.meta, "metrics_window": tools.logger.window_state()}
     ckpt.save(run.step, self.engines.main.runner.fetch_state(run.state),
-              data_state=iterator_state_json(run.train_it), metrics=metrics, extra=run.meta,
+              data_state=iterator_state_json(run.train_it), metrics=metrics, extra=extra,
               force=True)
 
   # ---- set-up -------------------------------------------------------------------------------
@@ -169,7 +188,7 @@ class Trainer:
     state = self.engines.main.runner.place_state(state)
     step = int(jax.device_get(self.engines.main.runner.fetch_state(state).step))
     run = _Run(state, step, train_it, rollbacks=int(extra.get("rollbacks", 0)),
-               best=extra.get("best_eval_perplexity"))
+               best=extra.get("best_eval_perplexity"), window=extra.get("metrics_window"))
     if run.rollbacks:
       self.engines = self.recipe.build_engines(self._scaled_lr(run.rollbacks))
     if data_state is not None:
@@ -190,7 +209,7 @@ class Trainer:
     best_step, from_step = ckpt.best_step(), run.step
     run.rollbacks += 1
     self.engines = self.recipe.build_engines(self._scaled_lr(run.rollbacks))
-    layout, data_state = self.engines.main.layout, None
+    layout, data_state, run.window = self.engines.main.layout, None, None
     if best_step is None and not ckpt.all_steps():
       student, extras = self.recipe.build(abstract=False)
       run.state, run.step = self.engines.main.init_state(student, extras, int(c.seed)), 0
@@ -198,6 +217,7 @@ class Trainer:
       state, data_state, meta = ckpt.restore(best_step, abstract_state=layout.abstract,
                                              shardings=layout.shardings)
       run.state, run.step = self.engines.main.runner.place_state(state), int(meta["step"])
+      run.window = (meta.get("extra") or {}).get("metrics_window")
       # Newer steps belong to the diverged trajectory: set aside (not deleted) so a later resume
       # cannot pick them up.
       ckpt.set_aside_steps_after(run.step)

@@ -22,16 +22,53 @@ from flax import nnx
 
 from distillax import partitioning as pt
 from distillax.data import batch_shapes, make_eval_iterator, make_tokenizer, make_train_iterator
-from distillax.errors import ConfigError
-from distillax.framework import flops
+from distillax.data.sources import resolve_files
+from distillax.errors import ConfigError, UserError
+from distillax.framework import flops, optim
 from distillax.framework.engine import Engine, build_engine
 from distillax.framework.step import Objective
 from distillax.models.config import TransformerConfig
 from distillax.trainers.common import place_module, resolve_model_config
 from distillax.trainers.lm import lm_objective
 from distillax.trainers.registry import register
-from distillax.trainers.students import base_student
+from distillax.trainers.students import base_student, check_init_from
 from distillax.trainers.transforms import StudentTransforms
+
+
+# (section, field, smallest allowed value, an example of a good value). Checked when a recipe is
+# made, so a value no run can use fails in one line naming it, not steps later in what it breaks
+# (a negative train.steps used to surface as a complaint about the warmup).
+_LIMITS = (("train", "steps", 1, 200), ("train", "batch_size", 1, 16),
+           ("train", "seq_len", 1, 128), ("train", "accum_steps", 1, 1),
+           ("train", "log_every", 1, 10), ("train", "eval_every", 0, 50),
+           ("train", "eval_batches", 1, 8), ("train", "rollback_threshold", 0, 0.05),
+           ("train", "max_rollbacks", 0, 2), ("checkpoint", "every_steps", 0, 100),
+           ("checkpoint", "keep", 1, 2), ("checkpoint", "keep_best", 0, 1))
+
+
+def check_run_sections(config) -> None:
+  """Refuses train (and checkpoint) values no run can use, before any mesh, data or compile."""
+  for section, key, least, example in _LIMITS:
+    value = config[section].get(key, example) if section in config else example
+    if not (isinstance(value, (int, float)) and value >= least):  # NaN fails this too
+      raise ConfigError(f"{section}.{key}={value!r} must be {least} or more, e.g. "
+                        f"--config.{section}.{key}={example}")
+  factor = config.train.get("rollback_lr_factor", 0.5)
+  if not 0 < factor <= 1:
+    raise ConfigError(f"train.rollback_lr_factor={factor!r} must be in (0, 1]: the learning "
+                      f"rate is scaled by it after a rollback; e.g. "
+                      f"--config.train.rollback_lr_factor=0.5")
+
+
+def check_data_paths(data) -> None:
+  """A data source that names no files fails when the recipe is made, not after compiling."""
+  for key in ("source", "eval_source"):
+    spec = str(data.get(key, "") or "")
+    if spec and spec != "stdlib":
+      try:
+        resolve_files(spec)
+      except UserError as e:
+        raise ConfigError(f"data.{key}: {e}") from None
 
 
 @dataclasses.dataclass
@@ -63,12 +100,16 @@ class Recipe:
 
   def __init__(self, config, *, workdir: str | None = None, mesh=None,
                rules: pt.RuleSet | None = None):
+    check_run_sections(config)
+    optim.check_optimizer_config(config.optimizer)
+    check_data_paths(config.data)
     self.config = config
     self.workdir = workdir
     self.mesh = mesh if mesh is not None else pt.create_mesh(config.mesh)
     self.rules = rules if rules is not None else pt.rules_from_config(config.partitioning)
     self.tokenizer = make_tokenizer(config.data.tokenizer)
     self.model_config = resolve_model_config(config.model, self.tokenizer)
+    check_init_from(config, self.model_config)
     self.batch_size, self.seq_len = int(config.train.batch_size), int(config.train.seq_len)
     if self.seq_len > self.model_config.max_seq_len:
       raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="

@@ -26,25 +26,57 @@ from distillax.trainers.registry import recipe_for
 from distillax.trainers.workdir import CHECKPOINT_DIR, CONFIG_FILE
 
 
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
+# Keys of a Hugging Face config.json that a distillax run's config.json never has.
+_HF_KEYS = ("model_type", "architectures", "transformers_version")
+
+
+def load_run_config(workdir: str, field: str = "") -> ml_collections.ConfigDict:
+  """The config.json of the distillax run in `workdir`; `field` (e.g. 'train.init_from') names
+  the setting that pointed here, so a wrong directory is one line naming it and the fix."""
+  where = workdir if not field else (
+      f"{field} {workdir}" if field.startswith("--") else f"{field}={workdir}")
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.exists(path):
-    raise UserError(f"{workdir} is not a distillax run directory (no {CONFIG_FILE}); point to "
+    raise UserError(f"{where} is not a distillax run directory (no {CONFIG_FILE}); point to "
                     f"the --workdir of a finished run")
-  with open(path) as f:
-    return ml_collections.ConfigDict(json.load(f))
+  try:
+    with open(path) as f:
+      raw = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UserError(f"{where}: {CONFIG_FILE} is unreadable ({e}); point to the --workdir of a "
+                    f"finished distillax run") from None
+  if isinstance(raw, dict) and "trainer" in raw and "model" in raw:
+    return ml_collections.ConfigDict(raw)
+  if isinstance(raw, dict) and any(k in raw for k in _HF_KEYS):
+    raise UserError(f"{where} is a Hugging Face checkpoint, not a distillax run; "
+                    f"{field or 'it'} must be a distillax run's directory (the --workdir it "
+                    f"trained in): Hugging Face checkpoints are not supported there yet, and a "
+                    f"Hugging Face teacher goes in --config.teacher.hf_path")
+  raise UserError(f"{where}: {CONFIG_FILE} was not written by distillax (no trainer and model "
+                  f"sections); point to the --workdir of a finished distillax run")
 
 
-def trained_model_config(workdir: str) -> TransformerConfig:
-  cfg = load_run_config(workdir)
+def trained_model_config(workdir: str, field: str = "") -> TransformerConfig:
+  cfg = load_run_config(workdir, field)
   return resolve_model_config(cfg.model, make_tokenizer(cfg.data.tokenizer))
+
+
+def _as_loaded(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """An earlier run's config as its loading needs it: its weights come from its own checkpoint,
+  so neither its starting point (train.init_from) nor its data files (which may have moved
+  since) are read, and the recipe's up-front checks must not ask for them."""
+  cfg = cfg.copy_and_resolve_references()
+  cfg.train.init_from = ""
+  cfg.data.source, cfg.data.eval_source = "stdlib", ""
+  return cfg
 
 
 def load_trained_model(workdir: str, mesh: Mesh, rules: pt.RuleSet) -> nnx.Module:
   """The plain student Transformer of `workdir`'s newest valid checkpoint, sharded for
   `mesh`/`rules` (LoRA merged, fake quantization and training-only parts off)."""
   workdir = os.path.abspath(workdir)
-  recipe = recipe_for(load_run_config(workdir), workdir=workdir, mesh=mesh, rules=rules)
+  recipe = recipe_for(_as_loaded(load_run_config(workdir)), workdir=workdir, mesh=mesh,
+                      rules=rules)
   student, extras = recipe.build(abstract=True)
   trainable = recipe.trainable()
   _, train_state, _ = nnx.split(student, trainable, ...)

@@ -1,29 +1,182 @@
 """The workdir contract (DESIGN.md, "Workdir contract"): what a run keeps where, and the only
 code that creates or writes its top-level files.
 
+    <workdir>/job.json        the job's identity (see NOT_JOB_IDENTITY), written when it is made
     <workdir>/config.json     the resolved config, written only after every check passed
     <workdir>/metrics.jsonl   one JSON object per logged step (framework/writers.py)
     <workdir>/summary.json    final metrics of the run, {"finished": bool, ...}
     <workdir>/checkpoints/    orbax checkpoints
     <workdir>/tensorboard/    TensorBoard event files
+
+A workdir belongs to one job. `check_workdir` compares this config's identity with the one the
+workdir holds before anything runs: the same job resumes (or is reported already finished), a
+different one is refused with one line and nothing in the workdir changes. A workdir made by an
+older distillax (config.json, no job.json) gets its identity from its config.json.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from typing import Any
 
 from distillax.errors import UserError
+from distillax.framework import jsonio
 from distillax.framework.checkpoint import Checkpointer
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
 CHECKPOINT_DIR = "checkpoints"
+JOB_FILE = "job.json"
+
+# The config fields that do not make a run another job: how long it runs, how it logs and
+# evaluates, and where it writes outputs. Rerunning with any of them changed resumes the workdir.
+# A name ending in "." is a whole section. This is the one place the list lives.
+NOT_JOB_IDENTITY: dict[str, str] = {
+    "train.steps": "how long the job runs: raising it continues a finished run",
+    "train.log_every": "how often metrics are logged",
+    "train.eval_every": "how often the job evaluates (what it trains is the same)",
+    "train.eval_batches": "how many validation batches an eval reads",
+    "train.progress": "the console progress bar",
+    "train.accum_steps": "how a step's batch is split for memory: the same update",
+    "mesh.": "where the job runs: a checkpoint restores onto another topology",
+    "partitioning.": "how the state is laid out on the devices, not what it holds",
+    "backend": "which compiled form of the one step runs: every backend computes the same",
+    "checkpoint.": "when checkpoints are written and how many are kept, not what they hold",
+    "profile.": "a traced window of steps: tracing changes no result",
+    "runtime.": "how the processes find each other, not what they compute",
+    "sequence_kd.output": "where the teacher samples are written",
+    "cache.": "read by `distillax cache-teacher` only, never by training",
+}
+_ABSENT = "<absent>"
 
 
 def _not_writable(workdir: str, e: OSError) -> UserError:
   return UserError(f"workdir {workdir} is not writable ({e.strerror or e}); pass --workdir "
                    f"pointing to a directory you can write")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict) and value:
+      out.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def _identity_of(config_json: dict) -> dict[str, Any]:
+  """Every field of a config (as JSON, dotted names) that says which job it is."""
+  def excluded(name: str) -> bool:
+    return any(name == n or (n.endswith(".") and name.startswith(n)) for n in NOT_JOB_IDENTITY)
+  return {k: v for k, v in _flatten(jsonio.strict(config_json)).items() if not excluded(k)}
+
+
+def job_identity(config) -> dict[str, Any]:
+  """The job `config` describes: the resolved config minus NOT_JOB_IDENTITY, in config order."""
+  return _identity_of(json.loads(config.to_json_best_effort()))
+
+
+def _read_json(path: str) -> Any:
+  """The parsed file; None when it does not exist; ValueError when it is not JSON."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (FileNotFoundError, NotADirectoryError):
+    return None
+  except OSError as e:
+    raise UserError(f"{path} is not readable ({e.strerror or e}); fix its permissions or pass a "
+                    f"new --workdir") from None
+
+
+def _is_run_config(value: Any) -> bool:
+  """A config.json some distillax job wrote (every job config and the demo's have these)."""
+  return isinstance(value, dict) and "train" in value and ("trainer" in value or "job" in value)
+
+
+def workdir_job(workdir: str) -> str | None:
+  """What the workdir's config.json is: None (there is none), "demo", a trainer name, or ""
+  for a config.json that no distillax run wrote."""
+  try:
+    value = _read_json(os.path.join(workdir, CONFIG_FILE))
+  except ValueError:
+    return ""
+  if value is None:
+    return None
+  if not _is_run_config(value):
+    return ""
+  return str(value.get("job") or value.get("trainer"))
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkdirState:
+  """What a workdir holds for the job about to run; `check_workdir` makes it, reading only."""
+  workdir: str
+  has_job_file: bool = False  # job.json is there (else prepare_workdir writes it)
+  foreign: bool = False  # a config.json that no distillax run wrote: this job may not take it
+  summary: dict | None = None  # summary.json of an earlier session of this job
+  finished: bool = False  # that session finished at train.steps or beyond: nothing to train
+
+
+def _stored_identity(workdir: str) -> tuple[dict | None, bool, bool]:
+  """(identity, from job.json, foreign): job.json's, else derived from an older config.json."""
+  try:
+    job = _read_json(os.path.join(workdir, JOB_FILE))
+  except ValueError:
+    raise UserError(f"{os.path.join(workdir, JOB_FILE)} is not valid JSON; pass a new "
+                    f"--workdir (this one's job cannot be told)") from None
+  if isinstance(job, dict) and isinstance(job.get("identity"), dict):
+    return job["identity"], True, False
+  if job is not None:
+    raise UserError(f"{os.path.join(workdir, JOB_FILE)} holds no job identity; pass a new "
+                    f"--workdir (this one's job cannot be told)")
+  try:
+    config_json = _read_json(os.path.join(workdir, CONFIG_FILE))
+  except ValueError:
+    return None, False, True
+  if config_json is None:
+    return None, False, False
+  if not _is_run_config(config_json):
+    return None, False, True
+  return _identity_of(config_json), False, False
+
+
+def _short(value: Any) -> str:
+  text = value if value == _ABSENT else json.dumps(value)
+  return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _other_job_error(owner: str, stored: dict, current: dict) -> UserError | None:
+  names = [k for k in current if stored.get(k, _ABSENT) != current[k]]
+  names += [k for k in stored if k not in current]
+  if not names:
+    return None
+  first = names[0]
+  there, here = stored.get(first, _ABSENT), current.get(first, _ABSENT)
+  shown = f"{first}: {_short(there)} there, {_short(here)} here"
+  if len(names) > 1:
+    more = ", ".join(names[1:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    shown += f"; also {more}"
+  return UserError(f"{owner} belongs to another job ({shown}); pass a new --workdir for this "
+                   f"job, or rerun that job's own command to resume it")
+
+
+def check_workdir(workdir: str, config, *, owner: str | None = None) -> WorkdirState:
+  """Whether `config`'s job may run in `workdir`, reading only: a different job's workdir is a
+  UserError naming the first differing fields; the same job's comes back with its summary."""
+  workdir = os.path.abspath(workdir)
+  stored, has_job_file, foreign = _stored_identity(workdir)
+  if stored is None:
+    return WorkdirState(workdir, foreign=foreign)
+  error = _other_job_error(owner or f"workdir {workdir}", stored, job_identity(config))
+  if error is not None:
+    raise error
+  summary = read_summary(workdir)
+  finished = bool(summary and summary.get("finished")
+                  and int(summary.get("step") or 0) >= int(config.train.steps))
+  return WorkdirState(workdir, has_job_file, summary=summary, finished=finished)
 
 
 def open_checkpointer(workdir: str, checkpoint_cfg) -> Checkpointer:
@@ -37,9 +190,20 @@ def open_checkpointer(workdir: str, checkpoint_cfg) -> Checkpointer:
     raise _not_writable(workdir, e) from None
 
 
-def prepare_workdir(workdir: str, config, *, primary: bool) -> None:
-  """Creates the workdir and writes config.json (atomically); call it only once the config,
-  the data and the compiled step have passed every check."""
+def _write_atomically(path: str, text: str) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, path)
+
+
+def prepare_workdir(state: WorkdirState, config, *, primary: bool) -> None:
+  """Creates the workdir and writes job.json (once) and config.json (atomically); call it only
+  once `check_workdir` and the config, the data and the compiled step have passed every check."""
+  workdir = state.workdir
+  if state.foreign:
+    raise UserError(f"{os.path.join(workdir, CONFIG_FILE)} was not written by a distillax run; "
+                    f"pass a new --workdir (or an empty directory)")
   try:
     os.makedirs(workdir, exist_ok=True)
     if not os.access(workdir, os.W_OK):
@@ -47,21 +211,24 @@ def prepare_workdir(workdir: str, config, *, primary: bool) -> None:
   except OSError as e:
     raise _not_writable(workdir, e) from None
   if primary:
-    tmp = os.path.join(workdir, CONFIG_FILE + ".tmp")
-    with open(tmp, "w") as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    os.replace(tmp, os.path.join(workdir, CONFIG_FILE))
+    if not state.has_job_file:
+      _write_atomically(os.path.join(workdir, JOB_FILE),
+                        jsonio.dumps({"identity": job_identity(config)}, indent=2) + "\n")
+    _write_atomically(os.path.join(workdir, CONFIG_FILE),
+                      config.to_json_best_effort(indent=2, sort_keys=True))
 
 
 def write_summary(workdir: str, summary: dict) -> None:
-  with open(os.path.join(workdir, SUMMARY_FILE), "w") as f:
-    json.dump(summary, f, indent=2, sort_keys=True)
+  """summary.json, strict JSON (a value that is not finite is null), replaced atomically."""
+  _write_atomically(os.path.join(workdir, SUMMARY_FILE),
+                    jsonio.dumps(summary, indent=2, sort_keys=True) + "\n")
 
 
 def read_summary(workdir: str) -> dict | None:
-  """The run's summary.json, or None when the run never finished a session."""
-  path = os.path.join(workdir, SUMMARY_FILE)
-  if not os.path.exists(path):
+  """The run's summary.json, or None when the run never ended a session (or it is unreadable:
+  the run then resumes from its checkpoints and writes it again)."""
+  try:
+    summary = _read_json(os.path.join(workdir, SUMMARY_FILE))
+  except ValueError:
     return None
-  with open(path) as f:
-    return json.load(f)
+  return summary if isinstance(summary, dict) else None

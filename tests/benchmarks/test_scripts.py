@@ -121,7 +121,10 @@ def test_accelerator_on_cpu(out_dir):
   assert 1.8 <= teacher / total_params(tiny) <= 2.2
   for r in rows.values():
     assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["step_s"])
-    assert r["mfu"] is not None and 0 < r["mfu"] < 1
+    # Achieved over the host's measured peak: two timings taken at different moments, so a
+    # loaded host may time the probe slower than the step; only the arithmetic is checked.
+    assert r["mfu"] > 0 and r["mfu"] == pytest.approx(
+        r["model_flops_per_step"] / r["step_s"] / res["peak_flops_per_device"])
   # The distillation step adds the teacher's forward (2 FLOPs per matmul weight per token).
   extra = rows["distill"]["model_flops_per_step"] - rows["train"]["model_flops_per_step"]
   assert extra == pytest.approx(train_flops(get_preset("tiny", num_layers=res["teacher"][

@@ -138,7 +138,7 @@ def test_split_does_not_depend_on_order_or_process():
           "t,v=load_documents('stdlib').split(0.05); print(json.dumps(v.all_keys()))")
   env = dict(os.environ, PYTHONHASHSEED="12345")
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       check=True, timeout=120).stdout
+                       check=True, timeout=600).stdout
   assert json.loads(out) == load_documents("stdlib").split(0.05)[1].all_keys()
   with pytest.raises(ConfigError, match="validation_fraction"):
     validation_mask(keys, 1.5)

@@ -52,7 +52,7 @@ def test_resume_in_a_fresh_process_from_orbax_and_json(tmp_path):
           "checkpoint_dir": checkpoint_dir, "state_json": str(tmp_path / "state.json"),
           "out": str(tmp_path / "next")}
   subprocess.run([sys.executable, os.path.join(HERE, "resume_worker.py"), json.dumps(spec)],
-                 check=True, timeout=180, cwd=str(tmp_path))
+                 check=True, timeout=600, cwd=str(tmp_path))
   for suffix in ("orbax", "json"):
     with np.load(str(tmp_path / f"next_{suffix}.npz")) as f:
       got = [{k: f[f"{i}/{k}"] for k in data.BATCH_KEYS} for i in range(count)]

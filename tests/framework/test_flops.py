@@ -268,11 +268,52 @@ def test_mfu_and_rates_by_hand():
   assert throughput.Throughput(1000, 8e12, 4).rates(0, 5.0) == {}
 
 
-def test_cpu_probe_counts_2n3_per_matmul(monkeypatch):
+def test_cpu_probe_counts_2n3_per_matmul():
   ticks = iter(np.arange(0, 100, 1e-3))  # every clock read advances 1 ms: each matmul "takes" 1 ms
-  monkeypatch.setattr(throughput.time, "perf_counter", lambda: float(next(ticks)))
-  best = throughput.measure_cpu_matmul_flops(sizes=(64, 128), repeats=2)
+  best = throughput.measure_cpu_matmul_flops(sizes=(64, 128), repeats=2,
+                                             clock=lambda: float(next(ticks)))
   assert best == pytest.approx(2 * 128 ** 3 / 1e-3)
+
+
+class FakeClock:
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self):
+    return self.now
+
+
+def test_cpu_probe_times_each_matmul_until_its_result_is_ready():
+  """A fake matmul whose work happens only while its result is awaited: dispatch costs nothing,
+  block_until_ready advances the fake clock by that call's seconds. A probe that timed the
+  dispatch alone would report 2n^3 / 1e-9; one that timed the warm-up call (given the shortest
+  time here), averaged the repeats or kept the last size would report another rate."""
+  clock = FakeClock()
+  # Per size: the untimed warm-up call first, then the timed repeats.
+  seconds = {64: [1e-5, 1e-3, 2e-3, 1e-3],
+             128: [1e-5, 8e-3, 4e-3, 6e-3],
+             32: [1e-5, 1e-3, 1e-3, 1e-3]}
+  calls = []
+
+  class Result:
+    def __init__(self, work_s):
+      self.work_s = work_s
+
+    def block_until_ready(self):
+      clock.now += self.work_s
+      return self
+
+  def matmul(a, b):
+    n = a.shape[0]
+    assert a.shape == b.shape == (n, n) and a.dtype == b.dtype == np.float32
+    calls.append(n)
+    return Result(seconds[n][calls.count(n) - 1])
+
+  best = throughput.measure_cpu_matmul_flops(sizes=(64, 128, 32), repeats=3, clock=clock,
+                                             matmul=matmul)
+  assert calls == [64] * 4 + [128] * 4 + [32] * 4
+  rates = {64: 2 * 64 ** 3 / 1e-3, 128: 2 * 128 ** 3 / 4e-3, 32: 2 * 32 ** 3 / 1e-3}
+  assert best == pytest.approx(max(rates.values())) == pytest.approx(rates[128])
 
 
 def test_cpu_peak_is_measured_once_and_shared_by_host_devices(monkeypatch):
@@ -285,18 +326,3 @@ def test_cpu_peak_is_measured_once_and_shared_by_host_devices(monkeypatch):
   assert len(calls) == 1
   assert peak == again == pytest.approx(80e9 / jax.local_device_count())
   assert "probe" in source and "80.0 GFLOP/s" in source
-
-
-def test_cpu_probe_measures_a_real_rate():
-  # Independent check: numpy's BLAS on the same matmul. Both share two busy cores, so only the
-  # order of magnitude is compared.
-  n = 512
-  a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-  import time
-  best_numpy = 0.0
-  for _ in range(3):
-    start = time.perf_counter()
-    a @ a
-    best_numpy = max(best_numpy, 2 * n ** 3 / (time.perf_counter() - start))
-  probe = throughput.measure_cpu_matmul_flops(sizes=(n,), repeats=3)
-  assert best_numpy / 20 < probe < best_numpy * 20, (probe, best_numpy)

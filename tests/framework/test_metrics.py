@@ -98,6 +98,65 @@ def test_window_means_and_last_values_and_partial_close():
     assert row["learning_rate"] == pytest.approx(0.01 * row_step, rel=1e-6)  # last, not mean
 
 
+def _logged(batches, step, log_every, stop_after=None):
+  """Rows of a logger fed `batches`; with `stop_after`, the first logger stops there (no partial
+  row) and a second one continues from its window, carried as JSON text like a checkpoint's."""
+  writer = MemoryWriter()
+  logger = metrics.MetricLogger(writer, log_every=log_every)
+  for i, x in enumerate(batches, start=1):
+    logger.record(i, step(x, 0.01 * i))
+    if i == stop_after:
+      logger.flush()
+      carried = json.dumps(logger.window_state(), allow_nan=False)
+      logger.close(log_partial=False)
+      logger = metrics.MetricLogger(writer, log_every=log_every)
+      logger.restore_window(json.loads(carried))
+  logger.close()
+  return writer.rows
+
+
+@pytest.mark.parametrize("stop_after", [1, 4, 5, 6])
+def test_a_window_carried_across_a_stop_gives_the_uninterrupted_rows(stop_after):
+  # Values whose float32 sum depends on the order and rounding of every addition.
+  rng = np.random.default_rng(2)
+  batches = [(rng.standard_normal(8) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+             for _ in range(8)]
+  step = _step_fn()
+  uninterrupted = _logged(batches, step, 3)
+  assert [s for s, _ in uninterrupted] == [3, 6, 8]
+  assert _logged(batches, step, 3, stop_after=stop_after) == uninterrupted  # exact floats
+  # The carried row is the mean over the whole window, not only the steps after the stop.
+  losses = [np.mean(x.astype(np.float64) ** 2) for x in batches[3:6]]
+  assert uninterrupted[1][1]["loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+
+
+def test_a_carried_window_is_strict_json_also_when_not_finite():
+  step = _step_fn()
+  logger = metrics.MetricLogger(MemoryWriter(), log_every=3)
+  logger.record(1, step(np.full(8, np.inf, np.float32), 0.1))
+  carried = json.loads(json.dumps(logger.window_state(), allow_nan=False))
+  other = metrics.MetricLogger(MemoryWriter(), log_every=3)
+  other.restore_window(carried)
+  row = other.close()
+  assert np.isinf(row["loss"]) and row["learning_rate"] == pytest.approx(0.1)
+
+
+def test_an_empty_or_other_log_every_window_is_not_carried():
+  step = _step_fn()
+  logger = metrics.MetricLogger(MemoryWriter(), log_every=2)
+  logger.record(1, step(np.ones(8, np.float32), 0.1))
+  logger.record(2, step(np.ones(8, np.float32), 0.1))
+  assert logger.window_state() is None  # the window closed at step 2
+  logger.record(3, step(np.ones(8, np.float32), 0.1))
+  carried = logger.window_state()
+  assert carried["num_steps"] == 1 and carried["last_step"] == 3
+  writer = MemoryWriter()
+  other = metrics.MetricLogger(writer, log_every=5)  # another window length: start afresh
+  other.restore_window(carried)
+  other.close()
+  assert writer.rows == []
+
+
 def test_throughput_is_timed_between_fetches():
   clock = FakeClock()
   writer = MemoryWriter()
@@ -232,7 +291,7 @@ _TWO_PROCESS_WORKER = textwrap.dedent("""
     jax.config.update("jax_num_cpu_devices", 4)
     pid, port, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                               process_id=pid, initialization_timeout=60)
+                               process_id=pid, initialization_timeout=300)
     import jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     from distillax.framework import evaluation, metrics, writers
@@ -267,7 +326,7 @@ def test_two_processes_fetch_global_metrics_and_only_process_0_writes(tmp_path):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
            for i in range(2)]
   try:
-    outputs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    outputs = [p.communicate(timeout=600)[0].decode() for p in procs]
   finally:
     for p in procs:
       if p.poll() is None:

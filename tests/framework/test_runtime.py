@@ -16,7 +16,7 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
   out = tmp_path / "losses.json"
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
   status = launch([sys.executable, "-m", "tests.framework.two_process_worker", str(out)],
-                  num_processes=2, devices_per_process=4, timeout_s=240, env=env,
+                  num_processes=2, devices_per_process=4, timeout_s=600, env=env,
                   log_dir=str(tmp_path / "logs"))
   logs = "".join(p.read_text()[-2000:] for p in sorted((tmp_path / "logs").iterdir()))
   assert status == 0, logs

@@ -1,4 +1,7 @@
-"""TensorBoard itself (not our own reader) reads the event files a training run writes."""
+"""TensorBoard itself (not our own reader) reads the event files a training run writes, and
+metrics.jsonl is strict JSON (a diverged value is null, not NaN) that any JSON reader accepts."""
+
+import json
 
 import pytest
 
@@ -9,7 +12,6 @@ event_accumulator = pytest.importorskip(
 
 
 def test_tensorboard_reads_the_runs_scalars(tmp_path):
-  import json
   import os
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   workdir = tmp_path / "run"
@@ -26,3 +28,37 @@ def test_tensorboard_reads_the_runs_scalars(tmp_path):
   assert sorted(tb_loss) == sorted(jsonl_loss) == [1, 2, 3, 4]
   for step, value in jsonl_loss.items():
     assert tb_loss[step] == pytest.approx(value, rel=1e-6)
+
+
+def _strict(text: str):
+  """json.loads that refuses NaN / Infinity, as JavaScript's JSON.parse and jq do."""
+  def refuse(name):
+    raise ValueError(f"{name} is not JSON")
+  return json.loads(text, parse_constant=refuse)
+
+
+def test_metrics_jsonl_stays_strict_json_when_a_value_is_not_finite(tmp_path):
+  import math
+
+  from distillax.framework.writers import JsonlWriter, read_jsonl
+  path = tmp_path / "metrics.jsonl"
+  writer = JsonlWriter(str(path))
+  writer.write_scalars(1, {"loss": 2.5})
+  writer.write_scalars(2, {"loss": float("nan"), "grad_norm": math.inf, "lr": -math.inf})
+  writer.close()
+  rows = [_strict(line) for line in path.read_text().splitlines()]
+  assert rows == [{"step": 1, "loss": 2.5},
+                  {"step": 2, "loss": None, "grad_norm": None, "lr": None}]
+  assert read_jsonl(str(path)) == rows
+
+
+def test_strict_json_helper_nulls_non_finite_values_at_any_depth(tmp_path):
+  import math
+
+  from distillax.framework import jsonio
+  value = {"a": [1.0, math.nan, {"b": (math.inf, "x", 3)}], "c": None, "d": True}
+  text = jsonio.dumps(value, indent=1)
+  assert _strict(text) == {"a": [1.0, None, {"b": [None, "x", 3]}], "c": None, "d": True}
+  with open(tmp_path / "f.json", "w") as f:
+    jsonio.dump({"x": -math.inf}, f)
+  assert _strict((tmp_path / "f.json").read_text()) == {"x": None}

@@ -1,7 +1,8 @@
 """The loop (trainers/base.py): exact resume and recovery from a diverged step.
 
-Resume: a run killed with SIGKILL (or stopped by SIGTERM, or whose newest checkpoint is corrupt)
-and restarted ends exactly where an uninterrupted run ends.
+Resume: a run killed with SIGKILL (or stopped by SIGTERM or Ctrl-C, or whose newest checkpoint is
+corrupt) and restarted ends exactly where an uninterrupted run ends: the same parameters and the
+same metrics.jsonl, row for row (timing aside), also when it resumes inside a logging window.
 Rollback: a NaN injected into one train batch (its loss mask) makes the loss NaN; the loop must
 restore the best checkpoint, scale the learning rate by train.rollback_lr_factor, log the event
 and finish with finite losses.
@@ -12,6 +13,7 @@ import logging
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -22,14 +24,21 @@ import orbax.checkpoint as ocp
 import pytest
 
 from distillax.configs import lm as lm_config
+from distillax.framework.preemption import STOPPED_EXIT_CODE
+from distillax.framework.throughput import Throughput
 from distillax.trainers import Recipe, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 10
+LOG_EVERY = 3  # rows at 3, 6, 9 (and 10); checkpoints at 4 and 8 fall inside a window
 ARGS = ["--config", os.path.join(ROOT, "distillax/configs/lm.py") + ":tiny",
-        f"--config.train.steps={STEPS}", "--config.train.log_every=1",
-        "--config.train.eval_every=5", "--config.checkpoint.every_steps=2",
+        f"--config.train.steps={STEPS}", f"--config.train.log_every={LOG_EVERY}",
+        "--config.train.eval_every=5", "--config.checkpoint.every_steps=4",
         "--config.checkpoint.keep=3"]
+# The keys measured by the clock (Throughput.rates), which no two runs share.
+TIMING_KEYS = set(Throughput(1, 1.0, 1, 1.0).rates(1, 1.0))
+STOPPED_LINE = re.compile(rf"distillax train: stopped at step (\d+) of {STEPS}; rerun the same "
+                          r"command to resume")
 
 
 def _env():
@@ -43,14 +52,26 @@ def _train(workdir, extra=(), wait=True):
   proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, start_new_session=True)
   if wait:
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
+    proc.output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, proc.output[-3000:]
   return proc
 
 
+def _rows(workdir):
+  """Every complete line (the training process may be writing the last one)."""
+  lines = (workdir / "metrics.jsonl").read_text().split("\n")[:-1]
+  return [json.loads(line) for line in lines if line]
+
+
 def _train_rows(workdir):
-  rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if l]
-  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+  return {r["step"]: r["loss"] for r in _rows(workdir) if "loss" in r}
+
+
+def _checkpoint_steps(workdir):
+  folder = workdir / "checkpoints"
+  if not folder.exists():
+    return []
+  return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
 
 
 def _saved_params(workdir, step):
@@ -58,15 +79,21 @@ def _saved_params(workdir, step):
   return tree["params"]
 
 
-def _wait_for_step(workdir, proc, step, timeout=240):
+def _wait_until(proc, reached, what, timeout=600):
   deadline = time.time() + timeout
-  path = workdir / "metrics.jsonl"
   while time.time() < deadline:
-    assert proc.poll() is None, "training ended before it could be killed"
-    if path.exists() and any(s >= step for s in _train_rows(workdir)):
+    assert proc.poll() is None, "training ended before it could be stopped"
+    if reached():
       return
     time.sleep(0.05)
-  raise AssertionError(f"step {step} not reached in {timeout}s")
+  raise AssertionError(f"{what} not reached in {timeout}s")
+
+
+def _wait_for_step(workdir, proc, step):
+  """Until a train row at `step` or later is in metrics.jsonl."""
+  path = workdir / "metrics.jsonl"
+  _wait_until(proc, lambda: path.exists() and any(s >= step for s in _train_rows(workdir)),
+              f"step {step}")
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +103,16 @@ def uninterrupted(tmp_path_factory):
   return workdir
 
 
+def _untimed(rows):
+  return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in rows]
+
+
 def _assert_same_run(workdir, reference):
-  ref_rows, rows = _train_rows(reference), _train_rows(workdir)
-  assert sorted(rows) == list(range(1, STEPS + 1))
-  np.testing.assert_array_equal([rows[s] for s in sorted(rows)],
-                                [ref_rows[s] for s in sorted(ref_rows)])
+  """The same metrics.jsonl row for row (every key but the timing ones) and the same final
+  parameters as the uninterrupted run."""
+  rows = _untimed(_rows(workdir))
+  assert [r["step"] for r in rows if "loss" in r] == [3, 6, 9, 10]
+  assert rows == _untimed(_rows(reference))
   got, want = _saved_params(workdir, STEPS), _saved_params(reference, STEPS)
   flat_got = {k: np.asarray(v) for k, v in _flatten(got).items()}
   for k, v in _flatten(want).items():
@@ -98,14 +130,24 @@ def _flatten(tree, prefix=""):
 
 
 def test_sigkill_at_a_random_step_then_resume_matches(uninterrupted, tmp_path):
-  kill_at = random.Random(os.getpid()).randint(3, 7)
+  # Past checkpoint 4 and at a random later step (4: that checkpoint, 5: the eval row at 5, 6:
+  # the row of step 6, written at step 7), so the resume is at 4 or 8: inside a logging window.
+  kill_at = random.Random(os.getpid()).randint(4, 6)
   workdir = tmp_path / "killed"
   proc = _train(workdir, wait=False)
-  _wait_for_step(workdir, proc, kill_at)
+  def passed_kill_step():
+    steps = _checkpoint_steps(workdir)
+    if (workdir / "metrics.jsonl").exists():
+      steps += [r["step"] for r in _rows(workdir)]
+    return 4 in _checkpoint_steps(workdir) and max(steps) >= kill_at
+
+  _wait_until(proc, passed_kill_step, f"step {kill_at}")
   os.killpg(proc.pid, signal.SIGKILL)
   proc.wait()
   assert max(_train_rows(workdir)) < STEPS, "the run finished before the kill"
-  _train(workdir)
+  rerun = _train(workdir)
+  resumed = int(re.search(r"resuming from step (\d+)", rerun.output).group(1))
+  assert resumed in (4, 8) and resumed % LOG_EVERY != 0
   _assert_same_run(workdir, uninterrupted)
 
 
@@ -115,8 +157,9 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(uninterrupted,
   latest = workdir / "checkpoints" / str(STEPS)
   data_files = sorted((latest / "state" / "d").iterdir())
   data_files[0].write_bytes(data_files[0].read_bytes()[:10])  # truncate the array data
+  (workdir / "summary.json").unlink()  # as a run killed after its last save leaves it
   proc = _train(workdir, wait=False)
-  out, _ = proc.communicate(timeout=300)
+  out, _ = proc.communicate(timeout=600)
   assert proc.returncode == 0, out[-3000:]
   assert f"checkpoint step {STEPS}" in out and "corrupt" in out
   # Resumed from the step before, retrained the last steps; the corrupt copy is kept aside.
@@ -125,17 +168,66 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(uninterrupted,
   _assert_same_run(workdir, uninterrupted)
 
 
+def _assert_stopped(proc, out, workdir):
+  """Exit STOPPED_EXIT_CODE, the stop line last, no traceback, a checkpoint at the stop step and
+  an unfinished summary; returns the stop step."""
+  assert proc.returncode == STOPPED_EXIT_CODE, out[-3000:]
+  assert "Traceback" not in out, out[-3000:]
+  last = STOPPED_LINE.fullmatch(out.strip().splitlines()[-1])
+  assert last, out[-1000:]
+  stopped = int(last.group(1))
+  assert 3 <= stopped < STEPS and max(_checkpoint_steps(workdir)) == stopped
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["finished"] is False and summary["step"] == stopped
+  return stopped
+
+
+def _assert_resumes_and_finishes(workdir, stopped, uninterrupted):
+  rerun = _train(workdir)
+  assert f"resuming from step {stopped}" in rerun.output
+  assert rerun.output.strip().splitlines()[-1].startswith(f"distillax train: done at step {STEPS}")
+  _assert_same_run(workdir, uninterrupted)
+
+
 def test_sigterm_saves_the_current_step_and_the_next_run_resumes(uninterrupted, tmp_path):
   workdir = tmp_path / "preempted"
   proc = _train(workdir, wait=False)
   _wait_for_step(workdir, proc, 3)
   os.killpg(proc.pid, signal.SIGTERM)
-  out, _ = proc.communicate(timeout=120)
-  assert proc.returncode == 0, out[-3000:]
-  stopped = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-  assert 3 <= stopped < STEPS and "preemption" in out
-  _train(workdir)
-  _assert_same_run(workdir, uninterrupted)
+  out, _ = proc.communicate(timeout=600)
+  stopped = _assert_stopped(proc, out, workdir)
+  assert "preemption (SIGTERM)" in out
+  _assert_resumes_and_finishes(workdir, stopped, uninterrupted)
+
+
+def test_ctrl_c_saves_the_current_step_and_the_next_run_resumes(uninterrupted, tmp_path):
+  workdir = tmp_path / "interrupted"
+  proc = _train(workdir, wait=False)
+  _wait_for_step(workdir, proc, 3)
+  proc.send_signal(signal.SIGINT)
+  out, _ = proc.communicate(timeout=600)
+  stopped = _assert_stopped(proc, out, workdir)
+  assert "preemption (SIGINT)" in out and "Ctrl-C again aborts" in out
+  _assert_resumes_and_finishes(workdir, stopped, uninterrupted)
+
+
+SECOND_CTRL_C = """
+import os, signal
+from distillax.framework.preemption import PreemptionGuard
+guard = PreemptionGuard()
+os.kill(os.getpid(), signal.SIGINT)
+print("after the first:", guard.received, guard.should_stop(7), flush=True)
+os.kill(os.getpid(), signal.SIGINT)
+print("still running after the second", flush=True)
+"""
+
+
+def test_a_second_ctrl_c_ends_the_process_at_once():
+  proc = subprocess.run([sys.executable, "-c", SECOND_CTRL_C], env=_env(), capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == -signal.SIGINT, (proc.stdout, proc.stderr)
+  assert proc.stdout.splitlines() == ["after the first: True True"]
+  assert "Ctrl-C again aborts at once" in proc.stderr
 
 
 # ---- rollback -------------------------------------------------------------------------------
@@ -179,7 +271,8 @@ def test_nan_loss_rolls_back_to_the_best_checkpoint(tmp_path, caplog):
 
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl") if l.strip()]
   train = [r for r in rows if "loss" in r]
-  poisoned = [r for r in train if not math.isfinite(r["loss"])]
+  finite = lambda value: value is not None and math.isfinite(value)  # null: not finite (strict)
+  poisoned = [r for r in train if not finite(r["loss"])]
   assert poisoned and poisoned[0]["step"] == 5
   # Back to the step-4 checkpoint, then steps 5..8 again with half the learning rate.
   messages = [r.getMessage() for r in caplog.records if "rollback" in r.getMessage()]
@@ -193,7 +286,7 @@ def test_nan_loss_rolls_back_to_the_best_checkpoint(tmp_path, caplog):
   # after the rollback is finite and the steps run 5..8 again.
   after = train[train.index(step5[1]):]
   assert [r["step"] for r in after] == [5, 6, 7, 8]
-  assert all(math.isfinite(r["loss"]) for r in after)
+  assert all(finite(r["loss"]) for r in after)
   # The diverged trajectory's checkpoints are set aside, the new ones are there.
   kept = {int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()}
   assert 8 in kept

@@ -1,0 +1,201 @@
+"""A workdir belongs to one job (trainers/workdir.py), through the CLI as a user meets it.
+
+Rerunning the same job resumes it or says it already finished; another job's command is one line
+naming the differing fields and the fix, exit 2, and the workdir stays byte-identical. Fields
+that only say how long a job runs, how it logs or where it writes (NOT_JOB_IDENTITY) are not
+part of the job.
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from distillax.configs import distill, lm, sequence_kd
+from distillax.main import main
+from distillax.trainers.workdir import (JOB_FILE, NOT_JOB_IDENTITY, check_workdir, job_identity,
+                                        read_summary, write_summary)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = os.path.join(ROOT, "distillax", "configs")
+LM_TINY = ["--config", os.path.join(CONFIGS, "lm.py") + ":tiny"]
+QAT_TINY = ["--config", os.path.join(CONFIGS, "qat.py") + ":tiny"]
+
+
+def _snapshot(folder):
+  """Every file's bytes and every directory, recursively."""
+  out = {}
+  for parent, dirs, files in os.walk(folder):
+    rel = os.path.relpath(parent, folder)
+    out.update({os.path.join(rel, d) + "/": None for d in dirs})
+    for name in files:
+      with open(os.path.join(parent, name), "rb") as f:
+        out[os.path.join(rel, name)] = f.read()
+  return out
+
+
+def _train(workdir, *args):
+  return main(["distillax", "train", "--workdir", str(workdir), *args])
+
+
+def _error_line(capsys):
+  err = capsys.readouterr().err.strip().splitlines()
+  return [line for line in err if line.startswith("distillax")]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  """`train --config lm.py:tiny` run to its end (6 steps)."""
+  workdir = tmp_path_factory.mktemp("runs") / "lm_tiny"
+  assert _train(workdir, *LM_TINY) == 0
+  return workdir
+
+
+@pytest.fixture
+def run_copy(finished_run, tmp_path):
+  workdir = tmp_path / "lm_tiny"
+  shutil.copytree(finished_run, workdir)
+  return workdir
+
+
+def test_the_same_job_again_is_already_finished_and_nothing_is_rewritten(finished_run, capsys):
+  before = _snapshot(finished_run)
+  capsys.readouterr()
+  assert _train(finished_run, *LM_TINY) == 0
+  last = capsys.readouterr().out.strip().splitlines()[-1]
+  assert last == f"distillax train: already finished at step 6; workdir {finished_run}"
+  assert _snapshot(finished_run) == before
+
+
+ANOTHER_JOB = [
+    ("another config file", QAT_TINY, "qat.rules"),
+    ("another model", LM_TINY + ["--config.model.num_layers=4"],
+     "model.num_layers: 2 there, 4 here"),
+    ("another seed", LM_TINY + ["--config.seed=1"], "seed: 0 there, 1 here"),
+    ("another recipe", ["--config", os.path.join(CONFIGS, "distill.py") + ":tiny"],
+     'trainer: "lm" there, "distill" here'),
+    ("another data order", LM_TINY + ["--config.data.shuffle_buffer=8"], "data.shuffle_buffer"),
+]
+
+
+@pytest.mark.parametrize("argv,fragment", [c[1:] for c in ANOTHER_JOB],
+                         ids=[c[0] for c in ANOTHER_JOB])
+def test_another_job_is_one_line_exit_2_and_the_workdir_is_unchanged(finished_run, capsys, argv,
+                                                                     fragment):
+  before = _snapshot(finished_run)
+  capsys.readouterr()
+  assert _train(finished_run, *argv) == 2
+  lines = _error_line(capsys)
+  assert len(lines) == 1, lines
+  assert lines[0].startswith(f"distillax train: error: workdir {finished_run} belongs to another "
+                             f"job ("), lines[0]
+  assert fragment in lines[0] and "pass a new --workdir" in lines[0], lines[0]
+  assert _snapshot(finished_run) == before
+
+
+def test_a_workdir_of_an_older_distillax_takes_its_identity_from_config_json(run_copy, capsys):
+  (run_copy / JOB_FILE).unlink()  # what a workdir made before job.json existed holds
+  before = _snapshot(run_copy)
+  assert _train(run_copy, *LM_TINY, "--config.model.num_layers=4") == 2
+  assert "model.num_layers: 2 there, 4 here" in _error_line(capsys)[0]
+  assert _train(run_copy, *LM_TINY) == 0
+  assert "already finished at step 6" in capsys.readouterr().out
+  assert _snapshot(run_copy) == before
+
+
+def test_a_config_json_no_distillax_run_wrote_is_never_overwritten(tmp_path, capsys):
+  workdir = tmp_path / "mine"
+  workdir.mkdir()
+  (workdir / "config.json").write_text('{"keep": true}')
+  before = _snapshot(workdir)
+  assert _train(workdir, *LM_TINY) == 2
+  lines = _error_line(capsys)
+  assert len(lines) == 1 and "was not written by a distillax run" in lines[0], lines
+  assert "pass a new --workdir" in lines[0]
+  assert _snapshot(workdir) == before
+
+
+def test_more_steps_and_other_logging_continue_the_finished_run(run_copy, capsys):
+  job_before = (run_copy / JOB_FILE).read_bytes()
+  rows_before = (run_copy / "metrics.jsonl").read_text().splitlines()
+  assert _train(run_copy, *LM_TINY, "--config.train.steps=8", "--config.train.log_every=1",
+                "--config.checkpoint.every_steps=4", "--config.train.eval_every=4") == 0
+  out = capsys.readouterr().out.strip().splitlines()
+  assert out[-1] == f"distillax train: done at step 8; workdir {run_copy}"
+  assert (run_copy / JOB_FILE).read_bytes() == job_before
+  rows = [json.loads(line) for line in (run_copy / "metrics.jsonl").read_text().splitlines()]
+  assert (run_copy / "metrics.jsonl").read_text().splitlines()[:len(rows_before)] == rows_before
+  assert [r["step"] for r in rows[len(rows_before):] if "loss" in r] == [7, 8]
+  assert read_summary(str(run_copy))["step"] == 8
+  assert json.loads((run_copy / "config.json").read_text())["train"]["steps"] == 8
+
+
+# ---- the identity itself --------------------------------------------------------------------
+
+def _set(config, dotted, value):
+  *sections, name = dotted.split(".")
+  for section in sections:
+    config = config[section]
+  config[name] = value
+
+
+def _some_value(value):
+  if isinstance(value, bool):
+    return not value
+  if isinstance(value, (int, float)):
+    return value + 1
+  return str(value) + "_changed"
+
+
+def test_only_the_listed_fields_leave_the_identity_unchanged():
+  configs = [lm.get_config("tiny"), distill.get_config("tiny"), sequence_kd.get_config("tiny")]
+  listed = set()
+  for config in configs:
+    base = job_identity(config)
+    flat = json.loads(config.to_json_best_effort())
+    for section, fields in flat.items():
+      for name, value in (fields.items() if isinstance(fields, dict) else [(None, fields)]):
+        dotted = section if name is None else f"{section}.{name}"
+        if isinstance(value, (dict, list)) or value is None:
+          continue
+        changed = config.copy_and_resolve_references()
+        _set(changed, dotted, _some_value(value))
+        is_listed = dotted in NOT_JOB_IDENTITY or f"{section}." in NOT_JOB_IDENTITY
+        assert (job_identity(changed) == base) == is_listed, dotted
+        if is_listed:
+          listed.add(dotted if dotted in NOT_JOB_IDENTITY else f"{section}.")
+  assert listed == set(NOT_JOB_IDENTITY)  # every listed name exists in some job config
+
+
+def test_a_finished_summary_with_fewer_steps_than_asked_is_not_finished(tmp_path):
+  config = lm.get_config("tiny")
+  state = check_workdir(str(tmp_path), config)
+  assert not state.finished and not state.has_job_file
+  (tmp_path / JOB_FILE).write_text(json.dumps({"identity": job_identity(config)}))
+  write_summary(str(tmp_path), {"step": 6, "finished": True})
+  assert check_workdir(str(tmp_path), config).finished
+  config.train.steps = 9
+  assert not check_workdir(str(tmp_path), config).finished
+
+
+def test_summary_json_is_strict_json(tmp_path):
+  write_summary(str(tmp_path), {"step": 3, "loss": float("nan"), "eval_loss": float("inf")})
+  text = (tmp_path / "summary.json").read_text()
+
+  def refuse(name):
+    raise AssertionError(f"{name} is not JSON")
+
+  assert json.loads(text, parse_constant=refuse) == {"step": 3, "loss": None, "eval_loss": None}
+
+
+def test_the_same_job_continues_on_another_topology(run_copy):
+  """Mesh, preset and backend say where a job runs, not which job it is: raising train.steps on
+  a finished fsdp 8x1 run and rerunning it as fsdp_tp on 4x2 continues it from its checkpoint."""
+  assert _train(run_copy, *LM_TINY, "--config.train.steps=8", "--config.mesh.data=4",
+                "--config.mesh.model=2", "--config.partitioning.strategy=fsdp_tp") == 0
+  rows = [json.loads(line) for line in (run_copy / "metrics.jsonl").read_text().splitlines()]
+  train_steps = [r["step"] for r in rows if "loss" in r]
+  assert train_steps == sorted(train_steps) and train_steps[-1] == 8
+  assert read_summary(str(run_copy))["step"] == 8
+  assert json.loads((run_copy / "config.json").read_text())["mesh"]["model"] == 2
