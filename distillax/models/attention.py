@@ -1,5 +1,8 @@
 """Grouped-query attention with causal + segment masks, sliding windows and a KV cache.
 
+Optional per-architecture parts: q/k/v biases (Qwen 2) and q/k RMSNorm over head_dim (Qwen 3),
+both applied before RoPE, so the cache holds exactly the keys a full forward computes.
+
 Masks are built from token *indices* (order in the sequence or slot in the cache) and segment
 ids: a query sees a key iff the key is not later, both carry the same segment id (packed
 documents never see each other; padding, id 0, only sees padding) and, for local layers, the key
@@ -16,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distillax.models.config import TransformerConfig
-from distillax.models.layers import apply_rope, normal_param, softcap
+from distillax.models.layers import RMSNorm, apply_rope, normal_param, softcap
 from distillax.partitioning import constrain
 
 _MASKED = -1e30  # finite, so a fully masked row can never produce NaNs
@@ -74,7 +77,26 @@ class Attention(nnx.Module):
     self.v = normal_param(rngs, (D, K, Dh), D ** -0.5, pd, ("embed", "kv_heads", "head_dim"))
     out_std = (H * Dh) ** -0.5 / math.sqrt(2 * config.num_layers)
     self.o = normal_param(rngs, (H, Dh, D), out_std, pd, ("heads", "head_dim", "embed"))
+    # Qwen 2: biases on q, k, v (zero at init, so a fresh model starts as its bias-free twin);
+    # Qwen 3: RMSNorm of every q and k head over its head_dim features.
+    bias = lambda n, axis: (nnx.Param(jnp.zeros((n, Dh), pd), logical_axes=(axis, "head_dim"))
+                            if config.qkv_bias else None)
+    self.q_bias, self.k_bias = bias(H, "heads"), bias(K, "kv_heads")
+    self.v_bias = bias(K, "kv_heads")
+    head_norm = lambda: (RMSNorm(config, dim=Dh, logical_axes=("head_dim",)) if config.qk_norm
+                         else None)
+    self.q_norm, self.k_norm = head_norm(), head_norm()
     self.config = config
+
+  def _project(self, x_BxLxD, weight, bias, norm):
+    """x @ weight (+ bias) (then the per-head norm): (B, L, heads, head_dim), before RoPE."""
+    dt = self.config.jnp_dtype
+    y_BxLxNxH = jnp.einsum("BLD,DNH->BLNH", x_BxLxD, weight[...].astype(dt))
+    if bias is not None:
+      y_BxLxNxH = y_BxLxNxH + bias[...].astype(dt)
+    if norm is not None:
+      y_BxLxNxH = norm(y_BxLxNxH)
+    return y_BxLxNxH
 
   def __call__(self, x_BxLxD, *, sin_cos, mask_BxLxS, q_index_BxL, k_index_BxS, window=None,
                cache_kv=None, cache_index=None, return_probs: bool = False):
@@ -87,9 +109,9 @@ class Attention(nnx.Module):
     dt = cfg.jnp_dtype
     B, L, _ = x_BxLxD.shape
     K, G, Dh = cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
-    q_BxLxHxK = jnp.einsum("BLD,DHK->BLHK", x_BxLxD, self.q[...].astype(dt))
-    k_BxLxKxH = jnp.einsum("BLD,DKH->BLKH", x_BxLxD, self.k[...].astype(dt))
-    v_BxLxKxH = jnp.einsum("BLD,DKH->BLKH", x_BxLxD, self.v[...].astype(dt))
+    q_BxLxHxK = self._project(x_BxLxD, self.q, self.q_bias, self.q_norm)
+    k_BxLxKxH = self._project(x_BxLxD, self.k, self.k_bias, self.k_norm)
+    v_BxLxKxH = self._project(x_BxLxD, self.v, self.v_bias, None)
     q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, *sin_cos),
                           ("batch", "length", "heads", "head_dim"))
     k_BxLxKxH = constrain(apply_rope(k_BxLxKxH, *sin_cos),

@@ -1,4 +1,5 @@
-"""`TransformerConfig`: one frozen dataclass for every Llama- and Gemma-family decoder.
+"""`TransformerConfig`: one frozen dataclass for every Llama-, Gemma-, Qwen- and Mistral-family
+decoder.
 
 Configs are data (dtypes are names such as 'bfloat16'), so they round-trip through JSON and
 ConfigDict overrides. Named presets cover the tests (`tiny`, `tiny_gemma`), the CPU demo
@@ -23,7 +24,7 @@ GLOBAL_WINDOW = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """Shapes and numerics of a decoder-only LM (Llama 3 and Gemma 1/2 families)."""
+  """Shapes and numerics of a decoder-only LM (Llama 3, Gemma 1/2, Qwen 2/2.5/3, Mistral)."""
 
   vocab_size: int = 256
   embed_dim: int = 64
@@ -51,6 +52,8 @@ class TransformerConfig:
   # locally otherwise (Gemma 2: 2 = local, global, local, ...); 0 = every layer local.
   sliding_window_pattern: int = 2
   use_post_norms: bool = False  # Gemma 2: RMSNorm after attention and after the MLP too
+  qkv_bias: bool = False  # Qwen 2/2.5: the q, k and v projections add a bias (o does not)
+  qk_norm: bool = False  # Qwen 3: RMSNorm over head_dim on each query and key head, before RoPE
   max_seq_len: int = 2048
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype; softmax and norms always run in float32
@@ -72,6 +75,9 @@ class TransformerConfig:
                         f"{', '.join(MLP_ACTIVATIONS)}")
     if self.remat not in REMAT_POLICIES:
       raise ConfigError(f"model.remat={self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
+    for name in ("qkv_bias", "qk_norm"):
+      if not isinstance(getattr(self, name), bool):
+        raise ConfigError(f"model.{name}={getattr(self, name)!r} must be True or False")
     for name in ("param_dtype", "dtype"):
       value = getattr(self, name)
       try:

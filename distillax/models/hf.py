@@ -1,4 +1,4 @@
-"""Hugging Face safetensors checkpoints in and out (LlamaForCausalLM, Gemma, Gemma 2).
+"""Hugging Face safetensors checkpoints in and out (Llama, Gemma, Gemma 2, Qwen 2/3, Mistral).
 
 `load` checks every tensor name and shape against config.json before reading any weights, then
 builds each parameter with `jax.make_array_from_callback`: every device's shard is read straight
@@ -25,8 +25,9 @@ from safetensors.numpy import save_file
 
 from distillax import partitioning as pt
 from distillax.errors import UserError
+from distillax.framework import jsonio
 from distillax.models.config import TransformerConfig
-from distillax.models.hf_config import config_from_hf, config_to_hf
+from distillax.models.hf_config import architecture_of, config_from_hf, config_to_hf
 from distillax.models.init import RulesLike, abstract_model, resolve_rules
 from distillax.models.transformer import Transformer
 
@@ -40,7 +41,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints car
 class _Layout:
   """Ours <-> HF for one tensor kind. HF linear weights are (out, in); ours are (in, ...out)."""
 
-  kind: str  # 'copy' | 'T' | 'out_heads' (D,H,K)<-(H*K,D) | 'in_heads' (H,K,D)<-(D,H*K)
+  # 'copy' | 'T' | 'out_heads' (D,H,K)<-(H*K,D) | 'in_heads' (H,K,D)<-(D,H*K)
+  # | 'flat_heads' (H,K)<-(H*K,) (q/k/v biases)
+  kind: str
 
   def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
     if self.kind == "copy":
@@ -49,6 +52,8 @@ class _Layout:
       return ours[::-1]
     if self.kind == "out_heads":
       return (ours[1] * ours[2], ours[0])
+    if self.kind == "flat_heads":
+      return (ours[0] * ours[1],)
     return (ours[2], ours[0] * ours[1])
 
   def to_hf(self, x: np.ndarray) -> np.ndarray:
@@ -58,6 +63,8 @@ class _Layout:
       return x.T
     if self.kind == "out_heads":
       return x.reshape(x.shape[0], -1).T
+    if self.kind == "flat_heads":
+      return x.reshape(-1)
     return x.reshape(-1, x.shape[2]).T
 
   def read(self, tensor, index: tuple[slice, ...], ours: tuple[int, ...]) -> np.ndarray:
@@ -72,6 +79,9 @@ class _Layout:
       D, H, K = ours
       rows = tensor[r[1].start * K:r[1].stop * K, sl(r[0])]
       return rows.reshape(len(r[1]), K, len(r[0]))[:, sl(r[2]), :].transpose(2, 0, 1)
+    if self.kind == "flat_heads":  # ours (H, K) from hf (H*K,)
+      H, K = ours
+      return tensor[r[0].start * K:r[0].stop * K].reshape(len(r[0]), K)[:, sl(r[1])]
     H, K, D = ours  # 'in_heads': ours (H, K, D) from hf (D, H*K)
     cols = tensor[sl(r[2]), r[0].start * K:r[0].stop * K]
     return cols.reshape(len(r[2]), len(r[0]), K)[:, :, sl(r[1])].transpose(1, 2, 0)
@@ -94,6 +104,12 @@ def _layer_sources(config: TransformerConfig) -> dict[tuple[str, ...], tuple[str
   if config.use_post_norms:
     sources[("post_attn_norm", "scale")] = ("post_attention_layernorm.weight", _Layout("copy"))
     sources[("post_mlp_norm", "scale")] = ("post_feedforward_layernorm.weight", _Layout("copy"))
+  if config.qkv_bias:
+    for proj in "qkv":
+      sources[("attn", f"{proj}_bias")] = (f"self_attn.{proj}_proj.bias", _Layout("flat_heads"))
+  if config.qk_norm:
+    sources[("attn", "q_norm", "scale")] = ("self_attn.q_norm.weight", _Layout("copy"))
+    sources[("attn", "k_norm", "scale")] = ("self_attn.k_norm.weight", _Layout("copy"))
   return sources
 
 
@@ -216,7 +232,7 @@ def load(path: str | os.PathLike, *, mesh: Mesh | None = None, rules: RulesLike 
                         and not (config.tie_embeddings and n == "lm_head.weight"))
     if unexpected:
       raise UserError(f"{path}: tensors {unexpected[:5]} (of {len(unexpected)}) are not part of "
-                      f"a {hf_config.get('architectures', ['?'])[0]} distillax supports; the "
+                      f"a {architecture_of(hf_config, str(path))} distillax supports; the "
                       f"checkpoint has features (biases, extra modules) that would be dropped")
 
     arrays = [_make_array(source, x, sharding, tensor)
@@ -314,5 +330,5 @@ def save(model: Transformer, path: str | os.PathLike, *,
   if n > 1:
     index = {"metadata": {"total_size": sum(sizes)},
              "weight_map": {name: file_name(i) for name, i in shard_of.items()}}
-    (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
-  (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+    (path / INDEX_FILE).write_text(jsonio.dumps(index, indent=2))
+  (path / "config.json").write_text(jsonio.dumps(hf_config, indent=2))

@@ -1,7 +1,11 @@
-"""Hugging Face `config.json` <-> TransformerConfig for Llama, Gemma and Gemma 2.
+"""Hugging Face `config.json` <-> TransformerConfig for Llama, Gemma, Gemma 2, Qwen 2/2.5, Qwen 3
+and Mistral.
 
 Reads both the transformers 5 layout (`rope_parameters`) and the older one (`rope_theta` +
 `rope_scaling`), and writes both so other readers (older transformers, serving stacks) agree.
+The families differ only in a few switches: Gemma's GeGLU / (1 + w) norms / sqrt(D) embeddings,
+Gemma 2's post norms, soft-caps and alternating sliding window, Qwen 2's q/k/v biases, Qwen 3's
+q/k RMSNorm, Mistral's sliding window on every layer.
 """
 
 from __future__ import annotations
@@ -11,18 +15,31 @@ from typing import Any, Mapping
 from distillax.errors import UserError
 from distillax.models.config import TransformerConfig
 
-ARCHITECTURES = ("LlamaForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
-                "gemma2": "Gemma2ForCausalLM"}
+                "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHITECTURES = tuple(_MODEL_TYPES.values())
+_GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM")
+_QWEN_FAMILY = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu")  # Gemma's 'gelu' means tanh
 
 
+def supported_architectures() -> str:
+  """'LlamaForCausalLM (llama), ...': what an error about an unsupported model names."""
+  return ", ".join(f"{arch} ({model_type})" for model_type, arch in _MODEL_TYPES.items())
+
+
 def architecture_of(hf: Mapping[str, Any], where: str) -> str:
+  """The HF class of a config dict (`architectures[0]`, else from `model_type`), if supported."""
   archs = hf.get("architectures") or []
-  arch = archs[0] if archs else _MODEL_TYPES.get(hf.get("model_type", ""), "")
+  model_type = hf.get("model_type")
+  arch = archs[0] if archs else _MODEL_TYPES.get(str(model_type), "")
   if arch not in ARCHITECTURES:
-    raise UserError(f"{where}: unsupported architecture {arch or hf.get('model_type')!r}; "
-                    f"distillax imports {', '.join(ARCHITECTURES)}")
+    named = repr(arch or model_type)
+    if arch and model_type:
+      named += f" (model_type {model_type!r})"
+    raise UserError(f"{where}: unsupported architecture {named}; distillax imports "
+                    f"{supported_architectures()}")
   return arch
 
 
@@ -42,28 +59,68 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
   raise UserError(f"{where}: unsupported RoPE type {rope_type!r}; supported: default, llama3")
 
 
-def _sliding(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[str, Any]:
-  window = hf.get("sliding_window")
-  types = hf.get("layer_types") or [
-      "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+def _window_pattern(window, types: list[str], where: str) -> dict[str, Any]:
+  """sliding_window + sliding_window_pattern of per-layer HF `layer_types`."""
   local = [t == "sliding_attention" for t in types]
   if window is None or not any(local):
     return {"sliding_window": None}
   pattern = 0 if all(local) else local.index(False) + 1
-  expected = [pattern == 0 or (i + 1) % pattern != 0 for i in range(num_layers)]
+  expected = [pattern == 0 or (i + 1) % pattern != 0 for i in range(len(types))]
   if local != expected:
     raise UserError(f"{where}: layer_types {types} is not a periodic local/global pattern that "
                     f"distillax supports (every p-th layer global)")
   return {"sliding_window": int(window), "sliding_window_pattern": pattern}
 
 
+def _sliding(hf: Mapping[str, Any], arch: str, num_layers: int, where: str) -> dict[str, Any]:
+  """Which layers attend locally, as each family's transformers code decides it."""
+  window = hf.get("sliding_window")
+  if arch == "MistralForCausalLM":  # every layer (transformers ignores Mistral layer_types)
+    return _window_pattern(window, ["sliding_attention"] * num_layers, where)
+  if arch in _QWEN_FAMILY:  # only with use_sliding_window; by default layers >= max_window_layers
+    if not hf.get("use_sliding_window"):
+      return {"sliding_window": None}
+    first_local = int(hf.get("max_window_layers", 28))
+    types = hf.get("layer_types") or ["sliding_attention" if i >= first_local else
+                                      "full_attention" for i in range(num_layers)]
+    return _window_pattern(window, types, where)
+  types = hf.get("layer_types") or [  # Gemma 2: local, global, local, ...
+      "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+  return _window_pattern(window, types, where)
+
+
+def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
+                   where: str) -> dict[str, Any]:
+  """The TransformerConfig switches of one architecture."""
+  act = hf.get("hidden_activation") or hf.get("hidden_act")
+  if arch not in _GEMMA_FAMILY:
+    if (act or "silu") != "silu":
+      raise UserError(f"{where}: hidden_act={act!r} is not supported for {arch} (only silu)")
+    fields: dict[str, Any] = dict(mlp_activation="swiglu", qkv_bias=arch == "Qwen2ForCausalLM",
+                                  qk_norm=arch == "Qwen3ForCausalLM")
+    if arch in _QWEN_FAMILY or arch == "MistralForCausalLM":
+      fields.update(_sliding(hf, arch, num_layers, where))
+    return fields
+  if (act or "gelu_pytorch_tanh") not in _TANH_GELU:
+    raise UserError(f"{where}: hidden activation {act!r} is not supported for Gemma "
+                    f"(only gelu_pytorch_tanh)")
+  fields = dict(mlp_activation="geglu", norm_scale_plus_one=True, scale_embeddings=True)
+  if arch == "Gemma2ForCausalLM":
+    fields.update(use_post_norms=True, attn_logit_softcap=hf.get("attn_logit_softcapping"),
+                  final_logit_softcap=hf.get("final_logit_softcapping"),
+                  query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+                  **_sliding(hf, arch, num_layers, where))
+  return fields
+
+
 def config_from_hf(hf: Mapping[str, Any], *, where: str = "config.json",
                    dtype: str | None = None, **overrides) -> TransformerConfig:
   """The TransformerConfig of a HF config dict. `dtype` sets both param and compute dtype."""
   arch = architecture_of(hf, where)
-  for flag in ("attention_bias", "mlp_bias"):
+  for flag in ("attention_bias", "mlp_bias"):  # Qwen 2's fixed q/k/v biases carry no flag
     if hf.get(flag):
-      raise UserError(f"{where}: {flag}=true is not supported (distillax models have no biases)")
+      raise UserError(f"{where}: {flag}=true is not supported (distillax has biases only on "
+                      f"the q/k/v projections of Qwen2ForCausalLM)")
   heads = int(hf["num_attention_heads"])
   fields: dict[str, Any] = dict(
       vocab_size=int(hf["vocab_size"]), embed_dim=int(hf["hidden_size"]),
@@ -72,27 +129,32 @@ def config_from_hf(hf: Mapping[str, Any], *, where: str = "config.json",
       head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
       mlp_dim=int(hf["intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", arch != "LlamaForCausalLM")),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", arch in _GEMMA_FAMILY)),
       **_rope(hf, where))
-  act = hf.get("hidden_activation") or hf.get("hidden_act")
-  if arch == "LlamaForCausalLM":
-    if (act or "silu") != "silu":
-      raise UserError(f"{where}: hidden_act={act!r} is not supported for Llama (only silu)")
-    fields.update(mlp_activation="swiglu")
-  else:
-    if (act or "gelu_pytorch_tanh") not in _TANH_GELU:
-      raise UserError(f"{where}: hidden activation {act!r} is not supported for Gemma "
-                      f"(only gelu_pytorch_tanh)")
-    fields.update(mlp_activation="geglu", norm_scale_plus_one=True, scale_embeddings=True)
-  if arch == "Gemma2ForCausalLM":
-    fields.update(use_post_norms=True, attn_logit_softcap=hf.get("attn_logit_softcapping"),
-                  final_logit_softcap=hf.get("final_logit_softcapping"),
-                  query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
-                  **_sliding(hf, fields["num_layers"], where))
+  fields.update(_family_fields(hf, arch, fields["num_layers"], where))
   if dtype is not None:
     fields.update(param_dtype=str(dtype), dtype=str(dtype))
   fields.update(overrides)
   return TransformerConfig(**fields)
+
+
+def _local_layers(config: TransformerConfig) -> list[bool]:
+  return [config.layer_uses_sliding_window(i) for i in range(config.num_layers)]
+
+
+def _swiglu_architecture(config: TransformerConfig) -> str | None:
+  """Llama, Qwen 2, Qwen 3 or Mistral for a SwiGLU config, or None when none holds it."""
+  local = _local_layers(config)
+  every_or_no_layer_local = all(local) or not any(local)
+  if config.qkv_bias and config.qk_norm:
+    return None  # Qwen 3's attention_bias also biases o_proj
+  if config.qkv_bias:
+    return "Qwen2ForCausalLM" if every_or_no_layer_local else None
+  if config.qk_norm:
+    return "Qwen3ForCausalLM" if every_or_no_layer_local else None
+  if not any(local):
+    return "LlamaForCausalLM"
+  return "MistralForCausalLM" if all(local) else None
 
 
 def hf_architecture(config: TransformerConfig) -> str:
@@ -102,19 +164,52 @@ def hf_architecture(config: TransformerConfig) -> str:
   llama_like = (config.mlp_activation == "swiglu" and not config.norm_scale_plus_one
                 and not config.scale_embeddings)
   gemma2_only = (config.use_post_norms, config.attn_logit_softcap, config.final_logit_softcap,
-                 config.sliding_window, config.query_pre_attn_scalar)
-  if gemma_like and config.use_post_norms:
-    return "Gemma2ForCausalLM"
-  if not any(gemma2_only) and llama_like:
-    return "LlamaForCausalLM"
-  if not any(gemma2_only) and gemma_like and config.rope_scaling_factor is None:
-    return "GemmaForCausalLM"
-  raise UserError(
-      "this model config has no Hugging Face equivalent among "
-      f"{', '.join(ARCHITECTURES)} (mlp_activation={config.mlp_activation!r}, "
-      f"norm_scale_plus_one={config.norm_scale_plus_one}, scale_embeddings="
-      f"{config.scale_embeddings}, use_post_norms={config.use_post_norms}); use a Llama or Gemma "
-      f"preset as the base of the student")
+                 config.query_pre_attn_scalar)
+  qwen_only = (config.qkv_bias, config.qk_norm)
+  arch = None
+  if gemma_like and config.use_post_norms and not any(qwen_only):
+    arch = "Gemma2ForCausalLM"
+  elif gemma_like and not any(gemma2_only + qwen_only) and config.sliding_window is None:
+    arch = "GemmaForCausalLM" if config.rope_scaling_factor is None else None
+  elif llama_like and not any(gemma2_only):
+    arch = _swiglu_architecture(config)
+  if arch is None:
+    raise UserError(
+        "this model config has no Hugging Face equivalent among "
+        f"{', '.join(ARCHITECTURES)} (mlp_activation={config.mlp_activation!r}, "
+        f"norm_scale_plus_one={config.norm_scale_plus_one}, scale_embeddings="
+        f"{config.scale_embeddings}, use_post_norms={config.use_post_norms}, qkv_bias="
+        f"{config.qkv_bias}, qk_norm={config.qk_norm}, sliding_window={config.sliding_window}, "
+        f"sliding_window_pattern={config.sliding_window_pattern}); use a preset or an imported "
+        f"checkpoint of one of these families as the base of the student")
+  return arch
+
+
+def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
+  """The config.json keys one architecture adds to the shared ones."""
+  window = config.sliding_window if any(_local_layers(config)) else None
+  if arch in _GEMMA_FAMILY:
+    fields = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
+    if arch == "Gemma2ForCausalLM":
+      scalar = config.query_pre_attn_scalar or config.head_dim
+      fields.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                    attn_logit_softcapping=config.attn_logit_softcap,
+                    final_logit_softcapping=config.final_logit_softcap,
+                    sliding_window=config.sliding_window or config.max_seq_len,
+                    layer_types=["sliding_attention" if local else "full_attention"
+                                 for local in _local_layers(config)])
+    return fields
+  fields = dict(hidden_act="silu")
+  if arch == "LlamaForCausalLM":
+    fields.update(mlp_bias=False)
+  elif arch == "MistralForCausalLM":
+    fields.update(sliding_window=window)
+  else:  # Qwen: a window is on every layer (max_window_layers=0) or on none
+    fields.update(use_sliding_window=window is not None, sliding_window=window,
+                  max_window_layers=0 if window is not None else config.num_layers,
+                  layer_types=["sliding_attention" if window else "full_attention"] *
+                  config.num_layers)
+  return fields
 
 
 def config_to_hf(config: TransformerConfig) -> dict[str, Any]:
@@ -133,22 +228,12 @@ def config_to_hf(config: TransformerConfig) -> dict[str, Any]:
       "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
       "head_dim": config.head_dim, "max_position_embeddings": config.max_seq_len,
       "rms_norm_eps": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
-      "attention_bias": False, "attention_dropout": 0.0,
-      "rope_parameters": rope, "rope_theta": config.rope_theta,
+      "attention_dropout": 0.0, "rope_parameters": rope, "rope_theta": config.rope_theta,
       "dtype": config.param_dtype, "torch_dtype": config.param_dtype,
   }
+  if arch != "Qwen2ForCausalLM":  # Qwen 2's q/k/v biases are fixed by the class, not a flag
+    hf["attention_bias"] = False
   if config.rope_scaling_factor is not None:
     hf["rope_scaling"] = dict(rope)
-  if arch == "LlamaForCausalLM":
-    hf.update(hidden_act="silu", mlp_bias=False)
-  else:
-    hf.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
-  if arch == "Gemma2ForCausalLM":
-    scalar = config.query_pre_attn_scalar or config.head_dim
-    hf.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
-              attn_logit_softcapping=config.attn_logit_softcap,
-              final_logit_softcapping=config.final_logit_softcap,
-              sliding_window=config.sliding_window or config.max_seq_len,
-              layer_types=["sliding_attention" if config.layer_uses_sliding_window(i)
-                           else "full_attention" for i in range(config.num_layers)])
+  hf.update(_family_hf_fields(config, arch))
   return hf

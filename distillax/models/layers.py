@@ -23,15 +23,20 @@ def normal_param(rngs: nnx.Rngs, shape, stddev: float, dtype, logical_axes) -> n
 
 
 class RMSNorm(nnx.Module):
-  """Root-mean-square norm computed in float32; Gemma's form multiplies by (1 + scale)."""
+  """Root-mean-square norm computed in float32; Gemma's form multiplies by (1 + scale).
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs | None = None):
+  Normalises the last axis: the residual stream by default; `dim`/`logical_axes` name another
+  feature axis (Qwen 3's q/k norms run over each head's ('head_dim',) features).
+  """
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs | None = None,
+               dim: int | None = None, logical_axes: tuple[str, ...] = ("embed",)):
     del rngs  # deterministic init
     self.eps = config.norm_eps
     self.plus_one = config.norm_scale_plus_one
     init = jnp.zeros if self.plus_one else jnp.ones
-    self.scale = nnx.Param(init((config.embed_dim,), config.jnp_param_dtype),
-                           logical_axes=("embed",))
+    self.scale = nnx.Param(init((dim or config.embed_dim,), config.jnp_param_dtype),
+                           logical_axes=tuple(logical_axes))
 
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
     x = x_BxLxD.astype(jnp.float32)

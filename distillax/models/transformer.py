@@ -89,7 +89,7 @@ def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
 
 
 class Transformer(nnx.Module):
-  """Decoder-only LM of the Llama and Gemma families."""
+  """Decoder-only LM of the Llama, Gemma, Qwen and Mistral families."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
     self.config = config

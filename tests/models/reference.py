@@ -46,6 +46,16 @@ def _gelu_tanh(x):
   return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
+def _projection(h_LxD, attn, name, cfg):
+  """One of q/k/v per head: (L, heads, head_dim), with Qwen 2's bias and Qwen 3's head norm."""
+  y = np.einsum("ld,dhk->lhk", h_LxD, attn[name])
+  if cfg.qkv_bias:
+    y = y + attn[f"{name}_bias"]
+  if cfg.qk_norm and name != "v":
+    y = _rms_norm(y, attn[f"{name}_norm"]["scale"], cfg.norm_eps, cfg.norm_scale_plus_one)
+  return y
+
+
 def forward(cfg, layers, embedding, final_norm, lm_head, tokens_L, positions_L=None,
             segments_L=None):
   """Logits (L, V) of one sequence. `layers` is a list of per-layer dicts of numpy arrays."""
@@ -58,9 +68,8 @@ def forward(cfg, layers, embedding, final_norm, lm_head, tokens_L, positions_L=N
   norm = lambda h, s: _rms_norm(h, s, cfg.norm_eps, cfg.norm_scale_plus_one)
   for i, p in enumerate(layers):
     h = norm(x, p["attn_norm"]["scale"])
-    q = _rope(np.einsum("ld,dhk->lhk", h, p["attn"]["q"]), positions_L, cfg)
-    k = _rope(np.einsum("ld,dhk->lhk", h, p["attn"]["k"]), positions_L, cfg)
-    v = np.einsum("ld,dhk->lhk", h, p["attn"]["v"])
+    q, k, v = (_projection(h, p["attn"], name, cfg) for name in "qkv")
+    q, k = _rope(q, positions_L, cfg), _rope(k, positions_L, cfg)
     scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
     out = np.zeros((L, cfg.num_heads, cfg.head_dim))
     window = cfg.sliding_window if cfg.layer_uses_sliding_window(i) else None

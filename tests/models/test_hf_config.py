@@ -52,5 +52,93 @@ def test_unsupported_features_are_named():
     config_from_hf({**LLAMA_3_2_1B, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
   with pytest.raises(UserError, match="hidden_act='relu'"):
     config_from_hf({**LLAMA_3_2_1B, "hidden_act": "relu"})
-  with pytest.raises(UserError, match="unsupported architecture 'Qwen2ForCausalLM'"):
-    config_from_hf({**LLAMA_3_2_1B, "architectures": ["Qwen2ForCausalLM"]})
+  with pytest.raises(UserError, match="unsupported architecture 'Phi3ForCausalLM'"):
+    config_from_hf({**LLAMA_3_2_1B, "architectures": ["Phi3ForCausalLM"]})
+
+
+QWEN_2_5_0_5B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+    "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24,
+    "model_type": "qwen2", "num_attention_heads": 14, "num_hidden_layers": 24,
+    "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+QWEN_3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936}
+MISTRAL_7B_V0_1 = {
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 32000}
+
+
+@pytest.mark.parametrize("hf,want", [
+    # use_sliding_window=false: the 32768 window is not applied; head_dim = 896 / 14.
+    (QWEN_2_5_0_5B, dict(embed_dim=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                         head_dim=64, mlp_dim=4864, rope_theta=1e6, tie_embeddings=True,
+                         qkv_bias=True, qk_norm=False, sliding_window=None)),
+    # head_dim 128 although 1024 / 16 = 64.
+    (QWEN_3_0_6B, dict(embed_dim=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                       head_dim=128, mlp_dim=3072, rope_theta=1e6, tie_embeddings=True,
+                       qkv_bias=False, qk_norm=True, sliding_window=None)),
+    # The 4096 window on every layer.
+    (MISTRAL_7B_V0_1, dict(embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                           head_dim=128, mlp_dim=14336, rope_theta=1e4, norm_eps=1e-5,
+                           tie_embeddings=False, qkv_bias=False, qk_norm=False,
+                           sliding_window=4096, sliding_window_pattern=0)),
+])
+def test_published_qwen_and_mistral_configs(hf, want):
+  cfg = config_from_hf(hf, dtype="bfloat16")
+  assert {k: getattr(cfg, k) for k in want} == want
+  assert (cfg.mlp_activation, cfg.norm_scale_plus_one, cfg.scale_embeddings) == (
+      "swiglu", False, False)
+  assert hf_architecture(cfg) == hf["architectures"][0]
+  assert config_from_hf(config_to_hf(cfg), dtype="bfloat16") == cfg
+
+
+def test_qwen_sliding_window_layers():
+  on = {**QWEN_2_5_0_5B, "use_sliding_window": True, "num_hidden_layers": 4}
+  # max_window_layers=0: every layer local, which Qwen export writes back the same way.
+  every = config_from_hf({**on, "max_window_layers": 0})
+  assert every.layer_windows() == (32768,) * 4
+  back = config_to_hf(every)
+  assert (back["use_sliding_window"], back["max_window_layers"]) == (True, 0)
+  assert config_from_hf(back) == every
+  # max_window_layers >= num layers: none local.
+  assert config_from_hf({**on, "max_window_layers": 4}).sliding_window is None
+  # explicit periodic layer_types are read; layers 0-1 global then 2-3 local is not periodic.
+  periodic = config_from_hf({**on, "layer_types": ["sliding_attention", "full_attention"] * 2})
+  assert periodic.layer_windows() == (32768, 2**30, 32768, 2**30)
+  with pytest.raises(UserError, match="not a periodic local/global pattern"):
+    config_from_hf({**on, "max_window_layers": 2})
+  with pytest.raises(UserError, match="no Hugging Face equivalent.*sliding_window_pattern=2"):
+    config_to_hf(periodic)  # Qwen export writes a window on every layer or none
+
+
+def test_qwen_and_mistral_features_without_hf_class_are_refused():
+  with pytest.raises(UserError, match="attention_bias=true"):
+    config_from_hf({**QWEN_3_0_6B, "attention_bias": True})  # Qwen 3 would bias o_proj too
+  with pytest.raises(UserError, match="hidden_act='gelu'"):
+    config_from_hf({**MISTRAL_7B_V0_1, "hidden_act": "gelu"})
+  both = get_preset("tiny", qkv_bias=True, qk_norm=True)
+  with pytest.raises(UserError, match="no Hugging Face equivalent.*qkv_bias=True, qk_norm=True"):
+    hf_architecture(both)
+  alternating = get_preset("tiny", num_layers=4, sliding_window=8, sliding_window_pattern=2)
+  with pytest.raises(UserError, match="no Hugging Face equivalent"):
+    hf_architecture(alternating)  # SwiGLU with alternating windows: no HF class
+  assert hf_architecture(alternating.replace(sliding_window_pattern=0)) == "MistralForCausalLM"
+  assert hf_architecture(get_preset("tiny", qkv_bias=True)) == "Qwen2ForCausalLM"
+  assert hf_architecture(get_preset("tiny", qk_norm=True)) == "Qwen3ForCausalLM"
+  with pytest.raises(UserError, match="qk_norm"):
+    get_preset("tiny", qk_norm="yes")

@@ -40,10 +40,16 @@ def _uncached_greedy(model, prompts, lengths, steps):
   return np.stack(out, 1), buf
 
 
-@pytest.mark.parametrize("name,scan", [("tiny", False), ("tiny_gemma", True)])
-def test_cached_greedy_equals_uncached_recomputation(name, scan):
+@pytest.mark.parametrize("name,scan,overrides", [
+    ("tiny", False, {}),
+    ("tiny_gemma", True, {}),
+    # Qwen 2 biases + Qwen 3 q/k norms (cached keys are biased, normed, then rotated) and a
+    # Mistral-style window of 5 on every layer, shorter than prompt + generation.
+    ("tiny", True, dict(qkv_bias=True, qk_norm=True, sliding_window=5, sliding_window_pattern=0)),
+])
+def test_cached_greedy_equals_uncached_recomputation(name, scan, overrides):
   # tiny_gemma: the sliding window (8) is shorter than prompt + generation, soft-caps on.
-  model = with_layer_layout(random_model(get_preset(name), seed=3), scan)
+  model = with_layer_layout(random_model(get_preset(name, **overrides), seed=3), scan)
   steps = 7
   got = generate(model, PROMPTS, LENGTHS, max_new_tokens=steps)
   want, _ = _uncached_greedy(model, PROMPTS, LENGTHS, steps)

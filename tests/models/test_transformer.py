@@ -20,6 +20,9 @@ CONFIGS = {
                                    tie_embeddings=True),
     "tiny_mqa_global_scalar": get_preset("tiny_gemma", num_kv_heads=1, sliding_window_pattern=0,
                                          query_pre_attn_scalar=None, attn_logit_softcap=None),
+    # Qwen 2's q/k/v biases, Qwen 3's q/k head norms and Mistral's every-layer window at once.
+    "tiny_qwen_mistral": get_preset("tiny", qkv_bias=True, qk_norm=True, sliding_window=5,
+                                    sliding_window_pattern=0),
 }
 
 
@@ -56,7 +59,7 @@ def test_packed_equals_separate_and_padding_is_invisible(name):
   assert np.all(np.isfinite(np.asarray(logits)))
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_gemma"])
+@pytest.mark.parametrize("name", ["tiny", "tiny_gemma", "tiny_qwen_mistral"])
 def test_scan_layout_gives_same_outputs(name):
   unrolled = _model(name, seed=2)
   scanned = with_layer_layout(unrolled, scan_layers=True)
@@ -85,11 +88,14 @@ def _grads_and_flops(model, tokens):
   return value, grads, (cost[0] if isinstance(cost, list) else cost)["flops"]
 
 
-@pytest.mark.parametrize("scan,policies", [(False, ("full", "save_dots")),
-                                           (True, ("full", "save_dots_no_batch"))])
-def test_remat_policies_give_identical_gradients(scan, policies):
+@pytest.mark.parametrize("name,scan,policies", [
+    ("tiny_gemma", False, ("full", "save_dots")),
+    ("tiny_gemma", True, ("full", "save_dots_no_batch")),
+    ("tiny_qwen_mistral", True, ("full",)),
+])
+def test_remat_policies_give_identical_gradients(name, scan, policies):
   tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
-  base = with_layer_layout(_model("tiny_gemma", seed=3), scan)
+  base = with_layer_layout(_model(name, seed=3), scan)
   loss0, g0, flops0 = _grads_and_flops(base, tokens)
   for policy in policies:
     loss1, g1, flops1 = _grads_and_flops(with_config(base, remat=policy), tokens)
@@ -130,7 +136,8 @@ def test_intermediates_and_hidden_to_logits(name):
     assert np.all(probs[0][:, :, far] == 0) and np.any(probs[1][:, :, far] > 0)
 
 
-@pytest.mark.parametrize("name,scan", [("tiny", False), ("tiny_gemma", True)])
+@pytest.mark.parametrize("name,scan", [("tiny", False), ("tiny_gemma", True),
+                                       ("tiny_qwen_mistral", False)])
 def test_kv_cache_prefill_then_decode_matches_full_forward(name, scan):
   model = with_layer_layout(_model(name, seed=6), scan)
   tokens = jax.random.randint(jax.random.key(3), (2, 14), 0, 256)
