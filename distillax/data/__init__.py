@@ -30,6 +30,12 @@ dict. Save it with the model through orbax with `orbax_save_args(it)` / `orbax_r
 `load_iterator_state`. A fresh iterator built from the same config and restored continues with
 exactly the batches an uninterrupted one would produce.
 
+Records (records.py, chat.py): JSONL and Parquet files in the layouts Hugging Face data sets use
+(`data.layout`: a text field, a `messages` list of chat turns, or prompt/completion), read
+lazily. Chat records are rendered with the tokenizer's own chat template, as transformers renders
+it, and only assistant / completion tokens are trained: their loss_mask_BxL is 1, every other
+token's 0, and every objective term reads that mask.
+
 Tokenizers ('byte' default; 'spm:<file>'; 'hf:<tokenizer.json>'): `make_tokenizer(spec)`. Give the
 model `vocab_size >= tokenizer.vocab_size` (`padded_vocab_size` rounds up to 128) and call
 `check_vocab(tokenizer, model_vocab_size)` when building the model.
@@ -37,9 +43,11 @@ model `vocab_size >= tokenizer.vocab_size` (`padded_vocab_size` rounds up to 128
 
 from distillax.data.batch import (BATCH_DTYPES, BATCH_KEYS, batch_shapes, check_batch_size,
                                   padding_rows)
+from distillax.data.chat import ChatTemplate, encode_chat, template_for
 from distillax.data.packing import PackedIterDataset
 from distillax.data.pipeline import (default_data_config, make_eval_iterator, make_train_iterator,
                                      per_process_batch_size, resolve_data_config, split_documents)
+from distillax.data.records import ChatRecord, PromptCompletion, RecordLayout
 from distillax.data.sources import Documents, load_documents, stdlib_files, validation_mask
 from distillax.data.state import (iterator_state_json, load_iterator_state, orbax_restore_args,
                                   orbax_save_args, restore_iterator_state, save_iterator_state)
@@ -47,12 +55,13 @@ from distillax.data.tokenizer import (ByteTokenizer, HuggingFaceTokenizer, Sente
                                       Tokenizer, check_vocab, make_tokenizer, padded_vocab_size)
 
 __all__ = [
-    "BATCH_DTYPES", "BATCH_KEYS", "ByteTokenizer", "Documents", "HuggingFaceTokenizer",
-    "PackedIterDataset", "SentencePieceTokenizer", "Tokenizer", "batch_shapes",
-    "check_batch_size", "check_vocab", "default_data_config",
+    "BATCH_DTYPES", "BATCH_KEYS", "ByteTokenizer", "ChatRecord", "ChatTemplate", "Documents",
+    "HuggingFaceTokenizer", "PackedIterDataset", "PromptCompletion", "RecordLayout",
+    "SentencePieceTokenizer", "Tokenizer", "batch_shapes",
+    "check_batch_size", "check_vocab", "default_data_config", "encode_chat",
     "iterator_state_json", "load_documents", "load_iterator_state", "make_eval_iterator",
     "make_tokenizer", "make_train_iterator", "orbax_restore_args", "orbax_save_args",
     "padded_vocab_size", "padding_rows", "per_process_batch_size", "resolve_data_config",
     "restore_iterator_state", "save_iterator_state", "split_documents", "stdlib_files",
-    "validation_mask",
+    "template_for", "validation_mask",
 ]

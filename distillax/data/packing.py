@@ -9,6 +9,11 @@ next token: a piece ending at the row's edge keeps its last target (the first in
 continuation), so every in-document pair is trained on exactly once and no pair spans two
 documents. Only the last row of a finite stream has padding.
 
+Loss mask: 1 on every pair of a text document. A document may come with a per-token train mask
+(chat and prompt/completion records: 1 on assistant / completion tokens); then a pair's loss mask
+is the mask of its target token, so a packed row keeps exactly the record's trained targets, and
+padding stays 0.
+
 The iterator's state is where the next row starts: the parent's state before the document in
 progress plus how many of its pairs were already emitted. Restoring re-reads that one document.
 """
@@ -25,7 +30,8 @@ from distillax.data.batch import (BATCH_KEYS, INPUTS, LOSS_MASK, POSITIONS, SEGM
 
 
 class PackedIterDataset(grain.IterDataset):
-  """Packs the parent's int32 token arrays (one per document) into rows (see module doc).
+  """Packs the parent's documents into rows (see module doc): int32 token arrays, or (tokens,
+  float32 per-token train mask) pairs.
 
   Rows use the batch keys with a length-L leading shape; `StackRows` batches them.
   """
@@ -49,6 +55,7 @@ class _PackedIterator(grain.DatasetIterator):
     self._seq_len = seq_len
     self._pad_id = pad_id
     self._doc = None            # tokens of the document in progress
+    self._doc_mask = None       # its per-token train mask (None: every token)
     self._doc_parent_state = None  # the parent's state just before that document
     self._offset = 0            # its pairs already emitted
 
@@ -62,6 +69,10 @@ class _PackedIterator(grain.DatasetIterator):
     except StopIteration:
       self._doc = None
       return False
+    if isinstance(tokens, tuple):
+      tokens, self._doc_mask = tokens
+    else:
+      self._doc_mask = None
     self._doc, self._doc_parent_state, self._offset = tokens, state, 0
     return True
 
@@ -81,11 +92,12 @@ class _PackedIterator(grain.DatasetIterator):
       row[TARGETS][filled:filled + take] = self._doc[start + 1:stop + 1]
       row[SEGMENT_IDS][filled:filled + take] = segment
       row[POSITIONS][filled:filled + take] = np.arange(take, dtype=np.int32)
+      row[LOSS_MASK][filled:filled + take] = (
+          1.0 if self._doc_mask is None else self._doc_mask[start + 1:stop + 1])
       filled += take
       self._offset = stop
     if filled == 0:
       raise StopIteration
-    row[LOSS_MASK][:filled] = 1.0
     return row
 
   def get_state(self) -> dict:

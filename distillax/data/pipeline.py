@@ -2,9 +2,10 @@
 
 Pipeline per process: documents[process_index::process_count] -> (train) global document shuffle,
 reshuffled every epoch -> repeat -> tokenize lazily, one document at a time, on `read_threads`
-threads -> pack into rows -> (train) shuffle rows within windows of `shuffle_buffer` -> batch
-(global batch / process count rows; a short final batch of a finite pass is padded) ->
-(train, optional) `worker_count` grain worker processes.
+threads (chat and prompt/completion records: rendered and masked, chat.py) -> pack into rows
+(the per-token train mask becomes the rows' loss mask) -> (train) shuffle rows within windows of
+`shuffle_buffer` -> batch (global batch / process count rows; a short final batch of a finite
+pass is padded) -> (train, optional) `worker_count` grain worker processes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import ml_collections
 import numpy as np
 from ml_collections import config_dict
 
-from distillax.data import sources
+from distillax.data import chat, records, sources
 from distillax.data.batch import check_batch_size
 from distillax.data.batch import padding_rows
 from distillax.data.packing import PackedIterDataset, StackRows
@@ -27,10 +28,22 @@ def default_data_config() -> ml_collections.ConfigDict:
   cfg = ml_collections.ConfigDict()
   # 'stdlib' (this interpreter's standard-library .py files: no download) or a file, dir or glob.
   cfg.source = "stdlib"
-  # 'auto' (per file: .jsonl/.json/.ndjson -> jsonl, *array_record* -> arrayrecord, else text),
-  # 'text' (a file is a document), 'jsonl' (a line is a document) or 'arrayrecord' (a record is).
+  # 'auto' (per file: .jsonl/.json/.ndjson -> jsonl, .parquet/.pq -> parquet, *array_record* ->
+  # arrayrecord, else text), 'text' (a file is a document), 'jsonl' (a line is a document),
+  # 'parquet' (a row is) or 'arrayrecord' (a record is).
   cfg.format = "auto"
-  cfg.text_field = "text"  # JSON field with the document text (JSONL lines, JSON ArrayRecords)
+  # How a JSONL line / Parquet row / JSON ArrayRecord holds its document, as Hugging Face data
+  # sets lay them out: 'auto' (per record: a `messages_field` list, else 'prompt'+'completion',
+  # else `text_field`), 'text', 'messages' (chat turns) or 'prompt_completion'.
+  cfg.layout = "auto"
+  cfg.text_field = "text"  # field with the document text (JSONL lines, Parquet rows, ...)
+  cfg.messages_field = "messages"  # field with the chat turns: [{"role": ..., "content": ...}]
+  # '' = render chat records with the tokenizer's own template (chat_template.jinja or
+  # tokenizer_config.json beside tokenizer.json); else the path of a Jinja template file.
+  cfg.chat_template = ""
+  # Tokens of chat and prompt/completion records that the loss (CE and every distillation term)
+  # covers: 'assistant' (assistant turns; the completion) or 'all'. Text records: every token.
+  cfg.loss_on = "assistant"
   # '' = eval on the validation split of `source`; else a file/dir/glob evaluated whole (and
   # `source` is then trained on whole).
   cfg.eval_source = ""
@@ -123,12 +136,13 @@ def per_process_batch_size(global_batch_size: int, process_count: int) -> int:
 
 def split_documents(cfg, which: str) -> sources.Documents:
   """The train or eval documents named by the config."""
+  layout = records.RecordLayout.from_config(cfg)
   if cfg.eval_source:
     spec = cfg.source if which == "train" else cfg.eval_source
-    documents = sources.load_documents(spec, cfg.format, cfg.text_field)
+    documents = sources.load_documents(spec, cfg.format, cfg.text_field, layout)
   else:
     train, validation = sources.load_documents(
-        cfg.source, cfg.format, cfg.text_field).split(cfg.validation_fraction)
+        cfg.source, cfg.format, cfg.text_field, layout).split(cfg.validation_fraction)
     documents = train if which == "train" else validation
   if len(documents) == 0:
     hint = ("raise data.validation_fraction or set data.eval_source" if which == "eval"
@@ -138,13 +152,31 @@ def split_documents(cfg, which: str) -> sources.Documents:
 
 
 class TokenizeDocument(grain.transforms.Map):
-  """text -> int32 tokens: [BOS] + encode(text) + [EOS]; an empty text gives no tokens."""
+  """text -> int32 tokens: [BOS] + encode(text) + [EOS]; an empty text gives no tokens.
 
-  def __init__(self, tokenizer: Tokenizer, add_bos: bool):
+  Chat and prompt/completion records -> (int32 tokens, float32 per-token train mask), see
+  chat.py; one with no trained token after its first gives no tokens (nothing to learn)."""
+
+  def __init__(self, tokenizer: Tokenizer, add_bos: bool,
+               template: chat.ChatTemplate | None = None, loss_on: str = "assistant"):
     self.tokenizer = tokenizer
     self.add_bos = bool(add_bos)
+    self.template = template
+    self.loss_on = chat.check_loss_on(loss_on)
 
-  def map(self, text: str) -> np.ndarray:
+  def map(self, document):
+    if isinstance(document, str):
+      return self._text(document)
+    if isinstance(document, records.ChatRecord):
+      tokens, mask = chat.encode_chat(document, self.tokenizer, self.template, self.loss_on)
+    else:
+      tokens, mask = chat.encode_prompt_completion(document, self.tokenizer, self.add_bos,
+                                                   self.loss_on)
+    if not mask[1:].any():
+      return np.zeros(0, np.int32)
+    return tokens, mask
+
+  def _text(self, text: str) -> np.ndarray:
     tokens = self.tokenizer.encode_array(text)
     if tokens.size == 0:
       return tokens.astype(np.int32)
@@ -157,7 +189,13 @@ class TokenizeDocument(grain.transforms.Map):
 def _packed_rows(ds: grain.MapDataset, tokenizer: Tokenizer, cfg,
                  seq_len: int) -> grain.IterDataset:
   _check_positive("data.read_threads", cfg.read_threads)
-  tokens = ds.map(TokenizeDocument(tokenizer, cfg.add_bos)).to_iter_dataset(
+  template = chat.template_for(tokenizer, cfg.chat_template)
+  if template is None and cfg.layout == "messages":
+    raise UserError(f"data.layout='messages' renders chats with a chat template, but "
+                    f"{tokenizer!r} has none; use a tokenizer whose folder has one "
+                    f"(chat_template.jinja, tokenizer_config.json) or set data.chat_template")
+  tokenize = TokenizeDocument(tokenizer, cfg.add_bos, template, cfg.loss_on)
+  tokens = ds.map(tokenize).to_iter_dataset(
       grain.ReadOptions(num_threads=int(cfg.read_threads), prefetch_buffer_size=16))
   return PackedIterDataset(tokens, seq_len=seq_len, pad_id=tokenizer.pad_id)
 

@@ -1,13 +1,15 @@
-"""Where documents come from: text, JSONL and ArrayRecord files, and the embedded stdlib corpus.
+"""Where documents come from: text, JSONL, Parquet and ArrayRecord files, and the stdlib corpus.
 
-A `Documents` object is a random-access list of document strings (what `grain.MapDataset.source`
-wants), read lazily: building one only lists files and, for JSONL, indexes line offsets. Every
-document has a stable key (a path relative to the source's root, plus ':<record>' inside JSONL
-and ArrayRecord files); the train/validation split hashes that key, so it does not depend on the
-machine, the file listing order or Python's per-process hash seed.
+A `Documents` object is a random-access list of documents (what `grain.MapDataset.source`
+wants), read lazily: building one only lists files and indexes them (JSONL line offsets, Parquet
+row groups). Every document has a stable key (a path relative to the source's root, plus
+':<record>' inside JSONL, Parquet and ArrayRecord files); the train/validation split hashes that
+key, so it does not depend on the machine, the file listing order or Python's per-process hash
+seed.
 
-Document boundaries: a plain text file is one document, a JSONL line is one document (its
-`text` field), an ArrayRecord record is one document (UTF-8 text, or a JSON object with `text`).
+Document boundaries: a plain text file is one document; a JSONL line, a Parquet row and an
+ArrayRecord record are one document each. A record is a text (its `text` field), a chat or a
+prompt/completion pair, by its layout (records.py); an ArrayRecord record may also be UTF-8 text.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import sysconfig
 
 import numpy as np
 
+from distillax.data.records import JsonlRecords, ParquetRecords, RecordLayout, rel_key
 from distillax.errors import ConfigError, UserError
 
-FORMATS = ("auto", "text", "jsonl", "arrayrecord")
+FORMATS = ("auto", "text", "jsonl", "parquet", "arrayrecord")
 _GLOB_CHARS = frozenset("*?[")
 # Folders of the standard library left out of the default corpus: installed packages, the
 # (large, repetitive) test suites and byte-code caches.
@@ -58,6 +61,8 @@ def infer_format(path: str) -> str:
   name = os.path.basename(path).lower()
   if name.endswith((".jsonl", ".json", ".ndjson")):
     return "jsonl"
+  if name.endswith((".parquet", ".pq")):
+    return "parquet"
   if "array_record" in name or name.endswith(".arrayrecord"):
     return "arrayrecord"
   return "text"
@@ -68,7 +73,7 @@ class TextFiles:
 
   def __init__(self, root: str, files: list[str]):
     self.files = list(files)
-    self._keys = [_rel_key(root, f) for f in self.files]
+    self._keys = [rel_key(root, f) for f in self.files]
 
   def key(self, i: int) -> str:
     return self._keys[i]
@@ -81,52 +86,19 @@ class TextFiles:
       return f.read().decode("utf-8", errors="replace")
 
 
-class JsonlFile:
-  """Each non-empty line is one document: a JSON object whose `text_field` is the text."""
-
-  def __init__(self, root: str, path: str, text_field: str = "text"):
-    self.path = path
-    self.text_field = text_field
-    self.starts, self.ends = _line_spans(path)
-    self._rel = _rel_key(root, path)
-
-  def key(self, i: int) -> str:
-    return f"{self._rel}:{i}"
-
-  def __len__(self):
-    return len(self.starts)
-
-  def __getitem__(self, i: int) -> str:
-    with open(self.path, "rb") as f:
-      f.seek(int(self.starts[i]))
-      line = f.read(int(self.ends[i] - self.starts[i]))
-    if not line.strip():
-      return ""  # a whitespace-only line: an empty document, which the pipeline skips
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise UserError(
-          f"{self.path}: record {i} is not valid JSON ({e}); fix or drop that line") from e
-    if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
-      raise UserError(
-          f"{self.path}: record {i} has no string field {self.text_field!r}; every JSONL line "
-          f"needs one (or set data.text_field)")
-    return record[self.text_field]
-
-
 class ArrayRecordFile:
-  """Each record is one document: UTF-8 text, or a JSON object with a `text_field`."""
+  """Each record is one document: a JSON object read by its layout, else UTF-8 text."""
 
-  def __init__(self, root: str, path: str, text_field: str = "text"):
+  def __init__(self, root: str, path: str, layout: RecordLayout):
     import grain
     self.path = path
-    self.text_field = text_field
+    self.layout = layout
     try:
       self._records = grain.sources.ArrayRecordDataSource([path])
       count = len(self._records)
     except Exception as e:  # array_record raises RuntimeError/ValueError with C++ messages
       raise UserError(f"{path}: not a readable ArrayRecord file ({e}); check data.format") from e
-    self._rel, self._count = _rel_key(root, path), count
+    self._rel, self._count = rel_key(root, path), count
 
   def key(self, i: int) -> str:
     return f"{self._rel}:{i}"
@@ -134,15 +106,19 @@ class ArrayRecordFile:
   def __len__(self):
     return self._count
 
-  def __getitem__(self, i: int) -> str:
+  def __getitem__(self, i: int):
     raw = self._records[i]
     if raw[:1] == b"{":
       try:
         record = json.loads(raw)
       except json.JSONDecodeError:
         record = None
-      if isinstance(record, dict) and isinstance(record.get(self.text_field), str):
-        return record[self.text_field]
+      if isinstance(record, dict):
+        try:
+          return self.layout.extract(record, f"{self.path}: record {i}")
+        except UserError:
+          if self.layout.layout != "auto":
+            raise
     return raw.decode("utf-8", errors="replace")
 
 
@@ -166,7 +142,8 @@ class Documents:
     part = int(np.searchsorted(self._offsets, g, side="right")) - 1
     return part, g - int(self._offsets[part])
 
-  def __getitem__(self, i: int) -> str:
+  def __getitem__(self, i: int):
+    """A str, or a records.ChatRecord / PromptCompletion for chat and prompt/completion rows."""
     part, j = self._locate(i)
     return self.parts[part][j]
 
@@ -196,8 +173,11 @@ def validation_mask(keys, fraction: float) -> np.ndarray:
        for k in keys], dtype=bool)
 
 
-def load_documents(spec: str, fmt: str = "auto", text_field: str = "text") -> Documents:
-  """A path/dir/glob (or 'stdlib') and a format name -> all its documents."""
+def load_documents(spec: str, fmt: str = "auto", text_field: str = "text",
+                   layout: RecordLayout | None = None) -> Documents:
+  """A path/dir/glob (or 'stdlib') and a format name -> all its documents. `layout` says how a
+  record holds its document (default: detected per record, the text in `text_field`)."""
+  layout = layout if layout is not None else RecordLayout("auto", text_field)
   if str(spec) == "stdlib":
     root, files = stdlib_files()
     return Documents([TextFiles(root, files)], name="stdlib")
@@ -210,9 +190,11 @@ def load_documents(spec: str, fmt: str = "auto", text_field: str = "text") -> Do
     if file_fmt == "text":
       text_files.append(path)
     elif file_fmt == "jsonl":
-      parts.append(JsonlFile(root, path, text_field))
+      parts.append(JsonlRecords(root, path, layout))
+    elif file_fmt == "parquet":
+      parts.append(ParquetRecords(root, path, layout))
     else:
-      parts.append(ArrayRecordFile(root, path, text_field))
+      parts.append(ArrayRecordFile(root, path, layout))
   if text_files:
     parts.insert(0, TextFiles(root, text_files))
   docs = Documents(parts, name=str(spec))
@@ -229,29 +211,8 @@ def stdlib_files() -> tuple[str, list[str]]:
   for d, subdirs, names in os.walk(root):
     subdirs[:] = sorted(s for s in subdirs if s not in _STDLIB_SKIP_DIRS and not s.startswith("."))
     files.extend(os.path.join(d, n) for n in names if n.endswith(".py"))
-  files.sort(key=lambda f: _rel_key(root, f))
+  files.sort(key=lambda f: rel_key(root, f))
   if not files:
     raise UserError(f"no Python source files found in the standard library at {root!r}; "
                     "set data.source to a path or glob of text files")
   return root, files
-
-
-def _rel_key(root: str, path: str) -> str:
-  return os.path.relpath(path, root).replace(os.sep, "/")
-
-
-def _line_spans(path: str, chunk_bytes: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
-  """Byte [start, end) of every non-empty line, found in chunks so big files stay cheap."""
-  newlines = []
-  size = 0
-  with open(path, "rb") as f:
-    while True:
-      chunk = f.read(chunk_bytes)
-      if not chunk:
-        break
-      newlines.append(np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10) + size)
-      size += len(chunk)
-  ends = np.concatenate(newlines + [np.array([size])]).astype(np.int64)
-  starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
-  keep = ends > starts
-  return starts[keep], ends[keep]

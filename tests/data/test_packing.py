@@ -10,10 +10,14 @@ from tests.data.data_testing import (byte_ids, check_row_invariants, data_config
 from distillax.data import BATCH_KEYS, ByteTokenizer, make_eval_iterator, make_train_iterator
 
 
-def reference_rows(docs_ids, seq_len, pad_id=0):
+def reference_rows(docs_ids, seq_len, pad_id=0, docs_masks=None):
   """Lay every (token, next token) pair of every document end to end, cut into rows of seq_len;
-  a new segment starts where the document changes or a row starts."""
-  pairs = [(ids[i], ids[i + 1], d) for d, ids in enumerate(docs_ids) for i in range(len(ids) - 1)]
+  a new segment starts where the document changes or a row starts. With `docs_masks` (a 0/1
+  per token of each document) a pair's loss mask is its target token's; else 1."""
+  if docs_masks is None:
+    docs_masks = [[1.0] * len(ids) for ids in docs_ids]
+  pairs = [(ids[i], ids[i + 1], d, docs_masks[d][i + 1]) for d, ids in enumerate(docs_ids)
+           for i in range(len(ids) - 1)]
   rows = collections.defaultdict(list)
   for start in range(0, len(pairs), seq_len):
     chunk = pairs[start:start + seq_len]
@@ -21,12 +25,13 @@ def reference_rows(docs_ids, seq_len, pad_id=0):
     targets = np.full(seq_len, pad_id, np.int32)
     seg = np.zeros(seq_len, np.int32)
     pos = np.zeros(seq_len, np.int32)
+    loss_mask = np.zeros(seq_len, np.float32)
     segment, seg_start, prev_doc = 0, 0, None
-    for j, (a, b, d) in enumerate(chunk):
+    for j, (a, b, d, m) in enumerate(chunk):
       if d != prev_doc:
         segment, seg_start, prev_doc = segment + 1, j, d
-      inputs[j], targets[j], seg[j], pos[j] = a, b, segment, j - seg_start
-    for key, value in zip(BATCH_KEYS, (inputs, targets, seg, pos, (seg > 0).astype(np.float32))):
+      inputs[j], targets[j], seg[j], pos[j], loss_mask[j] = a, b, segment, j - seg_start, m
+    for key, value in zip(BATCH_KEYS, (inputs, targets, seg, pos, loss_mask)):
       rows[key].append(value)
   return {k: np.stack(v) for k, v in rows.items()}
 
@@ -110,3 +115,31 @@ def test_row_shuffle_is_a_permutation_of_unshuffled_rows(tmp_path):
   assert not np.array_equal(plain, shuffled)
   key = lambda r: r.tobytes()
   assert sorted(map(key, plain)) == sorted(map(key, shuffled))
+
+
+@pytest.mark.parametrize("seq_len,batch", [(16, 3), (61, 2), (300, 1)])
+def test_chat_rows_keep_the_assistant_masks(tmp_path, seq_len, batch):
+  """Chat records packed: rows equal the reference packer fed transformers' own token ids and
+  assistant masks of the same chats; a chat with no assistant turn is skipped."""
+  from tests.data import chat_testing as ct
+  folder = ct.save_tokenizer(tmp_path / "tok", ct.CHATML_TAGGED)
+  chats = ct.conversations(9, seed=4)
+  chats.insert(3, [{"role": "user", "content": "a question nobody answers"}])
+  source = ct.write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in chats])
+  cfg = data_config(source=source, eval_source=source, tokenizer=f"hf:{folder}")
+  batches = list(make_eval_iterator(cfg, global_batch_size=batch, seq_len=seq_len,
+                                    process_index=0, process_count=1))
+  hf = ct.load_hf(folder)
+  encodings = [hf.apply_chat_template(m, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True) for m in chats]
+  kept = [e for e in encodings if any(e["assistant_masks"])]
+  assert len(kept) == len(chats) - 1
+  want = reference_rows([list(e["input_ids"]) for e in kept], seq_len, pad_id=hf.pad_token_id,
+                        docs_masks=[[float(x) for x in e["assistant_masks"]] for e in kept])
+  got = {k: np.concatenate([b[k] for b in batches]) for k in BATCH_KEYS}
+  rows = len(want["inputs_BxL"])
+  assert 0 <= len(got["inputs_BxL"]) - rows < batch
+  for key in BATCH_KEYS:
+    np.testing.assert_array_equal(got[key][:rows], want[key], err_msg=key)
+  assert not got["loss_mask_BxL"][rows:].any() and not got["segment_ids_BxL"][rows:].any()
+  assert 0 < got["loss_mask_BxL"].sum() < (got["segment_ids_BxL"] > 0).sum()

@@ -100,8 +100,8 @@ def test_missing_path_and_empty_glob_name_the_path(tmp_path):
   with pytest.raises(UserError, match="matched no files") as e:
     load_documents(pattern)
   assert pattern in str(e.value)
-  with pytest.raises(ConfigError, match="data.format='parquet'"):
-    load_documents(str(tmp_path), "parquet")
+  with pytest.raises(ConfigError, match="data.format='csv' is not one of .*parquet"):
+    load_documents(str(tmp_path), "csv")
 
 
 def test_stdlib_corpus_is_the_interpreters_own_source():
