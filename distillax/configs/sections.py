@@ -103,14 +103,21 @@ def teacher_section() -> ml_collections.ConfigDict:
   c.hf_path = ""  # or a Hugging Face checkpoint directory (config.json + safetensors)
   c.preset = "demo_teacher"  # or a preset with fresh weights (tests, benchmarks)
   c.param_dtype = ""  # override the teacher's parameter dtype ('' = as stored)
-  c.dtype = ""  # override the teacher's compute dtype ('' = as stored)
+  # Override the teacher's compute dtype ('' = as stored: float32 for presets); 'bfloat16' runs
+  # its forward, output layer included, in bf16 (fp32 accumulation and fp32 logits).
+  c.dtype = ""
   c.cache_dir = ""  # an offline teacher cache (distillax cache-teacher): train without a teacher
   return c
 
 
 def distill_section() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.chunk_size = 0  # tokens per logit chunk (student and teacher together); 0 = unchunked
+  # Tokens per logit chunk (student and teacher together). -1 = auto: the most tokens whose fp32
+  # logits of one model (tokens x vocab x 4 bytes) fit 128 MiB, capped at the batch's tokens
+  # (vocab 128,256: 261 tokens per chunk; 32,000: 1,048; 256: the whole batch); 0 = unchunked
+  # [B, L, V] logits. Chunked, no logit array of the whole batch exists and the student's
+  # logit gradient is formed in the same pass as the loss (distill/chunked.py).
+  c.chunk_size = -1
   c.logit = ml_collections.ConfigDict()
   c.logit.weight = 1.0  # weight of LogitKD in the total loss (0 = off)
   c.logit.temperature = 2.0  # softmax temperature of both models

@@ -7,8 +7,10 @@ micro-batches and devices and divide once by the global token count.
 
 Two kinds of leaf strategies exist:
   * token-level ones (`needs.logits`): a per-token function of student and teacher logits
-    (`token_values`). The objective evaluates every token-level leaf and the shared logit metrics
-    in ONE pass over the logits, whole or a chunk of tokens at a time (see chunked.py).
+    (`token_values`, or `shared_token_values` reading logits.TokenLogits, whose reductions over
+    the vocabulary every leaf and metric share). The objective evaluates every token-level leaf
+    and the logit metrics in ONE pass over the logits, whole or a chunk of tokens at a time
+    (see chunked.py).
   * the rest (attention, features) read intermediates from the model outputs (`term_sums`).
 
 `Composite` (or `s1 + s2`) is a weighted sum of strategies and is itself a strategy; the metric of
@@ -52,7 +54,8 @@ class DistillInputs:
   """Everything a strategy may read for one (micro-)batch.
 
   student/teacher: the forward outputs (teacher None without an online teacher; its arrays are
-    already behind stop_gradient). student_model/teacher_model: the Transformers, for
+    already behind stop_gradient; on the chunked path their logits are None: only the final
+    hidden states come out of the forward). student_model/teacher_model: the Transformers, for
     `logits_from_hidden`. projections: the student's learned feature projections (DistillStudent),
     keyed by strategy name. chunk_size: tokens per chunk for token-level losses (None: whole).
   """
@@ -76,6 +79,18 @@ class DistillInputs:
     return chunked.chunked_token_sums(fn, self.batch, self.student, self.teacher,
                                       self.student_model, self.teacher_model, self.chunk_size)
 
+  def loss_and_sums(self, fn: TokenFn, weights: Mapping[str, float]
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(sum of weights[k] * sums[k], sums) with `sums` = `token_sums(fn)` as metrics: only the
+    weighted loss is differentiable. Chunked, the student's logit gradient is formed in the same
+    pass as the loss (chunked.fused_loss_sums), so no chunk's logits are computed twice."""
+    if self.chunk_size is None or not weights:  # not weights: metrics only, nothing to fuse
+      sums = self.token_sums(fn)
+      loss = sum((w * sums[k] for k, w in weights.items()), jnp.zeros((), jnp.float32))
+      return loss, jax.tree.map(jax.lax.stop_gradient, sums)
+    return chunked.fused_loss_sums(fn, weights, self.batch, self.student, self.teacher,
+                                   self.student_model, self.teacher_model, self.chunk_size)
+
 
 class Strategy:
   """Base of every strategy (subclasses are frozen dataclasses with `weight` and `name`)."""
@@ -94,6 +109,11 @@ class Strategy:
   def token_values(self, s_logits_NxV, t_logits_NxV, tokens) -> dict[str, jax.Array]:
     """Token-level leaves: per-token values, `{self.name: loss_N, ...}` (unweighted, unmasked)."""
     raise NotImplementedError(f"{type(self).__name__} is not a token-level strategy")
+
+  def shared_token_values(self, logits) -> dict[str, jax.Array]:
+    """`token_values` from a logits.TokenLogits, whose reductions over the vocabulary the
+    objective shares between leaves and metrics; override to read them (LogitKD does)."""
+    return self.token_values(logits.student, logits.teacher, logits.tokens)
 
   def term_sums(self, inputs: DistillInputs) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(unweighted term sum, metric sums incl. {name: term sum}) over the real tokens."""

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distillax.distill import chunked
 from distillax.distill.base import DistillInputs, Strategy
 from distillax.distill.cache import CacheInfo, read_teacher_cache
 from distillax.distill.logit_kd import TOPK_IDS, CachedLogitKD, logit_metric_values
@@ -52,20 +53,27 @@ def cached_strategy(distill_cfg, info: CacheInfo, vocab_size: int) -> CachedLogi
                                        beta=float(lc.beta), weight=float(lc.weight))
 
 
-def hard_ce_objective(student, extras, batch, rng, *, chunk_size=None):
+def hard_ce_objective(student, extras, batch, rng, *, chunk_size=chunked.AUTO):
   """Student-only next-token CE with the distillation metric names (loss = hard_ce)."""
   del extras, rng
   model, _ = unwrap_student(student)
-  out = model(batch[losses.BATCH_INPUTS], **losses.model_inputs(batch))
+  tokens_BxL = batch[losses.BATCH_INPUTS]
+  chunk_size = chunked.resolve_chunk_size(chunk_size, tokens_BxL.size, model.config.vocab_size)
+  out = model(tokens_BxL, **losses.model_inputs(batch), return_logits=chunk_size is None)
   inputs = DistillInputs(batch=batch, student=out, student_model=model, chunk_size=chunk_size)
   sums = inputs.token_sums(logit_metric_values)
   return ObjectiveOutput(loss_sum=sums["hard_ce"], tokens=jnp.sum(inputs.mask_BxL), sums=sums)
 
 
-def cached_objective(strategy: Strategy, *, chunk_size: int | None = None):
+def cached_objective(strategy: Strategy, *, chunk_size: int | None = chunked.AUTO,
+                     metrics: bool = True):
   """Train batches (with the cached teacher arrays) get the strategy; eval batches from the
-  validation split get hard CE. The branch is on the batch's keys, fixed at trace time."""
-  distill = make_distill_objective(strategy, chunk_size=chunk_size)
+  validation split get hard CE. The branch is on the batch's keys, fixed at trace time.
+
+  The cache's teacher_ce and top-1 come with the batch, so a cached train step reports them
+  with metrics=True at the cost of one argmax over the student's logits (the validation split
+  has no cache columns: they are reported nowhere else)."""
+  distill = make_distill_objective(strategy, chunk_size=chunk_size, metrics=metrics)
 
   def objective(student, extras, batch, rng):
     if TOPK_IDS in batch:

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 
 from distillax.distill import divergences
 from distillax.distill.base import Needs, Strategy, check_common
+from distillax.distill.logits import STUDENT, TEACHER, TokenLogits
 from distillax.errors import ConfigError
-from distillax.framework import losses
 
 # Batch keys an offline teacher cache adds (cache.py writes them, CachedLogitKD reads them).
 TOPK_IDS = "teacher_topk_ids_BxLxK"  # int32 token ids of the teacher's top-k at temperature T
@@ -48,12 +48,13 @@ def _check_kd_fields(s) -> None:
 
 def soft_and_hard(kind: str, beta: float, temperature: float, alpha: float,
                   teacher_buckets_NxK: jax.Array, student_buckets_NxK: jax.Array,
-                  s_logits_NxV: jax.Array, targets_N: jax.Array, prefix: str):
-  """The per-token mix and its divergence, from bucketed log-probs at temperature T."""
+                  logits: TokenLogits, prefix: str):
+  """The per-token mix and its divergence, from bucketed log-probs at temperature T (the hard
+  term's NLL comes from `logits`, shared with the hard_ce metric)."""
   div_N = divergences.divergence(kind, teacher_buckets_NxK, student_buckets_NxK, beta)
   loss_N = alpha * temperature ** 2 * div_N
   if alpha < 1.0:
-    loss_N = loss_N + (1.0 - alpha) * losses.token_nll(s_logits_NxV, targets_N)
+    loss_N = loss_N + (1.0 - alpha) * logits.nll(STUDENT)
   return {prefix: loss_N, f"{prefix}_divergence": div_N}
 
 
@@ -87,14 +88,16 @@ class LogitKD(Strategy):
     return Needs(logits=True, teacher=True)
 
   def token_values(self, s_logits_NxV, t_logits_NxV, tokens):
-    if t_logits_NxV is None:
+    return self.shared_token_values(TokenLogits(s_logits_NxV, t_logits_NxV, tokens))
+
+  def shared_token_values(self, logits: TokenLogits):
+    if logits.teacher is None:
       raise ConfigError(f"LogitKD {self.name!r} needs an online teacher; use CachedLogitKD to "
                         f"train from an offline teacher cache")
     T = float(self.temperature)
-    s_logits_NxV = s_logits_NxV.astype(jnp.float32)
-    s_logp_NxV = jax.nn.log_softmax(s_logits_NxV / T, axis=-1)
-    t_logp_NxV = jax.nn.log_softmax(t_logits_NxV.astype(jnp.float32) / T, axis=-1)
-    V = s_logp_NxV.shape[-1]
+    s_logp_NxV = logits.log_probs(STUDENT, T)
+    t_logp_NxV = logits.log_probs(TEACHER, T)
+    V = logits.vocab_size
     if self.top_k is None or self.top_k >= V:
       t_buckets, s_buckets = t_logp_NxV, s_logp_NxV
     else:
@@ -102,7 +105,7 @@ class LogitKD(Strategy):
       t_buckets = divergences.teacher_buckets(top_logp_NxK, V)
       s_buckets = divergences.student_buckets(s_logp_NxV, top_ids_NxK)
     return soft_and_hard(self.divergence, self.beta, T, self.alpha, t_buckets, s_buckets,
-                         s_logits_NxV, tokens[losses.BATCH_TARGETS], self.name)
+                         logits, self.name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,36 +138,54 @@ class CachedLogitKD(Strategy):
     return Needs(logits=True, teacher=False)
 
   def token_values(self, s_logits_NxV, t_logits_NxV, tokens):
-    del t_logits_NxV
+    return self.shared_token_values(TokenLogits(s_logits_NxV, None, tokens))
+
+  def shared_token_values(self, logits: TokenLogits):
+    tokens = logits.tokens
     if TOPK_IDS not in tokens or TOPK_LOGPROBS not in tokens:
       raise ConfigError(f"CachedLogitKD {self.name!r}: the batch has no {TOPK_IDS}/"
                         f"{TOPK_LOGPROBS}; feed batches from distill.cache.read_teacher_cache")
     T = float(self.temperature)
-    s_logits_NxV = s_logits_NxV.astype(jnp.float32)
-    s_logp_NxV = jax.nn.log_softmax(s_logits_NxV / T, axis=-1)
-    V = s_logp_NxV.shape[-1]
+    s_logp_NxV = logits.log_probs(STUDENT, T)
+    V = logits.vocab_size
     ids_NxK = tokens[TOPK_IDS].astype(jnp.int32)
     t_buckets = divergences.teacher_buckets(tokens[TOPK_LOGPROBS].astype(jnp.float32), V)
     s_buckets = divergences.student_buckets(s_logp_NxV, ids_NxK)
     return soft_and_hard(self.divergence, self.beta, T, self.alpha, t_buckets, s_buckets,
-                         s_logits_NxV, tokens[losses.BATCH_TARGETS], self.name)
+                         logits, self.name)
+
+
+# The logit metrics that cost passes over the vocabulary beyond what the losses make: computed
+# by eval objectives (`make_distill_objective(..., metrics=True)`), not by every train step.
+EXTRA_METRICS = ("teacher_ce", "top1_agreement", "logit_cosine")
 
 
 def logit_metric_values(s_logits_NxV, t_logits_NxV, tokens) -> dict[str, jax.Array]:
-  """Per-token metrics every distillation run reports (sums become means in the step).
+  """Per-token metrics every distillation eval reports (sums become means in the step).
 
   hard_ce: student NLL of the label (perplexity = exp(mean hard_ce)); teacher_ce: the teacher's
   (from the cache's TEACHER_NLL without an online teacher); top1_agreement: 1 where student and
   teacher argmax agree (the cached top-1 offline); logit_cosine: cosine similarity of the two
   raw logit vectors (online teacher only: a cache holds no full logits).
   """
-  s = s_logits_NxV.astype(jnp.float32)
-  targets_N = tokens[losses.BATCH_TARGETS]
+  return shared_metric_values(TokenLogits(s_logits_NxV, t_logits_NxV, tokens))
+
+
+def shared_metric_values(logits: TokenLogits, extra: bool = True) -> dict[str, jax.Array]:
+  """`logit_metric_values` from shared reductions; extra=False: hard_ce alone (its NLL is the
+  one the hard-label term already computes, so a train step pays no pass for it)."""
+  out = {"hard_ce": logits.nll(STUDENT)}
+  if extra:
+    out.update(_extra_metric_values(logits))
+  return jax.tree.map(jax.lax.stop_gradient, out)
+
+
+def _extra_metric_values(logits: TokenLogits) -> dict[str, jax.Array]:
+  s, t, tokens = logits.student, logits.teacher, logits.tokens
   s_top1 = jnp.argmax(s, axis=-1)
-  out = {"hard_ce": losses.token_nll(s, targets_N)}
-  if t_logits_NxV is not None:
-    t = t_logits_NxV.astype(jnp.float32)
-    out["teacher_ce"] = losses.token_nll(t, targets_N)
+  out = {}
+  if t is not None:
+    out["teacher_ce"] = logits.nll(TEACHER)
     out["top1_agreement"] = (s_top1 == jnp.argmax(t, axis=-1)).astype(jnp.float32)
     norms = jnp.sqrt(jnp.sum(s * s, axis=-1)) * jnp.sqrt(jnp.sum(t * t, axis=-1))
     out["logit_cosine"] = jnp.sum(s * t, axis=-1) / jnp.maximum(norms, 1e-30)
@@ -173,4 +194,4 @@ def logit_metric_values(s_logits_NxV, t_logits_NxV, tokens) -> dict[str, jax.Arr
       out["teacher_ce"] = tokens[TEACHER_NLL].astype(jnp.float32)
     if TOPK_IDS in tokens:
       out["top1_agreement"] = (s_top1 == tokens[TOPK_IDS][:, 0]).astype(jnp.float32)
-  return jax.tree.map(jax.lax.stop_gradient, out)
+  return out

@@ -5,13 +5,17 @@ for `framework.step`. Inside the compiled step it runs the student and the froze
 (`extras['teacher']`) on the same tokens, asking each only for the intermediates the strategy
 reads (hidden states, attention probabilities), with every teacher output behind
 `stop_gradient`. All token-level terms and the logit metrics share ONE pass over the logits: the
-whole [B, L, V] logits, or with `chunk_size` a chunk of tokens at a time computed from the final
-hidden states (chunked.py), so full fp32 logits of both models never exist at once.
+whole [B, L, V] logits (chunk_size None), or a chunk of tokens at a time computed from the final
+hidden states (chunked.py; the default, AUTO, sizes chunks from the vocabulary and the batch), so
+full fp32 logits of either model never exist at once. Within that pass every reduction over the
+vocabulary is made once per model and temperature and shared (logits.TokenLogits).
 
 Sums reported (per-token sums; the step divides them by the global token count):
   each leaf term under its name (unweighted; loss = sum of weight * term),
   LogitKD extras `{name}_divergence`,
-  hard_ce, teacher_ce, top1_agreement, logit_cosine (see logit_kd.logit_metric_values).
+  hard_ce, and with metrics=True (eval objectives) teacher_ce, top1_agreement, logit_cosine
+  (see logit_kd.logit_metric_values): they cost passes over the vocabulary no loss needs, so
+  train objectives (metrics=False) leave them out.
 Perplexity is exp(hard_ce mean): the trainer derives it from the reported mean.
 """
 
@@ -22,8 +26,10 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
+from distillax.distill import chunked
 from distillax.distill.base import DistillInputs, Strategy
-from distillax.distill.logit_kd import logit_metric_values
+from distillax.distill.logit_kd import shared_metric_values
+from distillax.distill.logits import TokenLogits
 from distillax.distill.student import unwrap_student
 from distillax.errors import ConfigError
 from distillax.framework import losses
@@ -34,60 +40,74 @@ TEACHER = "teacher"
 
 def run_models(strategy: Strategy, student, extras: Mapping, batch, *, chunk_size=None,
                teacher_key: str = TEACHER) -> DistillInputs:
-  """Forward passes of student and (when needed) teacher, as the strategy's DistillInputs."""
+  """Forward passes of student and (when needed) teacher, as the strategy's DistillInputs.
+
+  chunk_size: None (the forward passes return full logits), chunked.AUTO or tokens per chunk
+  (they return final hidden states only: the logits are made chunk by chunk)."""
   needs = strategy.needs
   model, projections = unwrap_student(student)
-  flags = dict(return_hidden_states=needs.hidden_states, return_attention=needs.attention)
-  kwargs = losses.model_inputs(batch)
-  tokens_BxL = batch[losses.BATCH_INPUTS]
-  s_out = model(tokens_BxL, **kwargs, **flags)
-  teacher, t_out = None, None
-  if needs.teacher:
-    if teacher_key not in extras:
-      raise ConfigError(f"this distillation strategy needs an online teacher, but no frozen model "
-                        f"named {teacher_key!r} was passed (extras: {sorted(extras)}); load a "
-                        f"teacher or train from an offline cache with CachedLogitKD")
-    teacher = extras[teacher_key]
-    t_out = jax.tree.map(jax.lax.stop_gradient, teacher(tokens_BxL, **kwargs, **flags))
-    vs, vt = s_out.logits_BxLxV.shape[-1], t_out.logits_BxLxV.shape[-1]
+  teacher = _teacher(extras, teacher_key) if needs.teacher else None
+  if teacher is not None:
+    vs, vt = model.config.vocab_size, teacher.config.vocab_size
     if vs != vt:
       raise ConfigError(f"student vocabulary ({vs}) and teacher vocabulary ({vt}) differ; logit "
                         f"distillation needs one shared tokenizer")
+  tokens_BxL = batch[losses.BATCH_INPUTS]
+  chunk_size = chunked.resolve_chunk_size(chunk_size, tokens_BxL.size, model.config.vocab_size)
+  flags = dict(return_hidden_states=needs.hidden_states, return_attention=needs.attention)
+  if chunk_size is not None:
+    flags["return_logits"] = False
+  kwargs = losses.model_inputs(batch)
+  s_out = model(tokens_BxL, **kwargs, **flags)
+  t_out = None
+  if teacher is not None:
+    t_out = jax.tree.map(jax.lax.stop_gradient, teacher(tokens_BxL, **kwargs, **flags))
   return DistillInputs(batch=batch, student=s_out, teacher=t_out, student_model=model,
                        teacher_model=teacher, projections=projections, chunk_size=chunk_size)
 
 
-def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = None,
-                           teacher_key: str = TEACHER) -> Objective:
-  """The step objective of `strategy`; chunk_size: tokens per logit chunk (None: unchunked)."""
+def _teacher(extras: Mapping, teacher_key: str):
+  if teacher_key not in extras:
+    raise ConfigError(f"this distillation strategy needs an online teacher, but no frozen model "
+                      f"named {teacher_key!r} was passed (extras: {sorted(extras)}); load a "
+                      f"teacher or train from an offline cache with CachedLogitKD")
+  return extras[teacher_key]
+
+
+def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = chunked.AUTO,
+                           teacher_key: str = TEACHER, metrics: bool = True) -> Objective:
+  """The step objective of `strategy`.
+
+  chunk_size: tokens per logit chunk; chunked.AUTO (default) picks it from the vocabulary and
+    the batch (chunked.auto_chunk_size); None: unchunked full logits.
+  metrics: also report teacher_ce, top1_agreement and logit_cosine, which cost passes over the
+    vocabulary the losses do not need (eval objectives); False reports the loss terms and
+    hard_ce only (train objectives).
+  """
   if not isinstance(strategy, Strategy):
     raise ConfigError(f"make_distill_objective needs a distillation strategy, got {strategy!r}")
-  if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
-                                 or chunk_size <= 0):
-    raise ConfigError(f"distill chunk_size={chunk_size!r} must be a positive number of tokens "
-                      f"or None")
+  chunked.check_chunk_size(chunk_size)
   leaves = strategy.leaves()
   token_leaves = [(w, leaf) for w, leaf in leaves if leaf.needs.logits]
   other_leaves = [(w, leaf) for w, leaf in leaves if not leaf.needs.logits]
+  weights = {leaf.name: w for w, leaf in token_leaves}
 
   def per_token(s_logits_NxV, t_logits_NxV, tokens):
-    values = logit_metric_values(s_logits_NxV, t_logits_NxV, tokens)
+    logits = TokenLogits(s_logits_NxV, t_logits_NxV, tokens)
+    values = shared_metric_values(logits, extra=metrics)
     for _, leaf in token_leaves:
-      values.update(leaf.token_values(s_logits_NxV, t_logits_NxV, tokens))
+      values.update(leaf.shared_token_values(logits))
     return values
 
   def objective(student, extras, batch, rng) -> ObjectiveOutput:
     del rng
     inputs = run_models(strategy, student, extras, batch, chunk_size=chunk_size,
                         teacher_key=teacher_key)
-    sums = inputs.token_sums(per_token)
-    loss_sum = jnp.zeros((), jnp.float32)
-    for weight, leaf in token_leaves:
-      loss_sum = loss_sum + weight * sums[leaf.name]
+    loss_sum, sums = inputs.loss_and_sums(per_token, weights)
     for weight, leaf in other_leaves:
-      term, metrics = leaf.term_sums(inputs)
+      term, metrics_of_leaf = leaf.term_sums(inputs)
       loss_sum = loss_sum + weight * term
-      sums.update(metrics)
+      sums.update(metrics_of_leaf)
     return ObjectiveOutput(loss_sum=loss_sum, tokens=jnp.sum(inputs.mask_BxL), sums=sums)
 
   return objective

@@ -26,8 +26,8 @@ class CachedDistillRecipe(DistillRecipe):
     return cached_strategy(self.config.distill, self.cache_info, self.model_config.vocab_size)
 
   def objective(self, *, train: bool = False) -> Objective:
-    chunk = int(self.config.distill.chunk_size) or None
-    objective = cached_objective(self.strategy(), chunk_size=chunk)
+    # metrics on in training too: the cache's teacher_ce and top-1 exist on train batches only
+    objective = cached_objective(self.strategy(), chunk_size=self.chunk_size(), metrics=True)
     return self.transforms.train_objective(objective) if train else objective
 
   def build(self, *, abstract: bool, quantize: bool = True):

@@ -11,6 +11,7 @@ from flax import nnx
 from distillax.distill import (TEACHER, AttentionTransfer, DistillStudent, FeaturePooling,
                                FeatureProjection, LogitKD, Strategy, make_distill_objective,
                                unwrap_student)
+from distillax.distill.chunked import chunk_size_from_config
 from distillax.errors import ConfigError
 from distillax.framework.step import Objective
 from distillax.models.config import TransformerConfig
@@ -73,9 +74,14 @@ class DistillRecipe(Recipe):
     return strategy_from_config(self.config.distill, self.model_config, self.teacher_model_config)
 
   def objective(self, *, train: bool = False) -> Objective:
-    chunk = int(self.config.distill.chunk_size) or None
-    objective = make_distill_objective(self.strategy(), chunk_size=chunk)
+    """Train: the loss terms and hard_ce; eval adds the logit metrics that cost extra passes
+    over the vocabulary (teacher_ce, top1_agreement, logit_cosine)."""
+    objective = make_distill_objective(self.strategy(), chunk_size=self.chunk_size(),
+                                       metrics=not train)
     return self.transforms.train_objective(objective) if train else objective
+
+  def chunk_size(self) -> int | None:
+    return chunk_size_from_config(self.config.distill.chunk_size)
 
   def load_teacher(self) -> nnx.Module:
     """The frozen teacher alone, sharded on this recipe's mesh (also for cache-teacher and

@@ -1,0 +1,432 @@
+"""Logit KD at real vocabularies: step time, compiled memory and the largest batch in 8 GiB.
+
+  python benchmarks/kd_vocab.py [--quick] [--vocabs 256,32000,128256] [--reps N]
+  # the same run with Tunix alongside (a scratch venv; never a distillax dependency):
+  python3.11 -m venv /tmp/tunix_venv && /tmp/tunix_venv/bin/pip install google-tunix==0.1.7 \\
+      jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.8 \\
+      grain==0.2.18 ml-collections==1.1.0 clu==0.0.12 qwix==0.1.8 tensorboardX==2.6.5
+  PYTHONPATH=. /tmp/tunix_venv/bin/python benchmarks/kd_vocab.py
+
+One CPU device, fp32, the demo model bodies (presets demo_student / demo_teacher) with the
+vocabulary replaced, LogitKD T=2 alpha=0.7, tokens 4 x 256, the benchmark AdamW (clipping,
+masked decay, warmup-cosine; `common.benchmark_optimizer`). distillax runs three ways, all with
+the train objective the recipe builds (loss terms and hard_ce; the extra logit metrics are
+eval-only): `unchunked` (chunk_size None: [B, L, V] logits), `chunk256` (256 tokens per chunk,
+the setting of issue 17's table) and `default` (the config's distill.chunk_size, auto: chunks
+sized from the vocabulary and the batch). When `tunix` imports, Tunix 0.1.7's
+DistillationTrainer with its LogitStrategy runs the same shapes: its llama3 model built from the
+same configs (layers, widths, heads, tied embeddings; Tunix's own initialisation, which leaves
+MLP kernels at zero and ignores rope_theta: step cost depends on shapes only), one-hot labels as
+its LogitStrategy takes them, a causal mask, and the same optax transformation. A Tunix step is
+what its train loop does per step: the teacher's jitted forward (`_prepare_inputs`), then the
+jitted train step.
+
+Per vocabulary, every system's step is timed in interleaved rounds (A, B, C, D, A, ...: the
+shared machine's slow moments land on all alike); ratios are medians of per-round ratios, and
+the load average is recorded next to the figures. Memory is XLA's figure for the compiled
+program(s): arguments + temporaries + outputs - aliased (donated) bytes; for Tunix the larger of
+its two programs plus what stays resident meanwhile (the teacher's weights during the train
+step, the student's state during the teacher's forward). The largest batch (sequences of
+`seq_len` tokens) whose peak fits the memory limit is found compile-only, by bisection guided
+by linear interpolation of the peaks found so far. The three distillax runs start from the same
+weights and batch: their first losses must agree to 1e-6 relative (checked).
+
+--quick: vocabularies 256 and 4096, 2 x 64 tokens, a 256 MiB limit (the smoke test).
+Writes benchmarks/results/kd_vocab.json.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import subproc  # noqa: E402
+
+TEMPERATURE, ALPHA = 2.0, 0.7
+VOCABS = (256, 32_000, 128_256)
+TARGET_VOCAB = 128_256  # the issue's done-when: distillax default vs Tunix at Llama 3's vocab
+TARGETS = {"tokens_per_s": 1.5, "peak": 0.5, "max_batch": 2.0}
+
+
+def settings(quick: bool) -> dict:
+  if quick:
+    return {"vocabs": (256, 4096), "batch": 2, "seq_len": 64, "reps": 2,
+            "memory_limit": 256 * 2**20, "max_batch_cap": 256}
+  return {"vocabs": VOCABS, "batch": 4, "seq_len": 256, "reps": 5,
+          "memory_limit": 8 * 2**30, "max_batch_cap": 4096}
+
+
+def peak_bytes(stats) -> int:
+  """Bytes live while the compiled program runs: arguments, temporaries, outputs not aliased."""
+  return int(stats["argument_size_in_bytes"] + stats["temp_size_in_bytes"]
+             + stats["output_size_in_bytes"] - stats.get("alias_size_in_bytes", 0))
+
+
+def largest_batch(peak_of, limit: int, first: int, cap: int, known=None):
+  """(largest b <= cap with peak_of(b) <= limit, {b: peak}), peak non-decreasing in b.
+
+  Keeps lo (fits) and hi (does not) and guesses between them by linear interpolation of the
+  two nearest peaks (doubling while nothing failed yet), so a peak affine in b takes a few
+  compiles."""
+  peaks = dict(known or {})
+  lo, hi, b = 0, None, first
+  while True:
+    if b not in peaks:
+      peaks[b] = int(peak_of(b))
+    if peaks[b] <= limit:
+      lo = max(lo, b)
+    else:
+      hi = b if hi is None else min(hi, b)
+    if (hi is not None and hi - lo <= 1) or (hi is None and lo >= cap) or (hi == 1 and lo == 0):
+      return lo, peaks
+    b = _next_guess(lo, hi, peaks, limit, cap)
+
+
+def _next_guess(lo: int, hi: int | None, peaks: dict, limit: int, cap: int) -> int:
+  upper = cap if hi is None else hi - 1
+  points = sorted(peaks.items())
+  below = [p for p in points if p[1] <= limit]
+  above = [p for p in points if p[1] > limit]
+  pair = (below[-2:] if not above else [below[-1], above[0]]) if below else above[:2]
+  guess = 2 * max(lo, 1) if hi is None else (lo + hi) // 2
+  if len(pair) == 2 and pair[1][1] != pair[0][1]:
+    (b1, p1), (b2, p2) = pair
+    guess = int(b1 + (limit - p1) * (b2 - b1) / (p2 - p1))
+  return max(lo + 1, min(guess, upper))
+
+
+# ---- distillax ----------------------------------------------------------------------------------
+
+def distillax_variants() -> dict:
+  """name -> chunk_size; `default` is what the config section gives (auto)."""
+  from distillax.configs.sections import distill_section
+  from distillax.distill.chunked import chunk_size_from_config
+  return {"unchunked": None, "chunk256": 256,
+          "default": chunk_size_from_config(distill_section().chunk_size)}
+
+
+def distillax_engine(student_cfg, teacher_cfg, chunk_size, batch: int, seq_len: int):
+  """The train step the distill recipe compiles (train objective: metrics=False)."""
+  import jax
+
+  from benchmarks import common
+  from distillax import partitioning as pt
+  from distillax.distill import LogitKD, make_distill_objective
+  from distillax.framework import build_engine
+  from distillax.models import abstract_model
+  objective = make_distill_objective(LogitKD(temperature=TEMPERATURE, alpha=ALPHA),
+                                     chunk_size=chunk_size, metrics=False)
+  mesh = pt.create_mesh({"data": 1, "model": 1}, devices=jax.devices()[:1])
+  rules = pt.rules_from_config({"strategy": "fsdp"})
+  return build_engine(abstract_model(student_cfg), {"teacher": abstract_model(teacher_cfg)},
+                      objective, common.benchmark_optimizer(), 1000, mesh, rules, "jit",
+                      common.batch_shapes(batch, seq_len))
+
+
+class DistillaxSystem:
+  """One distillax variant: a stepper on the benchmark batch and compile-only peaks."""
+
+  def __init__(self, name, chunk_size, student_cfg, teacher_cfg, s, batch, models):
+    from benchmarks import common
+    self.name, self.chunk_size = name, chunk_size
+    self.cfgs, self.seq_len = (student_cfg, teacher_cfg), s["seq_len"]
+    start = time.perf_counter()
+    engine = distillax_engine(student_cfg, teacher_cfg, chunk_size, s["batch"], s["seq_len"])
+    self.compile_s = time.perf_counter() - start
+    self.stats = dict(engine.runner.stats)
+    self.stepper = common.Stepper(engine, models[0], batch, extras={"teacher": models[1]})
+
+  def __call__(self, steps: int) -> None:
+    self.stepper(steps)
+
+  @property
+  def losses(self):
+    return self.stepper.losses
+
+  def peak_at(self, batch: int) -> int:
+    return peak_bytes(distillax_engine(*self.cfgs, self.chunk_size, batch, self.seq_len)
+                      .runner.stats)
+
+
+# ---- Tunix (optional) ---------------------------------------------------------------------------
+
+def tunix_available() -> bool:
+  try:
+    import tunix.distillation.distillation_trainer  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def tunix_config(cfg):
+  """Tunix llama3 ModelConfig with the shapes of a distillax TransformerConfig."""
+  from tunix.models.llama3 import model as llama
+  return llama.ModelConfig(num_layers=cfg.num_layers, vocab_size=cfg.vocab_size,
+                           embed_dim=cfg.embed_dim, hidden_dim=cfg.mlp_dim,
+                           num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+                           num_kv_heads=cfg.num_kv_heads, rope_theta=int(cfg.rope_theta),
+                           norm_eps=cfg.norm_eps, weight_tying=cfg.tie_embeddings)
+
+
+def _tunix_model_inputs(x):
+  import jax.numpy as jnp
+  B, L = x.input_tokens.shape
+  causal = jnp.tril(jnp.ones((L, L), bool))[None]
+  return {"input_tokens": x.input_tokens, "input_mask": x.input_mask,
+          "positions": jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)),
+          "attention_mask": causal & x.input_mask.astype(bool)[:, None, :]}
+
+
+def _tunix_forward(model, input_tokens, input_mask, positions, attention_mask):
+  del input_mask
+  logits, _ = model(input_tokens, positions, None, attention_mask)
+  return logits
+
+
+def _tunix_labels(vocab: int):
+  def labels(input_tokens, **_):
+    import jax
+    import jax.numpy as jnp
+    return jax.nn.one_hot(jnp.roll(input_tokens, -1, axis=1), vocab)
+  return labels
+
+
+class TunixSystem:
+  """Tunix's DistillationTrainer + LogitStrategy on llama3 models of the same shapes."""
+
+  name = "tunix"
+
+  def __init__(self, student_cfg, teacher_cfg, s, batch):
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.distillation import distillation_trainer as dt
+    from tunix.distillation import strategies
+    from tunix.models.llama3 import model as llama
+
+    from benchmarks import common
+    from distillax.framework import optim
+    self.vocab, self.seq_len = student_cfg.vocab_size, s["seq_len"]
+    student = llama.Llama3(tunix_config(student_cfg), rngs=nnx.Rngs(0))
+    teacher = llama.Llama3(tunix_config(teacher_cfg), rngs=nnx.Rngs(1))
+    strategy = strategies.LogitStrategy(
+        student_forward_fn=_tunix_forward, teacher_forward_fn=_tunix_forward,
+        labels_fn=_tunix_labels(self.vocab), temperature=TEMPERATURE, alpha=ALPHA)
+    tx, _ = optim.make_optimizer(common.benchmark_optimizer(), 1000)
+    trainer = dt.DistillationTrainer(student, teacher, strategy, tx,
+                                     dt.TrainingConfig(eval_every_n_steps=10**9))
+    self.trainer = trainer.with_gen_model_input_fn(_tunix_model_inputs)
+    self.train_step, _ = self.trainer.jit_train_and_eval_step(cache_nnx_graph=False)
+    self.example = dt.TrainingInput(input_tokens=jnp.asarray(batch["inputs_BxL"]),
+                                    input_mask=jnp.asarray(batch["loss_mask_BxL"], jnp.int32))
+    self.losses: list[float] = []
+    self.compile_s = 0.0
+    start = time.perf_counter()
+    self.stats = self._stats(s["batch"])
+    self.compile_s = time.perf_counter() - start
+
+  def __call__(self, steps: int) -> None:
+    import jax
+    loss = None
+    for _ in range(steps):
+      prepared = self.trainer._prepare_inputs(self.example)  # the teacher's jitted forward
+      loss, _, _ = self.train_step(prepared)
+    jax.block_until_ready(loss)
+    self.losses.append(float(loss))
+
+  def _stats(self, batch: int) -> dict:
+    """Both programs compiled for `batch` rows; the peak adds what stays resident."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tunix.distillation import distillation_trainer as dt
+
+    from distillax.framework.backends import compiled_stats
+    L = self.seq_len
+    example = dt.TrainingInput(input_tokens=jax.ShapeDtypeStruct((batch, L), jnp.int32),
+                               input_mask=jax.ShapeDtypeStruct((batch, L), jnp.int32))
+    inputs = jax.eval_shape(_tunix_model_inputs, example)
+    strategy, teacher = self.trainer.strategy, self.trainer.teacher_model
+    t_stats = compiled_stats(strategy._teacher_forward_fn.lower(teacher, **inputs).compile())
+    train_in = dt.TrainingInput(input_tokens=example.input_tokens, input_mask=example.input_mask,
+                                teacher_output=jax.ShapeDtypeStruct((batch, L, self.vocab),
+                                                                    jnp.float32))
+    step = self.train_step
+    s_stats = compiled_stats(step.func.lower(*step.args, train_in).compile())
+    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+    teacher_bytes = nbytes(nnx.state(teacher))
+    student_bytes = nbytes(nnx.state(self.trainer.model)) + nbytes(
+        nnx.state(self.trainer.optimizer))
+    peak = max(peak_bytes(t_stats) + student_bytes, peak_bytes(s_stats) + teacher_bytes)
+    return {"teacher_program": t_stats, "train_program": s_stats, "peak": peak,
+            "temp_size_in_bytes": t_stats["temp_size_in_bytes"] + s_stats["temp_size_in_bytes"],
+            "flops": t_stats.get("flops", 0.0) + s_stats.get("flops", 0.0)}
+
+  def peak_at(self, batch: int) -> int:
+    return self._stats(batch)["peak"]
+
+
+# ---- one vocabulary -----------------------------------------------------------------------------
+
+def build_systems(vocab: int, s: dict, with_tunix: bool):
+  from benchmarks import common
+  from distillax.models import get_preset
+  student_cfg = get_preset("demo_student").replace(vocab_size=vocab)
+  teacher_cfg = get_preset("demo_teacher").replace(vocab_size=vocab)
+  batch = common.packed_batch(s["batch"], s["seq_len"], vocab, seed=0)
+  models = (common.host_model(student_cfg, 0), common.host_model(teacher_cfg, 1))
+  systems = {name: DistillaxSystem(name, chunk, student_cfg, teacher_cfg, s, batch, models)
+             for name, chunk in distillax_variants().items()}
+  if with_tunix:
+    systems["tunix"] = TunixSystem(student_cfg, teacher_cfg, s, batch)
+  for name, system in systems.items():
+    print(f"  vocab {vocab}: {name} compiled in {system.compile_s:.0f}s", flush=True)
+  return systems, (student_cfg, teacher_cfg)
+
+
+def timed(systems: dict, reps: int):
+  """(wall seconds per step, process CPU seconds per step) of each system, interleaved."""
+  from benchmarks import common
+  cpu = {name: [] for name in systems}
+
+  def with_cpu(name, run):
+    def call(steps):
+      start = time.process_time()
+      run(steps)
+      cpu[name].append((time.process_time() - start) / steps)
+    return call
+
+  runs = {name: with_cpu(name, system) for name, system in systems.items()}
+  times, _ = common.interleaved(runs, reps=reps, steps_per_rep=1, warmup_steps=1)
+  return times, {name: c[1:] for name, c in cpu.items()}  # drop the warm-up's
+
+
+def chunk_tokens(chunk_size, tokens: int, vocab: int) -> int | None:
+  """Tokens per logit chunk the objective uses (auto resolved as the objective resolves it; a
+  chunk never holds more than the batch's tokens); None: unchunked."""
+  from distillax.distill.chunked import resolve_chunk_size
+  chunk = resolve_chunk_size(chunk_size, tokens, vocab)
+  return None if chunk is None else min(chunk, tokens)
+
+
+def measure_vocab(vocab: int, s: dict, with_tunix: bool) -> list[dict]:
+  from benchmarks import common
+  systems, _ = build_systems(vocab, s, with_tunix)
+  load_before = os.getloadavg()
+  times, cpu = timed(systems, s["reps"])
+  load_after = os.getloadavg()
+  tokens = s["batch"] * s["seq_len"]
+  rows = []
+  for name, system in systems.items():
+    stats = system.stats
+    peak = stats["peak"] if name == "tunix" else peak_bytes(stats)
+    best, peaks = None, {s["batch"]: peak}
+    if s["max_batch"]:
+      print(f"  vocab {vocab}: {name}: largest batch in "
+            f"{common.fmt_bytes(s['memory_limit'])}...", flush=True)
+      best, peaks = largest_batch(system.peak_at, s["memory_limit"], s["batch"],
+                                  s["max_batch_cap"], known=peaks)
+    step_s = common.median(times[name])
+    rows.append({
+        "vocab": vocab, "system": name, "chunk_size": getattr(system, "chunk_size", None),
+        "chunk_tokens": chunk_tokens(getattr(system, "chunk_size", None), tokens, vocab),
+        "tokens": tokens, "step_s": step_s, "step_s_all": times[name],
+        "cpu_s": common.median(cpu[name]), "cpu_s_all": cpu[name],
+        "tokens_per_s": tokens / step_s, "peak_bytes": peak,
+        "temp_bytes": int(stats["temp_size_in_bytes"]), "flops": stats.get("flops"),
+        "max_batch": best, "peaks_by_batch": {str(b): p for b, p in sorted(peaks.items())},
+        "first_loss": system.losses[0], "final_loss": system.losses[-1],
+        "compile_s": system.compile_s, "load_avg_before": load_before,
+        "load_avg_after": load_after})
+  for r in rows:
+    for ref in ("unchunked", "tunix"):
+      if ref in times:
+        r[f"time_ratio_to_{ref}"] = common.paired_ratio(times, r["system"], ref)
+  return rows
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+def checks(rows: list[dict], with_tunix: bool) -> list[dict]:
+  """Same first loss across the distillax runs; the issue's targets where Tunix ran."""
+  out = []
+  for vocab in sorted({r["vocab"] for r in rows}):
+    mine = [r for r in rows if r["vocab"] == vocab and r["system"] != "tunix"]
+    ref = mine[0]["first_loss"]
+    diff = max(abs(r["first_loss"] - ref) / abs(ref) for r in mine)
+    out.append({"check": f"vocab {vocab}: same first loss unchunked/chunked/default",
+                "value": diff, "target": 1e-6, "pass": diff <= 1e-6, "required": True})
+  by = {(r["vocab"], r["system"]): r for r in rows}
+  if with_tunix and (TARGET_VOCAB, "tunix") in by:
+    d, t = by[(TARGET_VOCAB, "default")], by[(TARGET_VOCAB, "tunix")]
+    speed = 1.0 / d["time_ratio_to_tunix"]
+    out += [
+        {"check": "vocab 128256: default tokens/s over Tunix's", "value": speed,
+         "target": TARGETS["tokens_per_s"], "pass": speed >= TARGETS["tokens_per_s"]},
+        {"check": "vocab 128256: default peak memory over Tunix's",
+         "value": d["peak_bytes"] / t["peak_bytes"], "target": TARGETS["peak"],
+         "pass": d["peak_bytes"] <= TARGETS["peak"] * t["peak_bytes"]},
+    ]
+    if d["max_batch"] is not None and t["max_batch"] is not None:
+      out.append({"check": "vocab 128256: default max batch over Tunix's",
+                  "value": d["max_batch"] / max(t["max_batch"], 1),
+                  "target": TARGETS["max_batch"],
+                  "pass": d["max_batch"] >= TARGETS["max_batch"] * t["max_batch"]})
+  return out
+
+
+def print_table(rows: list[dict], s: dict) -> None:
+  from benchmarks import common
+  print(common.format_table(rows, [
+      ("vocab", lambda r: r["vocab"]), ("system", lambda r: r["system"]),
+      ("chunk", lambda r: "-" if r["chunk_tokens"] is None else r["chunk_tokens"]),
+      ("step ms", lambda r: common.fmt_ms(r["step_s"])),
+      ("cpu ms", lambda r: common.fmt_ms(r["cpu_s"])),
+      ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}"),
+      ("time vs Tunix", lambda r: common.fmt_ratio(r.get("time_ratio_to_tunix"))),
+      ("peak", lambda r: common.fmt_bytes(r["peak_bytes"])),
+      (f"max batch ({common.fmt_bytes(s['memory_limit'])})",
+       lambda r: "-" if r["max_batch"] is None else r["max_batch"]),
+      ("load", lambda r: f"{r['load_avg_before'][0]:.1f}"),
+  ]))
+
+
+def main() -> int:
+  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=1)
+  parser.add_argument("--vocabs", default="", help="comma-separated vocabulary sizes")
+  parser.add_argument("--reps", type=int, default=0, help="timed rounds per vocabulary")
+  parser.add_argument("--no-tunix", action="store_true", help="skip Tunix even if it imports")
+  parser.add_argument("--no-max-batch", action="store_true",
+                      help="skip the compile-only search for the largest batch")
+  args = subproc.parse_args_before_jax(parser)
+  from benchmarks import common
+
+  s = settings(args.quick)
+  if args.vocabs:
+    s["vocabs"] = tuple(int(v) for v in args.vocabs.split(","))
+  s["reps"] = args.reps or s["reps"]
+  s["max_batch"] = not args.no_max_batch
+  with_tunix = not args.no_tunix and tunix_available()
+  print(f"Tunix: {'yes' if with_tunix else 'not importable or skipped'}; load average "
+        f"{os.getloadavg()}", flush=True)
+  rows = []
+  for vocab in s["vocabs"]:
+    rows += measure_vocab(vocab, s, with_tunix)
+  print(f"\ndemo_student <- demo_teacher, {s['batch']} x {s['seq_len']} tokens, LogitKD "
+        f"T={TEMPERATURE} alpha={ALPHA}, fp32, one {common.machine_info()['platform']} device")
+  print_table(rows, s)
+  results = checks(rows, with_tunix)
+  for c in results:
+    print(f"{'PASS' if c['pass'] else 'FAIL'}  {c['check']}: {c['value']:.3g} "
+          f"(target {c['target']})")
+  path = common.write_json(args.out, "kd_vocab", {
+      "machine": common.machine_info(), "quick": args.quick, "settings": s,
+      "tunix": with_tunix, "rows": rows, "checks": results})
+  print(f"\nwrote {path}")
+  return 0 if all(c["pass"] for c in results if c.get("required")) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
