@@ -18,8 +18,8 @@ $(VENV)/.core: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,hf]' 2>&1 | grep -v "is ignored" || true
-	$(BIN)/python -c "import distillax, jax, pytest, torch, transformers"
+	$(BIN)/python -m pip install -q -e '.[test,hf,edge]' 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -c "import distillax, jax, pytest, torch, transformers, gguf, llama_cpp"
 	touch $@ $(VENV)/.core
 
 demo: $(VENV)/.core

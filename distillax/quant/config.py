@@ -21,16 +21,18 @@ import ml_collections
 
 from distillax.errors import ConfigError
 
-WEIGHT_QTYPES = ("int8", "int4", "nf4", "float8_e4m3fn")
-ACT_QTYPES = ("int8", "float8_e4m3fn")
+WEIGHT_QTYPES = ("int8", "int4", "nf4", "float8_e4m3fn", "q8_0", "q4_0")
+ACT_QTYPES = ("int8", "float8_e4m3fn", "q8_0")
+# llama.cpp's block formats (quant/ggml.py): fixed blocks of 32 inputs, written by export gguf.
+GGML_WEIGHT_QTYPES = ("q8_0", "q4_0")
 # Bits per stored element, for size estimates (scales are counted separately).
 @dataclasses.dataclass(frozen=True)
 class QuantRule:
   """One rule: modules whose path fullmatches `module_path` get these types."""
 
   module_path: str = ".*"
-  weight_qtype: str | None = "int8"  # int8 | int4 | nf4 | float8_e4m3fn | None (keep fp)
-  act_qtype: str | None = None  # int8 | float8_e4m3fn | None (activations stay fp)
+  weight_qtype: str | None = "int8"  # int8 | int4 | nf4 | float8_e4m3fn | q8_0 | q4_0 | None
+  act_qtype: str | None = None  # int8 | float8_e4m3fn | q8_0 | None (activations stay fp)
   tile_size: int | None = None  # None: per-channel scales; int: scales per tile of inputs
 
   def __post_init__(self):
@@ -48,6 +50,7 @@ class QuantRule:
     if self.act_qtype is not None and self.weight_qtype is None:
       raise ConfigError(f"{where}: act_qtype={self.act_qtype!r} needs a weight_qtype; "
                         f"activations are only quantized at quantized weight matmuls")
+    _check_ggml(self, where)
     if self.tile_size is not None and (isinstance(self.tile_size, bool) or
                                        not isinstance(self.tile_size, int) or
                                        self.tile_size <= 0):
@@ -59,6 +62,18 @@ class QuantRule:
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
+
+
+def _check_ggml(rule: "QuantRule", where: str) -> None:
+  """llama.cpp's types come as its kernels use them: blocks of 32 (no other tile size), and q8_0
+  activations only at q8_0 / q4_0 weights (the only matmuls whose inputs llama.cpp rounds)."""
+  if rule.weight_qtype in GGML_WEIGHT_QTYPES and rule.tile_size not in (None, 32):
+    raise ConfigError(f"{where}: weight_qtype={rule.weight_qtype!r} has fixed blocks of 32 "
+                      f"inputs; set tile_size=None (got {rule.tile_size!r})")
+  if rule.act_qtype == "q8_0" and rule.weight_qtype not in GGML_WEIGHT_QTYPES:
+    raise ConfigError(f"{where}: act_qtype='q8_0' models llama.cpp's kernels for q8_0 / q4_0 "
+                      f"weights; use weight_qtype='q8_0' or 'q4_0' (got "
+                      f"{rule.weight_qtype!r})")
 
 
 # The deployment default: int4 weights / int8 activations for every matmul except the embedding

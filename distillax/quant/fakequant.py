@@ -4,7 +4,8 @@ Weights: a matched weight's variable becomes a `QuantSiteParam` (an `nnx.Param`:
 value, `logical_axes` and sharding) whose read returns the weight rounded to its grid. The
 rounding is qwix's (`qwix.quantize` / `qwix.dequantize`: absmax, one scale per output channel or
 per tile of the last contracted axis, round to nearest) on the weight cast to the compute dtype,
-so PTQ, the exported integers and the QAT forward agree bit for bit.
+so PTQ, the exported integers and the QAT forward agree bit for bit. llama.cpp's q8_0 / q4_0
+weights (and q8_0 activations) round with `ggml.py` instead, exactly as ggml does.
 
 Activations: the input of a quantized weight's matmul is rounded the same way (one scale per
 token, or per tile of its last contracted axis) by the interceptor (`intercept.py`), which
@@ -25,7 +26,7 @@ import qwix
 from flax import nnx
 
 from distillax.errors import UserError
-from distillax.quant import intercept
+from distillax.quant import ggml, intercept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,10 @@ class WeightQuant:
 def quantize_weight(w: jax.Array, wq: WeightQuant) -> tuple[jax.Array, jax.Array]:
   """(qvalue, scale): qvalue int8 / int4 / uint4 (nf4 codes) / float8_e4m3fn; scale in the
   compute dtype with the weight's rank (1 on reduced axes, #tiles on tiled axes)."""
+  if wq.qtype in ggml.WEIGHT_QTYPES:
+    raise UserError(f"weight type {wq.qtype} is llama.cpp's block format: export it with "
+                    f"`distillax export --format gguf`; integer codes for QLoRA bases and "
+                    f"--format quantized take int8, int4, nf4 or float8_e4m3fn")
   channelwise, tiled = wq.axes(w.ndim)
   q = qwix.quantize(w.astype(wq.compute_dtype), wq.qtype, channelwise_axes=channelwise,
                     tiled_axes=tiled)
@@ -69,7 +74,11 @@ def dequantize(qvalue: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
 
 
 def fake_quantize_weight(w: jax.Array, wq: WeightQuant) -> jax.Array:
-  """The weight rounded to its grid, in its own dtype (exact: grid values fit the dtype)."""
+  """The weight rounded to its grid, in its own dtype (exact: grid values fit the dtype).
+  ggml's q8_0 / q4_0 round in float32 whatever the compute dtype, as llama.cpp does."""
+  if wq.qtype in ggml.WEIGHT_QTYPES:
+    lead = w.ndim - wq.ndim  # stacked layers: every layer gets its own blocks
+    return ggml.fake_quantize(w, wq.qtype, [a + lead for a in wq.contract_axes])
   return dequantize(*quantize_weight(w, wq), wq.qtype).astype(w.dtype)
 
 
@@ -94,6 +103,9 @@ ste_weight.defvjp(_ste_weight_fwd, _ste_weight_bwd)
 
 def fake_quantize(x: jax.Array, qtype: str, channelwise: Sequence[int],
                   tiled: tuple[tuple[int, int], ...]) -> jax.Array:
+  if qtype in ggml.ACT_QTYPES:  # blocks of 32 along every axis not kept per token
+    return ggml.fake_quantize_activation(
+        x, qtype, [i for i in range(x.ndim) if i not in tuple(channelwise)])
   q = qwix.quantize(x, qtype, channelwise_axes=tuple(channelwise), tiled_axes=dict(tiled))
   return dequantize(q.qvalue, q.scale, qtype).astype(x.dtype)
 

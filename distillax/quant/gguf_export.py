@@ -1,0 +1,323 @@
+"""A distillax Transformer as one GGUF file that llama.cpp runs (`distillax export --format gguf`).
+
+  write_gguf(model, "student-q4_0.gguf", quant="q4_0", rules=config.qat.rules,
+             tokenizer=make_tokenizer("byte"))
+
+Architectures: what `hf_config.hf_architecture` names, as llama.cpp's llama (Llama, and
+Mistral when no layer's window is shorter than the context), gemma, gemma2, qwen2 and qwen3,
+with llama.cpp's tensor names and `{arch}.*` keys. Conventions llama.cpp expects and we follow:
+tensors are row-major [out, in] (GGUF ne0 = in, the axis ggml's blocks run along); Llama's q/k
+rows are permuted from the rotate-half layout to llama.cpp's interleaved RoPE (its other archs
+rotate halves like us); Gemma's norms are stored as 1 + scale (llama.cpp multiplies by the
+stored weight) and its sqrt(embed_dim) embedding scale is applied by llama.cpp itself; tied
+embeddings mean no `output.weight` (llama.cpp reuses token_embd); Llama 3.1 RoPE scaling goes in
+as the `rope_freqs` factors convert_hf_to_gguf.py writes. Features llama.cpp would silently run
+differently (a sliding window on a llama/qwen arch, Gemma 2 without soft-caps or with another
+query scale) are refused with a UserError.
+
+Types (`quant`): f32 writes every tensor as float32; f16 writes matrices as float16 (norms and
+biases stay f32, as llama.cpp's converter does); q8_0 / q4_0 quantize the matmul weights the
+quant `rules` select (the rules of QAT, first match wins; without rules every matmul weight,
+tied embedding included), the others stay f32. A matmul weight is flattened to [out, in] with
+its contracted axes (increasing order) as `in`, the layout `quant/ggml.py` blocks QAT weights
+in, and quantized by that same code: the blocks in the file are the numbers the QAT forward
+used, bit for bit. Norms and biases are always f32.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from distillax.data.tokenizer import ByteTokenizer, Tokenizer
+from distillax.errors import UserError
+from distillax.models.config import TransformerConfig
+from distillax.models.hf_config import hf_architecture
+from distillax.models.transformer import Transformer, with_layer_layout
+from distillax.quant import ggml
+from distillax.quant.config import GGML_WEIGHT_QTYPES, QuantConfig
+from distillax.quant.graph import flat_pure_dict
+from distillax.quant.gguf_vocab import vocab_of
+from distillax.quant.qat import full_precision, weight_quants
+from distillax.quant.sites import MatmulSite, find_matmul_sites
+
+QUANTS = ("f32", "f16", "q8_0", "q4_0")
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+                 "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}  # gguf.LlamaFileType
+_TOP_NAMES = {"embedder/embedding": "token_embd.weight", "final_norm/scale": "output_norm.weight",
+              "lm_head": "output.weight"}
+_BLOCK_NAMES = {
+    "attn_norm/scale": "attn_norm.weight", "attn/q": "attn_q.weight", "attn/k": "attn_k.weight",
+    "attn/v": "attn_v.weight", "attn/o": "attn_output.weight", "attn/q_bias": "attn_q.bias",
+    "attn/k_bias": "attn_k.bias", "attn/v_bias": "attn_v.bias",
+    "attn/q_norm/scale": "attn_q_norm.weight", "attn/k_norm/scale": "attn_k_norm.weight",
+    "post_attn_norm/scale": "post_attention_norm.weight", "mlp_norm/scale": "ffn_norm.weight",
+    "mlp/gate": "ffn_gate.weight", "mlp/up": "ffn_up.weight", "mlp/down": "ffn_down.weight",
+    "post_mlp_norm/scale": "post_ffw_norm.weight",
+}
+
+
+def gguf_name(param: str) -> str:
+  """llama.cpp's name of one of our parameters ('layers/3/attn/q' -> 'blk.3.attn_q.weight')."""
+  if param in _TOP_NAMES:
+    return _TOP_NAMES[param]
+  _, layer, rest = param.split("/", 2)
+  return f"blk.{layer}.{_BLOCK_NAMES[rest]}"
+
+
+# ---- architecture --------------------------------------------------------------------------
+
+def gguf_architecture(config: TransformerConfig) -> str:
+  """llama.cpp's architecture for a config, or a UserError naming what llama.cpp would change."""
+  arch = ARCHITECTURES[hf_architecture(config)]
+  local = [config.layer_uses_sliding_window(i) for i in range(config.num_layers)]
+  if arch != "gemma2" and any(local) and config.sliding_window < config.max_seq_len:
+    raise UserError(f"llama.cpp's {arch} architecture attends over the whole context; "
+                    f"sliding_window={config.sliding_window} < max_seq_len={config.max_seq_len} "
+                    f"would run differently there (set sliding_window to None or >= max_seq_len)")
+  if arch != "llama" and config.rope_scaling_factor is not None:
+    raise UserError(f"llama.cpp applies Llama 3.1 RoPE scaling only to the llama architecture, "
+                    f"not {arch}; set rope_scaling_factor=None")
+  if arch == "gemma2":
+    if config.attn_logit_softcap is None or config.final_logit_softcap is None:
+      raise UserError("llama.cpp's gemma2 always soft-caps attention and output logits; set "
+                      "attn_logit_softcap and final_logit_softcap")
+    scale = config.query_pre_attn_scalar or config.head_dim
+    llama_cpp_scale = (config.embed_dim // config.num_heads if config.num_layers == 46
+                       else config.head_dim)  # llama.cpp's rule (27B: embed / heads)
+    if scale != llama_cpp_scale:
+      raise UserError(f"llama.cpp's gemma2 scales queries by {llama_cpp_scale}**-0.5 for "
+                      f"{config.num_layers} layers; query_pre_attn_scalar={scale} would differ")
+  return arch
+
+
+def _add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> None:
+  writer.add_context_length(config.max_seq_len)
+  writer.add_embedding_length(config.embed_dim)
+  writer.add_block_count(config.num_layers)
+  writer.add_feed_forward_length(config.mlp_dim)
+  writer.add_head_count(config.num_heads)
+  writer.add_head_count_kv(config.num_kv_heads)
+  writer.add_key_length(config.head_dim)
+  writer.add_value_length(config.head_dim)
+  writer.add_rope_dimension_count(config.head_dim)
+  writer.add_rope_freq_base(float(config.rope_theta))
+  writer.add_layer_norm_rms_eps(float(config.norm_eps))
+  writer.add_vocab_size(config.vocab_size)
+  writer.add_file_type(_FILE_TYPES[quant])
+  if quant in GGML_WEIGHT_QTYPES:
+    writer.add_quantization_version(2)  # ggml's GGML_QNT_VERSION
+  if arch == "gemma2":
+    writer.add_attn_logit_softcapping(float(config.attn_logit_softcap))
+    writer.add_final_logit_softcapping(float(config.final_logit_softcap))
+    writer.add_sliding_window(int(config.sliding_window or config.max_seq_len))
+    writer.add_sliding_window_pattern(int(config.sliding_window_pattern))
+
+
+def rope_freq_factors(config: TransformerConfig) -> np.ndarray:
+  """Llama 3.1's RoPE scaling as llama.cpp takes it: one divisor per frequency (rope_freqs),
+  computed as convert_hf_to_gguf.py does."""
+  dim, factor = config.head_dim, config.rope_scaling_factor
+  low, high, old = (config.rope_low_freq_factor, config.rope_high_freq_factor,
+                    config.rope_original_max_len)
+  out = []
+  for i in range(0, dim, 2):
+    wavelen = 2 * math.pi * config.rope_theta ** (i / dim)
+    if wavelen < old / high:
+      out.append(1.0)
+    elif wavelen > old / low:
+      out.append(factor)
+    else:
+      smooth = (old / wavelen - low) / (high - low)
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.asarray(out, np.float32)
+
+
+# ---- tensors -------------------------------------------------------------------------------
+
+def tensor_types(model: Transformer, quant: str, rules: Sequence[Any] | None = None
+                 ) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+  """({param name: the axes its matmul contracts}, {param name: 'f32' | 'f16' | 'q8_0' |
+  'q4_0'}) with one-layer names ('layers/3/attn/q'): how `write_gguf` stores each parameter.
+
+  The rules are matched in the model's own layout, as QAT matched them (a scanned model's
+  module paths are 'layers/attn', an unrolled one's 'layers/3/attn'); stacked parameters then
+  give every layer the type of the stack.
+  """
+  if quant not in QUANTS:
+    raise UserError(f"--quant={quant!r} is unknown; use one of {', '.join(QUANTS)}")
+  sites = {s.name: s for s in find_matmul_sites(model)}
+  plans = _ggml_plans(quant, rules, list(sites.values())) if quant in GGML_WEIGHT_QTYPES else {}
+  contracts, types = {}, {}
+  for name in flat_pure_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param))):
+    kind = plans[name][1].qtype if name in plans else (
+        "f16" if quant == "f16" and (name in sites or name == "embedder/embedding") else "f32")
+    for layer_name in _per_layer(name, model.config):
+      types[layer_name] = kind
+      if name in sites:
+        contracts[layer_name] = sites[name].contract_axes
+  return contracts, types
+
+
+def _per_layer(name: str, config: TransformerConfig) -> list[str]:
+  if config.scan_layers and name.startswith("layers/"):
+    return [f"layers/{i}/{name[len('layers/'):]}" for i in range(config.num_layers)]
+  return [name]
+
+
+def _ggml_plans(quant: str, rules, sites: list[MatmulSite]):
+  qcfg = QuantConfig.from_config({"rules": tuple(rules)}) if rules else QuantConfig.simple(quant)
+  for i, rule in enumerate(qcfg.rules):
+    if rule.weight_qtype not in (None,) + GGML_WEIGHT_QTYPES:
+      raise UserError(f"qat.rules[{i}] weight_qtype={rule.weight_qtype!r} has no GGUF type; "
+                      f"use llama.cpp's {' or '.join(GGML_WEIGHT_QTYPES)} in the rules (and "
+                      f"train QAT with them) for a GGUF export")
+  used = {r.weight_qtype for r in qcfg.rules if r.weight_qtype}
+  if quant not in used:
+    raise UserError(f"--quant {quant}, but the qat.rules quantize to {sorted(used)}; pass "
+                    f"--quant {sorted(used)[0]} or change the rules")
+  return weight_quants(qcfg, sites, "float32")
+
+
+def _rows(x: np.ndarray, contract: Sequence[int] | None, name: str) -> np.ndarray:
+  """GGUF's row-major [out, in] of a matmul weight (in = its contracted axes, increasing);
+  the untied embedding as it is ([vocab, embed]); norms and biases flattened."""
+  if contract is None:
+    return x if name == "embedder/embedding" else x.reshape(-1)
+  contract = sorted(contract)
+  free = [a for a in range(x.ndim) if a not in contract]
+  n_in = int(np.prod([x.shape[a] for a in contract]))
+  return np.transpose(x, free + contract).reshape(-1, n_in)
+
+
+def _rope_interleave(rows: np.ndarray, n_heads: int) -> np.ndarray:
+  """Llama q/k rows: rotate-half pairs (i, i + d/2) -> llama.cpp's adjacent pairs (2i, 2i+1)."""
+  return (rows.reshape(n_heads, 2, rows.shape[0] // n_heads // 2, *rows.shape[1:])
+          .swapaxes(1, 2).reshape(rows.shape))
+
+
+def gguf_arrays(model: Transformer, contracts: dict[str, tuple[int, ...]]):
+  """Yields (param name, GGUF name, float32 array as llama.cpp reads it) for every parameter
+  of an unrolled model, before any quantization."""
+  config = model.config
+  arch = gguf_architecture(config)
+  params = flat_pure_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  for name, value in params.items():
+    x = _rows(_host(value).astype(np.float32), contracts.get(name), name)
+    if name.endswith("norm/scale") and config.norm_scale_plus_one:
+      x = (np.float32(1) + x).astype(np.float32)
+    if arch == "llama" and name.endswith(("attn/q", "attn/k")):
+      x = _rope_interleave(x, config.num_heads if name.endswith("q") else config.num_kv_heads)
+    yield name, gguf_name(name), np.ascontiguousarray(x)
+  if arch == "llama" and config.rope_scaling_factor is not None:
+    yield None, "rope_freqs.weight", rope_freq_factors(config)
+
+
+def _host(x: jax.Array) -> np.ndarray:
+  if not x.is_fully_addressable:  # every process joins the gather; process 0 writes
+    from jax.experimental import multihost_utils
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(x)
+
+
+def encode_tensor(rows: np.ndarray, ggml_type: str) -> np.ndarray:
+  """What the file stores for one tensor: float32 / float16 values or ggml's block bytes,
+  quantized by the code that rounds QAT weights (`ggml.quantize`)."""
+  if ggml_type == "f32":
+    return rows.astype(np.float32)
+  if ggml_type == "f16":
+    return rows.astype(np.float16)
+  codes, scales = ggml.quantize(jnp.asarray(rows), ggml_type, (rows.ndim - 1,))
+  return ggml.pack_blocks(np.asarray(codes), np.asarray(scales), ggml_type)
+
+
+# ---- the file ------------------------------------------------------------------------------
+
+def _gguf():
+  try:
+    import gguf
+  except ImportError:
+    raise UserError("GGUF export needs the gguf package; install the edge extra: pip install "
+                    "'distillax[edge]'") from None
+  return gguf
+
+
+def _plain(model: nnx.Module) -> Transformer:
+  """The plain model (no fake quantization, no interception) in its own layer layout."""
+  if not isinstance(getattr(model, "config", None), TransformerConfig):
+    raise UserError(f"GGUF export takes a distillax Transformer, not {type(model).__name__}")
+  return full_precision(model)
+
+
+def write_gguf(model: nnx.Module, path: str | os.PathLike, *, quant: str = "f32",
+               rules: Sequence[Any] | None = None, tokenizer: Tokenizer | None = None,
+               add_bos: bool = True) -> dict[str, Any]:
+  """Writes `model` as a GGUF file (see the module docstring for the types and conventions).
+
+  rules: quant rules (QAT's `qat.rules`) choosing q8_0 / q4_0 per matmul weight; tokenizer: the
+  one the model was trained with (byte-level when omitted); add_bos: whether llama.cpp adds BOS
+  (distillax's data.add_bos). Returns {'path', 'architecture', 'types': {GGUF name: type},
+  'bytes'}; only process 0 writes, every process must call it.
+  """
+  gguf = _gguf()
+  model = _plain(model)
+  config = model.config
+  arch = gguf_architecture(config)
+  vocab = vocab_of(tokenizer or ByteTokenizer(), config.vocab_size)
+  contracts, types = tensor_types(model, quant, rules)
+  model = with_layer_layout(model, False)
+  writer = gguf.GGUFWriter(os.fspath(path), arch)
+  _add_hparams(writer, config, arch, quant)
+  vocab.write(writer, add_bos)
+  stored = {}
+  for name, gguf_tensor, rows in gguf_arrays(model, contracts):
+    ggml_type = types.get(name, "f32")
+    data = encode_tensor(rows, ggml_type)
+    raw = None if ggml_type in ("f32", "f16") else gguf.GGMLQuantizationType[ggml_type.upper()]
+    writer.add_tensor(gguf_tensor, data, raw_shape=data.shape if raw else None, raw_dtype=raw)
+    stored[gguf_tensor] = ggml_type
+  if jax.process_index() == 0:  # only now, every check passed, is anything written
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+  writer.close()
+  size = os.path.getsize(path) if os.path.exists(path) else 0
+  return {"path": os.fspath(path), "architecture": arch, "types": stored, "bytes": size}
+
+
+# ---- `distillax export --format gguf` --------------------------------------------------------
+
+def check_export_args(fmt: str, quant: str | None) -> str:
+  """The --quant of an export (f32 when omitted), checked before anything is loaded."""
+  if fmt != "gguf":
+    if quant is not None:
+      raise UserError(f"--quant applies to --format gguf, not --format {fmt}; drop --quant or "
+                      f"export --format gguf")
+    return ""
+  quant = quant or "f32"
+  if quant not in QUANTS:
+    raise UserError(f"--quant={quant!r} is unknown; use one of {', '.join(QUANTS)}")
+  _gguf()
+  return quant
+
+
+def export_run(model: nnx.Module, output: str, quant: str, rules: Sequence[Any] | None,
+               tokenizer: Tokenizer, add_bos: bool) -> str:
+  """Writes `<output>/model-<quant>.gguf` for a run's trained student with the run's tokenizer
+  and, for q8_0 / q4_0, the config's qat.rules (every matmul weight in `quant` when it has
+  none); returns the line the command prints."""
+  path = os.path.join(output, f"model-{quant}.gguf")
+  info = write_gguf(model, path, quant=quant, rules=tuple(rules or ()) or None,
+                    tokenizer=tokenizer, add_bos=add_bos)
+  kinds = sorted(set(info["types"].values()))
+  return (f"wrote {path} (GGUF, llama.cpp architecture {info['architecture']}, tensors "
+          f"{'/'.join(kinds)}, {info['bytes'] / 2**20:.2f} MiB)")

@@ -1,0 +1,144 @@
+"""llama.cpp's q8_0 / q4_0 blocks: distillax's rounding against the llama.cpp project's own numpy
+reference (`gguf.quants`) bit for bit, the straight-through gradient, the CPU kernel's activation
+rounding, and how the rules accept and refuse the types."""
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GGMLType
+
+from distillax.errors import ConfigError, UserError
+from distillax.quant import QuantConfig, QuantRule, WeightQuant, export_quantized, ggml
+from distillax.quant.fakequant import (fake_quantize, fake_quantize_weight, ste_activation,
+                                        ste_weight)
+from tests.quant.helpers import TINY1, numpy_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+GGML_TYPES = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
+# (shape, contracted axes): odd free dims, contractions over one axis (first, middle or last)
+# and over two (attention's output weight, (heads, head_dim, embed)).
+SHAPES = [((7, 96), (1,)), ((96, 5), (0,)), ((3, 64, 5), (1,)), ((4, 16, 13), (0, 1)),
+          ((2, 3, 32, 7), (2,))]
+
+
+def awkward_weights(shape, seed):
+  """Normal weights whose blocks span magnitudes (fp16 subnormal scales to large ones), with
+  an all-zero block, a constant block and a block whose largest magnitude occurs with both
+  signs (q4_0 must keep the first)."""
+  rng = np.random.default_rng(seed)
+  w = rng.normal(size=shape).astype(np.float32)
+  flat = w.reshape(-1)
+  for i, scale in enumerate((1e-7, 1e-4, 0.02, 3.0, 150.0)):
+    flat[i * 40:(i + 1) * 40] *= np.float32(scale)
+  flat[200:232] = 0
+  flat[232:264] = np.float32(0.75)
+  flat[264:296] = rng.normal(size=32).astype(np.float32) * 0.1
+  flat[270], flat[280] = np.float32(-0.9), np.float32(0.9)
+  return w
+
+
+def gguf_rows(w, contract):
+  """The weight as a GGUF [out, in] tensor: contracted axes (increasing) flattened as `in`."""
+  free = [a for a in range(w.ndim) if a not in contract]
+  return np.ascontiguousarray(np.transpose(w, free + list(contract)).reshape(
+      -1, int(np.prod([w.shape[a] for a in contract]))))
+
+
+@pytest.mark.parametrize("qtype", sorted(GGML_TYPES))
+@pytest.mark.parametrize("shape,contract", SHAPES)
+def test_rounding_equals_gguf_reference_bit_for_bit(qtype, shape, contract):
+  w = awkward_weights(shape, seed=len(shape) + sum(shape))
+  rows = gguf_rows(w, contract)
+  reference_bytes = gguf.quants.quantize(rows, GGML_TYPES[qtype])
+  reference = gguf.quants.dequantize(reference_bytes, GGML_TYPES[qtype])
+  rounded = jax.jit(ggml.fake_quantize, static_argnums=(1, 2))(jnp.asarray(w), qtype, contract)
+  got = gguf_rows(np.asarray(rounded), contract)
+  np.testing.assert_array_equal(got.view(np.uint32), reference.view(np.uint32))
+  codes, scales = ggml.quantize(jnp.asarray(rows), qtype, (1,))
+  packed = ggml.pack_blocks(np.asarray(codes), np.asarray(scales), qtype)
+  np.testing.assert_array_equal(packed, reference_bytes)
+
+
+@pytest.mark.parametrize("qtype", sorted(GGML_TYPES))
+def test_stacked_layers_get_their_own_blocks(qtype):
+  # Under scan_layers a weight carries a leading layer axis the matmul does not see.
+  w = awkward_weights((3, 64, 6), seed=3)
+  wq = WeightQuant(qtype, contract_axes=(0,), ndim=2)
+  got = np.asarray(fake_quantize_weight(jnp.asarray(w), wq))
+  for layer in range(3):
+    reference = gguf.quants.dequantize(gguf.quants.quantize(
+        np.ascontiguousarray(w[layer].T), GGML_TYPES[qtype]), GGML_TYPES[qtype])
+    np.testing.assert_array_equal(got[layer].T, reference)
+
+
+def test_weight_gradient_passes_straight_through():
+  w = jnp.asarray(awkward_weights((64, 6), seed=4))
+  upstream = jnp.asarray(np.random.default_rng(5).normal(size=(64, 6)), jnp.float32)
+  for qtype in GGML_TYPES:
+    wq = WeightQuant(qtype, contract_axes=(0,), ndim=2)
+    grad = jax.grad(lambda x: jnp.sum(ste_weight(x, wq) * upstream))(w)
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(upstream))
+    assert not np.array_equal(np.asarray(ste_weight(w, wq)), np.asarray(w))  # it does round
+
+
+def test_activation_gradient_passes_straight_through():
+  x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 3, 64)), jnp.float32)
+  upstream = jnp.asarray(np.random.default_rng(7).normal(size=(2, 3, 64)), jnp.float32)
+  grad = jax.grad(lambda v: jnp.sum(ste_activation(v, "q8_0", (0, 1), ()) * upstream))(x)
+  np.testing.assert_array_equal(np.asarray(grad), np.asarray(upstream))
+
+
+def numpy_cpu_q8_0(blocks):
+  """llama.cpp's x86 quantize_row_q8_0 (ggml-cpu/arch/x86/quants.c), written from the C:
+  multiplier 127 / amax, _mm256_round_ps to nearest even, fp16 scale amax / 127."""
+  amax = np.abs(blocks).max(axis=-1, keepdims=True)
+  with np.errstate(divide="ignore"):
+    multiplier = np.where(amax == 0, np.float32(0), np.float32(127) / amax).astype(np.float32)
+  codes = np.rint(blocks * multiplier)
+  return (amax / np.float32(127)).astype(np.float16).astype(np.float32) * codes
+
+
+def test_activations_round_like_the_cpu_kernel():
+  x = np.random.default_rng(8).normal(size=(5, 4, 96)).astype(np.float32)
+  # A block with exact halves (amax 127: multiplier 1): the kernel rounds them to even, the
+  # weight quantizer (roundf) away from zero.
+  x[0, 0, :32] = np.float32(0.5)
+  x[0, 0, :6] = [127, 2.5, -3.5, 0.5, -0.5, 1.5]
+  got = np.asarray(fake_quantize(jnp.asarray(x), "q8_0", (0, 1), ()))
+  want = numpy_cpu_q8_0(x.reshape(5, 4, 3, 32)).reshape(x.shape)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(got[0, 0, :6], [127, 2, -4, 0, 0, 2])
+  as_weight = np.asarray(ggml.fake_quantize(jnp.asarray(x[0, 0, :32]), "q8_0", (0,)))
+  np.testing.assert_array_equal(as_weight[:6], [127, 3, -4, 1, -1, 2])
+
+
+def test_activation_blocks_follow_the_weights_input_layout():
+  # The input of attention's output projection (B, L, heads, head_dim): one block spans two
+  # heads of 16, as the GGUF [embed, heads * head_dim] weight's blocks do.
+  x = np.random.default_rng(9).normal(size=(2, 3, 4, 16)).astype(np.float32)
+  x[0, 0, 1, 0] = 40.0  # raises the scale of heads 0-1, not of heads 2-3
+  got = np.asarray(fake_quantize(jnp.asarray(x), "q8_0", (0, 1), ()))
+  want = numpy_cpu_q8_0(x.reshape(2, 3, 2, 32)).reshape(x.shape)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_rules_accept_ggml_types_and_refuse_what_llama_cpp_lacks():
+  assert QuantConfig.simple("q4_0", "q8_0").rules[0].weight_qtype == "q4_0"
+  QuantRule(".*", "q8_0", "q8_0", 32)  # the fixed block size is fine to spell out
+  with pytest.raises(ConfigError, match="tile_size=None"):
+    QuantRule(".*", "q4_0", None, 64)
+  with pytest.raises(ConfigError, match="act_qtype='q8_0'.*q4_0"):
+    QuantRule(".*", "int4", "q8_0")
+
+
+def test_contraction_not_a_multiple_of_32_is_refused():
+  with pytest.raises(UserError, match="multiple of 32"):
+    ggml.fake_quantize(jnp.ones((48, 4)), "q4_0", (0,))
+
+
+def test_distillax_quantized_format_refuses_ggml_types(tmp_path):
+  model = numpy_model(TINY1, seed=0)
+  with pytest.raises(UserError, match="--format gguf"):
+    export_quantized(model, {"rules": ((".*", "q4_0", None, None),)}, tmp_path / "out")
