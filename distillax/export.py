@@ -1,13 +1,18 @@
-"""`distillax export`: the trained student of a run as Hugging Face safetensors or quantized.
+"""`distillax export`: the trained student of a run as Hugging Face safetensors, GGUF for
+llama.cpp (quant/gguf_export.py) or quantized.
 
   distillax export --config distillax/configs/lm.py --workdir runs/lm --output out/lm_hf
   distillax export --config distillax/configs/qat.py --workdir runs/qat --output out/int4 \
       --format quantized
+  distillax export --config distillax/configs/qat.py --workdir runs/qat --output out/gguf \
+      --format gguf --quant q4_0 --config.qat.rules="(('.*', 'q4_0', 'q8_0', None),)"
 
 The run's own config.json says what model and trainer produced it; `--config` supplies the mesh
 and rules to load it with and, for `--format quantized`, the `qat.rules` (int4 weights / int8
 activations when the config has none). LoRA is merged and training-only parts (feature
-projections, fake quantization) are dropped before writing.
+projections, fake quantization) are dropped before writing. The Hugging Face export also carries
+the run's tokenizer, chat template and a generation_config.json, so transformers' AutoTokenizer,
+apply_chat_template and generate work on it as it is.
 
 `--config` must still describe the run's job: the same `trainer` and the same `model` section
 as the run's config.json. Anything else means the command names two different jobs (a distill
@@ -26,7 +31,7 @@ import jax
 from distillax import partitioning as pt
 from distillax.errors import UserError
 
-FORMATS = ("hf", "quantized")
+FORMATS = ("hf", "quantized", "gguf")
 
 
 def check_same_job(config, workdir: str) -> None:
@@ -47,13 +52,36 @@ def check_same_job(config, workdir: str) -> None:
                     f"trained with (see {os.path.join(workdir, 'config.json')})")
 
 
-def run_export(config, workdir: str | None, output: str | None, fmt: str) -> int:
+def _run_tokenizer(workdir: str):
+  """(tokenizer, chat template text or None) the run trained with (its config.json's
+  data.tokenizer and data.chat_template), which the export carries: a model is only usable
+  with the ids and the chat format it learned."""
+  from distillax.data import make_tokenizer
+  from distillax.trainers import load_run_config
+  data = load_run_config(workdir, "--workdir").data
+  spec, template_file = data.tokenizer, data.get("chat_template") or ""
+  try:
+    tokenizer = make_tokenizer(spec)
+    if not template_file:
+      return tokenizer, None
+    with open(template_file, encoding="utf-8") as f:
+      return tokenizer, f.read()
+  except (UserError, OSError) as e:
+    raise UserError(f"the run in --workdir {workdir} trained with data.tokenizer={spec!r} "
+                    f"(data.chat_template={template_file!r}), which the export carries, but it "
+                    f"cannot be read ({e})") from None
+
+
+def run_export(config, workdir: str | None, output: str | None, fmt: str,
+               gguf_quant: str | None = None) -> int:
   if not workdir:
     raise UserError("--workdir is required: the run whose newest checkpoint to export")
   if not output:
     raise UserError("--output is required: the directory to write the exported model to")
   if fmt not in FORMATS:
     raise UserError(f"--format={fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+  from distillax.quant.gguf_export import check_export_args, export_run
+  gguf_quant = check_export_args(fmt, gguf_quant)
   if os.path.exists(output) and os.listdir(output):
     raise UserError(f"--output {output} exists and is not empty; choose a new directory")
   check_same_job(config, workdir)
@@ -65,9 +93,19 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str) -> int
   model = load_trained_model(workdir, mesh, rules)
   primary = jax.process_index() == 0  # every process joins the gathers; one says so
   if fmt == "hf":
-    hf.save(model, output)
+    tokenizer, template = _run_tokenizer(workdir)
+    hf.save(model, output, tokenizer=tokenizer, chat_template=template)
     if primary:
-      print(f"distillax export: wrote {output} (Hugging Face safetensors)")
+      print(f"distillax export: wrote {output} (Hugging Face safetensors, tokenizer and "
+            f"generation config)")
+    return 0
+  if fmt == "gguf":  # llama.cpp: the run's tokenizer in the file, q8_0/q4_0 by qat.rules
+    from distillax.trainers import load_run_config
+    add_bos = bool(load_run_config(workdir, "--workdir").data.get("add_bos", True))
+    line = export_run(model, output, gguf_quant, config.get("qat", {}).get("rules"),
+                      _run_tokenizer(workdir)[0], add_bos)
+    if primary:
+      print(f"distillax export: {line}")
     return 0
   rules = tuple(config.get("qat", {}).get("rules") or quant.INT4_INT8_RULES)
   quant.export_quantized(model, {"rules": rules}, output)

@@ -1,4 +1,5 @@
-"""`distillax train|plan|export|cache-teacher|demo --config=<file.py>[:arg] [--config.a.b=v ...]`.
+"""`distillax train|plan|export|cache-teacher|demo|generate|eval --config=<file.py>[:arg]
+[--config.a.b=v ...]`.
 
 A thin entry: parse flags, join the distributed runtime when asked, hand the config to the
 command. Errors a user can cause print one line naming the problem and the fix and exit with
@@ -14,28 +15,37 @@ import os
 import re
 import sys
 
-COMMANDS = ("train", "plan", "export", "cache-teacher", "demo")
-USAGE = ("usage: distillax {train,plan,export,cache-teacher,demo} --config <file.py>[:arg] "
-         "[--workdir DIR] [--config.key=value ...]")
+COMMANDS = ("train", "plan", "export", "cache-teacher", "demo", "generate", "eval")
+USAGE = ("usage: distillax {train,plan,export,cache-teacher,demo,generate,eval} --config "
+         "<file.py>[:arg] [--workdir DIR] [--config.key=value ...]")
+# Commands whose --config is optional: a run's own config.json says what they need.
+CONFIG_OPTIONAL = ("generate", "eval")
 ABOUT = {
     "train": "train the job a config describes in --workdir; the same command again resumes it",
     "plan": "compile the step for --devices simulated devices and print where every array lives "
             "and what each device holds; nothing is trained or written",
     "export": "write the trained student of the run in --workdir to --output (Hugging Face "
-              "safetensors or quantized)",
+              "safetensors, GGUF for llama.cpp, or quantized)",
     "cache-teacher": "run a distill config's teacher over the data once and store its top-k "
                      "logits, to distill without a teacher in the step",
     "demo": "the end-to-end demo: teacher, students from scratch and distilled, PTQ and QAT, "
             "then a report",
+    "generate": "continue --prompt (or answer the chat turns of --messages) with the model in "
+                "--model (a run's workdir, a Hugging Face directory or an export) and print it",
+    "eval": "print the exact eval loss and perplexity of --model (a run, or a Hugging Face "
+            "directory with a --config naming the data) on its validation split",
 }
 _DISTRIBUTED = ("coordinator_address", "num_processes", "process_id")
 # The flags each command reads besides --config and --verbose.
 COMMAND_FLAGS = {
     "train": ("workdir", "devices") + _DISTRIBUTED,
     "plan": ("devices", "memory_gb"),
-    "export": ("workdir", "output", "format", "devices") + _DISTRIBUTED,
+    "export": ("workdir", "output", "format", "quant", "devices") + _DISTRIBUTED,
     "cache-teacher": ("workdir", "devices") + _DISTRIBUTED,
     "demo": ("workdir", "devices") + _DISTRIBUTED,
+    "generate": ("model", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p",
+                 "seed", "devices"),
+    "eval": ("model", "devices") + _DISTRIBUTED,
 }
 # name -> (absl flag kind, default, placeholder in --help, help)
 FLAGS = {
@@ -44,11 +54,25 @@ FLAGS = {
     "devices": ("integer", None, "N", "simulate N CPU devices (plan; training on a CPU host)"),
     "memory_gb": ("float", None, "GIB", "per-device memory to check the plan against"),
     "output": ("string", None, "DIR", "new or empty directory to write the exported model to"),
-    "format": ("string", "hf", "FORMAT", "hf (safetensors) | quantized"),
+    "format": ("string", "hf", "FORMAT", "hf (safetensors) | gguf (llama.cpp) | quantized"),
+    "quant": ("string", None, "TYPE", "--format gguf: f32 (default) | f16 | q8_0 | q4_0 (q8_0/q4_0 "
+                                      "where qat.rules say, every matmul without rules)"),
     "coordinator_address": ("string", None, "HOST:PORT", "address of process 0 (multi-process)"),
     "num_processes": ("integer", None, "N", "processes in the job (multi-process)"),
     "process_id": ("integer", None, "I", "index of this process (multi-process)"),
     "verbose": ("bool", False, "", "also show the INFO lines of orbax, jax, grain and absl"),
+    "model": ("string", None, "DIR", "a run's --workdir, a Hugging Face checkpoint directory or "
+                                     "an export (generate, eval)"),
+    "prompt": ("string", None, "TEXT", "the text to continue (BOS first when the tokenizer has "
+                                       "one)"),
+    "messages": ("string", None, "JSON", "chat turns, a JSON list of {\"role\", \"content\"} "
+                                         "or a .json file of one, rendered with the tokenizer's "
+                                         "chat template"),
+    "max_new_tokens": ("integer", 128, "N", "tokens to generate at most"),
+    "temperature": ("float", 0.0, "T", "sampling temperature; 0 = greedy"),
+    "top_k": ("integer", None, "K", "sample from the K most likely tokens only"),
+    "top_p": ("float", None, "P", "sample from the smallest set of tokens with mass P"),
+    "seed": ("integer", 0, "N", "sampling seed"),
 }
 
 
@@ -82,8 +106,10 @@ def overview_help() -> str:
 
 def command_help(command: str) -> str:
   """`distillax <command> --help`: what the command does and every flag it reads."""
-  lines = [f"usage: distillax {command} --config <file.py>[:arg] [--config.key=value ...] "
-           f"[flags]", "", ABOUT[command] + ".", "", "flags:",
+  config = ("[--config <file.py>[:arg]]" if command in CONFIG_OPTIONAL
+            else "--config <file.py>[:arg]")
+  lines = [f"usage: distillax {command} {config} [--config.key=value ...] [flags]", "",
+           ABOUT[command] + ".", "", "flags:",
            _help_line("--config FILE[:ARG]", "job config and its argument, e.g. "
                                              "distillax/configs/lm.py:tiny"),
            _help_line("--config.KEY=VALUE", "set one config field (type-checked against the "
@@ -202,6 +228,8 @@ def _parse(command: str, argv: list[str]):
       kind, default, _, text = FLAGS[name]
       getattr(flags, f"DEFINE_{kind}")(name, default, text, flag_values=fv)
     fv(flag_argv)
+    if fv["config"].value is None and command in CONFIG_OPTIONAL:
+      return None, fv
     if fv["config"].value is None:
       raise UserError("--config is required, e.g. --config distillax/configs/lm.py:tiny")
     config = fv.config
@@ -345,20 +373,36 @@ _TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", 
 
 
 def _run_job(command: str, config, fv) -> int:
-  """The job a command names; each imports only what it needs."""
+  """The job a command names, with every path the user wrote made absolute (relative to the
+  current directory) first; each imports only what it needs."""
+  from ml_collections import config_flags
+
+  from distillax.configs.paths import absolute, resolve_job_config
+  if config is not None:
+    config = resolve_job_config(config, command,
+                                overrides=config_flags.get_override_values(fv["config"]))
+  workdir, model = absolute(_flag(fv, "workdir")), absolute(_flag(fv, "model"))
   if command == "train":
-    return _train(config, fv.workdir)
+    return _train(config, workdir)
   if command == "plan":
     from distillax.plan import run_plan
     return run_plan(config, devices=fv.devices, memory_gb=fv.memory_gb)
   if command == "export":
     from distillax.export import run_export
-    return run_export(config, fv.workdir, fv.output, fv.format)
+    return run_export(config, workdir, absolute(fv.output), fv.format, fv.quant)
   if command == "demo":
     from distillax.demo import run_demo
-    return run_demo(config, fv.workdir)
+    return run_demo(config, workdir)
+  if command == "generate":
+    from distillax.generate import run_generate
+    return run_generate(config, model, prompt=fv.prompt, messages=fv.messages,
+                        max_new_tokens=fv.max_new_tokens, temperature=fv.temperature,
+                        top_k=fv.top_k, top_p=fv.top_p, seed=fv.seed)
+  if command == "eval":
+    from distillax.evaluate import run_eval
+    return run_eval(config, model)
   from distillax.cache_teacher import run_cache_teacher
-  return run_cache_teacher(config, fv.workdir)
+  return run_cache_teacher(config, workdir)
 
 
 def _train(config, workdir: str | None) -> int:

@@ -46,7 +46,9 @@ def train_section() -> ml_collections.ConfigDict:
   c.rollback_lr_factor = 0.5  # learning-rate scale after a rollback
   c.max_rollbacks = 2  # rollbacks allowed before the run fails
   c.progress = True  # progress bar with ETA on the console
-  c.init_from = ""  # workdir of an earlier run whose final weights start this one
+  # workdir of an earlier run whose final weights start this one, or a Hugging Face checkpoint
+  # directory (the student then has its shape, as with student.hf_path)
+  c.init_from = ""
   return c
 
 
@@ -110,6 +112,19 @@ def teacher_section() -> ml_collections.ConfigDict:
   return c
 
 
+def student_section() -> ml_collections.ConfigDict:
+  """Where the student's first weights come from, besides fresh ones and `train.init_from`. A
+  student from either source has that source's shape (the `model` section keeps only how it
+  runs: param_dtype, dtype, scan_layers, remat)."""
+  c = ml_collections.ConfigDict()
+  c.hf_path = ""  # a Hugging Face checkpoint directory (config.json + safetensors) to start from
+  c.from_teacher = ml_collections.ConfigDict()
+  # Teacher blocks the student starts as, e.g. (0, 2, 4): embeddings, final norm and head come
+  # with them; () = off
+  c.from_teacher.layers = ()
+  return c
+
+
 def distill_section() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # Tokens per logit chunk (student and teacher together). -1 = auto: the most tokens whose fp32
@@ -163,5 +178,5 @@ def sequence_kd_section() -> ml_collections.ConfigDict:
 
 __all__ = ["cache_section", "checkpoint_section", "distill_section",
            "lora_section", "mesh_section", "partitioning_section", "profile_section",
-           "qat_section", "runtime_section", "sequence_kd_section", "teacher_section",
-           "train_section"]
+           "qat_section", "runtime_section", "sequence_kd_section", "student_section",
+           "teacher_section", "train_section"]

@@ -4,7 +4,8 @@
 builds each parameter with `jax.make_array_from_callback`: every device's shard is read straight
 from the file (only that slice), so a sharded model never exists whole on one host. `save` writes
 config.json and model.safetensors (several files plus model.safetensors.index.json past
-`max_shard_bytes`) that transformers loads as is.
+`max_shard_bytes`) that transformers loads as is; given the tokenizer, also its files, the chat
+template and generation_config.json (hf_tokenizer.py), every file with mode 0644.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from distillax import partitioning as pt
+from distillax.data.tokenizer import Tokenizer
 from distillax.errors import UserError
 from distillax.framework import jsonio
 from distillax.models.config import TransformerConfig
 from distillax.models.hf_config import architecture_of, config_from_hf, config_to_hf
+from distillax.models.hf_tokenizer import make_readable, write_tokenizer_files
 from distillax.models.init import RulesLike, abstract_model, resolve_rules
 from distillax.models.transformer import Transformer
 
@@ -295,9 +298,11 @@ def hf_tensors(model: Transformer):
       yield name, np.ascontiguousarray(source.layout.to_hf(part))
 
 
-def save(model: Transformer, path: str | os.PathLike, *,
-         max_shard_bytes: int = 4 * 1024**3) -> None:
-  """Writes config.json + model.safetensors (or shards + index) that transformers can load.
+def save(model: Transformer, path: str | os.PathLike, *, tokenizer: Tokenizer | None = None,
+         chat_template: str | None = None, max_shard_bytes: int = 4 * 1024**3) -> None:
+  """Writes config.json + model.safetensors (or shards + index) that transformers can load,
+  and with `tokenizer` (the one the model was trained with) the files AutoTokenizer and
+  generate read; `chat_template` replaces the tokenizer's own template (hf_tokenizer.py).
 
   Shards are planned from shapes and written one at a time, so the host holds at most one
   shard of gathered weights.
@@ -332,3 +337,7 @@ def save(model: Transformer, path: str | os.PathLike, *,
              "weight_map": {name: file_name(i) for name, i in shard_of.items()}}
     (path / INDEX_FILE).write_text(jsonio.dumps(index, indent=2))
   (path / "config.json").write_text(jsonio.dumps(hf_config, indent=2))
+  if tokenizer is not None:
+    write_tokenizer_files(tokenizer, path, max_len=model.config.max_seq_len,
+                          chat_template=chat_template)
+  make_readable(path)

@@ -1,10 +1,11 @@
 """The recipe half of a job: everything a config alone determines.
 
-A recipe resolves the mesh, rules, tokenizer and model configs; builds the student (fresh or from
-an earlier run, with the LoRA/QAT transforms) and the frozen extras; gives the objective, what
-trains, the batch shapes, the data, the compiled engines and the model that export writes.
-`plan`, `export`, `cache-teacher`, loading an earlier run and the benchmarks ask a recipe; the
-loop (base.py) runs one. A new kind of job is a new recipe, usually a few methods over this one.
+A recipe resolves the mesh, rules, tokenizer and model configs; builds the student (fresh, from
+an earlier run, a Hugging Face checkpoint or the teacher's blocks, with the LoRA/QAT transforms)
+and the frozen extras; gives the objective, what trains, the batch shapes, the data, the
+compiled engines and the model that export writes. `plan`, `export`, `cache-teacher`, loading an
+earlier run and the benchmarks ask a recipe; the loop (base.py) runs one. A new kind of job is
+a new recipe, usually a few methods over this one.
 
     recipe = recipe_for(config)                  # mesh, rules, tokenizer, model config
     engines = recipe.build_engines()             # compiled step(s); nothing materialised
@@ -31,7 +32,7 @@ from distillax.models.config import TransformerConfig
 from distillax.trainers.common import place_module, resolve_model_config
 from distillax.trainers.lm import lm_objective
 from distillax.trainers.registry import register
-from distillax.trainers.students import base_student, check_init_from
+from distillax.trainers.students import base_student, check_init_from, resolve_student
 from distillax.trainers.transforms import StudentTransforms
 
 
@@ -103,7 +104,9 @@ class Recipe:
     check_run_sections(config)
     optim.check_optimizer_config(config.optimizer)
     check_data_paths(config.data)
-    self.config = config
+    # A student from a checkpoint or the teacher has its source's shape: `self.config` (what
+    # config.json records) holds it in the model section.
+    self.config = config = resolve_student(config)
     self.workdir = workdir
     self.mesh = mesh if mesh is not None else pt.create_mesh(config.mesh)
     self.rules = rules if rules is not None else pt.rules_from_config(config.partitioning)

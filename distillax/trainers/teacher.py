@@ -8,23 +8,64 @@ with None, and asking it for a model is an error naming the fix.
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
+import ml_collections
 from flax import nnx
 
 from distillax import partitioning as pt
-from distillax.errors import ConfigError, UserError
+from distillax.errors import ConfigError
 from distillax.models import hf
 from distillax.models.config import TransformerConfig, get_preset
-from distillax.models.hf_config import config_from_hf
 from distillax.models.init import create_model
 from distillax.models.transformer import Transformer
-from distillax.trainers.runs import load_trained_model, trained_model_config
+from distillax.trainers.runs import (hf_checkpoint_config, load_run_config, load_trained_model,
+                                     trained_model_config)
 
 # Fresh preset teachers draw from their own seed stream, apart from the student's.
 PRESET_SEED_OFFSET = 1000
+
+
+def teacher_source_config(teacher, vocab_size: int) -> TransformerConfig:
+  """The teacher model's config as its source stores it (no dtype override, no vocabulary
+  check); a preset gets `vocab_size`. A student derived from the teacher starts from this."""
+  if teacher.workdir:
+    return trained_model_config(teacher.workdir, field="teacher.workdir")
+  if teacher.hf_path:
+    return hf_checkpoint_config(teacher.hf_path, "teacher.hf_path")
+  return get_preset(teacher.preset).replace(vocab_size=vocab_size)
+
+
+def teacher_tokenizer_file(teacher) -> str | None:
+  """The tokenizer.json the teacher was trained with, when its source has one: a Hugging Face
+  checkpoint's own, or an earlier run's `hf:` data tokenizer. None for byte/spm and presets."""
+  if teacher.workdir:
+    return hf_tokenizer_file(str(load_run_config(teacher.workdir, "teacher.workdir")
+                                 .data.tokenizer))
+  if teacher.hf_path:
+    file = os.path.join(teacher.hf_path, "tokenizer.json")
+    return file if os.path.isfile(file) else None
+  return None
+
+
+def hf_tokenizer_file(spec: str) -> str | None:
+  """The tokenizer.json of an 'hf:<file or folder>' tokenizer spec; None for other specs."""
+  kind, _, path = str(spec).strip().partition(":")
+  if kind != "hf" or not path:
+    return None
+  path = os.path.expanduser(path)
+  return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+
+
+def as_stored(teacher):
+  """The teacher section without its dtype overrides and cache: the source's own model (what
+  a student derived from the teacher copies, bit for bit)."""
+  out = ml_collections.ConfigDict(teacher.to_dict())
+  out.param_dtype = out.dtype = ""
+  if "cache_dir" in out:
+    out.cache_dir = ""
+  return out
 
 
 def teacher_config(teacher, vocab_size: int) -> TransformerConfig | None:
@@ -32,12 +73,7 @@ def teacher_config(teacher, vocab_size: int) -> TransformerConfig | None:
   trains from an offline cache (no teacher runs in the step)."""
   if teacher.get("cache_dir"):
     return None
-  if teacher.workdir:
-    cfg = trained_model_config(teacher.workdir)
-  elif teacher.hf_path:
-    cfg = _hf_model_config(teacher.hf_path)
-  else:
-    cfg = get_preset(teacher.preset).replace(vocab_size=vocab_size)
+  cfg = teacher_source_config(teacher, vocab_size)
   overrides = {k: teacher[k] for k in ("param_dtype", "dtype") if teacher[k]}
   cfg = cfg.replace(**overrides) if overrides else cfg
   if cfg.vocab_size != vocab_size:
@@ -62,15 +98,6 @@ def load_teacher(teacher, vocab_size: int, mesh, rules, *, seed: int) -> nnx.Mod
   if model.config != cfg:
     model = _recast(model, cfg, mesh, rules)
   return model
-
-
-def _hf_model_config(path: str) -> TransformerConfig:
-  file = os.path.join(path, "config.json")
-  if not os.path.exists(file):
-    raise UserError(f"teacher.hf_path={path} has no config.json; point it at a Hugging Face "
-                    f"checkpoint directory")
-  with open(file) as f:
-    return config_from_hf(json.load(f), where=file)
 
 
 def _recast(model, cfg: TransformerConfig, mesh, rules):

@@ -1,0 +1,80 @@
+"""`distillax eval`: the exact eval loss and perplexity of a run or a Hugging Face model.
+
+  distillax eval --model runs/kd
+  distillax eval --model out/kd_hf --config distillax/configs/lm.py \
+      --config.data.tokenizer=hf:out/kd_hf --config.data.eval_source=val.jsonl
+
+The numbers are the trainer's own: the job's recipe gives the eval batches (`train.eval_batches`
+batches of the validation split, or of data.eval_source) and the eval objective, and
+`Engine.evaluate` sums every real token's loss before dividing once, so a finished run's
+summary.json eval_loss comes back exactly. A run is evaluated under its own config.json at its
+newest valid checkpoint; with --config, on that config's data section and eval sizes
+(train.batch_size, seq_len, eval_batches) instead. A Hugging Face directory needs --config: the
+job it is evaluated as, with the directory's weights as the student (as train.init_from would
+start it). Prints one JSON object (eval_loss, eval_perplexity, eval_tokens and the objective's
+metrics) on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+
+from distillax.errors import UserError
+
+_EVAL_SIZES = ("batch_size", "seq_len", "eval_batches")
+
+
+def _run_job(config, model_dir: str):
+  """(recipe, engine, state) of a run at its newest valid checkpoint."""
+  from distillax.trainers import recipe_for
+  from distillax.trainers.runs import as_loaded, load_run_config, restore_newest
+  cfg = as_loaded(load_run_config(model_dir, "--model"), keep_data=True)
+  if config is not None:
+    cfg.data = config.data.copy_and_resolve_references()
+    for key in _EVAL_SIZES:
+      cfg.train[key] = config.train[key]
+    cfg.mesh, cfg.partitioning = config.mesh, config.partitioning
+  recipe = recipe_for(cfg, workdir=model_dir)
+  engines = recipe.build_engines()
+  state = restore_newest(model_dir, engines.main.layout)
+  engine = engines.at(int(jax.device_get(state.step)))
+  return recipe, engine, engine.runner.place_state(state)
+
+
+def _hf_job(config, model_dir: str):
+  """(recipe, engine, state) of `config`'s job with the checkpoint's weights as the student."""
+  from distillax.trainers import recipe_for
+  if config is None:
+    raise UserError(f"--model {model_dir} is a Hugging Face directory: pass the --config to "
+                    f"evaluate it under (its data and objective), e.g. --config "
+                    f"distillax/configs/lm.py --config.data.tokenizer=hf:{model_dir}")
+  cfg = config.copy_and_resolve_references()
+  cfg.train.init_from = model_dir
+  if "student" in cfg:
+    cfg.student.hf_path, cfg.student.from_teacher.layers = "", ()
+  recipe = recipe_for(cfg)
+  engine = recipe.build_engines().main
+  student, extras = recipe.build(abstract=False)
+  return recipe, engine, engine.init_state(student, extras, int(cfg.seed))
+
+
+def evaluate_model(config, model_dir: str) -> dict[str, float]:
+  """The eval metrics of `model_dir` (a run or a Hugging Face directory), as the trainer
+  computes them."""
+  from distillax.trainers.runs import is_hf_checkpoint
+  if not model_dir:
+    raise UserError("--model is required: a run's --workdir or a Hugging Face checkpoint "
+                    "directory, e.g. --model runs/kd")
+  job = _hf_job if is_hf_checkpoint(model_dir) else _run_job
+  recipe, engine, state = job(config, model_dir)
+  return engine.evaluate(state, recipe.eval_iterator())
+
+
+def run_eval(config, model_dir: str | None) -> int:
+  """Prints the metrics as one JSON object; 0."""
+  metrics = evaluate_model(config, model_dir)
+  if jax.process_index() == 0:
+    print(json.dumps(metrics, sort_keys=True), flush=True)
+  return 0

@@ -1,0 +1,130 @@
+"""`distillax generate` and `distillax eval` on a finished run, its export and a Hugging Face
+directory with a chat template: the same tokens as distillax's sampler, the same eval numbers
+as the trainer's (summary.json), one line for each misuse."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from distillax import partitioning as pt
+from distillax.data import ByteTokenizer, make_tokenizer
+from distillax.data.chat import template_for
+from distillax.generate import generate_tokens, load_model_dir
+from distillax.main import main
+from distillax.models import hf
+from distillax.models.config import get_preset
+from distillax.models.sampler import Sampler
+from distillax.trainers import load_trained_model
+from tests.data import chat_testing as ct
+from tests.models.helpers import random_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LM = f"{ROOT}/distillax/configs/lm.py:tiny"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  """A finished lm.py:tiny run and its `distillax export`."""
+  root = tmp_path_factory.mktemp("generate_eval")
+  workdir, export = root / "run", root / "hf"
+  assert main(["distillax", "train", "--config", LM, "--workdir", str(workdir),
+               "--config.train.steps=4", "--config.train.eval_every=2"]) == 0
+  assert main(["distillax", "export", "--config", LM, "--workdir", str(workdir), "--output",
+               str(export)]) == 0
+  return str(workdir), str(export)
+
+
+def _json_line(capsys) -> dict:
+  return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_eval_of_a_run_gives_its_summary_numbers(run, capsys):
+  workdir, export = run
+  summary = json.loads(open(os.path.join(workdir, "summary.json")).read())
+  capsys.readouterr()
+  assert main(["distillax", "eval", "--model", workdir]) == 0
+  got = _json_line(capsys)
+  for key in ("eval_loss", "eval_perplexity", "eval_tokens", "eval_accuracy"):
+    assert got[key] == summary[key], key
+  # Its export, evaluated as the same job: the same weights, batches and objective.
+  assert main(["distillax", "eval", "--model", export, "--config", LM]) == 0
+  exported = _json_line(capsys)
+  np.testing.assert_allclose(exported["eval_loss"], summary["eval_loss"], rtol=1e-6)
+  assert exported["eval_tokens"] == summary["eval_tokens"]
+  # Another split of the same run: --config's data section and eval sizes.
+  assert main(["distillax", "eval", "--model", workdir, "--config", LM,
+               "--config.train.eval_batches=1"]) == 0
+  fewer = _json_line(capsys)
+  assert fewer["eval_tokens"] == summary["eval_tokens"] / 2
+
+
+def _greedy(model, tokens, steps, eos_id, pad_id):
+  ids = Sampler(model)(np.asarray([tokens], np.int32), max_new_tokens=steps, eos_id=eos_id,
+                       pad_id=pad_id).tokens_BxT[0].tolist()
+  return ids[:ids.index(eos_id)] if eos_id in ids else ids
+
+
+def test_generate_prints_what_the_sampler_generates(run, capsys):
+  workdir, export = run
+  byte = ByteTokenizer()
+  mesh, rules = pt.create_mesh(None), pt.rules_from_config({"strategy": "fsdp"})
+  model = load_trained_model(workdir, mesh, rules)
+  prompt = [byte.bos_id] + byte.encode("def main(")
+  want = _greedy(model, prompt, 12, byte.eos_id, byte.pad_id)
+  capsys.readouterr()
+  assert main(["distillax", "generate", "--model", workdir, "--prompt", "def main(",
+               "--max_new_tokens", "12"]) == 0
+  assert capsys.readouterr().out == byte.decode(want) + "\n"
+  # The export generates the same tokens through its Hugging Face form of the byte tokenizer.
+  loaded = load_model_dir(export)
+  assert loaded.stop_ids == (byte.eos_id,)
+  assert generate_tokens(loaded, prompt, max_new_tokens=12) == want
+  # Sampling is seeded: the same seed, the same text; top-k 1 is greedy.
+  argv = ["distillax", "generate", "--model", workdir, "--prompt", "def main(",
+          "--max_new_tokens", "12", "--temperature", "1.0"]
+  texts = []
+  for extra in (["--seed", "3"], ["--seed", "3"], ["--top_k", "1"]):
+    assert main(argv + extra) == 0
+    texts.append(capsys.readouterr().out)
+  assert texts[0] == texts[1] and texts[2] == byte.decode(want) + "\n"
+
+
+def test_generate_answers_chat_turns_with_the_chat_template(tmp_path, capsys):
+  folder = ct.save_tokenizer(tmp_path / "tokenizer", ct.CHATML)
+  tokenizer = make_tokenizer(f"hf:{folder}")
+  model = random_model(get_preset("tiny").replace(vocab_size=ct.VOCAB_SIZE), seed=5)
+  hf.save(model, tmp_path / "chat", tokenizer=tokenizer)
+  messages = [{"role": "user", "content": "What does os.path.join do?"}]
+  ids = tokenizer.encode(template_for(tokenizer).render(messages, add_generation_prompt=True))
+  want = _greedy(model, ids, 10, tokenizer.eos_id, tokenizer.pad_id)
+  (tmp_path / "chat.json").write_text(json.dumps(messages))
+  capsys.readouterr()
+  for given in (json.dumps(messages), str(tmp_path / "chat.json")):
+    assert main(["distillax", "generate", "--model", str(tmp_path / "chat"), "--messages", given,
+                 "--max_new_tokens", "10"]) == 0
+    assert capsys.readouterr().out == tokenizer.decode(want) + "\n"
+
+
+def test_generate_and_eval_misuse_fails_in_one_line(run, tmp_path, capsys):
+  workdir, export = run
+  cases = [
+      (["generate", "--model", workdir], ["--prompt", "--messages"]),
+      (["generate", "--model", workdir, "--prompt", "x", "--messages", "[]"], ["exactly one"]),
+      (["generate", "--model", workdir, "--messages", '[{"role": "user", "content": "hi"}]'],
+       ["chat template", "--prompt"]),
+      (["generate", "--model", workdir, "--messages", '{"role": "user"}'],
+       ["--messages", "role", "content"]),
+      (["generate", "--prompt", "x"], ["--model is required"]),
+      (["generate", "--model", str(tmp_path), "--prompt", "x"], ["--model", "not a distillax"]),
+      (["eval", "--model", export], ["--config", "Hugging Face directory"]),
+      (["eval"], ["--model is required"]),
+  ]
+  capsys.readouterr()
+  for argv, fragments in cases:
+    assert main(["distillax"] + argv) == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"distillax {argv[0]}: error:"), (argv, err)
+    for fragment in fragments:
+      assert fragment in err[0], (argv, err[0], fragment)

@@ -1,0 +1,216 @@
+"""Students from real weights: a Hugging Face checkpoint (`student.hf_path`, `train.init_from`)
+and blocks of the teacher (`student.from_teacher.layers`), checked against transformers and the
+teacher's own tensors; and the one-line refusals of students that cannot be distilled.
+
+Every checkpoint is a tiny random model built by transformers here; nothing is downloaded.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from distillax.configs import distill, lm
+from distillax.distill import unwrap_student
+from distillax.main import main
+from distillax.models import hf
+from distillax.models.transformer import layer_params
+from distillax.trainers import recipe_for
+from tests.models.helpers import forward
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENS = np.random.default_rng(0).integers(3, 300, size=(2, 12)).astype(np.int64)
+LLAMA = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+             tie_word_embeddings=False, attn_implementation="eager")
+
+
+def _llama(seed: int, **changes):
+  torch.manual_seed(seed)
+  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**LLAMA, **changes}))
+  with torch.no_grad():  # random norms too, so a swapped norm cannot go unnoticed
+    for name, p in model.named_parameters():
+      p.normal_(0.0, 0.3 if "norm" in name else 0.1)
+  return model.eval()
+
+
+def _logits(model) -> np.ndarray:
+  with torch.no_grad():
+    return model(input_ids=torch.tensor(TOKENS)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """(directory, transformers model) of a 4-block Llama."""
+  model = _llama(0)
+  path = tmp_path_factory.mktemp("llama")
+  model.save_pretrained(path)
+  return str(path), model
+
+
+def _student(recipe):
+  student, extras = recipe.build(abstract=False)
+  return unwrap_student(student)[0], extras
+
+
+def _max_diff(model, want) -> float:
+  got = np.asarray(forward(model, jnp.asarray(TOKENS, jnp.int32)).logits_BxLxV)
+  return float(np.max(np.abs(got - want)))
+
+
+@pytest.mark.parametrize("field", ["student.hf_path", "train.init_from"])
+def test_a_student_from_a_checkpoint_starts_at_its_logits(checkpoint, field):
+  path, model = checkpoint
+  if field == "student.hf_path":
+    config = distill.get_config("tiny")
+    config.teacher.preset, config.student.hf_path = "tiny", path
+  else:
+    config = lm.get_config("tiny")
+    config.train.init_from = path
+  recipe = recipe_for(config)
+  # The model section is the checkpoint's (config.json records it), the preset's is gone.
+  assert recipe.config.model.num_layers == 4 and recipe.config.model.mlp_dim == 96
+  assert recipe.model_config.vocab_size == 320 and not recipe.model_config.tie_embeddings
+  student, _ = _student(recipe)
+  assert _max_diff(student, _logits(model)) <= 1e-4
+  # Read sharded: the embedding is split over the 8 devices (fsdp), not whole on one.
+  embedding = student.embedder.embedding[...]
+  assert len({str(s.index) for s in embedding.addressable_shards}) == 8
+
+
+def _blocks_equal(student_layers, teacher_layers, layers):
+  for i, t in enumerate(layers):
+    pairs = zip(jax.tree.leaves(student_layers[i]), jax.tree.leaves(teacher_layers[t]))
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs), (i, t)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_a_student_from_teacher_blocks_copies_them_bit_for_bit(checkpoint, scan_layers):
+  path, model = checkpoint
+  layers = (0, 2, 3)
+  config = distill.get_config("tiny")
+  config.teacher.hf_path, config.student.from_teacher.layers = path, layers
+  config.model.scan_layers = scan_layers  # how the student runs is the config's to say
+  recipe = recipe_for(config)
+  assert recipe.model_config.num_layers == 3 and recipe.model_config.scan_layers == scan_layers
+  student, extras = _student(recipe)
+  teacher = extras["teacher"]
+  _blocks_equal(layer_params(student), layer_params(teacher), layers)
+  for name in ("embedder", "final_norm"):
+    for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(nnx.state(getattr(student, name)))),
+                    jax.tree.leaves(nnx.to_pure_dict(nnx.state(getattr(teacher, name))))):
+      assert np.array_equal(np.asarray(a), np.asarray(b))
+  assert np.array_equal(np.asarray(student.lm_head[...]), np.asarray(teacher.lm_head[...]))
+  # Its forward is transformers' Llama made of the same blocks.
+  picked = _llama(1, num_hidden_layers=3)
+  state = model.state_dict()
+  renamed = {k: state[k] for k in state if not k.startswith("model.layers.")}
+  for i, t in enumerate(layers):
+    prefix = f"model.layers.{t}."
+    renamed.update({f"model.layers.{i}." + k[len(prefix):]: v for k, v in state.items()
+                    if k.startswith(prefix)})
+  picked.load_state_dict(renamed)
+  assert _max_diff(student, _logits(picked)) <= 1e-4
+
+
+def test_a_student_from_a_preset_teacher_copies_the_teacher_it_distils_from():
+  config = distill.get_config("tiny")
+  config.teacher.preset, config.student.from_teacher.layers = "tiny", (1,)
+  recipe = recipe_for(config)
+  student, extras = _student(recipe)
+  _blocks_equal(layer_params(student), layer_params(extras["teacher"]), (1,))
+
+
+def _cli(capsys, tmp_path, *overrides, config="distill.py:tiny"):
+  """(exit code, stderr lines) of a train command; the workdir must stay unwritten."""
+  code = main(["distillax", "train", "--config", f"{ROOT}/distillax/configs/{config}", "--workdir",
+               str(tmp_path / "run"), *overrides])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert not (tmp_path / "run").exists()
+  return code, err
+
+
+def _tokenizer_dir(folder, order_seed: int, size: int = 320):
+  """A word-level tokenizer.json of `size` made-up tokens; the seed shuffles their ids."""
+  import tokenizers
+  words = [f"w{i}" for i in range(size - 1)]
+  np.random.default_rng(order_seed).shuffle(words)
+  vocab = {"<unk>": 0, **{w: i + 1 for i, w in enumerate(words)}}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+  tok.save(str(folder / "tokenizer.json"))
+
+
+@pytest.fixture
+def mismatched(tmp_path, checkpoint):
+  """Two checkpoints with tokenizers: a teacher, a student of another vocabulary size and a
+  student of the same size whose tokenizer maps the ids differently."""
+  path, model = checkpoint
+  dirs = {}
+  for name, seed, vocab in (("teacher", 0, 320), ("other_size", 0, 384), ("other_ids", 1, 320)):
+    folder = tmp_path / name
+    _llama(2, vocab_size=vocab).save_pretrained(folder)
+    _tokenizer_dir(folder, seed)
+    dirs[name] = str(folder)
+  return dirs
+
+
+def test_students_that_cannot_be_distilled_fail_in_one_line(capsys, tmp_path, checkpoint,
+                                                           mismatched):
+  path, _ = checkpoint
+  t = mismatched["teacher"]
+  data = f"--config.data.tokenizer=hf:{t}"
+  cases = [
+      ("vocabulary size", [f"--config.teacher.hf_path={t}", data,
+                           f"--config.student.hf_path={mismatched['other_size']}"],
+       ["vocab_size=384", "320", "one tokenizer"]),
+      ("tokenizer ids", [f"--config.teacher.hf_path={t}", data,
+                         f"--config.student.hf_path={mismatched['other_ids']}"],
+       ["different tokenizers", "teacher.hf_path", "student.hf_path"]),
+      ("data not in the teacher's tokenizer", [f"--config.teacher.hf_path={t}"],
+       ["data.tokenizer='byte'", f"--config.data.tokenizer=hf:{t}/tokenizer.json"]),
+      ("model override against the checkpoint", ["--config.teacher.preset=tiny",
+                                                 f"--config.student.hf_path={path}",
+                                                 "--config.model.num_layers=3"],
+       ["--config.model.num_layers=3", "num_layers=4", "drop the override"]),
+      ("layer count against the blocks", [f"--config.teacher.hf_path={path}",
+                                          "--config.student.from_teacher.layers=(0,1)",
+                                          "--config.model.num_layers=1"],
+       ["num_layers=2", "len(student.from_teacher.layers)"]),
+      ("blocks the teacher lacks", [f"--config.teacher.hf_path={path}",
+                                    "--config.student.from_teacher.layers=(0,4)"],
+       ["blocks [4]", "the teacher has 4"]),
+      ("two sources", [f"--config.teacher.hf_path={path}", f"--config.student.hf_path={path}",
+                       "--config.student.from_teacher.layers=(0,)"],
+       ["student.hf_path and student.from_teacher.layers", "clear all but one"]),
+  ]
+  capsys.readouterr()  # the fixtures' save_pretrained progress bars
+  for name, overrides, fragments in cases:
+    code, err = _cli(capsys, tmp_path, *overrides)
+    assert code == 2 and len(err) == 1, (name, err)
+    for fragment in fragments:
+      assert fragment in err[0], (name, err[0], fragment)
+
+
+def test_training_from_a_checkpoint_records_its_shape_and_exports_it(tmp_path, checkpoint,
+                                                                    capsys):
+  """A run started from a checkpoint keeps its model in config.json (the same --config then
+  exports it, with no model overrides) and exports the weights it trained."""
+  path, _ = checkpoint
+  cfg = ["--config", f"{ROOT}/distillax/configs/lm.py:tiny", f"--config.train.init_from={path}"]
+  run, out = tmp_path / "run", tmp_path / "hf"
+  assert main(["distillax", "train", *cfg, "--workdir", str(run), "--config.train.steps=3",
+               "--config.optimizer.learning_rate=1e-9"]) == 0
+  model_section = json.loads((run / "config.json").read_text())["model"]
+  assert (model_section["num_layers"], model_section["vocab_size"]) == (4, 320)
+  assert main(["distillax", "export", *cfg, "--workdir", str(run), "--output", str(out)]) == 0
+  capsys.readouterr()
+  exported = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+  # Three steps at a negligible learning rate: still the checkpoint it started from.
+  np.testing.assert_allclose(_logits(exported), _logits(checkpoint[1]), atol=1e-4)
+  assert hf.load(str(out)).config.num_layers == 4
