@@ -37,7 +37,7 @@ def _run_job(config, model_dir: str):
       cfg.train[key] = config.train[key]
     cfg.mesh, cfg.partitioning = config.mesh, config.partitioning
   recipe = recipe_for(cfg, workdir=model_dir)
-  engines = recipe.build_engines()
+  engines = recipe.build_engines(compile_now=False)
   state = restore_newest(model_dir, engines.main.layout)
   engine = engines.at(int(jax.device_get(state.step)))
   return recipe, engine, engine.runner.place_state(state)
@@ -55,7 +55,7 @@ def _hf_job(config, model_dir: str):
   if "student" in cfg:
     cfg.student.hf_path, cfg.student.from_teacher.layers = "", ()
   recipe = recipe_for(cfg)
-  engine = recipe.build_engines().main
+  engine = recipe.build_engines(compile_now=False).main
   student, extras = recipe.build(abstract=False)
   return recipe, engine, engine.init_state(student, extras, int(cfg.seed))
 

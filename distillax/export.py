@@ -14,7 +14,9 @@ projections, fake quantization) are dropped before writing. The Hugging Face exp
 the run's tokenizer, chat template and a generation_config.json, so transformers' AutoTokenizer,
 apply_chat_template and generate work on it as it is.
 
-`--config` must still describe the run's job: the same `trainer` and the same `model` section
+`--config` is optional: without it the run's own config.json says everything (its mesh,
+rules and qat section), so `distillax export --workdir runs/kd --output out/kd_hf` is enough.
+A `--config` given must still describe the run's job: the same `trainer` and the same `model` section
 as the run's config.json. Anything else means the command names two different jobs (a distill
 config against an lm run, a full-size config against a `:tiny` run), and exporting would
 silently write a model the config does not describe; it fails in one line instead. The other
@@ -84,7 +86,11 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str,
   gguf_quant = check_export_args(fmt, gguf_quant)
   if os.path.exists(output) and os.listdir(output):
     raise UserError(f"--output {output} exists and is not empty; choose a new directory")
-  check_same_job(config, workdir)
+  if config is None:  # the run's own config.json: its mesh, rules and qat section
+    from distillax.trainers import load_run_config
+    config = load_run_config(workdir, "--workdir")
+  else:
+    check_same_job(config, workdir)
   from distillax import quant
   from distillax.models import hf
   from distillax.trainers import load_trained_model

@@ -19,7 +19,7 @@ COMMANDS = ("train", "plan", "export", "cache-teacher", "demo", "generate", "eva
 USAGE = ("usage: distillax {train,plan,export,cache-teacher,demo,generate,eval} --config "
          "<file.py>[:arg] [--workdir DIR] [--config.key=value ...]")
 # Commands whose --config is optional: a run's own config.json says what they need.
-CONFIG_OPTIONAL = ("generate", "eval")
+CONFIG_OPTIONAL = ("generate", "eval", "export")
 ABOUT = {
     "train": "train the job a config describes in --workdir; the same command again resumes it",
     "plan": "compile the step for --devices simulated devices and print where every array lives "

@@ -95,6 +95,17 @@ def lm_run(tmp_path_factory):
   return run, hf_dir
 
 
+def test_export_without_config_reads_the_runs_own(lm_run, tmp_path):
+  """`export` needs no --config: the run's config.json gives its mesh, rules and model, and the
+  files written are the ones an export with the run's --config writes, byte for byte."""
+  run, hf_dir = lm_run
+  out = tmp_path / "hf"
+  assert main(["distillax", "export", "--workdir", str(run), "--output", str(out)]) == 0
+  assert sorted(os.listdir(out)) == sorted(os.listdir(hf_dir))
+  for name in os.listdir(hf_dir):
+    assert (out / name).read_bytes() == (hf_dir / name).read_bytes(), name
+
+
 def _bad(tmp_path, run, hf_dir):
   """(name, argv tail, fragments of the one-line error: the field or flag at fault, the fix)."""
   wd = str(tmp_path / "wd")

@@ -5,12 +5,17 @@ greedily decode) whole continuations from the teacher and train the student with
 cross-entropy on them. The job (`trainer = 'sequence_kd'`, distillax/configs/sequence_kd.py; its
 recipe is trainers/sequence_kd.py):
 
-  1. takes the beginnings of train-split documents as prompts (`sequence_kd.prompt_len` tokens,
-     BOS included; documents in a seeded random order),
+  1. takes prompts from train-split documents in a seeded random order: the first
+     `sequence_kd.prompt_len` tokens (BOS included) of a text document; the turns before a
+     chat's last assistant answer, rendered with the chat template and its generation prompt;
+     a prompt/completion record's prompt (whole prompts longer than prompt_len are skipped),
   2. continues each with the teacher through the KV-cached sampler (models/sampler.py), batched
      and sharded on the run's mesh,
-  3. writes one JSONL line `{"text": prompt + continuation}` per prompt (decoded with the run's
-     tokenizer) to `<workdir>/teacher_samples.jsonl` (or `sequence_kd.output`), and
+  3. writes one JSONL record per prompt to `<workdir>/teacher_samples.jsonl` (or
+     `sequence_kd.output`), decoded with the run's tokenizer: `{"text": prompt + continuation}`
+     for text, `{"prompt": turns or text, "completion": the teacher's answer}` for chats and
+     prompts (the answer ends at EOS or any special token, e.g. the end of the turn), so that
+     only the teacher's answer is trained, and
   4. trains the student with the `lm` objective on that file; eval stays on the validation split
      of the original `data.source`, so the figures compare with any other run on that data.
 
@@ -21,6 +26,7 @@ and renamed at the end), so a restarted run trains on the same data.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -29,44 +35,143 @@ import numpy as np
 
 from distillax.errors import UserError
 
-def take_prompts(data_cfg, tokenizer, *, count: int, prompt_len: int, seed: int
-                 ) -> list[np.ndarray]:
-  """The first `prompt_len` tokens ([BOS] + text) of `count` train documents, in a seeded order."""
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  """A teacher prompt: its token ids and what the sample around the teacher's text is.
+
+  kind 'text': a document's first tokens, the sample is {"text": prompt + continuation}.
+  kind 'chat': the turns before a chat's (last) assistant answer, rendered with the chat
+  template and its generation prompt; the sample is {"prompt": turns, "completion": [the
+  teacher's answer]}, so only the teacher's answer is trained. kind 'prompt_completion': a
+  plain-text prompt; the sample is {"prompt": prompt, "completion": the teacher's text}.
+  """
+
+  tokens: np.ndarray
+  kind: str = "text"
+  context: object = None  # chat: the prompt turns (a tuple of dicts); prompt_completion: text
+
+
+def _chat_turns(record) -> tuple:
+  """The turns a chat record's answer follows: its prompt messages, else those before its last
+  assistant turn (all of them when none is the assistant's)."""
+  messages = tuple(record.messages)
+  if record.prompt_messages is not None:
+    return messages[:record.prompt_messages]
+  answers = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+  return messages[:answers[-1]] if answers else messages
+
+
+def _render_prompt(template, turns, source: str) -> str:
+  """The prompt turns and the generation prompt as the chat template writes them."""
+  import jinja2
+  try:
+    return template.render(turns, add_generation_prompt=True)
+  except (jinja2.exceptions.TemplateError, TypeError, ValueError, KeyError, IndexError) as e:
+    raise UserError(f"{source or 'a chat record'}: the chat template failed on the turns before "
+                    f"its last answer ({e}); fix the record or the template") from None
+
+
+def _document_prompt(document, tokenizer, template, head: list[int], prompt_len: int
+                     ) -> Prompt | None:
+  """The prompt of one train document; None when it gives none (empty, or a chat or prompt
+  whose whole prompt is longer than `prompt_len`: a chat cut short is no prompt)."""
+  from distillax.data import records
+  from distillax.data.chat import encode_chat
+  if isinstance(document, str):
+    # A token is at least one character for every tokenizer here, so this prefix is enough.
+    ids = head + tokenizer.encode(document[:prompt_len * 32])
+    return Prompt(np.asarray(ids[:prompt_len], np.int32)) if len(ids) > len(head) else None
+  if isinstance(document, records.ChatRecord):
+    turns = _chat_turns(document)
+    if template is None:
+      encode_chat(document, tokenizer, None)  # raises: chats need a chat template
+    ids = tokenizer.encode(_render_prompt(template, turns, document.source)) if turns else []
+    kind, context = "chat", turns
+  else:
+    ids, kind, context = head + tokenizer.encode(document.prompt), "prompt_completion", (
+        document.prompt)
+  if not ids or len(ids) > prompt_len:
+    return None
+  return Prompt(np.asarray(ids, np.int32), kind, context)
+
+
+def take_prompt_records(data_cfg, tokenizer, *, count: int, prompt_len: int, seed: int
+                        ) -> list[Prompt]:
+  """Prompts from `count` train documents in a seeded order: the first `prompt_len` tokens
+  ([BOS] + text) of a text document; the whole prompt of a chat or prompt/completion record,
+  skipped when longer than `prompt_len` tokens."""
   from distillax.data import resolve_data_config, split_documents
+  from distillax.data.chat import template_for
   cfg = resolve_data_config(data_cfg)
   documents = split_documents(cfg, "train")
   head = [tokenizer.bos_id] if cfg.add_bos and tokenizer.bos_id is not None else []
+  template = template_for(tokenizer, str(cfg.get("chat_template") or ""))
   prompts = []
   for index in np.random.default_rng(seed).permutation(len(documents)):
-    # A token is at least one character for every tokenizer here, so this prefix is enough.
-    ids = head + tokenizer.encode(documents[int(index)][:prompt_len * 32])
-    if len(ids) > len(head):
-      prompts.append(np.asarray(ids[:prompt_len], np.int32))
+    prompt = _document_prompt(documents[int(index)], tokenizer, template, head, prompt_len)
+    if prompt is not None:
+      prompts.append(prompt)
     if len(prompts) == count:
       break
   if not prompts:
-    raise UserError(f"no non-empty train documents in data.source={cfg.source!r} to take "
-                    f"sequence-KD prompts from")
+    raise UserError(f"no train document of data.source={cfg.source!r} gives a sequence-KD "
+                    f"prompt (non-empty, and for chats and prompts at most "
+                    f"sequence_kd.prompt_len={prompt_len} tokens); raise sequence_kd.prompt_len")
   return prompts
 
 
-def generate_samples(teacher, prompts: list[np.ndarray], tokenizer, sc, *, mesh=None, rules=None,
-                     seed: int = 0) -> tuple[list[str], dict[str, float]]:
-  """Teacher continuations of `prompts` as texts, and a few statistics of them."""
+def take_prompts(data_cfg, tokenizer, *, count: int, prompt_len: int, seed: int
+                 ) -> list[np.ndarray]:
+  """The token ids of `take_prompt_records`: for text documents, the first `prompt_len` tokens
+  ([BOS] + text) of `count` train documents, in a seeded order."""
+  return [p.tokens for p in take_prompt_records(data_cfg, tokenizer, count=count,
+                                                prompt_len=prompt_len, seed=seed)]
+
+
+def _stop_ids(tokenizer) -> set[int]:
+  """Ids that end an answer: BOS, EOS, padding and every special token (e.g. an end of turn)."""
+  stops = {t for t in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) if t is not None}
+  for token in getattr(tokenizer, "control_tokens", ()):
+    ids = tokenizer.encode(token)
+    if len(ids) == 1:
+      stops.add(int(ids[0]))
+  return stops
+
+
+def sample_record(prompt: Prompt, continuation: list[int], tokenizer, include_prompt: bool
+                  ) -> dict:
+  """The JSONL record of one teacher sample (see Prompt)."""
+  if prompt.kind == "text":
+    specials = {t for t in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id)
+                if t is not None}
+    ids = (prompt.tokens.tolist() if include_prompt else []) + continuation
+    return {"text": tokenizer.decode([t for t in ids if t not in specials])}
+  stops = _stop_ids(tokenizer)
+  cut = next((i for i, t in enumerate(continuation) if t in stops), len(continuation))
+  answer = tokenizer.decode(continuation[:cut])
+  if prompt.kind == "chat":
+    return {"prompt": list(prompt.context),
+            "completion": [{"role": "assistant", "content": answer}]}
+  return {"prompt": prompt.context, "completion": answer}
+
+
+def generate_samples(teacher, prompts: list[Prompt], tokenizer, sc, *, mesh=None, rules=None,
+                     seed: int = 0) -> tuple[list[dict], dict[str, float]]:
+  """Teacher continuations of `prompts` as sample records, and a few statistics of them."""
   from distillax.models.sampler import Sampler
   sampler = Sampler(teacher, mesh=mesh, rules=rules)
   data_parallel = int(mesh.shape.get("data", 1)) if mesh is not None else 1
   batch = -(-int(sc.batch_size) // data_parallel) * data_parallel
-  width = max(len(p) for p in prompts)
-  specials = {t for t in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) if t is not None}
-  texts, generated, logprob_sum = [], 0, 0.0
+  width = max(len(p.tokens) for p in prompts)
+  samples, generated, logprob_sum = [], 0, 0.0
   for start in range(0, len(prompts), batch):
     chunk = prompts[start:start + batch]
     rows = chunk + [chunk[0]] * (batch - len(chunk))  # static shapes: pad with copies, drop them
     tokens_BxP = np.full((batch, width), tokenizer.pad_id, np.int32)
     for i, p in enumerate(rows):
-      tokens_BxP[i, :len(p)] = p
-    out = sampler(tokens_BxP, np.asarray([len(p) for p in rows], np.int32),
+      tokens_BxP[i, :len(p.tokens)] = p.tokens
+    out = sampler(tokens_BxP, np.asarray([len(p.tokens) for p in rows], np.int32),
                   max_new_tokens=int(sc.max_new_tokens), temperature=float(sc.temperature),
                   top_k=int(sc.top_k) or None, top_p=float(sc.top_p) if sc.top_p < 1 else None,
                   eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
@@ -75,23 +180,23 @@ def generate_samples(teacher, prompts: list[np.ndarray], tokenizer, sc, *, mesh=
         (out.tokens_BxT, out.lengths_B, out.logprobs_BxT))
     for i, prompt in enumerate(chunk):
       continuation = new_BxT[i, :lengths_B[i]].tolist()
-      ids = (prompt.tolist() if sc.include_prompt else []) + continuation
-      texts.append(tokenizer.decode([t for t in ids if t not in specials]))
+      samples.append(sample_record(prompt, continuation, tokenizer, bool(sc.include_prompt)))
       generated += int(lengths_B[i])
       logprob_sum += float(np.sum(logprobs_BxT[i, :lengths_B[i]]))
-  stats = {"samples": len(texts), "generated_tokens": generated,
+  stats = {"samples": len(samples), "generated_tokens": generated,
            "teacher_nll_per_token": -logprob_sum / max(generated, 1)}
-  return texts, stats
+  return samples, stats
 
 
-def write_jsonl(path: str, texts: list[str]) -> None:
-  """One `{"text": ...}` line per sample, written to a temporary name and renamed when done."""
+def write_jsonl(path: str, samples: list[dict]) -> None:
+  """One JSON line per sample record, written to a temporary name and renamed when done."""
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
-    for text in texts:
-      f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    for sample in samples:
+      f.write(json.dumps(sample, ensure_ascii=False) + "\n")
   os.replace(tmp, path)
 
 
-__all__ = ["generate_samples", "take_prompts", "write_jsonl"]
+__all__ = ["Prompt", "generate_samples", "sample_record", "take_prompt_records", "take_prompts",
+           "write_jsonl"]

@@ -161,19 +161,23 @@ class Recipe:
     (quantized export applies it again)."""
     return self.transforms.strip(student)
 
-  def build_engines(self, learning_rate: float | None = None) -> Engines:
-    """The compiled step(s) at `learning_rate` (default: the optimizer section's)."""
+  def build_engines(self, learning_rate: float | None = None, *,
+                    compile_now: bool = True) -> Engines:
+    """The step(s) at `learning_rate` (default: the optimizer section's), compiled now unless
+    compile_now=False (eval alone: the train step then compiles only if it is ever run)."""
     lr = float(self.config.optimizer.learning_rate if learning_rate is None else learning_rate)
     start = self.transforms.qat_start_step
-    return Engines(self._engine(lr), self._engine(lr, quantize=False) if start > 0 else None,
-                   start)
+    return Engines(self._engine(lr, compile_now=compile_now),
+                   self._engine(lr, quantize=False, compile_now=compile_now) if start > 0
+                   else None, start)
 
   def step_flops(self) -> float:
     """Model FLOPs of one train step (forward + backward, a frozen teacher's forward)."""
     return flops.train_step_flops(self.model_config, self.batch_size, self.seq_len,
                                   teacher_cfg=self.teacher_model_config)["total"]
 
-  def _engine(self, learning_rate: float, quantize: bool = True) -> Engine:
+  def _engine(self, learning_rate: float, quantize: bool = True,
+              compile_now: bool = True) -> Engine:
     c = self.config
     optimizer_cfg = c.optimizer.copy_and_resolve_references()
     optimizer_cfg.learning_rate = learning_rate
@@ -181,5 +185,5 @@ class Recipe:
     return build_engine(student, extras, self.objective(train=True), optimizer_cfg,
                         int(c.train.steps), self.mesh, self.rules, c.backend, self.batch_shapes(),
                         accum_steps=int(c.train.accum_steps), trainable=self.trainable(),
-                        eval_objective=self.objective(),
+                        compile_now=compile_now, eval_objective=self.objective(),
                         gradient_reduction=str(c.partitioning.get("gradient_reduction", "auto")))

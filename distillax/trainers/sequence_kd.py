@@ -16,7 +16,7 @@ import ml_collections
 from absl import logging
 
 from distillax.data import make_train_iterator
-from distillax.distill.sequence_kd import generate_samples, take_prompts, write_jsonl
+from distillax.distill.sequence_kd import generate_samples, take_prompt_records, write_jsonl
 from distillax.errors import ConfigError, UserError
 from distillax.trainers import teacher as teachers
 from distillax.trainers.recipe import Recipe
@@ -46,9 +46,12 @@ class SequenceKDRecipe(Recipe):
     return os.path.join(os.path.abspath(self.workdir), SAMPLES_FILE)
 
   def samples_data_config(self) -> ml_collections.ConfigDict:
-    """The `data` section with the sample file as the whole train set."""
+    """The `data` section with the sample file as the whole train set, read in the layout
+    the samples are written in (distill/sequence_kd.py: text, or prompt and completion per
+    record), whatever layout and fields `data` names for the original source."""
     data = ml_collections.ConfigDict(self.config.data.to_dict())
-    data.source, data.format, data.text_field = self.samples_path, "jsonl", "text"
+    data.source, data.format, data.layout = self.samples_path, "jsonl", "auto"
+    data.text_field, data.messages_field = "text", "messages"
     data.eval_source, data.validation_fraction = "", 0.0
     return data
 
@@ -69,11 +72,11 @@ class SequenceKDRecipe(Recipe):
                       "--num_processes, or generate once and train the lm config on the file")
     teacher = teachers.load_teacher(self.config.teacher, self.model_config.vocab_size, self.mesh,
                                     self.rules, seed=int(self.config.seed))
-    prompts = take_prompts(self.config.data, self.tokenizer, count=int(sc.num_prompts),
-                           prompt_len=int(sc.prompt_len), seed=int(self.config.seed))
-    texts, stats = generate_samples(teacher, prompts, self.tokenizer, sc, mesh=self.mesh,
-                                    rules=self.rules, seed=int(self.config.seed))
-    write_jsonl(path, texts)
+    prompts = take_prompt_records(self.config.data, self.tokenizer, count=int(sc.num_prompts),
+                                  prompt_len=int(sc.prompt_len), seed=int(self.config.seed))
+    samples, stats = generate_samples(teacher, prompts, self.tokenizer, sc, mesh=self.mesh,
+                                      rules=self.rules, seed=int(self.config.seed))
+    write_jsonl(path, samples)
     logging.info("sequence_kd: %d teacher samples (%d generated tokens, teacher NLL %.3f per "
                  "token) in %s", stats["samples"], stats["generated_tokens"],
                  stats["teacher_nll_per_token"], path)
