@@ -165,7 +165,9 @@ def cache_section() -> ml_collections.ConfigDict:
 def sequence_kd_section() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.num_prompts = 256  # train documents whose beginnings become prompts
-  c.prompt_len = 32  # prompt tokens per document (BOS included); shorter documents give less
+  # Prompt tokens per text document (BOS included; shorter documents give less). Chat and
+  # prompt/completion records give their whole prompt, and are skipped when it is longer.
+  c.prompt_len = 32
   c.max_new_tokens = 96  # teacher tokens generated per prompt (fewer if it emits EOS)
   c.temperature = 1.0  # teacher sampling temperature (0 = greedy decoding)
   c.top_k = 0  # sample from the teacher's top-k tokens only (0 = off)
