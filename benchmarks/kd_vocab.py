@@ -31,7 +31,8 @@ step, the student's state during the teacher's forward). The largest batch (sequ
 by linear interpolation of the peaks found so far. The three distillax runs start from the same
 weights and batch: their first losses must agree to 1e-6 relative (checked).
 
---quick: vocabularies 256 and 4096, 2 x 64 tokens, a 256 MiB limit (the smoke test).
+--quick (the smoke test): tiny bodies, vocabulary 1024, 2 x 256 tokens, and the largest batch
+(of at most 4, in 16 MiB) for the default variant only.
 Writes benchmarks/results/kd_vocab.json.
 """
 
@@ -52,11 +53,25 @@ TARGETS = {"tokens_per_s": 1.5, "peak": 0.5, "max_batch": 2.0}
 
 
 def settings(quick: bool) -> dict:
-  if quick:
-    return {"vocabs": (256, 4096), "batch": 2, "seq_len": 64, "reps": 2,
-            "memory_limit": 256 * 2**20, "max_batch_cap": 256}
+  if quick:  # tiny bodies; 512 tokens, so chunk256 really runs two chunks
+    return {"vocabs": (1024,), "batch": 2, "seq_len": 256, "reps": 2,
+            "memory_limit": 16 * 2**20, "max_batch_cap": 4, "models": "tiny",
+            "max_batch_systems": ("default",)}
   return {"vocabs": VOCABS, "batch": 4, "seq_len": 256, "reps": 5,
-          "memory_limit": 8 * 2**30, "max_batch_cap": 4096}
+          "memory_limit": 8 * 2**30, "max_batch_cap": 4096, "models": "demo",
+          "max_batch_systems": ("unchunked", "chunk256", "default", "tunix")}
+
+
+def model_configs(vocab: int, s: dict):
+  """(student, teacher) configs: the demo bodies, or for --quick the tiny preset's widths (one
+  student layer, two teacher layers), with tied embeddings like the demo's, at `vocab`."""
+  from distillax.models import get_preset
+  if s["models"] == "tiny":
+    tiny = get_preset("tiny", vocab_size=vocab, tie_embeddings=True, max_seq_len=s["seq_len"],
+                      num_layers=1)
+    return tiny, tiny.replace(num_layers=2)
+  return (get_preset("demo_student").replace(vocab_size=vocab),
+          get_preset("demo_teacher").replace(vocab_size=vocab))
 
 
 def peak_bytes(stats) -> int:
@@ -272,9 +287,7 @@ class TunixSystem:
 
 def build_systems(vocab: int, s: dict, with_tunix: bool):
   from benchmarks import common
-  from distillax.models import get_preset
-  student_cfg = get_preset("demo_student").replace(vocab_size=vocab)
-  teacher_cfg = get_preset("demo_teacher").replace(vocab_size=vocab)
+  student_cfg, teacher_cfg = model_configs(vocab, s)
   batch = common.packed_batch(s["batch"], s["seq_len"], vocab, seed=0)
   models = (common.host_model(student_cfg, 0), common.host_model(teacher_cfg, 1))
   systems = {name: DistillaxSystem(name, chunk, student_cfg, teacher_cfg, s, batch, models)
@@ -313,7 +326,7 @@ def chunk_tokens(chunk_size, tokens: int, vocab: int) -> int | None:
 
 def measure_vocab(vocab: int, s: dict, with_tunix: bool) -> list[dict]:
   from benchmarks import common
-  systems, _ = build_systems(vocab, s, with_tunix)
+  systems, cfgs = build_systems(vocab, s, with_tunix)
   load_before = os.getloadavg()
   times, cpu = timed(systems, s["reps"])
   load_after = os.getloadavg()
@@ -323,7 +336,7 @@ def measure_vocab(vocab: int, s: dict, with_tunix: bool) -> list[dict]:
     stats = system.stats
     peak = stats["peak"] if name == "tunix" else peak_bytes(stats)
     best, peaks = None, {s["batch"]: peak}
-    if s["max_batch"]:
+    if s["max_batch"] and name in s["max_batch_systems"]:
       print(f"  vocab {vocab}: {name}: largest batch in "
             f"{common.fmt_bytes(s['memory_limit'])}...", flush=True)
       best, peaks = largest_batch(system.peak_at, s["memory_limit"], s["batch"],
@@ -339,7 +352,9 @@ def measure_vocab(vocab: int, s: dict, with_tunix: bool) -> list[dict]:
         "max_batch": best, "peaks_by_batch": {str(b): p for b, p in sorted(peaks.items())},
         "first_loss": system.losses[0], "final_loss": system.losses[-1],
         "compile_s": system.compile_s, "load_avg_before": load_before,
-        "load_avg_after": load_after})
+        "load_avg_after": load_after, "student": common.config_summary(cfgs[0])
+        | {"tie_embeddings": cfgs[0].tie_embeddings}, "teacher": common.config_summary(cfgs[1])
+        | {"tie_embeddings": cfgs[1].tie_embeddings}})
   for r in rows:
     for ref in ("unchunked", "tunix"):
       if ref in times:
@@ -414,7 +429,8 @@ def main() -> int:
   rows = []
   for vocab in s["vocabs"]:
     rows += measure_vocab(vocab, s, with_tunix)
-  print(f"\ndemo_student <- demo_teacher, {s['batch']} x {s['seq_len']} tokens, LogitKD "
+  bodies = "tiny" if s["models"] == "tiny" else "demo_student <- demo_teacher"
+  print(f"\n{bodies}, {s['batch']} x {s['seq_len']} tokens, LogitKD "
         f"T={TEMPERATURE} alpha={ALPHA}, fp32, one {common.machine_info()['platform']} device")
   print_table(rows, s)
   results = checks(rows, with_tunix)

@@ -12,6 +12,13 @@ dropout acts on the adapter input as in the LoRA paper). Reading the wrapper dir
 gives the merged weight W + (alpha / rank) * A @ B, so code outside the interceptor still sees
 the adapted model. B starts at zero: the adapted model starts equal to the base model.
 
+What it costs is `lora_matmul.adapted_matmul`'s business (a custom VJP): the forward is one
+matmul of [x | (alpha / rank) * h] and [W ; B], h = dropout(x) @ A; the backward computes no
+gradient for the frozen base and keeps from the forward only x (which every site reading it
+shares), h, the adapters, the keep mask at one bit per element and the base as stored (a QLoRA
+base is dequantized again, never kept in full precision). Keep masks follow
+`jax.random.bernoulli`'s rule, drawn two elements per Threefry block (`keep_mask`).
+
 qwix has a LoraProvider, but it creates adapters lazily inside the intercepted call, which our
 Transformer runs on per-block copies (split/merge, scan), so they would never reach the model;
 its QLoRA also stores bases as qwix arrays without our `logical_axes`. Hence our own wrapper.
@@ -39,7 +46,7 @@ import safetensors.numpy
 from flax import nnx
 
 from distillax.errors import ConfigError, UserError
-from distillax.quant import intercept
+from distillax.quant import intercept, keep_mask, lora_matmul
 from distillax.quant.config import WEIGHT_QTYPES
 from distillax.quant.fakequant import QuantSiteParam, einsum_parts
 from distillax.quant.graph import flat_pure_dict, get_path, place_like, set_path
@@ -111,6 +118,12 @@ class LoRAWeight(nnx.Module):
       return self.base.param_dtype
     return self.base.get_raw_value().dtype
 
+  @property
+  def base_shape(self) -> tuple[int, ...]:
+    if isinstance(self.base, QuantizedWeight):
+      return self.base.shape
+    return tuple(self.base.get_raw_value().shape)
+
   def base_value(self) -> jax.Array:
     return self.base[...]
 
@@ -136,18 +149,18 @@ class LoRAWeight(nnx.Module):
     intercept.note_read(self, value)
     return value
 
-  def _dropped(self, x: jax.Array) -> jax.Array:
+  def _keep_bits(self, x: jax.Array) -> jax.Array | None:
+    """This site's packed dropout keep mask for input `x` (None: dropout off)."""
     key = _DROPOUT_KEY.get()
     if key is None or self.dropout <= 0.0:
-      return x
+      return None
     key = jax.random.fold_in(key, zlib.crc32(self.site_name.encode()) & 0x7FFFFFFF)
-    keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
-    return jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
+    return keep_mask.keep_mask_bits(key, x.shape, 1.0 - self.dropout)
 
   def intercepted_einsum(self, spec, operands, index, kwargs):
     terms = spec.replace(" ", "").split("->")[0].split(",")
     parts, out = einsum_parts(spec, [o.ndim for o in operands])
-    x, w = operands[1 - index], operands[index]
+    x = operands[1 - index]
     w_letters, x_term = parts[index], terms[1 - index]
     if None in w_letters or len(w_letters) != self.call_ndim:
       raise UserError(f"LoRA on {self.site_name}: unsupported einsum {spec!r}")
@@ -157,17 +170,26 @@ class LoRAWeight(nnx.Module):
                                                                   for c in free):
       raise UserError(f"LoRA on {self.site_name}: einsum {spec!r} has batch dims on the weight; "
                       f"only plain projections can be adapted")
-    rank_letter = next(c for c in _LETTERS if c not in spec)
-    ops = list(operands)
-    ops[index] = self.base_value().astype(w.dtype)
-    y = jnp.einsum(spec, *ops, **kwargs)
-    extra = {k: v for k, v in kwargs.items() if k in ("precision", "preferred_element_type")}
-    h_term = "".join(c for c in x_term if c not in contract) + rank_letter
-    h = jnp.einsum(f"{x_term},{''.join(contract)}{rank_letter}->{h_term}", self._dropped(x),
-                   self.lora_a[...].astype(x.dtype), **extra)
-    delta = jnp.einsum(f"{h_term},{rank_letter}{''.join(free)}->{out}", h,
-                       self.lora_b[...].astype(x.dtype), **extra)
-    return y + (self.scaling * delta).astype(y.dtype)
+    base, base_arrays = self._base_parts(operands[index].dtype)
+    m = lora_matmul.for_einsum(
+        x_term, "".join(w_letters), out, "".join(contract), x.ndim, base=base,
+        layout=self._matmul_layout(x.shape[0]), scaling=self.scaling, keep=1.0 - self.dropout,
+        kwargs=tuple(kwargs.items()))
+    return lora_matmul.adapted_matmul(m, x, base_arrays, self.lora_a[...], self.lora_b[...],
+                                      self._keep_bits(x))
+
+  def _matmul_layout(self, batch_size: int) -> tuple[bool, tuple | None]:
+    """(one matmul?, the weight's layout for it): `lora_matmul.matmul_layout`."""
+    lead = len(self.logical_axes) - self.call_ndim
+    names = self.logical_axes[lead:] if self.logical_axes else (None,) * self.call_ndim
+    return lora_matmul.matmul_layout(names, self.base_shape[-self.call_ndim:],
+                                     self.contract_axes, batch_size, self.site_name)
+
+  def _base_parts(self, dtype) -> tuple[Any, tuple]:
+    """(callable, its arrays) giving the frozen base weight in the matmul's dtype."""
+    if isinstance(self.base, QuantizedWeight):
+      return self.base.dequantizer(dtype), self.base.stored()
+    return lora_matmul.PlainBase(jnp.dtype(dtype).name), (self.base[...],)
 
   def intercepted_dot_general(self, lhs, rhs, dimension_numbers, index, kwargs):
     """Direct dot_generals use the merged weight (no adapter dropout there)."""

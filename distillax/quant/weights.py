@@ -14,6 +14,7 @@ the memory QLoRA is meant to save. A weight with an odd last dim keeps one code 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Sequence
 
@@ -104,3 +105,30 @@ class QuantizedWeight(nnx.Module):
 
   def __getitem__(self, index) -> jax.Array:
     return self.dequantized()[index]
+
+  def stored(self) -> tuple[jax.Array, jax.Array]:
+    """(codes as stored, scales): what `dequantizer` turns back into the weight."""
+    return self.qvalue[...], self.scale[...]
+
+  def dequantizer(self, dtype: Any) -> "Dequantizer":
+    return Dequantizer(self.qtype, self.packed, jnp.dtype(dtype).name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dequantizer:
+  """(stored codes, scales) -> the weight in `dtype`: `w.dequantized().astype(dtype)` as a
+  pure function of the stored arrays, so a matmul can dequantize again in its backward."""
+
+  qtype: str
+  packed: bool
+  dtype: str
+
+  def __call__(self, qvalue: jax.Array, scale: jax.Array,
+               zero: jax.Array | None = None) -> jax.Array:
+    """`zero` (an exact 0 broadcastable to the weight, known only in the backward) is added to
+    the codes: the weight is the same, but a backward dequantizing again cannot be scheduled
+    before it is needed, which would keep every layer's full-precision weight alive at once."""
+    codes = unpack_codes(qvalue, self.qtype) if self.packed else qvalue
+    if zero is not None:
+      codes = codes + zero.astype(codes.dtype)
+    return dequantize(codes, scale, self.qtype).astype(self.dtype)

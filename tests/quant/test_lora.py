@@ -1,7 +1,10 @@
 """LoRA / QLoRA: only adapters train (through the real engine, fsdp on 8 devices), QLoRA bases
-stay bit-identical, adapters shard like their weights, merge and adapter files round-trip."""
+stay bit-identical, adapters shard like their weights, merge and adapter files round-trip; the
+adapted matmul computes the LoRA formula and its gradients (one matmul or two, by sharding),
+dropout masks are Bernoulli draws, and adapters need less scratch than full fine-tuning."""
 
 import os
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +18,7 @@ from distillax.framework.engine import build_engine
 from distillax.quant import (LoRAParam, LoRAWeight, QuantConfig, apply_lora, load_adapters,
                              lora_dropout, merge_lora, quantize_post_training, save_adapters,
                              with_lora_dropout)
+from distillax.quant.keep_mask import keep_mask_bits, unpack_keep_mask
 from distillax.quant.weights import QuantizedValue
 from distillax.trainers import lm_objective
 from tests.framework.engine_fixtures import optimizer_config, packed_batches
@@ -151,3 +155,145 @@ def test_merge_dropout_and_adapter_files(tmp_path):
     load_adapters(other, path)
   with pytest.raises(ConfigError, match="matches no matmul weight"):
     apply_lora(model, module_regex="layers/.*/attention/q")
+
+
+# ---- the adapted matmul: formula, gradients, dropout masks, memory ---------------------------
+
+def _keep_mask(wrapper, key, shape):
+  """The keep mask a site draws for an input of `shape` under the step key `key`."""
+  site_key = jax.random.fold_in(key, zlib.crc32(wrapper.site_name.encode()) & 0x7FFFFFFF)
+  bits = keep_mask_bits(site_key, shape, 1.0 - wrapper.dropout)
+  return unpack_keep_mask(bits, shape[-1])
+
+
+def _site_and_reference(wrapper, spec, key, trainable):
+  """(the site's matmul, the formula x @ W + scaling * (dropout(x) @ A) @ B written out with
+  jnp) as functions of (x, the `trainable` variables), and those variables."""
+  graphdef, params, rest = nnx.split(wrapper, trainable, ...)
+  x_spec, w_spec = spec.split("->")[0].split(",")
+  contract = "".join(c for c in w_spec if c in x_spec)
+  h_spec = f"{x_spec},{contract}r->{''.join(c for c in x_spec if c not in contract)}r"
+  delta_spec = f"{h_spec.split('->')[1]},r{''.join(c for c in w_spec if c not in x_spec)}->"
+  delta_spec += spec.split("->")[1]
+
+  def site(x, p):
+    w = nnx.merge(graphdef, p, rest)
+    with lora_dropout(key):
+      return w.intercepted_einsum(spec, (x, w.base_value()), 1, {})
+
+  def reference(x, p):
+    w = nnx.merge(graphdef, p, rest)
+    xd = x
+    if key is not None and w.dropout > 0:
+      xd = jnp.where(_keep_mask(w, key, x.shape), x / (1.0 - w.dropout), 0.0)
+    h = jnp.einsum(h_spec, xd, w.lora_a[...])
+    return jnp.einsum(spec, x, w.base_value()) + w.scaling * jnp.einsum(delta_spec, h,
+                                                                        w.lora_b[...])
+  return site, reference, params
+
+
+@pytest.mark.parametrize("site_name,base_qtype,dropout,trains_base", [
+    ("o", None, 0.25, False),  # two contracted dims (heads, head_dim)
+    ("down", "nf4", 0.25, False),  # QLoRA base, dequantized in both passes
+    ("q", None, 0.0, True),  # no dropout; the base trains too (trainable=nnx.Param)
+    ("lm_head", None, 0.25, False),  # the model's '...D,DV->...V': an ellipsis on x
+])
+def test_adapted_matmul_is_the_lora_formula_with_its_gradients(site_name, base_qtype, dropout,
+                                                                trains_base):
+  model = numpy_model(TINY1, seed=4)
+  lora = apply_lora(model, module_regex=r".*/(q|o|down)|lm_head", rank=4, alpha=8.0,
+                    dropout=dropout,
+                    base_qtype=base_qtype, base_tile_size=8 if base_qtype else None)
+  _randomize_b(lora)
+  block = lora.layers[0]
+  wrapper, spec = {"o": (block.attn.o, "BLHK,HKD->BLD"), "q": (block.attn.q, "BLD,DHK->BLHK"),
+                   "down": (block.mlp.down, "BLF,FD->BLD"),
+                   "lm_head": (lora.lm_head, "...D,DV->...V")}[site_name]
+  site, reference, params = _site_and_reference(wrapper, spec, jax.random.key(11),
+                                                nnx.Param if trains_base else LoRAParam)
+  x_shape = {"o": (2, 6, 8, 8), "q": (2, 6, 64), "down": (2, 6, 128),
+             "lm_head": (2, 6, 64)}[site_name]
+  x = jnp.asarray(np.random.default_rng(5).normal(size=x_shape), jnp.float32)
+  y, site_vjp = jax.vjp(jax.jit(site), x, params)
+  y_ref, ref_vjp = jax.vjp(reference, x, params)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  g = jnp.asarray(np.random.default_rng(6).normal(size=y.shape), jnp.float32)
+  grads, grads_ref = site_vjp(g), ref_vjp(g)
+  np.testing.assert_allclose(grads[0], grads_ref[0], rtol=1e-5, atol=1e-5)  # dx
+  flat, flat_ref = _flat(grads[1]), _flat(grads_ref[1])
+  assert set(flat) == set(flat_ref) and len(flat) == (3 if trains_base else 2)
+  for k in flat:
+    assert np.abs(flat_ref[k]).max() > 0, k
+    np.testing.assert_allclose(flat[k], flat_ref[k], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def test_row_parallel_sites_keep_two_matmuls_under_tensor_parallelism():
+  """Under tp the o and down inputs are split along what they contract: concatenating the
+  adapter there would make GSPMD gather them, so those sites add the adapter to x @ W; the
+  column-parallel ones (contracting the whole embed dim) take the one-matmul form, laid out
+  like their output."""
+  mesh = pt.create_mesh({"data": 4, "model": 2})
+  lora = apply_lora(numpy_model(TINY1, seed=0), module_regex=r"layers/.*/(attn|mlp)/.*")
+  block = lora.layers[0]
+  with pt.use_rules(mesh, pt.rules_from_config({"strategy": "tp"})):
+    assert block.attn.o._matmul_layout(8) == (False, None)
+    assert block.mlp.down._matmul_layout(8) == (False, None)
+    assert block.attn.q._matmul_layout(8) == (True, (None, "model", None))
+    assert block.mlp.up._matmul_layout(8) == (True, (None, "model"))
+  with pt.use_rules(mesh, pt.rules_from_config({"strategy": "fsdp"})):
+    # Weights are split over data by embed, activations by batch: the matmul wants W whole.
+    assert block.attn.o._matmul_layout(8) == (True, (None, None, None))
+  # The two-matmul form computes the same (values and gradients) as the formula.
+  site, reference, params = _site_and_reference(block.attn.o, "BLHK,HKD->BLD",
+                                                jax.random.key(2), LoRAParam)
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(8, 4, 8, 8)), jnp.float32)
+  with pt.use_rules(mesh, pt.rules_from_config({"strategy": "tp"})):
+    y, site_vjp = jax.vjp(jax.jit(site), x, params)
+  y_ref, ref_vjp = jax.vjp(reference, x, params)
+  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  for a, b in zip(jax.tree.leaves(site_vjp(y)), jax.tree.leaves(ref_vjp(y))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_dropout_masks_are_bernoulli_draws_of_their_key():
+  key = jax.random.key(3)
+  bits = keep_mask_bits(key, (64, 16, 512), 0.9)
+  assert bits.dtype == jnp.uint8 and bits.shape == (64, 16, 64)  # one bit per element
+  keep = np.asarray(unpack_keep_mask(bits, 512))
+  np.testing.assert_array_equal(keep, np.unpackbits(np.asarray(bits), axis=-1,
+                                                    bitorder="little").astype(bool))
+  n = keep.size
+  assert abs(keep.mean() - 0.9) < 5 * np.sqrt(0.9 * 0.1 / n)
+  # Two neighbours come from one Threefry block's two words: they must still be independent.
+  both = (keep[..., 0::2] & keep[..., 1::2]).mean()
+  assert abs(both - 0.81) < 5 * np.sqrt(0.81 * 0.19 / (n // 2))
+  np.testing.assert_array_equal(keep_mask_bits(key, (64, 16, 512), 0.9), bits)
+  other = np.asarray(unpack_keep_mask(keep_mask_bits(jax.random.key(4), (64, 16, 512), 0.9),
+                                      512))
+  assert 0.15 < (other != keep).mean() < 0.21  # 2 * 0.9 * 0.1 = 0.18 for independent masks
+  # The keep rule is jax.random.bernoulli's, bit for bit where the same words are used (an odd
+  # last axis draws one word per element, as jax.random.bits does).
+  for p in (0.9, 0.5, 0.123):
+    odd = keep_mask_bits(key, (4, 33, 7), p)
+    assert odd.dtype == jnp.bool_
+    np.testing.assert_array_equal(odd, jax.random.bernoulli(key, p, (4, 33, 7)))
+
+
+def test_adapters_need_less_scratch_memory_than_full_fine_tuning():
+  """Compiled per-device temporaries of the LoRA and QLoRA steps (adapter dropout on) against
+  full fine-tuning of the same model: the adapter path keeps only x, packed 1-bit keep masks and
+  rank-sized activations for the backward, and a QLoRA base is dequantized in each pass rather
+  than kept in full precision."""
+  mesh = pt.create_mesh({"data": 4, "model": 2})
+  rules = pt.rules_from_config({"strategy": "fsdp"})
+  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+            for k, v in packed_batches(1, batch=8, seq_len=64, vocab=TINY1.vocab_size)[0].items()}
+  model = numpy_model(TINY1, seed=0, mesh=mesh, strategy="fsdp")
+  temp = lambda engine: engine.runner.stats["temp_size_in_bytes"]
+  full = build_engine(model, {}, lm_objective, optimizer_config(), 4, mesh, rules, "jit", shapes)
+  for base_qtype in (None, "nf4"):
+    lora = apply_lora(model, module_regex=r"layers/.*/(attn|mlp)/.*", rank=4, dropout=0.1,
+                      base_qtype=base_qtype, base_tile_size=8 if base_qtype else None)
+    engine = build_engine(lora, {}, with_lora_dropout(lm_objective), optimizer_config(), 4,
+                          mesh, rules, "jit", shapes, trainable=LoRAParam)
+    assert temp(engine) < temp(full), (base_qtype, temp(engine), temp(full))
