@@ -7,15 +7,30 @@
 
 Stages (each its own workdir under the demo workdir; rerunning resumes/reuses them): teacher
 pretraining, student from scratch (the baseline), distilled student (LogitKD + feature pooling),
-quantization-aware distillation to int4 weights / int8 activations, PTQ for comparison, int4
-export; then report.md, report.json and loss_curves.png in the workdir.
+quantization-aware distillation to llama.cpp's q4_0 weights / q8_0 activations, PTQ for
+comparison; then the students exported as GGUF (f32, f16, q8_0 / q4_0 PTQ, q4_0 QAT) and run in
+llama.cpp on this CPU (validation loss, bytes, tokens/s, peak RSS); report.md, report.json,
+loss_curves.png and edge_size_quality.png in the workdir.
 """
 
 import ml_collections
 
 from distillax.configs import sections
 from distillax.configs.common import base_config, model_config, parse_arg
-from distillax.quant import INT4_INT8_RULES
+
+# llama.cpp's q4_0 weights with q8_0 activations (what its CPU kernels compute for q4_0 files),
+# so QAT trains against the deployed rounding; the tied embedding (module path "") stays f32.
+Q4_0_RULES = (("", None, None, None), (".*", "q4_0", "q8_0", None))
+
+
+def _edge_settings(c: ml_collections.ConfigDict) -> None:
+  """The edge rows: every GGUF file run in llama.cpp, one child process each."""
+  c.edge_decode_tokens = 64  # one-token decode steps timed after the prompt (a validation row)
+  c.edge_speed_rounds = 5  # timed rounds (median), after one warm-up
+  c.edge_greedy_tokens = 32  # greedy tokens compared, llama.cpp vs distillax, per prompt
+  # llama.cpp threads. 1: at this model size a thread barrier costs more than a matmul, and on a
+  # shared machine a descheduled worker stalls the others (2 threads here timed 10x apart).
+  c.edge_threads = 1
 
 
 def get_config(arg: str | None = None):
@@ -56,9 +71,10 @@ def get_config(arg: str | None = None):
   c.distill = sections.distill_section()
   c.distill.logit.weight = 1.0
   c.distill.feature_pooling.weight = 0.5
-  # QAT/PTQ/export: int4 weights, int8 activations; the tied embedding (module path "")
-  # stays full precision, as deployments usually keep it.
-  c.quant_rules = INT4_INT8_RULES
+  # QAT/PTQ/export: llama.cpp's q4_0 weights and q8_0 activations; the tied embedding (module
+  # path "") stays full precision, as deployments usually keep it.
+  c.quant_rules = Q4_0_RULES
+  _edge_settings(c)
   c.report_eval_batches = 16  # validation batches behind every number of the report
   c.sample_prompts = ("def ", "import ", "class ")  # samples printed at the end
   c.sample_tokens = 48  # tokens generated per sample
@@ -73,4 +89,5 @@ def get_config(arg: str | None = None):
     c.data.shuffle_buffer = 64
     c.report_eval_batches = 2
     c.sample_tokens = 8
+    c.edge_decode_tokens, c.edge_speed_rounds = 16, 2
   return c

@@ -1,5 +1,5 @@
 """The main job (`distillax demo`, `make demo`): teacher -> scratch student -> distilled -> QAT
-int4 -> report."""
+q4_0 -> GGUF in llama.cpp -> report."""
 
 from distillax.demo.pipeline import DemoPipeline, run_demo
 from distillax.demo.stages import stage_config

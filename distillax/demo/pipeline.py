@@ -1,6 +1,6 @@
 """The main job (`distillax demo`, `make demo`): pretrain a teacher, train a student from
-scratch, distil it, quantization-aware distil it to int4/int8 and PTQ it for comparison, export
-the int4 student, report.
+scratch, distil it, quantization-aware distil it to llama.cpp's q4_0 (q8_0 activations) and PTQ
+it for comparison, export the students as GGUF and run them in llama.cpp, report.
 
 Each trained stage is an ordinary distillax run in its own workdir under the demo workdir
 (stages.py); the demo is a job of its own, not a recipe: it runs five of them, then the report.

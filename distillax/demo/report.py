@@ -1,8 +1,11 @@
-"""The demo's report: every model evaluated on the same validation batches, exported, sampled.
+"""The demo's report: every model evaluated on the same validation batches, exported, sampled,
+and the students judged again by llama.cpp (demo/edge.py).
 
 Numbers come from one evaluation pass per model over identical batches (next-token CE on the
 validation split, and top-1 agreement with the teacher), so the rows are comparable; speed and
-MFU come from each stage's own metrics.jsonl.
+MFU come from each stage's own metrics.jsonl. The quantized rows use llama.cpp's q4_0 weights
+and q8_0 activations (distillax's fake-quant forward rounds as its CPU kernels do), so the same
+students exported as GGUF give llama.cpp's own validation loss, bytes, tokens/s and memory.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from flax import nnx
 from distillax import partitioning as pt
 from distillax import quant
 from distillax.data import make_eval_iterator, make_tokenizer
+from distillax.demo import edge
 from distillax.demo.stages import TRAINED_STAGES
 from distillax.framework import jsonio, losses
 from distillax.framework.backends import global_batch_placer
@@ -29,8 +33,8 @@ from distillax.trainers import load_trained_model
 LABELS = {"teacher": "teacher", "student_scratch": "student, from scratch",
           "student_kd": "student, distilled",
           "student_kd_fp": "student, distilled + extra fp steps",
-          "student_ptq_int4": "  ... + PTQ int4",
-          "student_qat_int4": "student, distilled + QAT int4 (same extra steps)"}
+          "student_ptq_int4": "  ... + PTQ q4_0",
+          "student_qat_int4": "student, distilled + QAT q4_0 (same extra steps)"}
 ROWS = ("teacher", "student_scratch", "student_kd", "student_kd_fp", "student_ptq_int4",
         "student_qat_int4")
 
@@ -115,19 +119,23 @@ def _format_table(stages: dict) -> str:
   return "\n".join(lines)
 
 
-def _samples(models: dict, tokenizer, mesh, rules, prompts, max_new_tokens: int) -> dict:
-  from distillax.models.sampler import generate
+def _prompt_batch(tokenizer, mesh, prompts):
+  """(right-padded prompt ids, lengths, each prompt's ids with BOS) of the sample prompts."""
   encoded = [tokenizer.encode(p) for p in prompts]
-  # The batch of prompts is sharded over 'data': pad it to a multiple of that axis.
-  n_real = len(encoded)
-  encoded += [encoded[0]] * (-len(encoded) % mesh.shape["data"])
   if tokenizer.bos_id is not None:
     encoded = [[tokenizer.bos_id] + e for e in encoded]
-  width = max(len(e) for e in encoded)
-  prompt = np.full((len(encoded), width), tokenizer.pad_id, np.int32)
-  for i, e in enumerate(encoded):
+  # The batch of prompts is sharded over 'data': pad it to a multiple of that axis.
+  padded = encoded + [encoded[0]] * (-len(encoded) % mesh.shape["data"])
+  width = max(len(e) for e in padded)
+  prompt = np.full((len(padded), width), tokenizer.pad_id, np.int32)
+  for i, e in enumerate(padded):
     prompt[i, :len(e)] = e
-  lengths = np.array([len(e) for e in encoded], np.int32)
+  return prompt, np.array([len(e) for e in padded], np.int32), encoded
+
+
+def _samples(models: dict, tokenizer, mesh, rules, prompts, max_new_tokens: int) -> dict:
+  from distillax.models.sampler import generate
+  prompt, lengths, _ = _prompt_batch(tokenizer, mesh, prompts)
   out = {}
   for name, model in models.items():
     gen = generate(model, prompt, lengths, mesh=mesh, rules=rules, max_new_tokens=max_new_tokens,
@@ -135,24 +143,35 @@ def _samples(models: dict, tokenizer, mesh, rules, prompts, max_new_tokens: int)
                    seed=0)
     tokens, n = np.asarray(gen.tokens_BxT), np.asarray(gen.lengths_B)
     out[name] = [p + tokenizer.decode([int(t) for t in tokens[i, :n[i]]])
-                 for i, p in enumerate(prompts[:n_real])]
+                 for i, p in enumerate(prompts)]
   return out
 
 
+def _greedy(model, tokenizer, mesh, rules, prompts, max_new_tokens: int):
+  """(each prompt's ids, distillax's greedy continuation of each, not stopped at EOS): what
+  llama.cpp's greedy decode of the same file must reproduce."""
+  from distillax.models.sampler import generate
+  prompt, lengths, encoded = _prompt_batch(tokenizer, mesh, prompts)
+  gen = generate(model, prompt, lengths, mesh=mesh, rules=rules, max_new_tokens=max_new_tokens,
+                 eos_id=None, pad_id=tokenizer.pad_id, temperature=0.0)
+  tokens = np.asarray(gen.tokens_BxT)
+  return encoded, [tokens[i, :max_new_tokens].tolist() for i in range(len(encoded))]
+
+
 def _placed_eval_batches(c, mesh, rules, tokenizer):
-  """The report's validation batches, placed on the mesh, and one row of inputs that PTQ and
-  the quantized export calibrate on."""
+  """The report's validation batches placed on the mesh, one row of inputs that PTQ calibrates
+  on, and the batches on the host (llama.cpp evaluates the same tokens)."""
   batches = list(make_eval_iterator(c.data, global_batch_size=int(c.train.batch_size),
                                     seq_len=int(c.train.seq_len),
                                     num_batches=int(c.report_eval_batches), tokenizer=tokenizer))
   place = global_batch_placer(mesh, rules)
   placed = [place(b) for b in batches]
   sample = jnp.asarray(batches[0][losses.BATCH_INPUTS][:1])
-  return placed, sample
+  return placed, sample, batches
 
 
 def _models_by_row(plain: dict, qcfg: dict, sample) -> dict:
-  """Every row's model: the trained stages as they are, plus the int4 PTQ of the fp twin and
+  """Every row's model: the trained stages as they are, plus the q4_0 PTQ of the fp twin and
   the QAT student with its fake quantization made real (PTQ of QAT-trained weights)."""
   models = dict(plain)
   models["student_ptq_int4"] = quant.quantize_post_training(plain["student_kd_fp"], qcfg, sample)
@@ -161,20 +180,20 @@ def _models_by_row(plain: dict, qcfg: dict, sample) -> dict:
   return models
 
 
-def _export_all(plain: dict, qcfg: dict, sample, export_dir: str) -> dict:
-  """Writes every row's model under `export_dir` (fp32 HF checkpoints, int4 exports) and returns
-  each row's bytes on disk: the size column measures what was actually written."""
+def _export_all(c, plain: dict, tokenizer, export_dir: str) -> tuple[dict, dict]:
+  """Writes every row's model under `export_dir` (fp32 HF checkpoints; GGUF files for llama.cpp,
+  the PTQ and QAT rows as q4_0) and returns (each row's bytes on disk, {edge row: GGUF path}):
+  the size column measures what was actually written."""
   sizes = {}
   for stage in ("teacher", "student_scratch", "student_kd", "student_kd_fp"):
     path = os.path.join(export_dir, f"{stage}_fp32")
     hf.save(plain[stage], path)
     sizes[stage] = _dir_bytes(path)
-  for stage, source in (("student_ptq_int4", "student_kd_fp"),
-                        ("student_qat_int4", "student_qat_int4")):
-    path = os.path.join(export_dir, stage)
-    quant.export_quantized(plain[source], qcfg, path, sample)
-    sizes[stage] = quant.size_report(path)["bytes_on_disk"]
-  return sizes
+  paths = edge.export_gguf(plain, tuple(c.quant_rules), tokenizer, bool(c.data.add_bos),
+                           os.path.join(export_dir, "gguf"))
+  sizes["student_ptq_int4"] = os.path.getsize(paths["q4_0_ptq"])
+  sizes["student_qat_int4"] = os.path.getsize(paths["q4_0_qat"])
+  return sizes, paths
 
 
 def _stage_rows(pipeline, evaluate, models: dict, plain: dict, sizes: dict, placed) -> dict:
@@ -198,91 +217,163 @@ def _stage_rows(pipeline, evaluate, models: dict, plain: dict, sizes: dict, plac
   return stages
 
 
-def _checks(stages: dict, export_diff: float) -> dict:
-  """The claims the demo exists to show, as booleans and numbers the tests can read."""
-  s = stages
-  ptq_gap = s["student_ptq_int4"]["val_loss"] - s["student_kd_fp"]["val_loss"]
-  recovery = ((s["student_ptq_int4"]["val_loss"] - s["student_qat_int4"]["val_loss"]) / ptq_gap
-              if ptq_gap > 0 else float("nan"))
+def _checks(stages: dict, edge_rows: dict, export_diff: float, agreement: list[int],
+            greedy_tokens: int) -> dict:
+  """The claims the demo exists to show, as booleans and numbers the tests can read: QAT's
+  recovery measured twice, in distillax's fake-quant forward and in llama.cpp's own."""
+  s, e = stages, edge_rows
   return {
       "kd_beats_scratch": bool(s["student_kd"]["val_loss"] < s["student_scratch"]["val_loss"]),
       "qat_beats_ptq": bool(s["student_qat_int4"]["val_loss"] < s["student_ptq_int4"]["val_loss"]),
-      "qat_recovery_of_ptq_degradation": recovery,
-      "int4_export_max_abs_ce_sum_diff": export_diff,
+      "qat_recovery_of_ptq_degradation": edge.recovery(
+          s["student_ptq_int4"]["val_loss"], s["student_qat_int4"]["val_loss"],
+          s["student_kd_fp"]["val_loss"]),
+      "qat_beats_ptq_in_llama_cpp": bool(e["q4_0_qat"]["val_loss"] < e["q4_0_ptq"]["val_loss"]),
+      "llama_cpp_qat_recovery_of_ptq_degradation": edge.recovery(
+          e["q4_0_ptq"]["val_loss"], e["q4_0_qat"]["val_loss"], e["f32"]["val_loss"]),
+      # llama.cpp's validation loss against distillax's on the same tokens, per format
+      "llama_cpp_f32_val_loss_diff": abs(e["f32"]["val_loss"] - s["student_kd_fp"]["val_loss"]),
+      "llama_cpp_q4_0_ptq_val_loss_diff": abs(e["q4_0_ptq"]["val_loss"]
+                                              - s["student_ptq_int4"]["val_loss"]),
+      "llama_cpp_q4_0_qat_val_loss_diff": abs(e["q4_0_qat"]["val_loss"]
+                                              - s["student_qat_int4"]["val_loss"]),
+      "q4_0_gguf_max_abs_ce_sum_diff": export_diff,
+      "greedy_tokens_agreeing": agreement,
+      "greedy_agrees": bool(all(n == greedy_tokens for n in agreement)),
   }
 
 
-def _recovery_words(recovery: float) -> str:
+def _recovery_words(recovery: float, where: str) -> str:
   """The recovery claim in words; without a PTQ degradation there is no ratio to state."""
   if not math.isfinite(recovery):
-    return ("PTQ int4 costs nothing here (its loss is not above full precision's), so there is "
-            "nothing for QAT to recover")
-  return (f"QAT recovers {recovery:.0%} of the degradation PTQ causes "
+    return (f"{where}, PTQ q4_0 costs nothing (its loss is not above full precision's), so "
+            f"there is nothing for QAT to recover")
+  return (f"{where}, QAT recovers {recovery:.0%} of the degradation PTQ causes "
           f"((PTQ - QAT) / (PTQ - full precision))")
 
 
-def _report_markdown(c, mesh, stages: dict, checks: dict, samples: dict) -> str:
-  """report.md: the setup, the table, the checks in words, and the samples."""
+def _edge_markdown(checks: dict, edge_rows: dict, greedy_tokens: int) -> list[str]:
+  """report.md's llama.cpp section: the table and what it shows."""
+  e, n_threads = edge_rows, edge_rows["f32"]["n_threads"]
+  return [
+      "## On the edge: the students as GGUF files in llama.cpp", "",
+      f"llama.cpp (llama-cpp-python) on this CPU, threads: {n_threads}, float32 KV cache, one "
+      f"child process per file; validation loss over the same tokens as above; prompt: "
+      f"{e['f32']['prompt_tokens']} tokens in one batch, decode: {e['f32']['decode_tokens']} "
+      f"one-token steps (median of rounds); peak RSS: the process's own high-water mark "
+      f"(Python, numpy and llama_cpp alone: "
+      f"{e['f32']['rss_before_load_bytes'] / 2**20:.1f} MiB).", "",
+      edge.table(e), "",
+      f"- QAT q4_0 beats PTQ q4_0 in llama.cpp: {checks['qat_beats_ptq_in_llama_cpp']}; "
+      f"{_recovery_words(checks['llama_cpp_qat_recovery_of_ptq_degradation'], 'in llama.cpp')}; "
+      f"{_recovery_words(checks['qat_recovery_of_ptq_degradation'], 'in distillax')}",
+      f"- llama.cpp's validation loss vs distillax's: f32 "
+      f"{checks['llama_cpp_f32_val_loss_diff']:.1e}, q4_0 PTQ "
+      f"{checks['llama_cpp_q4_0_ptq_val_loss_diff']:.1e}, q4_0 QAT "
+      f"{checks['llama_cpp_q4_0_qat_val_loss_diff']:.1e} apart; q4_0 QAT file vs the fake-quant "
+      f"forward, largest CE sum difference over one batch's sequences: "
+      f"{checks['q4_0_gguf_max_abs_ce_sum_diff']:.2e}",
+      f"- greedy decoding of the q4_0 QAT student, llama.cpp vs distillax: "
+      f"{checks['greedy_tokens_agreeing']} of {greedy_tokens} tokens agree per prompt", ""]
+
+
+def _report_markdown(c, mesh, stages: dict, checks: dict, edge_rows: dict,
+                     samples: dict) -> str:
+  """report.md: the setup, the table, the checks in words, the edge rows and the samples."""
   s = stages
-  recovery, export_diff = (checks["qat_recovery_of_ptq_degradation"],
-                           checks["int4_export_max_abs_ce_sum_diff"])
   lines = [
       "# distillax demo report", "",
       f"Mesh {pt.mesh_shape_str(mesh)} (data x model), strategy {c.partitioning.strategy}, "
       f"{jax.device_count()} {jax.devices()[0].platform} devices; validation: "
-      f"{int(s['teacher']['val_tokens'])} tokens of the held-out split, the same for every row.",
+      f"{int(s['teacher']['val_tokens'])} tokens of the held-out split, the same for every row. "
+      f"q4_0: llama.cpp's blocks of 32 weights with an fp16 scale, matmul inputs rounded to "
+      f"q8_0 as its CPU kernels do; PTQ / QAT sizes are the q4_0 GGUF files.",
       "", _format_table(stages), "",
       f"- distilled student beats scratch student: {checks['kd_beats_scratch']}",
-      f"- QAT int4 beats PTQ int4: {checks['qat_beats_ptq']}; both start from the distilled "
-      f"student and take the same {int(c.qat_steps)} extra steps; {_recovery_words(recovery)}",
-      f"- int4 export reloaded: CE sum on one batch differs by {export_diff:.2e} from the "
-      f"fake-quant forward",
-      "", "## Samples (temperature 0.7, top-p 0.9, seed 0)", ""]
+      f"- QAT q4_0 beats PTQ q4_0: {checks['qat_beats_ptq']}; both start from the distilled "
+      f"student and take the same {int(c.qat_steps)} extra steps; "
+      f"{_recovery_words(checks['qat_recovery_of_ptq_degradation'], 'in distillax')}", "",
+      *_edge_markdown(checks, edge_rows, int(c.edge_greedy_tokens)),
+      "## Samples (temperature 0.7, top-p 0.9, seed 0)", ""]
   for name, texts in samples.items():
     for t in texts:
       lines.append(f"- **{name}**: `{t!r}`")
   return "\n".join(lines) + "\n"
 
 
-def _write_report(workdir: str, report_md: str, stages: dict, checks: dict,
+def _write_report(workdir: str, report_md: str, stages: dict, checks: dict, edge_rows: dict,
                   samples: dict) -> None:
-  """report.md, and report.json with the stages at top level next to checks and samples."""
+  """report.md, and report.json with the stages at top level next to edge, checks, samples."""
   with open(os.path.join(workdir, "report.md"), "w") as f:
     f.write(report_md)
   # Strict JSON: a number that does not exist (PTQ's training speed, the recovery ratio when PTQ
   # costs nothing) is null, not NaN.
   with open(os.path.join(workdir, "report.json"), "w") as f:
-    jsonio.dump({**stages, "checks": checks, "samples": samples}, f, indent=2)
+    jsonio.dump({**stages, "edge": edge_rows, "checks": checks, "samples": samples}, f,
+                indent=2)
+
+
+def _token_nll(model, batch, mesh, rules) -> np.ndarray:
+  """distillax's per-token -log p(target) (B, L) of one placed batch, the log-softmax in
+  float64 on the host as llama.cpp's side computes it."""
+  graph, state = nnx.split(model)
+
+  @jax.jit
+  def batch_logits(state, batch):
+    with pt.use_rules(mesh, rules):
+      m = nnx.merge(graph, state)
+      return m(batch[losses.BATCH_INPUTS], **losses.model_inputs(batch)).logits_BxLxV
+
+  z = np.asarray(jax.device_get(batch_logits(state, batch)), np.float64)
+  z -= z.max(-1, keepdims=True)
+  logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+  targets = np.asarray(jax.device_get(batch[losses.BATCH_TARGETS]))
+  return -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
+
+
+def _edge_rows(c, paths: dict, batches, placed, models: dict, tokenizer, mesh, rules):
+  """llama.cpp's figures of every GGUF file; how many greedy tokens of the q4_0 QAT file agree
+  with distillax's greedy decoding of the QAT student; the largest |CE sum difference| of that
+  file against the fake-quant forward over the first batch's sequences."""
+  n = int(c.edge_greedy_tokens)
+  prompts, ours = _greedy(models["student_qat_int4"], tokenizer, mesh, rules,
+                          list(c.sample_prompts), n)
+  segs = edge.segments(batches)
+  rows = edge.measure(paths, segs, {**edge.speed_tokens(batches, int(c.edge_decode_tokens)),
+                                    "rounds": int(c.edge_speed_rounds)},
+                      prompts, n, int(c.edge_threads) or None)
+  qat = rows["q4_0_qat"]
+  diff = edge.max_segment_diff(segs, qat.pop("segment_nll"),
+                               _token_nll(models["student_qat_int4"], placed[0], mesh, rules))
+  return rows, edge.greedy_agreement(qat.pop("greedy"), ours), diff
 
 
 def build_report(pipeline) -> dict:
-  """Evaluates, exports and samples every stage of a finished demo; writes report.md,
-  report.json and loss_curves.png into its workdir; returns stages, checks and samples."""
+  """Evaluates, exports and samples every stage of a finished demo, runs the exports in
+  llama.cpp; writes report.md, report.json, loss_curves.png and edge_size_quality.png into its
+  workdir; returns stages, edge rows, checks and samples."""
   c = pipeline.config
   workdir = pipeline.workdir
   mesh = pt.create_mesh(c.mesh)
   rules = pt.rules_from_config(c.partitioning)
   tokenizer = make_tokenizer(c.data.tokenizer)
-  placed, sample = _placed_eval_batches(c, mesh, rules, tokenizer)
+  placed, sample, batches = _placed_eval_batches(c, mesh, rules, tokenizer)
   qcfg = {"rules": [tuple(r) for r in c.quant_rules]}
 
   plain = {s: load_trained_model(pipeline.stage_dir(s), mesh, rules) for s in TRAINED_STAGES}
   models = _models_by_row(plain, qcfg, sample)
-  export_dir = os.path.join(workdir, "export")
-  sizes = _export_all(plain, qcfg, sample, export_dir)
-  reloaded = quant.load_quantized(os.path.join(export_dir, "student_qat_int4"), mesh=mesh,
-                                  rules=rules, sample_tokens=sample)
+  sizes, paths = _export_all(c, plain, tokenizer, os.path.join(workdir, "export"))
   evaluate = _evaluator(mesh, rules, plain["teacher"])
-  export_diff = float(jnp.max(jnp.abs(
-      evaluate(reloaded)(placed[0])[0] - evaluate(models["student_qat_int4"])(placed[0])[0])))
-
   stages = _stage_rows(pipeline, evaluate, models, plain, sizes, placed)
-  checks = _checks(stages, export_diff)
+  edge_rows, agreement, export_diff = _edge_rows(c, paths, batches, placed, models, tokenizer,
+                                                 mesh, rules)
+  checks = _checks(stages, edge_rows, export_diff, agreement, int(c.edge_greedy_tokens))
   _plot(pipeline, stages["student_ptq_int4"]["val_loss"], os.path.join(workdir, "loss_curves.png"))
+  edge.plot(edge_rows, os.path.join(workdir, "edge_size_quality.png"))
   samples = _samples({"teacher": plain["teacher"], "student_scratch": plain["student_scratch"],
                       "student_kd": plain["student_kd"]}, tokenizer, mesh, rules,
                      list(c.sample_prompts), int(c.sample_tokens))
-  report_md = _report_markdown(c, mesh, stages, checks, samples)
-  _write_report(workdir, report_md, stages, checks, samples)
+  report_md = _report_markdown(c, mesh, stages, checks, edge_rows, samples)
+  _write_report(workdir, report_md, stages, checks, edge_rows, samples)
   print("\n" + report_md)
-  return {"stages": stages, "checks": checks, "samples": samples}
+  return {"stages": stages, "edge": edge_rows, "checks": checks, "samples": samples}

@@ -16,6 +16,9 @@ from distillax.configs import sections
 from distillax.configs.common import base_config
 from distillax.trainers.workdir import check_workdir
 
+# The quantized stage keeps its name student_qat_int4 (and the report its PTQ row
+# student_ptq_int4): q4_0 is a 4-bit integer block format, and workdirs and readers of
+# report.json keep their keys.
 # student_kd_fp: the distilled student trained on, in full precision, for as many extra steps as
 # QAT takes: the fair source of the PTQ baseline and the full-precision reference of the QAT
 # recovery ratio (QAT must not win merely by training longer).

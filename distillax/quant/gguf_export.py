@@ -222,7 +222,7 @@ def gguf_arrays(model: Transformer, contracts: dict[str, tuple[int, ...]]):
 
 
 def _host(x: jax.Array) -> np.ndarray:
-  if not x.is_fully_addressable:  # every process joins the gather; process 0 writes
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:  # all gather; process 0 writes
     from jax.experimental import multihost_utils
     x = multihost_utils.process_allgather(x, tiled=True)
   return np.asarray(x)

@@ -1,0 +1,147 @@
+"""The demo's last stage: the students as GGUF files, judged by llama.cpp on this CPU.
+
+The full-precision twin (`student_kd_fp`) is written as f32, f16 and q8_0 / q4_0 PTQ (its
+weights rounded at export), the QAT student as q4_0 with the rules it trained with (llama.cpp's
+q4_0 weights, q8_0 activations); each file then runs in its own child process
+(quant/gguf_runtime.measure_in_subprocess): validation loss over exactly the tokens distillax's
+rows use (every packed segment evaluated from position 0, as its positions restart there),
+file bytes, prompt and decode tokens/s, peak RSS of that process. Greedy continuations of the
+QAT student in llama.cpp are compared token for token with distillax's own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from distillax.framework import losses
+from distillax.quant import gguf_runtime
+from distillax.quant.gguf_export import write_gguf
+
+Q8_0_RULES = (("", None, None, None), (".*", "q8_0", "q8_0", None))
+# row -> (trained stage it exports, GGUF type, rules: None = the demo's, () = none needed)
+EDGE_ROWS = {"f32": ("student_kd_fp", "f32", ()), "f16": ("student_kd_fp", "f16", ()),
+             "q8_0_ptq": ("student_kd_fp", "q8_0", Q8_0_RULES),
+             "q4_0_ptq": ("student_kd_fp", "q4_0", None),
+             "q4_0_qat": ("student_qat_int4", "q4_0", None)}
+EDGE_LABELS = {"f32": "f32 (distilled + fp steps)", "f16": "f16", "q8_0_ptq": "q8_0 PTQ",
+               "q4_0_ptq": "q4_0 PTQ", "q4_0_qat": "q4_0 QAT"}
+
+
+def export_gguf(plain: dict, demo_rules, tokenizer, add_bos: bool, export_dir: str) -> dict:
+  """Writes every edge row's GGUF file under `export_dir`; returns {row: path}."""
+  paths = {}
+  for row, (stage, quant, rules) in EDGE_ROWS.items():
+    path = os.path.join(export_dir, f"{stage}-{quant}.gguf")
+    write_gguf(plain[stage], path, quant=quant, tokenizer=tokenizer, add_bos=add_bos,
+               rules=demo_rules if rules is None else (rules or None))
+    paths[row] = path
+  return paths
+
+
+def segments(batches) -> list[tuple[int, int, int, list[int], list[int], list[float]]]:
+  """(batch index, row, first slot, inputs, targets, loss mask) of every packed segment with a
+  trained target, in batch, row, slot order: a segment's positions restart at 0, so llama.cpp
+  evaluating it alone from position 0 computes what distillax's segment-masked forward
+  computes."""
+  out = []
+  for b, batch in enumerate(batches):
+    seg = batch[losses.BATCH_SEGMENTS]
+    for row in range(seg.shape[0]):
+      for s in np.unique(seg[row][seg[row] > 0]):
+        slots = np.flatnonzero(seg[row] == s)  # contiguous: packing lays a piece in one run
+        mask = batch[losses.BATCH_MASK][row][slots]
+        if mask.sum() > 0:
+          out.append((b, row, int(slots[0]), batch[losses.BATCH_INPUTS][row][slots].tolist(),
+                      batch[losses.BATCH_TARGETS][row][slots].tolist(), mask.tolist()))
+  return out
+
+
+def speed_tokens(batches, decode_tokens: int) -> dict:
+  """The timed prompt (one full validation row) and decode tokens (the next row's first)."""
+  inputs = batches[0][losses.BATCH_INPUTS]
+  return {"prompt": inputs[0].tolist(), "decode": inputs[1 % len(inputs)][:decode_tokens].tolist()}
+
+
+def measure(paths: dict, segs, speed: dict, greedy_prompts, greedy_tokens: int,
+            n_threads: int | None) -> dict:
+  """Each row's llama.cpp figures (one child process per file): val_loss / val_perplexity over
+  the segments, bytes, tokens/s, memory; the QAT row's per-segment CE sums and greedy."""
+  rows, tokens = {}, float(sum(sum(s[-1]) for s in segs))
+  for row, path in paths.items():
+    r = gguf_runtime.measure_in_subprocess(
+        path, sequences=[s[3:] for s in segs], speed=speed, n_threads=n_threads,
+        greedy_prompts=greedy_prompts if row == "q4_0_qat" else (), greedy_tokens=greedy_tokens)
+    nll = float(sum(r["nll"]))
+    rows[row] = {"format": EDGE_ROWS[row][1], "source_stage": EDGE_ROWS[row][0],
+                 "val_loss": nll / tokens, "val_perplexity": math.exp(nll / tokens),
+                 "file_bytes": os.path.getsize(path),
+                 **{k: r[k] for k in ("prompt_tokens_per_s", "decode_tokens_per_s",
+                                      "peak_rss_bytes", "rss_before_load_bytes", "n_threads",
+                                      "prompt_tokens", "decode_tokens")}}
+    if row == "q4_0_qat":
+      rows[row]["greedy"], rows[row]["segment_nll"] = r["greedy"], r["nll"]
+  return rows
+
+
+def max_segment_diff(segs, llama_cpp_nll, token_nll_BxL, batch_index: int = 0) -> float:
+  """max over the segments of one batch of |llama.cpp's CE sum - distillax's| (token_nll_BxL:
+  distillax's per-token -log p(target) of that batch)."""
+  diffs = []
+  for (b, row, first, inputs, _, mask), theirs in zip(segs, llama_cpp_nll):
+    if b == batch_index:
+      ours = token_nll_BxL[row][first:first + len(inputs)]
+      diffs.append(abs(theirs - float(np.sum(np.asarray(mask, np.float64) * ours))))
+  return max(diffs)
+
+
+def greedy_agreement(llama_cpp_tokens, distillax_tokens) -> list[int]:
+  """Per prompt, how many leading tokens the two greedy continuations share."""
+  out = []
+  for a, b in zip(llama_cpp_tokens, distillax_tokens):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+      n += 1
+    out.append(n)
+  return out
+
+
+def recovery(ptq: float, qat: float, full: float) -> float:
+  """(PTQ - QAT) / (PTQ - full precision); NaN when PTQ costs nothing (no ratio to state)."""
+  return (ptq - qat) / (ptq - full) if ptq - full > 0 else float("nan")
+
+
+def table(rows: dict) -> str:
+  """The edge rows as a markdown table."""
+  head = ("llama.cpp (this CPU)", "val loss", "val ppl", "file", "prompt tok/s",
+          "decode tok/s", "peak RSS")
+  lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+  for name, r in rows.items():
+    lines.append("| " + " | ".join((
+        EDGE_LABELS[name], f"{r['val_loss']:.4f}", f"{r['val_perplexity']:.3f}",
+        f"{r['file_bytes'] / 2**20:.3f} MiB", f"{r['prompt_tokens_per_s']:,.0f}",
+        f"{r['decode_tokens_per_s']:,.0f}", f"{r['peak_rss_bytes'] / 2**20:.1f} MiB")) + " |")
+  return "\n".join(lines)
+
+
+def plot(rows: dict, path: str) -> None:
+  """Size against quality, both measured in llama.cpp: file MiB vs validation loss per format,
+  with decode tokens/s in the labels."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name, r in rows.items():
+    x, y = r["file_bytes"] / 2**20, r["val_loss"]
+    ax.scatter([x], [y], s=40, marker="*" if name == "q4_0_qat" else "o")
+    ax.annotate(f"{EDGE_LABELS[name]}\n{r['decode_tokens_per_s']:,.0f} tok/s decode", (x, y),
+                textcoords="offset points", xytext=(6, 4), fontsize=8)
+  ax.set_xlabel("GGUF file size (MiB)")
+  ax.set_ylabel("validation loss in llama.cpp (nats/token)")
+  ax.set_title("distillax demo on the edge: size vs quality (llama.cpp, this CPU)")
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
