@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 WORKDIR ?= runs/demo
 PYTEST_ARGS ?=
+# Test processes: XLA compiles on one core, so two workers keep both cores of a small machine
+# busy; whole files go to one worker (--dist loadfile) so module fixtures are built once.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test venv clean
 
@@ -17,16 +20,22 @@ $(VENV)/.core: pyproject.toml | $(BIN)/python
 	$(BIN)/python -c "import distillax, jax, flax, optax, orbax.checkpoint, grain, qwix"
 	touch $@
 
-$(VENV)/.test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,hf,edge]' 2>&1 | grep -v "is ignored" || true
-	$(BIN)/python -c "import distillax, jax, pytest, torch, transformers, gguf, llama_cpp"
+# The demo ends in llama.cpp: the edge extra (llama-cpp-python builds llama.cpp once, ~5 min).
+$(VENV)/.demo: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[edge]' 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -c "import distillax, jax, flax, optax, orbax.checkpoint, grain, qwix, gguf, llama_cpp"
 	touch $@ $(VENV)/.core
 
-demo: $(VENV)/.core
+$(VENV)/.test: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test,hf,edge]' 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -c "import distillax, jax, pytest, xdist, torch, transformers, gguf, llama_cpp"
+	touch $@ $(VENV)/.core $(VENV)/.demo
+
+demo: $(VENV)/.demo
 	$(BIN)/distillax demo --config distillax/configs/demo.py --workdir $(WORKDIR) --devices 8
 
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs
