@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import qwix
 from flax import nnx
 
+from distillax import partitioning as pt
 from distillax.errors import UserError
 from distillax.quant import ggml, intercept
 
@@ -158,6 +159,23 @@ def activation_axes(x_letters: Sequence[str | None], w_letters: Sequence[str | N
   return tuple(i for i in range(len(x_letters)) if i not in skip), tiled
 
 
+def stored_placement(rounded: jax.Array, logical_axes: Sequence[str | None] | None) -> jax.Array:
+  """The rounded weight constrained to the stored weight's placement (its logical axes under the
+  active rules; under scan the leading 'layers' name is dropped).
+
+  Why: rounding reshapes the weight into blocks along its contracted axes, and where a shard's
+  contracted size is not a multiple of 32 (attention's output weight with head_dim 24, heads on
+  `model`) GSPMD cannot keep the stored sharding through the reshape and gathers the rounded
+  weight. The matmul is then contracted whole on every device, while PTQ (and every other
+  read) contracts per shard and all-reduces: a different float summation order, which q8_0
+  activation rounding in later layers turns into whole-step flips. Pinned, QAT and PTQ compile
+  the same matmul.
+  """
+  if not logical_axes or len(logical_axes) < rounded.ndim:
+    return rounded
+  return pt.constrain(rounded, tuple(logical_axes)[len(logical_axes) - rounded.ndim:])
+
+
 class QuantSiteParam(nnx.Param):
   """A weight feeding a quantized matmul. Metadata `quant` (a WeightQuant) says how.
 
@@ -170,7 +188,7 @@ class QuantSiteParam(nnx.Param):
     value = super().__getitem__(index)
     meta = self.get_metadata()
     if meta.get("round_on_read", True):
-      value = ste_weight(value, meta["quant"])
+      value = stored_placement(ste_weight(value, meta["quant"]), meta.get("logical_axes"))
     intercept.note_read(self, value)
     return value
 

@@ -7,13 +7,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from gguf import GGMLQuantizationType as GGMLType
 
+from distillax import partitioning as pt
 from distillax.errors import ConfigError, UserError
-from distillax.quant import QuantConfig, QuantRule, WeightQuant, export_quantized, ggml
+from distillax.models.config import get_preset
+from distillax.quant import (QuantConfig, QuantRule, WeightQuant, export_quantized, ggml,
+                             quantize_for_training, quantize_post_training)
 from distillax.quant.fakequant import (fake_quantize, fake_quantize_weight, ste_activation,
                                         ste_weight)
-from tests.quant.helpers import TINY1, numpy_model
+from tests.quant.helpers import TINY1, numpy_model, tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 GGML_TYPES = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
@@ -142,3 +146,40 @@ def test_distillax_quantized_format_refuses_ggml_types(tmp_path):
   model = numpy_model(TINY1, seed=0)
   with pytest.raises(UserError, match="--format gguf"):
     export_quantized(model, {"rules": ((".*", "q4_0", None, None),)}, tmp_path / "out")
+
+
+# head_dim 24: a model shard of attention's output weight holds 2 heads = 48 inputs, and an FSDP
+# shard of q/k/v 96 / 4 = 24, so blocks of 32 straddle shards; two layers, so that a float
+# difference in the first can flip a q8_0 activation of the second.
+HEAD_DIM_24 = get_preset("tiny", num_heads=4, num_kv_heads=2, head_dim=24, embed_dim=96,
+                         mlp_dim=256, vocab_size=128, num_layers=2, scan_layers=False)
+Q4_0_Q8_0_RULES = {"rules": [("", None, None, None), (".*", "q4_0", "q8_0", None)]}
+
+
+def placed_logits(model, tokens_BxL, mesh, rules):
+  """The forward as the engine traces it: under jit with the rules' activation constraints."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def forward(state, tokens_BxL):
+    with pt.use_rules(mesh, rules):
+      return nnx.merge(graphdef, state)(tokens_BxL).logits_BxLxV
+
+  return np.asarray(forward(state, tokens_BxL))
+
+
+@pytest.mark.parametrize("data,model", [(4, 2), (8, 1)])
+def test_qat_forward_equals_ptq_on_tensor_and_data_parallel_meshes(data, model):
+  # PTQ's forward is what the exported GGUF file computes; QAT must train that forward. A QAT
+  # weight whose blocks straddle shards used to lose its sharding, so its matmul was summed in
+  # another order than PTQ's and later q8_0 activations rounded differently (4e-3 here).
+  mesh = pt.create_mesh({"data": data, "model": model})
+  rules = pt.rules_from_config({"strategy": "fsdp_tp"})
+  student = numpy_model(HEAD_DIM_24, seed=0, mesh=mesh, strategy="fsdp_tp")
+  batch = jax.device_put(tokens(8, 16, HEAD_DIM_24.vocab_size),
+                         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  qat = placed_logits(quantize_for_training(student, Q4_0_Q8_0_RULES), batch, mesh, rules)
+  ptq = placed_logits(quantize_post_training(student, Q4_0_Q8_0_RULES), batch, mesh, rules)
+  full = placed_logits(student, batch, mesh, rules)
+  assert np.abs(ptq - full).max() > 1e-2  # the rounding is on
+  np.testing.assert_allclose(qat, ptq, rtol=0, atol=1e-5)
