@@ -339,7 +339,9 @@ def test_help_and_version_print_and_exit_0(capsys):
     for form in ("--help", "-h"):
       assert main(["distillax", command, form]) == 0
       captured = capsys.readouterr()
-      assert captured.out.startswith(f"usage: distillax {command} --config") and not captured.err
+      # export reads the run's own config.json without one: its --config is shown optional
+      config = "[--config" if command == "export" else "--config"
+      assert captured.out.startswith(f"usage: distillax {command} {config}") and not captured.err
       for flag in flags + ["--config.KEY=VALUE", "--verbose", "--version"]:
         assert flag in captured.out, (command, flag)
   assert main(["distillax", "plan", "--help"]) == 0
