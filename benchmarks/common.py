@@ -172,6 +172,26 @@ def median(xs: Sequence[float]) -> float:
   return float(statistics.median(xs)) if xs else float("nan")
 
 
+def timed_rounds(steppers: Mapping[str, Callable], rows: Mapping[str, dict], *, reps: int,
+                 steps_per_rep: int, warmup_steps: int, tokens_per_step: int,
+                 reference: str) -> None:
+  """Times the variants in interleaved rounds and adds to each row its step time (median and
+  every round), the paired ratio to `reference` (`ratio`), tokens/s, warm-up and losses. Each
+  stepper first takes one step at the initial weights, out of the timed rounds."""
+  for stepper in steppers.values():
+    stepper(1)
+  times, warmup = interleaved(steppers, reps=reps, steps_per_rep=steps_per_rep,
+                              warmup_steps=warmup_steps)
+  for name, r in rows.items():
+    r["step_s"] = median(times[name])
+    r["step_s_all"] = times[name]
+    r["ratio"] = paired_ratio(times, name, reference)
+    r["tokens_per_s"] = tokens_per_step / r["step_s"]
+    r["warmup_s"] = warmup[name]
+    r["losses"] = steppers[name].losses
+    r["first_loss"], r["final_loss"] = r["losses"][0], r["losses"][-1]
+
+
 def paired_ratio(times: Mapping[str, list[float]], name: str, reference: str) -> float:
   """Median over rounds of time[name] / time[reference] (same round = same machine noise)."""
   return median([a / b for a, b in zip(times[name], times[reference])])

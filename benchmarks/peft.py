@@ -145,20 +145,12 @@ def time_variants(steppers: dict, rows: dict, s: dict) -> None:
   """Adds timings, losses and the ratios to full fine-tuning (time, memory) to each row."""
   from benchmarks import common
 
-  for stepper in steppers.values():
-    stepper(1)  # loss at the initial weights (and a first call out of the timed rounds)
-  times, warmup = common.interleaved(steppers, reps=s["reps"], steps_per_rep=s["steps_per_rep"],
-                                     warmup_steps=1)
+  common.timed_rounds(steppers, rows, reps=s["reps"], steps_per_rep=s["steps_per_rep"],
+                      warmup_steps=1, tokens_per_step=s["batch"] * s["seq_len"],
+                      reference=REFERENCE)
   ref = rows[REFERENCE]
-  for name, r in rows.items():
-    r["step_s"] = common.median(times[name])
-    r["step_s_all"] = times[name]
-    r["ratio_to_full"] = common.paired_ratio(times, name, REFERENCE)
-    r["tokens_per_s"] = s["batch"] * s["seq_len"] / r["step_s"]
-    r["warmup_s"] = warmup[name]
-    r["losses"] = steppers[name].losses
-    r["first_loss"], r["final_loss"] = r["losses"][0], r["losses"][-1]
   for r in rows.values():
+    r["ratio_to_full"] = r.pop("ratio")
     r["temp_ratio_to_full"] = r["temp_bytes"] / ref["temp_bytes"]
     r["memory_ratio_to_full"] = r["compiled_total_bytes"] / ref["compiled_total_bytes"]
 

@@ -206,20 +206,11 @@ def time_variants(steppers: dict, rows: dict, s: dict) -> None:
   """Adds each variant's timings, losses and ratios to plain (time and memory) to its row."""
   from benchmarks import common
 
-  for stepper in steppers.values():
-    stepper(1)  # loss at the initial weights (and a first call out of the timed rounds)
-  times, warmup = common.interleaved(steppers, reps=s["reps"], steps_per_rep=s["steps_per_rep"],
-                                     warmup_steps=2)
-  tokens = s["batch"] * s["seq_len"]
-  for name, r in rows.items():
-    r["step_s"] = common.median(times[name])
-    r["step_s_all"] = times[name]
-    r["ratio_to_plain"] = common.paired_ratio(times, name, REFERENCE)
-    r["tokens_per_s"] = tokens / r["step_s"]
-    r["warmup_s"] = warmup[name]
-    r["losses"] = steppers[name].losses
-    r["first_loss"], r["final_loss"] = r["losses"][0], r["losses"][-1]
+  common.timed_rounds(steppers, rows, reps=s["reps"], steps_per_rep=s["steps_per_rep"],
+                      warmup_steps=2, tokens_per_step=s["batch"] * s["seq_len"],
+                      reference=REFERENCE)
   for r in rows.values():
+    r["ratio_to_plain"] = r.pop("ratio")
     r["memory_ratio_to_plain"] = (r["compiled_total_bytes"]
                                   / rows[REFERENCE]["compiled_total_bytes"])
 
