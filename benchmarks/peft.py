@@ -1,7 +1,7 @@
 """LoRA and QLoRA against full fine-tuning at sizes where parameters matter: step time, memory.
 
   python benchmarks/peft.py [--quick] [--model 25m|100m|tiny] [--reps N] [--dropout P]
-                            [--remat none|full|save_dots]
+                            [--remat none|full|save_dots] [--scan-layers]
 
 Every variant is built the way `distillax train` builds it: the recipe of the job's config file
 (`recipe_for`) compiles its step (`build_engines`) and makes its student (`build`: adapters,
@@ -26,7 +26,10 @@ a shared machine hits every variant alike. Memory is XLA's compiled per-device f
 step: arguments, temporaries, outputs, and their total less the donated state that the outputs
 reuse. The activations kept for the backward are the same in every variant (each adapted
 matmul keeps its input, as full fine-tuning does for its weight gradient); `--remat` sets
-model.remat in all three, which shrinks them and leaves what the adapters save.
+model.remat in all three, which shrinks them and leaves what the adapters save. On XLA:CPU
+remat only takes effect with `--scan-layers` (model.scan_layers): with unrolled layers XLA
+schedules every block's recomputation early and keeps the activations anyway (100m full
+fine-tuning: 3.16 GiB of temporaries without remat, 2.91 with, 0.85 with scanned layers).
 One CPU device by default (--devices). Writes benchmarks/results/peft[_MODEL][_remat_R].json.
 """
 
@@ -67,6 +70,7 @@ def settings(args) -> dict:
       s[key] = getattr(args, key)
   s["dropout"] = args.dropout
   s["remat"] = args.remat
+  s["scan_layers"] = args.scan_layers
   s["variants"] = list(VARIANTS)
   return s
 
@@ -82,6 +86,8 @@ def variant_config(name: str, s: dict):
   c.model.max_seq_len = max(int(c.model.max_seq_len), s["seq_len"])
   if s["remat"] is not None:
     c.model.remat = s["remat"]
+  if s.get("scan_layers"):
+    c.model.scan_layers = True
   if s["dropout"] is not None and c.lora.module_regex:
     c.lora.dropout = s["dropout"]
   c.backend = "jit"
@@ -227,6 +233,8 @@ def parse_args():
                       help="adapter dropout (default: the configs' 0.1)")
   parser.add_argument("--remat", default=None, choices=("none", "full", "save_dots"),
                       help="model.remat of every variant (default: the configs', none)")
+  parser.add_argument("--scan-layers", dest="scan_layers", action="store_true",
+                      help="model.scan_layers=True in every variant (what makes remat work)")
   return subproc.parse_args_before_jax(parser)
 
 
@@ -242,7 +250,8 @@ def main() -> int:
 
   print(f"{s['model']}: batch {s['batch']} x {s['seq_len']}, {jax.device_count()} "
         f"{jax.devices()[0].platform} device(s), {s['reps']} rounds x {s['steps_per_rep']} "
-        f"steps, remat {s['remat'] or 'as configured'}", flush=True)
+        f"steps, remat {s['remat'] or 'as configured'}"
+        f"{', scanned layers' if s['scan_layers'] else ''}", flush=True)
   steppers, rows = {}, {}
   for name in s["variants"]:
     steppers[name], rows[name] = build_variant(name, s)
@@ -262,6 +271,7 @@ def main() -> int:
              "targets": met}
   name = "peft" if s["model"] == "25m" else f"peft_{s['model']}"
   name += f"_remat_{s['remat']}" if s["remat"] not in (None, "none") else ""
+  name += "_scan" if s["scan_layers"] else ""
   path = common.write_json(args.out, name, payload)
   print(f"\nwrote {path}")
   return 0 if all(c["pass"] for c in checks) else 1

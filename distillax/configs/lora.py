@@ -12,7 +12,8 @@ from distillax.configs.common import base_config, parse_arg, shrink_for_tiny
 def get_config(arg: str | None = None):
   c = base_config("demo_student")
   c.trainer = "lm"
-  c.lora.module_regex = r"layers/.*/(attn|mlp)/.*"
+  # "layers/0/attn/q" with unrolled layers, "layers/attn/q" under model.scan_layers=True
+  c.lora.module_regex = r"layers/(.*/)?(attn|mlp)/.*"
   c.optimizer.learning_rate = 1e-3
   if parse_arg(arg, tiny=False).tiny:
     shrink_for_tiny(c)

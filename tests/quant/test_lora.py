@@ -22,7 +22,7 @@ from distillax.quant.keep_mask import keep_mask_bits, unpack_keep_mask
 from distillax.quant.weights import QuantizedValue
 from distillax.trainers import lm_objective
 from tests.framework.engine_fixtures import optimizer_config, packed_batches
-from tests.quant.helpers import TINY1, logits, numpy_model, tokens
+from tests.quant.helpers import TINY, TINY1, logits, numpy_model, tokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -297,3 +297,38 @@ def test_adapters_need_less_scratch_memory_than_full_fine_tuning():
     engine = build_engine(lora, {}, with_lora_dropout(lm_objective), optimizer_config(), 4,
                           mesh, rules, "jit", shapes, trainable=LoRAParam)
     assert temp(engine) < temp(full), (base_qtype, temp(engine), temp(full))
+
+
+def test_the_shipped_regex_adapts_every_block_matmul_scanned_or_unrolled():
+  """distillax/configs/lora.py's module_regex reaches the attention and MLP weights whether the
+  layers are unrolled ('layers/0/attn/q') or stacked for scan ('layers/attn/q'), and the two
+  adapted models compute the same logits once their adapters hold the same values."""
+  from distillax.configs import lora as lora_config
+  from distillax.models.transformer import with_layer_layout
+
+  regex = lora_config.get_config("tiny").lora.module_regex
+  two_layers = TINY.replace(num_layers=2)
+  unrolled = numpy_model(two_layers, seed=0)
+  scanned = with_layer_layout(numpy_model(two_layers, seed=0), scan_layers=True)
+  adapted = {name: apply_lora(m, module_regex=regex, rank=4)
+             for name, m in (("unrolled", unrolled), ("scanned", scanned))}
+  pure = {name: nnx.to_pure_dict(nnx.state(m, LoRAParam)) for name, m in adapted.items()}
+  count = lambda tree: sum(jax.tree_util.keystr(p).endswith("['lora_a']")
+                           for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+  assert count(pure["unrolled"]) == 2 * 7 and count(pure["scanned"]) == 7  # q k v o gate up down
+  # The same nonzero adapters in both layouts: B off zero, so the adapters change the logits.
+  rng = np.random.default_rng(4)
+  values = jax.tree.map(lambda x: (rng.normal(size=x.shape) * 0.1).astype(np.float32),
+                        pure["unrolled"])
+  state = nnx.state(adapted["unrolled"], LoRAParam)
+  nnx.replace_by_pure_dict(state, values)
+  nnx.update(adapted["unrolled"], state)
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *[values["layers"][i] for i in range(2)])
+  state = nnx.state(adapted["scanned"], LoRAParam)
+  nnx.replace_by_pure_dict(state, {**values, "layers": stacked})
+  nnx.update(adapted["scanned"], state)
+  x = tokens(2, 16, TINY.vocab_size, seed=3)
+  base = logits(unrolled, x)
+  out = {name: logits(m, x) for name, m in adapted.items()}
+  assert np.abs(out["unrolled"] - base).max() > 1e-2  # the adapters are in use
+  np.testing.assert_allclose(out["scanned"], out["unrolled"], rtol=1e-5, atol=1e-5)
