@@ -3,13 +3,29 @@
 The devices are simulated the way `distillax --devices 8` does it (distillax.main, which imports
 no JAX), so the suite also gets its patient collectives: 8 devices on a loaded 2-core machine
 must not abort on XLA:CPU's default collective deadline.
+
+Compiling is most of the suite's time, and many tests compile the same programs (the tiny
+configs' train steps, in this process, in CLI and benchmark subprocesses, in the other xdist
+worker). JAX's persistent compilation cache in one directory per test session, which every
+process of the session inherits through the environment, compiles each of them once. The
+directory starts empty and is removed at the end, so no run depends on an earlier one.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # set by the xdist controller for its workers
+  _cache_dir = tempfile.mkdtemp(prefix="distillax-test-xla-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+  atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 from distillax.main import _preset_devices  # noqa: E402
 
