@@ -4,6 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 WORKDIR ?= runs/demo
 PYTEST_ARGS ?=
+# Two test processes keep both cores of a small machine busy (XLA compiles on one core); whole
+# files go to one worker (--dist loadfile) so module fixtures are built once, and a worker that
+# crashes fails the run at once (--max-worker-restart=0) instead of being replaced.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test venv clean
 
@@ -25,14 +29,14 @@ $(VENV)/.demo: pyproject.toml | $(BIN)/python
 
 $(VENV)/.test: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test,hf,edge]' 2>&1 | grep -v "is ignored" || true
-	$(BIN)/python -c "import distillax, jax, pytest, torch, transformers, gguf, llama_cpp"
+	$(BIN)/python -c "import distillax, jax, pytest, xdist, torch, transformers, gguf, llama_cpp"
 	touch $@ $(VENV)/.core $(VENV)/.demo
 
 demo: $(VENV)/.demo
 	$(BIN)/distillax demo --config distillax/configs/demo.py --workdir $(WORKDIR) --devices 8
 
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs
