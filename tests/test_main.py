@@ -362,7 +362,11 @@ def test_logs_are_distillax_lines_unless_verbose(tmp_path, capsys):
           "--config.train.eval_every=3", "--config.checkpoint.every_steps=3"]
   own = {os.path.basename(p) for p in glob.glob(f"{ROOT}/distillax/**/*.py", recursive=True)}
   assert main(argv + ["--workdir", str(tmp_path / "quiet")]) == 0
-  quiet = capsys.readouterr().err.splitlines()
+  captured = capsys.readouterr()
+  quiet = captured.err.splitlines()
+  # One eval (step 3) and one line that reports it, on either stream.
+  assert sum("eval_perplexity" in line or "perplexity" in line
+             for line in quiet + captured.out.splitlines()) == 1, captured
   assert main(argv + ["--workdir", str(tmp_path / "verbose"), "--verbose"]) == 0
   verbose = capsys.readouterr().err.splitlines()
   assert not any("Logging before flag parsing" in line for line in quiet + verbose)

@@ -145,7 +145,7 @@ class Trainer:
     run.last_eval = {} if bad_loss is not None else self._evaluate(run.state, run.step)
     if run.last_eval:
       tools.logger.write(run.step, run.last_eval)
-      if self.primary:
+      if tools.progress.enabled:  # the metric rows' console line is off while the bar shows
         tools.progress.log(f"step {run.step}: eval objective {run.last_eval['eval_loss']:.4f}, "
                            f"next-token perplexity {run.last_eval['eval_perplexity']:.3f}")
     ppl = run.last_eval.get("eval_perplexity", math.inf)
