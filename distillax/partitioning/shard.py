@@ -104,13 +104,19 @@ def optimizer_shardings(tx: optax.GradientTransformation, abstract_opt_state, pa
 # ---- activation constraints --------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class _ActiveRules:
-  mesh: Mesh
+class ActiveRules:
+  mesh: Mesh | jax.sharding.AbstractMesh
   rules: RuleSet
 
 
-_ACTIVE: contextvars.ContextVar[_ActiveRules | None] = contextvars.ContextVar(
+_ACTIVE: contextvars.ContextVar[ActiveRules | None] = contextvars.ContextVar(
     "distillax_active_rules", default=None)
+
+
+def active_rules() -> ActiveRules | None:
+  """The mesh and rules of the innermost `use_rules` (None outside, or under `no_rules`): for
+  code that lays out more than one activation from the same rules (adapter matmuls)."""
+  return _ACTIVE.get()
 
 
 @contextlib.contextmanager
@@ -123,7 +129,7 @@ def use_rules(mesh: Mesh | jax.sharding.AbstractMesh, rules: RuleSet):
   Outside this context (shard_map, pmap, vmap backends, plain eager use) `constrain` is the
   identity, so the same model code runs under every backend.
   """
-  token = _ACTIVE.set(_ActiveRules(mesh, rules))
+  token = _ACTIVE.set(ActiveRules(mesh, rules))
   try:
     yield
   finally:

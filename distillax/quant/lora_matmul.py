@@ -20,7 +20,6 @@ from jax import custom_derivatives
 
 from distillax import partitioning as pt
 from distillax.errors import PartitioningError
-from distillax.partitioning import shard as pt_shard
 from distillax.quant.keep_mask import unpack_keep_mask
 
 
@@ -120,7 +119,7 @@ class AdaptedMatmul:
   def laid_out(self, a: jax.Array, spec_of_w) -> jax.Array:
     """`a` laid out for the one matmul (see `matmul_layout`); `spec_of_w` maps
     W's PartitionSpec entries to a's."""
-    active, spec = pt_shard._ACTIVE.get(), self.layout[1]  # pylint: disable=protected-access
+    active, spec = pt.active_rules(), self.layout[1]
     if spec is None or active is None:
       return a
     sharding = jax.sharding.NamedSharding(active.mesh,
@@ -224,7 +223,7 @@ def matmul_layout(names: tuple, sizes: tuple[int, ...], contract_axes: tuple[int
   those keep x @ W + delta). The weight is then laid out as the matmul uses it (contracted
   dims whole, output dims as the output is split), which is what GSPMD gathers for the plain
   matmul too, so the backward reads the same gathered weight."""
-  active = pt_shard._ACTIVE.get()  # pylint: disable=protected-access
+  active = pt.active_rules()
   if active is None:
     return True, None
   free = [i for i in range(len(sizes)) if i not in contract_axes]
