@@ -58,7 +58,9 @@ class TransformerConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"  # compute dtype; softmax and norms always run in float32
   scan_layers: bool = False  # stack layers and run them with lax.scan (flat compile time)
-  remat: str = "none"  # 'none' | 'full' | 'save_dots' | 'save_dots_no_batch'
+  # 'none' | 'full' | 'save_dots' | 'save_dots_no_batch'. On XLA:CPU it saves memory only with
+  # scan_layers=True (unrolled, XLA schedules the recomputation early; benchmarks/peft.py).
+  remat: str = "none"
 
   def __post_init__(self):
     positive = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
