@@ -30,7 +30,7 @@ model.remat in all three, which shrinks them and leaves what the adapters save. 
 remat only takes effect with `--scan-layers` (model.scan_layers): with unrolled layers XLA
 schedules every block's recomputation early and keeps the activations anyway (100m full
 fine-tuning: 3.16 GiB of temporaries without remat, 2.91 with, 0.85 with scanned layers).
-One CPU device by default (--devices). Writes benchmarks/results/peft[_MODEL][_remat_R].json.
+One CPU device by default (--devices). Writes benchmarks/results/peft[_MODEL][_remat_R][_scan].json.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def variant_config(name: str, s: dict):
   c.model.max_seq_len = max(int(c.model.max_seq_len), s["seq_len"])
   if s["remat"] is not None:
     c.model.remat = s["remat"]
-  if s.get("scan_layers"):
+  if s["scan_layers"]:
     c.model.scan_layers = True
   if s["dropout"] is not None and c.lora.module_regex:
     c.lora.dropout = s["dropout"]

@@ -74,7 +74,7 @@ def qat_section() -> ml_collections.ConfigDict:
 
 def lora_section() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.module_regex = ""  # matmul weights that get adapters, e.g. 'layers/.*/attn/.*'; '' = off
+  c.module_regex = ""  # matmul weights that get adapters, e.g. 'layers/(.*/)?attn/.*'; '' = off
   c.rank = 8  # adapter rank
   c.alpha = 16.0  # adapter scaling numerator (scale = alpha / rank)
   c.dropout = 0.1  # dropout on the adapter input during training

@@ -221,7 +221,7 @@ def apply_lora(model: nnx.Module, *, module_regex: str, rank: int = 8, alpha: fl
                sample_tokens: jax.Array | None = None) -> nnx.Module:
   """A copy of `model` with adapters on every matmul weight whose path fullmatches
   `module_regex` (paths like 'layers/0/attn/q', 'layers/1/mlp/down', 'lm_head'; under
-  scan_layers 'layers/attn/q'): e.g. r'layers/.*/attn/.*' or r'.*/(q|v)'.
+  scan_layers 'layers/attn/q'): e.g. r'layers/(.*/)?attn/.*' (either layout) or r'.*/(q|v)'.
 
   QLoRA: `base_qtype` ('nf4' or 'int4', tiled by `base_tile_size` along the last contracted
   axis) stores those base weights as frozen codes + scales. Adapters use `adapter_dtype`
