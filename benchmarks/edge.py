@@ -14,8 +14,10 @@ Each round runs every format once, each in a fresh child process
 steps (their median is the child's figure), and the child's peak RSS (its own high-water
 mark: llama.cpp's buffers plus the mapped weights it touched). Rounds go f32, f16, q8_0,
 q4_0, f32, ...; a ratio to f32 is the median over rounds of (format / f32) in the same round,
-so a slow moment of the shared machine hits every format alike. llama.cpp runs with its
-default float16 KV cache (as deployed) and --threads threads (default 1: on a shared 2-core
+so a slow moment of the shared machine hits every format alike. llama.cpp runs as deployed:
+its default float16 KV cache and the kernels it picks for this CPU
+(gguf_runtime.deployment_kernels(): "repack" where its build has REPACK and the CPU no AMX,
+else "reference"; each row names them and llama.cpp's system info), with --threads threads (default 1: on a shared 2-core
 machine a descheduled worker thread stalls the others).
 Writes benchmarks/results/edge.json.
 """
@@ -99,8 +101,10 @@ def time_formats(files: dict, s: dict) -> dict:
   for r in range(s["rounds"]):
     for fmt in FORMATS:
       got = gguf_runtime.measure_in_subprocess(files[fmt]["path"], speed=speed,
-                                               n_threads=s["threads"], exact_cache=False)
-      for key in runs[fmt]:
+                                               n_threads=s["threads"], exact_cache=False,
+                                               kernels=gguf_runtime.deployment_kernels())
+      runs[fmt]["kernels"], runs[fmt]["system_info"] = got["kernels"], got["system_info"]
+      for key in ("prompt_s", "decode_s", "peak_rss_bytes", "rss_before_load_bytes"):
         runs[fmt][key].append(common.median(got[key]) if key.endswith("_s") else got[key])
     print(f"  round {r + 1}/{s['rounds']}: " + ", ".join(
         f"{f} {s['decode'] / runs[f]['decode_s'][-1]:.0f} tok/s" for f in FORMATS), flush=True)
@@ -118,6 +122,7 @@ def model_rows(name: str, cfg, files: dict, runs: dict, s: dict) -> list[dict]:
     run, f = runs[fmt], files[fmt]
     rows.append({
         "model": name, "format": fmt, "params": param_count(cfg), "tensor_types": f["types"],
+        "kernels": run["kernels"], "kv_cache": "f16", "system_info": run["system_info"],
         "file_bytes": f["file_bytes"],
         "file_ratio_to_f32": f["file_bytes"] / files[REFERENCE]["file_bytes"],
         "prompt_tokens_per_s": s["prompt"] / common.median(run["prompt_s"]),

@@ -26,8 +26,13 @@ EDGE_ROWS = {"f32": ("student_kd_fp", "f32", ()), "f16": ("student_kd_fp", "f16"
              "q8_0_ptq": ("student_kd_fp", "q8_0", Q8_0_RULES),
              "q4_0_ptq": ("student_kd_fp", "q4_0", None),
              "q4_0_qat": ("student_qat_int4", "q4_0", None)}
+# The rows above are the judge: llama.cpp's reference kernels (forced on every CPU) and a float32
+# KV cache, so they measure the formats' rounding alone. The deployed row runs the QAT file as a
+# device runs it by default: the kernels llama.cpp picks for this CPU and a float16 KV cache.
+DEPLOYED_ROW = "q4_0_qat_deployed"
 EDGE_LABELS = {"f32": "f32 (distilled + fp steps)", "f16": "f16", "q8_0_ptq": "q8_0 PTQ",
-               "q4_0_ptq": "q4_0 PTQ", "q4_0_qat": "q4_0 QAT"}
+               "q4_0_ptq": "q4_0 PTQ", "q4_0_qat": "q4_0 QAT",
+               DEPLOYED_ROW: "q4_0 QAT, deployment default"}
 
 
 def export_gguf(plain: dict, demo_rules, tokenizer, add_bos: bool, export_dir: str) -> dict:
@@ -68,19 +73,27 @@ def speed_tokens(batches, decode_tokens: int) -> dict:
 def measure(paths: dict, segs, speed: dict, greedy_prompts, greedy_tokens: int,
             n_threads: int | None) -> dict:
   """Each row's llama.cpp figures (one child process per file): val_loss / val_perplexity over
-  the segments, bytes, tokens/s, memory; the QAT row's per-segment CE sums and greedy."""
+  the segments, bytes, tokens/s, memory, and the kernel path and KV cache behind them; the QAT
+  row's per-segment CE sums and greedy. With a q4_0_qat file, also the deployed row."""
   rows, tokens = {}, float(sum(sum(s[-1]) for s in segs))
-  for row, path in paths.items():
+  runs = [(row, path, "reference", True) for row, path in paths.items()]
+  if "q4_0_qat" in paths:
+    runs.append((DEPLOYED_ROW, paths["q4_0_qat"], gguf_runtime.deployment_kernels(), False))
+  for row, path, kernels, exact_cache in runs:
     r = gguf_runtime.measure_in_subprocess(
         path, sequences=[s[3:] for s in segs], speed=speed, n_threads=n_threads,
-        greedy_prompts=greedy_prompts if row == "q4_0_qat" else (), greedy_tokens=greedy_tokens)
+        greedy_prompts=greedy_prompts if row == "q4_0_qat" else (), greedy_tokens=greedy_tokens,
+        kernels=kernels, exact_cache=exact_cache)
     nll = float(sum(r["nll"]))
-    rows[row] = {"format": EDGE_ROWS[row][1], "source_stage": EDGE_ROWS[row][0],
+    source = EDGE_ROWS["q4_0_qat" if row == DEPLOYED_ROW else row]
+    rows[row] = {"format": source[1], "source_stage": source[0],
                  "val_loss": nll / tokens, "val_perplexity": math.exp(nll / tokens),
                  "file_bytes": os.path.getsize(path),
+                 "kv_cache": "f32" if exact_cache else "f16",
                  **{k: r[k] for k in ("prompt_tokens_per_s", "decode_tokens_per_s",
                                       "peak_rss_bytes", "rss_before_load_bytes", "n_threads",
-                                      "prompt_tokens", "decode_tokens")}}
+                                      "prompt_tokens", "decode_tokens", "kernels",
+                                      "system_info")}}
     if row == "q4_0_qat":
       rows[row]["greedy"], rows[row]["segment_nll"] = r["greedy"], r["nll"]
   return rows
@@ -115,12 +128,12 @@ def recovery(ptq: float, qat: float, full: float) -> float:
 
 def table(rows: dict) -> str:
   """The edge rows as a markdown table."""
-  head = ("llama.cpp (this CPU)", "val loss", "val ppl", "file", "prompt tok/s",
-          "decode tok/s", "peak RSS")
+  head = ("llama.cpp (this CPU)", "kernels, KV cache", "val loss", "val ppl", "file",
+          "prompt tok/s", "decode tok/s", "peak RSS")
   lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
   for name, r in rows.items():
     lines.append("| " + " | ".join((
-        EDGE_LABELS[name], f"{r['val_loss']:.4f}", f"{r['val_perplexity']:.3f}",
+        EDGE_LABELS[name], f"{r['kernels']}, {r['kv_cache']}", f"{r['val_loss']:.4f}", f"{r['val_perplexity']:.3f}",
         f"{r['file_bytes'] / 2**20:.3f} MiB", f"{r['prompt_tokens_per_s']:,.0f}",
         f"{r['decode_tokens_per_s']:,.0f}", f"{r['peak_rss_bytes'] / 2**20:.1f} MiB")) + " |")
   return "\n".join(lines)

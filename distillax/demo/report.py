@@ -257,8 +257,12 @@ def _edge_markdown(checks: dict, edge_rows: dict, greedy_tokens: int) -> list[st
   e, n_threads = edge_rows, edge_rows["f32"]["n_threads"]
   return [
       "## On the edge: the students as GGUF files in llama.cpp", "",
-      f"llama.cpp (llama-cpp-python) on this CPU, threads: {n_threads}, float32 KV cache, one "
-      f"child process per file; validation loss over the same tokens as above; prompt: "
+      f"llama.cpp (llama-cpp-python) on this CPU ({e['f32']['system_info']}), threads: "
+      f"{n_threads}, one child process per file. Every row but the last is the judge: "
+      f"llama.cpp's reference kernels (forced on every CPU; quant/ggml.py models their "
+      f"rounding) and a float32 KV cache. The last row runs the QAT file as a device does by "
+      f"default: the '{e[edge.DEPLOYED_ROW]['kernels']}' kernels llama.cpp picks for this CPU "
+      f"and a float16 KV cache. Validation loss over the same tokens as above; prompt: "
       f"{e['f32']['prompt_tokens']} tokens in one batch, decode: {e['f32']['decode_tokens']} "
       f"one-token steps (median of rounds); peak RSS: the process's own high-water mark "
       f"(Python, numpy and llama_cpp alone: "

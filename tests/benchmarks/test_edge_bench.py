@@ -36,6 +36,10 @@ def test_every_format_timed_in_rounds_with_paired_ratios(result):
     per_round = [a / b for a, b in zip(rows["f32"]["decode_s"], r["decode_s"])]
     assert min(per_round) - 1e-12 <= r["decode_speedup_vs_f32"] <= max(per_round) + 1e-12
     assert 0 < r["rss_before_load_bytes"] <= r["peak_rss_bytes"]
+    # measured as deployed: the kernels llama.cpp picks here, named with its system info
+    assert r["kv_cache"] == "f16" and r["kernels"] in ("reference", "repack")
+    assert r["kernels"] == ("repack" if "REPACK = 1" in r["system_info"]
+                            and "AMX_INT8 = 1" not in r["system_info"] else "reference")
   assert rows["f32"]["decode_speedup_vs_f32"] == pytest.approx(1.0)
   assert rows["f32"]["peak_rss_ratio_to_f32"] == pytest.approx(1.0)
   assert result["checks_passed"] == result["checks_total"] >= 1

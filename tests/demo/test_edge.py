@@ -77,6 +77,25 @@ def test_llama_cpp_loss_over_segments_is_distillaxs_packed_loss(batches, tmp_pat
   assert row["prompt_tokens_per_s"] > 0 and row["decode_tokens_per_s"] > 0
   # The child's own memory: more than its interpreter alone, far less than this JAX process.
   assert 0 < row["rss_before_load_bytes"] <= row["peak_rss_bytes"] < _own_rss_bytes()
+  assert (row["kernels"], row["kv_cache"]) == ("reference", "f32")  # the judge's path
+
+
+def test_the_qat_file_also_runs_as_a_device_runs_it_by_default(batches, tmp_path):
+  """The deployed row: the same q4_0 file on the kernels llama.cpp picks for this CPU, with a
+  float16 KV cache, next to the judged row (reference kernels, float32 cache)."""
+  from distillax.quant import gguf_runtime
+  model = create_model(get_preset("tiny", vocab_size=384), seed=3)
+  path = tmp_path / "m.gguf"
+  write_gguf(model, path, quant="q4_0", rules=((".*", "q4_0", "q8_0", None),))
+  speed = {**edge.speed_tokens(batches, 4), "rounds": 1}
+  rows = edge.measure({"q4_0_qat": str(path)}, edge.segments(batches[:1]), speed, [[1, 2]], 4, 1)
+  judged, deployed = rows["q4_0_qat"], rows[edge.DEPLOYED_ROW]
+  assert (judged["kernels"], judged["kv_cache"]) == ("reference", "f32")
+  assert (deployed["kernels"], deployed["kv_cache"]) == (gguf_runtime.deployment_kernels(), "f16")
+  assert deployed["file_bytes"] == judged["file_bytes"] and "greedy" not in deployed
+  # Measured 2e-4 nats/token apart here (f16 cache and kernel rounding); not the same run.
+  assert abs(deployed["val_loss"] - judged["val_loss"]) < 1e-2
+  assert "AVX" in judged["system_info"] or "NEON" in judged["system_info"]
 
 
 def test_recovery_and_greedy_agreement():

@@ -37,37 +37,56 @@ TEXTS = ["hello world", "  two  spaces,\ttabs\nand a new line\r\n", "na√Øve caf√
          "<s> and </s> are text here", "1234567 + 89 = ?", " leading and trailing  "]
 
 
-def run(model, path, quant, llama_cpp_gelu=False, generate=False):
-  """Exports `model` as `quant`, runs it in llama.cpp (one load) and in distillax (the model
-  llama.cpp should compute: QAT-rounded for q8_0 / q4_0)."""
+def run(model, path, quant, llama_cpp_gelu=False, generate=False, kernels=("reference",)):
+  """Exports `model` as `quant`, runs it in llama.cpp (one load per kernel path) and in
+  distillax (the model llama.cpp should compute: QAT-rounded for q8_0 / q4_0)."""
   rules = QAT_RULES.get(quant)
   write_gguf(model, path, quant=quant, rules=rules)
   reference = quantize_for_training(model, {"rules": rules}) if rules else model
-  llm = gguf_runtime.load(path)
-  try:
-    out = {"llama_cpp": gguf_runtime.logits(llm, IDS),
-           "distillax": logits(reference, IDS, llama_cpp_gelu)}
-    if generate:
-      out["llama_cpp_tokens"] = gguf_runtime.greedy(llm, PROMPT, NEW_TOKENS)
-      out["distillax_tokens"], out["margin"] = greedy(reference, PROMPT, NEW_TOKENS,
-                                                      llama_cpp_gelu)
-  finally:
-    llm.close()
+  out = {"distillax": logits(reference, IDS, llama_cpp_gelu)}
+  if generate:
+    out["distillax_tokens"], out["margin"] = greedy(reference, PROMPT, NEW_TOKENS,
+                                                    llama_cpp_gelu)
+  for path_name in kernels:
+    llm = gguf_runtime.load(path, kernels=path_name)
+    try:
+      out[path_name] = {"logits": gguf_runtime.logits(llm, IDS)}
+      if generate:
+        out[path_name]["tokens"] = gguf_runtime.greedy(llm, PROMPT, NEW_TOKENS)
+    finally:
+      llm.close()
+  out["llama_cpp"] = out["reference"]["logits"] if "reference" in out else None
   return out
 
 
 @pytest.fixture(scope="module")
 def llama_runs(tmp_path_factory):
+  """Every format on every kernel path this CPU can force (gguf_runtime.kernel_paths)."""
   folder = tmp_path_factory.mktemp("llama")
   model = peaked_model(CONFIGS["llama"])
   full = logits(model, IDS)
-  return {q: {**run(model, folder / f"{q}.gguf", q, generate=True), "full": full}
+  return {q: {**run(model, folder / f"{q}.gguf", q, generate=True,
+                    kernels=gguf_runtime.kernel_paths()), "full": full}
           for q in FORMATS}
 
 
+def test_the_host_reports_its_kernel_paths():
+  """The reference path runs everywhere; llama.cpp's repacked kernels wherever its build has
+  REPACK and the CPU no AMX (whose matmul crashes in this build); the deployment path is the
+  last one this host can force. A path it cannot force is refused in one line."""
+  info = gguf_runtime.system_info()
+  paths = gguf_runtime.kernel_paths()
+  assert paths[0] == "reference" and set(paths) <= set(gguf_runtime.KERNEL_PATHS)
+  assert ("repack" in paths) == ("REPACK = 1" in info and "AMX_INT8 = 1" not in info)
+  assert gguf_runtime.deployment_kernels() == paths[-1]
+  with pytest.raises(gguf_runtime.UserError, match="kernels='fast' is unknown"):
+    gguf_runtime.load(__file__, kernels="fast")
+
+
+@pytest.mark.parametrize("kernels", gguf_runtime.kernel_paths())
 @pytest.mark.parametrize("quant", FORMATS)
-def test_llama_cpp_logits_match_distillax(llama_runs, quant):
-  r = llama_runs[quant]
+def test_llama_cpp_logits_match_distillax(llama_runs, quant, kernels):
+  r = {**llama_runs[quant], "llama_cpp": llama_runs[quant][kernels]["logits"]}
   assert np.abs(r["llama_cpp"] - r["distillax"]).max() <= TOLERANCE[quant]
   assert np.abs(r["distillax"]).max() > 5  # a logit scale that makes the tolerance meaningful
   if quant in QAT_RULES:  # llama.cpp computes the rounded model, not the full-precision one
@@ -77,7 +96,8 @@ def test_llama_cpp_logits_match_distillax(llama_runs, quant):
 @pytest.mark.parametrize("quant", FORMATS)
 def test_greedy_generation_agrees_token_for_token(llama_runs, quant):
   r = llama_runs[quant]
-  assert r["llama_cpp_tokens"] == r["distillax_tokens"]
+  for kernels in gguf_runtime.kernel_paths():
+    assert r[kernels]["tokens"] == r["distillax_tokens"], kernels
   assert len(set(r["distillax_tokens"])) > NEW_TOKENS // 2  # a sequence, not one repeated id
   # No near-tie decided it: every step's top-1 lead dwarfs the two runtimes' logit difference.
   assert r["margin"] > 100 * np.abs(r["llama_cpp"] - r["distillax"]).max()
