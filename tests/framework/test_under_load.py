@@ -7,6 +7,10 @@ with nothing wrong, so distillax raises that limit wherever it simulates devices
 (distillax.main._preset_devices: `--devices`, launch_local's children, tests/conftest.py).
 A straggler that late cannot be forced without a clock; what is checked here is that the
 collective backends finish with jit's numbers while the host is oversubscribed.
+
+The loaded runs happen in a child process (under_load_worker.py): if XLA:CPU aborts anyway, the
+child dies, not this pytest-xdist worker, and the failure carries the child's stderr (XLA's
+abort message and stack) instead of "node down: Not properly terminated".
 """
 
 import contextlib
@@ -88,7 +92,7 @@ def busy_host():
       p.wait()
 
 
-def _train(backend, model, mesh, rules, batches):
+def train(backend, model, mesh, rules, batches):
   """Losses and final params of one run from a copy of `model` (the step donates its state)."""
   graphdef, weights = nnx.split(model)
   model = nnx.merge(graphdef, jax.tree.map(jnp.copy, weights))
@@ -103,19 +107,27 @@ def _train(backend, model, mesh, rules, batches):
   return np.array(losses), jax.device_get(engine.runner.fetch_state(state).params)
 
 
-def test_collective_backends_finish_and_agree_with_jit_under_load():
+def test_collective_backends_finish_and_agree_with_jit_under_load(tmp_path):
   batches = packed_batches(3)
   mesh = pt.create_mesh({"data": 8, "model": 1})
   rules = pt.rules_from_config({"strategy": "dp"})
   model = create_model(MODEL, mesh=mesh, rules=rules, seed=0)
-  ref_losses, ref_params = _train("jit", model, mesh, rules, batches)
-  # Each step of both all-reduces its gradients over 8 devices sharing 2 cores with the spinners.
-  with busy_host():
-    runs = {backend: _train(backend, model, mesh, rules, batches)
-            for backend in ("pmap", "shard_map")}
+  ref_losses, ref_params = train("jit", model, mesh, rules, batches)
   assert np.all(np.isfinite(ref_losses)) and ref_losses[-1] < ref_losses[0]
-  for backend, (losses, params) in runs.items():
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=backend)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params),
-                            jax.tree.leaves(ref_params)):
-      np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=f"{backend} {path}")
+  # Each step of both all-reduces its gradients over 8 devices sharing 2 cores with the spinners.
+  out = tmp_path / "runs.npz"
+  worker = os.path.join(ROOT, "tests", "framework", "under_load_worker.py")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get(
+      "PYTHONPATH")])))
+  with busy_host():
+    proc = subprocess.run([sys.executable, worker, str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1800)
+  assert proc.returncode == 0, (f"the loaded child exited {proc.returncode}; its stderr ends:\n"
+                                f"{proc.stderr[-6000:]}")
+  with np.load(out, allow_pickle=False) as runs:
+    for backend in ("pmap", "shard_map"):
+      np.testing.assert_allclose(runs[f"{backend}/losses"], ref_losses, rtol=1e-5,
+                                 err_msg=backend)
+      for path, b in jax.tree_util.tree_leaves_with_path(ref_params):
+        key = f"{backend}/params{jax.tree_util.keystr(path)}"
+        np.testing.assert_allclose(runs[key], b, atol=1e-5, rtol=0, err_msg=key)
