@@ -17,8 +17,8 @@ q4_0, f32, ...; a ratio to f32 is the median over rounds of (format / f32) in th
 so a slow moment of the shared machine hits every format alike. llama.cpp runs as deployed:
 its default float16 KV cache and the kernels it picks for this CPU
 (gguf_runtime.deployment_kernels(): "repack" where its build has REPACK and the CPU no AMX,
-else "reference"; each row names them and llama.cpp's system info), with --threads threads (default 1: on a shared 2-core
-machine a descheduled worker thread stalls the others).
+else "reference"; each row names them and llama.cpp's system info), with --threads threads
+(default 1: on a shared 2-core machine a descheduled worker thread stalls the others).
 Writes benchmarks/results/edge.json.
 """
 

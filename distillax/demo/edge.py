@@ -76,17 +76,18 @@ def measure(paths: dict, segs, speed: dict, greedy_prompts, greedy_tokens: int,
   the segments, bytes, tokens/s, memory, and the kernel path and KV cache behind them; the QAT
   row's per-segment CE sums and greedy. With a q4_0_qat file, also the deployed row."""
   rows, tokens = {}, float(sum(sum(s[-1]) for s in segs))
-  runs = [(row, path, "reference", True) for row, path in paths.items()]
+  # (row, the EDGE_ROWS entry whose file it runs, kernel path, float32 KV cache)
+  runs = [(row, row, "reference", True) for row in paths]
   if "q4_0_qat" in paths:
-    runs.append((DEPLOYED_ROW, paths["q4_0_qat"], gguf_runtime.deployment_kernels(), False))
-  for row, path, kernels, exact_cache in runs:
+    runs.append((DEPLOYED_ROW, "q4_0_qat", gguf_runtime.deployment_kernels(), False))
+  for row, source, kernels, exact_cache in runs:
+    path = paths[source]
     r = gguf_runtime.measure_in_subprocess(
         path, sequences=[s[3:] for s in segs], speed=speed, n_threads=n_threads,
         greedy_prompts=greedy_prompts if row == "q4_0_qat" else (), greedy_tokens=greedy_tokens,
         kernels=kernels, exact_cache=exact_cache)
     nll = float(sum(r["nll"]))
-    source = EDGE_ROWS["q4_0_qat" if row == DEPLOYED_ROW else row]
-    rows[row] = {"format": source[1], "source_stage": source[0],
+    rows[row] = {"format": EDGE_ROWS[source][1], "source_stage": EDGE_ROWS[source][0],
                  "val_loss": nll / tokens, "val_perplexity": math.exp(nll / tokens),
                  "file_bytes": os.path.getsize(path),
                  "kv_cache": "f32" if exact_cache else "f16",
@@ -133,7 +134,8 @@ def table(rows: dict) -> str:
   lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
   for name, r in rows.items():
     lines.append("| " + " | ".join((
-        EDGE_LABELS[name], f"{r['kernels']}, {r['kv_cache']}", f"{r['val_loss']:.4f}", f"{r['val_perplexity']:.3f}",
+        EDGE_LABELS[name], f"{r['kernels']}, {r['kv_cache']}", f"{r['val_loss']:.4f}",
+        f"{r['val_perplexity']:.3f}",
         f"{r['file_bytes'] / 2**20:.3f} MiB", f"{r['prompt_tokens_per_s']:,.0f}",
         f"{r['decode_tokens_per_s']:,.0f}", f"{r['peak_rss_bytes'] / 2**20:.1f} MiB")) + " |")
   return "\n".join(lines)

@@ -74,7 +74,7 @@ def has_amx() -> bool:
 def kernel_paths() -> tuple[str, ...]:
   """The kernel paths this host can force (see the module docstring)."""
   repack = "REPACK = 1" in system_info() and not has_amx()
-  return ("reference", "repack") if repack else ("reference",)
+  return KERNEL_PATHS if repack else KERNEL_PATHS[:1]
 
 
 def deployment_kernels() -> str:

@@ -55,7 +55,7 @@ def run(model, path, quant, llama_cpp_gelu=False, generate=False, kernels=("refe
         out[path_name]["tokens"] = gguf_runtime.greedy(llm, PROMPT, NEW_TOKENS)
     finally:
       llm.close()
-  out["llama_cpp"] = out["reference"]["logits"] if "reference" in out else None
+  out["llama_cpp"] = out["reference"]["logits"]  # every host can force it
   return out
 
 
@@ -100,7 +100,8 @@ def test_greedy_generation_agrees_token_for_token(llama_runs, quant):
     assert r[kernels]["tokens"] == r["distillax_tokens"], kernels
   assert len(set(r["distillax_tokens"])) > NEW_TOKENS // 2  # a sequence, not one repeated id
   # No near-tie decided it: every step's top-1 lead dwarfs the two runtimes' logit difference.
-  assert r["margin"] > 100 * np.abs(r["llama_cpp"] - r["distillax"]).max()
+  assert r["margin"] > 100 * max(np.abs(r[k]["logits"] - r["distillax"]).max()
+                                 for k in gguf_runtime.kernel_paths())
   assert r["margin"] > 1.0
 
 
