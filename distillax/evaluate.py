@@ -28,8 +28,8 @@ _EVAL_SIZES = ("batch_size", "seq_len", "eval_batches")
 
 def _run_job(config, model_dir: str):
   """(recipe, engine, state) of a run at its newest valid checkpoint."""
-  from distillax.trainers import recipe_for
-  from distillax.trainers.runs import as_loaded, load_run_config, restore_newest
+  from distillax.trainers import recipe_for, restore_run_state
+  from distillax.trainers.sources import as_loaded, load_run_config
   cfg = as_loaded(load_run_config(model_dir, "--model"), keep_data=True)
   if config is not None:
     cfg.data = config.data.copy_and_resolve_references()
@@ -38,9 +38,9 @@ def _run_job(config, model_dir: str):
     cfg.mesh, cfg.partitioning = config.mesh, config.partitioning
   recipe = recipe_for(cfg, workdir=model_dir)
   engines = recipe.build_engines(compile_now=False)
-  state = restore_newest(model_dir, engines.main.layout)
-  engine = engines.at(int(jax.device_get(state.step)))
-  return recipe, engine, engine.runner.place_state(state)
+  state = restore_run_state(model_dir, recipe, engines.main)
+  step = int(jax.device_get(engines.main.runner.fetch_state(state).step))
+  return recipe, engines.at(step), state
 
 
 def _hf_job(config, model_dir: str):
@@ -63,7 +63,7 @@ def _hf_job(config, model_dir: str):
 def evaluate_model(config, model_dir: str) -> dict[str, float]:
   """The eval metrics of `model_dir` (a run or a Hugging Face directory), as the trainer
   computes them."""
-  from distillax.trainers.runs import is_hf_checkpoint
+  from distillax.trainers.sources import is_hf_checkpoint
   if not model_dir:
     raise UserError("--model is required: a run's --workdir or a Hugging Face checkpoint "
                     "directory, e.g. --model runs/kd")

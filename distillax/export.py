@@ -39,8 +39,10 @@ FORMATS = ("hf", "quantized", "gguf")
 def check_same_job(config, workdir: str) -> None:
   """Refuses a `--config` whose trainer or model section differs from the run's config.json."""
   from distillax.trainers import load_run_config
+  from distillax.trainers.sources import job_sources, resolve_student
   run = load_run_config(workdir, "--workdir").to_dict()
-  ours = json.loads(config.to_json_best_effort())
+  # The model section as the run's recipe resolved it (a student from a source has its shape).
+  ours = json.loads(resolve_student(config, job_sources(config)).to_json_best_effort())
   diff = [f"trainer {ours.get('trainer')!r} vs the run's {run.get('trainer')!r}"] if (
       ours.get("trainer") != run.get("trainer")) else []
   theirs_model, our_model = run.get("model", {}), ours.get("model", {})

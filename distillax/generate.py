@@ -44,7 +44,7 @@ class LoadedModel:
   @functools.cached_property
   def model(self):
     from distillax.models import hf
-    from distillax.trainers.runs import is_hf_checkpoint, load_trained_model
+    from distillax.trainers import is_hf_checkpoint, load_trained_model
     mesh, rules = _placement(self.config)
     if is_hf_checkpoint(self.model_dir):
       return hf.load(self.model_dir, mesh=mesh, rules=rules)
@@ -75,7 +75,7 @@ def load_model_dir(model_dir: str, config=None) -> LoadedModel:
   """A run's newest checkpoint, or a Hugging Face directory, with what prompting it needs."""
   from distillax.data import make_tokenizer
   from distillax.data.chat import template_for
-  from distillax.trainers.runs import is_hf_checkpoint, load_run_config
+  from distillax.trainers import is_hf_checkpoint, load_run_config
   if not model_dir:
     raise UserError("--model is required: a run's --workdir, a Hugging Face checkpoint "
                     "directory or an export, e.g. --model runs/kd")

@@ -378,9 +378,17 @@ def _run_job(command: str, config, fv) -> int:
   from ml_collections import config_flags
 
   from distillax.configs.paths import absolute, resolve_job_config
+  from distillax.trainers.sources import command_line_overrides
+  overrides = None
   if config is not None:
-    config = resolve_job_config(config, command,
-                                overrides=config_flags.get_override_values(fv["config"]))
+    config = resolve_job_config(config, command)
+    overrides = config_flags.get_override_values(fv["config"])
+  with command_line_overrides(overrides):
+    return _dispatch(command, config, fv)
+
+
+def _dispatch(command: str, config, fv) -> int:
+  from distillax.configs.paths import absolute
   workdir, model = absolute(_flag(fv, "workdir")), absolute(_flag(fv, "model"))
   if command == "train":
     return _train(config, workdir)

@@ -51,12 +51,8 @@ def resolve_paths(config):
   return out
 
 
-def resolve_job_config(config, command: str, *, overrides=None):
-  """The config a job runs with: absolute paths and, for a job with a student, the model
-  section its student source implies (trainers/students.py; `overrides`, the command line's
-  `--config.*` values, are checked against that source)."""
-  config = resolve_paths(config)
-  if command == "demo":
-    return config
-  from distillax.trainers.students import resolve_student
-  return resolve_student(config, overrides)
+def resolve_job_config(config, command: str):
+  """The config a job runs with: every path field absolute. (What the student is, and so the
+  model section, is resolved once, by the job's recipe: trainers/sources.)"""
+  del command  # every command's paths are made absolute alike
+  return resolve_paths(config)

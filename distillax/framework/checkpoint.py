@@ -302,6 +302,32 @@ class Checkpointer:
                   problem)
     return None
 
+  def restore_arrays(self, target: Mapping[str, Any]) -> tuple[int, Any]:
+    """(step, arrays) of the newest readable step, reading only the arrays `target` names.
+
+    `target` is a subtree of the saved state as nested dicts of ShapeDtypeStructs carrying
+    their target shardings, e.g. {"params": ...}: an orbax partial restore, so asking for a
+    student's weights reads no teacher, optimizer or RNG array. A step that cannot be read is
+    skipped with a warning, as in `restore_latest_valid`.
+    """
+    self.wait()
+    target = items.restore_target(target, None)
+    args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                  restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+    for step in reversed(self.all_steps()):
+      try:
+        items.check_step_items(self.step_dir(step), step)
+        with ocp.PyTreeCheckpointer() as reader:
+          return step, reader.restore(self.step_dir(step) / items.STATE, args=args)
+      except CorruptCheckpointError as e:
+        problem = e.problem
+      except Exception as e:  # noqa: BLE001 - an unreadable step is skipped, as on resume
+        problem = items.short_problem(e)
+      log.warning("checkpoint step %d in %s cannot be read (%s); trying the previous step",
+                  step, self.directory, problem)
+    raise UserError(f"no readable checkpoint in {self.directory}; train the run to a checkpoint "
+                    f"first")
+
   # ---- internals ----------------------------------------------------------------------------
 
   def _data_state(self, step: int, data: items.ProcessJsonResult) -> Any:

@@ -21,7 +21,8 @@ from distillax.data.batch import check_batch_size
 from distillax.errors import ConfigError, UserError
 from distillax.framework import backends, optim
 from distillax.framework.evaluation import loss_and_perplexity
-from distillax.framework.state import StateLayout, TrainState, build_layout, init_state
+from distillax.framework.state import (Reloaded, StateLayout, TrainState, build_layout,
+                                       frozen_tree, init_state)
 from distillax.framework.step import Objective, make_eval_step, make_train_step
 
 
@@ -39,6 +40,13 @@ class Engine:
   def init_state(self, student: nnx.Module, extras: Mapping[str, nnx.Module], seed: int):
     """Fresh state placed for this backend."""
     return self.runner.place_state(init_state(student, extras, self.tx, self.layout, seed))
+
+  def restored_state(self, stored: TrainState, student: nnx.Module,
+                     extras: Mapping[str, nnx.Module]):
+    """A checkpoint's state (`layout.stored_abstract`) made whole with the frozen models
+    rebuilt from their sources (`student`, `extras`: real modules), placed for this backend."""
+    frozen = frozen_tree(student, extras, self.layout)
+    return self.runner.place_state(self.layout.reloaded.joined(stored, frozen))
 
   def global_state(self, state) -> TrainState:
     """The state as GSPMD arrays on the mesh, whatever the backend (no copy under `jit`)."""
@@ -108,9 +116,10 @@ def build_engine(student: nnx.Module, extras: Mapping[str, nnx.Module], objectiv
                  backend: str, batch_shapes: Mapping[str, jax.ShapeDtypeStruct], *,
                  accum_steps: int = 1, trainable: Any = nnx.Param,
                  compile_now: bool = True, eval_objective: Objective | None = None,
-                 gradient_reduction: str = "auto") -> Engine:
+                 gradient_reduction: str = "auto", reloaded: Reloaded = Reloaded()) -> Engine:
   """`student`/`extras` may be abstract (nnx.eval_shape) or real modules: only shapes are read.
 
+  `reloaded` names the frozen models that checkpoints leave out (see `state.Reloaded`).
   `eval_objective` (default: `objective`) serves evaluation, e.g. without training-only dropout.
   `gradient_reduction` is `partitioning.gradient_reduction`; see `reduces_once`.
   """
@@ -121,7 +130,7 @@ def build_engine(student: nnx.Module, extras: Mapping[str, nnx.Module], objectiv
   _, trainable_state, _ = nnx.split(student, trainable, ...)
   tx, schedule = optim.make_optimizer(optimizer_cfg, total_steps,
                                       nnx.to_pure_dict(trainable_state))
-  layout = build_layout(student, extras, tx, mesh, rules, trainable)
+  layout = build_layout(student, extras, tx, mesh, rules, trainable, reloaded)
   make_step = lambda axis: make_train_step(layout.defs, objective, tx, schedule,
                                            accum_steps=accum_steps, axis_name=axis)
   once = reduces_once(gradient_reduction, accum_steps, student, layout, backend)

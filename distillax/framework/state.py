@@ -54,6 +54,64 @@ def split_model(model: nnx.Module, trainable: Any = nnx.Param):
           pt.logical_tree(train_state), pt.logical_tree(rest_state))
 
 
+def _subtree(tree: dict, path: tuple):
+  """The subtree at `path`; {} where the path is absent (a pure dict leaves out what is empty)."""
+  for key in path:
+    tree = tree.get(key, {})
+  return tree
+
+
+def _replaced(tree: dict, path: tuple, value):
+  """`tree` with the subtree at `path` replaced by `value` (None: removed); `tree` is unchanged."""
+  if not path:
+    return {} if value is None else value
+  out = dict(tree)
+  if len(path) == 1 and value is None:
+    out.pop(path[0], None)
+  elif value is not None or path[0] in out:
+    out[path[0]] = _replaced(tree.get(path[0], {}), path[1:], value)
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Reloaded:
+  """The frozen models a checkpoint leaves out because the run reloads them from their source
+  (a teacher, a LoRA base): they never change during training, and storing them would write a
+  teacher's full size into every checkpoint. What the run changes (trainable parameters, the
+  student's own frozen parts, optimizer state, RNG, step) is what a checkpoint holds.
+
+  extras: names of frozen extra models reloaded whole; student_base: where the student's
+  source model sits in its frozen tree (() for a bare model), None when all of it is stored.
+  """
+
+  extras: tuple[str, ...] = ()
+  student_base: tuple | None = None
+
+  def stored(self, state: TrainState) -> TrainState:
+    """The part of `state` (or of its abstract/sharding tree) that a checkpoint holds."""
+    frozen = {k: v for k, v in state.frozen.items() if k not in self.extras}
+    if self.student_base is not None:
+      frozen[STUDENT] = _replaced(frozen[STUDENT], self.student_base, None)
+    return state.replace(frozen=frozen)
+
+  def joined(self, stored: TrainState, frozen: dict) -> TrainState:
+    """A whole state from a restored `stored` one and `frozen`, the frozen tree of the models
+    rebuilt from their sources."""
+    whole = dict(frozen)
+    if self.student_base is not None:
+      base = _subtree(frozen[STUDENT], self.student_base)
+      whole[STUDENT] = _replaced(stored.frozen[STUDENT], self.student_base, base)
+    else:
+      whole[STUDENT] = stored.frozen[STUDENT]
+    return stored.replace(frozen=whole)
+
+  def reloads_student(self, abstract: TrainState) -> bool:
+    """Whether any array of the student is reloaded rather than stored (its source matters)."""
+    if self.student_base is None:
+      return False
+    return bool(jax.tree.leaves(_subtree(abstract.frozen[STUDENT], self.student_base)))
+
+
 @dataclasses.dataclass
 class StateLayout:
   """Everything needed to build, shard and step a TrainState, except the arrays' values."""
@@ -63,6 +121,16 @@ class StateLayout:
   logical: TrainState  # logical PartitionSpecs of params and frozen (opt_state: None)
   trainable: Any = nnx.Param  # the nnx filter that chose the student's trainable parameters
   shardings: TrainState | None = None  # NamedShardings, when built for a mesh
+  reloaded: Reloaded = Reloaded()  # what checkpoints leave out (reloaded from sources)
+
+  @property
+  def stored_abstract(self) -> TrainState:
+    """The abstract state a checkpoint holds (restore target shapes)."""
+    return self.reloaded.stored(self.abstract)
+
+  @property
+  def stored_shardings(self) -> TrainState | None:
+    return None if self.shardings is None else self.reloaded.stored(self.shardings)
 
 
 def _fp32(x):
@@ -76,7 +144,7 @@ def master_dtype_params(params):
 
 def build_layout(student: nnx.Module, extras: Mapping[str, nnx.Module],
                  tx: optax.GradientTransformation, mesh: Mesh | None, rules: pt.RuleSet | None,
-                 trainable: Any = nnx.Param) -> StateLayout:
+                 trainable: Any = nnx.Param, reloaded: Reloaded = Reloaded()) -> StateLayout:
   """Layout of the state for abstract or real modules (shapes only are read)."""
   s_graph, s_train, s_rest, s_train_lg, s_rest_lg = split_model(student, trainable)
   extra_graphs, frozen, frozen_lg = [], {STUDENT: s_rest}, {STUDENT: s_rest_lg}
@@ -91,7 +159,8 @@ def build_layout(student: nnx.Module, extras: Mapping[str, nnx.Module],
                         frozen=shape(frozen), opt_state=abstract_opt,
                         rng=jax.ShapeDtypeStruct((2,), jnp.uint32))
   logical = TrainState(step=P(), params=s_train_lg, frozen=frozen_lg, opt_state=None, rng=P())
-  layout = StateLayout(ModelDefs(s_graph, tuple(extra_graphs)), abstract, logical, trainable)
+  layout = StateLayout(ModelDefs(s_graph, tuple(extra_graphs)), abstract, logical, trainable,
+                       reloaded=reloaded)
   if mesh is not None:
     layout.shardings = state_shardings(layout, tx, mesh, rules)
   return layout
@@ -106,11 +175,17 @@ def state_shardings(layout: StateLayout, tx, mesh: Mesh, rules: pt.RuleSet) -> T
                     opt_state=pt.optimizer_shardings(tx, a.opt_state, params, mesh), rng=rep)
 
 
+def frozen_tree(student: nnx.Module, extras: Mapping[str, nnx.Module], layout: StateLayout):
+  """The frozen tree of real modules: the student's untrained part and every extra model."""
+  _, _, s_rest, _, _ = split_model(student, layout.trainable)
+  return {STUDENT: s_rest, **{n: nnx.to_pure_dict(nnx.state(m)) for n, m in extras.items()}}
+
+
 def init_state(student: nnx.Module, extras: Mapping[str, nnx.Module], tx, layout: StateLayout,
                seed: int) -> TrainState:
   """Real state from real (already sharded) modules; optimizer state created in place."""
-  _, s_train, s_rest, _, _ = split_model(student, layout.trainable)
-  frozen = {STUDENT: s_rest, **{n: nnx.to_pure_dict(nnx.state(m)) for n, m in extras.items()}}
+  _, s_train, _, _, _ = split_model(student, layout.trainable)
+  frozen = frozen_tree(student, extras, layout)
   sh = layout.shardings
   opt_init = jax.jit(lambda p: tx.init(master_dtype_params(p)),
                      out_shardings=sh.opt_state if sh is not None else None)

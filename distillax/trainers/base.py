@@ -29,9 +29,10 @@ from distillax.framework.profiling import ProfileWindow
 from distillax.framework.progress import ProgressBar
 from distillax.framework.throughput import Throughput, peak_flops_per_device
 from distillax.framework.writers import create_writers
+from distillax.trainers.recipe import Engines, Recipe
+from distillax.trainers.saved import SOURCES_KEY, check_fingerprints, source_fingerprints
 from distillax.trainers.workdir import (check_workdir, open_checkpointer, prepare_workdir,
                                         write_summary)
-from distillax.trainers.recipe import Engines, Recipe
 
 
 @dataclasses.dataclass
@@ -74,6 +75,7 @@ class Trainer:
     self.workdir = os.path.abspath(workdir)
     self.primary = runtime.is_primary()
     self.engines: Engines | None = None
+    self.fingerprints: dict = {}  # of the sources reloaded on resume, recorded in every save
 
   def run(self) -> dict[str, Any]:
     """Trains to `train.steps`; returns the summary (also written to summary.json), whose
@@ -166,8 +168,10 @@ class Trainer:
     """Saves the step with the open metrics window; the finished windows' rows are written
     first, so a run killed after this save resumes with every row up to this step on disk."""
     tools.logger.flush()
-    extra = {**run.meta, "metrics_window": tools.logger.window_state()}
-    ckpt.save(run.step, self.engines.main.runner.fetch_state(run.state),
+    extra = {**run.meta, "metrics_window": tools.logger.window_state(),
+             SOURCES_KEY: self.fingerprints}
+    engine = self.engines.main
+    ckpt.save(run.step, engine.layout.reloaded.stored(engine.runner.fetch_state(run.state)),
               data_state=iterator_state_json(run.train_it), metrics=metrics, extra=extra,
               force=True)
 
@@ -176,16 +180,21 @@ class Trainer:
   def _start(self, ckpt: Checkpointer, train_it) -> _Run:
     """A fresh state, or the newest valid checkpoint's (with its data position and the
     learning rate of its rollbacks)."""
-    layout = self.engines.main.layout
-    restored = ckpt.restore_latest_valid(abstract_state=layout.abstract, shardings=layout.shardings)
+    engine = self.engines.main
+    layout = engine.layout
+    self.fingerprints = source_fingerprints(self.recipe, layout)
+    restored = ckpt.restore_latest_valid(abstract_state=layout.stored_abstract,
+                                         shardings=layout.stored_shardings)
+    if restored is not None:
+      check_fingerprints(restored[2], self.fingerprints, self.workdir)
+    student, extras = self.recipe.build(abstract=False)
     if restored is None:
-      student, extras = self.recipe.build(abstract=False)
-      state = self.engines.main.init_state(student, extras, int(self.config.seed))
-      return _Run(state, 0, train_it)
-    state, data_state, meta = restored
-    logging.info("resuming from step %d", int(meta.get("step", -1)))
+      return _Run(engine.init_state(student, extras, int(self.config.seed)), 0, train_it)
+    stored, data_state, meta = restored
+    logging.info("resuming from step %d (frozen models reloaded from their sources)",
+                 int(meta.get("step", -1)))
     extra = dict(meta.get("extra") or {})
-    state = self.engines.main.runner.place_state(state)
+    state = engine.restored_state(stored, student, extras)
     step = int(jax.device_get(self.engines.main.runner.fetch_state(state).step))
     run = _Run(state, step, train_it, rollbacks=int(extra.get("rollbacks", 0)),
                best=extra.get("best_eval_perplexity"), window=extra.get("metrics_window"))
@@ -209,14 +218,18 @@ class Trainer:
     best_step, from_step = ckpt.best_step(), run.step
     run.rollbacks += 1
     self.engines = self.recipe.build_engines(self._scaled_lr(run.rollbacks))
-    layout, data_state, run.window = self.engines.main.layout, None, None
+    engine = self.engines.main
+    layout, data_state, run.window = engine.layout, None, None
     if best_step is None and not ckpt.all_steps():
       student, extras = self.recipe.build(abstract=False)
-      run.state, run.step = self.engines.main.init_state(student, extras, int(c.seed)), 0
+      run.state, run.step = engine.init_state(student, extras, int(c.seed)), 0
     else:
-      state, data_state, meta = ckpt.restore(best_step, abstract_state=layout.abstract,
-                                             shardings=layout.shardings)
-      run.state, run.step = self.engines.main.runner.place_state(state), int(meta["step"])
+      stored, data_state, meta = ckpt.restore(best_step, abstract_state=layout.stored_abstract,
+                                              shardings=layout.stored_shardings)
+      # The frozen models are the ones already in memory: nothing is reloaded.
+      frozen = engine.runner.fetch_state(run.state).frozen
+      state = layout.reloaded.joined(stored, jax.device_put(frozen, layout.shardings.frozen))
+      run.state, run.step = engine.runner.place_state(state), int(meta["step"])
       run.window = (meta.get("extra") or {}).get("metrics_window")
       # Newer steps belong to the diverged trajectory: set aside (not deleted) so a later resume
       # cannot pick them up.

@@ -16,8 +16,7 @@ from distillax.errors import ConfigError
 from distillax.framework.step import Objective
 from distillax.models.config import TransformerConfig
 from distillax.models.init import abstract_model
-from distillax.trainers import teacher as teachers
-from distillax.trainers.common import place_module
+from distillax.trainers import sources as src
 from distillax.trainers.recipe import Recipe
 from distillax.trainers.registry import register
 
@@ -65,10 +64,12 @@ def strategy_from_config(c, student: TransformerConfig, teacher: TransformerConf
 class DistillRecipe(Recipe):
   """The student (wrapped with its training-only projections) against an online teacher."""
 
+  student_path = ("model",)  # DistillStudent.model
+
   def __init__(self, config, **kwargs):
     super().__init__(config, **kwargs)
-    self.teacher_model_config = teachers.teacher_config(config.teacher,
-                                                        self.model_config.vocab_size)
+    self.teacher_source, self.teacher_model_config = src.job_teacher(
+        config, self.sources, self.model_config.vocab_size)
 
   def strategy(self) -> Strategy:
     return strategy_from_config(self.config.distill, self.model_config, self.teacher_model_config)
@@ -84,10 +85,12 @@ class DistillRecipe(Recipe):
     return chunk_size_from_config(self.config.distill.chunk_size)
 
   def load_teacher(self) -> nnx.Module:
-    """The frozen teacher alone, sharded on this recipe's mesh (also for cache-teacher and
-    sequence-KD generation)."""
-    return teachers.load_teacher(self.config.teacher, self.model_config.vocab_size, self.mesh,
-                                 self.rules, seed=int(self.config.seed))
+    """The frozen teacher alone, sharded on this recipe's mesh (also for cache-teacher)."""
+    if self.teacher_source is None:
+      raise ConfigError("teacher.cache_dir is set, but this job runs the teacher itself; clear "
+                        "--config.teacher.cache_dir and name teacher.workdir, hf_path or preset")
+    return self.teacher_source.load(self.teacher_model_config, self.mesh, self.rules,
+                                    seed=int(self.config.seed))
 
   def build(self, *, abstract: bool, quantize: bool = True):
     student = self.wrap_student(self.build_student(abstract=abstract, quantize=quantize),
@@ -104,7 +107,7 @@ class DistillRecipe(Recipe):
     wrap = lambda: DistillStudent(model, strategy, teacher_embed_dim=t_dim,
                                   rngs=nnx.Rngs(int(self.config.seed) + 1),
                                   param_dtype=self.model_config.param_dtype)
-    return nnx.eval_shape(wrap) if abstract else place_module(wrap(), self.mesh, self.rules)
+    return nnx.eval_shape(wrap) if abstract else src.place(wrap(), self.mesh, self.rules)
 
   def export_model(self, student: nnx.Module) -> nnx.Module:
     return super().export_model(unwrap_student(student)[0])

@@ -27,12 +27,13 @@ from distillax.data.sources import resolve_files
 from distillax.errors import ConfigError, UserError
 from distillax.framework import flops, optim
 from distillax.framework.engine import Engine, build_engine
+from distillax.framework.state import Reloaded
 from distillax.framework.step import Objective
 from distillax.models.config import TransformerConfig
-from distillax.trainers.common import place_module, resolve_model_config
+from distillax.models.init import abstract_model
+from distillax.trainers import sources as src
 from distillax.trainers.lm import lm_objective
 from distillax.trainers.registry import register
-from distillax.trainers.students import base_student, check_init_from, resolve_student
 from distillax.trainers.transforms import StudentTransforms
 
 
@@ -98,21 +99,28 @@ class Recipe:
   name = "lm"
   # The model run frozen inside the step (counted in its FLOPs); distillation recipes set it.
   teacher_model_config: TransformerConfig | None = None
+  # Where the plain student sits in the trained module's tree (a distillation student wraps it
+  # with its training-only projections): what loading a run's student reads.
+  student_path: tuple[str, ...] = ()
 
   def __init__(self, config, *, workdir: str | None = None, mesh=None,
                rules: pt.RuleSet | None = None):
     check_run_sections(config)
     optim.check_optimizer_config(config.optimizer)
     check_data_paths(config.data)
+    self.sources = src.job_sources(config)
     # A student from a checkpoint or the teacher has its source's shape: `self.config` (what
     # config.json records) holds it in the model section.
-    self.config = config = resolve_student(config)
+    self.config = config = src.resolve_student(config, self.sources)
     self.workdir = workdir
     self.mesh = mesh if mesh is not None else pt.create_mesh(config.mesh)
     self.rules = rules if rules is not None else pt.rules_from_config(config.partitioning)
     self.tokenizer = make_tokenizer(config.data.tokenizer)
-    self.model_config = resolve_model_config(config.model, self.tokenizer)
-    check_init_from(config, self.model_config)
+    self.model_config = src.resolve_model_config(config.model, self.tokenizer)
+    if self.sources.student.kind == "fresh":
+      self.sources = dataclasses.replace(
+          self.sources, student=dataclasses.replace(self.sources.student, cfg=self.model_config))
+    src.check_run_shape(self.sources.student, self.model_config)
     self.batch_size, self.seq_len = int(config.train.batch_size), int(config.train.seq_len)
     if self.seq_len > self.model_config.max_seq_len:
       raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="
@@ -143,10 +151,21 @@ class Recipe:
   def build_student(self, *, abstract: bool, quantize: bool = True) -> nnx.Module:
     """The plain student (fresh or `train.init_from`) with the LoRA/QAT transforms applied."""
     apply = lambda m: self.transforms.apply(m, quantize=quantize)
-    model = base_student(self.model_config, self.config, self.mesh, self.rules, abstract=abstract)
     if abstract:
+      model = abstract_model(self.model_config, int(self.config.seed))
       return nnx.eval_shape(lambda: apply(model))
-    return place_module(apply(model), self.mesh, self.rules)
+    model = self.sources.student.load(self.model_config, self.mesh, self.rules,
+                                      seed=int(self.config.seed))
+    return src.place(apply(model), self.mesh, self.rules)
+
+  def reloaded_sources(self, layout) -> dict[str, src.ModelSource]:
+    """The sources whose arrays this job reloads instead of storing (what a resume checks)."""
+    out = {}
+    if layout.reloaded.reloads_student(layout.abstract):
+      out["student"] = self.sources.student
+    if self.sources.step_teacher is not None and layout.reloaded.extras:
+      out["teacher"] = self.sources.step_teacher
+    return out
 
   def trainable(self) -> Any:
     return self.transforms.trainable()
@@ -186,4 +205,7 @@ class Recipe:
                         int(c.train.steps), self.mesh, self.rules, c.backend, self.batch_shapes(),
                         accum_steps=int(c.train.accum_steps), trainable=self.trainable(),
                         compile_now=compile_now, eval_objective=self.objective(),
-                        gradient_reduction=str(c.partitioning.get("gradient_reduction", "auto")))
+                        gradient_reduction=str(c.partitioning.get("gradient_reduction", "auto")),
+                        # Checkpoints leave out what the sources give back on resume: every
+                        # frozen extra (the teacher) and the student's frozen base (LoRA's).
+                        reloaded=Reloaded(tuple(extras), self.student_path))

@@ -18,7 +18,7 @@ from absl import logging
 from distillax.data import make_train_iterator
 from distillax.distill.sequence_kd import generate_samples, take_prompt_records, write_jsonl
 from distillax.errors import ConfigError, UserError
-from distillax.trainers import teacher as teachers
+from distillax.trainers import sources as src
 from distillax.trainers.recipe import Recipe
 from distillax.trainers.registry import register
 
@@ -35,7 +35,9 @@ class SequenceKDRecipe(Recipe):
     for name in ("num_prompts", "prompt_len", "batch_size"):
       if int(sc[name]) < 1:
         raise ConfigError(f"sequence_kd.{name}={sc[name]} must be >= 1")
-    teachers.teacher_config(config.teacher, self.model_config.vocab_size)  # checked up front
+    # Checked up front; loaded (then dropped) only to write the samples.
+    self.teacher_source, self.teacher_config = src.job_teacher(config, self.sources,
+                                                               self.model_config.vocab_size)
 
   @property
   def samples_path(self) -> str:
@@ -70,8 +72,8 @@ class SequenceKDRecipe(Recipe):
     if jax.process_count() > 1:
       raise UserError("sequence_kd generates its samples in one process; run it without "
                       "--num_processes, or generate once and train the lm config on the file")
-    teacher = teachers.load_teacher(self.config.teacher, self.model_config.vocab_size, self.mesh,
-                                    self.rules, seed=int(self.config.seed))
+    teacher = self.teacher_source.load(self.teacher_config, self.mesh, self.rules,
+                                       seed=int(self.config.seed))
     prompts = take_prompt_records(self.config.data, self.tokenizer, count=int(sc.num_prompts),
                                   prompt_len=int(sc.prompt_len), seed=int(self.config.seed))
     samples, stats = generate_samples(teacher, prompts, self.tokenizer, sc, mesh=self.mesh,

@@ -1,0 +1,77 @@
+"""What a run's checkpoints hold, and how a state comes back from them.
+
+A checkpoint holds what the run changes: the step, trainable parameters, the student's own
+frozen parts, optimizer state, RNG and the data position (`framework.state.Reloaded`). The
+frozen models that came from a source (the teacher, a LoRA base) are reloaded from it. So that a
+resume never silently pairs a student with a different teacher, every save records the
+fingerprints of those sources (config, weight files' sizes and header hashes), and restoring
+refuses, in one line naming the source and the fix, when they no longer match.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from flax import nnx
+
+from distillax.errors import UserError
+from distillax.framework.state import TrainState
+from distillax.trainers.sources import RunSource, checkpoints_of, student_source
+
+SOURCES_KEY = "sources"  # in a checkpoint's metadata `extra`
+
+
+def source_fingerprints(recipe, layout) -> dict[str, dict]:
+  """{"teacher": ..., "student": ...} of the sources this job reloads instead of storing."""
+  return {name: s.fingerprint() for name, s in recipe.reloaded_sources(layout).items()}
+
+
+def _changed(saved: dict, now: dict) -> str:
+  keys = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+  return ", ".join(keys) or "?"
+
+
+def check_fingerprints(meta: dict, now: dict[str, dict], directory: str) -> None:
+  """Refuses a checkpoint whose reloaded sources changed since it was saved."""
+  saved = (meta.get("extra") or {}).get(SOURCES_KEY) or {}
+  step = meta.get("step")
+  for name, fingerprint in now.items():
+    if name not in saved:
+      raise UserError(f"checkpoint step {step} in {directory} does not record its {name} "
+                      f"({fingerprint['source']}); it was saved by another distillax or job: "
+                      f"use a new workdir")
+    if saved[name] != fingerprint:
+      raise UserError(f"{fingerprint['source']} changed since checkpoint step {step} in "
+                      f"{directory} was saved with it as the {name} ({_changed(saved[name], fingerprint)} "
+                      f"differ); the run reloads its {name} from there: put back the {name} it "
+                      f"trained with, or start a new workdir")
+
+
+def restore_run_state(workdir: str, recipe, engine) -> TrainState:
+  """The whole TrainState of `workdir`'s newest valid checkpoint, restored onto `engine`'s
+  layout (this job's mesh and shardings) with the reloaded models taken from their sources."""
+  layout = engine.layout
+  with checkpoints_of(workdir) as ckpt:
+    restored = ckpt.restore_latest_valid(abstract_state=layout.stored_abstract,
+                                         shardings=layout.stored_shardings)
+  if restored is None:
+    raise UserError(f"no valid checkpoint in {os.path.join(workdir, 'checkpoints')}; train the "
+                    f"run to a checkpoint first")
+  stored, _, meta = restored
+  check_fingerprints(meta, source_fingerprints(recipe, layout), workdir)
+  student, extras = recipe.build(abstract=False)
+  return engine.restored_state(stored, student, extras)
+
+
+def load_trained_model(workdir: str, mesh, rules) -> nnx.Module:
+  """The plain student Transformer of `workdir`'s newest valid checkpoint, sharded for
+  `mesh`/`rules` (LoRA merged, fake quantization and training-only parts off). Reads the
+  student's arrays only: no teacher, no optimizer state."""
+  source = RunSource(os.path.abspath(workdir), "", base_of=student_source)
+  cfg = source.model_config()
+  return source.load(cfg, mesh, rules, seed=int(source.run_config.seed))
+
+
+def step_of(state: TrainState) -> int:
+  return int(jax.device_get(state.step))

@@ -1,0 +1,238 @@
+"""The kinds of model source: fresh weights, a preset, a Hugging Face directory, an earlier run,
+and blocks of another source (a student derived from its teacher).
+
+Every source answers the same four questions, each reading its files once:
+  model_config()    the model it holds, as stored
+  load(cfg, ...)    its weights as a model of config `cfg` (same shapes; `cfg`'s dtypes and
+                    layout), read sharded tensor by tensor, never gathered on a host
+  tokenizer_file()  the tokenizer.json it was trained with, if it has one
+  fingerprint()     what identifies its weights on disk, so that a run which reloads them on
+                    resume (a teacher, a LoRA base) notices when they changed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from distillax import partitioning as pt
+from distillax.data import check_vocab, make_tokenizer, padded_vocab_size
+from distillax.errors import ConfigError
+from distillax.models import hf
+from distillax.models.config import TransformerConfig, get_preset
+from distillax.models.init import abstract_model, create_model
+from distillax.models.transformer import layer_params
+from distillax.trainers.sources import files
+
+# The model fields that say how a model runs, not what it is: a model loaded from a source
+# takes the asking config's values of these (e.g. fp32 master weights of a bf16 checkpoint).
+RUN_FIELDS = ("param_dtype", "dtype", "scan_layers", "remat")
+
+
+def resolve_model_config(model_cfg, tokenizer) -> TransformerConfig:
+  """A model section's TransformerConfig, with the vocabulary taken from, or checked against,
+  the data's tokenizer."""
+  values = dict(model_cfg)
+  if int(values.get("vocab_size") or 0) <= 0:
+    values["vocab_size"] = padded_vocab_size(tokenizer)
+  cfg = TransformerConfig.from_dict(values)
+  check_vocab(tokenizer, cfg.vocab_size)
+  return cfg
+
+
+def place(values, mesh, rules, like: nnx.Module | None = None) -> nnx.Module:
+  """`values` (a module, or a pure dict of its arrays) as a module shaped like `like` (an
+  abstract module; default: the module itself): cast to `like`'s dtypes and put on the mesh by
+  its logical axes. The one place where loaded or created weights (a teacher's blocks, a dtype
+  change, adapters and projections made after the sharded init) meet the shardings; arrays
+  move device to device, none is gathered on a host."""
+  if isinstance(values, nnx.Module):
+    like = values if like is None else like
+    values = nnx.to_pure_dict(nnx.state(values))
+  graph, abstract = nnx.split(like)
+  want = nnx.to_pure_dict(abstract)
+  values = jax.tree.map(lambda v, w: v.astype(w.dtype), values, want)
+  shardings = pt.tree_shardings(want, pt.logical_tree(abstract), mesh, rules)
+  nnx.replace_by_pure_dict(abstract, jax.device_put(values, shardings))
+  return nnx.merge(graph, abstract)
+
+
+def _digest(value) -> str:
+  return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+class ModelSource:
+  """Where one model's weights come from. `field` is the setting that names it."""
+
+  kind = ""
+  field = ""
+
+  def named(self) -> str:
+    """`field=value` as the user wrote it, for error lines."""
+    return self.field or self.kind
+
+  def model_config(self) -> TransformerConfig:
+    raise NotImplementedError
+
+  def load(self, cfg: TransformerConfig, mesh, rules, *, seed: int) -> nnx.Module:
+    raise NotImplementedError
+
+  def tokenizer_file(self) -> str | None:
+    return None
+
+  def fingerprint(self) -> dict:
+    return {"kind": self.kind, "source": self.named(), "config": self.model_config().to_dict()}
+
+  def _checked(self, model: nnx.Module, cfg: TransformerConfig) -> nnx.Module:
+    if model.config != cfg:
+      raise ConfigError(f"{self.named()} holds a model of another shape ({model.config}); make "
+                        f"the model section match it")
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class FreshSource(ModelSource):
+  """New weights from the seed: a student trained from scratch, or a preset teacher (tests,
+  benchmarks), which draws from its own seed stream (`seed_offset`)."""
+
+  cfg: TransformerConfig | None  # None until the recipe has resolved the model section
+  field: str = ""
+  seed_offset: int = 0
+  kind = "fresh"
+
+  def named(self) -> str:
+    return self.field or "fresh weights"
+
+  def model_config(self) -> TransformerConfig:
+    return self.cfg
+
+  def load(self, cfg, mesh, rules, *, seed):
+    return create_model(cfg, mesh=mesh, rules=rules, seed=seed + self.seed_offset)
+
+  def fingerprint(self) -> dict:
+    return {**super().fingerprint(), "seed_offset": self.seed_offset}
+
+
+def preset_source(name: str, vocab_size: int, field: str, seed_offset: int) -> FreshSource:
+  return FreshSource(get_preset(name).replace(vocab_size=vocab_size), f"{field}={name}",
+                     seed_offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFSource(ModelSource):
+  """A Hugging Face checkpoint directory (config.json + *.safetensors)."""
+
+  path: str
+  field: str
+  kind = "hf"
+
+  def named(self) -> str:
+    return files.where(self.path, self.field)
+
+  @functools.cached_property
+  def _config(self) -> TransformerConfig:
+    return files.hf_checkpoint_config(self.path, self.field)
+
+  def model_config(self):
+    return self._config
+
+  def load(self, cfg, mesh, rules, *, seed):
+    model = hf.load(self.path, mesh=mesh, rules=rules, **{k: getattr(cfg, k) for k in RUN_FIELDS})
+    return self._checked(model, cfg)
+
+  def tokenizer_file(self):
+    file = os.path.join(self.path, "tokenizer.json")
+    return file if os.path.isfile(file) else None
+
+  def fingerprint(self):
+    names = [n for n in os.listdir(self.path)
+             if n == files.CONFIG_FILE or n.endswith((".safetensors", ".safetensors.index.json"))]
+    return {**super().fingerprint(), "files": files.files_fingerprint(self.path, names)}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSource(ModelSource):
+  """The trained student of an earlier distillax run: its newest valid checkpoint's student
+  weights, restored alone (runs.py), whatever topology saved them."""
+
+  workdir: str
+  field: str
+  # The source of the run's own student (given by select.py: a LoRA run's checkpoint holds
+  # its adapters, and its frozen base is reloaded from where the run took it).
+  base_of: Callable[[Any], ModelSource] = dataclasses.field(default=None, compare=False)
+  kind = "run"
+
+  def named(self) -> str:
+    return files.where(self.workdir, self.field)
+
+  @functools.cached_property
+  def run_config(self):
+    return files.load_run_config(self.workdir, self.field)
+
+  @functools.cached_property
+  def _config(self) -> TransformerConfig:
+    cfg = self.run_config
+    return resolve_model_config(cfg.model, make_tokenizer(cfg.data.tokenizer))
+
+  def model_config(self):
+    return self._config
+
+  def load(self, cfg, mesh, rules, *, seed):
+    from distillax.trainers.sources import runs  # runs.py asks sources for a LoRA run's base
+    model = runs.load_run_student(self, mesh, rules)
+    if model.config != cfg:
+      model = self._checked(place(model, mesh, rules, abstract_model(cfg)), cfg)
+    return model
+
+  def tokenizer_file(self):
+    return files.hf_tokenizer_file(str(self.run_config.data.tokenizer))
+
+  def fingerprint(self):
+    from distillax.trainers.sources import runs
+    return {**super().fingerprint(), "run_config": _digest(self.run_config.to_dict()),
+            **runs.checkpoint_fingerprint(self.workdir)}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlocksSource(ModelSource):
+  """Blocks `layers` (in that order) of another source, with its embeddings, final norm and
+  head: a student derived from its teacher."""
+
+  of: ModelSource
+  layers: tuple[int, ...]
+  field: str = "student.from_teacher.layers"
+  kind = "teacher"
+
+  def named(self) -> str:
+    return f"{self.field}={self.layers}"
+
+  def model_config(self):
+    whole = self.of.model_config()
+    outside = [i for i in self.layers if i >= whole.num_layers]
+    if outside:
+      raise ConfigError(f"{self.named()} names blocks {outside} but the teacher has "
+                        f"{whole.num_layers} (0..{whole.num_layers - 1}); pick blocks it has")
+    return whole.replace(num_layers=len(self.layers))
+
+  def load(self, cfg, mesh, rules, *, seed):
+    whole = self.of.load(self.of.model_config(), mesh, rules, seed=seed)  # bit for bit
+    per_layer = layer_params(whole)
+    picked = [per_layer[i] for i in self.layers]
+    values = {k: v for k, v in nnx.to_pure_dict(nnx.state(whole)).items() if k != "layers"}
+    values["layers"] = (jax.tree.map(lambda *a: jnp.stack(a), *picked) if cfg.scan_layers
+                        else dict(enumerate(picked)))
+    return place(values, mesh, rules, abstract_model(cfg))
+
+  def tokenizer_file(self):
+    return self.of.tokenizer_file()
+
+  def fingerprint(self):
+    return {**self.of.fingerprint(), "layers": list(self.layers)}

@@ -1,0 +1,212 @@
+"""Which source a job's student and teacher come from, read once per job.
+
+Student, first set wins (more than one is an error naming them): `train.init_from` (an earlier
+run, or a Hugging Face directory), `student.hf_path`, `student.from_teacher.layers` (blocks of
+the teacher), else fresh weights of the model section. Teacher: `teacher.workdir` (a run),
+`teacher.hf_path`, `teacher.preset` (fresh weights: tests, benchmarks); a `teacher.cache_dir`
+holds teacher *outputs*, not a model, so such a job has no teacher source.
+
+A student whose weights come from a source has that source's shape: `resolve_student` writes
+the source's model config into the config's `model` section, so the run's config.json describes
+the model exactly; only how the model runs (RUN_FIELDS) stays the `model` section's. A
+command-line `--config.model.*` value that disagrees with the source is an error, not a
+silently different model: the CLI says which fields it set with `command_line_overrides`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from typing import Iterator, Mapping
+
+from distillax.data import make_tokenizer, padded_vocab_size
+from distillax.errors import ConfigError
+from distillax.models.config import TransformerConfig
+from distillax.trainers.sources import files, vocabulary
+from distillax.trainers.sources.kinds import (RUN_FIELDS, BlocksSource, FreshSource, HFSource,
+                                              ModelSource, RunSource, preset_source)
+
+# Fresh preset teachers draw from their own seed stream, apart from the student's.
+PRESET_SEED_OFFSET = 1000
+
+_OVERRIDES: contextvars.ContextVar[Mapping | None] = contextvars.ContextVar(
+    "distillax_command_line_overrides", default=None)
+
+
+@contextlib.contextmanager
+def command_line_overrides(overrides: Mapping | None) -> Iterator[None]:
+  """The command line's `--config.*` values (by dotted name) while a CLI job runs: the model
+  fields among them are checked against the student's source. Outside (the Python API) which
+  fields a user set is unknown, and none is checked."""
+  token = _OVERRIDES.set(dict(overrides) if overrides else None)
+  try:
+    yield
+  finally:
+    _OVERRIDES.reset(token)
+
+
+def _vocab_of(config) -> int:
+  """The model vocabulary the data's tokenizer implies (model.vocab_size, else padded)."""
+  given = int(config.model.get("vocab_size") or 0)
+  return given if given > 0 else padded_vocab_size(make_tokenizer(config.data.tokenizer))
+
+
+def teacher_source(teacher, vocab_size: int) -> ModelSource | None:
+  """The teacher section's source; None when the job trains from a teacher cache."""
+  if teacher is None or teacher.get("cache_dir"):
+    return None
+  if teacher.workdir:
+    return RunSource(teacher.workdir, "teacher.workdir", base_of=student_source)
+  if teacher.hf_path:
+    return HFSource(teacher.hf_path, "teacher.hf_path")
+  return preset_source(teacher.preset, vocab_size, "teacher.preset", PRESET_SEED_OFFSET)
+
+
+def _check_layers(layers) -> None:
+  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+    raise ConfigError(f"student.from_teacher.layers={layers!r} must be teacher block indices "
+                      f"(whole numbers from 0), e.g. --config.student.from_teacher.layers="
+                      f"'(0, 2, 4)'")
+
+
+def student_source(config, teacher: ModelSource | None = None) -> ModelSource:
+  """The one source the config names for its student (`teacher`: the job's teacher source,
+  which a derived student copies blocks of; made from the config when not given)."""
+  student = config.get("student") or {}
+  init_from = str(config.train.get("init_from", "") or "")
+  hf_path = str(student.get("hf_path", "") or "") if student else ""
+  layers = tuple(student.get("from_teacher", {}).get("layers", ()) or ()) if student else ()
+  named = [name for name, value in (("train.init_from", init_from),
+                                    ("student.hf_path", hf_path),
+                                    ("student.from_teacher.layers", layers)) if value]
+  if len(named) > 1:
+    raise ConfigError(f"{' and '.join(named)} are both set; the student starts from one place: "
+                      f"clear all but one")
+  if init_from:
+    if files.is_hf_checkpoint(init_from):
+      return HFSource(init_from, "train.init_from")
+    return RunSource(init_from, "train.init_from", base_of=student_source)
+  if hf_path:
+    return HFSource(hf_path, "student.hf_path")
+  if layers:
+    if "teacher" not in config:
+      raise ConfigError("student.from_teacher.layers is set but this config has no teacher "
+                        "section; use a distillation config")
+    _check_layers(layers)
+    of = teacher or teacher_source(_as_stored(config.teacher), _vocab_of(config))
+    return BlocksSource(of, layers)
+  return FreshSource(None, "")
+
+
+def _as_stored(teacher):
+  """The teacher section without its cache: a derived student copies the source's own model
+  even when the job distils from a cache."""
+  out = teacher.copy_and_resolve_references()
+  if "cache_dir" in out:
+    out.cache_dir = ""
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSources:
+  """A job's student and teacher sources, each made once (a derived student shares the
+  teacher's). `teacher` is None without a teacher section; `cached`: the job distils from a
+  teacher cache, so no teacher runs in its step (its source still names the tokenizer)."""
+
+  student: ModelSource
+  teacher: ModelSource | None
+  cached: bool = False
+
+  @property
+  def step_teacher(self) -> ModelSource | None:
+    """The teacher that runs inside the step."""
+    return None if self.cached else self.teacher
+
+
+def job_sources(config) -> JobSources:
+  teacher = None
+  if "teacher" in config:
+    teacher = teacher_source(_as_stored(config.teacher), _vocab_of(config))
+  cached = "teacher" in config and bool(config.teacher.get("cache_dir"))
+  return JobSources(student_source(config, teacher), teacher, cached)
+
+
+def _check_overrides(source: ModelSource, want: dict) -> None:
+  """A `--config.model.X=v` the source contradicts is the user asking for two models."""
+  for key, value in (_OVERRIDES.get() or {}).items():
+    name = key.removeprefix("model.")
+    if not key.startswith("model.") or name in RUN_FIELDS or name not in want:
+      continue
+    if value != want[name]:
+      why = (f" (the layer count is len({source.field}))" if name == "num_layers"
+             and source.kind == "teacher" else "")
+      raise ConfigError(f"--config.model.{name}={value!r} disagrees with {source.named()}, "
+                        f"whose model has {name}={want[name]!r}{why}; a student with weights "
+                        f"from there has their shape: drop the override")
+
+
+def resolve_student(config, sources: JobSources):
+  """`config` with the model section its student source implies (the same object when there
+  is nothing to change); the tokenizers of data, student and teacher checked to be one."""
+  vocabulary.check_tokenizers([sources.teacher, sources.student], config.data.tokenizer)
+  source = sources.student
+  if source.kind in ("fresh", "run"):  # a run's shape is checked against the model section
+    return config
+  cfg: TransformerConfig = source.model_config()
+  if sources.teacher is not None and source.kind == "hf" and sources.teacher.kind != "fresh":
+    vocabulary.check_vocab_sizes(source, cfg.vocab_size, sources.teacher,
+                                 sources.teacher.model_config().vocab_size)
+  want = cfg.to_dict()
+  _check_overrides(source, want)
+  want.update({k: config.model[k] for k in RUN_FIELDS if k in config.model})
+  if all(config.model.get(k) == v for k, v in want.items()):
+    return config
+  out = config.copy_and_resolve_references()
+  for key, value in want.items():
+    out.model[key] = value
+  return out
+
+
+def check_run_shape(source: ModelSource, cfg: TransformerConfig) -> None:
+  """Refuses an earlier run the student cannot start from, before anything is built or a
+  workdir is touched: no checkpoints yet, or a model of another shape than `cfg`."""
+  if source.kind != "run":
+    return
+  earlier = source.model_config()
+  if not os.path.isdir(os.path.join(source.workdir, files.CHECKPOINT_DIR)):
+    raise ConfigError(f"{source.named()} has no {files.CHECKPOINT_DIR}/ yet; train that "
+                      f"run first or leave {source.field} empty")
+  if earlier != cfg:
+    diff = [f.name for f in dataclasses.fields(cfg)
+            if getattr(earlier, f.name) != getattr(cfg, f.name)]
+    fix = " ".join(f"--config.model.{k}={getattr(earlier, k)!r}" for k in diff[:4])
+    raise ConfigError(f"{source.named()} holds a model with "
+                      + ", ".join(f"{k}={getattr(earlier, k)!r}" for k in diff)
+                      + " but this config's model has "
+                      + ", ".join(f"{k}={getattr(cfg, k)!r}" for k in diff)
+                      + f"; make the model section match it, e.g. {fix}")
+
+
+def teacher_model_config(teacher_section, source: ModelSource | None,
+                         student_vocab: int) -> TransformerConfig | None:
+  """The teacher as the step runs it: its source's model with the section's dtype overrides,
+  checked against the student's vocabulary; None without a teacher model (a cache)."""
+  if source is None:
+    return None
+  cfg = source.model_config()
+  overrides = {k: teacher_section[k] for k in ("param_dtype", "dtype") if teacher_section[k]}
+  cfg = cfg.replace(**overrides) if overrides else cfg
+  vocabulary.check_vocab_sizes(None, student_vocab, source, cfg.vocab_size)
+  return cfg
+
+
+def job_teacher(config, sources: JobSources, student_vocab: int
+                ) -> tuple[ModelSource | None, TransformerConfig | None]:
+  """(source, model config as the step runs it) of the teacher that runs in a job's step;
+  (None, None) when it distils from a cache. A preset teacher takes the student's vocabulary."""
+  teacher = sources.step_teacher
+  if teacher is not None and teacher.kind == "fresh":
+    teacher = teacher_source(config.teacher, student_vocab)
+  return teacher, teacher_model_config(config.teacher, teacher, student_vocab)

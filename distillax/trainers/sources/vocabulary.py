@@ -1,0 +1,87 @@
+"""One vocabulary for the data, the student and the teacher: the one place it is checked.
+
+The same token ids must mean the same text to every model a job runs. Tokenizer files are
+compared by their vocabularies (not just their size); the byte tokenizer by its Hugging Face
+form; an spm data tokenizer is not compared. Model vocabulary sizes are compared as well, for
+sources without a tokenizer file (presets, byte-tokenized runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from distillax.errors import ConfigError, UserError
+from distillax.models.hf_tokenizer import byte_tokenizer_json
+from distillax.trainers.sources import files
+
+
+@functools.lru_cache(maxsize=16)
+def _vocab_at(file: str, mtime: float) -> tuple[tuple[str, int], ...]:
+  import tokenizers  # the hf extra; only reached when a tokenizer.json is named
+  try:
+    vocab = tokenizers.Tokenizer.from_file(file).get_vocab(with_added_tokens=True)
+  except Exception as e:  # tokenizers raises a bare Exception for unreadable files
+    raise UserError(f"{file} is not a readable tokenizer.json ({e}); fix or replace it") from None
+  return tuple(sorted(vocab.items()))
+
+
+def _vocab(file: str) -> dict[str, int]:
+  return dict(_vocab_at(os.path.realpath(file), os.path.getmtime(file)))
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_vocab() -> tuple[tuple[str, int], ...]:
+  """The vocabulary of the byte tokenizer's Hugging Face form (what an export of a byte run
+  carries), so such a checkpoint counts as the byte tokenizer it is."""
+  import tokenizers
+  vocab = tokenizers.Tokenizer.from_str(byte_tokenizer_json()).get_vocab(with_added_tokens=True)
+  return tuple(sorted(vocab.items()))
+
+
+def _tokenizer_files(sources, data_tokenizer: str) -> list[tuple[str, str]]:
+  """(setting, tokenizer.json) of every tokenizer the job names: teacher, student, data."""
+  out = [(s.named(), f) for s in sources if s is not None and (f := s.tokenizer_file())]
+  data_file = files.hf_tokenizer_file(data_tokenizer)
+  if data_file:
+    out.append((f"data.tokenizer={data_tokenizer}", data_file))
+  return out
+
+
+def check_tokenizers(sources, data_tokenizer: str) -> None:
+  """Refuses a job whose data and model sources (`sources`: teacher first, then student; None
+  entries skipped) have different tokenizers."""
+  named = _tokenizer_files(sources, str(data_tokenizer))
+  vocabs = [(name, _vocab(file)) for name, file in named]
+  if vocabs and str(data_tokenizer) == "byte":
+    vocabs.append(("data.tokenizer='byte'", dict(_byte_vocab())))
+  if not vocabs:
+    return
+  first, vocab = vocabs[0]
+  for name, theirs in vocabs[1:]:
+    if theirs == vocab:
+      continue
+    if name == "data.tokenizer='byte'":
+      raise ConfigError(f"data.tokenizer='byte' but {first} comes with its own tokenizer "
+                        f"({named[0][1]}); tokenize the data with it: "
+                        f"--config.data.tokenizer=hf:{named[0][1]}")
+    token = next(t for t in sorted(set(vocab) | set(theirs)) if vocab.get(t) != theirs.get(t))
+    raise ConfigError(f"{first} and {name} are different tokenizers ({len(vocab)} vs "
+                      f"{len(theirs)} tokens; {token!r} is id {vocab.get(token)} vs "
+                      f"{theirs.get(token)}); distillation needs one tokenizer on both sides: "
+                      f"use a student and data of the teacher's tokenizer")
+
+
+def check_vocab_sizes(student_source, student_vocab: int, teacher_source,
+                      teacher_vocab: int) -> None:
+  """A student and a teacher of different vocabulary sizes cannot share logits."""
+  if teacher_vocab == student_vocab:
+    return
+  if student_source is not None and student_source.kind == "hf":
+    raise ConfigError(f"{student_source.named()} has vocab_size={student_vocab} but the teacher "
+                      f"({teacher_source.named()}) has {teacher_vocab}; distillation needs one "
+                      f"tokenizer on both sides: pick a student of the teacher's family or derive "
+                      f"one with --config.student.from_teacher.layers")
+  raise ConfigError(f"teacher vocabulary {teacher_vocab} != student vocabulary {student_vocab}; "
+                    f"logit distillation needs one tokenizer: set "
+                    f"model.vocab_size={teacher_vocab}")
