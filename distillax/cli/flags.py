@@ -15,7 +15,8 @@ ABOUT = {
     "plan": "compile the step for --devices simulated devices and print where every array lives "
             "and what each device holds; nothing is trained or written",
     "export": "write the trained student of the run in --workdir to --output (Hugging Face "
-              "safetensors, GGUF for llama.cpp, or quantized)",
+              "safetensors, GGUF for llama.cpp, or the legacy quantized format only distillax "
+              "reads)",
     "cache-teacher": "run a distill config's teacher over the data once and store its top-k "
                      "logits, to distill without a teacher in the step",
     "demo": "the end-to-end demo: teacher, students from scratch and distilled, PTQ and QAT, "
@@ -46,7 +47,8 @@ FLAGS = {
     "devices": ("integer", None, "N", "simulate N CPU devices (plan; training on a CPU host)"),
     "memory_gb": ("float", None, "GIB", "per-device memory to check the plan against"),
     "output": ("string", None, "DIR", "new or empty directory to write the exported model to"),
-    "format": ("string", "hf", "FORMAT", "hf (safetensors) | gguf (llama.cpp) | quantized"),
+    "format": ("string", "hf", "FORMAT", "hf (safetensors) | gguf (llama.cpp) | quantized "
+                                         "(legacy: only distillax reads it)"),
     "quant": ("string", None, "TYPE", "--format gguf: f32 (default) | f16 | q8_0 | q4_0 (q8_0/q4_0 "
                                       "where qat.rules say, every matmul without rules)"),
     "coordinator_address": ("string", None, "HOST:PORT", "address of process 0 (multi-process)"),
