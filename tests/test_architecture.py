@@ -16,7 +16,7 @@ PACKAGE = os.path.join(ROOT, "distillax")
 # Lowest first; a module's floor is that of its longest listed prefix.
 FLOORS = (("errors",), ("partitioning", "data"), ("framework", "models"), ("distill", "quant"),
           ("trainers",), ("configs", "demo", "plan", "export", "cache_teacher", "launch_local",
-                          "main", "__main__", "generate", "evaluate"))
+                          "main", "__main__", "cli", "generate", "evaluate"))
 
 
 def _modules() -> dict[str, str]:

@@ -1,0 +1,77 @@
+"""Which job each command runs: JOBS maps a command to a function of (the resolved config, the
+command's flag values with paths already absolute) that returns the exit status. Each job imports
+its module only when it runs, so a command loads (and compiles) only what it needs, and nothing
+here imports JAX before main.py has handled `--devices`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _train(config, flags: dict) -> int:
+  """0 when the run finished (now or earlier); STOPPED_EXIT_CODE when a signal (SIGTERM, Ctrl-C)
+  stopped it first, with a checkpoint to resume from."""
+  import jax
+
+  from distillax.errors import UserError
+  from distillax.framework.preemption import STOPPED_EXIT_CODE
+  from distillax.trainers import Trainer, recipe_for
+  workdir = flags["workdir"]
+  if not workdir:
+    raise UserError("--workdir is required for train, e.g. --workdir runs/my_run")
+  where = os.path.abspath(workdir)
+  try:
+    summary = Trainer(recipe_for(config, workdir=workdir), workdir).run()
+  except KeyboardInterrupt:  # outside the steps (compiling, say); between steps Ctrl-C saves
+    print("distillax train: interrupted; rerun the same command to resume", file=sys.stderr,
+          flush=True)
+    return STOPPED_EXIT_CODE
+  step, total = summary.get("step"), int(config.train.steps)
+  if summary.get("already_finished"):
+    line, code = f"already finished at step {step}; workdir {where}", 0
+  elif summary.get("finished"):
+    line, code = f"done at step {step}; workdir {where}", 0
+  else:
+    line = f"stopped at step {step} of {total}; rerun the same command to resume"
+    code = STOPPED_EXIT_CODE
+  if jax.process_index() == 0:
+    print(f"distillax train: {line}", flush=True)
+  return code
+
+
+def _plan(config, flags: dict) -> int:
+  from distillax.plan import run_plan
+  return run_plan(config, devices=flags["devices"], memory_gb=flags["memory_gb"])
+
+
+def _export(config, flags: dict) -> int:
+  from distillax.export import run_export
+  return run_export(config, flags["workdir"], flags["output"], flags["format"], flags["quant"])
+
+
+def _cache_teacher(config, flags: dict) -> int:
+  from distillax.cache_teacher import run_cache_teacher
+  return run_cache_teacher(config, flags["workdir"])
+
+
+def _demo(config, flags: dict) -> int:
+  from distillax.demo import run_demo
+  return run_demo(config, flags["workdir"])
+
+
+def _generate(config, flags: dict) -> int:
+  from distillax.generate import run_generate
+  return run_generate(config, flags["model"], prompt=flags["prompt"], messages=flags["messages"],
+                      max_new_tokens=flags["max_new_tokens"], temperature=flags["temperature"],
+                      top_k=flags["top_k"], top_p=flags["top_p"], seed=flags["seed"])
+
+
+def _eval(config, flags: dict) -> int:
+  from distillax.evaluate import run_eval
+  return run_eval(config, flags["model"])
+
+
+JOBS = {"train": _train, "plan": _plan, "export": _export, "cache-teacher": _cache_teacher,
+        "demo": _demo, "generate": _generate, "eval": _eval}

@@ -1,0 +1,81 @@
+"""What the command line accepts, as data: the commands, what each does, the flags each reads
+and every flag's kind, default and help. main.py defines the absl flags from these tables, help.py
+prints them and error_lines.py names them in its fixes, so a flag is described in one place.
+"""
+
+from __future__ import annotations
+
+COMMANDS = ("train", "plan", "export", "cache-teacher", "demo", "generate", "eval")
+USAGE = ("usage: distillax {train,plan,export,cache-teacher,demo,generate,eval} --config "
+         "<file.py>[:arg] [--workdir DIR] [--config.key=value ...]")
+# Commands whose --config is optional: a run's own config.json says what they need.
+CONFIG_OPTIONAL = ("generate", "eval", "export")
+ABOUT = {
+    "train": "train the job a config describes in --workdir; the same command again resumes it",
+    "plan": "compile the step for --devices simulated devices and print where every array lives "
+            "and what each device holds; nothing is trained or written",
+    "export": "write the trained student of the run in --workdir to --output (Hugging Face "
+              "safetensors, GGUF for llama.cpp, or the legacy quantized format only distillax "
+              "reads)",
+    "cache-teacher": "run a distill config's teacher over the data once and store its top-k "
+                     "logits, to distill without a teacher in the step",
+    "demo": "the end-to-end demo: teacher, students from scratch and distilled, PTQ and QAT, "
+            "then a report",
+    "generate": "continue --prompt (or answer the chat turns of --messages) with the model in "
+                "--model (a run's workdir, a Hugging Face directory or an export) and print it",
+    "eval": "print the exact eval loss and perplexity of --model (a run, or a Hugging Face "
+            "directory with a --config naming the data) on its validation split",
+}
+_DISTRIBUTED = ("coordinator_address", "num_processes", "process_id")
+# The flags each command reads besides --config and --verbose.
+COMMAND_FLAGS = {
+    "train": ("workdir", "devices") + _DISTRIBUTED,
+    "plan": ("devices", "memory_gb"),
+    "export": ("workdir", "output", "format", "quant", "devices") + _DISTRIBUTED,
+    "cache-teacher": ("workdir", "devices") + _DISTRIBUTED,
+    "demo": ("workdir", "devices") + _DISTRIBUTED,
+    "generate": ("model", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p",
+                 "seed", "devices"),
+    "eval": ("model", "devices") + _DISTRIBUTED,
+}
+# Flags that name a directory: made absolute (from the current directory) before a job sees them.
+PATH_FLAGS = ("workdir", "output", "model")
+# name -> (absl flag kind, default, placeholder in --help, help)
+FLAGS = {
+    "workdir": ("string", None, "DIR", "the run's directory (config.json, metrics, checkpoints); "
+                                       "export reads it, cache-teacher writes the cache there"),
+    "devices": ("integer", None, "N", "simulate N CPU devices (plan; training on a CPU host)"),
+    "memory_gb": ("float", None, "GIB", "per-device memory to check the plan against"),
+    "output": ("string", None, "DIR", "new or empty directory to write the exported model to"),
+    "format": ("string", "hf", "FORMAT", "hf (safetensors) | gguf (llama.cpp) | quantized "
+                                         "(legacy: only distillax reads it)"),
+    "quant": ("string", None, "TYPE", "--format gguf: f32 (default) | f16 | q8_0 | q4_0 (q8_0/q4_0 "
+                                      "where qat.rules say, every matmul without rules)"),
+    "coordinator_address": ("string", None, "HOST:PORT", "address of process 0 (multi-process)"),
+    "num_processes": ("integer", None, "N", "processes in the job (multi-process)"),
+    "process_id": ("integer", None, "I", "index of this process (multi-process)"),
+    "verbose": ("bool", False, "", "also show the INFO lines of orbax, jax, grain and absl"),
+    "model": ("string", None, "DIR", "a run's --workdir, a Hugging Face checkpoint directory or "
+                                     "an export (generate, eval)"),
+    "prompt": ("string", None, "TEXT", "the text to continue (BOS first when the tokenizer has "
+                                       "one)"),
+    "messages": ("string", None, "JSON", "chat turns, a JSON list of {\"role\", \"content\"} "
+                                         "or a .json file of one, rendered with the tokenizer's "
+                                         "chat template"),
+    "max_new_tokens": ("integer", 128, "N", "tokens to generate at most"),
+    "temperature": ("float", 0.0, "T", "sampling temperature; 0 = greedy"),
+    "top_k": ("integer", None, "K", "sample from the K most likely tokens only"),
+    "top_p": ("float", None, "P", "sample from the smallest set of tokens with mass P"),
+    "seed": ("integer", 0, "N", "sampling seed"),
+}
+
+
+def flag_value(argv: list[str], name: str) -> str | None:
+  """The value given to `--name` (as `--name=v` or `--name v`), or None; read straight from argv
+  for what must be known before absl parses (--devices, --config's file, a bad override)."""
+  for i, arg in enumerate(argv):
+    if arg.startswith(f"--{name}="):
+      return arg.split("=", 1)[1]
+    if arg == f"--{name}" and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
