@@ -35,6 +35,8 @@ def plan_report(recipe: Recipe, engine) -> dict:
   params = _tree_bytes(a.params, sh.params)
   frozen = _tree_bytes(a.frozen, sh.frozen)
   opt = _tree_bytes(a.opt_state, sh.opt_state)
+  stored = _tree_bytes(layout.stored_abstract, layout.stored_shardings)[0]
+  whole = _tree_bytes(a, sh)[0]
   stats = dict(runner.stats)
   hlo = runner.call.as_text() if hasattr(runner.call, "as_text") else ""
   model_flops = recipe.step_flops()
@@ -47,6 +49,9 @@ def plan_report(recipe: Recipe, engine) -> dict:
       "params_total_bytes": params[0], "params_bytes_per_device": params[1],
       "frozen_total_bytes": frozen[0], "frozen_bytes_per_device": frozen[1],
       "optimizer_total_bytes": opt[0], "optimizer_bytes_per_device": opt[1],
+      # One checkpoint step's arrays: what the run changes; the frozen models that came from a
+      # source (teacher, LoRA base) are reloaded from it on resume, never written.
+      "checkpoint_bytes": stored, "reloaded_bytes": whole - stored,
       "compiled": stats, "peak_bytes_per_device": peak,
       "model_flops_per_step": model_flops, "collectives": collective_stats(hlo),
       "compile_seconds": runner.compile_seconds,
@@ -77,6 +82,9 @@ def run_plan(config, devices: int | None = None, memory_gb: float | None = None)
           f"{fmt(r['frozen_bytes_per_device']):>12} per device")
   print(f"  optimizer      {fmt(r['optimizer_total_bytes']):>12} total, "
         f"{fmt(r['optimizer_bytes_per_device']):>12} per device")
+  reloaded = (f" (+{fmt(r['reloaded_bytes'])} of frozen models reloaded from their sources, not "
+              f"stored)" if r["reloaded_bytes"] else "")
+  print(f"  checkpoint     {fmt(r['checkpoint_bytes']):>12} per save{reloaded}")
   print(f"  compiled step per device: arguments {fmt(c.get('argument_size_in_bytes', 0))}, "
         f"temporaries/activations {fmt(c.get('temp_size_in_bytes', 0))}, outputs "
         f"{fmt(c.get('output_size_in_bytes', 0))} (aliased {fmt(c.get('alias_size_in_bytes', 0))})")

@@ -90,7 +90,8 @@ def _require_data_parallel(backend: str, mesh: Mesh, layout: StateLayout) -> Non
         f"use --config.partitioning.strategy=dp, or backend=jit for fsdp/tp/fsdp_tp")
 
 
-def _batch_sharding(mesh: Mesh, rules: pt.RuleSet, ndim: int, shape) -> NamedSharding:
+def batch_sharding(mesh: Mesh, rules: pt.RuleSet, ndim: int, shape) -> NamedSharding:
+  """How a global batch array of `shape` is laid out: ('batch', 'length') by the rules."""
   logical = BATCH_LOGICAL[:ndim] + (None,) * max(0, ndim - len(BATCH_LOGICAL))
   return NamedSharding(mesh, rules.resolve(logical, shape, mesh, "batch"))
 
@@ -101,7 +102,7 @@ def global_batch_placer(mesh: Mesh, rules: pt.RuleSet):
     def one(x):
       x = np.asarray(x)
       global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
-      sh = _batch_sharding(mesh, rules, x.ndim, global_shape)
+      sh = batch_sharding(mesh, rules, x.ndim, global_shape)
       return jax.make_array_from_process_local_data(sh, x, global_shape)
     return {k: one(v) for k, v in batch.items()}
   return place
@@ -186,7 +187,7 @@ def _jit_body(make_step: Callable[[str | None], Callable], mesh: Mesh, rules: pt
 def _jit_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.RuleSet, batch_shapes,
                 *, donate: bool, compile_now: bool, reduce_once: bool) -> StepRunner:
   """GSPMD: the state keeps the layout's shardings, the batch is split by the logical rules."""
-  batch_sh = {k: _batch_sharding(mesh, rules, len(v.shape), v.shape)
+  batch_sh = {k: batch_sharding(mesh, rules, len(v.shape), v.shape)
               for k, v in batch_shapes.items()}
   per_worker = reduce_once and _runs_per_data_worker(mesh, layout, batch_sh)
   traced = _jit_body(make_step, mesh, rules, batch_sh, per_worker)

@@ -318,7 +318,10 @@ class Checkpointer:
       try:
         items.check_step_items(self.step_dir(step), step)
         with ocp.PyTreeCheckpointer() as reader:
-          return step, reader.restore(self.step_dir(step) / items.STATE, args=args)
+          arrays = reader.restore(self.step_dir(step) / items.STATE, args=args)
+        _info_once("checkpoint: restored step %d from %s (%s only)", step, self.directory,
+                   ", ".join(sorted(target)))
+        return step, arrays
       except CorruptCheckpointError as e:
         problem = e.problem
       except Exception as e:  # noqa: BLE001 - an unreadable step is skipped, as on resume

@@ -30,7 +30,7 @@ from distillax.framework.progress import ProgressBar
 from distillax.framework.throughput import Throughput, peak_flops_per_device
 from distillax.framework.writers import create_writers
 from distillax.trainers.recipe import Engines, Recipe
-from distillax.trainers.saved import SOURCES_KEY, check_fingerprints, source_fingerprints
+from distillax.trainers.saved import SOURCES_KEY, check_fingerprints, check_sources_unchanged
 from distillax.trainers.workdir import (check_workdir, open_checkpointer, prepare_workdir,
                                         write_summary)
 
@@ -89,6 +89,8 @@ class Trainer:
       return {**workdir_state.summary, "already_finished": True}
     self.engines = self.recipe.build_engines()
     train_it = self.recipe.train_iterator()
+    self.fingerprints = check_sources_unchanged(self.workdir, self.recipe,
+                                                self.engines.main.layout)
     prepare_workdir(workdir_state, c, primary=self.primary)
     ckpt = open_checkpointer(self.workdir, c.checkpoint)
     run = self._start(ckpt, train_it)
@@ -182,10 +184,9 @@ class Trainer:
     learning rate of its rollbacks)."""
     engine = self.engines.main
     layout = engine.layout
-    self.fingerprints = source_fingerprints(self.recipe, layout)
     restored = ckpt.restore_latest_valid(abstract_state=layout.stored_abstract,
                                          shardings=layout.stored_shardings)
-    if restored is not None:
+    if restored is not None:  # an older step than the one checked up front: check it too
       check_fingerprints(restored[2], self.fingerprints, self.workdir)
     student, extras = self.recipe.build(abstract=False)
     if restored is None:

@@ -99,6 +99,7 @@ class Recipe:
   name = "lm"
   # The model run frozen inside the step (counted in its FLOPs); distillation recipes set it.
   teacher_model_config: TransformerConfig | None = None
+  teacher_source: src.ModelSource | None = None  # where that teacher's weights come from
   # Where the plain student sits in the trained module's tree (a distillation student wraps it
   # with its training-only projections): what loading a run's student reads.
   student_path: tuple[str, ...] = ()
@@ -157,15 +158,6 @@ class Recipe:
     model = self.sources.student.load(self.model_config, self.mesh, self.rules,
                                       seed=int(self.config.seed))
     return src.place(apply(model), self.mesh, self.rules)
-
-  def reloaded_sources(self, layout) -> dict[str, src.ModelSource]:
-    """The sources whose arrays this job reloads instead of storing (what a resume checks)."""
-    out = {}
-    if layout.reloaded.reloads_student(layout.abstract):
-      out["student"] = self.sources.student
-    if self.sources.step_teacher is not None and layout.reloaded.extras:
-      out["teacher"] = self.sources.step_teacher
-    return out
 
   def trainable(self) -> Any:
     return self.transforms.trainable()

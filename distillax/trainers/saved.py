@@ -10,6 +10,7 @@ refuses, in one line naming the source and the fix, when they no longer match.
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
@@ -18,13 +19,26 @@ from flax import nnx
 from distillax.errors import UserError
 from distillax.framework.state import TrainState
 from distillax.trainers.sources import RunSource, checkpoints_of, student_source
+from distillax.trainers.sources.files import CHECKPOINT_DIR
 
 SOURCES_KEY = "sources"  # in a checkpoint's metadata `extra`
 
 
+def reloaded_sources(recipe, layout) -> dict:
+  """{"teacher": source, "student": source} of the models this job reloads instead of
+  storing: the teacher in the step, and the student's source when part of the student is
+  frozen (a LoRA base)."""
+  out = {}
+  if layout.reloaded.reloads_student(layout.abstract):
+    out["student"] = recipe.sources.student
+  if recipe.teacher_source is not None and layout.reloaded.extras:
+    out["teacher"] = recipe.teacher_source
+  return out
+
+
 def source_fingerprints(recipe, layout) -> dict[str, dict]:
-  """{"teacher": ..., "student": ...} of the sources this job reloads instead of storing."""
-  return {name: s.fingerprint() for name, s in recipe.reloaded_sources(layout).items()}
+  """The fingerprints of `reloaded_sources`, as every save records them."""
+  return {name: s.fingerprint() for name, s in reloaded_sources(recipe, layout).items()}
 
 
 def _changed(saved: dict, now: dict) -> str:
@@ -46,6 +60,31 @@ def check_fingerprints(meta: dict, now: dict[str, dict], directory: str) -> None
                       f"{directory} was saved with it as the {name} ({_changed(saved[name], fingerprint)} "
                       f"differ); the run reloads its {name} from there: put back the {name} it "
                       f"trained with, or start a new workdir")
+
+
+def newest_meta(workdir: str) -> dict | None:
+  """The metadata JSON of the newest checkpoint step that has one, read without orbax (before
+  anything in the workdir is opened or written); None when there is none."""
+  folder = os.path.join(workdir, CHECKPOINT_DIR)
+  steps = sorted((int(n) for n in os.listdir(folder) if n.isdigit()), reverse=True) \
+      if os.path.isdir(folder) else []
+  for step in steps:
+    try:
+      with open(os.path.join(folder, str(step), "meta", "meta.json")) as f:
+        return json.load(f)
+    except (OSError, ValueError):
+      continue
+  return None
+
+
+def check_sources_unchanged(workdir: str, recipe, layout) -> dict[str, dict]:
+  """The fingerprints of the sources `recipe` reloads, after refusing a workdir whose
+  checkpoints were saved with other ones; call it before the workdir is touched."""
+  now = source_fingerprints(recipe, layout)
+  meta = newest_meta(workdir)
+  if meta is not None:
+    check_fingerprints(meta, now, workdir)
+  return now
 
 
 def restore_run_state(workdir: str, recipe, engine) -> TrainState:
