@@ -8,7 +8,7 @@
 The job asks the distillation recipe for the teacher (the `teacher` section, through the one
 `load_teacher`), runs it over `cache.num_batches` batches of the train pipeline and writes their
 top-k (`cache.top_k`) at the distillation temperature with `write_teacher_cache`. Training from
-the cache is the cached-distillation recipe (trainers/cached.py).
+the cache is the cached-distillation recipe (trainers/distill_cached.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import jax
 import numpy as np
 
-from distillax.distill.cache import CACHE_INFO, write_teacher_cache
+from distillax.distill.teacher_cache import CACHE_INFO, write_teacher_cache
 from distillax.errors import ConfigError, UserError
 from distillax.framework import jsonio, losses
 from distillax.framework.progress import ProgressBar

@@ -4,13 +4,14 @@
     summary = Trainer(recipe_for(config), workdir).run()
 
 `recipe_for` picks the recipe by the config's `trainer` field: lm (recipe.py), distill
-(distill.py; with `teacher.cache_dir`, cached.py), sequence_kd (sequence_kd.py). Importing this
-package registers them all. Every model's weights come from `sources` (one room).
+(distill.py; with `teacher.cache_dir`, distill_cached.py), sequence_kd (sequence_kd.py).
+Importing this package registers them all. Every model's weights come from `sources` (one
+room).
 """
 
 from distillax.trainers.base import Trainer
-from distillax.trainers.cached import CachedDistillRecipe
 from distillax.trainers.distill import DistillRecipe, strategy_from_config
+from distillax.trainers.distill_cached import CachedDistillRecipe
 from distillax.trainers.lm import lm_objective
 from distillax.trainers.recipe import Engines, Recipe
 from distillax.trainers.registry import recipe_class, recipe_for

@@ -1,4 +1,6 @@
-"""Offline teacher: run the teacher once, keep its top-k per position, train without it.
+"""The offline teacher cache: the teacher run once, its top-k per position kept on disk.
+
+Its format, writer and reader; training from it is training_from_cache.py.
 
 `write_teacher_cache` runs the teacher over batches and writes ArrayRecord files, one record per
 batch row: the row's own batch arrays (inputs, targets, segments, positions, loss mask) plus
@@ -135,7 +137,7 @@ def read_cache_info(directory: str) -> CacheInfo:
       raw = json.load(f)
   except FileNotFoundError:
     raise UserError(f"{directory} is not a teacher cache (no {CACHE_INFO}); write one with "
-                    f"distill.cache.write_teacher_cache") from None
+                    f"distill.teacher_cache.write_teacher_cache") from None
   if raw.get("format_version") != FORMAT_VERSION:
     raise UserError(f"{path}: cache format {raw.get('format_version')!r}, this distillax reads "
                     f"{FORMAT_VERSION}; rebuild the cache")

@@ -1,11 +1,11 @@
 """Training from an offline teacher cache: no teacher in memory, its top-k from disk.
 
-The cache is written by `distillax cache-teacher` (distillax/cache_teacher.py). Training from it
-(`teacher.cache_dir`; the recipe is trainers/cached.py) uses `CachedLogitKD` (k and T from the
-cache); the train batches are the cached rows (`cached_train_iterator`: a grain dataset,
-checkpointed and resumed like the normal pipeline) and eval runs the normal validation split with
-hard-label CE, since the cache holds nothing for it (`cached_objective` switches on whether a
-batch carries the cached teacher arrays).
+The cache (teacher_cache.py) is written by `distillax cache-teacher` (distillax/cache_teacher.py).
+Training from it (`teacher.cache_dir`; the recipe is trainers/distill_cached.py) uses
+`CachedLogitKD` (k and T from the cache); the train batches are the cached rows
+(`cached_train_iterator`: a grain dataset, checkpointed and resumed like the normal pipeline) and
+eval runs the normal validation split with hard-label CE, since the cache holds nothing for it
+(`cached_objective` switches on whether a batch carries the cached teacher arrays).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from distillax.distill import chunked
 from distillax.distill.base import DistillInputs, Strategy
-from distillax.distill.cache import CacheInfo, read_teacher_cache
+from distillax.distill.teacher_cache import CacheInfo, read_teacher_cache
 from distillax.distill.logit_kd import TOPK_IDS, CachedLogitKD, logit_metric_values
 from distillax.distill.objective import make_distill_objective
 from distillax.distill.student import unwrap_student
