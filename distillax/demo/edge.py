@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 
+from distillax.data import batch as batch_spec
 from distillax.edge import gguf_runtime, measurements
 from distillax.edge.gguf_export import write_gguf
 # The report (demo/report.py) reads these through this module; they are distillax.edge's.
 from distillax.edge.measurements import greedy_agreement, max_segment_diff, segments  # noqa: F401
-from distillax.framework import losses
 
 Q8_0_RULES = (("", None, None, None), (".*", "q8_0", "q8_0", None))
 # row -> (trained stage it exports, GGUF type, rules: None = the demo's, () = none needed)
@@ -47,7 +47,7 @@ def export_gguf(plain: dict, demo_rules, tokenizer, add_bos: bool, export_dir: s
 
 def speed_tokens(batches, decode_tokens: int) -> dict:
   """The timed prompt (one full validation row) and decode tokens (the next row's first)."""
-  inputs = batches[0][losses.BATCH_INPUTS]
+  inputs = batches[0][batch_spec.INPUTS]
   return {"prompt": inputs[0].tolist(), "decode": inputs[1 % len(inputs)][:decode_tokens].tolist()}
 
 

@@ -7,6 +7,7 @@ from typing import Mapping
 import jax
 from flax import nnx
 
+from distillax.data import batch as batch_spec
 from distillax.framework import losses
 from distillax.framework.step import ObjectiveOutput
 
@@ -15,7 +16,7 @@ def lm_objective(student: nnx.Module, extras: Mapping[str, nnx.Module], batch, r
                  ) -> ObjectiveOutput:
   """Cross-entropy on every target the loss mask keeps (padding and document edges excluded)."""
   del extras, rng
-  out = student(batch[losses.BATCH_INPUTS], **losses.model_inputs(batch))
+  out = student(batch[batch_spec.INPUTS], **losses.model_inputs(batch))
   loss_sum, correct, tokens = losses.cross_entropy_sums(
-      out.logits_BxLxV, batch[losses.BATCH_TARGETS], batch[losses.BATCH_MASK])
+      out.logits_BxLxV, batch[batch_spec.TARGETS], batch[batch_spec.LOSS_MASK])
   return ObjectiveOutput(loss_sum=loss_sum, tokens=tokens, sums={"accuracy": correct})
