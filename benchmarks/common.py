@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 
 from distillax import partitioning as pt
-from distillax.framework import Engine, build_engine, losses, optim
+from distillax.data import batch as batch_spec
+from distillax.framework import Engine, build_engine, optim
 from distillax.models import TransformerConfig, abstract_model, create_model
 from distillax.trainers import lm_objective
 
@@ -45,17 +46,17 @@ def packed_batch(batch: int, seq_len: int, vocab: int, seed: int = 0) -> dict[st
     end = int(rng.integers(max(cut + 1, seq_len - seq_len // 8), seq_len + 1))
     seg[b, :cut], seg[b, cut:end] = 1, 2
     pos[b, :cut], pos[b, cut:end] = np.arange(cut), np.arange(end - cut)
-  return {losses.BATCH_INPUTS: inputs, losses.BATCH_TARGETS: targets,
-          losses.BATCH_SEGMENTS: seg, losses.BATCH_POSITIONS: pos,
-          losses.BATCH_MASK: (seg > 0).astype(np.float32)}
+  return {batch_spec.INPUTS: inputs, batch_spec.TARGETS: targets,
+          batch_spec.SEGMENT_IDS: seg, batch_spec.POSITIONS: pos,
+          batch_spec.LOSS_MASK: (seg > 0).astype(np.float32)}
 
 
 def batch_shapes(batch: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
   """Global batch shapes for compile-only runs (no data is ever created)."""
-  ints = (losses.BATCH_INPUTS, losses.BATCH_TARGETS, losses.BATCH_SEGMENTS,
-          losses.BATCH_POSITIONS)
+  ints = (batch_spec.INPUTS, batch_spec.TARGETS, batch_spec.SEGMENT_IDS,
+          batch_spec.POSITIONS)
   out = {k: jax.ShapeDtypeStruct((batch, seq_len), jnp.int32) for k in ints}
-  out[losses.BATCH_MASK] = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)
+  out[batch_spec.LOSS_MASK] = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)
   return out
 
 

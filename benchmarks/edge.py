@@ -9,8 +9,8 @@ written by `write_gguf` as f32, f16, q8_0 and q4_0 (every matmul weight in the f
 embedding included, as `distillax export --format gguf --quant q4_0` does without qat.rules).
 
 Each round runs every format once, each in a fresh child process
-(quant/gguf_runtime.measure_in_subprocess: numpy + llama_cpp only, no JAX): one warm-up, then
---inner timed rounds of a prompt (one batch of --prompt tokens) and --decode one-token decode
+(distillax.edge.measurements.interleaved_rounds: numpy + llama_cpp only, no JAX): one warm-up,
+then --inner timed rounds of a prompt (one batch of --prompt tokens) and --decode one-token decode
 steps (their median is the child's figure), and the child's peak RSS (its own high-water
 mark: llama.cpp's buffers plus the mapped weights it touched). Rounds go f32, f16, q8_0,
 q4_0, f32, ...; a ratio to f32 is the median over rounds of (format / f32) in the same round,
@@ -75,7 +75,7 @@ def settings(args) -> dict:
 def export_formats(name: str, cfg, folder: str) -> dict:
   """Writes the model as every format; returns {format: {'path', 'file_bytes', 'types'}}."""
   from benchmarks import common
-  from distillax.quant.gguf_export import write_gguf
+  from distillax.edge.gguf_export import write_gguf
 
   model = common.host_model(cfg, seed=0)
   out = {}
@@ -88,27 +88,23 @@ def export_formats(name: str, cfg, folder: str) -> dict:
 
 def time_formats(files: dict, s: dict) -> dict:
   """{format: {'prompt_s': [...], 'decode_s': [...], 'peak_rss_bytes': [...], ...}} over
-  interleaved rounds, one child process per (round, format)."""
+  interleaved rounds, one child process per (round, format): measurements.interleaved_rounds
+  on the kernels and KV cache a deployment gets."""
   import numpy as np
 
-  from benchmarks import common
-  from distillax.quant import gguf_runtime
+  from distillax.edge import gguf_runtime, measurements
 
   ids = np.random.default_rng(0).integers(3, 259, s["prompt"] + s["decode"]).tolist()
   speed = {"prompt": ids[:s["prompt"]], "decode": ids[s["prompt"]:], "rounds": s["inner"]}
-  runs = {fmt: {"prompt_s": [], "decode_s": [], "peak_rss_bytes": [],
-                "rss_before_load_bytes": []} for fmt in FORMATS}
-  for r in range(s["rounds"]):
-    for fmt in FORMATS:
-      got = gguf_runtime.measure_in_subprocess(files[fmt]["path"], speed=speed,
-                                               n_threads=s["threads"], exact_cache=False,
-                                               kernels=gguf_runtime.deployment_kernels())
-      runs[fmt]["kernels"], runs[fmt]["system_info"] = got["kernels"], got["system_info"]
-      for key in ("prompt_s", "decode_s", "peak_rss_bytes", "rss_before_load_bytes"):
-        runs[fmt][key].append(common.median(got[key]) if key.endswith("_s") else got[key])
+
+  def progress(r, runs):
     print(f"  round {r + 1}/{s['rounds']}: " + ", ".join(
         f"{f} {s['decode'] / runs[f]['decode_s'][-1]:.0f} tok/s" for f in FORMATS), flush=True)
-  return runs
+
+  return measurements.interleaved_rounds(
+      {fmt: files[fmt]["path"] for fmt in FORMATS}, speed, rounds=s["rounds"],
+      n_threads=s["threads"], exact_cache=False, kernels=gguf_runtime.deployment_kernels(),
+      on_round=progress)
 
 
 def model_rows(name: str, cfg, files: dict, runs: dict, s: dict) -> list[dict]:

@@ -8,7 +8,7 @@
 The job asks the distillation recipe for the teacher (the `teacher` section, through the one
 `load_teacher`), runs it over `cache.num_batches` batches of the train pipeline and writes their
 top-k (`cache.top_k`) at the distillation temperature with `write_teacher_cache`. Training from
-the cache is the cached-distillation recipe (trainers/cached.py).
+the cache is the cached-distillation recipe (trainers/distill_cached.py).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import os
 import jax
 import numpy as np
 
-from distillax.distill.cache import CACHE_INFO, write_teacher_cache
+from distillax.data import batch as batch_spec
+from distillax.distill.teacher_cache import CACHE_INFO, write_teacher_cache
 from distillax.errors import ConfigError, UserError
-from distillax.framework import jsonio, losses
+from distillax.framework import jsonio
 from distillax.framework.progress import ProgressBar
 from distillax.trainers import DistillRecipe, recipe_for
 
@@ -77,7 +78,7 @@ def run_cache_teacher(config, workdir: str | None) -> int:
     for _ in range(int(cc.num_batches)):
       batch = next(batches)
       yield batch
-      progress.update(tokens=int(np.sum(batch[losses.BATCH_MASK])))
+      progress.update(tokens=int(np.sum(batch[batch_spec.LOSS_MASK])))
 
   try:
     info = write_teacher_cache(teacher, feed(), directory, top_k=top_k, temperature=temperature,

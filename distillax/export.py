@@ -1,5 +1,5 @@
 """`distillax export`: the trained student of a run as Hugging Face safetensors, GGUF for
-llama.cpp (quant/gguf_export.py) or quantized.
+llama.cpp (edge/gguf_export.py) or quantized.
 
   distillax export --config distillax/configs/lm.py --workdir runs/lm --output out/lm_hf
   distillax export --config distillax/configs/qat.py --workdir runs/qat --output out/int4 \
@@ -84,7 +84,7 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str,
     raise UserError("--output is required: the directory to write the exported model to")
   if fmt not in FORMATS:
     raise UserError(f"--format={fmt!r} is unknown; use one of {', '.join(FORMATS)}")
-  from distillax.quant.gguf_export import check_export_args, export_run
+  from distillax.edge.gguf_export import check_export_args, export_run
   gguf_quant = check_export_args(fmt, gguf_quant)
   if os.path.exists(output) and os.listdir(output):
     raise UserError(f"--output {output} exists and is not empty; choose a new directory")

@@ -10,9 +10,10 @@ import pytest
 from distillax import partitioning as pt
 from distillax.data.tokenizer import ByteTokenizer
 from distillax.main import main
-from distillax.quant import gguf_runtime, quantize_for_training
+from distillax.edge import gguf_runtime
+from distillax.quant import quantize_for_training
 from distillax.trainers import load_trained_model
-from tests.quant.edge_helpers import IDS, logits
+from tests.edge.helpers import IDS, logits
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -25,9 +25,8 @@ of them) and yields global_batch_size / process_count rows per batch (ConfigErro
 divide); `framework.runtime` assembles the global array.
 
 Resuming: the iterator is a grain `DatasetIterator`; `get_state()`/`set_state()` is a small JSON
-dict. Save it with the model through orbax with `orbax_save_args(it)` / `orbax_restore_args(it)`
-(items of an `ocp.args.Composite`), or as a JSON file with `save_iterator_state` /
-`load_iterator_state`. A fresh iterator built from the same config and restored continues with
+dict, as text `iterator_state_json(it)` / `restore_iterator_state(it, text)`: the trainer keeps
+it in every checkpoint. A fresh iterator built from the same config and restored continues with
 exactly the batches an uninterrupted one would produce.
 
 Records (records.py, chat.py): JSONL and Parquet files in the layouts Hugging Face data sets use
@@ -49,8 +48,7 @@ from distillax.data.pipeline import (default_data_config, make_eval_iterator, ma
                                      per_process_batch_size, resolve_data_config, split_documents)
 from distillax.data.records import ChatRecord, PromptCompletion, RecordLayout
 from distillax.data.sources import Documents, load_documents, stdlib_files, validation_mask
-from distillax.data.state import (iterator_state_json, load_iterator_state, orbax_restore_args,
-                                  orbax_save_args, restore_iterator_state, save_iterator_state)
+from distillax.data.state import iterator_state_json, restore_iterator_state
 from distillax.data.tokenizer import (ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer,
                                       Tokenizer, check_vocab, make_tokenizer, padded_vocab_size)
 
@@ -59,9 +57,8 @@ __all__ = [
     "HuggingFaceTokenizer", "PackedIterDataset", "PromptCompletion", "RecordLayout",
     "SentencePieceTokenizer", "Tokenizer", "batch_shapes",
     "check_batch_size", "check_vocab", "default_data_config", "encode_chat",
-    "iterator_state_json", "load_documents", "load_iterator_state", "make_eval_iterator",
-    "make_tokenizer", "make_train_iterator", "orbax_restore_args", "orbax_save_args",
-    "padded_vocab_size", "padding_rows", "per_process_batch_size", "resolve_data_config",
-    "restore_iterator_state", "save_iterator_state", "split_documents", "stdlib_files",
+    "iterator_state_json", "load_documents", "make_eval_iterator", "make_tokenizer",
+    "make_train_iterator", "padded_vocab_size", "padding_rows", "per_process_batch_size",
+    "resolve_data_config", "restore_iterator_state", "split_documents", "stdlib_files",
     "template_for", "validation_mask",
 ]

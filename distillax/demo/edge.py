@@ -3,7 +3,7 @@
 The full-precision twin (`student_kd_fp`) is written as f32, f16 and q8_0 / q4_0 PTQ (its
 weights rounded at export), the QAT student as q4_0 with the rules it trained with (llama.cpp's
 q4_0 weights, q8_0 activations); each file then runs in its own child process
-(quant/gguf_runtime.measure_in_subprocess): validation loss over exactly the tokens distillax's
+(edge/measurements.file_figures): validation loss over exactly the tokens distillax's
 rows use (every packed segment evaluated from position 0, as its positions restart there),
 file bytes, prompt and decode tokens/s, peak RSS of that process. Greedy continuations of the
 QAT student in llama.cpp are compared token for token with distillax's own.
@@ -11,14 +11,13 @@ QAT student in llama.cpp are compared token for token with distillax's own.
 
 from __future__ import annotations
 
-import math
 import os
 
-import numpy as np
-
-from distillax.framework import losses
-from distillax.quant import gguf_runtime
-from distillax.quant.gguf_export import write_gguf
+from distillax.data import batch as batch_spec
+from distillax.edge import gguf_runtime, measurements
+from distillax.edge.gguf_export import write_gguf
+# The report (demo/report.py) reads these through this module; they are distillax.edge's.
+from distillax.edge.measurements import greedy_agreement, max_segment_diff, segments  # noqa: F401
 
 Q8_0_RULES = (("", None, None, None), (".*", "q8_0", "q8_0", None))
 # row -> (trained stage it exports, GGUF type, rules: None = the demo's, () = none needed)
@@ -46,80 +45,35 @@ def export_gguf(plain: dict, demo_rules, tokenizer, add_bos: bool, export_dir: s
   return paths
 
 
-def segments(batches) -> list[tuple[int, int, int, list[int], list[int], list[float]]]:
-  """(batch index, row, first slot, inputs, targets, loss mask) of every packed segment with a
-  trained target, in batch, row, slot order: a segment's positions restart at 0, so llama.cpp
-  evaluating it alone from position 0 computes what distillax's segment-masked forward
-  computes."""
-  out = []
-  for b, batch in enumerate(batches):
-    seg = batch[losses.BATCH_SEGMENTS]
-    for row in range(seg.shape[0]):
-      for s in np.unique(seg[row][seg[row] > 0]):
-        slots = np.flatnonzero(seg[row] == s)  # contiguous: packing lays a piece in one run
-        mask = batch[losses.BATCH_MASK][row][slots]
-        if mask.sum() > 0:
-          out.append((b, row, int(slots[0]), batch[losses.BATCH_INPUTS][row][slots].tolist(),
-                      batch[losses.BATCH_TARGETS][row][slots].tolist(), mask.tolist()))
-  return out
-
-
 def speed_tokens(batches, decode_tokens: int) -> dict:
   """The timed prompt (one full validation row) and decode tokens (the next row's first)."""
-  inputs = batches[0][losses.BATCH_INPUTS]
+  inputs = batches[0][batch_spec.INPUTS]
   return {"prompt": inputs[0].tolist(), "decode": inputs[1 % len(inputs)][:decode_tokens].tolist()}
 
 
 def measure(paths: dict, segs, speed: dict, greedy_prompts, greedy_tokens: int,
             n_threads: int | None) -> dict:
-  """Each row's llama.cpp figures (one child process per file): val_loss / val_perplexity over
-  the segments, bytes, tokens/s, memory, and the kernel path and KV cache behind them; the QAT
-  row's per-segment CE sums and greedy. With a q4_0_qat file, also the deployed row."""
-  rows, tokens = {}, float(sum(sum(s[-1]) for s in segs))
+  """Each row's llama.cpp figures (measurements.file_figures: one child process per file):
+  val_loss / val_perplexity over the segments, bytes, tokens/s, memory, and the kernel path and
+  KV cache behind them; the QAT row's per-segment CE sums and greedy. With a q4_0_qat file,
+  also the deployed row."""
+  rows = {}
   # (row, the EDGE_ROWS entry whose file it runs, kernel path, float32 KV cache)
   runs = [(row, row, "reference", True) for row in paths]
   if "q4_0_qat" in paths:
     runs.append((DEPLOYED_ROW, "q4_0_qat", gguf_runtime.deployment_kernels(), False))
   for row, source, kernels, exact_cache in runs:
-    path = paths[source]
-    r = gguf_runtime.measure_in_subprocess(
-        path, sequences=[s[3:] for s in segs], speed=speed, n_threads=n_threads,
-        greedy_prompts=greedy_prompts if row == "q4_0_qat" else (), greedy_tokens=greedy_tokens,
-        kernels=kernels, exact_cache=exact_cache)
-    nll = float(sum(r["nll"]))
+    qat = row == "q4_0_qat"
+    figures = measurements.file_figures(
+        paths[source], segs, speed, n_threads=n_threads, kernels=kernels,
+        exact_cache=exact_cache, greedy_prompts=greedy_prompts if qat else (),
+        greedy_tokens=greedy_tokens)
+    segment_nll, greedy = figures.pop("segment_nll"), figures.pop("greedy")
     rows[row] = {"format": EDGE_ROWS[source][1], "source_stage": EDGE_ROWS[source][0],
-                 "val_loss": nll / tokens, "val_perplexity": math.exp(nll / tokens),
-                 "file_bytes": os.path.getsize(path),
-                 "kv_cache": "f32" if exact_cache else "f16",
-                 **{k: r[k] for k in ("prompt_tokens_per_s", "decode_tokens_per_s",
-                                      "peak_rss_bytes", "rss_before_load_bytes", "n_threads",
-                                      "prompt_tokens", "decode_tokens", "kernels",
-                                      "system_info")}}
-    if row == "q4_0_qat":
-      rows[row]["greedy"], rows[row]["segment_nll"] = r["greedy"], r["nll"]
+                 **figures}
+    if qat:
+      rows[row]["greedy"], rows[row]["segment_nll"] = greedy, segment_nll
   return rows
-
-
-def max_segment_diff(segs, llama_cpp_nll, token_nll_BxL, batch_index: int = 0) -> float:
-  """max over the segments of one batch of |llama.cpp's CE sum - distillax's| (token_nll_BxL:
-  distillax's per-token -log p(target) of that batch)."""
-  diffs = []
-  for (b, row, first, inputs, _, mask), theirs in zip(segs, llama_cpp_nll):
-    if b == batch_index:
-      ours = token_nll_BxL[row][first:first + len(inputs)]
-      diffs.append(abs(theirs - float(np.sum(np.asarray(mask, np.float64) * ours))))
-  return max(diffs)
-
-
-def greedy_agreement(llama_cpp_tokens, distillax_tokens) -> list[int]:
-  """Per prompt, how many leading tokens the two greedy continuations share."""
-  out = []
-  for a, b in zip(llama_cpp_tokens, distillax_tokens):
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-      n += 1
-    out.append(n)
-  return out
 
 
 def recovery(ptq: float, qat: float, full: float) -> float:

@@ -21,6 +21,7 @@ from flax import nnx
 
 from distillax import partitioning as pt
 from distillax import quant
+from distillax.data import batch as batch_spec
 from distillax.data import make_eval_iterator, make_tokenizer
 from distillax.demo import edge
 from distillax.demo.stages import TRAINED_STAGES
@@ -51,10 +52,10 @@ def _evaluator(mesh, rules, teacher):
         with pt.use_rules(mesh, rules):
           m, t = nnx.merge(graph, state), nnx.merge(t_graph, t_state)
           kwargs = losses.model_inputs(batch)
-          logits = m(batch[losses.BATCH_INPUTS], **kwargs).logits_BxLxV
-          t_logits = t(batch[losses.BATCH_INPUTS], **kwargs).logits_BxLxV
-        mask = batch[losses.BATCH_MASK]
-        nll, _, tokens = losses.cross_entropy_sums(logits, batch[losses.BATCH_TARGETS], mask)
+          logits = m(batch[batch_spec.INPUTS], **kwargs).logits_BxLxV
+          t_logits = t(batch[batch_spec.INPUTS], **kwargs).logits_BxLxV
+        mask = batch[batch_spec.LOSS_MASK]
+        nll, _, tokens = losses.cross_entropy_sums(logits, batch[batch_spec.TARGETS], mask)
         agree = jnp.sum((jnp.argmax(logits, -1) == jnp.argmax(t_logits, -1)) * mask)
         return nll, tokens, agree
       cache[graph] = jax.jit(sums)
@@ -166,7 +167,7 @@ def _placed_eval_batches(c, mesh, rules, tokenizer):
                                     num_batches=int(c.report_eval_batches), tokenizer=tokenizer))
   place = global_batch_placer(mesh, rules)
   placed = [place(b) for b in batches]
-  sample = jnp.asarray(batches[0][losses.BATCH_INPUTS][:1])
+  sample = jnp.asarray(batches[0][batch_spec.INPUTS][:1])
   return placed, sample, batches
 
 
@@ -326,12 +327,12 @@ def _token_nll(model, batch, mesh, rules) -> np.ndarray:
   def batch_logits(state, batch):
     with pt.use_rules(mesh, rules):
       m = nnx.merge(graph, state)
-      return m(batch[losses.BATCH_INPUTS], **losses.model_inputs(batch)).logits_BxLxV
+      return m(batch[batch_spec.INPUTS], **losses.model_inputs(batch)).logits_BxLxV
 
   z = np.asarray(jax.device_get(batch_logits(state, batch)), np.float64)
   z -= z.max(-1, keepdims=True)
   logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
-  targets = np.asarray(jax.device_get(batch[losses.BATCH_TARGETS]))
+  targets = np.asarray(jax.device_get(batch[batch_spec.TARGETS]))
   return -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
 
 

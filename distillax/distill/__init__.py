@@ -7,14 +7,14 @@
 
 from distillax.distill.attention import AttentionTransfer
 from distillax.distill.base import Composite, DistillInputs, Needs, Strategy
-from distillax.distill.cache import (CacheInfo, read_cache_info, read_teacher_cache,
-                                     write_teacher_cache)
 from distillax.distill.divergences import DIVERGENCES, divergence
 from distillax.distill.features import FeaturePooling, FeatureProjection, Projection
 from distillax.distill.logit_kd import (TEACHER_NLL, TOPK_IDS, TOPK_LOGPROBS, CachedLogitKD,
                                         LogitKD, logit_metric_values)
 from distillax.distill.objective import TEACHER, make_distill_objective, run_models
 from distillax.distill.student import DistillStudent, unwrap_student
+from distillax.distill.teacher_cache import (CacheInfo, read_cache_info, read_teacher_cache,
+                                             write_teacher_cache)
 
 __all__ = [
     "AttentionTransfer", "CacheInfo", "CachedLogitKD", "Composite", "DIVERGENCES", "DistillInputs",

@@ -25,9 +25,9 @@ from typing import Any, Callable, Iterable, Mapping
 import jax
 import jax.numpy as jnp
 
+from distillax.data import batch as batch_spec
 from distillax.distill import chunked
 from distillax.errors import ConfigError
-from distillax.framework import losses
 from distillax.models.transformer import ModelOutput
 
 # Metric names the objective itself reports; a strategy may not take one of them as its name.
@@ -70,7 +70,7 @@ class DistillInputs:
 
   @property
   def mask_BxL(self) -> jax.Array:
-    return self.batch[losses.BATCH_MASK].astype(jnp.float32)
+    return self.batch[batch_spec.LOSS_MASK].astype(jnp.float32)
 
   def token_sums(self, fn: TokenFn) -> dict[str, jax.Array]:
     """Masked sums over real tokens of `fn(student_logits_NxV, teacher_logits_NxV, tokens)`."""

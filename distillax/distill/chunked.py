@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from distillax.data import batch as batch_spec
 from distillax.errors import ConfigError
-from distillax.framework import losses
 
 AUTO = -1  # chunk_size: pick it from the vocabulary and the batch (auto_chunk_size)
 CHUNK_BUDGET_BYTES = 128 * 2**20  # one model's fp32 logits of one chunk
@@ -92,14 +92,14 @@ def _masked_sums(values: Mapping[str, jax.Array], mask_N: jax.Array) -> dict[str
 
 def full_token_sums(fn, batch, student_out, teacher_out) -> dict[str, jax.Array]:
   """The unchunked path: `fn` on the logits the forward passes returned."""
-  mask_BxL = batch[losses.BATCH_MASK]
+  mask_BxL = batch[batch_spec.LOSS_MASK]
   B, L = mask_BxL.shape
   tokens = flatten_tokens(batch, B, L)
   s_NxV = student_out.logits_BxLxV.reshape(B * L, -1)
   t_NxV = None
   if teacher_out is not None:
     t_NxV = jax.lax.stop_gradient(teacher_out.logits_BxLxV.reshape(B * L, -1))
-  return _masked_sums(fn(s_NxV, t_NxV, tokens), tokens[losses.BATCH_MASK])
+  return _masked_sums(fn(s_NxV, t_NxV, tokens), tokens[batch_spec.LOSS_MASK])
 
 
 def _check_chunk_inputs(student_out, teacher_out, student_model, teacher_model, chunk_size):
@@ -114,7 +114,7 @@ def _check_chunk_inputs(student_out, teacher_out, student_model, teacher_model, 
 def _chunked_inputs(batch, student_out, teacher_out, chunk_size: int) -> dict[str, jax.Array]:
   """Token entries and final hidden states as (num_chunks, size, ...); "__"-prefixed keys are
   the hidden states, the rest the flattened batch."""
-  mask_BxL = batch[losses.BATCH_MASK]
+  mask_BxL = batch[batch_spec.LOSS_MASK]
   B, L = mask_BxL.shape
   N = B * L
   num_chunks = math.ceil(N / chunk_size)
@@ -163,7 +163,7 @@ def chunked_token_sums(fn, batch, student_out, teacher_out, student_model, teach
     tokens = {k: v for k, v in chunk.items() if not k.startswith("__")}
     s_CxV = nnx.merge(s_graph, s_state).logits_from_hidden(chunk["__student_hidden"])
     t_CxV = _teacher_logits(t_graph, t_state, chunk.get("__teacher_hidden"))
-    return _masked_sums(fn(s_CxV, t_CxV, tokens), tokens[losses.BATCH_MASK])
+    return _masked_sums(fn(s_CxV, t_CxV, tokens), tokens[batch_spec.LOSS_MASK])
 
   first = jax.tree.map(lambda x: x[0], xs)
   zeros = _zeros_like_tree(jax.eval_shape(chunk_sums, s_state, t_state, first))
@@ -201,7 +201,7 @@ def fused_loss_sums(fn, weights: Mapping[str, float], batch, student_out, teache
     student = nnx.merge(s_graph, params.join(diff, rest))
     s_CxV = student.logits_from_hidden(h_CxD)
     t_CxV = _teacher_logits(t_graph, t_state, t_h_CxD)
-    sums = _masked_sums(fn(s_CxV, t_CxV, tokens), tokens[losses.BATCH_MASK])
+    sums = _masked_sums(fn(s_CxV, t_CxV, tokens), tokens[batch_spec.LOSS_MASK])
     return _weighted_loss(sums, weights), sums
 
   scan = functools.partial(_fused_scan, chunk_value)

@@ -10,7 +10,7 @@ changes (Hinton et al., 2015). With `top_k`, the teacher is its top-k probabilit
 bucket (see divergences.py); the student stays normalised over the full vocabulary.
 
 `CachedLogitKD` is the same loss with the teacher's top-k log-probabilities read from the batch
-(an offline teacher cache, cache.py) instead of computed by a teacher in memory.
+(an offline teacher cache, teacher_cache.py) instead of computed by a teacher in memory.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from distillax.distill.base import Needs, Strategy, check_common
 from distillax.distill.logits import STUDENT, TEACHER, TokenLogits
 from distillax.errors import ConfigError
 
-# Batch keys an offline teacher cache adds (cache.py writes them, CachedLogitKD reads them).
+# Batch keys an offline teacher cache adds (teacher_cache.py writes them, CachedLogitKD reads).
 TOPK_IDS = "teacher_topk_ids_BxLxK"  # int32 token ids of the teacher's top-k at temperature T
 TOPK_LOGPROBS = "teacher_topk_logprobs_BxLxK"  # float32 log softmax(teacher_logits / T) of those
 TEACHER_NLL = "teacher_nll_BxL"  # float32 teacher NLL of the target (T = 1): the teacher_ce metric
@@ -113,10 +113,10 @@ class CachedLogitKD(Strategy):
   """LogitKD against an offline teacher cache: no teacher in memory.
 
   The batch carries the teacher's top-k ids and log-probabilities at the cache's temperature
-  (TOPK_IDS, TOPK_LOGPROBS; cache.py). `temperature` must equal the temperature the cache was
-  written with (`read_teacher_cache(..., temperature=...)` checks; `from_cache_info` copies it).
-  Missing mass is the same rest bucket as LogitKD(top_k=K), so with the same K and T both give the
-  same loss (up to fp32 rounding).
+  (TOPK_IDS, TOPK_LOGPROBS; teacher_cache.py). `temperature` must equal the temperature the
+  cache was written with (`read_teacher_cache(..., temperature=...)` checks; `from_cache_info`
+  copies it). Missing mass is the same rest bucket as LogitKD(top_k=K), so with the same K and T
+  both give the same loss (up to fp32 rounding).
   """
 
   temperature: float = 2.0
@@ -144,7 +144,8 @@ class CachedLogitKD(Strategy):
     tokens = logits.tokens
     if TOPK_IDS not in tokens or TOPK_LOGPROBS not in tokens:
       raise ConfigError(f"CachedLogitKD {self.name!r}: the batch has no {TOPK_IDS}/"
-                        f"{TOPK_LOGPROBS}; feed batches from distill.cache.read_teacher_cache")
+                        f"{TOPK_LOGPROBS}; feed batches from "
+                        f"distill.teacher_cache.read_teacher_cache")
     T = float(self.temperature)
     s_logp_NxV = logits.log_probs(STUDENT, T)
     V = logits.vocab_size

@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from distillax.framework import losses
+from distillax.data import batch as batch_spec
 
 STUDENT, TEACHER = "student", "teacher"
 
@@ -47,7 +47,7 @@ class TokenLogits:
 
   @property
   def targets_N(self) -> jax.Array:
-    return self.tokens[losses.BATCH_TARGETS].astype(jnp.int32)
+    return self.tokens[batch_spec.TARGETS].astype(jnp.int32)
 
   def _cached(self, key: tuple, compute: Callable[[], jax.Array]) -> jax.Array:
     if key not in self._memo:

@@ -26,6 +26,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
+from distillax.data import batch as batch_spec
 from distillax.distill import chunked
 from distillax.distill.base import DistillInputs, Strategy
 from distillax.distill.logit_kd import shared_metric_values
@@ -52,7 +53,7 @@ def run_models(strategy: Strategy, student, extras: Mapping, batch, *, chunk_siz
     if vs != vt:
       raise ConfigError(f"student vocabulary ({vs}) and teacher vocabulary ({vt}) differ; logit "
                         f"distillation needs one shared tokenizer")
-  tokens_BxL = batch[losses.BATCH_INPUTS]
+  tokens_BxL = batch[batch_spec.INPUTS]
   chunk_size = chunked.resolve_chunk_size(chunk_size, tokens_BxL.size, model.config.vocab_size)
   flags = dict(return_hidden_states=needs.hidden_states, return_attention=needs.attention)
   if chunk_size is not None:

@@ -7,13 +7,6 @@ import jax.numpy as jnp
 
 from distillax.data import batch as batch_spec
 
-# The batch keys under the names the objectives read them by; the spec is distillax.data.batch.
-BATCH_INPUTS = batch_spec.INPUTS
-BATCH_TARGETS = batch_spec.TARGETS
-BATCH_SEGMENTS = batch_spec.SEGMENT_IDS
-BATCH_POSITIONS = batch_spec.POSITIONS
-BATCH_MASK = batch_spec.LOSS_MASK
-
 
 def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
   """Negative log-likelihood of each target token, fp32 whatever the logits' dtype."""
@@ -33,8 +26,8 @@ def cross_entropy_sums(logits_BxLxV: jax.Array, targets_BxL: jax.Array, mask_BxL
 def model_inputs(batch) -> dict:
   """The keyword arguments a distillax model takes from a packed batch."""
   kwargs = {}
-  if BATCH_POSITIONS in batch:
-    kwargs["positions_BxL"] = batch[BATCH_POSITIONS]
-  if BATCH_SEGMENTS in batch:
-    kwargs["segment_ids_BxL"] = batch[BATCH_SEGMENTS]
+  if batch_spec.POSITIONS in batch:
+    kwargs["positions_BxL"] = batch[batch_spec.POSITIONS]
+  if batch_spec.SEGMENT_IDS in batch:
+    kwargs["segment_ids_BxL"] = batch[batch_spec.SEGMENT_IDS]
   return kwargs

@@ -1,4 +1,4 @@
-"""Quantization for deployment, as transforms of a student model (the step does not change).
+"""Quantization numerics, as transforms of a student model (the step does not change).
 
   QuantConfig / QuantRule       ordered (module_path regex, weight_qtype, act_qtype, tile_size)
   quantize_for_training         QAT: fake-quantized forward, straight-through backward, same state
@@ -10,7 +10,8 @@
   export_quantized / load_quantized / size_report   integer weights + scales, safetensors + JSON
 
 Built on qwix's numerics (`qwix.quantize` / `dequantize`) and its interception of `jnp.einsum`;
-see intercept.py for why its QtProvider matmul is not used.
+see intercept.py for why its QtProvider matmul is not used. GGUF files and llama.cpp, which run
+these numerics on a device, are distillax.edge (a floor above: nothing here imports it).
 """
 
 from distillax.quant.config import (ACT_QTYPES, INT4_INT8_RULES, WEIGHT_QTYPES, QuantConfig,

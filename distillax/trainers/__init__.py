@@ -3,23 +3,22 @@
     from distillax.trainers import Trainer, recipe_for
     summary = Trainer(recipe_for(config), workdir).run()
 
-`recipe_for` picks the recipe by the config's `trainer` field: lm (recipe.py), distill
-(distill.py; with `teacher.cache_dir`, cached.py), sequence_kd (sequence_kd.py). Importing this
-package registers them all. Every model's weights come from `sources` (one room).
+`recipe_for` picks the recipe by the config's `trainer` field: lm (lm.py), distill
+(distill.py; with `teacher.cache_dir`, distill_cached.py), sequence_kd (sequence_kd.py).
+Importing this package registers them all. Every model's weights come from `sources` (one
+room).
 """
 
 from distillax.trainers.base import Trainer
-from distillax.trainers.cached import CachedDistillRecipe
 from distillax.trainers.distill import DistillRecipe, strategy_from_config
-from distillax.trainers.lm import lm_objective
+from distillax.trainers.distill_cached import CachedDistillRecipe
+from distillax.trainers.lm import LMRecipe, lm_objective
 from distillax.trainers.recipe import Engines, Recipe
 from distillax.trainers.registry import recipe_class, recipe_for
 from distillax.trainers.sequence_kd import SequenceKDRecipe
 from distillax.trainers.sources import (is_hf_checkpoint, load_run_config, resolve_model_config,
                                         RunSource)
 from distillax.trainers.saved import load_trained_model, restore_run_state
-
-LMRecipe = Recipe
 
 __all__ = ["CachedDistillRecipe", "DistillRecipe", "Engines", "LMRecipe", "Recipe", "RunSource",
            "SequenceKDRecipe", "Trainer", "is_hf_checkpoint", "load_run_config",

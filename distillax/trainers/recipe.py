@@ -32,8 +32,6 @@ from distillax.framework.step import Objective
 from distillax.models.config import TransformerConfig
 from distillax.models.init import abstract_model
 from distillax.trainers import sources as src
-from distillax.trainers.lm import lm_objective
-from distillax.trainers.registry import register
 from distillax.trainers.transforms import StudentTransforms
 
 
@@ -88,15 +86,15 @@ class Engines:
     return self.main
 
 
-@register("lm")
 class Recipe:
-  """Next-token training of one model; the base every other recipe specialises.
+  """The base every recipe specialises (lm.py's LMRecipe is the plainest): one student, no
+  frozen extras, the packed train and validation data; a subclass names the objective.
 
   `workdir` is where the job's own files go (sequence KD writes its samples there); `mesh` and
   `rules` override the config's (loading an earlier run onto this run's topology).
   """
 
-  name = "lm"
+  name = "recipe"  # @register sets the registered name
   # The model run frozen inside the step (counted in its FLOPs); distillation recipes set it.
   teacher_model_config: TransformerConfig | None = None
   teacher_source: src.ModelSource | None = None  # where that teacher's weights come from
@@ -132,7 +130,7 @@ class Recipe:
 
   def objective(self, *, train: bool = False) -> Objective:
     """The evaluation objective; `train=True` adds training-only parts (adapter dropout)."""
-    return self.transforms.train_objective(lm_objective) if train else lm_objective
+    raise NotImplementedError(f"{type(self).__name__} names no objective")
 
   def build(self, *, abstract: bool, quantize: bool = True) -> tuple[nnx.Module, dict]:
     """(student, frozen extras). Abstract modules cost no memory; real ones are sharded.

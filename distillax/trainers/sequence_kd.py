@@ -19,14 +19,14 @@ from distillax.data import make_train_iterator
 from distillax.distill.sequence_kd import generate_samples, take_prompt_records, write_jsonl
 from distillax.errors import ConfigError, UserError
 from distillax.trainers import sources as src
-from distillax.trainers.recipe import Recipe
+from distillax.trainers.lm import LMRecipe
 from distillax.trainers.registry import register
 
 SAMPLES_FILE = "teacher_samples.jsonl"
 
 
 @register("sequence_kd")
-class SequenceKDRecipe(Recipe):
+class SequenceKDRecipe(LMRecipe):
   """The `lm` recipe whose train data are teacher samples it writes first."""
 
   def __init__(self, config, **kwargs):

@@ -82,3 +82,31 @@ def data_config(**fields):
   for key, value in fields.items():
     cfg[key] = value
   return cfg
+
+
+# ---- an iterator's state kept outside the trainer's checkpoint (the tests' own round trips) ----
+
+def save_iterator_state(iterator, path):
+  """The iterator's state as a JSON file (data.iterator_state_json)."""
+  from distillax.data import iterator_state_json
+  with open(path, "w") as f:
+    f.write(iterator_state_json(iterator))
+
+
+def load_iterator_state(iterator, path):
+  from distillax.data import restore_iterator_state
+  with open(path) as f:
+    restore_iterator_state(iterator, f.read())
+
+
+def orbax_save_args(iterator):
+  """grain's own orbax item for the iterator: `ocp.args.Composite(data=orbax_save_args(it))`
+  in a CheckpointManager save (one `process_<i>-of-<n>.json` per JAX process)."""
+  import grain
+  return grain.checkpoint.CheckpointSave(iterator)
+
+
+def orbax_restore_args(iterator):
+  """The restore twin: orbax sets the state of `iterator` (a fresh one, built the same way)."""
+  import grain
+  return grain.checkpoint.CheckpointRestore(iterator)

@@ -1,5 +1,6 @@
-"""Run as a fresh process by test_state: rebuild the train iterator, restore its state from
-an orbax checkpoint and from a JSON file, and write the next batches of each to .npz files."""
+"""Run as a fresh process by test_state and test_records (`python -m tests.data.resume_worker`
+from the repository root): rebuild the train iterator, restore its state from an orbax checkpoint
+and from a JSON file, and write the next batches of each to .npz files."""
 
 import json
 import sys
@@ -11,6 +12,7 @@ def main():
   spec = json.loads(sys.argv[1])
   import orbax.checkpoint as ocp
   from distillax import data
+  from tests.data.data_testing import load_iterator_state, orbax_restore_args
 
   def fresh():
     cfg = data.default_data_config()
@@ -23,11 +25,11 @@ def main():
 
   from_orbax = fresh()
   with ocp.CheckpointManager(spec["checkpoint_dir"]) as manager:
-    manager.restore(spec["step"], args=ocp.args.Composite(data=data.orbax_restore_args(from_orbax)))
+    manager.restore(spec["step"], args=ocp.args.Composite(data=orbax_restore_args(from_orbax)))
   write(from_orbax, spec["out"] + "_orbax.npz")
 
   from_json = fresh()
-  data.load_iterator_state(from_json, spec["state_json"])
+  load_iterator_state(from_json, spec["state_json"])
   write(from_json, spec["out"] + "_json.npz")
 
 

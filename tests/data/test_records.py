@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from tests.data import chat_testing as ct
-from tests.data.data_testing import data_config, random_texts
+from tests.data.data_testing import (data_config, orbax_save_args, random_texts,
+                                     save_iterator_state)
 from distillax import data
 from distillax.data import ChatRecord, PromptCompletion, load_documents
 from distillax.data.chat import prepare_messages
 from distillax.errors import UserError
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WRITERS = {"jsonl": ct.write_jsonl, "parquet": ct.write_parquet}
 
 
@@ -258,15 +259,15 @@ def test_resume_in_a_fresh_process_and_worker_processes(tmp_path, llama_dir):
   take(it, consumed)
   checkpoint_dir = str(tmp_path / "ckpt")
   with ocp.CheckpointManager(checkpoint_dir) as manager:
-    manager.save(consumed, args=ocp.args.Composite(data=data.orbax_save_args(it)))
+    manager.save(consumed, args=ocp.args.Composite(data=orbax_save_args(it)))
     manager.wait_until_finished()
-  data.save_iterator_state(it, str(tmp_path / "state.json"))
+  save_iterator_state(it, str(tmp_path / "state.json"))
   expected = take(it, count)
   spec = {"data": data_fields, "iterator": iterator_args, "count": count, "step": consumed,
           "checkpoint_dir": checkpoint_dir, "state_json": str(tmp_path / "state.json"),
           "out": str(tmp_path / "next")}
-  subprocess.run([sys.executable, os.path.join(HERE, "resume_worker.py"), json.dumps(spec)],
-                 check=True, timeout=600, cwd=str(tmp_path))
+  subprocess.run([sys.executable, "-m", "tests.data.resume_worker", json.dumps(spec)],
+                 check=True, timeout=600, cwd=ROOT)
   for suffix in ("orbax", "json"):
     with np.load(str(tmp_path / f"next_{suffix}.npz")) as f:
       got = [{k: f[f"{i}/{k}"] for k in data.BATCH_KEYS} for i in range(count)]

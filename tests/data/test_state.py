@@ -9,10 +9,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.data.data_testing import data_config
+from tests.data.data_testing import data_config, orbax_save_args, save_iterator_state
 from distillax import data
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def take(iterator, count):
@@ -40,9 +40,9 @@ def test_resume_in_a_fresh_process_from_orbax_and_json(tmp_path):
   assert json.loads(json.dumps(state)) == state  # ...and the state is plain JSON
   checkpoint_dir = str(tmp_path / "ckpt")
   with ocp.CheckpointManager(checkpoint_dir) as manager:
-    manager.save(step, args=ocp.args.Composite(data=data.orbax_save_args(it)))
+    manager.save(step, args=ocp.args.Composite(data=orbax_save_args(it)))
     manager.wait_until_finished()
-  data.save_iterator_state(it, str(tmp_path / "state.json"))
+  save_iterator_state(it, str(tmp_path / "state.json"))
   expected = take(it, count)
 
   uninterrupted = data.make_train_iterator(data_config(**data_fields), **iterator_args)
@@ -51,8 +51,8 @@ def test_resume_in_a_fresh_process_from_orbax_and_json(tmp_path):
   spec = {"data": data_fields, "iterator": iterator_args, "count": count, "step": step,
           "checkpoint_dir": checkpoint_dir, "state_json": str(tmp_path / "state.json"),
           "out": str(tmp_path / "next")}
-  subprocess.run([sys.executable, os.path.join(HERE, "resume_worker.py"), json.dumps(spec)],
-                 check=True, timeout=600, cwd=str(tmp_path))
+  subprocess.run([sys.executable, "-m", "tests.data.resume_worker", json.dumps(spec)],
+                 check=True, timeout=600, cwd=ROOT)
   for suffix in ("orbax", "json"):
     with np.load(str(tmp_path / f"next_{suffix}.npz")) as f:
       got = [{k: f[f"{i}/{k}"] for k in data.BATCH_KEYS} for i in range(count)]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from distillax.data import batch as batch_spec
 from distillax.distill import AttentionTransfer, LogitKD, divergences, make_distill_objective
 from distillax.distill import chunked
 from distillax.distill.base import DistillInputs
@@ -42,13 +43,13 @@ def old_logit_kd(s, kd: LogitKD, tokens):
   div = divergences.divergence(kd.divergence, t_b, s_b, kd.beta)
   loss = kd.alpha * T ** 2 * div
   if kd.alpha < 1.0:
-    loss = loss + (1.0 - kd.alpha) * losses.token_nll(s, tokens[losses.BATCH_TARGETS])
+    loss = loss + (1.0 - kd.alpha) * losses.token_nll(s, tokens[batch_spec.TARGETS])
   return {kd.name: loss, f"{kd.name}_divergence": div}
 
 
 def old_metrics(s, t, tokens):
   s, t = s.astype(jnp.float32), t.astype(jnp.float32)
-  targets = tokens[losses.BATCH_TARGETS]
+  targets = tokens[batch_spec.TARGETS]
   norms = jnp.sqrt(jnp.sum(s * s, axis=-1)) * jnp.sqrt(jnp.sum(t * t, axis=-1))
   out = {"hard_ce": losses.token_nll(s, targets), "teacher_ce": losses.token_nll(t, targets),
          "top1_agreement": (jnp.argmax(s, -1) == jnp.argmax(t, -1)).astype(jnp.float32),

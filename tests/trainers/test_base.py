@@ -26,7 +26,7 @@ import pytest
 from distillax.configs import lm as lm_config
 from distillax.framework.preemption import STOPPED_EXIT_CODE
 from distillax.framework.throughput import Throughput
-from distillax.trainers import Recipe, Trainer
+from distillax.trainers import LMRecipe, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 10
@@ -252,7 +252,7 @@ class PoisonOnce:
     self.inner.set_state(state)
 
 
-class PoisonedRecipe(Recipe):
+class PoisonedRecipe(LMRecipe):
   """The lm recipe whose train batches pass through PoisonOnce."""
   counter = {"served": 0, "at": 5}
 

@@ -1,5 +1,6 @@
-"""Recipes: every job config compiles under every preset, and cached distillation builds its
-engine exactly as every other recipe does (LoRA dropout in training, not in eval).
+"""Recipes: each trainer name is its recipe, every job config compiles under every preset, and
+cached distillation builds its engine exactly as every other recipe does (LoRA dropout in
+training, not in eval).
 
 tests/test_main.py trains every config for a few steps under its default preset (fsdp); here each
 of these configs compiles its step, with real shardings, under the other presets: compiling is
@@ -16,14 +17,33 @@ import pytest
 from flax import nnx
 
 from distillax import main as cli
-from distillax.configs import distill_cached
+from distillax.configs import distill, distill_cached, lm, sequence_kd
 from distillax.distill import read_teacher_cache
 from distillax.quant import LoRAParam
-from distillax.trainers import CachedDistillRecipe, recipe_for
+from distillax.trainers import (CachedDistillRecipe, DistillRecipe, LMRecipe, Recipe,
+                                SequenceKDRecipe, lm_objective, recipe_class, recipe_for)
 
 CONFIGS = ("distill_features", "qat_distill", "lora", "qlora")
 PRESETS = {"dp": (8, 1), "tp": (4, 2), "fsdp_tp": (4, 2)}  # fsdp: trained in test_main
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_each_trainer_name_is_its_recipe():
+  assert recipe_class(lm.get_config("tiny")) is LMRecipe
+  assert recipe_class(distill.get_config("tiny")) is DistillRecipe
+  assert recipe_class(sequence_kd.get_config("tiny")) is SequenceKDRecipe
+  assert issubclass(SequenceKDRecipe, LMRecipe)  # next-token training on the teacher's text
+  recipe = recipe_for(lm.get_config("tiny"))
+  assert recipe.name == "lm" and recipe.objective() is lm_objective
+  assert recipe.objective(train=True) is lm_objective  # no LoRA dropout in this config
+
+
+def test_a_recipe_that_names_no_objective_says_so():
+  class NoObjective(Recipe):
+    pass
+
+  with pytest.raises(NotImplementedError, match="NoObjective names no objective"):
+    NoObjective(lm.get_config("tiny")).objective()
 
 
 @pytest.mark.parametrize("strategy", PRESETS)

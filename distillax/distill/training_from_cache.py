@@ -1,11 +1,11 @@
 """Training from an offline teacher cache: no teacher in memory, its top-k from disk.
 
-The cache is written by `distillax cache-teacher` (distillax/cache_teacher.py). Training from it
-(`teacher.cache_dir`; the recipe is trainers/cached.py) uses `CachedLogitKD` (k and T from the
-cache); the train batches are the cached rows (`cached_train_iterator`: a grain dataset,
-checkpointed and resumed like the normal pipeline) and eval runs the normal validation split with
-hard-label CE, since the cache holds nothing for it (`cached_objective` switches on whether a
-batch carries the cached teacher arrays).
+The cache (teacher_cache.py) is written by `distillax cache-teacher` (distillax/cache_teacher.py).
+Training from it (`teacher.cache_dir`; the recipe is trainers/distill_cached.py) uses
+`CachedLogitKD` (k and T from the cache); the train batches are the cached rows
+(`cached_train_iterator`: a grain dataset, checkpointed and resumed like the normal pipeline) and
+eval runs the normal validation split with hard-label CE, since the cache holds nothing for it
+(`cached_objective` switches on whether a batch carries the cached teacher arrays).
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distillax.data import batch as batch_spec
 from distillax.distill import chunked
 from distillax.distill.base import DistillInputs, Strategy
-from distillax.distill.cache import CacheInfo, read_teacher_cache
 from distillax.distill.logit_kd import TOPK_IDS, CachedLogitKD, logit_metric_values
 from distillax.distill.objective import make_distill_objective
 from distillax.distill.student import unwrap_student
+from distillax.distill.teacher_cache import CacheInfo, read_teacher_cache
 from distillax.errors import ConfigError, UserError
 from distillax.framework import losses
 from distillax.framework.step import ObjectiveOutput
@@ -57,7 +58,7 @@ def hard_ce_objective(student, extras, batch, rng, *, chunk_size=chunked.AUTO):
   """Student-only next-token CE with the distillation metric names (loss = hard_ce)."""
   del extras, rng
   model, _ = unwrap_student(student)
-  tokens_BxL = batch[losses.BATCH_INPUTS]
+  tokens_BxL = batch[batch_spec.INPUTS]
   chunk_size = chunked.resolve_chunk_size(chunk_size, tokens_BxL.size, model.config.vocab_size)
   out = model(tokens_BxL, **losses.model_inputs(batch), return_logits=chunk_size is None)
   inputs = DistillInputs(batch=batch, student=out, student_model=model, chunk_size=chunk_size)
@@ -132,7 +133,7 @@ def cached_train_iterator(directory: str, *, global_batch_size: int, seq_len: in
 def check_rows(directory: str, rows: grain.MapDataset, seq_len: int) -> dict[str, np.ndarray]:
   """The first cached row, after checking its length against train.seq_len."""
   first = rows[0]
-  cached_len = int(first[losses.BATCH_INPUTS].shape[0])
+  cached_len = int(first[batch_spec.INPUTS].shape[0])
   if cached_len != seq_len:
     raise ConfigError(f"the teacher cache {directory} holds rows of {cached_len} tokens, but "
                       f"train.seq_len={seq_len}; set --config.train.seq_len={cached_len}")

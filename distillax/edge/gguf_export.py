@@ -43,7 +43,7 @@ from distillax.models.transformer import Transformer, with_layer_layout
 from distillax.quant import ggml
 from distillax.quant.config import GGML_WEIGHT_QTYPES, QuantConfig
 from distillax.quant.graph import flat_pure_dict
-from distillax.quant.gguf_vocab import vocab_of
+from distillax.edge.gguf_vocab import vocab_of
 from distillax.quant.qat import full_precision, weight_quants
 from distillax.quant.sites import MatmulSite, find_matmul_sites
 

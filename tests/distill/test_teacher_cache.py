@@ -11,7 +11,7 @@ from flax import nnx
 from distillax.distill import (CachedLogitKD, LogitKD, TEACHER_NLL, TOPK_IDS, TOPK_LOGPROBS,
                                make_distill_objective, read_cache_info, read_teacher_cache,
                                write_teacher_cache)
-from distillax.distill.cache import decode_row, encode_row
+from distillax.distill.teacher_cache import decode_row, encode_row
 from distillax.errors import ConfigError, UserError
 from tests.distill import helpers as h
 

@@ -6,8 +6,8 @@ eval objectives and QAT apply here too)."""
 from __future__ import annotations
 
 from distillax.distill import read_cache_info
-from distillax.distill.cached import (cached_batch_shapes, cached_objective, cached_strategy,
-                                      cached_train_iterator)
+from distillax.distill.training_from_cache import (cached_batch_shapes, cached_objective,
+                                                   cached_strategy, cached_train_iterator)
 from distillax.framework.step import Objective
 from distillax.trainers.distill import DistillRecipe
 from distillax.trainers.registry import register

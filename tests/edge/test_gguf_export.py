@@ -1,7 +1,7 @@
 """GGUF export read back with the llama.cpp project's own reader (`gguf.GGUFReader`): every tensor
 equals the (QAT-rounded) weights bit for bit, in llama.cpp's names, layouts and types; the
 metadata and the vocabulary say what llama.cpp needs; what llama.cpp would run differently is
-refused. (tests/quant/test_llama_cpp.py runs the files in llama.cpp.)"""
+refused. (tests/edge/test_llama_cpp.py runs the files in llama.cpp.)"""
 
 import gguf
 import numpy as np
@@ -15,9 +15,9 @@ from distillax.models.layers import rope_inverse_frequencies
 from distillax.models.transformer import with_layer_layout
 from distillax.quant import QuantSiteParam, full_precision, quantize_for_training
 from distillax.quant.graph import get_path
-from distillax.quant.gguf_export import write_gguf
-from distillax.quant.gguf_vocab import vocab_of
-from tests.quant.edge_helpers import CONFIGS, field, peaked_model
+from distillax.edge.gguf_export import write_gguf
+from distillax.edge.gguf_vocab import vocab_of
+from tests.edge.helpers import CONFIGS, field, peaked_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

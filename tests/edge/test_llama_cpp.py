@@ -4,14 +4,14 @@ llama.cpp's rounding (q8_0 / q4_0 weights, q8_0 activations) for q8_0 / q4_0; gr
 agrees token for token; llama.cpp tokenizes text to the ids distillax does.
 
 Measured on this machine (x86-64 with AVX-512; llama.cpp 0.3.36's portable CPU kernels, see
-quant/gguf_runtime.py; float32 KV cache), max |logit difference| on 40 tokens, logit scale
+edge/gguf_runtime.py; float32 KV cache), max |logit difference| on 40 tokens, logit scale
 (max |logit|) ~12 for the Llama and Qwen 2 models:
   f32   3e-6  (Qwen 3: 1.5e-5 at logit scale 73)       tolerance 1e-4
   f16   2.8e-3 (llama.cpp also rounds activations to fp16 at f16 weights)  tolerance 1e-2
   q8_0  5e-6 vs the QAT forward (0.05 vs full precision)   tolerance 1e-3
   q4_0  5e-6 vs the QAT forward (0.57 vs full precision)   tolerance 1e-3
 Gemma / Gemma 2: llama.cpp's CPU GeGLU reads GELU from an fp16 table (ggml-cpu vec.h,
-GGML_GELU_FP16); with that table in distillax's forward (edge_helpers.table_gelu) q4_0 agrees
+GGML_GELU_FP16); with that table in distillax's forward (helpers.table_gelu) q4_0 agrees
 to 1.4e-6 and f32 to 1.6e-4 (fp16 rounding boundaries of the gate), without it to 0.046 (q4_0)
 and 1e-3 (f32) at logit scale ~5.8. The tolerances leave room for other CPUs' summation orders
 while staying far below what separates QAT rounding from full precision.
@@ -22,10 +22,11 @@ import numpy as np
 import pytest
 
 from distillax.data.tokenizer import ByteTokenizer
-from distillax.quant import gguf_runtime, quantize_for_training
-from distillax.quant.gguf_export import write_gguf
-from tests.quant.edge_helpers import CONFIGS, IDS, greedy, logits, peaked_model
-from tests.quant.test_gguf_export import byte_level_bpe
+from distillax.edge import gguf_runtime
+from distillax.edge.gguf_export import write_gguf
+from distillax.quant import quantize_for_training
+from tests.edge.helpers import CONFIGS, IDS, greedy, logits, peaked_model
+from tests.edge.test_gguf_export import byte_level_bpe
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

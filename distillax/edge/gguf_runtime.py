@@ -230,8 +230,9 @@ def child_main(spec_path: str, out_path: str) -> None:
     json.dump(out, f)
 
 
-# The child imports this file by path: `python -m distillax.quant...` would import the quant
-# package (JAX and all) and count it in the runtime's memory.
+# The child imports this file by path, not as `distillax.edge.gguf_runtime`: importing it through
+# its packages would run their __init__ files, and anything they pulled in (JAX) would count in
+# the runtime's memory.
 _CHILD = ("import importlib.util, sys; s = importlib.util.spec_from_file_location("
           "'gguf_runtime_child', sys.argv[1]); m = importlib.util.module_from_spec(s); "
           "s.loader.exec_module(m); m.child_main(sys.argv[2], sys.argv[3])")

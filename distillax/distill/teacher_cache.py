@@ -1,4 +1,6 @@
-"""Offline teacher: run the teacher once, keep its top-k per position, train without it.
+"""The offline teacher cache: the teacher run once, its top-k per position kept on disk.
+
+Its format, writer and reader; training from it is training_from_cache.py.
 
 `write_teacher_cache` runs the teacher over batches and writes ArrayRecord files, one record per
 batch row: the row's own batch arrays (inputs, targets, segments, positions, loss mask) plus
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from distillax.data import batch as batch_spec
 from distillax.distill.logit_kd import TEACHER_NLL, TOPK_IDS, TOPK_LOGPROBS
 from distillax.errors import ConfigError, UserError
 from distillax.framework import losses
@@ -70,11 +73,11 @@ def _teacher_topk_fn(teacher: nnx.Module, top_k: int, temperature: float):
   @jax.jit
   def run(state, batch):
     model = nnx.merge(graphdef, state)
-    out = model(batch[losses.BATCH_INPUTS], **losses.model_inputs(batch))
+    out = model(batch[batch_spec.INPUTS], **losses.model_inputs(batch))
     logits = out.logits_BxLxV.astype(jnp.float32)
     logp_T = jax.nn.log_softmax(logits / temperature, axis=-1)
     top_logp, top_ids = jax.lax.top_k(logp_T, top_k)
-    nll = losses.token_nll(logits, batch[losses.BATCH_TARGETS])
+    nll = losses.token_nll(logits, batch[batch_spec.TARGETS])
     return {TOPK_IDS: top_ids.astype(jnp.int32), TOPK_LOGPROBS: top_logp, TEACHER_NLL: nll}
 
   return lambda batch: run(state, batch)
@@ -107,7 +110,7 @@ def write_teacher_cache(teacher: nnx.Module, batches: Iterable[Mapping[str, np.n
       teacher_out = jax.device_get(run({k: jnp.asarray(v) for k, v in host.items()}))
       record_arrays = {**host, **{k: np.asarray(v) for k, v in teacher_out.items()}}
       keys = keys or tuple(sorted(record_arrays))
-      for i in range(host[losses.BATCH_INPUTS].shape[0]):
+      for i in range(host[batch_spec.INPUTS].shape[0]):
         if writer is None or in_file == rows_per_file:
           if writer is not None:
             writer.close()
@@ -135,7 +138,7 @@ def read_cache_info(directory: str) -> CacheInfo:
       raw = json.load(f)
   except FileNotFoundError:
     raise UserError(f"{directory} is not a teacher cache (no {CACHE_INFO}); write one with "
-                    f"distill.cache.write_teacher_cache") from None
+                    f"distill.teacher_cache.write_teacher_cache") from None
   if raw.get("format_version") != FORMAT_VERSION:
     raise UserError(f"{path}: cache format {raw.get('format_version')!r}, this distillax reads "
                     f"{FORMAT_VERSION}; rebuild the cache")

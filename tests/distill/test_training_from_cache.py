@@ -17,7 +17,7 @@ from flax import nnx
 from distillax import main as cli
 from distillax.data import make_train_iterator, restore_iterator_state
 from distillax.distill import LogitKD, read_cache_info, read_teacher_cache
-from distillax.distill.cached import cached_objective, cached_train_iterator
+from distillax.distill.training_from_cache import cached_objective, cached_train_iterator
 from distillax.trainers import lm_objective
 from tests.distill import helpers as h
 
@@ -93,8 +93,8 @@ def test_online_top_k_and_cached_agree_on_the_first_step(runs):
   first_cached = next(r for r in _rows(cached) if r.get("step") == 1 and "loss" in r)
   first_online = next(r for r in _rows(online) if r.get("step") == 1 and "loss" in r)
   # An online train step reports what its loss needs: teacher_ce and top1_agreement cost passes
-  # over the vocabulary and are eval metrics there (test_cache.py compares them with the cached
-  # ones objective to objective); a cached train step reads them from the cache.
+  # over the vocabulary and are eval metrics there (test_teacher_cache.py compares them with the
+  # cached ones objective to objective); a cached train step reads them from the cache.
   assert not {"teacher_ce", "top1_agreement", "logit_cosine"} & set(first_online)
   for name in ("loss", "logit_kd", "logit_kd_divergence", "hard_ce", "grad_norm"):
     assert first_cached[name] == pytest.approx(first_online[name], rel=1e-5, abs=1e-7), name
