@@ -63,6 +63,8 @@ def _subtree(tree: dict, path: tuple):
 
 def _replaced(tree: dict, path: tuple, value):
   """`tree` with the subtree at `path` replaced by `value` (None: removed); `tree` is unchanged."""
+  if not value:  # an empty subtree is no subtree: pure dicts leave empty modules out
+    value = None
   if not path:
     return {} if value is None else value
   out = dict(tree)
