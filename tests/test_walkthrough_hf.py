@@ -21,7 +21,7 @@ import transformers
 from distillax import partitioning as pt
 from distillax.configs.paths import resolve_job_config
 from distillax.main import _parse, main
-from distillax.trainers import load_trained_model
+from distillax.trainers import load_trained_model, recipe_for
 from tests.data import chat_testing as ct
 from tests.models.helpers import forward
 from tests.test_docstring_commands import docstring_commands
@@ -131,7 +131,7 @@ def test_the_walkthrough_starts_a_student_from_a_pretrained_checkpoint(walked, m
   monkeypatch.chdir(walked)
   argv = _tiny(_walkthrough()["distil_small"])
   config, _ = _parse("train", argv)
-  config = resolve_job_config(config, "train")
+  config = recipe_for(resolve_job_config(config, "train")).config  # the recipe resolves it
   assert config.student.hf_path == str(walked / "models" / "student")
   assert config.data.tokenizer == f"hf:{walked / 'models' / 'teacher'}"
   assert (config.model.num_layers, config.model.embed_dim, config.model.mlp_dim) == (2, 48, 100)
