@@ -45,6 +45,7 @@ from benchmarks import accelerator_table, subproc  # noqa: E402
 
 ROW_SCRIPT = Path(__file__).resolve().parent / "accelerator_row.py"
 REFUSED_EXIT = 3  # accelerator_row.REFUSED_EXIT (not imported: that module is the JAX side)
+STOPPED_EXIT = 124  # stopped by SIGTERM/SIGINT (what `timeout` itself returns)
 MIN_ROW_S = 30.0  # a row is not started with less of the budget left than this
 FUSED = {"gpu": "cudnn", "tpu": "splash"}  # the platform's fused attention kernel
 
@@ -86,21 +87,41 @@ def row_specs(backend: str, args) -> list[dict]:
   return specs
 
 
+class Stopped(Exception):
+  """SIGTERM or SIGINT reached this process (an outer `timeout`, Ctrl-C)."""
+
+
+def _stop(signum, frame):
+  raise Stopped(signal.Signals(signum).name)
+
+
 def run_row(argv: list[str], out_file: Path, limit_s: float, env: dict) -> dict:
-  """Runs one row's process for at most `limit_s`, echoing its output; returns what it wrote
-  to `out_file` with its exit status, or {"status": "timeout" | "crashed"} over what it had
-  written so far. The process gets its own session, so a timeout kills its children too."""
+  """Runs one row's process for at most `limit_s`; returns what it wrote to `out_file` with its
+  exit status, or {"status": "timeout" | "crashed"} over what it had written so far.
+
+  The row runs in its own process group, so that killing it kills its children too; when this
+  process is stopped (`Stopped`), the row is killed first and the result says so
+  ("stopped": the signal's name).
+  """
   start = time.perf_counter()
-  proc = subprocess.Popen(argv, env=env, start_new_session=True)
+  proc = subprocess.Popen(argv, env=env, process_group=0)
+  stopped = None
   try:
     code = proc.wait(timeout=max(limit_s, 1.0))
   except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
     code = None
+  except Stopped as e:
+    code, stopped = None, str(e)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
   result = json.loads(out_file.read_text()) if out_file.exists() else {}
   result.update(exit_code=code, wall_s=time.perf_counter() - start)
-  if code is None:
+  if stopped:
+    result.update(status="stopped", stopped=stopped,
+                  error=f"the run got {stopped} while {_phase(result)}; the row was killed")
+  elif code is None:
     result.update(status="timeout",
                   error=f"killed at its {limit_s:.0f}s limit while {_phase(result)}")
   elif result.get("status") in (None, "started", "compiled", "probing"):
@@ -150,7 +171,10 @@ def run_all(specs, results: Results, launch, budget_s: float, row_limit_s: float
                        "error": f"{left:.0f}s of the {budget_s:.0f}s budget left"})
       continue
     print(f"== {spec['name']} (limit {min(row_limit_s, left):.0f}s)", flush=True)
-    results.add_row(launch(spec, min(row_limit_s, left)))
+    row = launch(spec, min(row_limit_s, left))
+    results.add_row(row)
+    if row.get("stopped"):
+      return
 
 
 def parse_args(argv=None):
@@ -186,6 +210,8 @@ def _key_value(text: str) -> tuple[str, object]:
 def main(argv=None) -> int:
   args = parse_args(argv)
   start = time.perf_counter()
+  signal.signal(signal.SIGTERM, _stop)
+  signal.signal(signal.SIGINT, _stop)
   path = Path(args.json or Path(args.out) / "accelerator.json")
   env = row_env(args.mem_fraction)
   expect = ["--expect", args.expect] if args.expect else []
@@ -208,13 +234,16 @@ def main(argv=None) -> int:
       print(f"accelerator.py: FAIL: {probe.get('refused', probe.get('error'))}", file=sys.stderr)
       return REFUSED_EXIT
     results.payload["status"] = "running"
-    run_all(row_specs(probe.get("backend") or "unknown", args), results, launch, args.budget_s,
-            args.row_limit_s, start)
-  results.payload.update(status="done", wall_s=time.perf_counter() - start)
+    if not probe.get("stopped"):
+      run_all(row_specs(probe.get("backend") or "unknown", args), results, launch,
+              args.budget_s, args.row_limit_s, start)
+  stopped = [r["stopped"] for r in [probe] + results.payload["rows"] if r.get("stopped")]
+  results.payload.update(status=f"stopped by {stopped[0]}" if stopped else "done",
+                         wall_s=time.perf_counter() - start)
   results.write()
   print(accelerator_table.report(results.payload))
   print(f"wrote {path} ({time.perf_counter() - start:.0f}s)")
-  return 0 if accelerator_table.all_ran(results.payload) else 1
+  return STOPPED_EXIT if stopped else 0 if accelerator_table.all_ran(results.payload) else 1
 
 
 if __name__ == "__main__":

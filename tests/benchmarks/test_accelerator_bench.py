@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,45 @@ def test_quick_rows_on_cpu(tmp_path):
   assert 1.8 <= rows["distill"]["teacher_params"] / rows["train"]["params"] <= 2.2
   printed = proc.stdout
   assert "MFU causal" in printed and "train/reference/none/4x32" in printed
+
+
+def test_an_outer_sigterm_kills_the_running_row_and_records_it(tmp_path):
+  """What `timeout` around scripts/accelerator_run.sh does: the row (in its own process
+  group) must not outlive the run, and the JSON must say which row was cut short."""
+  out = tmp_path / "row.json"
+  hang = ("import json, os, sys, time; open(sys.argv[1], 'w').write(json.dumps({'name': 'r', "
+          "'status': 'compiled', 'pid': os.getpid()})); time.sleep(120)")
+  driver = ("import json, os, signal, sys; from pathlib import Path; "
+            "from benchmarks import accelerator as a; signal.signal(signal.SIGTERM, a._stop); "
+            f"row = a.run_row([sys.executable, '-c', {hang!r}, sys.argv[1]], Path(sys.argv[1]), "
+            "300, dict(os.environ)); print(json.dumps(row))")
+  proc = subprocess.Popen([sys.executable, "-c", driver, str(out)], cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+  for _ in range(600):  # until the row has started (at most 60 s)
+    if out.exists() and out.stat().st_size:
+      break
+    time.sleep(0.1)
+  proc.send_signal(15)
+  row = json.loads(proc.communicate(timeout=60)[0])
+  assert row["status"] == "stopped" and row["stopped"] == "SIGTERM"
+  assert "running the compiled step" in row["error"]
+  with pytest.raises(ProcessLookupError):
+    os.kill(row["pid"], 0)  # the hanging row is gone
+
+
+def test_run_script_with_expect_gpu_on_cpu_refuses_and_leaves_its_files_in_out(tmp_path):
+  out, wheels = tmp_path / "out", tmp_path / "no_wheels"
+  env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "ACCEL_WHEELS": str(wheels),
+         "ACCEL_TIMEOUT_S": "300"}
+  proc = subprocess.run([str(ROOT / "scripts" / "accelerator_run.sh"), "--quick",
+                         "--expect-gpu"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                        timeout=400)
+  assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert sorted(p.name for p in out.iterdir()) == [
+      "accelerator.json", "accelerator.log", "accelerator_deps.txt"]
+  assert "accelerator.py: FAIL: --expect-gpu" in (out / "accelerator.log").read_text()
+  assert json.loads((out / "accelerator.json").read_text())["status"] == "refused"
+  # This venv holds every dependency inside pyproject's ranges: nothing to install.
+  deps = (out / "accelerator_deps.txt").read_text().splitlines()
+  assert deps[-1] == "nothing to install"
+  assert any(line.startswith("keep    jax: image ") for line in deps)
