@@ -16,10 +16,14 @@ LATEST_PYTHON ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/p
   "$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && echo "$$p" && \
   break; done)
 LATEST_VENV := .venv-latest
-# The engine and its backends, checkpoint resume, distillation, QAT, and the CLI's tiny runs.
-LATEST_TESTS ?= tests/framework/test_step.py tests/framework/test_checkpoint.py \
-  tests/distill/test_objective.py tests/quant/test_qat.py tests/test_main.py \
-  tests/framework/test_backends.py
+# The engine and its backends, checkpoint resume after a SIGTERM, distillation, QAT, and the
+# CLI's tiny runs of lm, distill, qat_distill and lora.
+LATEST_TESTS ?= tests/framework/test_step.py tests/framework/test_backends.py::test_reference_run_learns \
+  tests/framework/test_backends.py::test_collective_backends_agree_with_jit \
+  tests/framework/test_checkpoint.py::test_restore_onto_another_topology \
+  tests/trainers/test_base.py::test_sigterm_saves_the_current_step_and_the_next_run_resumes \
+  tests/distill/test_objective.py tests/quant/test_qat.py \
+  $(foreach c,lm distill qat_distill lora,'tests/test_main.py::test_every_config_trains_on_tiny_overrides[$(c).py]')
 # What test-latest prints and keeps in $(LATEST_VENV)/versions.txt.
 LATEST_SHOWN := jax jaxlib flax optax orbax-checkpoint grain ml-collections clu qwix tensorboardX \
   safetensors tokenizers pyarrow numpy chex
@@ -54,13 +58,13 @@ test: $(VENV)/.test
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS)
 
 # Newest releases inside pyproject's ranges (no constraints file), without the hf and edge extras
-# (a newer torch is a multi-GB CUDA build; llama-cpp-python compiles). The venv is made anew.
+# (a newer torch is a multi-GB CUDA build; llama-cpp-python compiles). The venv is kept and
+# upgraded eagerly on every run, so each run tests what the index serves that day.
 test-latest:
 	@test -n "$(LATEST_PYTHON)" || { echo "make test-latest: no Python 3.12 found; set LATEST_PYTHON=/path/to/python3.12" >&2; exit 2; }
-	rm -rf $(LATEST_VENV)
-	$(LATEST_PYTHON) -m venv $(LATEST_VENV)
+	test -x $(LATEST_VENV)/bin/python || $(LATEST_PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-	$(LATEST_VENV)/bin/python -m pip install -q -e '.[test]' 2>&1 | grep -v "is ignored" || true
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]' 2>&1 | grep -v "is ignored" || true
 	$(LATEST_VENV)/bin/python -c "import distillax, jax, flax, optax, orbax.checkpoint, grain, qwix"
 	$(LATEST_VENV)/bin/python -c "import sys, importlib.metadata as m; print('python', sys.version.split()[0]); [print(n, m.version(n)) for n in sys.argv[1:]]" $(LATEST_SHOWN) | tee $(LATEST_VENV)/versions.txt
 	$(LATEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS) $(LATEST_TESTS)

@@ -5,7 +5,7 @@
 # There: the carried wheels the image lacks (or has outside pyproject.toml's ranges) go into a
 # fresh target folder (benchmarks/accelerator_deps.py; pip --no-index or unpacking, never the
 # network), which goes first on PYTHONPATH with the repo after it; the image's own JAX is used.
-# One `timeout` (ACCEL_TIMEOUT_S, default 450 s) bounds the whole run; the benchmark's own
+# One `timeout` (ACCEL_TIMEOUT_S, default 420 s) bounds the whole run; the benchmark's own
 # budget is 40 s less, so it normally ends by itself with its table printed. Results go to $OUT
 # when set (the device tool's folder), else benchmarks/results: accelerator.json (rewritten
 # after every row), accelerator.log and accelerator_deps.txt.
@@ -13,7 +13,7 @@
 # XLA_PYTHON_CLIENT_MEM_FRACTION (default: accelerator.py's --mem-fraction, 0.95).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-timeout_s=${ACCEL_TIMEOUT_S:-450}
+timeout_s=${ACCEL_TIMEOUT_S:-420}
 if [ -z "${_ACCEL_RUN_TIMED:-}" ]; then  # re-run this script once, under the one timeout
   export _ACCEL_RUN_TIMED=1
   timeout -k 15 "$timeout_s" "$0" "$@"
