@@ -233,6 +233,12 @@ def main(argv=None) -> int:
       results.write()
       print(f"accelerator.py: FAIL: {probe.get('refused', probe.get('error'))}", file=sys.stderr)
       return REFUSED_EXIT
+    if probe.get("status") != "ok" and not probe.get("stopped"):
+      results.payload["status"] = "probe failed"
+      results.write()
+      print(f"accelerator.py: FAIL: the probe did not run ({probe.get('status')}): "
+            f"{probe.get('error')}", file=sys.stderr)
+      return 1
     results.payload["status"] = "running"
     if not probe.get("stopped"):
       run_all(row_specs(probe.get("backend") or "unknown", args), results, launch,

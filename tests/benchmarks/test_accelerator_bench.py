@@ -164,3 +164,15 @@ def test_run_script_with_expect_gpu_on_cpu_refuses_and_leaves_its_files_in_out(t
   deps = (out / "accelerator_deps.txt").read_text().splitlines()
   assert deps[-1] == "nothing to install"
   assert any(line.startswith("keep    jax: image ") for line in deps)
+
+
+def test_a_backend_that_cannot_start_fails_in_one_line(tmp_path):
+  """A plugin that fails at start-up (here: a platform JAX does not know) stops the run at the
+  probe, as a CPU fallback does, instead of running rows that would all fail."""
+  path = tmp_path / "acc.json"
+  proc = run(["--quick", "--json", str(path)], tmp_path,
+             env={**os.environ, "JAX_PLATFORMS": "no_such_platform"})
+  assert proc.returncode == 3, proc.stdout[-2000:] + proc.stderr[-2000:]
+  (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("accelerator.py:")]
+  assert line.startswith("accelerator.py: FAIL: JAX could not start a backend: ")
+  assert json.loads(path.read_text())["rows"] == []
