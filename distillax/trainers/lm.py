@@ -7,7 +7,7 @@ from typing import Mapping
 import jax
 from flax import nnx
 
-from distillax.framework import losses
+from distillax.framework import chunked_loss, losses
 from distillax.framework.step import ObjectiveOutput
 
 
@@ -15,7 +15,7 @@ def lm_objective(student: nnx.Module, extras: Mapping[str, nnx.Module], batch, r
                  ) -> ObjectiveOutput:
   """Cross-entropy on every target the loss mask keeps (padding and document edges excluded)."""
   del extras, rng
-  out = student(batch[losses.BATCH_INPUTS], **losses.model_inputs(batch))
-  loss_sum, correct, tokens = losses.cross_entropy_sums(
-      out.logits_BxLxV, batch[losses.BATCH_TARGETS], batch[losses.BATCH_MASK])
+  out = student(batch[losses.BATCH_INPUTS], **losses.model_inputs(batch), return_logits=False)
+  loss_sum, correct, tokens = chunked_loss.model_cross_entropy_sums(  # never all (B, L, V) logits
+      student, out.final_hidden_BxLxD, batch[losses.BATCH_TARGETS], batch[losses.BATCH_MASK])
   return ObjectiveOutput(loss_sum=loss_sum, tokens=tokens, sums={"accuracy": correct})

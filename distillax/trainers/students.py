@@ -38,7 +38,7 @@ from distillax.trainers.workdir import CHECKPOINT_DIR
 
 # The model fields that say how a model runs, not what it is: a student from a checkpoint or
 # the teacher keeps the config's values of these (e.g. fp32 master weights of a bf16 checkpoint).
-RUN_FIELDS = ("param_dtype", "dtype", "scan_layers", "remat")
+RUN_FIELDS = ("param_dtype", "dtype", "scan_layers", "remat", "attention_impl")
 
 
 @dataclasses.dataclass(frozen=True)
