@@ -21,8 +21,9 @@ raised (--mem-fraction); a row whose compiled step exceeds the chip is reported,
 JSON is rewritten after every row, so a run cut short still returns the rows it finished.
 
 --expect-gpu / --expect-tpu: if JAX runs on anything else (a CPU fallback), print one line and
-exit 3 before any row. Without them a CPU runs the demo pair (--quick: the tiny pair) with the
-reference attention, as a check of the bookkeeping rather than a figure.
+exit 3 before any row. Without them a CPU runs the demo pair (--quick: the tiny pair), the
+reference attention against the blockwise one and the KD step, as a check of the bookkeeping
+rather than a figure.
 
 Writes benchmarks/results/accelerator.json (--json PATH, or --out DIR).
 """
@@ -65,8 +66,11 @@ ACCELERATOR_ROWS = (
     ("distill", "reference", "full", 8, 2048),
     ("train", "blockwise", "full", 8, 2048),
 )
-CPU_ROWS = (("train", "reference", "none", 8, 256), ("distill", "reference", "none", 8, 256))
-QUICK_ROWS = (("train", "reference", "none", 4, 32), ("distill", "reference", "none", 4, 32))
+# On CPU: reference against blockwise (the same losses, from the same weights and data), and KD.
+CPU_ROWS = (("train", "reference", "none", 8, 256), ("train", "blockwise", "none", 8, 256),
+            ("distill", "auto", "none", 8, 256))
+QUICK_ROWS = (("train", "reference", "none", 4, 32), ("train", "blockwise", "none", 4, 32),
+              ("distill", "auto", "none", 4, 32))
 
 
 def row_specs(backend: str, args) -> list[dict]:

@@ -144,17 +144,26 @@ def _memory_stats() -> dict:
 
 def model_configs(spec: dict):
   """(student, teacher or None): the preset with remat, attention and overrides applied."""
-  from distillax.errors import ConfigError
   from distillax.models import get_preset
 
-  cfg = get_preset(spec["preset"], remat=spec["remat"], **spec.get("overrides", {}))
-  impl = spec.get("attention_impl", "reference")
-  if "attention_impl" in cfg.to_dict():
-    cfg = cfg.replace(attention_impl=impl)
-  elif impl != "reference":
-    raise ConfigError(f"attention_impl={impl!r}: this distillax has no model.attention_impl "
-                      f"(only today's reference attention); run the row with 'reference'")
+  fields = {"remat": spec["remat"], "attention_impl": spec.get("attention_impl", "auto"),
+            **spec.get("overrides", {})}  # --model FIELD=VALUE wins
+  cfg = get_preset(spec["preset"], **fields)
   return cfg, (teacher_twice(cfg) if spec["kind"] == "distill" else None)
+
+
+def attention_choice(cfg, seq_len: int) -> dict:
+  """What `model.attention_impl` runs for the student's training attention on this platform
+  (packed documents, so with segment ids), and why: 'auto' rows say which kernel they timed."""
+  import jax
+
+  from distillax.models import attention_impl
+
+  needs = attention_impl.AttentionNeeds(
+      query_len=seq_len, key_len=seq_len, segments=True, window=cfg.sliding_window is not None,
+      softcap=cfg.attn_logit_softcap is not None, dtype=cfg.dtype, head_dim=cfg.head_dim)
+  impl, why = attention_impl.choose(cfg.attention_impl, jax.default_backend(), needs)
+  return {"attention_ran": impl, "attention_why": why}
 
 
 def teacher_twice(student_cfg):
@@ -216,7 +225,7 @@ def step_row(row: RowFile, spec: dict) -> None:
              compiled_bytes=need, temp_bytes=stats.get("temp_size_in_bytes"),
              memory_limit_bytes=limit, student=common.config_summary(cfg),
              teacher=common.config_summary(teacher_cfg) if teacher_cfg else None,
-             **row_flops(cfg, teacher_cfg, batch, seq_len))
+             **row_flops(cfg, teacher_cfg, batch, seq_len), **attention_choice(cfg, seq_len))
   print(f"compiled in {row.data['compile_s']:.0f}s, needs {common.fmt_bytes(need)}"
         + (f" of {common.fmt_bytes(limit)}" if limit else ""), flush=True)
   if limit and need > MEMORY_HEADROOM * limit:

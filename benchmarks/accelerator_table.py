@@ -36,6 +36,8 @@ COLUMNS = (
     ("peak mem", lambda r: _gib(r.get("peak_bytes_in_use")) if r.get("step_s") else ""),
     ("compiled", lambda r: _gib(r.get("compiled_bytes")) if "compiled_bytes" in r else ""),
     ("compile s", lambda r: _num(r, "compile_s", ".0f")),
+    ("attention ran", lambda r: r.get("attention_ran", "")),
+    ("final loss", lambda r: _num(r, "final_loss", ".5f")),
 )
 
 

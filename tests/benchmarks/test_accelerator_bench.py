@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks import accelerator, accelerator_table
@@ -99,17 +100,20 @@ def test_quick_rows_on_cpu(tmp_path):
   assert probe["status"] == "ok" and probe["backend"] == "cpu"
   assert probe["versions"]["jax"] == probe["jax_version"]
   assert probe["matmul"]["best_flops_per_s"] >= probe["matmul"]["median_flops_per_s"] > 0
-  rows = {r["spec"]["kind"]: r for r in res["rows"]}
-  assert set(rows) == {"train", "distill"} and all(r["status"] == "ok" for r in rows.values())
+  rows = {r["name"]: r for r in res["rows"]}
+  assert set(rows) == {"train/reference/none/4x32", "train/blockwise/none/4x32",
+                       "distill/auto/none/4x32"}
+  assert all(r["status"] == "ok" for r in rows.values())
   tiny = get_preset("tiny")
-  teacher_layers = rows["distill"]["teacher"]["num_layers"]
-  for kind, r in rows.items():
+  distill = rows["distill/auto/none/4x32"]
+  teacher_layers = distill["teacher"]["num_layers"]
+  for name, r in rows.items():
     tokens, T = r["tokens_per_step"], r["seq_len"]
     assert tokens == r["batch"] * T
     attn = tiny.num_layers * tiny.num_heads * tiny.head_dim * T  # L H Q T
     palm = tokens * (6 * matmul_weights(tiny) + 12 * attn)
     causal = tokens * (6 * matmul_weights(tiny) + 6 * attn)  # half of each T x T product
-    if kind == "distill":  # the frozen teacher's forward: 2N + 4 L H Q T per token
+    if name.startswith("distill"):  # the frozen teacher's forward: 2N + 4 L H Q T per token
       t_attn = teacher_layers * tiny.num_heads * tiny.head_dim * T
       palm += tokens * (2 * matmul_weights(tiny, teacher_layers) + 4 * t_attn)
       causal += tokens * (2 * matmul_weights(tiny, teacher_layers) + 2 * t_attn)
@@ -119,7 +123,12 @@ def test_quick_rows_on_cpu(tmp_path):
     assert r["mfu_palm"] / r["mfu_causal"] == pytest.approx(palm / causal)
     assert r["mfu_causal"] == pytest.approx(causal / r["step_s"] / r["peak_flops_per_device"])
     assert r["final_loss"] < r["losses"][0]  # it trains
-  assert 1.8 <= rows["distill"]["teacher_params"] / rows["train"]["params"] <= 2.2
+  # The same weights, data and steps: the blockwise attention trains to the reference's losses.
+  ref, blockwise = rows["train/reference/none/4x32"], rows["train/blockwise/none/4x32"]
+  assert (ref["attention_ran"], blockwise["attention_ran"]) == ("reference", "blockwise")
+  np.testing.assert_allclose(blockwise["losses"], ref["losses"], rtol=1e-5)
+  assert distill["attention_ran"] == "blockwise"  # auto on CPU: no fused kernel here
+  assert 1.8 <= distill["teacher_params"] / ref["params"] <= 2.2
   printed = proc.stdout
   assert "MFU causal" in printed and "train/reference/none/4x32" in printed
 
