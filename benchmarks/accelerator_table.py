@@ -14,7 +14,9 @@ RAN = ("ok", "does_not_fit", "skipped")  # statuses that are a result, not a fai
 
 
 def _gib(n: float | None) -> str:
-  return "n/a" if n is None else f"{n / 2**30:.1f} GiB"
+  if n is None:
+    return "n/a"
+  return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _pct(x: float | None) -> str:
@@ -30,7 +32,7 @@ COLUMNS = (
     ("status", lambda r: r.get("status", "?")),
     ("step ms", lambda r: f"{r['step_s'] * 1e3:.1f}" if r.get("step_s") else ""),
     ("tokens/s", lambda r: _num(r, "tokens_per_s", ".0f")),
-    ("TFLOP/s", lambda r: _num(r, "tflops_per_s_causal", ".1f")),
+    ("TFLOP/s", lambda r: _num(r, "tflops_per_s_causal", ".3g")),
     ("MFU causal", lambda r: _pct(r.get("mfu_causal")) if r.get("step_s") else ""),
     ("MFU PaLM", lambda r: _pct(r.get("mfu_palm")) if r.get("step_s") else ""),
     ("peak mem", lambda r: _gib(r.get("peak_bytes_in_use")) if r.get("step_s") else ""),
