@@ -1,4 +1,6 @@
 # The whole set-up on a fresh machine with only Python 3.11: `make demo`, `make test`.
+# They install the exact versions of constraints.txt (pyproject.toml holds ranges), so CI is
+# reproducible; `make test-latest` (not in CI) tries the newest releases inside those ranges.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,26 +11,43 @@ PYTEST_ARGS ?=
 # crashes fails the run at once (--max-worker-restart=0) instead of being replaced.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test venv clean
+# make test-latest: Python 3.12 (the first that runs), a fresh venv, a short subset of the tests.
+LATEST_PYTHON ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12; do \
+  "$$p" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && echo "$$p" && \
+  break; done)
+LATEST_VENV := .venv-latest
+# The engine and its backends, checkpoint resume after a SIGTERM, distillation, QAT, and the
+# CLI's tiny runs of lm, distill, qat_distill and lora.
+LATEST_TESTS ?= tests/framework/test_step.py tests/framework/test_backends.py::test_reference_run_learns \
+  tests/framework/test_backends.py::test_collective_backends_agree_with_jit \
+  tests/framework/test_checkpoint.py::test_restore_onto_another_topology \
+  tests/trainers/test_base.py::test_sigterm_saves_the_current_step_and_the_next_run_resumes \
+  tests/distill/test_objective.py tests/quant/test_qat.py \
+  $(foreach c,lm distill qat_distill lora,'tests/test_main.py::test_every_config_trains_on_tiny_overrides[$(c).py]')
+# What test-latest prints and keeps in $(LATEST_VENV)/versions.txt.
+LATEST_SHOWN := jax jaxlib flax optax orbax-checkpoint grain ml-collections clu qwix tensorboardX \
+  safetensors tokenizers pyarrow numpy chex
+
+.PHONY: demo test test-latest accelerator-wheels venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-# One stamp per extra set, rebuilt when pyproject.toml changes.
-$(VENV)/.core: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e . 2>&1 | grep -v "is ignored" || true
+# One stamp per extra set, rebuilt when pyproject.toml or constraints.txt changes.
+$(VENV)/.core: pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -c constraints.txt -e . 2>&1 | grep -v "is ignored" || true
 	$(BIN)/python -c "import distillax, jax, flax, optax, orbax.checkpoint, grain, qwix"
 	touch $@
 
 # The demo ends in llama.cpp: the edge extra (llama-cpp-python builds llama.cpp once, ~5 min).
-$(VENV)/.demo: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[edge]' 2>&1 | grep -v "is ignored" || true
+$(VENV)/.demo: pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[edge]' 2>&1 | grep -v "is ignored" || true
 	$(BIN)/python -c "import distillax, jax, flax, optax, orbax.checkpoint, grain, qwix, gguf, llama_cpp"
 	touch $@ $(VENV)/.core
 
-$(VENV)/.test: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test,hf,edge]' 2>&1 | grep -v "is ignored" || true
+$(VENV)/.test: pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,hf,edge]' 2>&1 | grep -v "is ignored" || true
 	$(BIN)/python -c "import distillax, jax, pytest, xdist, torch, transformers, gguf, llama_cpp"
 	touch $@ $(VENV)/.core $(VENV)/.demo
 
@@ -38,5 +57,21 @@ demo: $(VENV)/.demo
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS)
 
+# Newest releases inside pyproject's ranges (no constraints file), without the hf and edge extras
+# (a newer torch is a multi-GB CUDA build; llama-cpp-python compiles). The venv is kept and
+# upgraded eagerly on every run, so each run tests what the index serves that day.
+test-latest:
+	@test -n "$(LATEST_PYTHON)" || { echo "make test-latest: no Python 3.12 found; set LATEST_PYTHON=/path/to/python3.12" >&2; exit 2; }
+	test -x $(LATEST_VENV)/bin/python || $(LATEST_PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test]' 2>&1 | grep -v "is ignored" || true
+	$(LATEST_VENV)/bin/python -c "import distillax, jax, flax, optax, orbax.checkpoint, grain, qwix"
+	$(LATEST_VENV)/bin/python -c "import sys, importlib.metadata as m; print('python', sys.version.split()[0]); [print(n, m.version(n)) for n in sys.argv[1:]]" $(LATEST_SHOWN) | tee $(LATEST_VENV)/versions.txt
+	$(LATEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS) $(LATEST_TESTS)
+
+# Wheels scripts/accelerator_run.sh carries to a lent GPU/TPU machine (no network there).
+accelerator-wheels:
+	scripts/accelerator_wheels.sh .whl
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(LATEST_VENV) runs

@@ -1,213 +1,259 @@
-"""One chip: a ~1B model's train step and a distillation step, tokens/s and MFU against the peak.
+"""One chip: the Llama 3.2 1B train and KD steps, fused vs reference attention, remat x batch.
 
-  python benchmarks/accelerator.py [--quick]
+  python benchmarks/accelerator.py [--expect-gpu | --expect-tpu] [--quick] [--json PATH]
+      [--budget-s 400] [--row-limit-s 150] [--only SUBSTRING] [--model KEY=VALUE ...]
 
-On a GPU or TPU (jax.default_backend() in gpu/tpu): Llama 3.2 1B shapes in bf16 (random weights),
-on one chip, where every partitioning preset is the same layout (dp on a 1x1 mesh): the largest
-batch of `--seq-len` tokens per sequence whose compiled step fits the chip's memory, with full
-rematerialisation; step time, tokens/s and MFU against the chip's datasheet peak
-(distillax.framework.throughput). Then the same for a distillation step (LogitKD, chunked logits)
-with a frozen teacher of twice the student's parameters (the student's shapes with more layers).
-On CPU it runs the demo pair (demo_student, demo_teacher) instead, with MFU against the host's
-measured matmul peak. One command, well under 8 minutes on an H200 including compilation.
+Sized for one short lent call on an H200 or a TPU (scripts/accelerator_run.sh wraps it).
 
-Writes benchmarks/results/accelerator.json.
+1. The probe: Python, JAX, jaxlib, plugin and library versions, the devices, and a bf16 matmul
+   rate next to the datasheet peak that MFU is quoted against.
+2. The rows, most informative first (ACCELERATOR_ROWS): the train step with the reference
+   attention and with the platform's fused kernel (cuDNN on GPU, splash on TPU) at today's
+   8 x 2048 with full remat; then `attention_impl=auto` under each remat policy (none,
+   save_dots_no_batch, save_dots, full) at batches up to 32 x 2048 and 4 x 8192; the KD step
+   (LogitKD, a frozen teacher of twice the student's parameters).
+   Each row reports the step time, tokens/s, MFU in the causal and in the PaLM convention, the
+   compiled step's bytes and the runtime peak (`memory_stats()['peak_bytes_in_use']`).
+
+Every row runs in its own process (benchmarks/accelerator_row.py) under a time limit, the
+smaller of --row-limit-s and what is left of --budget-s, with XLA_PYTHON_CLIENT_MEM_FRACTION
+raised (--mem-fraction); a row whose compiled step exceeds the chip is reported, not run. The
+JSON is rewritten after every row, so a run cut short still returns the rows it finished.
+
+--expect-gpu / --expect-tpu: if JAX runs on anything else (a CPU fallback), print one line and
+exit 3 before any row. Without them a CPU runs the demo pair (--quick: the tiny pair), the
+reference attention against the blockwise one and the KD step, as a check of the bookkeeping
+rather than a figure.
+
+Writes benchmarks/results/accelerator.json (--json PATH, or --out DIR).
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
+import json
+import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import subproc  # noqa: E402
+from benchmarks import accelerator_table, subproc  # noqa: E402
 
-MEMORY_HEADROOM = 0.85  # use at most this fraction of the chip's memory for the compiled step
+ROW_SCRIPT = Path(__file__).resolve().parent / "accelerator_row.py"
+REFUSED_EXIT = 3  # accelerator_row.REFUSED_EXIT (not imported: that module is the JAX side)
+STOPPED_EXIT = 124  # stopped by SIGTERM/SIGINT (what `timeout` itself returns)
+MIN_ROW_S = 30.0  # a row is not started with less of the budget left than this
+FUSED = {"gpu": "cudnn", "tpu": "splash"}  # the platform's fused attention kernel
 
-
-def teacher_twice(student_cfg):
-  """The student's shapes with as many layers as make about twice its parameters."""
-  from distillax.models import param_count
-
-  total = param_count(student_cfg)
-  per_layer = (param_count(student_cfg.replace(num_layers=2)) -
-               param_count(student_cfg.replace(num_layers=1)))
-  rest = total - per_layer * student_cfg.num_layers
-  layers = max(student_cfg.num_layers + 1, round((2 * total - rest) / per_layer))
-  return student_cfg.replace(num_layers=layers)
-
-
-def settings(backend: str, quick: bool) -> dict:
-  from distillax.models import get_preset
-
-  if quick:
-    student = get_preset("tiny")
-    return {"student": student, "teacher": teacher_twice(student), "batches": (4,),
-            "seq_len": 32, "steps": 2, "reps": 2, "chunk_size": None}
-  if backend in ("gpu", "tpu"):
-    student = get_preset("llama3.2-1b", remat="full")
-    return {"student": student, "teacher": teacher_twice(student), "batches": (8, 4, 2, 1),
-            "seq_len": 2048, "steps": 5, "reps": 3, "chunk_size": 4096}
-  return {"student": get_preset("demo_student"), "teacher": get_preset("demo_teacher"),
-          "batches": (8,), "seq_len": 256, "steps": 2, "reps": 3, "chunk_size": None}
-
-
-def memory_limit() -> float | None:
-  import jax
-  try:
-    stats = jax.devices()[0].memory_stats() or {}
-  except Exception:  # noqa: BLE001 - CPU and some runtimes have none
-    return None
-  return float(stats["bytes_limit"]) if "bytes_limit" in stats else None
+# (kind, attention_impl, remat, batch, seq_len); "fused" = FUSED[platform]. Ordered by what a
+# short call must not miss: fused vs reference first, then remat x batch, then the KD step.
+ACCELERATOR_ROWS = (
+    ("train", "reference", "full", 8, 2048),
+    ("train", "fused", "full", 8, 2048),
+    ("train", "auto", "save_dots_no_batch", 16, 2048),
+    ("train", "auto", "none", 8, 2048),
+    ("distill", "auto", "full", 8, 2048),
+    ("train", "auto", "full", 32, 2048),
+    ("train", "auto", "save_dots", 16, 2048),
+    ("train", "auto", "none", 16, 2048),
+    ("train", "auto", "save_dots_no_batch", 32, 2048),
+    ("train", "auto", "full", 4, 8192),
+    ("distill", "reference", "full", 8, 2048),
+    ("train", "blockwise", "full", 8, 2048),
+)
+# On CPU: reference against blockwise (the same losses, from the same weights and data), and KD.
+CPU_ROWS = (("train", "reference", "none", 8, 256), ("train", "blockwise", "none", 8, 256),
+            ("distill", "auto", "none", 8, 256))
+QUICK_ROWS = (("train", "reference", "none", 4, 32), ("train", "blockwise", "none", 4, 32),
+              ("distill", "auto", "none", 4, 32))
 
 
-def numpy_matmul_flops(n: int = 512, repeats: int = 3) -> float:
-  """numpy's BLAS on one n x n fp32 matmul, best of `repeats`: a second opinion on the CPU
-  probe's peak (distillax.framework.throughput). Two timings compared, so it is reported here
-  rather than asserted in a test; on a busy host the two can differ by several times."""
-  import numpy as np
-
-  a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-  best = 0.0
-  for _ in range(repeats):
-    start = time.perf_counter()
-    a @ a
-    best = max(best, 2 * n ** 3 / max(time.perf_counter() - start, 1e-9))
-  return best
-
-
-def compiled_bytes(stats: dict) -> float:
-  return (stats.get("argument_size_in_bytes", 0) + stats.get("temp_size_in_bytes", 0) +
-          stats.get("output_size_in_bytes", 0) - stats.get("alias_size_in_bytes", 0))
-
-
-def prepare(label, cfg, teacher_cfg, objective, s, limit) -> dict:
-  """Compiles the step for the largest batch that fits and places a fresh state for it."""
-  from benchmarks import common
-  from distillax.models import abstract_model, create_model
-
-  extras_abstract = {"teacher": abstract_model(teacher_cfg)} if teacher_cfg else {}
-  tried = []
-  for batch in s["batches"]:
-    start = time.perf_counter()
-    built = common.build(cfg, "dp", (1, 1), "jit", batch, s["seq_len"], abstract=True,
-                         objective=objective, extras=extras_abstract)
-    need = compiled_bytes(built.engine.runner.stats)
-    tried.append({"batch": batch, "compiled_bytes": need,
-                  "compile_s": built.engine.runner.compile_seconds})
-    print(f"  {label}: batch {batch} x {s['seq_len']} compiled in "
-          f"{time.perf_counter() - start:.0f}s, needs {common.fmt_bytes(need)} per chip"
-          + (f" of {common.fmt_bytes(limit)}" if limit else ""), flush=True)
-    if limit is None or need <= MEMORY_HEADROOM * limit:
-      break
-  else:
-    return {"label": label, "error": "no batch fits in memory", "tried": tried}
-  mesh, rules = built.engine.mesh, built.engine.rules
-  student = create_model(cfg, mesh=mesh, rules=rules, seed=0)
-  extras = ({"teacher": create_model(teacher_cfg, mesh=mesh, rules=rules, seed=1)}
-            if teacher_cfg else {})
-  data = common.packed_batch(batch, s["seq_len"], cfg.vocab_size, seed=1)
-  return {"label": label, "cfg": cfg, "teacher_cfg": teacher_cfg, "batch": batch,
-          "tried": tried, "stepper": common.Stepper(built.engine, student, data, extras=extras)}
-
-
-def time_steps(prepared: list[dict], s, peak) -> list[dict]:
-  """Times the prepared steps round-robin (one or several) and returns their result rows."""
-  from benchmarks import common
-  from distillax.framework import flops as flops_lib
-  from distillax.framework import throughput
-
-  ready = [p for p in prepared if "error" not in p]
-  times, warmup = common.interleaved({p["label"]: p["stepper"] for p in ready}, reps=s["reps"],
-                                     steps_per_rep=s["steps"])
-  rows = []
-  for p in prepared:
-    if "error" in p:
-      rows.append(p)
+def row_specs(backend: str, args) -> list[dict]:
+  """The rows to run on `backend`, as the specs accelerator_row.py takes."""
+  accelerated = backend in FUSED and not args.quick
+  table = ACCELERATOR_ROWS if accelerated else QUICK_ROWS if args.quick else CPU_ROWS
+  preset = "llama3.2-1b" if accelerated else "tiny" if args.quick else "demo_student"
+  steps, reps = (2, 3) if accelerated else (1, 2) if args.quick else (2, 3)
+  specs = []
+  for kind, impl, remat, batch, seq_len in table:
+    impl = FUSED.get(backend, "reference") if impl == "fused" else impl
+    name = f"{kind}/{impl}/{remat}/{batch}x{seq_len}"
+    if args.only and not any(s in name for s in args.only):
       continue
-    label, cfg, teacher_cfg, batch = p["label"], p["cfg"], p["teacher_cfg"], p["batch"]
-    step_s = common.median(times[label])
-    flops = flops_lib.train_step_flops(cfg, batch, s["seq_len"], teacher_cfg)["total"]
-    tokens = batch * s["seq_len"]
-    rows.append({
-        "label": label, "batch": batch, "seq_len": s["seq_len"], "tokens_per_step": tokens,
-        "step_s": step_s, "step_s_all": times[label], "tokens_per_s": tokens / step_s,
-        "model_flops_per_step": flops, "tflops_per_s": flops / step_s / 1e12,
-        "mfu": throughput.mfu(flops, step_s, 1, peak), "compile_s": p["tried"][-1]["compile_s"],
-        "compiled_bytes": p["tried"][-1]["compiled_bytes"], "warmup_s": warmup[label],
-        "final_loss": p["stepper"].losses[-1], "tried": p["tried"], "params": _params(cfg),
-        "teacher_params": _params(teacher_cfg) if teacher_cfg else None})
-  return rows
+    specs.append({"name": name, "kind": kind, "preset": preset, "attention_impl": impl,
+                  "remat": remat, "batch": batch, "seq_len": seq_len, "steps": steps,
+                  "reps": reps, "overrides": dict(args.model)})
+  return specs
 
 
-def _params(cfg) -> int:
-  from distillax.models import param_count
-  return param_count(cfg)
+class Stopped(Exception):
+  """SIGTERM or SIGINT reached this process (an outer `timeout`, Ctrl-C)."""
 
 
-def main() -> int:
-  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=1)
-  args = subproc.parse_args_before_jax(parser)
+def _stop(signum, frame):
+  raise Stopped(signal.Signals(signum).name)
+
+
+def run_row(argv: list[str], out_file: Path, limit_s: float, env: dict) -> dict:
+  """Runs one row's process for at most `limit_s`; returns what it wrote to `out_file` with its
+  exit status, or {"status": "timeout" | "crashed"} over what it had written so far.
+
+  The row runs in its own process group, so that killing it kills its children too; when this
+  process is stopped (`Stopped`), the row is killed first and the result says so
+  ("stopped": the signal's name).
+  """
   start = time.perf_counter()
+  proc = subprocess.Popen(argv, env=env, process_group=0)
+  stopped = None
+  try:
+    code = proc.wait(timeout=max(limit_s, 1.0))
+  except subprocess.TimeoutExpired:
+    code = None
+  except Stopped as e:
+    code, stopped = None, str(e)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  result = json.loads(out_file.read_text()) if out_file.exists() else {}
+  result.update(exit_code=code, wall_s=time.perf_counter() - start)
+  if stopped:
+    result.update(status="stopped", stopped=stopped,
+                  error=f"the run got {stopped} while {_phase(result)}; the row was killed")
+  elif code is None:
+    result.update(status="timeout",
+                  error=f"killed at its {limit_s:.0f}s limit while {_phase(result)}")
+  elif result.get("status") in (None, "started", "compiled", "probing"):
+    result.update(status="crashed",
+                  error=f"the row's process exited {code} while {_phase(result)}")
+  return result
 
-  import jax
 
-  from benchmarks import common
-  from distillax.distill import LogitKD, make_distill_objective
-  from distillax.framework import format_count, throughput
-  from distillax.trainers import lm_objective
+def _phase(result: dict) -> str:
+  return {"compiled": "running the compiled step", "probing": "probing"}.get(
+      result.get("status"), "starting or compiling")
 
-  backend = jax.default_backend()
-  s = settings(backend, args.quick)
-  peak, peak_source = throughput.peak_flops_per_device()
-  limit = memory_limit()
-  print(f"{backend}: {jax.devices()[0].device_kind}; peak {peak_source}", flush=True)
-  numpy_flops = numpy_matmul_flops() if backend == "cpu" else None
-  if numpy_flops is not None:
-    print(f"cpu cross-check: numpy BLAS fp32 matmul {numpy_flops / 1e9:.1f} GFLOP/s, the probe "
-          f"{throughput.cpu_peak_flops() / 1e9:.1f} GFLOP/s per host", flush=True)
-  if args.quick:
-    print("quick: tiny student, teacher with twice its parameters", flush=True)
-  elif backend not in ("gpu", "tpu"):
-    print("no accelerator: running the CPU demo sizes instead", flush=True)
-  kd = make_distill_objective(LogitKD(temperature=2.0, alpha=0.7), chunk_size=s["chunk_size"])
-  jobs = [("train", s["student"], None, lm_objective),
-          ("distill", s["student"], s["teacher"], kd)]
-  if limit is None:  # host memory: both steps stay resident and are timed round-robin
-    rows = time_steps([prepare(*job, s, limit) for job in jobs], s, peak)
-  else:  # one chip's memory: one step resident at a time, its buffers freed before the next
-    rows = []
-    for job in jobs:
-      rows += time_steps([prepare(*job, s, limit)], s, peak)
 
-  print(f"\none {jax.devices()[0].device_kind}, dp on a 1x1 mesh, "
-        f"{s['student'].param_dtype} params, {s['student'].dtype} compute, "
-        f"remat {s['student'].remat}")
-  ok_rows = [r for r in rows if "error" not in r]
-  print(common.format_table(ok_rows, [
-      ("step", lambda r: r["label"]),
-      ("student", lambda r: format_count(r["params"])),
-      ("teacher", lambda r: format_count(r["teacher_params"]) if r["teacher_params"] else "-"),
-      ("batch", lambda r: f"{r['batch']}x{r['seq_len']}"),
-      ("step ms", lambda r: common.fmt_ms(r["step_s"])),
-      ("tokens/s", lambda r: f"{r['tokens_per_s']:.0f}"),
-      ("TFLOP/s", lambda r: f"{r['tflops_per_s']:.3g}"),
-      ("MFU", lambda r: "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"),
-      ("compile s", lambda r: f"{r['compile_s']:.0f}"),
-      ("memory", lambda r: common.fmt_bytes(r["compiled_bytes"]))]))
-  for r in rows:
-    if "error" in r:
-      print(f"FAIL  {r['label']}: {r['error']}")
-  payload = {"benchmark": "accelerator", "quick": args.quick, "machine": common.machine_info(),
-             "backend": backend, "peak_flops_per_device": peak, "peak_source": peak_source,
-             "numpy_matmul_flops": numpy_flops,
-             "memory_limit_bytes": limit, "student": common.config_summary(s["student"]),
-             "teacher": common.config_summary(s["teacher"]), "rows": rows,
-             "wall_s": time.perf_counter() - start}
-  path = common.write_json(args.out, "accelerator", payload)
+class Results:
+  """The JSON file: rewritten whole (atomically) after the probe and after every row."""
+
+  def __init__(self, path: Path, payload: dict):
+    self.path, self.payload = path, payload
+    self.write()
+
+  def write(self) -> None:
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = self.path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(self.payload, indent=1) + "\n")
+    os.replace(tmp, self.path)
+
+  def add_row(self, row: dict) -> None:
+    self.payload["rows"].append(row)
+    self.write()
+
+
+def row_env(mem_fraction: float) -> dict:
+  env = dict(os.environ)
+  env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(mem_fraction))
+  env["PYTHONUNBUFFERED"] = "1"
+  return env
+
+
+def run_all(specs, results: Results, launch, budget_s: float, row_limit_s: float,
+            start: float) -> None:
+  """Runs the rows in order, each under min(row limit, budget left), recording each at once;
+  rows the budget no longer covers are recorded as skipped."""
+  for spec in specs:
+    left = budget_s - (time.perf_counter() - start)
+    if left < MIN_ROW_S:
+      results.add_row({"name": spec["name"], "spec": spec, "status": "skipped",
+                       "error": f"{left:.0f}s of the {budget_s:.0f}s budget left"})
+      continue
+    print(f"== {spec['name']} (limit {min(row_limit_s, left):.0f}s)", flush=True)
+    row = launch(spec, min(row_limit_s, left))
+    results.add_row(row)
+    if row.get("stopped"):
+      return
+
+
+def parse_args(argv=None):
+  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=1)
+  expect = parser.add_mutually_exclusive_group()
+  expect.add_argument("--expect-gpu", dest="expect", action="store_const", const="gpu",
+                      help="fail (exit 3, one line) unless JAX runs on a GPU")
+  expect.add_argument("--expect-tpu", dest="expect", action="store_const", const="tpu",
+                      help="fail (exit 3, one line) unless JAX runs on a TPU")
+  parser.add_argument("--json", default=None, help="result file (default: OUT/accelerator.json)")
+  parser.add_argument("--budget-s", type=float, default=400.0,
+                      help="seconds for the probe and every row together")
+  parser.add_argument("--row-limit-s", type=float, default=150.0, help="seconds per row at most")
+  parser.add_argument("--mem-fraction", type=float, default=0.95,
+                      help="XLA_PYTHON_CLIENT_MEM_FRACTION of the rows (unless already set)")
+  parser.add_argument("--only", action="append", default=[],
+                      help="run only rows whose name holds this (repeatable)")
+  parser.add_argument("--model", action="append", default=[], type=_key_value,
+                      help="model config field for every row, e.g. --model scan_layers=true")
+  return parser.parse_args(argv)
+
+
+def _key_value(text: str) -> tuple[str, object]:
+  key, sep, value = text.partition("=")
+  if not sep or not key:
+    raise argparse.ArgumentTypeError(f"--model {text!r}: expected FIELD=VALUE")
+  try:
+    return key, json.loads(value)
+  except json.JSONDecodeError:
+    return key, value  # a bare string, e.g. --model attention_impl=blockwise
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  start = time.perf_counter()
+  signal.signal(signal.SIGTERM, _stop)
+  signal.signal(signal.SIGINT, _stop)
+  path = Path(args.json or Path(args.out) / "accelerator.json")
+  env = row_env(args.mem_fraction)
+  expect = ["--expect", args.expect] if args.expect else []
+  results = Results(path, {"benchmark": "accelerator", "argv": sys.argv[1:], "quick": args.quick,
+                           "expect": args.expect, "budget_s": args.budget_s,
+                           "row_limit_s": args.row_limit_s, "status": "probing", "probe": None,
+                           "rows": []})
+  numbers = itertools.count()
+  with tempfile.TemporaryDirectory(prefix="accelerator-rows-") as tmp:
+    def launch(spec: dict, limit_s: float) -> dict:
+      out = Path(tmp) / f"row{next(numbers)}.json"
+      argv = [sys.executable, str(ROW_SCRIPT), "--spec", json.dumps(spec), "--out", str(out)]
+      return run_row(argv + expect, out, limit_s, env)
+
+    probe = launch({"name": "probe", "kind": "probe"}, min(args.row_limit_s, args.budget_s))
+    results.payload["probe"] = probe
+    if probe.get("status") == "refused" or probe.get("exit_code") == REFUSED_EXIT:
+      results.payload["status"] = "refused"
+      results.write()
+      print(f"accelerator.py: FAIL: {probe.get('refused', probe.get('error'))}", file=sys.stderr)
+      return REFUSED_EXIT
+    if probe.get("status") != "ok" and not probe.get("stopped"):
+      results.payload["status"] = "probe failed"
+      results.write()
+      print(f"accelerator.py: FAIL: the probe did not run ({probe.get('status')}): "
+            f"{probe.get('error')}", file=sys.stderr)
+      return 1
+    results.payload["status"] = "running"
+    if not probe.get("stopped"):
+      run_all(row_specs(probe.get("backend") or "unknown", args), results, launch,
+              args.budget_s, args.row_limit_s, start)
+  stopped = [r["stopped"] for r in [probe] + results.payload["rows"] if r.get("stopped")]
+  results.payload.update(status=f"stopped by {stopped[0]}" if stopped else "done",
+                         wall_s=time.perf_counter() - start)
+  results.write()
+  print(accelerator_table.report(results.payload))
   print(f"wrote {path} ({time.perf_counter() - start:.0f}s)")
-  return 0 if len(ok_rows) == len(rows) else 1
+  return STOPPED_EXIT if stopped else 0 if accelerator_table.all_ran(results.payload) else 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ Masks are built from token *indices* (order in the sequence or slot in the cache
 ids: a query sees a key iff the key is not later, both carry the same segment id (packed
 documents never see each other; padding, id 0, only sees padding) and, for local layers, the key
 is less than `window` tokens back. Positions only feed RoPE, so they may restart per document.
+
+How the scores meet the values is `model.attention_impl` (attention_impl.py decides per call):
+`reference_attention` here materialises them whole; the blockwise and fused paths never do.
 """
 
 from __future__ import annotations
@@ -18,8 +21,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from distillax.models import attention_impl
 from distillax.models.config import TransformerConfig
-from distillax.models.layers import RMSNorm, apply_rope, normal_param, softcap
+from distillax.models.attention_blockwise import blockwise_attention
+from distillax.models.attention_fused import cudnn_attention, splash_attention
+from distillax.models.layers import RMSNorm, apply_rope, normal_param
+from distillax.models.layers import softcap as _softcap
 from distillax.partitioning import constrain
 
 _MASKED = -1e30  # finite, so a fully masked row can never produce NaNs
@@ -52,8 +59,10 @@ class KVCache:
 
 
 def attention_mask(q_index_BxL, k_index_BxS, q_segment_BxL, k_segment_BxS) -> jax.Array:
-  """Causal and segment mask, bool (B, L, S)."""
+  """Causal and segment mask, bool (B, L, S); no segment ids = one document."""
   causal = k_index_BxS[:, None, :] <= q_index_BxL[:, :, None]
+  if q_segment_BxL is None:
+    return causal
   same_segment = k_segment_BxS[:, None, :] == q_segment_BxL[:, :, None]
   return causal & same_segment
 
@@ -64,6 +73,23 @@ def window_mask(mask_BxLxS, q_index_BxL, k_index_BxS, window) -> jax.Array:
     return mask_BxLxS
   distance = q_index_BxL[:, :, None] - k_index_BxS[:, None, :]
   return mask_BxLxS & (distance < window)
+
+
+def reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_index_BxL, k_index_BxS,
+                        q_segment_BxL=None, k_segment_BxS=None, window=None, scale: float,
+                        softcap: float | None = None):
+  """(out_BxLxKxGxH, probs_BxKxGxLxS): the whole fp32 scores and probabilities at once, the
+  path every other implementation is checked against and the only one that returns probs."""
+  logits_BxKxGxLxS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BxLxKxGxH, k_BxSxKxH,
+                                preferred_element_type=jnp.float32) * scale
+  logits_BxKxGxLxS = _softcap(logits_BxKxGxLxS, softcap)
+  mask = attention_mask(q_index_BxL, k_index_BxS, q_segment_BxL, k_segment_BxS)
+  mask = window_mask(mask, q_index_BxL, k_index_BxS, window)
+  logits_BxKxGxLxS = jnp.where(mask[:, None, None], logits_BxKxGxLxS, _MASKED)
+  probs_BxKxGxLxS = jax.nn.softmax(logits_BxKxGxLxS, axis=-1)
+  out_BxLxKxGxH = jnp.einsum("BKGLS,BSKH->BLKGH", probs_BxKxGxLxS.astype(v_BxSxKxH.dtype),
+                             v_BxSxKxH)
+  return out_BxLxKxGxH, probs_BxKxGxLxS
 
 
 class Attention(nnx.Module):
@@ -98,12 +124,45 @@ class Attention(nnx.Module):
       y_BxLxNxH = norm(y_BxLxNxH)
     return y_BxLxNxH
 
-  def __call__(self, x_BxLxD, *, sin_cos, mask_BxLxS, q_index_BxL, k_index_BxS, window=None,
-               cache_kv=None, cache_index=None, return_probs: bool = False):
+  def _keys_values(self, k_BxLxKxH, v_BxLxKxH, cache_kv, cache_index):
+    """(keys, values, new cache or None): this call's, or the cache with them written in."""
+    if cache_kv is None:
+      return k_BxLxKxH, v_BxLxKxH, None
+    dt = self.config.jnp_dtype
+    k_cache, v_cache = cache_kv
+    start = (0, cache_index, 0, 0)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k_BxLxKxH.astype(k_cache.dtype), start)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v_BxLxKxH.astype(v_cache.dtype), start)
+    return k_cache.astype(dt), v_cache.astype(dt), (k_cache, v_cache)
+
+  def _attend(self, q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking: dict, *, cached: bool,
+              return_probs: bool):
+    """The implementation attention_impl.resolve picks for this call: (out, probs or None)."""
+    cfg = self.config
+    B, L, K, G, Dh = q_BxLxKxGxH.shape
+    needs = attention_impl.AttentionNeeds(
+        probs=return_probs, cached=cached, query_len=L, key_len=k_BxSxKxH.shape[1],
+        segments=masking["q_segment_BxL"] is not None, window=cfg.sliding_window is not None,
+        softcap=cfg.attn_logit_softcap is not None, dtype=cfg.dtype, head_dim=Dh)
+    impl = attention_impl.resolve(cfg.attention_impl, needs)
+    common = dict(scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap)
+    if impl == "reference":
+      return reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common)
+    if impl == "blockwise":
+      return blockwise_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common), None
+    fused = {"cudnn": cudnn_attention, "splash": splash_attention}[impl]
+    windows = tuple(sorted(set(cfg.layer_windows() or (None,)), key=lambda w: w or 0))
+    masking = {k: v for k, v in masking.items() if k not in ("q_index_BxL", "k_index_BxS")}
+    return fused(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, windows=windows, **common), None
+
+  def __call__(self, x_BxLxD, *, sin_cos, q_index_BxL, k_index_BxS, q_segment_BxL=None,
+               k_segment_BxS=None, window=None, cache_kv=None, cache_index=None,
+               return_probs: bool = False):
     """Returns (out_BxLxD, new (k, v) cache slices or None, probs_BxHxLxS or None).
 
     Without a cache, keys are this call's tokens (S = L). With `cache_kv=(k_BxSxKxH, v_...)`,
     this call's keys/values are written at `cache_index` and the queries attend the whole cache.
+    Segment ids None: one document (no segment masking).
     """
     cfg = self.config
     dt = cfg.jnp_dtype
@@ -117,28 +176,16 @@ class Attention(nnx.Module):
     k_BxLxKxH = constrain(apply_rope(k_BxLxKxH, *sin_cos),
                           ("batch", "length", "kv_heads", "head_dim"))
     v_BxLxKxH = constrain(v_BxLxKxH, ("batch", "length", "kv_heads", "head_dim"))
-
-    new_cache = None
-    if cache_kv is not None:
-      k_cache, v_cache = cache_kv
-      start = (0, cache_index, 0, 0)
-      k_cache = jax.lax.dynamic_update_slice(k_cache, k_BxLxKxH.astype(k_cache.dtype), start)
-      v_cache = jax.lax.dynamic_update_slice(v_cache, v_BxLxKxH.astype(v_cache.dtype), start)
-      new_cache = (k_cache, v_cache)
-      k_BxSxKxH, v_BxSxKxH = k_cache.astype(dt), v_cache.astype(dt)
-    else:
-      k_BxSxKxH, v_BxSxKxH = k_BxLxKxH, v_BxLxKxH
-
+    k_BxSxKxH, v_BxSxKxH, new_cache = self._keys_values(k_BxLxKxH, v_BxLxKxH, cache_kv,
+                                                        cache_index)
     # Query head h = kv_head * G + g uses kv head h // G (the layout of HF checkpoints).
     q_BxLxKxGxH = q_BxLxHxK.reshape(B, L, K, G, Dh)
-    logits_BxKxGxLxS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BxLxKxGxH, k_BxSxKxH,
-                                  preferred_element_type=jnp.float32) * cfg.attn_scale
-    logits_BxKxGxLxS = softcap(logits_BxKxGxLxS, cfg.attn_logit_softcap)
-    mask = window_mask(mask_BxLxS, q_index_BxL, k_index_BxS, window)
-    logits_BxKxGxLxS = jnp.where(mask[:, None, None], logits_BxKxGxLxS, _MASKED)
-    probs_BxKxGxLxS = jax.nn.softmax(logits_BxKxGxLxS, axis=-1)
-    attn_BxLxKxGxH = jnp.einsum("BKGLS,BSKH->BLKGH", probs_BxKxGxLxS.astype(dt), v_BxSxKxH)
-    attn_BxLxHxK = constrain(attn_BxLxKxGxH.reshape(B, L, K * G, Dh),
+    masking = dict(q_index_BxL=q_index_BxL, k_index_BxS=k_index_BxS, q_segment_BxL=q_segment_BxL,
+                   k_segment_BxS=k_segment_BxS, window=window)
+    attn_BxLxKxGxH, probs_BxKxGxLxS = self._attend(
+        q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking, cached=cache_kv is not None,
+        return_probs=return_probs)
+    attn_BxLxHxK = constrain(attn_BxLxKxGxH.astype(dt).reshape(B, L, K * G, Dh),
                              ("batch", "length", "heads", "head_dim"))
     out_BxLxD = jnp.einsum("BLHK,HKD->BLD", attn_BxLxHxK, self.o[...].astype(dt))
     probs = None

@@ -18,6 +18,8 @@ from distillax.errors import ConfigError
 
 MLP_ACTIVATIONS = ("swiglu", "geglu")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
+# models/attention_impl.py: auto picks a fused kernel where the platform has one, else blockwise.
+ATTENTION_IMPLS = ("auto", "reference", "blockwise", "cudnn", "splash")
 # A window no sequence reaches: the value a global-attention layer gets in the per-layer windows.
 GLOBAL_WINDOW = 2**30
 
@@ -61,6 +63,8 @@ class TransformerConfig:
   # 'none' | 'full' | 'save_dots' | 'save_dots_no_batch'. On XLA:CPU it saves memory only with
   # scan_layers=True (unrolled, XLA schedules the recomputation early; benchmarks/peft.py).
   remat: str = "none"
+  # auto | reference | blockwise | cudnn | splash: how attention runs (models/attention_impl.py).
+  attention_impl: str = "auto"
 
   def __post_init__(self):
     positive = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -77,6 +81,9 @@ class TransformerConfig:
                         f"{', '.join(MLP_ACTIVATIONS)}")
     if self.remat not in REMAT_POLICIES:
       raise ConfigError(f"model.remat={self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ConfigError(f"model.attention_impl={self.attention_impl!r}; choose one of "
+                        f"{', '.join(ATTENTION_IMPLS)}")
     for name in ("qkv_bias", "qk_norm"):
       if not isinstance(getattr(self, name), bool):
         raise ConfigError(f"model.{name}={getattr(self, name)!r} must be True or False")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distillax.errors import ConfigError
-from distillax.models.attention import Attention, KVCache, attention_mask
+from distillax.models.attention import Attention, KVCache
 from distillax.models.config import TransformerConfig
 from distillax.models.layers import MLP, Embedder, RMSNorm, normal_param, rope_sin_cos, softcap
 from distillax.partitioning import constrain
@@ -59,8 +59,9 @@ class Block(nnx.Module):
 
   def __call__(self, x_BxLxD, ctx: dict, window=None, cache_kv=None, return_probs=False):
     h = self.attn_norm(x_BxLxD)
-    h, new_cache, probs = self.attn(h, sin_cos=ctx["sin_cos"], mask_BxLxS=ctx["mask"],
-                                    q_index_BxL=ctx["q_index"], k_index_BxS=ctx["k_index"],
+    h, new_cache, probs = self.attn(h, sin_cos=ctx["sin_cos"], q_index_BxL=ctx["q_index"],
+                                    k_index_BxS=ctx["k_index"], q_segment_BxL=ctx["q_segment"],
+                                    k_segment_BxS=ctx["k_segment"],
                                     window=window, cache_kv=cache_kv,
                                     cache_index=ctx.get("cache_index"), return_probs=return_probs)
     if self.post_attn_norm is not None:
@@ -141,9 +142,10 @@ class Transformer(nnx.Module):
     cfg = self.config
     B, L = tokens_BxL.shape
     offsets_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    if segment_ids_BxL is None:
+    if segment_ids_BxL is None and cache is not None:
       segment_ids_BxL = jnp.ones((B, L), jnp.int32)
-    segment_ids_BxL = segment_ids_BxL.astype(jnp.int32)
+    if segment_ids_BxL is not None:  # None: one document, no segment masking at all
+      segment_ids_BxL = segment_ids_BxL.astype(jnp.int32)
     if cache is None:
       q_index_BxL = k_index_BxS = offsets_BxL
       k_segment_BxS = segment_ids_BxL
@@ -158,7 +160,8 @@ class Transformer(nnx.Module):
       positions_BxL = q_index_BxL
     ctx = {
         "sin_cos": rope_sin_cos(positions_BxL, cfg),
-        "mask": attention_mask(q_index_BxL, k_index_BxS, segment_ids_BxL, k_segment_BxS),
+        "q_segment": segment_ids_BxL,
+        "k_segment": k_segment_BxS,
         "q_index": q_index_BxL,
         "k_index": k_index_BxS,
     }

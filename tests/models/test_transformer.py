@@ -70,7 +70,9 @@ def test_scan_layout_gives_same_outputs(name):
   for field in ("logits_BxLxV", "final_hidden_BxLxD", "hidden_states", "attention_probs"):
     np.testing.assert_allclose(getattr(s, field), getattr(u, field), atol=2e-5, err_msg=field)
   back = with_layer_layout(scanned, scan_layers=False)
-  np.testing.assert_array_equal(forward(back, tokens).logits_BxLxV, u.logits_BxLxV)
+  # Without probabilities requested both run the same (blockwise) path: bit-identical.
+  np.testing.assert_array_equal(forward(back, tokens).logits_BxLxV,
+                                forward(unrolled, tokens).logits_BxLxV)
 
 
 def _grads_and_flops(model, tokens):
@@ -118,7 +120,9 @@ def test_intermediates_and_hidden_to_logits(name):
   cfg = model.config
   assert out.hidden_states.shape == (cfg.num_layers + 1, 2, 12, cfg.embed_dim)
   assert out.attention_probs.shape == (cfg.num_layers, 2, cfg.num_heads, 12, 12)
-  np.testing.assert_allclose(out.logits_BxLxV, plain.logits_BxLxV, atol=1e-6)
+  # Asking for probabilities runs the reference attention path; plain calls run blockwise
+  # (model.attention_impl='auto' on CPU): the two agree to fp32 rounding.
+  np.testing.assert_allclose(out.logits_BxLxV, plain.logits_BxLxV, atol=1e-5)
   # final hidden = final norm of the last block output; logits = projection of final hidden
   np.testing.assert_allclose(model.final_norm(out.hidden_states[-1]), out.final_hidden_BxLxD,
                              atol=1e-6)

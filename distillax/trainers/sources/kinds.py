@@ -34,7 +34,7 @@ from distillax.trainers.sources import files
 
 # The model fields that say how a model runs, not what it is: a model loaded from a source
 # takes the asking config's values of these (e.g. fp32 master weights of a bf16 checkpoint).
-RUN_FIELDS = ("param_dtype", "dtype", "scan_layers", "remat")
+RUN_FIELDS = ("param_dtype", "dtype", "scan_layers", "remat", "attention_impl")
 
 
 def resolve_model_config(model_cfg, tokenizer) -> TransformerConfig:

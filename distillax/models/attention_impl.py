@@ -1,0 +1,115 @@
+"""Which attention implementation one call runs: `model.attention_impl` and what the call needs,
+decided in one pure function, so models never look at the platform themselves.
+
+- `reference` (attention.py): the whole fp32 (B, K, G, L, S) logits and probabilities; the only
+  path that can hand the probabilities out (attention transfer).
+- `blockwise` (attention_blockwise.py): pure JAX online softmax over key blocks with a backward
+  pass that recomputes, so nothing L x S is ever held; every backend, every platform.
+- `cudnn` / `splash` (attention_fused.py): the NVIDIA cuDNN flash kernel and the Pallas TPU splash
+  kernel. UNVERIFIED on real devices: no GPU or TPU has run them yet (the splash kernel is
+  checked against the reference in Pallas interpret mode on CPU).
+- `auto`: a fused kernel where the platform has one that supports what the call needs, blockwise
+  otherwise; the reference when probabilities are asked for. Decode steps against a KV cache
+  (one query per row) use the reference: their scores are (B, H, 1, S), small; a cache prefill
+  runs blockwise (the fused kernels here assume queries and keys start at the same index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+
+from distillax.errors import ConfigError
+from distillax.models.config import ATTENTION_IMPLS as IMPLEMENTATIONS
+_FUSED_PLATFORM = {"cudnn": "gpu", "splash": "tpu"}
+_log = logging.getLogger(__name__)
+_logged: set[tuple[str, str, str]] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionNeeds:
+  """What one attention call asks of an implementation (all known at trace time)."""
+
+  probs: bool = False  # the caller reads the probabilities (attention-transfer distillation)
+  cached: bool = False  # the queries attend a KV cache (generation)
+  query_len: int = 1  # L
+  key_len: int = 1  # S
+  segments: bool = False  # segment ids are given (packed documents, padding)
+  window: bool = False  # a sliding window applies to some layer
+  softcap: bool = False  # the attention logits are soft-capped (Gemma 2)
+  dtype: str = "float32"  # compute dtype of queries, keys and values
+  head_dim: int = 64
+
+
+def cudnn_unsupported(needs: AttentionNeeds) -> str | None:
+  """Why cuDNN flash attention (through jax.nn.dot_product_attention) cannot serve `needs`."""
+  if needs.softcap:
+    return "cuDNN flash attention has no logit soft-cap"
+  if needs.dtype not in ("bfloat16", "float16"):
+    return f"cuDNN flash attention runs in bfloat16/float16, not {needs.dtype}"
+  if needs.head_dim > 128 or needs.head_dim % 8:
+    return f"head_dim={needs.head_dim}: cuDNN's backward wants a multiple of 8 up to 128"
+  return None
+
+
+def splash_unsupported(needs: AttentionNeeds) -> str | None:
+  """Why Pallas splash attention cannot serve `needs`."""
+  if needs.query_len % 128 or needs.key_len % 128:
+    return f"sequence length {needs.query_len} is not a multiple of splash's 128-token blocks"
+  return None
+
+
+_UNSUPPORTED = {"cudnn": cudnn_unsupported, "splash": splash_unsupported}
+
+
+def _explicit_fused(requested: str, platform: str, needs: AttentionNeeds) -> tuple[str, str]:
+  want = _FUSED_PLATFORM[requested]
+  if platform != want:
+    raise ConfigError(f"model.attention_impl={requested!r} needs JAX platform {want!r}, but this "
+                      f"run's is {platform!r}; use 'auto' (it picks what the platform has) or "
+                      f"'blockwise'")
+  why = _UNSUPPORTED[requested](needs)
+  if why:
+    raise ConfigError(f"model.attention_impl={requested!r} cannot run this model: {why}; use "
+                      f"'auto' or 'blockwise'")
+  return requested, "as configured"
+
+
+def choose(requested: str, platform: str, needs: AttentionNeeds) -> tuple[str, str]:
+  """(implementation, why) for one call. platform: jax.default_backend() ('cpu', 'gpu', 'tpu').
+
+  Raises ConfigError for an explicit fused kernel the platform or the model cannot run."""
+  if requested not in IMPLEMENTATIONS:
+    raise ConfigError(f"model.attention_impl={requested!r}; choose one of "
+                      f"{', '.join(IMPLEMENTATIONS)}")
+  if needs.probs:
+    return "reference", "attention probabilities requested: only the reference path forms them"
+  if needs.cached:
+    if needs.query_len == 1:
+      return "reference", "one query per row against the KV cache: its scores are small"
+    if requested == "reference":
+      return "reference", "as configured"
+    return "blockwise", "KV-cache prefill: the fused kernels assume queries and keys start together"
+  if requested in ("reference", "blockwise"):
+    return requested, "as configured"
+  if requested in _FUSED_PLATFORM:
+    return _explicit_fused(requested, platform, needs)
+  for kernel, kernel_platform in _FUSED_PLATFORM.items():
+    if platform == kernel_platform:
+      why = _UNSUPPORTED[kernel](needs)
+      if why is None:
+        return kernel, f"fused kernel of platform {platform!r}"
+      return "blockwise", why
+  return "blockwise", f"platform {platform!r} has no fused attention kernel here"
+
+
+def resolve(requested: str, needs: AttentionNeeds) -> str:
+  """`choose` on the platform this process computes on, logging each distinct choice once."""
+  impl, why = choose(requested, jax.default_backend(), needs)
+  key = (requested, impl, why)
+  if key not in _logged:
+    _logged.add(key)
+    _log.info("attention: model.attention_impl=%r runs %s (%s)", requested, impl, why)
+  return impl

@@ -1,0 +1,88 @@
+"""The chunked next-token loss against the unchunked one: values, accuracy and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from distillax import partitioning as pt
+from distillax.data import batch as batch_spec
+from distillax.framework import chunked_loss, losses
+from distillax.models.config import get_preset
+from distillax.trainers import lm_objective
+from tests.models.helpers import random_model
+
+
+def _batch(B=3, L=13, vocab=256, seed=0):
+  rng = np.random.default_rng(seed)
+  mask = (rng.random((B, L)) > 0.2).astype(np.float32)
+  return {batch_spec.INPUTS: jnp.asarray(rng.integers(0, vocab, (B, L)), jnp.int32),
+          batch_spec.TARGETS: jnp.asarray(rng.integers(0, vocab, (B, L)), jnp.int32),
+          batch_spec.LOSS_MASK: jnp.asarray(mask),
+          batch_spec.SEGMENT_IDS: jnp.ones((B, L), jnp.int32),
+          batch_spec.POSITIONS: jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))}
+
+
+def _unchunked(student, batch):
+  out = student(batch[batch_spec.INPUTS], **losses.model_inputs(batch))
+  return losses.cross_entropy_sums(out.logits_BxLxV, batch[batch_spec.TARGETS],
+                                   batch[batch_spec.LOSS_MASK])
+
+
+def _chunked(chunk_len):
+  def run(student, batch):
+    out = student(batch[batch_spec.INPUTS], **losses.model_inputs(batch), return_logits=False)
+    return chunked_loss.model_cross_entropy_sums(
+        student, out.final_hidden_BxLxD, batch[batch_spec.TARGETS], batch[batch_spec.LOSS_MASK],
+        chunk_len=chunk_len)
+  return run
+
+
+def _value_and_grads(loss_fn, model, batch):
+  graphdef, state = nnx.split(model)
+
+  def f(state):  # the loss per token, as the step divides it: its gradient is what trains
+    loss, correct, tokens = loss_fn(nnx.merge(graphdef, state), batch)
+    return loss / tokens, (loss, correct, tokens)
+
+  (_, (loss, correct, tokens)), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(state)
+  return loss, correct, tokens, nnx.to_pure_dict(grads)
+
+
+@pytest.mark.parametrize("preset,chunk_len", [
+    ("tiny", 1), ("tiny", 5), ("tiny", None),  # 13 positions: 13 chunks, 3 (padded), auto (1)
+    ("tiny_gemma", 4),  # tied embeddings and a final logit soft-cap
+])
+def test_chunked_lm_loss_equals_unchunked_values_and_gradients(preset, chunk_len):
+  model = random_model(get_preset(preset), seed=1)
+  batch = _batch()
+  want = _value_and_grads(_unchunked, model, batch)
+  got = _value_and_grads(_chunked(chunk_len), model, batch)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  assert float(got[1]) == float(want[1]) and float(got[2]) == float(want[2])
+  flat_want = jax.tree_util.tree_leaves_with_path(want[3])
+  flat_got = jax.tree_util.tree_leaves(got[3])
+  assert len(flat_got) == len(flat_want)
+  for (path, w), g in zip(flat_want, flat_got):
+    np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_lm_objective_is_the_chunked_loss():
+  """The objective next-token training runs equals cross-entropy on the full logits."""
+  model = random_model(get_preset("tiny"), seed=2)
+  batch = _batch(seed=3)
+  out = lm_objective(model, {}, batch, jax.random.key(0))
+  loss, correct, tokens = _unchunked(model, batch)
+  np.testing.assert_allclose(out.loss_sum, loss, rtol=1e-6)
+  assert float(out.sums["accuracy"]) == float(correct) and float(out.tokens) == float(tokens)
+
+
+def test_auto_chunk_len_budgets_one_devices_share_of_the_logits():
+  # No rules: 16 rows x 128,256 fp32 logits per position = 8 MB, 16 positions fit 128 MiB.
+  assert chunked_loss.auto_chunk_len(16, 32768, 128_256) == 16
+  # fsdp_tp on 4 x 2: each device holds 4 rows and half the vocabulary: 130 positions.
+  mesh = pt.create_mesh({"data": 4, "model": 2})
+  with pt.use_rules(mesh, pt.rules_from_config({"strategy": "fsdp_tp"})):
+    assert chunked_loss.auto_chunk_len(16, 32768, 128_256) == 128 * 2**20 // (4 * 4 * 64_128)
+  assert chunked_loss.auto_chunk_len(2, 10, 256) == 10  # capped at the sequence
