@@ -6,9 +6,10 @@
 
 The numbers are the trainer's own: the job's recipe gives the eval batches (`train.eval_batches`
 batches of the validation split, or of data.eval_source) and the eval objective, and
-`Engine.evaluate` sums every real token's loss before dividing once, so a finished run's
-summary.json eval_loss comes back exactly. A run is evaluated under its own config.json at its
-newest valid checkpoint; with --config, on that config's data section and eval sizes
+`framework.evaluation.evaluate` (the trainer's and the demo report's route too) sums every real
+token's loss before dividing once, so a finished run's summary.json eval_loss, and a demo
+stage's row of report.json, come back exactly. A run is evaluated under its own config.json at
+its newest valid checkpoint; with --config, on that config's data section and eval sizes
 (train.batch_size, seq_len, eval_batches) instead. A Hugging Face directory needs --config: the
 job it is evaluated as, with the directory's weights as the student (as train.init_from would
 start it). Prints one JSON object (eval_loss, eval_perplexity, eval_tokens and the objective's
@@ -22,13 +23,15 @@ import json
 import jax
 
 from distillax.errors import UserError
+from distillax.framework.evaluation import evaluate
 
 _EVAL_SIZES = ("batch_size", "seq_len", "eval_batches")
 
 
-def _run_job(config, model_dir: str):
-  """(recipe, engine, state) of a run at its newest valid checkpoint."""
-  from distillax.trainers import recipe_for, restore_run_state
+def run_recipe(model_dir: str, config=None):
+  """The recipe of the run in `model_dir` as it is evaluated: its own config.json, with
+  `config` (when given) supplying the data section, eval sizes, mesh and partitioning."""
+  from distillax.trainers import recipe_for
   from distillax.trainers.sources import as_loaded, load_run_config
   cfg = as_loaded(load_run_config(model_dir, "--model"), keep_data=True)
   if config is not None:
@@ -36,11 +39,26 @@ def _run_job(config, model_dir: str):
     for key in _EVAL_SIZES:
       cfg.train[key] = config.train[key]
     cfg.mesh, cfg.partitioning = config.mesh, config.partitioning
-  recipe = recipe_for(cfg, workdir=model_dir)
-  engines = recipe.build_engines(compile_now=False)
+  return recipe_for(cfg, workdir=model_dir)
+
+
+def restore_onto(recipe, engines, model_dir: str):
+  """(engine, state) of `model_dir`'s newest valid checkpoint on the layout of `engines` (of
+  `recipe`, which rebuilds the frozen models that came from a source): the engine is the one
+  of the checkpoint's step (before a delayed QAT start, the full-precision one). The demo
+  report also restores one run's weights onto another run's engines (PTQ: the fp student
+  under the QAT stage's engine)."""
+  from distillax.trainers import restore_run_state
   state = restore_run_state(model_dir, recipe, engines.main)
   step = int(jax.device_get(engines.main.runner.fetch_state(state).step))
-  return recipe, engines.at(step), state
+  return engines.at(step), state
+
+
+def _run_job(config, model_dir: str):
+  """(recipe, engine, state) of a run at its newest valid checkpoint."""
+  recipe = run_recipe(model_dir, config)
+  engine, state = restore_onto(recipe, recipe.build_engines(compile_now=False), model_dir)
+  return recipe, engine, state
 
 
 def _hf_job(config, model_dir: str):
@@ -69,7 +87,7 @@ def evaluate_model(config, model_dir: str) -> dict[str, float]:
                     "directory, e.g. --model runs/kd")
   job = _hf_job if is_hf_checkpoint(model_dir) else _run_job
   recipe, engine, state = job(config, model_dir)
-  return engine.evaluate(state, recipe.eval_iterator())
+  return evaluate(engine, state, recipe.eval_iterator())
 
 
 def run_eval(config, model_dir: str | None) -> int:

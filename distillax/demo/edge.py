@@ -16,7 +16,7 @@ import os
 from distillax.data import batch as batch_spec
 from distillax.edge import gguf_runtime, measurements
 from distillax.edge.gguf_export import write_gguf
-# The report (demo/report.py) reads these through this module; they are distillax.edge's.
+# The report (demo/measure.py) reads these through this module; they are distillax.edge's.
 from distillax.edge.measurements import greedy_agreement, max_segment_diff, segments  # noqa: F401
 
 Q8_0_RULES = (("", None, None, None), (".*", "q8_0", "q8_0", None))

@@ -1,29 +1,26 @@
 """Assembles models, optimizer, state layout and a compiled step: what every job needs first.
 
 The trainer, the tests and the benchmarks all go through `build_engine`, so the step they measure
-is the step users run.
+is the step users run; `framework.evaluation.evaluate(engine, state, batches)` evaluates one.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
 
 from distillax import partitioning as pt
 from distillax.data.batch import check_batch_size
-from distillax.errors import ConfigError, UserError
+from distillax.errors import ConfigError
 from distillax.framework import backends, optim
-from distillax.framework.evaluation import loss_and_perplexity
 from distillax.framework.state import (Reloaded, StateLayout, TrainState, build_layout,
                                        frozen_tree, init_state)
-from distillax.framework.step import Objective, make_eval_step, make_train_step
+from distillax.framework.step import Objective, make_train_step
 
 
 @dataclasses.dataclass
@@ -35,7 +32,8 @@ class Engine:
   mesh: Mesh
   rules: pt.RuleSet
   objective: Objective  # the one evaluation runs (training may add dropout on top)
-  _eval: Any = None
+  # Compiled eval functions by what they compute; framework.evaluation.evaluate fills it.
+  evals: dict = dataclasses.field(default_factory=dict)
 
   def init_state(self, student: nnx.Module, extras: Mapping[str, nnx.Module], seed: int):
     """Fresh state placed for this backend."""
@@ -51,36 +49,6 @@ class Engine:
   def global_state(self, state) -> TrainState:
     """The state as GSPMD arrays on the mesh, whatever the backend (no copy under `jit`)."""
     return jax.device_put(self.runner.fetch_state(state), self.layout.shardings)
-
-  def evaluate(self, state, batches: Iterable[Mapping[str, np.ndarray]],
-               prefix: str = "eval_") -> dict[str, float]:
-    """Exact means over every real token of `batches`: loss, perplexity and objective metrics."""
-    if self._eval is None:
-      body = make_eval_step(self.layout.defs, self.objective)
-      mesh, rules = self.mesh, self.rules
-
-      def traced(state, batch):
-        with pt.use_rules(mesh, rules):
-          return body(state, batch)
-      self._eval = jax.jit(traced)
-    gstate = self.global_state(state)
-    place = backends.global_batch_placer(self.mesh, self.rules)
-    totals = None
-    for batch in batches:
-      sums = self._eval(gstate, place(batch))
-      totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-    if totals is None:
-      raise UserError("evaluation got no batches: the validation split is empty; check "
-                      "data.source / data.eval_source")
-    host = {k: float(v) for k, v in jax.device_get(totals).items()}
-    tokens, loss_sum = host.pop("tokens"), host.pop("loss_sum")
-    out = {f"{prefix}{k}": v for k, v in loss_and_perplexity(loss_sum, tokens).items()}
-    out.update({f"{prefix}{k}": v / max(tokens, 1.0) for k, v in host.items()})
-    # Perplexity is always of the next-token cross-entropy: for objectives whose loss mixes in
-    # other terms (distillation) that is their reported hard-label CE.
-    if "hard_ce" in host:
-      out[f"{prefix}perplexity"] = loss_and_perplexity(host["hard_ce"], tokens)["perplexity"]
-    return out
 
 
 GRADIENT_REDUCTIONS = ("auto", "per_step", "per_use")

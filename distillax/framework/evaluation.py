@@ -1,15 +1,36 @@
-"""Validation loss and perplexity from (sum of token losses, token count) pairs.
+"""The one evaluation route: exact means over every real token of a list of batches.
 
-Each eval batch contributes the sum of its per-token losses and the number of real (unmasked)
-tokens; the mean is taken once at the end. Averaging per-batch means instead would weight a
-half-padded batch like a full one.
+    metrics = evaluate(engine, state, batches)                       # the trainer, `distillax eval`
+    metrics, tokens = evaluate(engine, state, batches, per_token=True)  # the demo report
+
+The trainer's evals, `distillax eval` and the demo report all call `evaluate`, so a run's
+summary.json, the CLI and report.json give the same numbers for the same batches, to the last
+digit. Each eval batch contributes the sums of its objective's per-token values and the number
+of real (unmasked) tokens; the sums are added on the device in float32, batch by batch, and
+divided once at the end. Averaging per-batch means instead would weight a half-padded batch like
+a full one.
+
+`per_token=True` also returns the student's own per-token values (-log p(target) and its top-1
+token) from a second compiled function, so asking for them leaves the compiled sums, and the
+means, exactly as the trainer's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any, Iterable, Mapping
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from distillax import partitioning as pt
+from distillax.data import batch as batch_spec
 from distillax.errors import UserError
+from distillax.framework import backends, losses
+from distillax.framework.step import make_eval_step
 
 # exp() of anything above this overflows a float64.
 MAX_LOG_PERPLEXITY = math.log(1.7976931348623157e308)
@@ -24,3 +45,80 @@ def loss_and_perplexity(loss_sum: float, token_count: float) -> dict[str, float]
   loss = float(loss_sum) / token_count
   perplexity = math.exp(loss) if loss <= MAX_LOG_PERPLEXITY else math.inf
   return {"loss": loss, "perplexity": perplexity, "tokens": token_count}
+
+
+@dataclasses.dataclass(frozen=True)
+class PerToken:
+  """The student's per-token values, one (B, L) host array per eval batch, at every position
+  (padding included: mask them with the batch's loss mask)."""
+
+  nll_BxL: list[np.ndarray]  # -log p(target), float32 (log-softmax of the float32 logits)
+  top1_BxL: list[np.ndarray]  # the student's most likely next token (argmax of the logits)
+
+
+def _compiled(engine, name: str, body):
+  """jit(body) under the engine's mesh and rules, compiled once per engine."""
+  if name not in engine.evals:
+    mesh, rules = engine.mesh, engine.rules
+
+    def traced(state, batch):
+      with pt.use_rules(mesh, rules):
+        return body(state, batch)
+    engine.evals[name] = jax.jit(traced)
+  return engine.evals[name]
+
+
+def _token_values(defs):
+  def values(state, batch):
+    student, _ = defs.merge(state.params, state.frozen)
+    logits_BxLxV = student(batch[batch_spec.INPUTS], **losses.model_inputs(batch)).logits_BxLxV
+    return (losses.token_nll(logits_BxLxV, batch[batch_spec.TARGETS]),
+            jnp.argmax(logits_BxLxV, axis=-1).astype(jnp.int32))
+  return values
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  """A global array's whole value on this host (gathered from every process when there are
+  several)."""
+  if jax.process_count() > 1:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
+
+
+def _means(totals: Mapping[str, Any], prefix: str) -> dict[str, float]:
+  """The sums divided once by the real token count; perplexity of the next-token CE."""
+  host = {k: float(v) for k, v in jax.device_get(totals).items()}
+  tokens, loss_sum = host.pop("tokens"), host.pop("loss_sum")
+  out = {f"{prefix}{k}": v for k, v in loss_and_perplexity(loss_sum, tokens).items()}
+  out.update({f"{prefix}{k}": v / max(tokens, 1.0) for k, v in host.items()})
+  # Perplexity is always of the next-token cross-entropy: for objectives whose loss mixes in
+  # other terms (distillation) that is their reported hard-label CE.
+  if "hard_ce" in host:
+    out[f"{prefix}perplexity"] = loss_and_perplexity(host["hard_ce"], tokens)["perplexity"]
+  return out
+
+
+def evaluate(engine, state, batches: Iterable[Mapping[str, np.ndarray]], *,
+             per_token: bool = False, prefix: str = "eval_"):
+  """Exact means over every real token of `batches` (host numpy batches, as a recipe's
+  eval_iterator yields them) of `engine`'s eval objective at `state`: {prefix + loss,
+  perplexity, tokens, every metric of the objective}. With per_token, (those means, PerToken).
+  `engine` is a framework.engine.Engine."""
+  sums = _compiled(engine, "sums", make_eval_step(engine.layout.defs, engine.objective))
+  values = _compiled(engine, "per_token", _token_values(engine.layout.defs)) if per_token else None
+  gstate = engine.global_state(state)
+  place = backends.global_batch_placer(engine.mesh, engine.rules)
+  totals, nll, top1 = None, [], []
+  for batch in batches:
+    placed = place(batch)
+    batch_sums = sums(gstate, placed)
+    totals = batch_sums if totals is None else jax.tree.map(jnp.add, totals, batch_sums)
+    if values is not None:
+      nll_BxL, top1_BxL = values(gstate, placed)
+      nll.append(_to_host(nll_BxL))
+      top1.append(_to_host(top1_BxL))
+  if totals is None:
+    raise UserError("evaluation got no batches: the validation split is empty; check "
+                    "data.source / data.eval_source")
+  means = _means(totals, prefix)
+  return (means, PerToken(nll, top1)) if per_token else means

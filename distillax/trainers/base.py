@@ -23,6 +23,7 @@ from distillax.data import iterator_state_json, restore_iterator_state
 from distillax.errors import UserError
 from distillax.framework import runtime
 from distillax.framework.checkpoint import Checkpointer
+from distillax.framework.evaluation import evaluate
 from distillax.framework.metrics import MetricLogger
 from distillax.framework.preemption import PreemptionGuard
 from distillax.framework.profiling import ProfileWindow
@@ -164,7 +165,7 @@ class Trainer:
     return False
 
   def _evaluate(self, state, step: int) -> dict[str, float]:
-    return self.engines.at(step).evaluate(state, self.recipe.eval_iterator())
+    return evaluate(self.engines.at(step), state, self.recipe.eval_iterator())
 
   def _save(self, run: _Run, ckpt: Checkpointer, tools: _Tools, metrics=None) -> None:
     """Saves the step with the open metrics window; the finished windows' rows are written

@@ -17,6 +17,7 @@ from distillax import partitioning as pt
 from distillax.distill import LogitKD, make_distill_objective
 from distillax.framework import optim
 from distillax.framework.engine import build_engine
+from distillax.framework.evaluation import evaluate
 from distillax.models.config import TransformerConfig
 from distillax.models.init import abstract_model, create_model
 from distillax.models.transformer import Transformer
@@ -88,7 +89,7 @@ def train_curve(objective, extras, train_seqs, val_batches):
     batch = engine.runner.place_batch(as_batch(train_seqs[start:start + B]))
     state, _ = engine.runner(state, batch)
     if (step + 1) % EVAL_EVERY == 0:
-      result = engine.evaluate(state, val_batches)
+      result = evaluate(engine, state, val_batches)
       curve.append(result.get("eval_hard_ce", result["eval_loss"]))
   return curve
 

@@ -1,5 +1,6 @@
-"""Engine.evaluate: exact token-weighted means over every eval batch (framework/engine.py and
-framework/evaluation.py), against numpy on the same model's logits."""
+"""framework.evaluation.evaluate, the one evaluation route: exact token-weighted means over every
+eval batch and, on request, the student's per-token values, against numpy on the same model's
+logits."""
 
 import math
 
@@ -25,9 +26,8 @@ def _numpy_nll(model, batch):
   return -np.take_along_axis(log_probs, batch["targets_BxL"][..., None], -1)[..., 0]
 
 
-def test_eval_weights_every_real_token_alike():
-  """Three batches with very different numbers of real tokens: the eval loss is the mean over
-  all their tokens, not the mean of per-batch means."""
+def _uneven_eval():
+  """(model, engine, batches): three batches with very different numbers of real tokens."""
   mesh = pt.create_mesh({"data": 4, "model": 2})
   rules = pt.rules_from_config({"strategy": "fsdp_tp"})
   model = create_model(MODEL, mesh=mesh, rules=rules, seed=3)
@@ -38,7 +38,14 @@ def test_eval_weights_every_real_token_alike():
   shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batches[0].items()}
   engine = build_engine(model, {}, lm_objective, optimizer_config(), 10, mesh, rules, "jit",
                         shapes)
-  got = engine.evaluate(engine.init_state(model, {}, seed=0), batches)
+  return model, engine, batches
+
+
+def test_eval_weights_every_real_token_alike():
+  """The eval loss is the mean over all the batches' real tokens, not the mean of per-batch
+  means."""
+  model, engine, batches = _uneven_eval()
+  got = evaluation.evaluate(engine, engine.init_state(model, {}, seed=0), batches)
 
   nll = np.concatenate([_numpy_nll(model, b)[b["loss_mask_BxL"] > 0] for b in batches])
   assert got["eval_tokens"] == nll.size
@@ -48,6 +55,26 @@ def test_eval_weights_every_real_token_alike():
   # The tolerance above is tight enough to tell the two apart (a random model's losses differ
   # little between batches, so the gap is small but several tolerances wide).
   assert abs(np.mean(per_batch_means) - nll.mean()) > 5 * 1e-5 * nll.mean()
+
+
+def test_per_token_values_are_the_students_and_leave_the_means_unchanged():
+  """per_token=True: each batch's -log p(target) and top-1 token at every position, as numpy
+  computes them from the model's logits; the means are the ones without it, to the last digit
+  (the sums run in the same compiled function)."""
+  model, engine, batches = _uneven_eval()
+  state = engine.init_state(model, {}, seed=0)
+  means, tokens = evaluation.evaluate(engine, state, batches, per_token=True)
+  assert means == evaluation.evaluate(engine, state, batches)
+  assert len(tokens.nll_BxL) == len(tokens.top1_BxL) == len(batches)
+  for batch, nll_BxL, top1_BxL in zip(batches, tokens.nll_BxL, tokens.top1_BxL):
+    assert nll_BxL.shape == top1_BxL.shape == batch["targets_BxL"].shape
+    np.testing.assert_allclose(nll_BxL, _numpy_nll(model, batch), rtol=1e-5, atol=1e-6)
+    logits = np.asarray(model(batch["inputs_BxL"], **losses.model_inputs(batch)).logits_BxLxV)
+    np.testing.assert_array_equal(top1_BxL, logits.argmax(-1))
+  # Their masked sum is the eval loss's sum (float32 on the device vs float64 here).
+  total = sum(float(np.sum(n.astype(np.float64) * b["loss_mask_BxL"]))
+              for n, b in zip(tokens.nll_BxL, batches))
+  assert total / means["eval_tokens"] == pytest.approx(means["eval_loss"], rel=1e-6)
 
 
 def test_perplexity_overflow_and_empty_eval():

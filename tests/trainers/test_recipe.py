@@ -19,6 +19,7 @@ from flax import nnx
 from distillax import main as cli
 from distillax.configs import distill, distill_cached, lm, sequence_kd
 from distillax.distill import read_teacher_cache
+from distillax.framework.evaluation import evaluate
 from distillax.quant import LoRAParam
 from distillax.trainers import (CachedDistillRecipe, DistillRecipe, LMRecipe, Recipe,
                                 SequenceKDRecipe, lm_objective, recipe_class, recipe_for)
@@ -90,7 +91,7 @@ def _first_step_vs_eval(cache: str, dropout: float) -> tuple[float, float]:
   nnx.update(student, adapters)
   state = engine.init_state(student, extras, int(c.seed))
   batch = next(iter(read_teacher_cache(cache, batch_size=recipe.batch_size)))
-  eval_loss = engine.evaluate(state, [batch])["eval_loss"]
+  eval_loss = evaluate(engine, state, [batch])["eval_loss"]
   _, metrics = engine.runner(state, engine.runner.place_batch(batch))
   return float(np.asarray(jax.device_get(metrics["loss"]))), eval_loss
 

@@ -1,0 +1,173 @@
+"""The demo's report as files: report.md (the tables and the claims in words), report.json (every
+measured section) and the plots, from the sections demo/measure.py measured.
+
+report.md is the concatenation of MARKDOWN_SECTIONS and the figures are FIGURES: each a small
+function of (demo config, measured sections), so a new measurement shows up by adding its own
+renderer to one of them; nothing here measures.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from distillax.demo import edge
+from distillax.demo.measure import ROWS
+from distillax.demo.stages import TRAINED_STAGES
+from distillax.framework import jsonio
+from distillax.framework.writers import read_jsonl
+
+LABELS = {"teacher": "teacher", "student_scratch": "student, from scratch",
+          "student_kd": "student, distilled",
+          "student_kd_fp": "student, distilled + extra fp steps",
+          "student_ptq_int4": "  ... + PTQ q4_0",
+          "student_qat_int4": "student, distilled + QAT q4_0 (same extra steps)"}
+
+
+def _curve(stage_dir: str):
+  rows = read_jsonl(os.path.join(stage_dir, "metrics.jsonl"))
+  pts = [(r["step"], r.get("eval_hard_ce", r.get("eval_loss"))) for r in rows if "eval_loss" in r]
+  pts = [p for p in pts if p[1] is not None]  # a diverged eval is null in strict JSON
+  return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_curves(pipeline, sections: dict, path: str) -> None:
+  """Every trained stage's validation next-token loss against its step, and the PTQ level."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for stage in TRAINED_STAGES:
+    xs, ys = _curve(pipeline.stage_dir(stage))
+    if stage in ("student_kd_fp", "student_qat_int4"):  # they continue student_kd
+      xs = [x + int(pipeline.config.student_steps) for x in xs]
+    ax.plot(xs, ys, marker="o", markersize=3, label=LABELS[stage])
+  ax.axhline(sections["stages"]["student_ptq_int4"]["val_loss"], color="gray", linestyle="--",
+             label=LABELS["student_ptq_int4"])
+  ax.set_xlabel("step (QAT and its fp twin continue the distilled student)")
+  ax.set_ylabel("validation next-token loss (nats/token)")
+  ax.set_title("distillax demo: validation curves")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_edge(pipeline, sections: dict, path: str) -> None:
+  del pipeline
+  edge.plot(sections["edge"], path)
+
+
+# (file name in the demo workdir, renderer (pipeline, sections, path)).
+FIGURES = (("loss_curves.png", plot_curves), ("edge_size_quality.png", plot_edge))
+
+
+def stage_table(stages: dict) -> str:
+  """The rows as a markdown table."""
+  head = ("stage", "val loss", "val ppl", "top-1 agree", "params", "bytes on disk", "tokens/s",
+          "MFU")
+  rows = []
+  for name in ROWS:
+    s = stages[name]
+    rows.append((LABELS[name], f"{s['val_loss']:.4f}", f"{s['val_perplexity']:.3f}",
+                 f"{s['top1_agreement']:.3f}", f"{s['params']:,}",
+                 f"{s['bytes_on_disk'] / 2**20:.2f} MiB",
+                 "-" if math.isnan(s["tokens_per_s"]) else f"{s['tokens_per_s']:.0f}",
+                 "-" if math.isnan(s["mfu"]) else f"{s['mfu']:.2%}"))
+  lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+  lines += ["| " + " | ".join(r) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def _recovery_words(recovery: float, where: str) -> str:
+  """The recovery claim in words; without a PTQ degradation there is no ratio to state."""
+  if not math.isfinite(recovery):
+    return (f"{where}, PTQ q4_0 costs nothing (its loss is not above full precision's), so "
+            f"there is nothing for QAT to recover")
+  return (f"{where}, QAT recovers {recovery:.0%} of the degradation PTQ causes "
+          f"((PTQ - QAT) / (PTQ - full precision))")
+
+
+def _stages_markdown(c, sections: dict) -> list[str]:
+  """The setup, the table of rows and the distillation and QAT claims."""
+  setup, checks = sections["setup"], sections["checks"]
+  return [
+      "# distillax demo report", "",
+      f"Mesh {setup['mesh']} (data x model), strategy {setup['strategy']}, "
+      f"{setup['devices']} {setup['platform']} devices; validation: "
+      f"{int(setup['val_tokens'])} tokens of the held-out split, the same for every row "
+      f"(each stage's `eval` in report.json is what `distillax eval --model <stage>` prints). "
+      f"q4_0: llama.cpp's blocks of 32 weights with an fp16 scale, matmul inputs rounded to "
+      f"q8_0 as its CPU kernels do; PTQ / QAT sizes are the q4_0 GGUF files.",
+      "", stage_table(sections["stages"]), "",
+      f"- distilled student beats scratch student: {checks['kd_beats_scratch']}",
+      f"- QAT q4_0 beats PTQ q4_0: {checks['qat_beats_ptq']}; both start from the distilled "
+      f"student and take the same {int(c.qat_steps)} extra steps; "
+      f"{_recovery_words(checks['qat_recovery_of_ptq_degradation'], 'in distillax')}", ""]
+
+
+def _edge_markdown(c, sections: dict) -> list[str]:
+  """report.md's llama.cpp section: the table and what it shows."""
+  checks, e = sections["checks"], sections["edge"]
+  return [
+      "## On the edge: the students as GGUF files in llama.cpp", "",
+      f"llama.cpp (llama-cpp-python) on this CPU ({e['f32']['system_info']}), threads: "
+      f"{e['f32']['n_threads']}, one child process per file. Every row but the last is the "
+      f"judge: llama.cpp's reference kernels (forced on every CPU; quant/ggml.py models their "
+      f"rounding) and a float32 KV cache. The last row runs the QAT file as a device does by "
+      f"default: the '{e[edge.DEPLOYED_ROW]['kernels']}' kernels llama.cpp picks for this CPU "
+      f"and a float16 KV cache. Validation loss over the same tokens as above; prompt: "
+      f"{e['f32']['prompt_tokens']} tokens in one batch, decode: {e['f32']['decode_tokens']} "
+      f"one-token steps (median of rounds); peak RSS: the process's own high-water mark "
+      f"(Python, numpy and llama_cpp alone: "
+      f"{e['f32']['rss_before_load_bytes'] / 2**20:.1f} MiB).", "",
+      edge.table(e), "",
+      f"- QAT q4_0 beats PTQ q4_0 in llama.cpp: {checks['qat_beats_ptq_in_llama_cpp']}; "
+      f"{_recovery_words(checks['llama_cpp_qat_recovery_of_ptq_degradation'], 'in llama.cpp')}; "
+      f"{_recovery_words(checks['qat_recovery_of_ptq_degradation'], 'in distillax')}",
+      f"- llama.cpp's validation loss vs distillax's: f32 "
+      f"{checks['llama_cpp_f32_val_loss_diff']:.1e}, q4_0 PTQ "
+      f"{checks['llama_cpp_q4_0_ptq_val_loss_diff']:.1e}, q4_0 QAT "
+      f"{checks['llama_cpp_q4_0_qat_val_loss_diff']:.1e} apart; q4_0 QAT file vs the fake-quant "
+      f"forward, largest CE sum difference over one batch's sequences: "
+      f"{checks['q4_0_gguf_max_abs_ce_sum_diff']:.2e}",
+      f"- greedy decoding of the q4_0 QAT student, llama.cpp vs distillax: "
+      f"{checks['greedy_tokens_agreeing']} of {int(c.edge_greedy_tokens)} tokens agree per "
+      f"prompt", ""]
+
+
+def _samples_markdown(c, sections: dict) -> list[str]:
+  del c
+  lines = ["## Samples (temperature 0.7, top-p 0.9, seed 0)", ""]
+  for name, texts in sections["samples"].items():
+    lines += [f"- **{name}**: `{t!r}`" for t in texts]
+  return lines
+
+
+# report.md, top to bottom: each renderer (demo config, sections) -> lines.
+MARKDOWN_SECTIONS = (_stages_markdown, _edge_markdown, _samples_markdown)
+
+
+def report_markdown(c, sections: dict) -> str:
+  return "\n".join(line for render in MARKDOWN_SECTIONS for line in render(c, sections)) + "\n"
+
+
+def report_json(sections: dict) -> dict:
+  """report.json: the stages at top level (readers look rows up by stage name), next to every
+  other section."""
+  return {**sections["stages"], **{k: v for k, v in sections.items() if k != "stages"}}
+
+
+def write_report(pipeline, sections: dict) -> str:
+  """Writes report.md, report.json and the FIGURES into the demo workdir; returns report.md."""
+  markdown = report_markdown(pipeline.config, sections)
+  with open(os.path.join(pipeline.workdir, "report.md"), "w") as f:
+    f.write(markdown)
+  # Strict JSON: a number that does not exist (PTQ's training speed, the recovery ratio when PTQ
+  # costs nothing) is null, not NaN.
+  with open(os.path.join(pipeline.workdir, "report.json"), "w") as f:
+    jsonio.dump(report_json(sections), f, indent=2)
+  for name, plot in FIGURES:
+    plot(pipeline, sections, os.path.join(pipeline.workdir, name))
+  return markdown
