@@ -81,6 +81,11 @@ def student_source(config) -> StudentSource:
       raise ConfigError(f"student.from_teacher.layers={layers!r} must be teacher block indices "
                         f"(whole numbers from 0), e.g. --config.student.from_teacher.layers="
                         f"'(0, 2, 4)'")
+    twice = sorted({i for i in layers if layers.count(i) > 1})
+    if twice:
+      raise ConfigError(f"student.from_teacher.layers={layers!r} names block(s) {twice} more "
+                        f"than once; each teacher block is copied into the student once: list "
+                        f"distinct blocks, e.g. {tuple(dict.fromkeys(layers))}")
     return StudentSource("teacher", "student.from_teacher.layers", layers=layers)
   return StudentSource("fresh")
 
@@ -103,7 +108,7 @@ def source_model_config(source: StudentSource, config) -> TransformerConfig | No
   if outside:
     raise ConfigError(f"{source.named()} names blocks {outside} but the teacher has "
                       f"{teacher.num_layers} (0..{teacher.num_layers - 1}); pick blocks it has")
-  return teacher.replace(num_layers=len(source.layers))
+  return teacher.select_layers(source.layers)  # each block keeps its attention type
 
 
 def _check_overrides(source: StudentSource, want: dict, overrides) -> None:
@@ -193,6 +198,8 @@ def _tokenizer_files(config) -> list[tuple[str, str]]:
   if source.kind == "hf" and os.path.isfile(os.path.join(source.path, "tokenizer.json")):
     out.append((source.named(), os.path.join(source.path, "tokenizer.json")))
   data_file = teachers.hf_tokenizer_file(config.data.tokenizer)
+  if data_file and not os.path.isfile(data_file):
+    make_tokenizer(config.data.tokenizer)  # raises the one line naming data.tokenizer
   if data_file:
     out.append((f"data.tokenizer={config.data.tokenizer}", data_file))
   return out
