@@ -68,6 +68,7 @@ def run_cache_teacher(config, workdir: str | None) -> int:
   if recipe.seq_len > teacher_cfg.max_seq_len:
     raise ConfigError(f"train.seq_len={recipe.seq_len} exceeds the teacher's max_seq_len="
                       f"{teacher_cfg.max_seq_len}; lower train.seq_len")
+  recipe.check_data()
   batches = recipe.train_iterator()
   teacher = recipe.load_teacher()
   progress = ProgressBar(int(cc.num_batches), desc="cache-teacher", unit="batch",

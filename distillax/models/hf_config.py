@@ -177,8 +177,8 @@ def hf_architecture(config: TransformerConfig) -> str:
         f"norm_scale_plus_one={config.norm_scale_plus_one}, scale_embeddings="
         f"{config.scale_embeddings}, use_post_norms={config.use_post_norms}, qkv_bias="
         f"{config.qkv_bias}, qk_norm={config.qk_norm}, sliding_window={config.sliding_window}, "
-        f"local layers {[i for i, x in enumerate(config.local_layers()) if x]}); use a preset or an imported "
-        f"checkpoint of one of these families as the base of the student")
+        f"local layers {[i for i, x in enumerate(config.local_layers()) if x]}); use a preset or "
+        f"an imported checkpoint of one of these families as the base of the student")
   return arch
 
 

@@ -85,6 +85,7 @@ class Trainer:
     workdir_state = check_workdir(self.workdir, c)
     if workdir_state.finished:
       return {**workdir_state.summary, "already_finished": True}
+    self.recipe.check_data()
     self.engines = self.recipe.build_engines()
     train_it = self.recipe.train_iterator()
     prepare_workdir(workdir_state, c, primary=self.primary)

@@ -24,6 +24,7 @@ from flax import nnx
 from distillax import partitioning as pt
 from distillax.data import batch_shapes, make_eval_iterator, make_tokenizer, make_train_iterator
 from distillax.data.sources import resolve_files
+from distillax.data.survey import check_data
 from distillax.errors import ConfigError, UserError
 from distillax.framework import flops, optim
 from distillax.framework.engine import Engine, build_engine
@@ -98,6 +99,8 @@ class Recipe:
   name = "lm"
   # The model run frozen inside the step (counted in its FLOPs); distillation recipes set it.
   teacher_model_config: TransformerConfig | None = None
+  # The splits of `data` the job trains or evaluates on, which must each have a token to train.
+  data_splits: tuple[str, ...] = ("train", "eval")
 
   def __init__(self, config, *, workdir: str | None = None, mesh=None,
                rules: pt.RuleSet | None = None):
@@ -150,6 +153,12 @@ class Recipe:
 
   def trainable(self) -> Any:
     return self.transforms.trainable()
+
+  def check_data(self) -> None:
+    """Reads every record of the data once, before anything compiles: a bad record or a split
+    with no token to train is one line naming it, not a failure (or a wait) steps in."""
+    check_data(self.config.data, self.tokenizer, process_count=jax.process_count(),
+               splits=self.data_splits)
 
   def eval_iterator(self):
     c = self.config
