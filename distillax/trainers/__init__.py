@@ -13,7 +13,7 @@ from distillax.trainers.cached import CachedDistillRecipe
 from distillax.trainers.common import resolve_model_config
 from distillax.trainers.distill import DistillRecipe, strategy_from_config
 from distillax.trainers.lm import lm_objective
-from distillax.trainers.recipe import Engines, Recipe
+from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 from distillax.trainers.registry import recipe_class, recipe_for
 from distillax.trainers.runs import load_run_config, load_trained_model, trained_model_config
 from distillax.trainers.sequence_kd import SequenceKDRecipe
@@ -22,6 +22,6 @@ from distillax.trainers.teacher import load_teacher, teacher_config
 LMRecipe = Recipe
 
 __all__ = ["CachedDistillRecipe", "DistillRecipe", "Engines", "LMRecipe", "Recipe",
-           "SequenceKDRecipe", "Trainer", "load_run_config", "load_teacher",
+           "SequenceKDRecipe", "Trainer", "check_recipe_data", "load_run_config", "load_teacher",
            "load_trained_model", "lm_objective", "recipe_class", "recipe_for", "resolve_model_config",
            "strategy_from_config", "teacher_config", "trained_model_config"]

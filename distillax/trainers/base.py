@@ -31,7 +31,7 @@ from distillax.framework.throughput import Throughput, peak_flops_per_device
 from distillax.framework.writers import create_writers
 from distillax.trainers.workdir import (check_workdir, open_checkpointer, prepare_workdir,
                                         write_summary)
-from distillax.trainers.recipe import Engines, Recipe
+from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 
 
 @dataclasses.dataclass
@@ -85,7 +85,7 @@ class Trainer:
     workdir_state = check_workdir(self.workdir, c)
     if workdir_state.finished:
       return {**workdir_state.summary, "already_finished": True}
-    self.recipe.check_data()
+    check_recipe_data(self.recipe)
     self.engines = self.recipe.build_engines()
     train_it = self.recipe.train_iterator()
     prepare_workdir(workdir_state, c, primary=self.primary)

@@ -73,6 +73,14 @@ def check_data_paths(data) -> None:
         raise ConfigError(f"data.{key}: {e}") from None
 
 
+def check_recipe_data(recipe: "Recipe") -> None:
+  """Reads every record of a recipe's data once, before anything compiles: a bad record or a
+  split with no token to train (recipe.data_splits) is one line naming it, not a failure (or a
+  wait) steps in."""
+  check_data(recipe.config.data, recipe.tokenizer, process_count=jax.process_count(),
+             splits=recipe.data_splits)
+
+
 @dataclasses.dataclass
 class Engines:
   """The compiled step(s) of a run: with a delayed QAT start, a full-precision engine serves the
@@ -153,12 +161,6 @@ class Recipe:
 
   def trainable(self) -> Any:
     return self.transforms.trainable()
-
-  def check_data(self) -> None:
-    """Reads every record of the data once, before anything compiles: a bad record or a split
-    with no token to train is one line naming it, not a failure (or a wait) steps in."""
-    check_data(self.config.data, self.tokenizer, process_count=jax.process_count(),
-               splits=self.data_splits)
 
   def eval_iterator(self):
     c = self.config
