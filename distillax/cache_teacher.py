@@ -23,7 +23,7 @@ from distillax.distill.teacher_cache import CACHE_INFO, write_teacher_cache
 from distillax.errors import ConfigError, UserError
 from distillax.framework import jsonio
 from distillax.framework.progress import ProgressBar
-from distillax.trainers import DistillRecipe, recipe_for
+from distillax.trainers import DistillRecipe, check_recipe_data, recipe_for
 
 PROVENANCE_FILE = "cache_job.json"
 
@@ -69,6 +69,7 @@ def run_cache_teacher(config, workdir: str | None) -> int:
   if recipe.seq_len > teacher_cfg.max_seq_len:
     raise ConfigError(f"train.seq_len={recipe.seq_len} exceeds the teacher's max_seq_len="
                       f"{teacher_cfg.max_seq_len}; lower train.seq_len")
+  check_recipe_data(recipe)
   batches = recipe.train_iterator()
   teacher = recipe.load_teacher()
   progress = ProgressBar(int(cc.num_batches), desc="cache-teacher", unit="batch",

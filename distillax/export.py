@@ -76,6 +76,19 @@ def _run_tokenizer(workdir: str):
                     f"cannot be read ({e})") from None
 
 
+def check_output(output: str) -> None:
+  """--output must be a new or empty directory: not a file, nor below one."""
+  existing = output
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    what = "is a file" if existing == output else f"is below the file {existing}"
+    raise UserError(f"--output {output} {what}, but an export is a directory of files; choose "
+                    f"a new directory path")
+  if existing == output and os.listdir(output):
+    raise UserError(f"--output {output} exists and is not empty; choose a new directory")
+
+
 def run_export(config, workdir: str | None, output: str | None, fmt: str,
                gguf_quant: str | None = None) -> int:
   if not workdir:
@@ -86,8 +99,7 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str,
     raise UserError(f"--format={fmt!r} is unknown; use one of {', '.join(FORMATS)}")
   from distillax.edge.gguf_export import check_export_args, export_run
   gguf_quant = check_export_args(fmt, gguf_quant)
-  if os.path.exists(output) and os.listdir(output):
-    raise UserError(f"--output {output} exists and is not empty; choose a new directory")
+  check_output(output)
   if config is None:  # the run's own config.json: its mesh, rules and qat section
     from distillax.trainers import load_run_config
     config = load_run_config(workdir, "--workdir")

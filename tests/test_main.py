@@ -5,6 +5,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 
 from distillax.demo.stages import TRAINED_STAGES
 from distillax.main import main
+from tests.data import chat_testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Job configs are the files with a get_config (common.py and sections.py are their parts).
@@ -21,6 +23,7 @@ CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "distillax", "configs",
 DEMO = os.path.join(ROOT, "distillax", "configs", "demo.py")
 JOBS = [p for p in CONFIGS if p != DEMO]
 LM = os.path.join(ROOT, "distillax", "configs", "lm.py")
+DISTILL_HF = os.path.join(ROOT, "distillax", "configs", "distill_hf.py")
 
 
 def test_every_config_has_its_launch_command_in_the_docstring():
@@ -139,7 +142,7 @@ def _bad(tmp_path, run, hf_dir):
   raising.write_text("def get_config(arg=None):\n  raise RuntimeError('boom from the file')\n")
   export = ["export", "--config", cfg, "--workdir", str(run), "--output",
             str(tmp_path / "out")]
-  return [
+  return _bad_hf_job(tmp_path, run, hf_dir) + [
       ("unknown command", ["trian"], ["unknown command 'trian'", "use one of"]),
       ("missing config", ["train", "--workdir", wd], ["--config is required",
                                                       "--config distillax/configs"]),
@@ -300,6 +303,70 @@ def _bad(tmp_path, run, hf_dir):
   ]
 
 
+def _bad_hf_job(tmp_path, run, hf_dir):
+  """The mistakes of the README's walkthrough "Distil your own Hugging Face model" (issue 27):
+  chat data that is not UTF-8, a role no template knows, chats with nothing to train, a block
+  copied twice, a teacher folder without its tokenizer, relative paths from another directory,
+  an export onto a file. The data ones use the byte tokenizer with a ChatML template file, so
+  they run the train command as far as a real run goes before it compiles. The commands run
+  from tmp_path/elsewhere (see the test); the teacher is in tmp_path/home/models/teacher."""
+  data = tmp_path / "data"
+  data.mkdir()
+  (data / "chatml.jinja").write_text(chat_testing.CHATML)
+  chats = [{"messages": m} for m in chat_testing.conversations(6)]
+  chat_testing.write_jsonl(data / "chats.jsonl", chats)
+  lines = (data / "chats.jsonl").read_bytes().splitlines(keepends=True)
+  latin1 = b'{"text": "caf\xe9"}\n'  # line 3 of that file: not UTF-8
+  (data / "latin1.jsonl").write_bytes(b"".join(lines[:2] + [latin1] + lines[3:]))
+  bot = [dict(c) for c in chats]
+  bot[1] = {"messages": [dict(m, role="bot" if m["role"] == "assistant" else m["role"])
+                         for m in chats[1]["messages"]]}
+  chat_testing.write_jsonl(data / "bot.jsonl", bot)
+  chat_testing.write_jsonl(data / "questions.jsonl", [
+      {"messages": [m for m in c["messages"] if m["role"] != "assistant"]} for c in chats])
+  teacher = tmp_path / "home" / "models" / "teacher"
+  shutil.copytree(hf_dir, teacher)
+  (teacher / "tokenizer.json").unlink()  # saved without its tokenizer
+  (tmp_path / "a_file").write_text("not a directory")
+  out = str(tmp_path / "out")  # never written: the test checks it stays absent
+  chat_train = lambda name: [
+      "train", "--config", f"{LM}:tiny", "--workdir", out, f"--config.data.source={data / name}",
+      f"--config.data.eval_source={data / name}",
+      f"--config.data.chat_template={data / 'chatml.jinja'}"]
+  hf_train = ["train", "--config", DISTILL_HF + ":tiny", "--workdir", out]
+  return [
+      ("chat data not UTF-8", chat_train("latin1.jsonl"),
+       [f"{data / 'latin1.jsonl'}: line 3 is not UTF-8", "b'\\xe9'", "re-encode the file"]),
+      ("unknown chat role", chat_train("bot.jsonl"),
+       ["bot.jsonl: line 2: message", "has role 'bot'", "system, developer, user, assistant",
+        "rename it to 'assistant'"]),
+      ("no chat has an answer", chat_train("questions.jsonl"),
+       ["train records of data source", "questions.jsonl", "no token to train",
+        "assistant turn", "--config.data.loss_on=all"]),
+      ("a teacher block copied twice", ["train", "--config", f"{ROOT}/distillax/configs/"
+                                        "distill.py:tiny", "--workdir", out,
+                                        "--config.student.from_teacher.layers=(1, 1)"],
+       ["student.from_teacher.layers=(1, 1)", "block(s) [1] more than once", "e.g. (1,)"]),
+      ("teacher folder without tokenizer.json",
+       hf_train + [f"--config.teacher.hf_path={teacher}", f"--config.data.tokenizer=hf:{teacher}",
+                   "--config.student.from_teacher.layers=(0,)"],
+       [f"data.tokenizer='hf:{teacher}'", "has no tokenizer.json", "save_pretrained"]),
+      ("relative paths from another directory",
+       hf_train + ["--config.teacher.hf_path=models/teacher",
+                   "--config.data.tokenizer=hf:models/teacher",
+                   "--config.student.from_teacher.layers=(0,)"],
+       ["teacher.hf_path='models/teacher' is relative", f"{tmp_path / 'elsewhere'},",
+        f"to {tmp_path / 'elsewhere' / 'models' / 'teacher'}, which does not exist",
+        "give an absolute path"]),
+      ("export onto a file", ["export", "--workdir", str(run), "--output",
+                              str(tmp_path / "a_file")],
+       ["--output", "a_file is a file", "choose a new directory path"]),
+      ("export below a file", ["export", "--workdir", str(run), "--output",
+                               str(tmp_path / "a_file" / "hf")],
+       ["is below the file", "a_file", "choose a new directory path"]),
+  ]
+
+
 def _files(root) -> dict:
   """Every file under `root` (recursively) by relative path, with its bytes."""
   return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
@@ -311,7 +378,10 @@ def _files(root) -> dict:
 AFTER_COMPILE = {"unwritable workdir"}
 
 
-def test_malformed_invocations_fail_with_one_line_and_status_2(tmp_path, capsys, lm_run):
+def test_malformed_invocations_fail_with_one_line_and_status_2(tmp_path, capsys, lm_run,
+                                                              monkeypatch):
+  (tmp_path / "elsewhere").mkdir()
+  monkeypatch.chdir(tmp_path / "elsewhere")  # not where the relative paths of a case lead
   existing = tmp_path / "wd"
   (existing / "checkpoints").mkdir(parents=True)
   (existing / "config.json").write_text('{"keep": true}')
@@ -335,6 +405,28 @@ def test_malformed_invocations_fail_with_one_line_and_status_2(tmp_path, capsys,
       assert fragment.lower() in err[0].lower(), f"{name}: {err[0]!r} lacks {fragment!r}"
     assert [_files(d) for d in watched] == before, f"{name} changed a directory"
     assert not (tmp_path / "out").exists(), name
+
+
+def test_a_file_where_some_chats_lack_an_answer_trains_and_counts_them_once(tmp_path, capsys,
+                                                                            lm_run):
+  """The near cousin of "no chat has an answer": the chats with an answer train, and one line
+  says how many records were skipped (lm_run: the same step shapes, compiled once)."""
+  chats = [{"messages": m} for m in chat_testing.conversations(10, seed=3)]
+  for i in (2, 5, 8):
+    chats[i]["messages"] = [m for m in chats[i]["messages"] if m["role"] != "assistant"]
+  source = chat_testing.write_jsonl(tmp_path / "chats.jsonl", chats)
+  (tmp_path / "chatml.jinja").write_text(chat_testing.CHATML)
+  capsys.readouterr()
+  assert main(["distillax", "train", "--config", f"{LM}:tiny", "--workdir", str(tmp_path / "run"),
+               f"--config.data.source={source}", f"--config.data.eval_source={source}",
+               f"--config.data.chat_template={tmp_path / 'chatml.jinja'}",
+               "--config.train.steps=3", "--config.train.eval_every=3"]) == 0
+  err = capsys.readouterr().err.splitlines()
+  skipped = [line for line in err if "nothing to train" in line]
+  assert len(skipped) == 1, err
+  assert "3 of the 10 train records, 3 of the 10 eval records" in skipped[0]
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  assert summary["finished"] and summary["tokens"] > 0 and summary["eval_tokens"] > 0
 
 
 def test_help_and_version_print_and_exit_0(capsys):

@@ -202,11 +202,15 @@ def _packed_rows(ds: grain.MapDataset, tokenizer: Tokenizer, cfg,
 
 def _document_shard(documents: sources.Documents, process_index: int,
                     process_count: int) -> grain.MapDataset:
+  check_shardable(documents, process_count)
+  return grain.MapDataset.source(documents)[process_index::process_count]
+
+
+def check_shardable(documents: sources.Documents, process_count: int) -> None:
   if len(documents) < process_count:
     raise UserError(
         f"data source {documents.name!r} has {len(documents)} documents, fewer than the "
         f"{process_count} processes that each need a share; add documents")
-  return grain.MapDataset.source(documents)[process_index::process_count]
 
 
 def _process(process_index, process_count) -> tuple[int, int]:

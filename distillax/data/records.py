@@ -13,10 +13,15 @@ layouts, the ones `datasets`/TRL use:
 `data.layout='auto'` picks the layout per record from the fields it has (messages, then
 prompt/completion, then the text field); naming a layout makes every record need its fields.
 
-Laziness: nothing holds the records. A JSONL file is indexed once (the byte span of every
-non-empty line: 16 bytes a record) and a record is read by seeking to its line. A Parquet file is
-indexed by its footer (rows per row group) and a record is read by decoding its row group (only
-the columns the layout needs), of which a small LRU of `ROW_GROUP_CACHE` decoded groups is kept.
+A chat message's role is one of ROLES (the assistant's turns are trained); any other role
+(`bot`, `human`) is an error naming the record, not a turn silently left untrained. Errors name a
+JSONL record by its line number (what an editor shows), a Parquet record by its row.
+
+Laziness: nothing holds the records. A JSONL file is indexed once (the byte span and line
+number of every non-empty line: 20 bytes a record) and a record is read by seeking to its line. A
+Parquet file is indexed by its footer (rows per row group) and a record is read by decoding its
+row group (only the columns the layout needs), of which a small LRU of `ROW_GROUP_CACHE` decoded
+groups is kept.
 Under a global shuffle most reads decode a new group, so Parquet files for training want small
 row groups (100-1000 rows, what `datasets` writes) or a conversion to JSONL.
 """
@@ -35,6 +40,12 @@ from distillax.errors import ConfigError, UserError
 
 LAYOUTS = ("auto", "text", "messages", "prompt_completion")
 PROMPT, COMPLETION = "prompt", "completion"
+# The roles a chat message may have: what chat templates and TRL know (tool: a tool's output;
+# developer: OpenAI's system; ipython: Llama 3.1's tool output). Only 'assistant' is trained.
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+# Roles other data sets use for the same turns, to name the fix.
+_ROLE_ALIASES = {"bot": "assistant", "model": "assistant", "gpt": "assistant",
+                 "ai": "assistant", "chatbot": "assistant", "human": "user"}
 ROW_GROUP_CACHE = 2  # decoded Parquet row groups kept per file (one per default read thread)
 
 
@@ -116,6 +127,12 @@ def _messages(value, where: str, field: str) -> tuple:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
       raise UserError(f"{where}: message {i} of {field!r} is not an object with a string "
                       f"'role'; write messages as {{\"role\": ..., \"content\": ...}}")
+    role = message["role"]
+    if role not in ROLES:
+      alias = _ROLE_ALIASES.get(role.strip().lower())
+      fix = f"rename it to {alias!r}" if alias else "rename it to one of these"
+      raise UserError(f"{where}: message {i} of {field!r} has role {role!r}; a chat's roles are "
+                      f"{', '.join(ROLES)} (the assistant's turns are trained): {fix}")
   return tuple(value)
 
 
@@ -141,7 +158,7 @@ class JsonlRecords:
   def __init__(self, root: str, path: str, layout: RecordLayout):
     self.path = path
     self.layout = layout
-    self.starts, self.ends = line_spans(path)
+    self.starts, self.ends, self.lines = line_spans(path)
     self._rel = rel_key(root, path)
 
   def key(self, i: int) -> str:
@@ -153,15 +170,31 @@ class JsonlRecords:
   def __getitem__(self, i: int):
     with open(self.path, "rb") as f:
       f.seek(int(self.starts[i]))
-      line = f.read(int(self.ends[i] - self.starts[i]))
+      return self.parse(i, f.read(int(self.ends[i] - self.starts[i])))
+
+  def records(self):
+    """Every record in file order, read in one pass (what a check of the whole file wants)."""
+    with open(self.path, "rb") as f:
+      for i in range(len(self)):
+        f.seek(int(self.starts[i]))
+        yield self.parse(i, f.read(int(self.ends[i] - self.starts[i])))
+
+  def parse(self, i: int, line: bytes):
+    """Record i from the bytes of its line."""
+    where = f"{self.path}: line {int(self.lines[i])}"
     if not line.strip():
       return ""  # a whitespace-only line: an empty document, which the pipeline skips
     try:
-      record = json.loads(line)
+      text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise UserError(f"{where} is not UTF-8 text (byte {e.start + 1} of the line is "
+                      f"{line[e.start:e.start + 1]!r}); JSONL is UTF-8: re-encode the file "
+                      f"(e.g. iconv -f latin1 -t utf-8) or drop that line") from None
+    try:
+      record = json.loads(text)
     except json.JSONDecodeError as e:
-      raise UserError(
-          f"{self.path}: record {i} is not valid JSON ({e}); fix or drop that line") from e
-    return self.layout.extract(record, f"{self.path}: record {i}")
+      raise UserError(f"{where} is not valid JSON ({e}); fix or drop that line") from None
+    return self.layout.extract(record, where)
 
 
 class ParquetRecords:
@@ -197,6 +230,17 @@ class ParquetRecords:
     row = int(i) - int(self.group_starts[group])
     record = {c: table.column(c)[row].as_py() for c in self.columns}
     return self.layout.extract(record, f"{self.path}: row {i}")
+
+  def records(self):
+    """Every record in file order, one row group decoded at a time (none kept)."""
+    import pyarrow.parquet as pq
+    parquet_file = pq.ParquetFile(self.path)
+    for group in range(len(self.group_starts) - 1):
+      columns = parquet_file.read_row_group(group, columns=list(self.columns)).to_pydict()
+      start = int(self.group_starts[group])
+      for row in range(int(self.group_starts[group + 1]) - start):
+        record = {c: columns[c][row] for c in self.columns}
+        yield self.layout.extract(record, f"{self.path}: row {start + row}")
 
   def _row_group(self, group: int):
     with self._lock:
@@ -237,8 +281,10 @@ def rel_key(root: str, path: str) -> str:
   return os.path.relpath(path, root).replace(os.sep, "/")
 
 
-def line_spans(path: str, chunk_bytes: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
-  """Byte [start, end) of every non-empty line, found in chunks so big files stay cheap."""
+def line_spans(path: str, chunk_bytes: int = 1 << 24
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Byte [start, end) and 1-based line number of every non-empty line, found in chunks so
+  big files stay cheap."""
   newlines = []
   size = 0
   with open(path, "rb") as f:
@@ -251,4 +297,4 @@ def line_spans(path: str, chunk_bytes: int = 1 << 24) -> tuple[np.ndarray, np.nd
   ends = np.concatenate(newlines + [np.array([size])]).astype(np.int64)
   starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
   keep = ends > starts
-  return starts[keep], ends[keep]
+  return starts[keep], ends[keep], (np.flatnonzero(keep) + 1).astype(np.int32)

@@ -111,7 +111,7 @@ class ArrayRecordFile:
     if raw[:1] == b"{":
       try:
         record = json.loads(raw)
-      except json.JSONDecodeError:
+      except (json.JSONDecodeError, UnicodeDecodeError):  # not JSON: read as text
         record = None
       if isinstance(record, dict):
         try:

@@ -279,7 +279,12 @@ def make_tokenizer(spec: str) -> Tokenizer:
         "or 'hf:<path to tokenizer.json>'")
   path = os.path.expanduser(path)
   if kind == "hf" and os.path.isdir(path):
-    path = os.path.join(path, "tokenizer.json")
+    folder, path = path, os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+      raise UserError(f"data.tokenizer={spec!r}: {folder} has no tokenizer.json (a checkpoint "
+                      f"saved without its tokenizer?); save the model's tokenizer there "
+                      f"(transformers' tokenizer.save_pretrained) or point data.tokenizer at "
+                      f"the tokenizer.json it was trained with")
   if not os.path.isfile(path):
     raise UserError(f"data.tokenizer={spec!r}: no such file {path!r}; check the path")
   return SentencePieceTokenizer(path) if kind == "spm" else HuggingFaceTokenizer(path)

@@ -12,8 +12,9 @@ rotate halves like us); Gemma's norms are stored as 1 + scale (llama.cpp multipl
 stored weight) and its sqrt(embed_dim) embedding scale is applied by llama.cpp itself; tied
 embeddings mean no `output.weight` (llama.cpp reuses token_embd); Llama 3.1 RoPE scaling goes in
 as the `rope_freqs` factors convert_hf_to_gguf.py writes. Features llama.cpp would silently run
-differently (a sliding window on a llama/qwen arch, Gemma 2 without soft-caps or with another
-query scale) are refused with a UserError.
+differently (a sliding window on a llama/qwen arch, Gemma 2 without soft-caps, with another
+query scale or with sliding layers other than the even ones, the only pattern llama.cpp's gemma2
+runs) are refused with a UserError.
 
 Types (`quant`): f32 writes every tensor as float32; f16 writes matrices as float16 (norms and
 biases stay f32, as llama.cpp's converter does); q8_0 / q4_0 quantize the matmul weights the
@@ -87,6 +88,7 @@ def gguf_architecture(config: TransformerConfig) -> str:
     raise UserError(f"llama.cpp applies Llama 3.1 RoPE scaling only to the llama architecture, "
                     f"not {arch}; set rope_scaling_factor=None")
   if arch == "gemma2":
+    _check_gemma2_windows(config)
     if config.attn_logit_softcap is None or config.final_logit_softcap is None:
       raise UserError("llama.cpp's gemma2 always soft-caps attention and output logits; set "
                       "attn_logit_softcap and final_logit_softcap")
@@ -97,6 +99,23 @@ def gguf_architecture(config: TransformerConfig) -> str:
       raise UserError(f"llama.cpp's gemma2 scales queries by {llama_cpp_scale}**-0.5 for "
                       f"{config.num_layers} layers; query_pre_attn_scalar={scale} would differ")
   return arch
+
+
+def _check_gemma2_windows(config: TransformerConfig) -> None:
+  """llama.cpp's gemma2 fixes which layers slide: the even ones (it reads the window size from
+  the file, but no per-layer pattern), so a model whose layers attend otherwise, e.g. a student
+  made of teacher blocks that were all sliding, is refused rather than run differently. A window
+  no shorter than the context makes a layer's type moot."""
+  if config.sliding_window is None or config.sliding_window >= config.max_seq_len:
+    return
+  ours = config.local_layers()
+  theirs = [i % 2 == 0 for i in range(config.num_layers)]
+  if ours != theirs:
+    name = lambda local: ["sliding" if x else "full" for x in local]
+    raise UserError(f"llama.cpp's gemma2 runs layers {name(theirs)} (even layers sliding; a GGUF "
+                    f"cannot say otherwise) but this model's are {name(ours)} (sliding_window="
+                    f"{config.sliding_window}); export it with --format hf, or derive the "
+                    f"student from blocks that alternate sliding/full from the first")
 
 
 def _add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> None:
@@ -119,7 +138,7 @@ def _add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> No
     writer.add_attn_logit_softcapping(float(config.attn_logit_softcap))
     writer.add_final_logit_softcapping(float(config.final_logit_softcap))
     writer.add_sliding_window(int(config.sliding_window or config.max_seq_len))
-    writer.add_sliding_window_pattern(int(config.sliding_window_pattern))
+    writer.add_sliding_window_pattern(2)  # what llama.cpp's gemma2 runs (it reads no pattern)
 
 
 def rope_freq_factors(config: TransformerConfig) -> np.ndarray:

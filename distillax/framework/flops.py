@@ -15,8 +15,8 @@ matmul: one for the input gradient, one for the weight gradient). Distillation a
 teacher's forward once: it gets no backward pass.
 
 The config is read by attribute name only (vocab_size, embed_dim, num_layers, num_heads,
-num_kv_heads, head_dim, mlp_dim, mlp_activation; optionally sliding_window and
-sliding_window_pattern), so any object with those fields works, e.g.
+num_kv_heads, head_dim, mlp_dim, mlp_activation; optionally sliding_window,
+sliding_window_pattern and layer_types), so any object with those fields works, e.g.
 `distillax.models.config.TransformerConfig`. tie_embeddings does not change the count.
 """
 
@@ -58,12 +58,16 @@ def layer_windows(cfg: Any) -> list[int | None]:
   """Attention span of each layer: None = global, else the sliding window (Gemma 2 style).
 
   With `sliding_window` set, layer i attends globally iff (i + 1) % sliding_window_pattern == 0
-  (pattern 0: every layer local), matching distillax.models.config.TransformerConfig.
+  (pattern 0: every layer local), or as `layer_types` says when set, matching
+  distillax.models.config.TransformerConfig.
   """
   num_layers = int(_field(cfg, "num_layers"))
   window = getattr(cfg, "sliding_window", None)
   if not window:
     return [None] * num_layers
+  types = getattr(cfg, "layer_types", None)
+  if types is not None:
+    return [int(window) if t == "sliding_attention" else None for t in types]
   pattern = getattr(cfg, "sliding_window_pattern", 2)
   return [None if pattern and (i + 1) % pattern == 0 else int(window) for i in range(num_layers)]
 

@@ -10,7 +10,7 @@ nothing is downloaded).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax.numpy as jnp
 
@@ -22,6 +22,8 @@ REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 ATTENTION_IMPLS = ("auto", "reference", "blockwise", "cudnn", "splash")
 # A window no sequence reaches: the value a global-attention layer gets in the per-layer windows.
 GLOBAL_WINDOW = 2**30
+# Per-layer attention types, as Hugging Face's `layer_types` names them.
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,9 @@ class TransformerConfig:
   # With sliding_window set: layer i (0-based) attends globally iff (i + 1) % pattern == 0 and
   # locally otherwise (Gemma 2: 2 = local, global, local, ...); 0 = every layer local.
   sliding_window_pattern: int = 2
+  # With sliding_window set: SLIDING or FULL per layer (HF's layer_types), for layers that follow
+  # no pattern, e.g. a student made of teacher blocks keeps each block's own; None = by pattern.
+  layer_types: tuple[str, ...] | None = None
   use_post_norms: bool = False  # Gemma 2: RMSNorm after attention and after the MLP too
   qkv_bias: bool = False  # Qwen 2/2.5: the q, k and v projections add a bias (o does not)
   qk_norm: bool = False  # Qwen 3: RMSNorm over head_dim on each query and key head, before RoPE
@@ -100,11 +105,24 @@ class TransformerConfig:
       raise ConfigError(f"model.sliding_window={self.sliding_window} must be positive or None")
     if self.sliding_window_pattern < 0:
       raise ConfigError(f"model.sliding_window_pattern={self.sliding_window_pattern} must be >= 0")
+    self._check_layer_types()
     for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
                  "rope_scaling_factor"):
       value = getattr(self, name)
       if value is not None and not value > 0:
         raise ConfigError(f"model.{name}={value!r} must be positive or None")
+
+  def _check_layer_types(self):
+    if self.layer_types is None:
+      return
+    types = self.layer_types
+    if isinstance(types, str) or not isinstance(types, Sequence):
+      raise ConfigError(f"model.layer_types={types!r} must be a list of {SLIDING!r} / {FULL!r}, "
+                        f"one per layer, or None")
+    object.__setattr__(self, "layer_types", tuple(types))  # JSON gives a list
+    if len(types) != self.num_layers or any(t not in (SLIDING, FULL) for t in types):
+      raise ConfigError(f"model.layer_types={list(types)} must name {SLIDING!r} or {FULL!r} for "
+                        f"each of the model.num_layers={self.num_layers} layers (or be None)")
 
   # ---- derived quantities ----------------------------------------------------------------
 
@@ -128,6 +146,8 @@ class TransformerConfig:
   def layer_uses_sliding_window(self, layer: int) -> bool:
     if self.sliding_window is None:
       return False
+    if self.layer_types is not None:
+      return self.layer_types[layer] == SLIDING
     p = self.sliding_window_pattern
     return p == 0 or (layer + 1) % p != 0
 
@@ -137,6 +157,18 @@ class TransformerConfig:
       return None
     return tuple(self.sliding_window if self.layer_uses_sliding_window(i) else GLOBAL_WINDOW
                  for i in range(self.num_layers))
+
+  def local_layers(self) -> list[bool]:
+    """Whether each layer attends within the sliding window."""
+    return [self.layer_uses_sliding_window(i) for i in range(self.num_layers)]
+
+  def select_layers(self, layers: Sequence[int]) -> "TransformerConfig":
+    """The config of a model made of this one's blocks `layers` (in that order): each block
+    attends as it was trained to (a Gemma 2 block copied from a sliding layer to an odd
+    position stays sliding), whatever pattern its new position would give."""
+    local = [self.layer_uses_sliding_window(i) for i in layers]
+    return self.replace(**{"num_layers": len(layers),
+                           **window_fields(self.sliding_window, local)})
 
   # ---- data round trip -------------------------------------------------------------------
 
@@ -156,6 +188,22 @@ class TransformerConfig:
     values = dict(values)
     base = get_preset(values.pop("preset")) if values.get("preset") else cls()
     return base.replace(**values)
+
+
+def window_fields(window: int | None, local: Sequence[bool]) -> dict[str, Any]:
+  """sliding_window, sliding_window_pattern and layer_types of per-layer local (True) / global
+  attention, in the one form that says it (so equal models have equal configs): no window when
+  no layer is local, a pattern when the layers follow one (every p-th layer global; 0 = none),
+  else the per-layer types."""
+  local = [bool(x) for x in local]
+  if window is None or not any(local):
+    return {"sliding_window": None, "layer_types": None}
+  pattern = 0 if all(local) else local.index(False) + 1
+  if local == [pattern == 0 or (i + 1) % pattern != 0 for i in range(len(local))]:
+    return {"sliding_window": int(window), "sliding_window_pattern": pattern,
+            "layer_types": None}
+  return {"sliding_window": int(window), "sliding_window_pattern": 2,  # unused with types
+          "layer_types": tuple(SLIDING if x else FULL for x in local)}
 
 
 # ---- presets ---------------------------------------------------------------------------------

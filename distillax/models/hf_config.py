@@ -5,7 +5,8 @@ Reads both the transformers 5 layout (`rope_parameters`) and the older one (`rop
 `rope_scaling`), and writes both so other readers (older transformers, serving stacks) agree.
 The families differ only in a few switches: Gemma's GeGLU / (1 + w) norms / sqrt(D) embeddings,
 Gemma 2's post norms, soft-caps and alternating sliding window, Qwen 2's q/k/v biases, Qwen 3's
-q/k RMSNorm, Mistral's sliding window on every layer.
+q/k RMSNorm, Mistral's sliding window on every layer. Per-layer `layer_types` that follow no
+pattern (a Gemma 2 student made of teacher blocks) are read and, for Gemma 2, written as they are.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from distillax.errors import UserError
-from distillax.models.config import TransformerConfig
+from distillax.models.config import FULL, SLIDING, TransformerConfig, window_fields
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -59,34 +60,34 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
   raise UserError(f"{where}: unsupported RoPE type {rope_type!r}; supported: default, llama3")
 
 
-def _window_pattern(window, types: list[str], where: str) -> dict[str, Any]:
-  """sliding_window + sliding_window_pattern of per-layer HF `layer_types`."""
-  local = [t == "sliding_attention" for t in types]
-  if window is None or not any(local):
-    return {"sliding_window": None}
-  pattern = 0 if all(local) else local.index(False) + 1
-  expected = [pattern == 0 or (i + 1) % pattern != 0 for i in range(len(types))]
-  if local != expected:
-    raise UserError(f"{where}: layer_types {types} is not a periodic local/global pattern that "
-                    f"distillax supports (every p-th layer global)")
-  return {"sliding_window": int(window), "sliding_window_pattern": pattern}
+def _window_pattern(window, types: list[str], num_layers: int, where: str) -> dict[str, Any]:
+  """sliding_window + sliding_window_pattern (or, for layers that follow no pattern, the
+  per-layer layer_types) of HF `layer_types`."""
+  if len(types) != num_layers:
+    raise UserError(f"{where}: layer_types has {len(types)} entries for num_hidden_layers="
+                    f"{num_layers}; fix the config.json")
+  unknown = sorted(set(types) - {SLIDING, FULL})
+  if unknown:
+    raise UserError(f"{where}: layer_types has {unknown}; distillax runs {SLIDING!r} and "
+                    f"{FULL!r} layers")
+  return window_fields(window, [t == SLIDING for t in types])
 
 
 def _sliding(hf: Mapping[str, Any], arch: str, num_layers: int, where: str) -> dict[str, Any]:
   """Which layers attend locally, as each family's transformers code decides it."""
   window = hf.get("sliding_window")
   if arch == "MistralForCausalLM":  # every layer (transformers ignores Mistral layer_types)
-    return _window_pattern(window, ["sliding_attention"] * num_layers, where)
+    return _window_pattern(window, [SLIDING] * num_layers, num_layers, where)
   if arch in _QWEN_FAMILY:  # only with use_sliding_window; by default layers >= max_window_layers
     if not hf.get("use_sliding_window"):
       return {"sliding_window": None}
     first_local = int(hf.get("max_window_layers", 28))
-    types = hf.get("layer_types") or ["sliding_attention" if i >= first_local else
-                                      "full_attention" for i in range(num_layers)]
-    return _window_pattern(window, types, where)
+    types = hf.get("layer_types") or [SLIDING if i >= first_local else FULL
+                                      for i in range(num_layers)]
+    return _window_pattern(window, types, num_layers, where)
   types = hf.get("layer_types") or [  # Gemma 2: local, global, local, ...
-      "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
-  return _window_pattern(window, types, where)
+      SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
+  return _window_pattern(window, types, num_layers, where)
 
 
 def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
@@ -138,13 +139,9 @@ def config_from_hf(hf: Mapping[str, Any], *, where: str = "config.json",
   return TransformerConfig(**fields)
 
 
-def _local_layers(config: TransformerConfig) -> list[bool]:
-  return [config.layer_uses_sliding_window(i) for i in range(config.num_layers)]
-
-
 def _swiglu_architecture(config: TransformerConfig) -> str | None:
   """Llama, Qwen 2, Qwen 3 or Mistral for a SwiGLU config, or None when none holds it."""
-  local = _local_layers(config)
+  local = config.local_layers()
   every_or_no_layer_local = all(local) or not any(local)
   if config.qkv_bias and config.qk_norm:
     return None  # Qwen 3's attention_bias also biases o_proj
@@ -180,14 +177,14 @@ def hf_architecture(config: TransformerConfig) -> str:
         f"norm_scale_plus_one={config.norm_scale_plus_one}, scale_embeddings="
         f"{config.scale_embeddings}, use_post_norms={config.use_post_norms}, qkv_bias="
         f"{config.qkv_bias}, qk_norm={config.qk_norm}, sliding_window={config.sliding_window}, "
-        f"sliding_window_pattern={config.sliding_window_pattern}); use a preset or an imported "
-        f"checkpoint of one of these families as the base of the student")
+        f"local layers {[i for i, x in enumerate(config.local_layers()) if x]}); use a preset or "
+        f"an imported checkpoint of one of these families as the base of the student")
   return arch
 
 
 def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
   """The config.json keys one architecture adds to the shared ones."""
-  window = config.sliding_window if any(_local_layers(config)) else None
+  window = config.sliding_window if any(config.local_layers()) else None
   if arch in _GEMMA_FAMILY:
     fields = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
     if arch == "Gemma2ForCausalLM":
@@ -196,8 +193,7 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
                     attn_logit_softcapping=config.attn_logit_softcap,
                     final_logit_softcapping=config.final_logit_softcap,
                     sliding_window=config.sliding_window or config.max_seq_len,
-                    layer_types=["sliding_attention" if local else "full_attention"
-                                 for local in _local_layers(config)])
+                    layer_types=[SLIDING if local else FULL for local in config.local_layers()])
     return fields
   fields = dict(hidden_act="silu")
   if arch == "LlamaForCausalLM":
@@ -207,8 +203,7 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
   else:  # Qwen: a window is on every layer (max_window_layers=0) or on none
     fields.update(use_sliding_window=window is not None, sliding_window=window,
                   max_window_layers=0 if window is not None else config.num_layers,
-                  layer_types=["sliding_attention" if window else "full_attention"] *
-                  config.num_layers)
+                  layer_types=[SLIDING if window else FULL] * config.num_layers)
   return fields
 
 

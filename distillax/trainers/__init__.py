@@ -13,7 +13,7 @@ from distillax.trainers.base import Trainer
 from distillax.trainers.distill import DistillRecipe, strategy_from_config
 from distillax.trainers.distill_cached import CachedDistillRecipe
 from distillax.trainers.lm import LMRecipe, lm_objective
-from distillax.trainers.recipe import Engines, Recipe
+from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 from distillax.trainers.registry import recipe_class, recipe_for
 from distillax.trainers.sequence_kd import SequenceKDRecipe
 from distillax.trainers.sources import (is_hf_checkpoint, load_run_config, resolve_model_config,
@@ -21,6 +21,6 @@ from distillax.trainers.sources import (is_hf_checkpoint, load_run_config, resol
 from distillax.trainers.saved import load_trained_model, restore_run_state
 
 __all__ = ["CachedDistillRecipe", "DistillRecipe", "Engines", "LMRecipe", "Recipe", "RunSource",
-           "SequenceKDRecipe", "Trainer", "is_hf_checkpoint", "load_run_config",
+           "SequenceKDRecipe", "Trainer", "check_recipe_data", "is_hf_checkpoint", "load_run_config",
            "load_trained_model", "lm_objective", "recipe_class", "recipe_for",
            "resolve_model_config", "restore_run_state", "strategy_from_config"]

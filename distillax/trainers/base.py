@@ -30,7 +30,7 @@ from distillax.framework.profiling import ProfileWindow
 from distillax.framework.progress import ProgressBar
 from distillax.framework.throughput import Throughput, peak_flops_per_device
 from distillax.framework.writers import create_writers
-from distillax.trainers.recipe import Engines, Recipe
+from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 from distillax.trainers.saved import SOURCES_KEY, check_fingerprints, check_sources_unchanged
 from distillax.trainers.workdir import (check_workdir, open_checkpointer, prepare_workdir,
                                         write_summary)
@@ -88,6 +88,7 @@ class Trainer:
     workdir_state = check_workdir(self.workdir, c)
     if workdir_state.finished:
       return {**workdir_state.summary, "already_finished": True}
+    check_recipe_data(self.recipe)
     self.engines = self.recipe.build_engines()
     train_it = self.recipe.train_iterator()
     self.fingerprints = check_sources_unchanged(self.workdir, self.recipe,

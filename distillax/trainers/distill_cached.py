@@ -17,6 +17,8 @@ from distillax.trainers.registry import register
 class CachedDistillRecipe(DistillRecipe):
   """`trainer='distill'` with `teacher.cache_dir` set."""
 
+  data_splits = ("eval",)  # the train batches come from the cache
+
   def __init__(self, config, **kwargs):
     super().__init__(config, **kwargs)
     self.cache_dir = str(config.teacher.cache_dir)

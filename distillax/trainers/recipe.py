@@ -24,6 +24,7 @@ from flax import nnx
 from distillax import partitioning as pt
 from distillax.data import batch_shapes, make_eval_iterator, make_tokenizer, make_train_iterator
 from distillax.data.sources import resolve_files
+from distillax.data.survey import check_data
 from distillax.errors import ConfigError, UserError
 from distillax.framework import flops, optim
 from distillax.framework.engine import Engine, build_engine
@@ -71,6 +72,14 @@ def check_data_paths(data) -> None:
         raise ConfigError(f"data.{key}: {e}") from None
 
 
+def check_recipe_data(recipe: "Recipe") -> None:
+  """Reads every record of a recipe's data once, before anything compiles: a bad record or a
+  split with no token to train (recipe.data_splits) is one line naming it, not a failure (or a
+  wait) steps in."""
+  check_data(recipe.config.data, recipe.tokenizer, process_count=jax.process_count(),
+             splits=recipe.data_splits)
+
+
 @dataclasses.dataclass
 class Engines:
   """The compiled step(s) of a run: with a delayed QAT start, a full-precision engine serves the
@@ -101,6 +110,8 @@ class Recipe:
   # Where the plain student sits in the trained module's tree (a distillation student wraps it
   # with its training-only projections): what loading a run's student reads.
   student_path: tuple[str, ...] = ()
+  # The splits of `data` the job trains or evaluates on, which must each have a token to train.
+  data_splits: tuple[str, ...] = ("train", "eval")
 
   def __init__(self, config, *, workdir: str | None = None, mesh=None,
                rules: pt.RuleSet | None = None):

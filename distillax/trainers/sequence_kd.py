@@ -29,6 +29,8 @@ SAMPLES_FILE = "teacher_samples.jsonl"
 class SequenceKDRecipe(LMRecipe):
   """The `lm` recipe whose train data are teacher samples it writes first."""
 
+  data_splits = ("eval",)  # data's train split holds prompts: answers are the teacher's
+
   def __init__(self, config, **kwargs):
     super().__init__(config, **kwargs)
     sc = config.sequence_kd

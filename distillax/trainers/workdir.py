@@ -149,7 +149,10 @@ def _short(value: Any) -> str:
 
 
 def _other_job_error(owner: str, stored: dict, current: dict) -> UserError | None:
-  names = [k for k in current if stored.get(k, _ABSENT) != current[k]]
+  # A field newer than the stored job that this config leaves None asks for nothing the older
+  # job did not do (e.g. model.layer_types, added after a run began): the same job.
+  names = [k for k in current if stored.get(k, _ABSENT) != current[k]
+           and (k in stored or current[k] is not None)]
   names += [k for k in stored if k not in current]
   if not names:
     return None

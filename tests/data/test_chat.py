@@ -230,7 +230,7 @@ def test_config_errors(tmp_path):
   strict.write_text("{{ raise_exception('no system messages') }}")
   it = make_eval_iterator(data_config(source=source, eval_source=source,
                                       chat_template=str(strict)), **kwargs)
-  with pytest.raises(UserError, match=r"c\.jsonl: record 0: the chat template failed on it "
+  with pytest.raises(UserError, match=r"c\.jsonl: line 1: the chat template failed on it "
                                       r"\(no system messages\)"):
     next(it)
 

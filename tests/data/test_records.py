@@ -100,11 +100,11 @@ def test_named_layouts_and_fields(tmp_path, fmt):
                                         r"file has conversation, body"):
       load_documents(path)
   else:
-    with pytest.raises(UserError, match=r"c\.jsonl: record 0 has no string field 'text', no "
+    with pytest.raises(UserError, match=r"c\.jsonl: line 1 has no string field 'text', no "
                                         r"'messages' list.*fields: body, conversation"):
       load_documents(path)[0]
   # A named layout makes every record need its fields.
-  with pytest.raises(UserError, match=r"(record|row) 0 has no string field 'conversation'"):
+  with pytest.raises(UserError, match=r"(line 1|row 0) has no string field 'conversation'"):
     load_documents(path, layout=data.RecordLayout("text", text_field="conversation"))[0]
 
 
@@ -112,13 +112,51 @@ def test_bad_messages_name_the_record(tmp_path):
   path = ct.write_jsonl(tmp_path / "m.jsonl", [{"messages": [{"content": "no role"}]},
                                                {"messages": []}, {"prompt": 3, "completion": 4}])
   docs = load_documents(path)
-  with pytest.raises(UserError, match=r"m\.jsonl: record 0: message 0 of 'messages' is not an "
+  with pytest.raises(UserError, match=r"m\.jsonl: line 1: message 0 of 'messages' is not an "
                                       r"object with a string 'role'"):
     docs[0]
-  with pytest.raises(UserError, match=r"record 1: 'messages' must be a non-empty list"):
+  with pytest.raises(UserError, match=r"line 2: 'messages' must be a non-empty list"):
     load_documents(path, layout=data.RecordLayout("messages"))[1]
-  with pytest.raises(UserError, match=r"record 2: 'prompt' and 'completion' must be two strings"):
+  with pytest.raises(UserError, match=r"line 3: 'prompt' and 'completion' must be two strings"):
     docs[2]
+
+
+def test_a_line_that_is_not_utf8_is_named_by_its_line(tmp_path):
+  """Line numbers are the file's (blank lines count, as an editor counts them), whatever the
+  record's index; the byte at fault and the fix are in the one line."""
+  path = tmp_path / "latin1.jsonl"
+  path.write_bytes(b'{"text": "fine"}\n\n{"text": "caf\xe9"}\n')
+  docs = load_documents(str(path))
+  assert docs[0] == "fine"
+  with pytest.raises(UserError) as raised:
+    docs[1]
+  message = str(raised.value)
+  assert message.startswith(f"{path}: line 3 is not UTF-8 text (byte 14 of the line is b'\\xe9')")
+  assert "re-encode the file" in message and "\n" not in message
+  # The same line seen from the pipeline's threads.
+  it = data.make_eval_iterator(data_config(source=str(path), eval_source=str(path)),
+                               global_batch_size=1, seq_len=8, process_index=0, process_count=1)
+  with pytest.raises(UserError, match="line 3 is not UTF-8"):
+    list(it)
+
+
+@pytest.mark.parametrize("role,fix", [("bot", "rename it to 'assistant'"),
+                                      ("Human", "rename it to 'user'"),
+                                      ("narrator", "rename it to one of these")])
+def test_an_unknown_role_lists_the_roles(tmp_path, role, fix):
+  chat = [{"role": "user", "content": "hi"}, {"role": role, "content": "hello"}]
+  for layout in ("messages", "prompt_completion"):
+    row = ({"messages": chat} if layout == "messages" else
+           {"prompt": chat[:1], "completion": chat[1:]})
+    path = ct.write_jsonl(tmp_path / f"{layout}.jsonl", [row])
+    with pytest.raises(UserError) as raised:
+      load_documents(path)[0]
+    field = "messages" if layout == "messages" else "completion"
+    i = 1 if layout == "messages" else 0
+    assert str(raised.value) == (
+        f"{path}: line 1: message {i} of {field!r} has role {role!r}; a chat's roles are "
+        f"system, developer, user, assistant, tool, ipython (the assistant's turns are "
+        f"trained): {fix}")
 
 
 # ---- laziness -----------------------------------------------------------------------------------

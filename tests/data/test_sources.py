@@ -60,7 +60,7 @@ def test_jsonl_custom_field_and_missing_field(tmp_path):
   write_jsonl(tmp_path / "c.jsonl", ["x1", "y2"], field="content")
   assert read_all(load_documents(str(tmp_path / "c.jsonl"), text_field="content")) == ["x1", "y2"]
   docs = load_documents(str(tmp_path / "c.jsonl"))
-  with pytest.raises(UserError, match=r"c\.jsonl: record 0 has no string field 'text'"):
+  with pytest.raises(UserError, match=r"c\.jsonl: line 1 has no string field 'text'"):
     docs[0]
   # The same error surfaces from the grain pipeline, which reads documents on its threads.
   it = make_eval_iterator(data_config(source=str(tmp_path), eval_source=str(tmp_path)),

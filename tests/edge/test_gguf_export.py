@@ -15,7 +15,7 @@ from distillax.models.layers import rope_inverse_frequencies
 from distillax.models.transformer import with_layer_layout
 from distillax.quant import QuantSiteParam, full_precision, quantize_for_training
 from distillax.quant.graph import get_path
-from distillax.edge.gguf_export import write_gguf
+from distillax.edge.gguf_export import gguf_architecture, write_gguf
 from distillax.edge.gguf_vocab import vocab_of
 from tests.edge.helpers import CONFIGS, field, peaked_model
 
@@ -230,6 +230,21 @@ def test_what_llama_cpp_would_run_differently_is_refused(tmp_path, change, quant
   with pytest.raises(UserError, match=match):
     write_gguf(model, tmp_path / "m.gguf", quant=quant, rules=rules)
   assert not (tmp_path / "m.gguf").exists()
+
+
+def test_gemma2_sliding_layers_llama_cpp_does_not_run_are_refused(tmp_path):
+  """llama.cpp's gemma2 slides on the even layers, whatever the file says: every layer sliding
+  (pattern 0) or a student's own layer types are refused, nothing written; a window that covers
+  the whole context makes the pattern moot."""
+  gemma2 = CONFIGS["gemma2"]
+  assert gemma2.local_layers() == [True, False] and gemma2.sliding_window < gemma2.max_seq_len
+  for change in (dict(sliding_window_pattern=0),
+                 dict(layer_types=("full_attention", "sliding_attention"))):
+    with pytest.raises(UserError, match=r"llama.cpp's gemma2 runs layers \['sliding', 'full'\]"):
+      write_gguf(peaked_model(gemma2.replace(**change)), tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+  wide = gemma2.replace(sliding_window_pattern=0, sliding_window=gemma2.max_seq_len)
+  assert gguf_architecture(wide) == "gemma2"
 
 
 def test_gemma2_with_another_query_scale_is_refused(tmp_path):

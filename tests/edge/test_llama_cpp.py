@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 from distillax.data.tokenizer import ByteTokenizer
-from distillax.edge import gguf_runtime
+from distillax.edge import gguf_export, gguf_runtime
 from distillax.edge.gguf_export import write_gguf
+from distillax.models.transformer import with_config
 from distillax.quant import quantize_for_training
 from tests.edge.helpers import CONFIGS, IDS, greedy, logits, peaked_model
 from tests.edge.test_gguf_export import byte_level_bpe
@@ -113,6 +114,19 @@ def test_other_architectures_match(tmp_path, arch, quant, tolerance):
   model = peaked_model(CONFIGS[arch])
   r = run(model, tmp_path / "m.gguf", quant, llama_cpp_gelu=arch.startswith("gemma"))
   assert np.abs(r["llama_cpp"] - r["distillax"]).max() <= tolerance
+
+
+def test_llama_cpp_gemma2_slides_on_even_layers_whatever_the_file_says(tmp_path, monkeypatch):
+  """Why gguf_export refuses a Gemma 2 whose sliding layers are not the even ones (a student of
+  two sliding teacher blocks): written anyway, llama.cpp runs it as sliding/full, another model
+  than the one trained."""
+  every = peaked_model(CONFIGS["gemma2"].replace(sliding_window_pattern=0))
+  assert every.config.local_layers() == [True, True]
+  monkeypatch.setattr(gguf_export, "_check_gemma2_windows", lambda config: None)
+  r = run(every, tmp_path / "m.gguf", "f32", llama_cpp_gelu=True)
+  alternating = logits(with_config(every, sliding_window_pattern=2), IDS, True)
+  assert np.abs(r["llama_cpp"] - alternating).max() <= 1e-3
+  assert np.abs(r["llama_cpp"] - r["distillax"]).max() > 0.5
 
 
 def vocab_only(path):

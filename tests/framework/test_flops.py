@@ -26,6 +26,7 @@ class Cfg:
   tie_embeddings: bool = False
   sliding_window: int | None = None
   sliding_window_pattern: int = 2
+  layer_types: tuple | None = None
 
 
 TINY = Cfg(vocab_size=10, embed_dim=4, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2,
@@ -59,6 +60,11 @@ def test_sliding_window_layers_count_only_their_band():
   assert full["attn_scores"] == 2 * 1 * 2 * 2 * 4 * 64
   wide = dataclasses.replace(local, sliding_window=16)  # wider than the sequence: plain causal
   assert flops.forward_flops_breakdown(wide, 1, 8)["attn_scores"] == 2 * 1 * 2 * 2 * 4 * 32
+  # Per-layer types (a student of teacher blocks) win over the pattern: 3 local, 1 global.
+  typed = dataclasses.replace(local, layer_types=("sliding_attention",) * 3 + ("full_attention",))
+  assert flops.layer_windows(typed) == [2, 2, 2, None]
+  assert flops.forward_flops_breakdown(typed, batch=1, seq_len=8)["attn_scores"] == (
+      2 * 1 * 2 * 2 * (3 * local_pairs + global_pairs))
 
 
 def test_train_step_flops_counts_backward_twice_and_teacher_once():

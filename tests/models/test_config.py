@@ -1,6 +1,7 @@
 """Config validation, presets and parameter counts against the published model sizes."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -61,6 +62,31 @@ def test_gemma2_alternates_local_and_global_layers():
   assert mc.get_preset("tiny").layer_windows() is None
   every = cfg.replace(sliding_window_pattern=0)
   assert all(every.layer_uses_sliding_window(i) for i in range(cfg.num_layers))
+
+
+def test_a_model_of_some_blocks_keeps_each_blocks_attention():
+  """A student made of teacher blocks attends in each block as the teacher did, in the one form
+  that says it: a pattern when the blocks follow one, else per-layer types."""
+  gemma2 = mc.get_preset("gemma2-2b")  # sliding, full, sliding, full, ...
+  both_sliding = gemma2.select_layers((0, 2))
+  assert both_sliding.layer_windows() == (4096, 4096) and both_sliding.layer_types is None
+  assert both_sliding.sliding_window_pattern == 0  # every layer local is a pattern
+  mixed = gemma2.select_layers((1, 0, 2))  # a full block first, then two sliding ones
+  assert mixed.layer_types == (mc.FULL, mc.SLIDING, mc.SLIDING)
+  assert mixed.layer_windows() == (mc.GLOBAL_WINDOW, 4096, 4096)
+  assert mixed.local_layers() == [False, True, True]
+  assert gemma2.select_layers((0, 1, 4, 3)) == gemma2.replace(num_layers=4)  # the pattern
+  assert gemma2.select_layers((1, 3)).sliding_window is None  # no layer local: no window
+  mistral = mc.get_preset("tiny", sliding_window=5, sliding_window_pattern=0)
+  assert mistral.select_layers((1, 0)).layer_windows() == (5, 5)
+  # config.json stores the types as a list; the config read back is the same.
+  assert mc.TransformerConfig.from_dict(json.loads(json.dumps(mixed.to_dict()))) == mixed
+  with pytest.raises(ConfigError, match=r"model.layer_types=.*each of the model.num_layers=3"):
+    mixed.replace(layer_types=(mc.FULL, mc.SLIDING))
+  with pytest.raises(ConfigError, match=r"model.layer_types=.*'sliding_attention' or"):
+    mixed.replace(layer_types=("local",) * 3)
+  with pytest.raises(ConfigError, match="must be a list"):
+    mixed.replace(layer_types="sliding_attention")
 
 
 @pytest.mark.parametrize("changes,field", [

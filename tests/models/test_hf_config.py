@@ -117,13 +117,21 @@ def test_qwen_sliding_window_layers():
   assert config_from_hf(back) == every
   # max_window_layers >= num layers: none local.
   assert config_from_hf({**on, "max_window_layers": 4}).sliding_window is None
-  # explicit periodic layer_types are read; layers 0-1 global then 2-3 local is not periodic.
+  # explicit periodic layer_types are read as a pattern; layers 0-1 global then 2-3 local
+  # follow none and are read layer by layer, as transformers' Qwen2 runs them.
   periodic = config_from_hf({**on, "layer_types": ["sliding_attention", "full_attention"] * 2})
   assert periodic.layer_windows() == (32768, 2**30, 32768, 2**30)
-  with pytest.raises(UserError, match="not a periodic local/global pattern"):
-    config_from_hf({**on, "max_window_layers": 2})
-  with pytest.raises(UserError, match="no Hugging Face equivalent.*sliding_window_pattern=2"):
-    config_to_hf(periodic)  # Qwen export writes a window on every layer or none
+  assert periodic.layer_types is None and periodic.sliding_window_pattern == 2
+  last_two = config_from_hf({**on, "max_window_layers": 2})
+  assert last_two.layer_windows() == (2**30, 2**30, 32768, 32768)
+  assert last_two.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2
+  with pytest.raises(UserError, match="layer_types has 3 entries for num_hidden_layers=4"):
+    config_from_hf({**on, "layer_types": ["full_attention"] * 3})
+  with pytest.raises(UserError, match=r"layer_types has \['chunked_attention'\]"):
+    config_from_hf({**on, "layer_types": ["chunked_attention"] * 4})
+  for partial in (periodic, last_two):  # Qwen export writes a window on every layer or none
+    with pytest.raises(UserError, match=r"no Hugging Face equivalent.*local layers \[[02]"):
+      config_to_hf(partial)
 
 
 def test_qwen_and_mistral_features_without_hf_class_are_refused():

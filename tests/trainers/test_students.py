@@ -18,9 +18,11 @@ from flax import nnx
 
 from distillax.configs import distill, lm
 from distillax.distill import unwrap_student
+from distillax.errors import UserError
 from distillax.main import main
 from distillax.models import hf
 from distillax.models.transformer import layer_params
+from distillax.quant.gguf_export import gguf_architecture
 from distillax.trainers import recipe_for
 from tests.models.helpers import forward
 
@@ -108,15 +110,75 @@ def test_a_student_from_teacher_blocks_copies_them_bit_for_bit(checkpoint, scan_
       assert np.array_equal(np.asarray(a), np.asarray(b))
   assert np.array_equal(np.asarray(student.lm_head[...]), np.asarray(teacher.lm_head[...]))
   # Its forward is transformers' Llama made of the same blocks.
-  picked = _llama(1, num_hidden_layers=3)
+  picked = _from_blocks(model, layers, _llama(1, num_hidden_layers=3))
+  assert _max_diff(student, _logits(picked)) <= 1e-4
+
+
+def _from_blocks(model, layers, fresh):
+  """`fresh` (a transformers model of len(layers) blocks) with `model`'s embeddings, final
+  norm, head and blocks `layers`, in that order."""
   state = model.state_dict()
   renamed = {k: state[k] for k in state if not k.startswith("model.layers.")}
   for i, t in enumerate(layers):
     prefix = f"model.layers.{t}."
     renamed.update({f"model.layers.{i}." + k[len(prefix):]: v for k, v in state.items()
                     if k.startswith(prefix)})
-  picked.load_state_dict(renamed)
+  fresh.load_state_dict(renamed)
+  return fresh.eval()
+
+
+GEMMA2 = dict(vocab_size=320, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+              max_position_embeddings=64, attn_implementation="eager")
+
+
+def _gemma2(seed: int, **changes):
+  torch.manual_seed(seed)
+  model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**{**GEMMA2, **changes}))
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.normal_(0.0, 0.3 if "norm" in name else 0.1)
+  return model.eval()
+
+
+@pytest.fixture(scope="module")
+def gemma2_checkpoint(tmp_path_factory):
+  """(directory, transformers model) of a 4-block Gemma 2: sliding, full, sliding, full, with a
+  window of 4, a third of the 12-token sequences."""
+  model = _gemma2(3, num_hidden_layers=4)
+  assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2
+  path = tmp_path_factory.mktemp("gemma2")
+  model.save_pretrained(path)
+  return str(path), model
+
+
+@pytest.mark.parametrize("layers", [(0, 2), (1, 0, 2)])
+def test_a_gemma2_student_from_teacher_blocks_keeps_their_attention(gemma2_checkpoint, layers,
+                                                                    tmp_path):
+  """Each copied block attends as in the teacher (two sliding blocks side by side; a full one
+  at an even position), in distillax, in the Hugging Face export as transformers reads it, and
+  GGUF export, whose gemma2 cannot say so, refuses in one line."""
+  path, model = gemma2_checkpoint
+  types = [model.config.layer_types[t] for t in layers]
+  config = distill.get_config("tiny")
+  config.teacher.hf_path, config.student.from_teacher.layers = path, layers
+  recipe = recipe_for(config)
+  assert recipe.model_config.local_layers() == [t == "sliding_attention" for t in types]
+  student, _ = _student(recipe)
+  picked = _from_blocks(model, layers, _gemma2(4, num_hidden_layers=len(layers),
+                                               layer_types=types))
   assert _max_diff(student, _logits(picked)) <= 1e-4
+  hf.save(student, tmp_path)
+  assert json.loads((tmp_path / "config.json").read_text())["layer_types"] == types
+  exported = transformers.AutoModelForCausalLM.from_pretrained(
+      str(tmp_path), attn_implementation="eager").eval()
+  assert exported.config.layer_types == types
+  assert _max_diff(student, _logits(exported)) <= 1e-4
+  assert hf.load(str(tmp_path)).config.local_layers() == student.config.local_layers()
+  with pytest.raises(UserError, match=r"llama.cpp's gemma2 runs layers \['sliding', 'full'"):
+    gguf_architecture(student.config)
+  # Blocks that alternate from a sliding one are what llama.cpp's gemma2 runs: exported.
+  assert gguf_architecture(recipe.teacher_model_config.select_layers((2, 1, 0))) == "gemma2"
 
 
 def test_a_student_from_a_preset_teacher_copies_the_teacher_it_distils_from():

@@ -104,6 +104,19 @@ def test_a_workdir_of_an_older_distillax_takes_its_identity_from_config_json(run
   assert _snapshot(run_copy) == before
 
 
+def test_a_field_newer_than_the_run_left_unset_is_the_same_job(run_copy, capsys):
+  """A job.json written before model.layer_types existed: this config leaves it None, the
+  model the run trains, so the run is the same job; set, it is another."""
+  job = json.loads((run_copy / JOB_FILE).read_text())
+  assert job["identity"].pop("model.layer_types") is None
+  (run_copy / JOB_FILE).write_text(json.dumps(job))
+  assert _train(run_copy, *LM_TINY) == 0
+  assert "already finished at step 6" in capsys.readouterr().out
+  full = "--config.model.layer_types=('full_attention', 'full_attention')"
+  assert _train(run_copy, *LM_TINY, full) == 2
+  assert "model.layer_types: <absent> there" in _error_line(capsys)[0]
+
+
 def test_a_config_json_no_distillax_run_wrote_is_never_overwritten(tmp_path, capsys):
   workdir = tmp_path / "mine"
   workdir.mkdir()

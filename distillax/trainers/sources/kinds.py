@@ -220,7 +220,7 @@ class BlocksSource(ModelSource):
     if outside:
       raise ConfigError(f"{self.named()} names blocks {outside} but the teacher has "
                         f"{whole.num_layers} (0..{whole.num_layers - 1}); pick blocks it has")
-    return whole.replace(num_layers=len(self.layers))
+    return whole.select_layers(self.layers)  # each block keeps its attention type
 
   def load(self, cfg, mesh, rules, *, seed):
     whole = self.of.load(self.of.model_config(), mesh, rules, seed=seed)  # bit for bit

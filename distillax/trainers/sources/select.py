@@ -69,6 +69,11 @@ def _check_layers(layers) -> None:
     raise ConfigError(f"student.from_teacher.layers={layers!r} must be teacher block indices "
                       f"(whole numbers from 0), e.g. --config.student.from_teacher.layers="
                       f"'(0, 2, 4)'")
+  twice = sorted({i for i in layers if layers.count(i) > 1})
+  if twice:
+    raise ConfigError(f"student.from_teacher.layers={layers!r} names block(s) {twice} more "
+                      f"than once; each teacher block is copied into the student once: list "
+                      f"distinct blocks, e.g. {tuple(dict.fromkeys(layers))}")
 
 
 def student_source(config, teacher: ModelSource | None = None) -> ModelSource:

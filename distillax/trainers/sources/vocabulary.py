@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 
+from distillax.data import make_tokenizer
 from distillax.errors import ConfigError, UserError
 from distillax.models.hf_tokenizer import byte_tokenizer_json
 from distillax.trainers.sources import files
@@ -43,6 +44,8 @@ def _tokenizer_files(sources, data_tokenizer: str) -> list[tuple[str, str]]:
   """(setting, tokenizer.json) of every tokenizer the job names: teacher, student, data."""
   out = [(s.named(), f) for s in sources if s is not None and (f := s.tokenizer_file())]
   data_file = files.hf_tokenizer_file(data_tokenizer)
+  if data_file and not os.path.isfile(data_file):
+    make_tokenizer(data_tokenizer)  # raises the one line naming data.tokenizer
   if data_file:
     out.append((f"data.tokenizer={data_tokenizer}", data_file))
   return out
