@@ -22,7 +22,7 @@ from distillax.errors import UserError
 from distillax.main import main
 from distillax.models import hf
 from distillax.models.transformer import layer_params
-from distillax.quant.gguf_export import gguf_architecture
+from distillax.edge.gguf_export import gguf_architecture
 from distillax.trainers import recipe_for
 from tests.models.helpers import forward
 
