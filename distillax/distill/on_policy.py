@@ -34,8 +34,9 @@ on_policy (the share of (micro-)batches that sampled).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -201,9 +202,12 @@ def _with_keys(out: ObjectiveOutput, sums: Mapping, ratios: Mapping, on: float) 
 def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
                              off_policy: Objective | None = None,
                              chunk_size: int | None = chunked.AUTO,
-                             teacher_key: str = TEACHER_KEY) -> Objective:
+                             teacher_key: str = TEACHER_KEY,
+                             sampling_context: Callable | None = None) -> Objective:
   """The step objective (see the module doc). `leaf`: GeneralizedJSD or SampledTokenKL;
-  `off_policy`: the teacher-forced objective of the (1 - lmbda) share (needed when lmbda < 1)."""
+  `off_policy`: the teacher-forced objective of the (1 - lmbda) share (needed when lmbda < 1);
+  `sampling_context`: a context manager factory sampling runs under (e.g. adapter dropout off)."""
+  sampling_context = sampling_context or contextlib.nullcontext
   chunked.check_chunk_size(chunk_size)
   if settings.lmbda < 1.0 and off_policy is None:
     raise ConfigError(f"on_policy.lmbda={settings.lmbda} < 1 mixes in the data's own "
@@ -213,7 +217,8 @@ def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
 
   def on_policy(student, extras, batch, rng) -> ObjectiveOutput:
     model, _ = unwrap_student(student)
-    rollout = sample_rollout(model, batch, jax.random.fold_in(rng, 1), settings)
+    with sampling_context():
+      rollout = sample_rollout(model, batch, jax.random.fold_in(rng, 1), settings)
     out = score_rollout(leaf, student, extras, scoring_batch(rollout, settings.pad_id),
                         chunk_size=chunk_size, teacher_key=teacher_key)
     out.ratios.update(completion_stats(rollout, settings.stops))
