@@ -23,6 +23,7 @@ from distillax import partitioning as pt
 from distillax import quant
 from distillax.data import make_eval_iterator, make_tokenizer
 from distillax.demo import edge
+from distillax.demo import on_policy
 from distillax.demo.stages import TRAINED_STAGES
 from distillax.framework import jsonio, losses
 from distillax.framework.backends import global_batch_placer
@@ -34,9 +35,13 @@ LABELS = {"teacher": "teacher", "student_scratch": "student, from scratch",
           "student_kd": "student, distilled",
           "student_kd_fp": "student, distilled + extra fp steps",
           "student_ptq_int4": "  ... + PTQ q4_0",
-          "student_qat_int4": "student, distilled + QAT q4_0 (same extra steps)"}
+          "student_qat_int4": "student, distilled + QAT q4_0 (same extra steps)",
+          "student_onpolicy": "student, distilled + on-policy (same extra steps)",
+          "student_qad_q4_0": "student, distilled + on-policy QAD q4_0 (same extra steps)"}
 ROWS = ("teacher", "student_scratch", "student_kd", "student_kd_fp", "student_ptq_int4",
-        "student_qat_int4")
+        "student_qat_int4", *on_policy.STAGES)
+# Stages that continue student_kd (their curves start at its last step).
+CONTINUING = ("student_kd_fp", "student_qat_int4", *on_policy.STAGES)
 
 
 def _evaluator(mesh, rules, teacher):
@@ -89,7 +94,7 @@ def _plot(pipeline, ptq_loss: float, path: str) -> None:
   fig, ax = plt.subplots(figsize=(8, 5))
   for stage in TRAINED_STAGES:
     xs, ys = _curve(pipeline.stage_dir(stage))
-    if stage in ("student_kd_fp", "student_qat_int4"):  # they continue student_kd
+    if stage in CONTINUING:
       xs = [x + int(pipeline.config.student_steps) for x in xs]
     ax.plot(xs, ys, marker="o", markersize=3, label=LABELS[stage])
   ax.axhline(ptq_loss, color="gray", linestyle="--", label=LABELS["student_ptq_int4"])
@@ -175,8 +180,8 @@ def _models_by_row(plain: dict, qcfg: dict, sample) -> dict:
   the QAT student with its fake quantization made real (PTQ of QAT-trained weights)."""
   models = dict(plain)
   models["student_ptq_int4"] = quant.quantize_post_training(plain["student_kd_fp"], qcfg, sample)
-  models["student_qat_int4"] = quant.quantize_post_training(plain["student_qat_int4"], qcfg,
-                                                            sample)
+  for row in ("student_qat_int4", "student_qad_q4_0"):
+    models[row] = quant.quantize_post_training(plain[row], qcfg, sample)
   return models
 
 
@@ -185,7 +190,7 @@ def _export_all(c, plain: dict, tokenizer, export_dir: str) -> tuple[dict, dict]
   the PTQ and QAT rows as q4_0) and returns (each row's bytes on disk, {edge row: GGUF path}):
   the size column measures what was actually written."""
   sizes = {}
-  for stage in ("teacher", "student_scratch", "student_kd", "student_kd_fp"):
+  for stage in ("teacher", "student_scratch", "student_kd", "student_kd_fp", "student_onpolicy"):
     path = os.path.join(export_dir, f"{stage}_fp32")
     hf.save(plain[stage], path)
     sizes[stage] = _dir_bytes(path)
@@ -193,6 +198,9 @@ def _export_all(c, plain: dict, tokenizer, export_dir: str) -> tuple[dict, dict]
                            os.path.join(export_dir, "gguf"))
   sizes["student_ptq_int4"] = os.path.getsize(paths["q4_0_ptq"])
   sizes["student_qat_int4"] = os.path.getsize(paths["q4_0_qat"])
+  paths["on_policy"] = on_policy.export_gguf(plain, tuple(c.quant_rules), tokenizer,
+                                             bool(c.data.add_bos), os.path.join(export_dir, "gguf"))
+  sizes["student_qad_q4_0"] = os.path.getsize(paths["on_policy"]["student_qad_q4_0"])
   return sizes, paths
 
 
@@ -282,7 +290,7 @@ def _edge_markdown(checks: dict, edge_rows: dict, greedy_tokens: int) -> list[st
 
 
 def _report_markdown(c, mesh, stages: dict, checks: dict, edge_rows: dict,
-                     samples: dict) -> str:
+                     samples: dict, on_policy_lines=()) -> str:
   """report.md: the setup, the table, the checks in words, the edge rows and the samples."""
   s = stages
   lines = [
@@ -298,6 +306,7 @@ def _report_markdown(c, mesh, stages: dict, checks: dict, edge_rows: dict,
       f"student and take the same {int(c.qat_steps)} extra steps; "
       f"{_recovery_words(checks['qat_recovery_of_ptq_degradation'], 'in distillax')}", "",
       *_edge_markdown(checks, edge_rows, int(c.edge_greedy_tokens)),
+      *on_policy_lines,
       "## Samples (temperature 0.7, top-p 0.9, seed 0)", ""]
   for name, texts in samples.items():
     for t in texts:
@@ -306,15 +315,15 @@ def _report_markdown(c, mesh, stages: dict, checks: dict, edge_rows: dict,
 
 
 def _write_report(workdir: str, report_md: str, stages: dict, checks: dict, edge_rows: dict,
-                  samples: dict) -> None:
+                  samples: dict, extra: dict | None = None) -> None:
   """report.md, and report.json with the stages at top level next to edge, checks, samples."""
   with open(os.path.join(workdir, "report.md"), "w") as f:
     f.write(report_md)
   # Strict JSON: a number that does not exist (PTQ's training speed, the recovery ratio when PTQ
   # costs nothing) is null, not NaN.
   with open(os.path.join(workdir, "report.json"), "w") as f:
-    jsonio.dump({**stages, "edge": edge_rows, "checks": checks, "samples": samples}, f,
-                indent=2)
+    jsonio.dump({**stages, "edge": edge_rows, "checks": checks, "samples": samples,
+                 **(extra or {})}, f, indent=2)
 
 
 def _token_nll(model, batch, mesh, rules) -> np.ndarray:
@@ -367,17 +376,22 @@ def build_report(pipeline) -> dict:
   plain = {s: load_trained_model(pipeline.stage_dir(s), mesh, rules) for s in TRAINED_STAGES}
   models = _models_by_row(plain, qcfg, sample)
   sizes, paths = _export_all(c, plain, tokenizer, os.path.join(workdir, "export"))
+  op_paths = paths.pop("on_policy")  # the on-policy section's files, not edge rows
   evaluate = _evaluator(mesh, rules, plain["teacher"])
   stages = _stage_rows(pipeline, evaluate, models, plain, sizes, placed)
   edge_rows, agreement, export_diff = _edge_rows(c, paths, batches, placed, models, tokenizer,
                                                  mesh, rules)
   checks = _checks(stages, edge_rows, export_diff, agreement, int(c.edge_greedy_tokens))
+  op_rows = on_policy.measure(c, plain, models, stages, tokenizer, mesh, rules, op_paths)
+  checks.update(on_policy.checks(op_rows))
   _plot(pipeline, stages["student_ptq_int4"]["val_loss"], os.path.join(workdir, "loss_curves.png"))
   edge.plot(edge_rows, os.path.join(workdir, "edge_size_quality.png"))
   samples = _samples({"teacher": plain["teacher"], "student_scratch": plain["student_scratch"],
                       "student_kd": plain["student_kd"]}, tokenizer, mesh, rules,
                      list(c.sample_prompts), int(c.sample_tokens))
-  report_md = _report_markdown(c, mesh, stages, checks, edge_rows, samples)
-  _write_report(workdir, report_md, stages, checks, edge_rows, samples)
+  report_md = _report_markdown(c, mesh, stages, checks, edge_rows, samples,
+                               on_policy.markdown(op_rows, on_policy.checks(op_rows), c))
+  _write_report(workdir, report_md, stages, checks, edge_rows, samples, {"on_policy": op_rows})
   print("\n" + report_md)
-  return {"stages": stages, "edge": edge_rows, "checks": checks, "samples": samples}
+  return {"stages": stages, "edge": edge_rows, "checks": checks, "samples": samples,
+          "on_policy": op_rows}
