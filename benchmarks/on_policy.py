@@ -21,8 +21,8 @@ Sampled tokens/s = B * T / seconds. TRL (when --trl-python is given): benchmarks
 runs in that interpreter on the same two models written by distillax's Hugging Face export
 (models/hf.save), the same prompts, T and batch; a GKDTrainer step is its training_step (HF
 generate with a KV cache, then the student's and teacher's forwards, the JSD and backward) plus
-the optimizer step. Its figures come back as JSON; the ratio is distillax step tokens/s over
-TRL's (target >= 3x). The first-step student logits of both systems on prompt 0 are compared
+the optimizer step, torch on --trl-threads threads (default 1, see on_policy_trl.py). Its
+figures come back as JSON; the ratio is distillax step tokens/s over TRL's (target >= 3x). The first-step student logits of both systems on prompt 0 are compared
 (the same weights reach both).
 
 Writes benchmarks/results/on_policy.json.
@@ -190,7 +190,8 @@ def export_models(programs: DistillaxPrograms, tokenizer, folder: Path) -> dict:
 def run_trl(python: str, s: dict, paths: dict, prompt_ids, pad_id: int, folder: Path) -> dict:
   spec = {"student": paths["student"], "teacher": paths["teacher"], "prompts": prompt_ids,
           "max_new_tokens": s["max_new_tokens"], "beta": BETA, "temperature": TEMPERATURE,
-          "reps": s["reps"], "pad_id": pad_id, "out": str(folder / "trl.json")}
+          "reps": s["reps"], "pad_id": pad_id, "out": str(folder / "trl.json"),
+          "threads": s["trl_threads"]}
   (folder / "trl_spec.json").write_text(json.dumps(spec))
   script = Path(__file__).resolve().parent / "on_policy_trl.py"
   # -P: benchmarks/ must not shadow packages (benchmarks/peft.py vs peft)
@@ -213,7 +214,8 @@ def print_report(s: dict, d: dict, trl: dict | None) -> None:
   print(f"sampled tokens/s: step {d['step_tokens_per_s']:.0f}, sampling program "
         f"{d['sampling_tokens_per_s']:.0f}, Sampler alone {d['sampler_tokens_per_s']:.0f}")
   if trl:
-    print(f"TRL GKDTrainer: step {common.fmt_ms(trl['step_s'])} ms (generate "
+    print(f"TRL GKDTrainer ({trl['torch_threads']} torch threads): step "
+          f"{common.fmt_ms(trl['step_s'])} ms (generate "
           f"{common.fmt_ms(trl['generate_s'])} ms), {trl['step_tokens_per_s']:.0f} sampled "
           f"tokens/s; distillax / TRL = {d['step_tokens_per_s'] / trl['step_tokens_per_s']:.2f}x")
 
@@ -222,12 +224,15 @@ def main() -> int:
   parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=1)
   parser.add_argument("--reps", type=int, default=0, help="timed rounds")
   parser.add_argument("--trl-python", default="", help="an interpreter with trl installed")
+  parser.add_argument("--trl-threads", type=int, default=1,
+                      help="torch intra-op threads of the TRL run (see on_policy_trl.py)")
   args = subproc.parse_args_before_jax(parser)
   from benchmarks import common
   from distillax.data import ByteTokenizer, padded_vocab_size
 
   s = settings(args.quick)
   s["reps"] = args.reps or s["reps"]
+  s["trl_threads"] = args.trl_threads
   tokenizer = ByteTokenizer()
   vocab = padded_vocab_size(tokenizer)
   student_cfg, teacher_cfg = model_configs(s, vocab)

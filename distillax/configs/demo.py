@@ -34,6 +34,16 @@ def _edge_settings(c: ml_collections.ConfigDict) -> None:
   c.edge_threads = 1
 
 
+def _on_policy_settings() -> ml_collections.ConfigDict:
+  """The on-policy stages (the same qat_steps from student_kd): how the student samples and is
+  graded (configs/on_policy.py's section, sized for the demo)."""
+  c = on_policy_section()
+  c.prompt_len = 16  # the first 16 tokens of a document
+  c.max_new_tokens = 32  # the student's completion, up to EOS
+  c.num_prompts = 1024  # train documents the steps take prompts from
+  return c
+
+
 def get_config(arg: str | None = None):
   b = base_config()
   c = ml_collections.ConfigDict()
@@ -75,11 +85,7 @@ def get_config(arg: str | None = None):
   # QAT/PTQ/export: llama.cpp's q4_0 weights and q8_0 activations; the tied embedding (module
   # path "") stays full precision, as deployments usually keep it.
   c.quant_rules = Q4_0_RULES
-  # On-policy stages (the same qat_steps from student_kd): how the student samples and is graded.
-  c.on_policy = on_policy_section()
-  c.on_policy.prompt_len = 16  # the first 16 tokens of a document
-  c.on_policy.max_new_tokens = 32  # the student's completion, up to EOS
-  c.on_policy.num_prompts = 1024  # train documents the steps take prompts from
+  c.on_policy = _on_policy_settings()
   _edge_settings(c)
   c.report_eval_batches = 16  # validation batches behind every number of the report
   c.sample_prompts = ("def ", "import ", "class ")  # samples printed at the end
