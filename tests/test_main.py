@@ -71,7 +71,7 @@ def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path,
   else:  # PTQ is not worse than full precision: no degradation, no ratio to report
     assert recovery is None and "nothing for QAT to recover" in markdown
   for stage in ("teacher", "student_scratch", "student_kd", "student_kd_fp",
-                "student_ptq_int4", "student_qat_int4"):
+                "student_ptq_int4", "student_qat_int4", "student_onpolicy", "student_qad_q4_0"):
     assert np.isfinite(report[stage]["val_loss"]), stage
     assert (workdir / stage / "summary.json").exists() or stage == "student_ptq_int4"
   assert report["teacher"]["top1_agreement"] == 1.0
@@ -101,7 +101,7 @@ def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path,
               <= 2 / printed["eval_tokens"]), stage
   capsys.readouterr()
   assert main(argv) == 0
-  assert capsys.readouterr().out.count("finished earlier, reusing") == 5
+  assert capsys.readouterr().out.count("finished earlier, reusing") == 7
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@
 Stages (each its own workdir under the demo workdir; rerunning resumes/reuses them): teacher
 pretraining, student from scratch (the baseline), distilled student (LogitKD + feature pooling),
 quantization-aware distillation to llama.cpp's q4_0 weights / q8_0 activations, PTQ for
-comparison; then the students exported as GGUF (f32, f16, q8_0 / q4_0 PTQ, q4_0 QAT) and run in
+comparison, on-policy distillation and on-policy QAD from the distilled student; then the students exported as GGUF (f32, f16, q8_0 / q4_0 PTQ, q4_0 QAT) and run in
 llama.cpp on this CPU (validation loss, bytes, tokens/s, peak RSS); report.md, report.json,
 loss_curves.png and edge_size_quality.png in the workdir.
 """
@@ -17,6 +17,7 @@ import ml_collections
 
 from distillax.configs import sections
 from distillax.configs.common import base_config, model_config, parse_arg
+from distillax.configs.on_policy import on_policy_section
 
 # llama.cpp's q4_0 weights with q8_0 activations (what its CPU kernels compute for q4_0 files),
 # so QAT trains against the deployed rounding; the tied embedding (module path "") stays f32.
@@ -31,6 +32,16 @@ def _edge_settings(c: ml_collections.ConfigDict) -> None:
   # llama.cpp threads. 1: at this model size a thread barrier costs more than a matmul, and on a
   # shared machine a descheduled worker stalls the others (2 threads here timed 10x apart).
   c.edge_threads = 1
+
+
+def _on_policy_settings() -> ml_collections.ConfigDict:
+  """The on-policy stages (the same qat_steps from student_kd): how the student samples and is
+  graded (configs/on_policy.py's section, sized for the demo)."""
+  c = on_policy_section()
+  c.prompt_len = 16  # the first 16 tokens of a document
+  c.max_new_tokens = 32  # the student's completion, up to EOS
+  c.num_prompts = 1024  # train documents the steps take prompts from
+  return c
 
 
 def get_config(arg: str | None = None):
@@ -77,6 +88,7 @@ def get_config(arg: str | None = None):
   # QAT/PTQ/export: llama.cpp's q4_0 weights and q8_0 activations; the tied embedding (module
   # path "") stays full precision, as deployments usually keep it.
   c.quant_rules = Q4_0_RULES
+  c.on_policy = _on_policy_settings()
   _edge_settings(c)
   c.sample_prompts = ("def ", "import ", "class ")  # samples printed at the end
   c.sample_tokens = 48  # tokens generated per sample
@@ -91,4 +103,5 @@ def get_config(arg: str | None = None):
     c.data.shuffle_buffer = 64
     c.sample_tokens = 8
     c.edge_decode_tokens, c.edge_speed_rounds = 16, 2
+    c.on_policy.prompt_len, c.on_policy.max_new_tokens, c.on_policy.eval_prompts = 8, 8, 8
   return c

@@ -33,7 +33,7 @@ from distillax import partitioning as pt
 from distillax import quant
 from distillax.data import batch as batch_spec
 from distillax.data import make_eval_iterator, make_tokenizer
-from distillax.demo import edge
+from distillax.demo import edge, on_policy
 from distillax.demo.stages import TRAINED_STAGES
 from distillax.evaluate import restore_onto, run_recipe
 from distillax.framework.evaluation import PerToken, evaluate
@@ -48,7 +48,8 @@ ROW_SOURCES = {"teacher": ("teacher", "teacher"),
                "student_kd": ("student_kd", "student_kd"),
                "student_kd_fp": ("student_kd_fp", "student_kd_fp"),
                "student_ptq_int4": ("student_qat_int4", "student_kd_fp"),
-               "student_qat_int4": ("student_qat_int4", "student_qat_int4")}
+               "student_qat_int4": ("student_qat_int4", "student_qat_int4"),
+               **{stage: (stage, stage) for stage in on_policy.STAGES}}
 ROWS = tuple(ROW_SOURCES)
 
 
@@ -145,7 +146,7 @@ def export_all(d: DemoInputs, export_dir: str) -> tuple[dict, dict]:
   the PTQ and QAT rows as q4_0) and returns (each row's bytes on disk, {edge row: GGUF path}):
   the size column measures what was actually written."""
   c, sizes = d.config, {}
-  for stage in ("teacher", "student_scratch", "student_kd", "student_kd_fp"):
+  for stage in ("teacher", "student_scratch", "student_kd", "student_kd_fp", "student_onpolicy"):
     path = os.path.join(export_dir, f"{stage}_fp32")
     hf.save(d.plain[stage], path)
     sizes[stage] = _dir_bytes(path)
@@ -153,7 +154,22 @@ def export_all(d: DemoInputs, export_dir: str) -> tuple[dict, dict]:
                            os.path.join(export_dir, "gguf"))
   sizes["student_ptq_int4"] = os.path.getsize(paths["q4_0_ptq"])
   sizes["student_qat_int4"] = os.path.getsize(paths["q4_0_qat"])
+  paths["on_policy"] = on_policy.export_gguf(d.plain, tuple(c.quant_rules), d.tokenizer,
+                                             bool(c.data.add_bos), os.path.join(export_dir, "gguf"))
+  sizes["student_qad_q4_0"] = os.path.getsize(paths["on_policy"]["student_qad_q4_0"])
   return sizes, paths
+
+
+def on_policy_rows(d: DemoInputs, stages: dict, paths: dict) -> dict:
+  """The on-policy section (demo/on_policy.py): what each student writes on held-out prompts,
+  graded by the teacher; the q4_0 rows with their fake quantization made real, and sampled
+  from their GGUF files in llama.cpp too."""
+  qcfg = {"rules": [tuple(r) for r in d.config.quant_rules]}
+  sample = jnp.asarray(d.batches[0][batch_spec.INPUTS][:1])
+  models = {**d.plain, **{row: quant.quantize_post_training(d.plain[row], qcfg, sample)
+                          for row in ("student_qat_int4", "student_qad_q4_0")}}
+  return on_policy.measure(d.config, d.plain, models, stages, d.tokenizer, d.mesh, d.rules,
+                           paths)
 
 
 def _prompt_batch(tokenizer, mesh, prompts):
@@ -260,11 +276,14 @@ def measure_all(pipeline) -> dict:
   evals = evaluate_rows(d)
   sizes, paths = export_all(d, os.path.join(pipeline.workdir, "export"))
   stages = stage_rows(d, evals, sizes)
+  op_paths = paths.pop("on_policy")  # the on-policy section's files, not edge rows
   edge_figures, agreement, export_diff = edge_rows(d, paths, evals["student_qat_int4"][1])
-  return {"setup": setup(d), "stages": stages, "edge": edge_figures,
-          "checks": checks(stages, edge_figures, export_diff, agreement,
-                           int(d.config.edge_greedy_tokens)),
-          "samples": samples(d)}
+  op_rows = on_policy_rows(d, stages, op_paths)
+  all_checks = checks(stages, edge_figures, export_diff, agreement,
+                      int(d.config.edge_greedy_tokens))
+  all_checks.update(on_policy.checks(op_rows))
+  return {"setup": setup(d), "stages": stages, "edge": edge_figures, "checks": all_checks,
+          "samples": samples(d), "on_policy": op_rows}
 
 
 __all__ = ["DemoInputs", "ROWS", "ROW_SOURCES", "measure_all", "top1_agreement"]

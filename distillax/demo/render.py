@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 
-from distillax.demo import edge
+from distillax.demo import edge, on_policy
 from distillax.demo.measure import ROWS
 from distillax.demo.stages import TRAINED_STAGES
 from distillax.framework import jsonio
@@ -21,7 +21,11 @@ LABELS = {"teacher": "teacher", "student_scratch": "student, from scratch",
           "student_kd": "student, distilled",
           "student_kd_fp": "student, distilled + extra fp steps",
           "student_ptq_int4": "  ... + PTQ q4_0",
-          "student_qat_int4": "student, distilled + QAT q4_0 (same extra steps)"}
+          "student_qat_int4": "student, distilled + QAT q4_0 (same extra steps)",
+          "student_onpolicy": "student, distilled + on-policy (same extra steps)",
+          "student_qad_q4_0": "student, distilled + on-policy QAD q4_0 (same extra steps)"}
+# Stages that continue student_kd (their curves start at its last step).
+CONTINUING = ("student_kd_fp", "student_qat_int4", *on_policy.STAGES)
 
 
 def _curve(stage_dir: str):
@@ -39,7 +43,7 @@ def plot_curves(pipeline, sections: dict, path: str) -> None:
   fig, ax = plt.subplots(figsize=(8, 5))
   for stage in TRAINED_STAGES:
     xs, ys = _curve(pipeline.stage_dir(stage))
-    if stage in ("student_kd_fp", "student_qat_int4"):  # they continue student_kd
+    if stage in CONTINUING:
       xs = [x + int(pipeline.config.student_steps) for x in xs]
     ax.plot(xs, ys, marker="o", markersize=3, label=LABELS[stage])
   ax.axhline(sections["stages"]["student_ptq_int4"]["val_loss"], color="gray", linestyle="--",
@@ -145,8 +149,13 @@ def _samples_markdown(c, sections: dict) -> list[str]:
   return lines
 
 
+def _on_policy_markdown(c, sections: dict) -> list[str]:
+  rows = sections["on_policy"]
+  return on_policy.markdown(rows, on_policy.checks(rows), c)
+
+
 # report.md, top to bottom: each renderer (demo config, sections) -> lines.
-MARKDOWN_SECTIONS = (_stages_markdown, _edge_markdown, _samples_markdown)
+MARKDOWN_SECTIONS = (_stages_markdown, _edge_markdown, _on_policy_markdown, _samples_markdown)
 
 
 def report_markdown(c, sections: dict) -> str:

@@ -14,6 +14,7 @@ import ml_collections
 
 from distillax.configs import sections
 from distillax.configs.common import base_config
+from distillax.demo import on_policy
 from distillax.trainers.workdir import check_workdir
 
 # The quantized stage keeps its name student_qat_int4 (and the report its PTQ row
@@ -22,8 +23,10 @@ from distillax.trainers.workdir import check_workdir
 # student_kd_fp: the distilled student trained on, in full precision, for as many extra steps as
 # QAT takes: the fair source of the PTQ baseline and the full-precision reference of the QAT
 # recovery ratio (QAT must not win merely by training longer).
+# student_onpolicy and student_qad_q4_0 (demo/on_policy.py): the same extra steps on the
+# student's own samples, full precision and q4_0.
 TRAINED_STAGES = ("teacher", "student_scratch", "student_kd", "student_kd_fp",
-                  "student_qat_int4")
+                  "student_qat_int4", *on_policy.STAGES)
 
 
 def _copy_common(c: ml_collections.ConfigDict, demo: ml_collections.ConfigDict) -> None:
@@ -69,6 +72,10 @@ def stage_config(demo: ml_collections.ConfigDict, stage: str, workdir: str
     if stage == "student_qat_int4":
       c.qat.rules = tuple(demo.quant_rules)
     return c
+  if stage in on_policy.STAGES:
+    if stage == "student_qad_q4_0":
+      c.qat.rules = tuple(demo.quant_rules)
+    return on_policy.stage_config(c, demo, workdir)
   raise ValueError(f"unknown demo stage {stage!r}")
 
 

@@ -96,15 +96,15 @@ def _document_prompt(document, tokenizer, template, head: list[int], prompt_len:
   return Prompt(np.asarray(ids, np.int32), kind, context)
 
 
-def take_prompt_records(data_cfg, tokenizer, *, count: int, prompt_len: int, seed: int
-                        ) -> list[Prompt]:
+def take_prompt_records(data_cfg, tokenizer, *, count: int, prompt_len: int, seed: int,
+                        split: str = "train") -> list[Prompt]:
   """Prompts from `count` train documents in a seeded order: the first `prompt_len` tokens
   ([BOS] + text) of a text document; the whole prompt of a chat or prompt/completion record,
-  skipped when longer than `prompt_len` tokens."""
+  skipped when longer than `prompt_len` tokens. split='eval': from the held-out documents."""
   from distillax.data import resolve_data_config, split_documents
   from distillax.data.chat import template_for
   cfg = resolve_data_config(data_cfg)
-  documents = split_documents(cfg, "train")
+  documents = split_documents(cfg, split)
   head = [tokenizer.bos_id] if cfg.add_bos and tokenizer.bos_id is not None else []
   template = template_for(tokenizer, str(cfg.get("chat_template") or ""))
   prompts = []
@@ -115,7 +115,7 @@ def take_prompt_records(data_cfg, tokenizer, *, count: int, prompt_len: int, see
     if len(prompts) == count:
       break
   if not prompts:
-    raise UserError(f"no train document of data.source={cfg.source!r} gives a sequence-KD "
+    raise UserError(f"no {split} document of data.source={cfg.source!r} gives a sequence-KD "
                     f"prompt (non-empty, and for chats and prompts at most "
                     f"sequence_kd.prompt_len={prompt_len} tokens); raise sequence_kd.prompt_len")
   return prompts
@@ -129,7 +129,7 @@ def take_prompts(data_cfg, tokenizer, *, count: int, prompt_len: int, seed: int
                                                 prompt_len=prompt_len, seed=seed)]
 
 
-def _stop_ids(tokenizer) -> set[int]:
+def stop_ids(tokenizer) -> set[int]:
   """Ids that end an answer: BOS, EOS, padding and every special token (e.g. an end of turn)."""
   stops = {t for t in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) if t is not None}
   for token in getattr(tokenizer, "control_tokens", ()):
@@ -147,7 +147,7 @@ def sample_record(prompt: Prompt, continuation: list[int], tokenizer, include_pr
                 if t is not None}
     ids = (prompt.tokens.tolist() if include_prompt else []) + continuation
     return {"text": tokenizer.decode([t for t in ids if t not in specials])}
-  stops = _stop_ids(tokenizer)
+  stops = stop_ids(tokenizer)
   cut = next((i for i, t in enumerate(continuation) if t in stops), len(continuation))
   answer = tokenizer.decode(continuation[:cut])
   if prompt.kind == "chat":
@@ -198,5 +198,5 @@ def write_jsonl(path: str, samples: list[dict]) -> None:
   os.replace(tmp, path)
 
 
-__all__ = ["Prompt", "generate_samples", "sample_record", "take_prompt_records", "take_prompts",
-           "write_jsonl"]
+__all__ = ["Prompt", "generate_samples", "sample_record", "stop_ids", "take_prompt_records",
+           "take_prompts", "write_jsonl"]

@@ -12,7 +12,9 @@ data): there gradients, losses and token counts are `psum`-reduced explicitly, o
 after the micro-batches and every use of a shared weight have been summed locally.
 
 Random draws (dropout) depend on the data-parallel layout: each worker folds its index into the
-step's key, and each micro-batch its number.
+step's key, and each micro-batch its number. An objective whose draws must not depend on the
+layout (on-policy sampling keys each row by its global row id) sets `rng_per_worker = False`
+on itself: every worker then gets the step's key unchanged.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class ObjectiveOutput:
   loss_sum: jax.Array  # sum of the per-token loss over real tokens of this (micro-)batch
   tokens: jax.Array  # number of real (non-padding) tokens that went into loss_sum
   sums: dict[str, jax.Array]  # per-token metric sums, reported divided by global tokens
+  # Means over counts other than `tokens` (e.g. per sampled sequence): {name: (numerator sum,
+  # denominator sum)}, reported as the global numerator over the global denominator (0 where
+  # that is 0). Train steps report them; eval steps do not.
+  ratios: dict[str, tuple[jax.Array, jax.Array]] = flax.struct.field(default_factory=dict)
 
 
 # (trainable model, frozen extras by name, batch, rng) -> ObjectiveOutput
@@ -49,6 +55,11 @@ def split_microbatches(batch: Batch, accum_steps: int) -> Batch:
     b = x.shape[0]
     return jnp.swapaxes(x.reshape((b // accum_steps, accum_steps) + x.shape[1:]), 0, 1)
   return jax.tree.map(split, batch)
+
+
+def _ratio(numerator: jax.Array, denominator: jax.Array) -> jax.Array:
+  denominator = denominator.astype(jnp.float32)
+  return jnp.where(denominator > 0, numerator / jnp.maximum(denominator, 1e-30), 0.0)
 
 
 def _storage_cast(p32, like):
@@ -65,7 +76,7 @@ def make_train_step(defs: ModelDefs, objective: Objective, tx: optax.GradientTra
 
   def step(state: TrainState, batch: Batch):
     step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    if axis_name:
+    if axis_name and getattr(objective, "rng_per_worker", True):
       # Each worker draws its own randomness (dropout) for its own rows of the batch.
       step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
     params32 = master_dtype_params(state.params)
@@ -97,6 +108,7 @@ def make_train_step(defs: ModelDefs, objective: Objective, tx: optax.GradientTra
     grads = jax.tree.map(lambda g: reduce(g) / denom, grads)
     loss = reduce(out.loss_sum) / denom
     sums = {k: reduce(v) / denom for k, v in out.sums.items()}
+    sums.update({k: _ratio(reduce(n), reduce(d)) for k, (n, d) in out.ratios.items()})
 
     updates, opt_state = tx.update(grads, state.opt_state, params32)
     new_params = _storage_cast(optax.apply_updates(params32, updates), state.params)

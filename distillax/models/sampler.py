@@ -35,6 +35,7 @@ class SamplingConfig:
   top_p: float | None = None
   eos_id: int | None = None
   pad_id: int = 0
+  stop_ids: tuple[int, ...] = ()  # more ids that end a row like EOS (e.g. an end of turn)
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -52,11 +53,15 @@ class SamplingConfig:
 class GenerationOutput:
   """tokens_BxT: generated tokens, pad_id after an EOS. lengths_B: tokens generated per row
   (EOS included). logprobs_BxT: the model's log-probability (temperature 1, no filtering) of
-  each generated token, 0 after EOS: what sequence-level distillation needs."""
+  each generated token, 0 after EOS: what sequence-level distillation needs.
+  sample_logprobs_BxT: the log-probability of each token under the distribution it was drawn
+  from (temperature, top-k, top-p applied; 0 when greedy and after EOS): what an importance
+  weight between sampler and learner needs."""
 
   tokens_BxT: jax.Array
   lengths_B: jax.Array
   logprobs_BxT: jax.Array
+  sample_logprobs_BxT: jax.Array
 
 
 def filter_logits(logits_BxV: jax.Array, cfg: SamplingConfig) -> jax.Array:
@@ -76,49 +81,94 @@ def filter_logits(logits_BxV: jax.Array, cfg: SamplingConfig) -> jax.Array:
 
 
 def sample_token(logits_BxV: jax.Array, key: jax.Array, cfg: SamplingConfig) -> jax.Array:
+  """One token per row; `key` is one key for the batch, or a (B,) array of per-row keys."""
+  return _sample(logits_BxV, key, cfg)[0]
+
+
+def _sample(logits_BxV, key, cfg: SamplingConfig):
+  """(token_B, log-probability of it under the distribution it was drawn from)."""
   if cfg.temperature == 0:
-    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-  return jax.random.categorical(key, filter_logits(logits_BxV, cfg), axis=-1).astype(jnp.int32)
+    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), jnp.zeros(logits_BxV.shape[:1])
+  filtered_BxV = filter_logits(logits_BxV, cfg)
+  if _per_row(key):  # a row's draw does not depend on the other rows
+    token_B = jax.vmap(jax.random.categorical)(key, filtered_BxV).astype(jnp.int32)
+  else:
+    token_B = jax.random.categorical(key, filtered_BxV, axis=-1).astype(jnp.int32)
+  logp_B = jnp.take_along_axis(jax.nn.log_softmax(filtered_BxV), token_B[:, None], -1)[:, 0]
+  return token_B, logp_B
 
 
-def _generate(graphdef, state, prompt_BxP, lengths_B, key, cfg: SamplingConfig, cache_dtype):
-  model = nnx.merge(graphdef, state)
+def right_align(prompt_BxP: jax.Array, lengths_B: jax.Array):
+  """(prompt, segment ids, positions), each (B, P): row b moved P - lengths_B[b] slots right,
+  the wrapped-in slots padding (segment 0), positions counting real tokens from 0."""
   B, P = prompt_BxP.shape
   shift_B = P - lengths_B
-  # Right-align the prompts: row b moves shift_B[b] slots right; the wrapped-in slots are padding.
   prompt_BxP = jax.vmap(jnp.roll)(prompt_BxP, shift_B)
   slots_BxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
   segments_BxP = (slots_BxP >= shift_B[:, None]).astype(jnp.int32)
   positions_BxP = jnp.maximum(slots_BxP - shift_B[:, None], 0)
+  return prompt_BxP, segments_BxP, positions_BxP
+
+
+def _per_row(key: jax.Array) -> bool:
+  """A (B,) array of typed PRNG keys, one per row (a raw uint32[2] key is one key)."""
+  return jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim == 1
+
+
+def _step_keys(key: jax.Array, steps: int) -> jax.Array:
+  """One key per decode step, (steps,), or (steps, B) from (B,) per-row keys."""
+  if _per_row(key):
+    return jax.vmap(lambda t: jax.vmap(jax.random.fold_in, (0, None))(key, t))(
+        jnp.arange(steps))
+  return jax.random.split(key, steps)
+
+
+def decode(model: Transformer, prompt_BxP: jax.Array, lengths_B: jax.Array, key: jax.Array,
+           cfg: SamplingConfig, cache_dtype=None) -> GenerationOutput:
+  """Continues each prompt (right-padded, real lengths `lengths_B`) by `cfg.max_new_tokens`
+  tokens: one prefill and a `lax.scan` of single-token steps over a KV cache. A pure function
+  of the model's arrays, callable inside any traced program (the Sampler's jit, a train
+  step). `key`: one PRNG key, or a (B,) array of keys, one per row."""
+  B, P = prompt_BxP.shape
+  prompt_BxP, segments_BxP, positions_BxP = right_align(prompt_BxP, lengths_B)
   cache = KVCache.zeros(model.config, B, P + cfg.max_new_tokens, cache_dtype)
   out = model(prompt_BxP, positions_BxL=positions_BxP, segment_ids_BxL=segments_BxP,
               cache=cache, return_logits=False)
   logits_BxV = model.logits_from_hidden(out.final_hidden_BxLxD[:, -1])
+  stops = tuple(dict.fromkeys(([] if cfg.eos_id is None else [cfg.eos_id]) + list(cfg.stop_ids)))
 
   def emit(logits_BxV, key, done_B):
-    token_B = sample_token(logits_BxV, key, cfg)
+    token_B, sample_logp_B = _sample(logits_BxV, key, cfg)
     logprob_B = jnp.take_along_axis(jax.nn.log_softmax(logits_BxV), token_B[:, None], -1)[:, 0]
     token_B = jnp.where(done_B, cfg.pad_id, token_B)
     logprob_B = jnp.where(done_B, 0.0, logprob_B)
-    now_done_B = done_B if cfg.eos_id is None else done_B | (token_B == cfg.eos_id)
-    return token_B, logprob_B, now_done_B
+    sample_logp_B = jnp.where(done_B, 0.0, sample_logp_B)
+    now_done_B = done_B
+    for stop in stops:
+      now_done_B = now_done_B | (token_B == stop)
+    return token_B, (logprob_B, sample_logp_B), now_done_B
 
   def step(carry, step_key):
     cache, token_B, position_B, done_B = carry
     out = model(token_B[:, None], positions_BxL=position_B[:, None],
                 segment_ids_BxL=jnp.ones((B, 1), jnp.int32), cache=cache)
-    next_B, logprob_B, next_done_B = emit(out.logits_BxLxV[:, 0], step_key, done_B)
-    return (out.cache, next_B, position_B + 1, next_done_B), (next_B, logprob_B, done_B)
+    next_B, logprobs, next_done_B = emit(out.logits_BxLxV[:, 0], step_key, done_B)
+    return (out.cache, next_B, position_B + 1, next_done_B), (next_B, logprobs, done_B)
 
-  keys = jax.random.split(key, cfg.max_new_tokens)
-  first_B, first_logprob_B, done_B = emit(logits_BxV, keys[0], jnp.zeros((B,), bool))
+  keys = _step_keys(key, cfg.max_new_tokens)
+  first_B, first_logprobs, done_B = emit(logits_BxV, keys[0], jnp.zeros((B,), bool))
   carry = (out.cache, first_B, lengths_B, done_B)
-  _, (rest_TxB, rest_logprobs_TxB, was_done_TxB) = jax.lax.scan(step, carry, keys[1:])
-  tokens_BxT = jnp.concatenate([first_B[:, None], rest_TxB.T], axis=1)
-  logprobs_BxT = jnp.concatenate([first_logprob_B[:, None], rest_logprobs_TxB.T], axis=1)
+  _, (rest_TxB, rest_logprobs, was_done_TxB) = jax.lax.scan(step, carry, keys[1:])
+  join = lambda first_B, rest_TxB: jnp.concatenate([first_B[:, None], rest_TxB.T], axis=1)
   # A token counts unless the row had already finished before it.
   counted_BxT = jnp.concatenate([jnp.ones((B, 1), bool), ~was_done_TxB.T], axis=1)
-  return GenerationOutput(tokens_BxT, counted_BxT.sum(axis=1).astype(jnp.int32), logprobs_BxT)
+  return GenerationOutput(join(first_B, rest_TxB), counted_BxT.sum(axis=1).astype(jnp.int32),
+                          join(first_logprobs[0], rest_logprobs[0]),
+                          join(first_logprobs[1], rest_logprobs[1]))
+
+
+def _generate(graphdef, state, prompt_BxP, lengths_B, key, cfg: SamplingConfig, cache_dtype):
+  return decode(nnx.merge(graphdef, state), prompt_BxP, lengths_B, key, cfg, cache_dtype)
 
 
 class Sampler:

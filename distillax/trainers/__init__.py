@@ -4,9 +4,9 @@
     summary = Trainer(recipe_for(config), workdir).run()
 
 `recipe_for` picks the recipe by the config's `trainer` field: lm (lm.py), distill
-(distill.py; with `teacher.cache_dir`, distill_cached.py), sequence_kd (sequence_kd.py).
-Importing this package registers them all. Every model's weights come from `sources` (one
-room).
+(distill.py; with `teacher.cache_dir`, distill_cached.py), sequence_kd (sequence_kd.py),
+on_policy (on_policy.py). Importing this package registers them all. Every model's weights
+come from `sources` (one room).
 """
 
 from distillax.trainers.base import Trainer
@@ -14,13 +14,15 @@ from distillax.trainers.distill import DistillRecipe, strategy_from_config
 from distillax.trainers.distill_cached import CachedDistillRecipe
 from distillax.trainers.lm import LMRecipe, lm_objective
 from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
+from distillax.trainers.on_policy import OnPolicyRecipe
 from distillax.trainers.registry import recipe_class, recipe_for
 from distillax.trainers.sequence_kd import SequenceKDRecipe
 from distillax.trainers.sources import (is_hf_checkpoint, load_run_config, resolve_model_config,
                                         RunSource)
 from distillax.trainers.saved import load_trained_model, restore_run_state
 
-__all__ = ["CachedDistillRecipe", "DistillRecipe", "Engines", "LMRecipe", "Recipe", "RunSource",
+__all__ = ["CachedDistillRecipe", "DistillRecipe", "Engines", "LMRecipe", "OnPolicyRecipe", "Recipe",
+           "RunSource",
            "SequenceKDRecipe", "Trainer", "check_recipe_data", "is_hf_checkpoint", "load_run_config",
            "load_trained_model", "lm_objective", "recipe_class", "recipe_for",
            "resolve_model_config", "restore_run_state", "strategy_from_config"]

@@ -1,0 +1,41 @@
+"""The demo's llama.cpp on-policy figure measures what it claims: greedy samples of a q4_0 GGUF
+file in llama.cpp are distillax's greedy samples of the same quantized model, and the teacher's
+NLL and the reverse KL computed from llama.cpp's logits equal distillax's own figure for them."""
+
+import numpy as np
+import pytest
+
+from distillax.demo.on_policy import gguf_figures, sample_gguf
+from distillax.distill.on_policy import OnPolicySettings
+from distillax.distill.on_policy_eval import OnPolicyEvaluator
+from distillax.models.config import get_preset
+from distillax.models.init import create_model
+from distillax.quant import quantize_post_training
+from distillax.edge.gguf_export import write_gguf
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+RULES = (("", None, None, None), (".*", "q4_0", "q8_0", None))
+
+
+def test_llama_cpp_samples_and_figures_match_distillax(tmp_path):
+  config = get_preset("tiny", vocab_size=384, num_layers=1)  # the byte vocabulary, padded
+  student = create_model(config, seed=3)
+  teacher = create_model(config.replace(num_layers=2), seed=4)
+  path = str(tmp_path / "student-q4_0.gguf")
+  write_gguf(student, path, quant="q4_0", rules=RULES, add_bos=False)
+  quantized = quantize_post_training(student, {"rules": list(RULES)})
+  prompts = [np.array([1, 70, 101, 32, 9], np.int32), np.array([1, 100, 101, 102], np.int32),
+             np.array([1, 40, 41, 42, 43, 44], np.int32), np.array([1, 33], np.int32)]
+  settings = OnPolicySettings(max_new_tokens=10, temperature=0.0, eos_id=2, pad_id=0)
+  ours = OnPolicyEvaluator(settings)(quantized, teacher, prompts, seed=0)
+  samples = sample_gguf(path, prompts, settings, seed=0)
+  # Greedy in both: the same tokens, unless two logits are within llama.cpp's rounding.
+  agree = [sum(a == b for a, b in zip(ids, mine)) for (ids, _), (_, mine) in
+           zip(samples, ours.samples)]
+  assert agree == [len(mine) for _, mine in ours.samples]
+  theirs = gguf_figures(path, teacher, prompts, settings, 0, None, None)
+  for key in ("on_policy_teacher_nll", "on_policy_reverse_kl"):
+    np.testing.assert_allclose(theirs[key], ours.figures[key], rtol=2e-3, atol=2e-4,
+                               err_msg=key)
+  assert theirs["on_policy_tokens"] == ours.figures["on_policy_tokens"]

@@ -1,0 +1,198 @@
+"""The on-policy objective: what it scores (completion tokens only, against each sequence run
+alone), that padding changes nothing, that no gradient flows through sampling, stop tokens,
+lmbda mixing, and that a QAT student samples from its fake-quantized forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from distillax.distill import LogitKD, make_distill_objective
+from distillax.distill.on_policy import (PROMPT_LENGTHS, PROMPT_TOKENS, ROW_IDS,
+                                         OnPolicySettings, make_on_policy_objective,
+                                         sample_rollout, score_rollout, scoring_batch)
+from distillax.distill.on_policy_losses import GeneralizedJSD, SampledTokenKL
+from distillax.models.config import TransformerConfig
+from distillax.quant import quantize_for_training
+from tests.distill import helpers as h
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+LENGTHS = np.array([5, 2, 3], np.int32)
+SETTINGS = OnPolicySettings(max_new_tokens=6, num_samples=2, eos_id=3, pad_id=0)
+
+
+def _prompt_batch(width=5, garbage=False, seed=0):
+  rng = np.random.default_rng(seed)
+  prompts = rng.integers(4, h.VOCAB, (len(LENGTHS), 5)).astype(np.int32)
+  out = np.zeros((len(LENGTHS), width), np.int32)
+  if garbage:  # whatever sits past a prompt's length must not matter
+    out[:] = rng.integers(0, h.VOCAB, out.shape)
+  for i, n in enumerate(LENGTHS):
+    out[i, :n] = prompts[i, :n]
+  batch = h.to_jnp(h.make_batch(B=len(LENGTHS), L=9, seed=1))
+  batch.update({PROMPT_TOKENS: jnp.asarray(out), PROMPT_LENGTHS: jnp.asarray(LENGTHS),
+                ROW_IDS: jnp.arange(len(LENGTHS), dtype=jnp.int32)})
+  return batch
+
+
+@pytest.fixture(scope="module")
+def models():
+  return h.make_models(2)
+
+
+_COMPILED = {}
+
+
+def _value_and_grad(objective, student, teacher, batch, key):
+  """(loss, output), gradient; one compile per objective and model (batch and key are
+  arguments)."""
+  graph, state = nnx.split(student)
+  if (objective, graph) not in _COMPILED:
+    def loss(state, batch, key):
+      out = objective(nnx.merge(graph, state), {"teacher": teacher}, batch, key)
+      return out.loss_sum, out
+    _COMPILED[objective, graph] = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  return _COMPILED[objective, graph](state, batch, key)
+
+
+@pytest.mark.parametrize("leaf", [GeneralizedJSD(beta=0.3, temperature=1.5), SampledTokenKL()])
+def test_loss_is_over_completion_tokens_of_each_sequence_run_alone(models, leaf):
+  """The reference runs every prompt + completion alone, unpadded, and sums the divergence
+  over the positions that predict completion tokens (up to the stop token) only."""
+  student, teacher = models
+  batch = _prompt_batch()
+  key = jax.random.key(4)
+  objective = make_on_policy_objective(leaf, SETTINGS, chunk_size=5)
+  (loss, out), _ = _value_and_grad(objective, student, teacher, batch, key)
+  rollout = sample_rollout(student, batch, jax.random.fold_in(key, 1), SETTINGS)
+  gen = jax.device_get(rollout.generated)
+  want, count = 0.0, 0
+  for n in range(len(LENGTHS) * SETTINGS.num_samples):
+    prompt = np.asarray(batch[PROMPT_TOKENS])[n // 2, :LENGTHS[n // 2]]
+    completion = gen.tokens_BxT[n, :gen.lengths_B[n]]
+    seq = jnp.asarray(np.concatenate([prompt, completion])[None])
+    s = np.asarray(student(seq).logits_BxLxV[0], np.float64)
+    t = np.asarray(teacher(seq).logits_BxLxV[0], np.float64)
+    rows = slice(len(prompt) - 1, len(prompt) - 1 + len(completion))
+    if isinstance(leaf, GeneralizedJSD):
+      p = np.exp(h.np_log_softmax(t[rows] / leaf.temperature))
+      q = np.exp(h.np_log_softmax(s[rows] / leaf.temperature))
+      want += (leaf.beta * h.np_kl(p, leaf.beta * p + (1 - leaf.beta) * q)
+               + (1 - leaf.beta) * h.np_kl(q, leaf.beta * p + (1 - leaf.beta) * q)).sum()
+    else:  # value at ratio 1: log q - log p of the sampled tokens
+      pick = lambda x: np.take_along_axis(h.np_log_softmax(x[rows]), completion[:, None], 1)
+      want += (pick(s) - pick(t)).sum()
+    count += len(completion)
+  assert float(out.tokens) == count
+  np.testing.assert_allclose(float(loss), want, rtol=2e-5)
+
+
+def test_padding_and_prompt_width_change_neither_loss_nor_gradient(models):
+  student, teacher = models
+  objective = make_on_policy_objective(GeneralizedJSD(), SETTINGS)
+  key = jax.random.key(9)
+  (loss_a, out_a), grad_a = _value_and_grad(objective, student, teacher, _prompt_batch(), key)
+  (loss_b, out_b), grad_b = _value_and_grad(objective, student, teacher,
+                                            _prompt_batch(width=8, garbage=True), key)
+  assert float(out_a.tokens) == float(out_b.tokens)
+  np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(grad_a), jax.tree.leaves(grad_b)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
+
+
+def test_no_gradient_flows_through_sampling(models):
+  student, teacher = models
+  batch, key = _prompt_batch(), jax.random.key(2)
+  graph, state = nnx.split(student)
+  # The sampler's log-probabilities depend on the weights, but carry no gradient to them.
+  logprob_grad = jax.grad(lambda st: jnp.sum(sample_rollout(
+      nnx.merge(graph, st), batch, key, SETTINGS).generated.logprobs_BxT))(state)
+  assert all(float(jnp.max(jnp.abs(g))) == 0.0 for g in jax.tree.leaves(logprob_grad))
+  # The objective's gradient is that of scoring the same samples given as constants.
+  leaf = SampledTokenKL()
+  objective = make_on_policy_objective(leaf, SETTINGS)
+  (_, _), grad = _value_and_grad(objective, student, teacher, batch, key)
+  rollout = jax.device_get(sample_rollout(student, batch, jax.random.fold_in(key, 1), SETTINGS))
+  fixed = scoring_batch(jax.tree.map(jnp.asarray, rollout), SETTINGS.pad_id)
+  want = jax.jit(jax.grad(lambda st: score_rollout(leaf, nnx.merge(graph, st),
+                                                   {"teacher": teacher}, fixed).loss_sum))(state)
+  # Eager and jitted decodes round differently (~1e-6 in the importance weights); a gradient
+  # through the sampler's log-probabilities would cancel the whole ratio term instead.
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(grad)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-3, atol=5e-5)
+
+
+def test_rows_stop_at_eos_or_end_of_turn(models):
+  """Two stop ids (EOS and an end-of-turn id): every row ends at its first stop token, pads
+  after it, and the statistics count exactly those tokens."""
+  student, teacher = models
+  settings = OnPolicySettings(max_new_tokens=12, num_samples=4, eos_id=3, stop_ids=(7, 11, 20),
+                              pad_id=0, temperature=2.0)
+  batch = _prompt_batch()
+  objective = make_on_policy_objective(GeneralizedJSD(), settings)
+  (_, out), _ = _value_and_grad(objective, student, teacher, batch, jax.random.key(0))
+  gen = jax.device_get(sample_rollout(student, batch, jax.random.fold_in(jax.random.key(0), 1),
+                                      settings).generated)
+  stops = {3, 7, 11, 20}
+  ended = 0
+  for tokens, length in zip(gen.tokens_BxT, gen.lengths_B):
+    hits = [i for i, t in enumerate(tokens) if t in stops]
+    want = hits[0] + 1 if hits else len(tokens)
+    assert length == want
+    assert np.all(tokens[want:] == 0)
+    ended += bool(hits)
+  assert 0 < ended < len(gen.lengths_B)  # both kinds of rows are in the test
+  np.testing.assert_allclose([float(x) for x in out.ratios["completion_length"]],
+                             [gen.lengths_B.sum(), len(gen.lengths_B)])
+  np.testing.assert_allclose([float(x) for x in out.ratios["eos_rate"]],
+                             [ended, len(gen.lengths_B)])
+
+
+def test_lmbda_mixes_whole_batches_of_either_objective(models):
+  student, teacher = models
+  batch = _prompt_batch()
+  off = make_distill_objective(LogitKD(), metrics=False)
+  mixed = make_on_policy_objective(GeneralizedJSD(), SETTINGS.__class__(
+      **{**SETTINGS.__dict__, "lmbda": 0.5}), off_policy=off)
+  on = make_on_policy_objective(GeneralizedJSD(), SETTINGS)
+  assert make_on_policy_objective(GeneralizedJSD(), SETTINGS.__class__(
+      **{**SETTINGS.__dict__, "lmbda": 0.0}), off_policy=off) is off
+  seen = set()
+  for k in range(8):
+    key = jax.random.key(k)
+    (loss, out), _ = _value_and_grad(mixed, student, teacher, batch, key)
+    branch = on if float(out.ratios["on_policy"][0]) == 1.0 else off
+    seen.add(branch is on)
+    (want, _), _ = _value_and_grad(branch, student, teacher, batch, key)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+  assert seen == {True, False}
+
+
+QCONFIG = TransformerConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=2,
+                            num_kv_heads=1, head_dim=16, mlp_dim=64, max_seq_len=32)
+Q4_0_RULES = {"rules": [("", None, None, None), (".*", "q4_0", "q8_0", None)]}
+
+
+def test_qat_student_samples_from_its_fake_quantized_forward():
+  """The decode's log-probabilities of its own tokens equal the QAT model's full forward over
+  prompt + completion (q4_0 weights, q8_0 activations), not the full-precision model's."""
+  model = h.make_model(QCONFIG, 3)
+  qat = quantize_for_training(model, Q4_0_RULES)
+  batch = _prompt_batch()
+  settings = OnPolicySettings(max_new_tokens=6, num_samples=1, pad_id=0)
+  rollout = jax.jit(lambda b: sample_rollout(qat, b, jax.random.key(1), settings))(batch)
+  sb = scoring_batch(rollout, 0)
+  mask = np.asarray(sb["loss_mask_BxL"]) > 0
+  targets = np.asarray(sb["targets_BxL"])
+  kwargs = dict(positions_BxL=sb["positions_BxL"], segment_ids_BxL=sb["segment_ids_BxL"])
+
+  def logprobs(m):
+    logits = np.asarray(jax.jit(lambda t: m(t, **kwargs).logits_BxLxV)(sb["inputs_BxL"]))
+    return np.take_along_axis(h.np_log_softmax(logits), targets[..., None], -1)[..., 0][mask]
+
+  sampled = np.concatenate([np.asarray(rollout.generated.logprobs_BxT)[i, :n] for i, n in
+                            enumerate(np.asarray(rollout.generated.lengths_B))])
+  np.testing.assert_allclose(sampled, logprobs(qat), atol=2e-4)
+  assert np.max(np.abs(sampled - logprobs(model))) > 1e-2

@@ -1,0 +1,41 @@
+"""The on-policy eval figure against each completion scored alone: the teacher's NLL and the
+exact reverse KL per completion token, and the same completions for the same seed."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from distillax.distill.on_policy import OnPolicySettings
+from distillax.distill.on_policy_eval import OnPolicyEvaluator
+from tests.distill import helpers as h
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_figures_equal_each_completion_scored_alone():
+  student, teacher = h.make_models(4)
+  prompts = [np.array([5, 9, 13, 4], np.int32), np.array([7], np.int32),
+             np.array([8, 20, 30], np.int32)]
+  settings = OnPolicySettings(max_new_tokens=7, eos_id=3, stop_ids=(11,), pad_id=0,
+                              temperature=1.5)
+  evaluator = OnPolicyEvaluator(settings)
+  result = evaluator(student, teacher, prompts, seed=3)
+  nll, rkl, tokens, ended = 0.0, 0.0, 0, 0
+  for prompt, (p_ids, completion) in zip(prompts, result.samples):
+    assert p_ids == prompt.tolist() and 1 <= len(completion) <= 7
+    ended += completion[-1] in (3, 11)
+    seq = jnp.asarray(np.concatenate([prompt, completion])[None].astype(np.int32))
+    rows = slice(len(prompt) - 1, len(prompt) + len(completion) - 1)
+    log_p = h.np_log_softmax(np.asarray(teacher(seq).logits_BxLxV[0])[rows])
+    log_q = h.np_log_softmax(np.asarray(student(seq).logits_BxLxV[0])[rows])
+    nll -= np.take_along_axis(log_p, np.asarray(completion)[:, None], 1).sum()
+    rkl += (np.exp(log_q) * (log_q - log_p)).sum()
+    tokens += len(completion)
+  f = result.figures
+  assert f["on_policy_tokens"] == tokens
+  np.testing.assert_allclose(f["on_policy_teacher_nll"], nll / tokens, rtol=1e-5)
+  np.testing.assert_allclose(f["on_policy_reverse_kl"], rkl / tokens, rtol=1e-5)
+  np.testing.assert_allclose(f["on_policy_completion_length"], tokens / 3, rtol=1e-6)
+  np.testing.assert_allclose(f["on_policy_eos_rate"], ended / 3, rtol=1e-6)
+  again = evaluator(student, teacher, prompts, seed=3)
+  assert again.samples == result.samples and again.figures == f
