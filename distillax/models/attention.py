@@ -148,8 +148,9 @@ class Attention(nnx.Module):
     common = dict(scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap)
     if impl == "reference":
       return reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common)
-    if impl == "blockwise":
-      return blockwise_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common), None
+    if impl == "blockwise":  # without a cache, indices are positions 0..L-1: skip the pairs
+      return blockwise_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common,
+                                 causal_offset=None if cached else 0), None
     fused = {"cudnn": cudnn_attention, "splash": splash_attention}[impl]
     windows = tuple(sorted(set(cfg.layer_windows() or (None,)), key=lambda w: w or 0))
     masking = {k: v for k, v in masking.items() if k not in ("q_index_BxL", "k_index_BxS")}
@@ -192,4 +193,4 @@ class Attention(nnx.Module):
     if return_probs:
       S = probs_BxKxGxLxS.shape[-1]
       probs = probs_BxKxGxLxS.reshape(B, K * G, L, S)
-    return constrain(out_BxLxD, ("batch", "length", "embed")), new_cache, probs
+    return constrain(out_BxLxD, ("batch", "residual_length", "embed")), new_cache, probs

@@ -64,7 +64,7 @@ class Embedder(nnx.Module):
     if self.scale:
       # Gemma rounds the normaliser to the compute dtype before multiplying.
       x_BxLxD = x_BxLxD * jnp.asarray(math.sqrt(table_VxD.shape[-1]), self.dtype)
-    return constrain(x_BxLxD, ("batch", "length", "embed"))
+    return constrain(x_BxLxD, ("batch", "residual_length", "embed"))
 
 
 class MLP(nnx.Module):
@@ -89,7 +89,7 @@ class MLP(nnx.Module):
       act_BxLxF = jax.nn.gelu(gate_BxLxF, approximate=True)
     h_BxLxF = constrain(act_BxLxF * up_BxLxF, ("batch", "length", "mlp"))
     out_BxLxD = jnp.einsum("BLF,FD->BLD", h_BxLxF, self.down[...].astype(dt))
-    return constrain(out_BxLxD, ("batch", "length", "embed"))
+    return constrain(out_BxLxD, ("batch", "residual_length", "embed"))
 
 
 # ---- rotary position embedding -----------------------------------------------------------------

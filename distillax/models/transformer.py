@@ -70,7 +70,7 @@ class Block(nnx.Module):
     h = self.mlp(self.mlp_norm(x_BxLxD))
     if self.post_mlp_norm is not None:
       h = self.post_mlp_norm(h)
-    x_BxLxD = constrain(x_BxLxD + h, ("batch", "length", "embed"))
+    x_BxLxD = constrain(x_BxLxD + h, ("batch", "residual_length", "embed"))
     return x_BxLxD, new_cache, probs
 
 

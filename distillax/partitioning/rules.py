@@ -25,7 +25,11 @@ LogicalAxes = tuple[Union[str, None], ...]
 # The shared vocabulary of models, rules and activation constraints.
 LOGICAL_AXES = {
     "batch": "examples in a batch (activations)",
-    "length": "sequence positions (activations, KV cache)",
+    "length": "sequence positions (attention and MLP activations, KV cache)",
+    # The (B, L, embed) tensors between the matmuls: embeddings, block outputs, the attention
+    # and MLP outputs. Replicated by default; sequence parallelism shards it over the axis that
+    # tensor parallelism leaves these tensors replicated on.
+    "residual_length": "sequence positions of the residual stream (B, L, embed)",
     "vocab": "token vocabulary (embedding table, output logits)",
     "embed": "model width (residual stream, norm scales)",
     "mlp": "feed-forward hidden width",
@@ -56,6 +60,16 @@ _PRESETS: dict[str, tuple[Rule, ...]] = {
     # Both: width over data, heads/mlp/vocab over model.
     "fsdp_tp": _preset(("batch", "data"), ("embed", "data"), ("heads", "model"),
                        ("kv_heads", "model"), ("mlp", "model"), ("vocab", "model")),
+    # Sequence parallelism on top of tp / fsdp_tp (Megatron-style): the residual stream is
+    # split along its length over model as well, so each device keeps 1/model of it; every
+    # all-reduce of a TP block output becomes a reduce-scatter, and the block inputs are
+    # all-gathered along the length before the column-parallel matmuls. Parameters are laid out
+    # exactly as in tp / fsdp_tp.
+    "tp_sp": _preset(("batch", "data"), ("residual_length", "model"), ("heads", "model"),
+                     ("kv_heads", "model"), ("mlp", "model"), ("vocab", "model")),
+    "fsdp_tp_sp": _preset(("batch", "data"), ("residual_length", "model"), ("embed", "data"),
+                          ("heads", "model"), ("kv_heads", "model"), ("mlp", "model"),
+                          ("vocab", "model")),
 }
 BUILTIN_PRESETS = tuple(_PRESETS)
 

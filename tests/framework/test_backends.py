@@ -31,6 +31,7 @@ def test_reference_run_learns(reference):
 
 JIT_GRID = [(s, m) for s in ("dp", "fsdp", "tp", "fsdp_tp") for m in ((8, 1), (4, 2), (2, 4))
             if (s, m) != ("dp", (8, 1))]  # that one is the reference
+JIT_GRID += [("tp_sp", (4, 2)), ("fsdp_tp_sp", (2, 4))]  # sequence parallelism: same numbers
 
 
 @pytest.mark.parametrize("strategy,mesh_shape", JIT_GRID)

@@ -83,7 +83,7 @@ def test_malformed_rule_is_rejected():
 
 
 def test_presets_cover_the_vocabulary_and_place_as_documented(mesh42):
-  for name in ("dp", "fsdp", "tp", "fsdp_tp"):
+  for name in ("dp", "fsdp", "tp", "fsdp_tp", "tp_sp", "fsdp_tp_sp"):
     assert set(rules_mod.LOGICAL_AXES) <= RuleSet(preset(name)).known_names
   resolve = lambda s, logical, shape: rules_from_config({"strategy": s}).resolve(logical, shape,
                                                                                   mesh42)
@@ -96,6 +96,15 @@ def test_presets_cover_the_vocabulary_and_place_as_documented(mesh42):
   act = (("batch", "length", "embed"), (8, 32, 64))
   assert resolve("fsdp", *act) == P("data", None, None)
   assert resolve("fsdp_tp", ("batch", "length", "vocab"), (8, 32, 512)) == P("data", None, "model")
+  # Sequence parallelism splits only the residual stream's length over model; inside attention
+  # and the MLP the length stays whole and heads / mlp take model, as under tp / fsdp_tp.
+  residual = (("batch", "residual_length", "embed"), (8, 32, 64))
+  assert resolve("fsdp_tp", *residual) == P("data", None, None)
+  assert resolve("fsdp_tp_sp", *residual) == P("data", "model", None)
+  assert resolve("tp_sp", *residual) == P("data", "model", None)
+  heads = (("batch", "length", "heads", "head_dim"), (8, 32, 4, 16))
+  assert resolve("fsdp_tp_sp", *heads) == P("data", None, "model", None)
+  assert resolve("fsdp_tp_sp", *q) == resolve("fsdp_tp", *q)
 
 
 def test_config_rules_override_the_preset(mesh42):
