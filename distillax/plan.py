@@ -58,6 +58,19 @@ def plan_report(recipe: Recipe, engine) -> dict:
   }
 
 
+def _attention_on_cpu(config):
+  """plan compiles on CPU, which has no fused attention kernel: a config that asks for cuDNN or
+  splash is sized with blockwise attention, the same class of memory (no (L, S) scores; the
+  kernels' own workspace aside)."""
+  impl = config.model.get("attention_impl", "auto")
+  if impl not in ("cudnn", "splash") or jax.default_backend() != "cpu":
+    return config
+  print(f"note: plan compiles on CPU; model.attention_impl={impl!r} is sized as 'blockwise'")
+  config = config.copy_and_resolve_references()
+  config.model.attention_impl = "blockwise"
+  return config
+
+
 def run_plan(config, devices: int | None = None, memory_gb: float | None = None) -> int:
   if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
     raise UserError(f"--memory_gb={memory_gb:g} must be a positive number of GiB per device "
@@ -65,7 +78,7 @@ def run_plan(config, devices: int | None = None, memory_gb: float | None = None)
   if devices is not None and jax.device_count() != devices:
     raise UserError(f"--devices={devices} but JAX sees {jax.device_count()} devices; plan runs "
                     f"on simulated CPU devices, so leave JAX_PLATFORMS unset or set it to cpu")
-  recipe = recipe_for(config)
+  recipe = recipe_for(_attention_on_cpu(config))
   engine = recipe.build_engines().main
   layout = engine.layout
   rows = pt.describe(layout.abstract.params, layout.logical.params, recipe.mesh, recipe.rules)

@@ -22,6 +22,14 @@ def test_plan_reports_sharded_bytes_and_fit(capsys):
   assert "gradients reduced per use" in out
 
 
+def test_plan_sizes_a_fused_attention_config_with_blockwise_on_cpu(capsys):
+  code = main(["distillax", "plan", "--config", f"{ROOT}/distillax/configs/lm.py:tiny",
+               "--devices", "8", "--config.model.attention_impl=cudnn"])
+  out = capsys.readouterr().out
+  assert code == 0, out
+  assert "model.attention_impl='cudnn' is sized as 'blockwise'" in out and "peak per device" in out
+
+
 def test_plan_says_how_gradients_are_reduced(capsys):
   """dp with accumulation reduces once per step: one all-reduce, where per use makes two."""
   base = ["distillax", "plan", "--config", f"{ROOT}/distillax/configs/lm.py:tiny", "--devices",

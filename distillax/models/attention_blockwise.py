@@ -36,6 +36,11 @@ _MASKED = -1e30  # finite, as in the reference path
 _PAD_Q, _PAD_K = -(2**31), -(2**31) + 1  # segment ids of padding rows/columns: never equal
 
 
+def _acc(x) -> jnp.dtype:
+  """Accumulation dtype: fp32, or the inputs' own when wider (float64 checks)."""
+  return jnp.promote_types(x.dtype, jnp.float32)
+
+
 def _blocks(x, block: int, fill):
   """(B, N, ...) -> (N // block, B, block, ...), padding N up to a multiple of `block`."""
   pad = -x.shape[1] % block
@@ -80,7 +85,7 @@ def _visible(qi_BxQ, qs_BxQ, ki_BxT, ks_BxT, window):
 def _scores(q_BxQxKxGxH, k_BxTxKxH, scale, softcap):
   """Soft-capped scaled scores, fp32 (B, K, G, Q, T)."""
   s = jnp.einsum("BQKGH,BTKH->BKGQT", q_BxQxKxGxH, k_BxTxKxH,
-                 preferred_element_type=jnp.float32) * scale
+                 preferred_element_type=_acc(q_BxQxKxGxH)) * scale
   return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
@@ -115,8 +120,9 @@ def _forward(q, k, v, qi, ki, qs, ks, window, static):
   scale, softcap = static[0], static[1]
   q_blocks, kv_blocks = _prepare(q, k, v, qi, ki, qs, ks, static)
   nq, B, bq, K, G, H = q_blocks[0].shape
-  init = (jnp.full((nq, B, K, G, bq), _MASKED, jnp.float32),
-          jnp.zeros((nq, B, K, G, bq), jnp.float32), jnp.zeros((nq, B, K, G, bq, H), jnp.float32))
+  acc_dt = _acc(q)
+  init = (jnp.full((nq, B, K, G, bq), _MASKED, acc_dt), jnp.zeros((nq, B, K, G, bq), acc_dt),
+          jnp.zeros((nq, B, K, G, bq, H), acc_dt))
 
   def step(carry, pair):
     i, j = pair
@@ -129,8 +135,7 @@ def _forward(q, k, v, qi, ki, qs, ks, window, static):
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
-    pv = jnp.einsum("BKGQT,BTKH->BKGQH", p.astype(vb.dtype), vb,
-                    preferred_element_type=jnp.float32)
+    pv = jnp.einsum("BKGQT,BTKH->BKGQH", p.astype(vb.dtype), vb, preferred_element_type=acc_dt)
     write = lambda all_, x: jax.lax.dynamic_update_index_in_dim(all_, x, i, 0)
     return (write(m_all, m_new), write(l_all, l * corr + p.sum(-1)),
             write(acc_all, acc * corr[..., None] + pv)), None
@@ -162,22 +167,23 @@ def _pair_grads(q_side, kv_side, window, static):
   mask = _visible(qi, qs, ki, ks, window)
   capped = _scores(q, k, scale, softcap)
   p = jnp.where(mask, jnp.exp(capped - lse[..., None]), 0.0)
-  dv = jnp.einsum("BKGQT,BQKGH->BTKH", p.astype(do.dtype), do,
-                  preferred_element_type=jnp.float32)
-  dp = jnp.einsum("BQKGH,BTKH->BKGQT", do, v, preferred_element_type=jnp.float32)
+  acc_dt = _acc(q)
+  dv = jnp.einsum("BKGQT,BQKGH->BTKH", p.astype(do.dtype), do, preferred_element_type=acc_dt)
+  dp = jnp.einsum("BQKGH,BTKH->BKGQT", do, v, preferred_element_type=acc_dt)
   ds = p * (dp - delta[..., None])
   if softcap is not None:
     ds = ds * (1.0 - jnp.square(capped / softcap))
   ds = (ds * scale).astype(q.dtype)
-  dq = jnp.einsum("BKGQT,BTKH->BQKGH", ds, k, preferred_element_type=jnp.float32)
-  dk = jnp.einsum("BKGQT,BQKGH->BTKH", ds, q, preferred_element_type=jnp.float32)
+  dq = jnp.einsum("BKGQT,BTKH->BQKGH", ds, k, preferred_element_type=acc_dt)
+  dk = jnp.einsum("BKGQT,BQKGH->BTKH", ds, q, preferred_element_type=acc_dt)
   return dq, dk, dv
 
 
 def _attention_bwd(static, res, dout):
   q, k, v, qi, ki, qs, ks, window, out, lse_blocks = res
   bq = static[2]
-  delta = jnp.einsum("BLKGH,BLKGH->BKGL", dout.astype(jnp.float32), out.astype(jnp.float32))
+  acc_dt = _acc(q)
+  delta = jnp.einsum("BLKGH,BLKGH->BKGL", dout.astype(acc_dt), out.astype(acc_dt))
   q_blocks, kv_blocks = _prepare(q, k, v, qi, ki, qs, ks, static)
   q_side = (*q_blocks, _blocks(dout.astype(q.dtype), bq, 0), lse_blocks,
             _delta_blocks(delta, bq))
@@ -188,7 +194,7 @@ def _attention_bwd(static, res, dout):
     dq, dk, dv = _pair_grads(_at(q_side, i), _at(kv_blocks, j), window, static)
     return (_add_at(dq_all, i, dq), _add_at(dk_all, j, dk), _add_at(dv_all, j, dv)), None
 
-  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  zeros = lambda x: jnp.zeros(x.shape, acc_dt)
   init = (zeros(q_blocks[0]), zeros(kv_blocks[0]), zeros(kv_blocks[1]))
   (dq, dk, dv), _ = jax.lax.scan(step, init, _schedule(q_blocks, kv_blocks, static))
   S = k.shape[1]

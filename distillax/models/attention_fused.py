@@ -34,10 +34,14 @@ def _over_windows(run, window, windows: tuple[int | None, ...], length: int):
 
 
 def cudnn_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_BxL=None, k_segment_BxS=None,
-                    window=None, windows=(None,), scale: float, softcap=None):
+                    window=None, windows=(None,), scale: float, softcap=None,
+                    implementation: str = "cudnn"):
   """jax.nn.dot_product_attention(implementation='cudnn'): causal, GQA, sliding window; packed
   segments as a boolean (B, 1, L, S) mask (jax's public API has no segment ids; cuDNN turns the
-  mask into a bias of the compute dtype: L x S per sequence, not per head)."""
+  mask into a bias of the compute dtype: L x S per sequence, not per head).
+
+  implementation='xla' runs the same call through XLA's own kernel: how the tests check the
+  masks, windows, head layout and scale handed to jax on a machine without a GPU."""
   if softcap is not None:
     raise ValueError("cuDNN attention has no logit soft-cap (attention_impl.choose routes "
                      "soft-capped models to blockwise)")
@@ -51,7 +55,7 @@ def cudnn_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_BxL=None, k_
     local = None if w is None else (w - 1, 0)
     return jax.nn.dot_product_attention(q_BxLxNxH, k_BxSxKxH, v_BxSxKxH, mask=mask, scale=scale,
                                         is_causal=True, local_window_size=local,
-                                        implementation="cudnn")
+                                        implementation=implementation)
 
   return _over_windows(run, window, windows, L).reshape(B, L, K, G, H)
 
@@ -63,7 +67,7 @@ def _splash_kernel(length: int, groups: int, window, softcap, interpret: bool):
     one = sa.CausalMask((length, length))
   else:
     one = sa.LocalMask((length, length), (window - 1, 0), offset=0)
-  block = min(512, length)
+  block = next(b for b in (512, 256, 128, length) if length % b == 0)  # multiples of 128
   sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                         block_q_dq=block, block_kv_dq=block)

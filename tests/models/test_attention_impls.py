@@ -15,7 +15,7 @@ from flax import nnx
 from distillax.errors import ConfigError
 from distillax.models import attention_blockwise, attention_impl
 from distillax.models.attention import reference_attention
-from distillax.models.attention_fused import splash_attention
+from distillax.models.attention_fused import cudnn_attention, splash_attention
 from distillax.models.attention_impl import AttentionNeeds, choose
 from distillax.models.config import GLOBAL_WINDOW, get_preset
 from distillax.models.sampler import generate
@@ -242,6 +242,26 @@ def test_splash_under_sharding_rules_with_a_traced_window():
     with jax.set_mesh(mesh):
       got = spl(q, k, v, jnp.asarray(window, jnp.int32))
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5, err_msg=f"window {window}")
+
+
+@pytest.mark.parametrize("window,segments", [(None, False), (7, True), ("traced", True)])
+def test_cudnn_call_plumbing_matches_reference_through_xla(window, segments):
+  """What cudnn_attention hands jax.nn.dot_product_attention (GQA head layout, scale, causal
+  flag, the left window, the segment mask, the switch over a traced window), run by XLA's own
+  implementation of that API on CPU. The cuDNN kernel itself is UNVERIFIED (no GPU here)."""
+  B, L, K, G, H = 2, 40, 2, 3, 16
+  q, k, v = _qkv(B, L, L, K, G, H, seed=7)
+  idx = jnp.broadcast_to(jnp.arange(L), (B, L))
+  seg = _packed_segments(B, L) if segments else None
+  traced = window == "traced"
+  windows = (7, GLOBAL_WINDOW) if traced else (window,)
+  for w in ((7, GLOBAL_WINDOW) if traced else (window,)):
+    want = reference_attention(q, k, v, q_index_BxL=idx, k_index_BxS=idx, q_segment_BxL=seg,
+                               k_segment_BxS=seg, window=w, scale=0.3)[0]
+    call = lambda w: cudnn_attention(q, k, v, q_segment_BxL=seg, k_segment_BxS=seg, window=w,
+                                     windows=windows, scale=0.3, implementation="xla")
+    got = jax.jit(call)(jnp.asarray(w, jnp.int32)) if traced else call(w)
+    np.testing.assert_allclose(got, want, **TOL, err_msg=f"window {w}")
 
 
 # ---- what auto picks -----------------------------------------------------------------------
