@@ -7,7 +7,7 @@ is the step users run; `framework.evaluation.evaluate(engine, state, batches)` e
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import optax
@@ -34,6 +34,9 @@ class Engine:
   objective: Objective  # the one evaluation runs (training may add dropout on top)
   # Compiled eval functions by what they compute; framework.evaluation.evaluate fills it.
   evals: dict = dataclasses.field(default_factory=dict)
+  # (engine, state) -> figures that are not sums over the eval batches' tokens (an on-policy
+  # engine samples held-out completions and has the teacher grade them); evaluate adds them.
+  extra_eval: Callable[["Engine", Any], dict[str, float]] | None = None
 
   def init_state(self, student: nnx.Module, extras: Mapping[str, nnx.Module], seed: int):
     """Fresh state placed for this backend."""

@@ -121,9 +121,6 @@ def evaluate(engine, state, batches: Iterable[Mapping[str, np.ndarray]], *,
     raise UserError("evaluation got no batches: the validation split is empty; check "
                     "data.source / data.eval_source")
   means = _means(totals, prefix)
-  # Figures that are not sums over the batches' tokens (an on-policy engine samples held-out
-  # completions and grades them), from an engine that has them.
-  extra = getattr(engine, "extra_eval", None)
-  if callable(extra):
-    means.update({f"{prefix}{k}": v for k, v in extra(state).items()})
+  if engine.extra_eval is not None:
+    means.update({f"{prefix}{k}": v for k, v in engine.extra_eval(engine, state).items()})
   return (means, PerToken(nll, top1)) if per_token else means

@@ -12,6 +12,8 @@ validation loss of the `distill` loss and the on-policy figure on held-out promp
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from absl import logging
 
@@ -26,8 +28,7 @@ from distillax.errors import ConfigError, UserError
 from distillax.framework import flops
 from distillax.framework.step import Objective
 from distillax.trainers.distill import DistillRecipe
-from distillax.trainers.on_policy_parts import (OnPolicyEngine, OnPolicyIterator, SamplingClock,
-                                                write_samples)
+from distillax.trainers.on_policy_parts import OnPolicyIterator, SamplingClock, write_samples
 from distillax.trainers.registry import register
 
 
@@ -115,11 +116,12 @@ class OnPolicyRecipe(DistillRecipe):
       engines.before_start = self._on_policy_engine(engines.before_start)
     return engines
 
-  def _on_policy_engine(self, engine) -> OnPolicyEngine:
+  def _on_policy_engine(self, engine):
     if bool(self.config.on_policy.time_sampling) and self.settings.lmbda > 0:
       engine.runner = SamplingClock(engine, self.settings,
                                     int(self.config.train.log_every)).runner()
-    return OnPolicyEngine.wrap(engine, self._eval_fn())
+    # The one evaluation route adds the on-policy figures (and writes the samples).
+    return dataclasses.replace(engine, extra_eval=self._eval_fn())
 
   def _eval_fn(self):
     """(engine, state) -> the on-policy figure on held-out prompts; writes the samples."""

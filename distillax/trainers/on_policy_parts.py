@@ -2,7 +2,6 @@
 
   OnPolicyIterator  the distill recipe's packed batches plus each step's prompts, resumable
   SamplingClock     times a sampling-only program once per log interval (metrics)
-  OnPolicyEngine    an Engine whose eval also reports the on-policy figure and writes samples
 
 Why a separate sampling-only program for the timing: sampling runs inside the one compiled
 train step, whose parts no host clock can see. Once per log interval the clock runs the same
@@ -19,7 +18,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
@@ -121,22 +120,6 @@ class SamplingClock:
 
   def runner(self) -> backends.StepRunner:
     return dataclasses.replace(self.inner, call=self, place_batch=self.place_batch)
-
-
-@dataclasses.dataclass
-class OnPolicyEngine(Engine):
-  """An Engine whose evaluation (framework.evaluation.evaluate, the one route) adds
-  `on_policy_eval(engine, state)`'s figures: what the student writes, graded by the teacher."""
-
-  on_policy_eval: Any = None
-
-  def extra_eval(self, state) -> dict[str, float]:
-    return self.on_policy_eval(self, state) if self.on_policy_eval is not None else {}
-
-  @classmethod
-  def wrap(cls, engine: Engine, on_policy_eval) -> "OnPolicyEngine":
-    fields = {f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)}
-    return cls(**fields, on_policy_eval=on_policy_eval)
 
 
 def write_samples(workdir: str, step: int, records: list[dict]) -> str:
