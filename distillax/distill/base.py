@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from distillax.data import batch as batch_spec
 from distillax.distill import chunked
+from distillax.distill.logits import TokenLogits
 from distillax.errors import ConfigError
 from distillax.models.transformer import ModelOutput
 
@@ -153,6 +154,25 @@ def check_common(strategy: Strategy) -> None:
   if strategy.name in RESERVED_NAMES:
     raise ConfigError(f"{type(strategy).__name__}.name={strategy.name!r} is a metric the objective "
                       f"reports itself; pick another name")
+
+
+class LogitStrategy(Strategy):
+  """A token-level strategy written once, against a logits.TokenLogits (the objective shares
+  its reductions over the vocabulary between leaves and metrics): `token_values` only wraps raw
+  logits into one. `reads_teacher = False` for a strategy whose teacher is a cache in the batch."""
+
+  reads_teacher = True
+
+  @property
+  def needs(self) -> Needs:
+    return Needs(logits=True, teacher=self.reads_teacher)
+
+  def token_values(self, s_logits_NxV, t_logits_NxV, tokens):
+    teacher_NxV = t_logits_NxV if self.reads_teacher else None
+    return self.shared_token_values(TokenLogits(s_logits_NxV, teacher_NxV, tokens))
+
+  def shared_token_values(self, logits: TokenLogits) -> dict[str, jax.Array]:
+    raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from distillax.distill import divergences
-from distillax.distill.base import Needs, Strategy, check_common
+from distillax.distill.base import LogitStrategy, check_common
 from distillax.distill.logits import STUDENT, TEACHER, TokenLogits
 from distillax.errors import ConfigError
 
@@ -59,7 +59,7 @@ def soft_and_hard(kind: str, beta: float, temperature: float, alpha: float,
 
 
 @dataclasses.dataclass(frozen=True)
-class LogitKD(Strategy):
+class LogitKD(LogitStrategy):
   """alpha * T^2 * D(teacher_T || student_T) + (1 - alpha) * CE(student, labels), per token.
 
   divergence: 'forward_kl' KL(teacher || student), 'reverse_kl' KL(student || teacher), or 'jsd'
@@ -83,13 +83,6 @@ class LogitKD(Strategy):
                                    or self.top_k <= 0):
       raise ConfigError(f"LogitKD.top_k={self.top_k!r} must be a positive integer or None")
 
-  @property
-  def needs(self) -> Needs:
-    return Needs(logits=True, teacher=True)
-
-  def token_values(self, s_logits_NxV, t_logits_NxV, tokens):
-    return self.shared_token_values(TokenLogits(s_logits_NxV, t_logits_NxV, tokens))
-
   def shared_token_values(self, logits: TokenLogits):
     if logits.teacher is None:
       raise ConfigError(f"LogitKD {self.name!r} needs an online teacher; use CachedLogitKD to "
@@ -109,7 +102,7 @@ class LogitKD(Strategy):
 
 
 @dataclasses.dataclass(frozen=True)
-class CachedLogitKD(Strategy):
+class CachedLogitKD(LogitStrategy):
   """LogitKD against an offline teacher cache: no teacher in memory.
 
   The batch carries the teacher's top-k ids and log-probabilities at the cache's temperature
@@ -133,12 +126,7 @@ class CachedLogitKD(Strategy):
   def from_cache_info(cls, info, **kwargs) -> "CachedLogitKD":
     return cls(temperature=info.temperature, **kwargs)
 
-  @property
-  def needs(self) -> Needs:
-    return Needs(logits=True, teacher=False)
-
-  def token_values(self, s_logits_NxV, t_logits_NxV, tokens):
-    return self.shared_token_values(TokenLogits(s_logits_NxV, None, tokens))
+  reads_teacher = False  # the teacher's top-k is in the batch
 
   def shared_token_values(self, logits: TokenLogits):
     tokens = logits.tokens

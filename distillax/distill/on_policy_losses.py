@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from distillax.distill import divergences
-from distillax.distill.base import Needs, Strategy, check_common
+from distillax.distill.base import LogitStrategy, Strategy, check_common
 from distillax.distill.logits import STUDENT, TEACHER, TokenLogits
 from distillax.errors import ConfigError
 
@@ -82,7 +82,7 @@ def target_logprob(logits: TokenLogits, model: str, temperature: float) -> jax.A
 
 
 @dataclasses.dataclass(frozen=True)
-class GeneralizedJSD(Strategy):
+class GeneralizedJSD(LogitStrategy):
   """JSD(beta) between teacher and student over the full vocabulary at `temperature`."""
 
   beta: float = 0.5
@@ -97,13 +97,6 @@ class GeneralizedJSD(Strategy):
       raise ConfigError(f"GeneralizedJSD.beta={self.beta!r} must be in [0, 1] (0 forward KL, "
                         f"1 reverse KL, 0.5 the symmetric JSD)")
 
-  @property
-  def needs(self) -> Needs:
-    return Needs(logits=True, teacher=True)
-
-  def token_values(self, s_logits_NxV, t_logits_NxV, tokens):
-    return self.shared_token_values(TokenLogits(s_logits_NxV, t_logits_NxV, tokens))
-
   def shared_token_values(self, logits: TokenLogits):
     T = float(self.temperature)
     value_N = generalized_jsd(logits.log_probs(TEACHER, T), logits.log_probs(STUDENT, T),
@@ -112,7 +105,7 @@ class GeneralizedJSD(Strategy):
 
 
 @dataclasses.dataclass(frozen=True)
-class SampledTokenKL(Strategy):
+class SampledTokenKL(LogitStrategy):
   """Reverse KL through the sampled tokens: an importance-weighted policy gradient whose
   per-token advantage is -(log q - log p) (see the module doc). The batch carries the
   sampler's log-probabilities of the targets under SAMPLE_LOGPROBS."""
@@ -124,13 +117,6 @@ class SampledTokenKL(Strategy):
   def __post_init__(self):
     check_common(self)
     _check_temperature(self)
-
-  @property
-  def needs(self) -> Needs:
-    return Needs(logits=True, teacher=True)
-
-  def token_values(self, s_logits_NxV, t_logits_NxV, tokens):
-    return self.shared_token_values(TokenLogits(s_logits_NxV, t_logits_NxV, tokens))
 
   def shared_token_values(self, logits: TokenLogits):
     if SAMPLE_LOGPROBS not in logits.tokens:
