@@ -47,12 +47,12 @@ def _env():
   return env
 
 
-def _train(workdir, extra=(), wait=True):
-  cmd = [sys.executable, "-m", "distillax", "train", "--workdir", str(workdir), *ARGS, *extra]
+def _train(workdir, extra=(), wait=True, args=ARGS, timeout=600):
+  cmd = [sys.executable, "-m", "distillax", "train", "--workdir", str(workdir), *args, *extra]
   proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, start_new_session=True)
   if wait:
-    proc.output, _ = proc.communicate(timeout=600)
+    proc.output, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, proc.output[-3000:]
   return proc
 
