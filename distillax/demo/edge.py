@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from distillax.data import batch as batch_spec
+from distillax.demo.markdown import table_lines
 from distillax.edge import gguf_runtime, measurements
 from distillax.edge.gguf_export import write_gguf
 # The report (demo/measure.py) reads these through this module; they are distillax.edge's.
@@ -85,14 +86,11 @@ def table(rows: dict) -> str:
   """The edge rows as a markdown table."""
   head = ("llama.cpp (this CPU)", "kernels, KV cache", "val loss", "val ppl", "file",
           "prompt tok/s", "decode tok/s", "peak RSS")
-  lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-  for name, r in rows.items():
-    lines.append("| " + " | ".join((
-        EDGE_LABELS[name], f"{r['kernels']}, {r['kv_cache']}", f"{r['val_loss']:.4f}",
-        f"{r['val_perplexity']:.3f}",
-        f"{r['file_bytes'] / 2**20:.3f} MiB", f"{r['prompt_tokens_per_s']:,.0f}",
-        f"{r['decode_tokens_per_s']:,.0f}", f"{r['peak_rss_bytes'] / 2**20:.1f} MiB")) + " |")
-  return "\n".join(lines)
+  cells = [(EDGE_LABELS[name], f"{r['kernels']}, {r['kv_cache']}", f"{r['val_loss']:.4f}",
+            f"{r['val_perplexity']:.3f}", f"{r['file_bytes'] / 2**20:.3f} MiB",
+            f"{r['prompt_tokens_per_s']:,.0f}", f"{r['decode_tokens_per_s']:,.0f}",
+            f"{r['peak_rss_bytes'] / 2**20:.1f} MiB") for name, r in rows.items()]
+  return "\n".join(table_lines(head, cells))
 
 
 def plot(rows: dict, path: str) -> None:

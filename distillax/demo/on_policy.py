@@ -29,6 +29,7 @@ from distillax import partitioning as pt
 from distillax.distill.on_policy import OnPolicySettings
 from distillax.distill.on_policy_eval import FIGURES, OnPolicyEvaluator
 from distillax.distill.sequence_kd import take_prompt_records
+from distillax.demo.markdown import table_lines
 from distillax.edge import gguf_runtime
 from distillax.edge.gguf_export import write_gguf
 from distillax.trainers.on_policy import settings_from_config
@@ -192,15 +193,15 @@ def markdown(rows: dict, checks_: dict, c) -> list[str]:
            f"{int(c.on_policy.max_new_tokens)} tokens); the teacher scores every token. All "
            f"four start from the distilled student and take the same {int(c.qat_steps)} extra "
            f"steps. The q4_0 rows are sampled twice: by distillax's fake-quant forward and by "
-           f"llama.cpp from the q4_0 GGUF file (reference kernels, f32 KV cache).", "",
-           "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+           f"llama.cpp from the q4_0 GGUF file (reference kernels, f32 KV cache).", ""]
+  cells = []
   for row, r in rows.items():
     cpp = r.get("llama_cpp")
-    lines.append("| " + " | ".join([
-        LABELS[row], f"{r['val_loss']:.4f}", f"{r['on_policy_teacher_nll']:.4f}",
-        f"{r['on_policy_reverse_kl']:.4f}", f"{r['on_policy_completion_length']:.1f}",
-        f"{cpp['on_policy_teacher_nll']:.4f}" if cpp else "-",
-        f"{cpp['on_policy_reverse_kl']:.4f}" if cpp else "-"]) + " |")
+    cells.append((LABELS[row], f"{r['val_loss']:.4f}", f"{r['on_policy_teacher_nll']:.4f}",
+                  f"{r['on_policy_reverse_kl']:.4f}", f"{r['on_policy_completion_length']:.1f}",
+                  f"{cpp['on_policy_teacher_nll']:.4f}" if cpp else "-",
+                  f"{cpp['on_policy_reverse_kl']:.4f}" if cpp else "-"))
+  lines += table_lines(head, cells)
   lines += ["", *(f"- {k}: {v}" for k, v in checks_.items()), ""]
   return lines
 

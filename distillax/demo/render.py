@@ -14,6 +14,7 @@ import os
 from distillax.demo import edge, on_policy
 from distillax.demo.measure import ROWS
 from distillax.demo.stages import TRAINED_STAGES
+from distillax.demo.markdown import table_lines
 from distillax.framework import jsonio
 from distillax.framework.writers import read_jsonl
 
@@ -79,9 +80,7 @@ def stage_table(stages: dict) -> str:
                  f"{s['bytes_on_disk'] / 2**20:.2f} MiB",
                  "-" if math.isnan(s["tokens_per_s"]) else f"{s['tokens_per_s']:.0f}",
                  "-" if math.isnan(s["mfu"]) else f"{s['mfu']:.2%}"))
-  lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-  lines += ["| " + " | ".join(r) + " |" for r in rows]
-  return "\n".join(lines)
+  return "\n".join(table_lines(head, rows))
 
 
 def _recovery_words(recovery: float, where: str) -> str:
@@ -101,7 +100,8 @@ def _stages_markdown(c, sections: dict) -> list[str]:
       f"Mesh {setup['mesh']} (data x model), strategy {setup['strategy']}, "
       f"{setup['devices']} {setup['platform']} devices; validation: "
       f"{int(setup['val_tokens'])} tokens of the held-out split, the same for every row "
-      f"(each stage's `eval` in report.json is what `distillax eval --model <stage>` prints). "
+      f"(each stage's `eval` in report.json is its evaluation on its own eval batches, what "
+      f"`distillax eval --model <stage>` prints). "
       f"q4_0: llama.cpp's blocks of 32 weights with an fp16 scale, matmul inputs rounded to "
       f"q8_0 as its CPU kernels do; PTQ / QAT sizes are the q4_0 GGUF files.",
       "", stage_table(sections["stages"]), "",
