@@ -174,6 +174,10 @@ def resolve_student(config, sources: JobSources):
   return out
 
 
+# Model fields that say how the forward computes, not what a checkpoint stores.
+COMPUTE_FIELDS = ("dtype", "remat", "attention_impl")
+
+
 def check_run_shape(source: ModelSource, cfg: TransformerConfig) -> None:
   """Refuses an earlier run the student cannot start from, before anything is built or a
   workdir is touched: no checkpoints yet, or a model of another shape than `cfg`."""
@@ -183,9 +187,11 @@ def check_run_shape(source: ModelSource, cfg: TransformerConfig) -> None:
   if not os.path.isdir(os.path.join(source.workdir, files.CHECKPOINT_DIR)):
     raise ConfigError(f"{source.named()} has no {files.CHECKPOINT_DIR}/ yet; train that "
                       f"run first or leave {source.field} empty")
-  if earlier != cfg:
-    diff = [f.name for f in dataclasses.fields(cfg)
-            if getattr(earlier, f.name) != getattr(cfg, f.name)]
+  # How the forward computes (not what is stored) may change between runs: the loaded student
+  # is placed as this config's model (RunSource.load).
+  diff = [f.name for f in dataclasses.fields(cfg) if f.name not in COMPUTE_FIELDS
+          and getattr(earlier, f.name) != getattr(cfg, f.name)]
+  if diff:
     fix = " ".join(f"--config.model.{k}={getattr(earlier, k)!r}" for k in diff[:4])
     raise ConfigError(f"{source.named()} holds a model with "
                       + ", ".join(f"{k}={getattr(earlier, k)!r}" for k in diff)
