@@ -87,18 +87,17 @@ def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path,
   assert (workdir / "report.md").read_text().count("|") > 30
   assert (workdir / "loss_curves.png").stat().st_size > 10_000
   # One evaluation route: each trained stage's row holds what `distillax eval --model <stage>`
-  # prints and what its trainer's last eval wrote to summary.json, to the last digit.
+  # prints and what its trainer's last eval wrote to summary.json, to the last digit; the
+  # table's numbers are the same route over the report's larger validation set.
   for stage in TRAINED_STAGES:
     capsys.readouterr()
     assert main(["distillax", "eval", "--model", str(workdir / stage)]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     summary = json.loads((workdir / stage / "summary.json").read_text())
     assert report[stage]["eval"] == printed == {k: summary[k] for k in printed}, stage
-    assert report[stage]["val_loss"] == printed.get("eval_hard_ce", printed["eval_loss"])
-    assert report[stage]["val_tokens"] == printed["eval_tokens"] == report["setup"]["val_tokens"]
-    if "eval_top1_agreement" in printed:  # the objective's count with the teacher in the step
-      assert (abs(report[stage]["top1_agreement"] - printed["eval_top1_agreement"])
-              <= 2 / printed["eval_tokens"]), stage
+    assert report[stage]["val_tokens"] == report["setup"]["val_tokens"] > printed["eval_tokens"]
+    own_loss = printed.get("eval_hard_ce", printed["eval_loss"])
+    assert abs(report[stage]["val_loss"] - own_loss) < 0.5, stage  # a superset of its tokens
   capsys.readouterr()
   assert main(argv) == 0
   assert capsys.readouterr().out.count("finished earlier, reusing") == 7

@@ -4,8 +4,9 @@ the demo exists to show. demo/render.py turns these numbers into report.md, repo
 
 Every row is evaluated through `framework.evaluation.evaluate`, the trainer's and `distillax
 eval`'s route, with the stage's own job (recipe, eval objective, engine) at its newest
-checkpoint: a trained stage's `eval` entry in report.json is what `distillax eval --model
-<stage>` prints, to the last digit (the demo's stages evaluate the batches the report uses). The
+checkpoint, twice: on the report's `report_eval_batches` (every number of the table, the same
+tokens llama.cpp's rows read) and on the stage's own `train.eval_batches`, its `eval` entry in
+report.json, which is what `distillax eval --model <stage>` prints, to the last digit. The
 row's validation loss is that job's next-token CE (`eval_hard_ce` for distillation, `eval_loss`
 for next-token jobs). The PTQ row is the full-precision twin's checkpoint under the QAT stage's
 engine: its fake-quant forward before any QAT step, which is PTQ (quant/qat.py). Top-1 agreement
@@ -63,7 +64,8 @@ class DemoInputs:
   mesh: Mesh
   rules: pt.RuleSet
   tokenizer: Any
-  batches: list[dict[str, np.ndarray]]
+  batches: list[dict[str, np.ndarray]]  # the report's validation batches
+  stage_batches: list[dict[str, np.ndarray]]  # the stages' own eval batches (distillax eval)
   plain: dict[str, nnx.Module]
 
   @property
@@ -72,28 +74,33 @@ class DemoInputs:
 
 
 def load_inputs(pipeline) -> DemoInputs:
-  """The demo's batches (the stages' own eval batches: `train.eval_batches` of the demo's data,
-  as every stage copies them) and its trained stages' plain models."""
+  """The demo's validation batches (the report's `report_eval_batches`, and the stages' own
+  `train.eval_batches`, as every stage copies them) and its trained stages' plain models."""
   c = pipeline.config
   mesh, rules = pt.create_mesh(c.mesh), pt.rules_from_config(c.partitioning)
   tokenizer = make_tokenizer(c.data.tokenizer)
-  batches = list(make_eval_iterator(c.data, global_batch_size=int(c.train.batch_size),
-                                    seq_len=int(c.train.seq_len),
-                                    num_batches=int(c.train.eval_batches), tokenizer=tokenizer))
+
+  def batches(n):
+    return list(make_eval_iterator(c.data, global_batch_size=int(c.train.batch_size),
+                                   seq_len=int(c.train.seq_len), num_batches=int(n),
+                                   tokenizer=tokenizer))
   plain = {s: load_trained_model(pipeline.stage_dir(s), mesh, rules) for s in TRAINED_STAGES}
-  return DemoInputs(pipeline, mesh, rules, tokenizer, batches, plain)
+  return DemoInputs(pipeline, mesh, rules, tokenizer, batches(c.report_eval_batches),
+                    batches(c.train.eval_batches), plain)
 
 
-def evaluate_rows(d: DemoInputs) -> dict[str, tuple[dict[str, float], PerToken]]:
-  """Every row's (eval metrics, per-token values) over the demo's batches, each with the
-  engine of the stage whose job evaluates it (ROW_SOURCES)."""
+def evaluate_rows(d: DemoInputs) -> dict[str, tuple[dict[str, float], PerToken, dict]]:
+  """Every row's (eval metrics, per-token values) over the report's batches and its eval
+  metrics over the stages' own, each with the engine of the stage whose job evaluates it
+  (ROW_SOURCES)."""
   jobs, out = {}, {}
   for row, (job, weights) in ROW_SOURCES.items():
     if job not in jobs:
       recipe = run_recipe(d.pipeline.stage_dir(job))
       jobs[job] = recipe, recipe.build_engines(compile_now=False)
     engine, state = restore_onto(*jobs[job], d.pipeline.stage_dir(weights))
-    out[row] = evaluate(engine, state, d.batches, per_token=True)
+    out[row] = (*evaluate(engine, state, d.batches, per_token=True),
+                evaluate(engine, state, d.stage_batches))
   return out
 
 
@@ -119,11 +126,11 @@ def _stage_speed(stage_dir: str) -> dict:
 def stage_rows(d: DemoInputs, evals: dict, sizes: dict) -> dict:
   """Each row's numbers: next-token CE, perplexity and teacher agreement over the same
   batches, parameter count, bytes on disk, training speed from the stage's own metrics, and
-  `eval`: its job's evaluation as `distillax eval` prints it."""
+  `eval`: its job's evaluation on its own eval batches, as `distillax eval` prints it."""
   teacher_tokens = evals["teacher"][1]
   stages = {}
   for name in ROWS:
-    metrics, per_token = evals[name]
+    metrics, per_token, own = evals[name]
     # PTQ trains nothing: no speed of its own; its weights are the distilled student's.
     speed = (_stage_speed(d.pipeline.stage_dir(name)) if name in TRAINED_STAGES
              else {"tokens_per_s": float("nan"), "mfu": float("nan")})
@@ -133,7 +140,7 @@ def stage_rows(d: DemoInputs, evals: dict, sizes: dict) -> dict:
                     "val_perplexity": metrics["eval_perplexity"],
                     "top1_agreement": top1_agreement(per_token, teacher_tokens, d.batches),
                     "params": n_params, "bytes_on_disk": int(sizes[name]),
-                    "val_tokens": metrics["eval_tokens"], **speed, "eval": metrics}
+                    "val_tokens": metrics["eval_tokens"], **speed, "eval": own}
   return stages
 
 
