@@ -116,6 +116,28 @@ def lm_run(tmp_path_factory):
   return run, hf_dir
 
 
+def test_init_from_a_run_may_change_how_the_forward_computes(lm_run, tmp_path, capsys):
+  """A run started from an earlier one may pick another attention_impl (how attention is
+  computed, not what is stored): the same weights give the earlier run's eval loss. A stored
+  shape field that differs is still refused in one line."""
+  run, _ = lm_run
+  earlier = json.loads((run / "summary.json").read_text())
+  base = ["distillax", "train", "--config", f"{LM}:tiny", f"--config.train.init_from={run}",
+          "--config.train.steps=3", "--config.train.eval_every=3"]
+  later = tmp_path / "reference"
+  assert main([*base, "--workdir", str(later), "--config.model.attention_impl=reference",
+               "--config.optimizer.learning_rate=1e-12"]) == 0
+  assert json.loads((later / "config.json").read_text())["model"]["attention_impl"] == "reference"
+  first = json.loads((later / "summary.json").read_text())
+  assert abs(first["eval_loss"] - earlier["eval_loss"]) < 1e-5
+  capsys.readouterr()
+  refused = tmp_path / "heads"
+  assert main([*base, "--workdir", str(refused), "--config.model.num_layers=3"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "train.init_from" in err[0] and "num_layers" in err[0], err
+  assert not refused.exists()
+
+
 def test_export_without_config_reads_the_runs_own(lm_run, tmp_path):
   """`export` needs no --config: the run's config.json gives its mesh, rules and model, and the
   files written are the ones an export with the run's --config writes, byte for byte."""
