@@ -44,6 +44,22 @@ def _on_policy_settings() -> ml_collections.ConfigDict:
   return c
 
 
+def _shrink_to_tiny(c: ml_collections.ConfigDict) -> None:
+  """`demo.py:tiny`: every stage, the report and the edge rows in seconds (the tests' demo)."""
+  c.teacher_model = model_config("tiny", vocab_size=0)
+  c.student_model = model_config("tiny", vocab_size=0, num_layers=1)
+  c.teacher_steps, c.student_steps, c.qat_steps = 6, 4, 3
+  c.train.batch_size, c.train.seq_len = 8, 32
+  c.train.eval_every, c.train.eval_batches, c.train.log_every = 2, 2, 1
+  c.report_eval_batches = 3
+  c.train.progress = False
+  c.optimizer.warmup_steps = 1
+  c.data.shuffle_buffer = 64
+  c.sample_tokens = 8
+  c.edge_decode_tokens, c.edge_speed_rounds = 16, 2
+  c.on_policy.prompt_len, c.on_policy.max_new_tokens, c.on_policy.eval_prompts = 8, 8, 8
+
+
 def get_config(arg: str | None = None):
   b = base_config()
   c = ml_collections.ConfigDict()
@@ -64,14 +80,12 @@ def get_config(arg: str | None = None):
   c.train.batch_size = 16
   c.train.seq_len = 128
   c.train.eval_every = 50
-  # Validation batches of the stages' evals while training (and of `distillax eval --model
-  # <stage>`, each stage's `eval` in report.json). 16 made the teacher's step-300 eval 10% worse
-  # than step 250's, and the rollback guard stopped the demo.
-  c.train.eval_batches = 4
-  # Validation batches behind the report's table and llama.cpp's rows (32,768 tokens): on the
-  # stages' 8,192 the q4_0 PTQ cost (~0.002 nats there) was below QAT's own noise, and QAT
-  # lost to PTQ on them while it beat PTQ on these.
-  c.report_eval_batches = 16
+  # Validation batches of the stages' evals (and of `distillax eval --model <stage>`: each
+  # stage's `eval` in report.json); 16 made the teacher's step-300 eval 10% worse than step
+  # 250's, and the rollback guard stopped the demo. The report's table and llama.cpp's rows
+  # read 16 (32,768 tokens): on the stages' 8,192 the q4_0 PTQ cost (~0.002 nats there) was
+  # below QAT's own noise, and QAT lost to PTQ on them while it beat PTQ on these.
+  c.train.eval_batches, c.report_eval_batches = 4, 16
   c.train.log_every = 10
   # Teacher: wider and deeper than the student, trained longer on the same data.
   # Sized so the whole demo fits ~10 minutes on 2 CPU cores: a ~1.6M-parameter teacher and a
@@ -96,16 +110,5 @@ def get_config(arg: str | None = None):
   c.sample_prompts = ("def ", "import ", "class ")  # samples printed at the end
   c.sample_tokens = 48  # tokens generated per sample
   if parse_arg(arg, tiny=False).tiny:
-    c.teacher_model = model_config("tiny", vocab_size=0)
-    c.student_model = model_config("tiny", vocab_size=0, num_layers=1)
-    c.teacher_steps, c.student_steps, c.qat_steps = 6, 4, 3
-    c.train.batch_size, c.train.seq_len = 8, 32
-    c.train.eval_every, c.train.eval_batches, c.train.log_every = 2, 2, 1
-    c.report_eval_batches = 3
-    c.train.progress = False
-    c.optimizer.warmup_steps = 1
-    c.data.shuffle_buffer = 64
-    c.sample_tokens = 8
-    c.edge_decode_tokens, c.edge_speed_rounds = 16, 2
-    c.on_policy.prompt_len, c.on_policy.max_new_tokens, c.on_policy.eval_prompts = 8, 8, 8
+    _shrink_to_tiny(c)
   return c

@@ -99,6 +99,9 @@ def test_shard_map_backend_runs_a_qat_student():
   weights_only = _direct_loss(quantize_for_training(model, QuantConfig.simple("int8")), batch)
   state = engine.init_state(qat, {}, seed=0)
   _, metrics = engine.runner(state, engine.runner.place_batch(batch))
-  np.testing.assert_allclose(float(metrics["loss"]), want, rtol=1e-4)
-  assert abs(float(metrics["loss"]) - want) < abs(weights_only - want) / 5
+  loss = float(metrics["loss"])
+  np.testing.assert_allclose(loss, want, rtol=1e-4)
+  # Without interception the loss would be weights_only's (they are 4e-4 apart here); the flips
+  # cost up to ~1.6e-4 on an AVX-512/AMX Xeon, so closer to `want` by 2x, not 5x.
+  assert abs(loss - want) < abs(loss - weights_only) / 2, (loss, want, weights_only)
   assert float(metrics["grad_norm"]) > 0 and np.isfinite(float(metrics["grad_norm"]))
