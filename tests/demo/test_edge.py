@@ -6,21 +6,19 @@ import math
 
 import pytest
 
-from distillax.data import make_eval_iterator, make_tokenizer
 from distillax.demo import edge
 from distillax.edge import gguf_runtime, measurements
 from distillax.edge.gguf_export import write_gguf
 from distillax.models.config import get_preset
 from distillax.models.init import create_model
+from tests.edge.helpers import byte_eval_batches
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
 def batches():
-  tok = make_tokenizer("byte")
-  return list(make_eval_iterator({"tokenizer": "byte"}, global_batch_size=8, seq_len=32,
-                                 num_batches=2, tokenizer=tok))
+  return byte_eval_batches()
 
 
 def test_the_qat_file_also_runs_as_a_device_runs_it_by_default(batches, tmp_path):

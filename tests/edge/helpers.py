@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from distillax.data import make_eval_iterator, make_tokenizer
 from distillax.models.config import get_preset
 from distillax.models.init import abstract_model
 
@@ -120,3 +121,10 @@ def greedy(model, prompt, max_new_tokens: int, llama_cpp_gelu: bool = False
 def field(reader, key: str):
   """The value of a GGUF key as Python values (gguf's ReaderField.contents)."""
   return reader.fields[key].contents()
+
+
+def byte_eval_batches(num_batches: int = 2) -> list[dict[str, np.ndarray]]:
+  """Packed eval batches of the embedded corpus under the byte tokenizer (8 x 32 tokens), the
+  demo's batch layout at test size: what the llama.cpp measuring tests read."""
+  return list(make_eval_iterator({"tokenizer": "byte"}, global_batch_size=8, seq_len=32,
+                                 num_batches=num_batches, tokenizer=make_tokenizer("byte")))

@@ -12,21 +12,19 @@ import pytest
 from flax import nnx
 
 from distillax.data import batch as batch_spec
-from distillax.data import make_eval_iterator, make_tokenizer
 from distillax.edge import measurements
 from distillax.edge.gguf_export import write_gguf
 from distillax.framework import losses
 from distillax.models.config import get_preset
 from distillax.models.init import create_model
+from tests.edge.helpers import byte_eval_batches
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
 def batches():
-  tok = make_tokenizer("byte")
-  return list(make_eval_iterator({"tokenizer": "byte"}, global_batch_size=8, seq_len=32,
-                                 num_batches=2, tokenizer=tok))
+  return byte_eval_batches()
 
 
 @pytest.fixture(scope="module")
