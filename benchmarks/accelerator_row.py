@@ -207,7 +207,7 @@ def step_row(row: RowFile, spec: dict) -> None:
   """Compiles the step, runs it if it fits the chip, and records times, MFU and memory."""
   from benchmarks import common
   from distillax.distill import LogitKD, make_distill_objective
-  from distillax.distill.chunked import AUTO
+  from distillax.framework.vocab_chunks import AUTO
   from distillax.framework import throughput
   from distillax.models import abstract_model, create_model
   from distillax.trainers import lm_objective

@@ -118,7 +118,7 @@ def _next_guess(lo: int, hi: int | None, peaks: dict, limit: int, cap: int) -> i
 def distillax_variants() -> dict:
   """name -> chunk_size; `default` is what the config section gives (auto)."""
   from distillax.configs.sections import distill_section
-  from distillax.distill.chunked import chunk_size_from_config
+  from distillax.framework.vocab_chunks import chunk_size_from_config
   return {"unchunked": None, "chunk256": 256,
           "default": chunk_size_from_config(distill_section().chunk_size)}
 
@@ -316,12 +316,11 @@ def timed(systems: dict, reps: int):
   return times, {name: c[1:] for name, c in cpu.items()}  # drop the warm-up's
 
 
-def chunk_tokens(chunk_size, tokens: int, vocab: int) -> int | None:
-  """Tokens per logit chunk the objective uses (auto resolved as the objective resolves it; a
-  chunk never holds more than the batch's tokens); None: unchunked."""
-  from distillax.distill.chunked import resolve_chunk_size
-  chunk = resolve_chunk_size(chunk_size, tokens, vocab)
-  return None if chunk is None else min(chunk, tokens)
+def chunk_tokens(chunk_size, batch: int, length: int, vocab: int) -> int | None:
+  """Tokens per logit chunk the objective uses on one device (auto resolved as the engine
+  resolves it, without rules); None: unchunked."""
+  from distillax.framework.vocab_chunks import chunk_len
+  return None if chunk_size is None else batch * chunk_len(chunk_size, batch, length, vocab)
 
 
 def measure_vocab(vocab: int, s: dict, with_tunix: bool) -> list[dict]:
@@ -344,7 +343,8 @@ def measure_vocab(vocab: int, s: dict, with_tunix: bool) -> list[dict]:
     step_s = common.median(times[name])
     rows.append({
         "vocab": vocab, "system": name, "chunk_size": getattr(system, "chunk_size", None),
-        "chunk_tokens": chunk_tokens(getattr(system, "chunk_size", None), tokens, vocab),
+        "chunk_tokens": chunk_tokens(getattr(system, "chunk_size", None), s["batch"],
+                                     s["seq_len"], vocab),
         "tokens": tokens, "step_s": step_s, "step_s_all": times[name],
         "cpu_s": common.median(cpu[name]), "cpu_s_all": cpu[name],
         "tokens_per_s": tokens / step_s, "peak_bytes": peak,

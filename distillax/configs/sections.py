@@ -127,11 +127,11 @@ def student_section() -> ml_collections.ConfigDict:
 
 def distill_section() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  # Tokens per logit chunk (student and teacher together). -1 = auto: the most tokens whose fp32
-  # logits of one model (tokens x vocab x 4 bytes) fit 128 MiB, capped at the batch's tokens
-  # (vocab 128,256: 261 tokens per chunk; 32,000: 1,048; 256: the whole batch); 0 = unchunked
-  # [B, L, V] logits. Chunked, no logit array of the whole batch exists and the student's
-  # logit gradient is formed in the same pass as the loss (distill/chunked.py).
+  # Tokens per logit chunk (student and teacher together). -1 = auto: per device, the most
+  # positions whose fp32 logits of one model (rows on the device x positions x vocab on the
+  # device x 4 bytes) fit 128 MiB, capped at the sequence; 0 = unchunked [B, L, V] logits.
+  # Chunked, no logit array of the whole batch exists and the student's logit gradient is
+  # formed in the same pass as the loss (framework/vocab_chunks.py, shared with next-token CE).
   c.chunk_size = -1
   c.logit = ml_collections.ConfigDict()
   c.logit.weight = 1.0  # weight of LogitKD in the total loss (0 = off)

@@ -10,7 +10,7 @@ Two kinds of leaf strategies exist:
     (`token_values`, or `shared_token_values` reading logits.TokenLogits, whose reductions over
     the vocabulary every leaf and metric share). The objective evaluates every token-level leaf
     and the logit metrics in ONE pass over the logits, whole or a chunk of tokens at a time
-    (see chunked.py).
+    (framework/vocab_chunks.py).
   * the rest (attention, features) read intermediates from the model outputs (`term_sums`).
 
 `Composite` (or `s1 + s2`) is a weighted sum of strategies and is itself a strategy; the metric of
@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from distillax.data import batch as batch_spec
-from distillax.distill import chunked
 from distillax.distill.logits import TokenLogits
 from distillax.errors import ConfigError
+from distillax.framework import vocab_chunks
 from distillax.models.transformer import ModelOutput
 
 # Metric names the objective itself reports; a strategy may not take one of them as its name.
@@ -73,24 +73,40 @@ class DistillInputs:
   def mask_BxL(self) -> jax.Array:
     return self.batch[batch_spec.LOSS_MASK].astype(jnp.float32)
 
+  def _tokens(self) -> dict[str, jax.Array]:
+    """Every batch entry shaped (B, L, ...): what a token function may read."""
+    B, L = self.batch[batch_spec.LOSS_MASK].shape
+    return {k: v for k, v in self.batch.items()
+            if hasattr(v, "shape") and tuple(v.shape[:2]) == (B, L)}
+
   def token_sums(self, fn: TokenFn) -> dict[str, jax.Array]:
-    """Masked sums over real tokens of `fn(student_logits_NxV, teacher_logits_NxV, tokens)`."""
-    if self.chunk_size is None:
-      return chunked.full_token_sums(fn, self.batch, self.student, self.teacher)
-    return chunked.chunked_token_sums(fn, self.batch, self.student, self.teacher,
-                                      self.student_model, self.teacher_model, self.chunk_size)
+    """Masked sums over real tokens of `fn(student_logits_NxV, teacher_logits_NxV, tokens)`,
+    as metrics (behind stop_gradient); a differentiable term goes through `loss_and_sums`."""
+    return self.loss_and_sums(fn, {})[1]
 
   def loss_and_sums(self, fn: TokenFn, weights: Mapping[str, float]
                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(sum of weights[k] * sums[k], sums) with `sums` = `token_sums(fn)` as metrics: only the
-    weighted loss is differentiable. Chunked, the student's logit gradient is formed in the same
-    pass as the loss (chunked.fused_loss_sums), so no chunk's logits are computed twice."""
-    if self.chunk_size is None or not weights:  # not weights: metrics only, nothing to fuse
-      sums = self.token_sums(fn)
-      loss = sum((w * sums[k] for k, w in weights.items()), jnp.zeros((), jnp.float32))
-      return loss, jax.tree.map(jax.lax.stop_gradient, sums)
-    return chunked.fused_loss_sums(fn, weights, self.batch, self.student, self.teacher,
-                                   self.student_model, self.teacher_model, self.chunk_size)
+    weighted loss is differentiable. Chunked, it is the vocabulary-chunk engine's, which forms
+    the student's logit gradient in the same pass as the loss."""
+    tokens, mask_BxL = self._tokens(), self.batch[batch_spec.LOSS_MASK]
+    if self.chunk_size is None:
+      t_logits = None if self.teacher is None else self.teacher.logits_BxLxV
+      return vocab_chunks.whole_sums(fn, weights, tokens, mask_BxL, self.student.logits_BxLxV,
+                                     t_logits)
+    self._check_chunk_inputs()
+    teacher = t_hidden = None
+    if self.teacher is not None:
+      teacher = vocab_chunks.OutputLayer.of_model(self.teacher_model)
+      t_hidden = self.teacher.final_hidden_BxLxD
+    return vocab_chunks.vocab_chunk_sums(
+        fn, weights, tokens, mask_BxL, vocab_chunks.OutputLayer.of_model(self.student_model),
+        self.student.final_hidden_BxLxD, teacher, t_hidden, chunk_size=self.chunk_size)
+
+  def _check_chunk_inputs(self) -> None:
+    if self.student_model is None or (self.teacher is not None and self.teacher_model is None):
+      raise ConfigError("chunked logit losses need the student and teacher models "
+                        "(DistillInputs.student_model / teacher_model) to compute logits")
 
 
 class Strategy:
@@ -120,8 +136,7 @@ class Strategy:
     """(unweighted term sum, metric sums incl. {name: term sum}) over the real tokens."""
     if not self.needs.logits:
       raise NotImplementedError
-    sums = inputs.token_sums(self.token_values)
-    return sums[self.name], sums
+    return inputs.loss_and_sums(self.token_values, {self.name: 1.0})
 
   def loss_sums(self, inputs: DistillInputs) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(weight * term sum, metric sums) of one leaf. A composite is evaluated only by the

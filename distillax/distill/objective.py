@@ -6,7 +6,7 @@ for `framework.step`. Inside the compiled step it runs the student and the froze
 reads (hidden states, attention probabilities), with every teacher output behind
 `stop_gradient`. All token-level terms and the logit metrics share ONE pass over the logits: the
 whole [B, L, V] logits (chunk_size None), or a chunk of tokens at a time computed from the final
-hidden states (chunked.py; the default, AUTO, sizes chunks from the vocabulary and the batch), so
+hidden states (framework/vocab_chunks.py; the default, AUTO, sizes chunks per device), so
 full fp32 logits of either model never exist at once. Within that pass every reduction over the
 vocabulary is made once per model and temperature and shared (logits.TokenLogits).
 
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from distillax.data import batch as batch_spec
-from distillax.distill import chunked
+from distillax.framework import vocab_chunks
 from distillax.distill.base import DistillInputs, Strategy
 from distillax.distill.logit_kd import shared_metric_values
 from distillax.distill.logits import TokenLogits
@@ -43,7 +43,7 @@ def run_models(strategy: Strategy, student, extras: Mapping, batch, *, chunk_siz
                teacher_key: str = TEACHER) -> DistillInputs:
   """Forward passes of student and (when needed) teacher, as the strategy's DistillInputs.
 
-  chunk_size: None (the forward passes return full logits), chunked.AUTO or tokens per chunk
+  chunk_size: None (the forward passes return full logits), vocab_chunks.AUTO or tokens per chunk
   (they return final hidden states only: the logits are made chunk by chunk)."""
   needs = strategy.needs
   model, projections = unwrap_student(student)
@@ -54,7 +54,7 @@ def run_models(strategy: Strategy, student, extras: Mapping, batch, *, chunk_siz
       raise ConfigError(f"student vocabulary ({vs}) and teacher vocabulary ({vt}) differ; logit "
                         f"distillation needs one shared tokenizer")
   tokens_BxL = batch[batch_spec.INPUTS]
-  chunk_size = chunked.resolve_chunk_size(chunk_size, tokens_BxL.size, model.config.vocab_size)
+  vocab_chunks.check_chunk_size(chunk_size)
   flags = dict(return_hidden_states=needs.hidden_states, return_attention=needs.attention)
   if chunk_size is not None:
     flags["return_logits"] = False
@@ -75,19 +75,19 @@ def _teacher(extras: Mapping, teacher_key: str):
   return extras[teacher_key]
 
 
-def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = chunked.AUTO,
+def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab_chunks.AUTO,
                            teacher_key: str = TEACHER, metrics: bool = True) -> Objective:
   """The step objective of `strategy`.
 
-  chunk_size: tokens per logit chunk; chunked.AUTO (default) picks it from the vocabulary and
-    the batch (chunked.auto_chunk_size); None: unchunked full logits.
+  chunk_size: tokens per logit chunk; vocab_chunks.AUTO (default) picks it from the vocabulary and
+    the batch per device (vocab_chunks.auto_chunk_len); None: unchunked full logits.
   metrics: also report teacher_ce, top1_agreement and logit_cosine, which cost passes over the
     vocabulary the losses do not need (eval objectives); False reports the loss terms and
     hard_ce only (train objectives).
   """
   if not isinstance(strategy, Strategy):
     raise ConfigError(f"make_distill_objective needs a distillation strategy, got {strategy!r}")
-  chunked.check_chunk_size(chunk_size)
+  vocab_chunks.check_chunk_size(chunk_size)
   leaves = strategy.leaves()
   token_leaves = [(w, leaf) for w, leaf in leaves if leaf.needs.logits]
   other_leaves = [(w, leaf) for w, leaf in leaves if not leaf.needs.logits]

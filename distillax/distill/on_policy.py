@@ -12,9 +12,9 @@ Inside the compiled train step, per (micro-)batch of prompts:
 
 Randomness: the sampling key of a row is the step's key folded with the row's global id
 (`row_ids_B` in the batch) and its sample number, so every backend and data-parallel layout
-draws the same samples (the objective sets `rng_per_worker = False`, see framework/step.py),
-and a resumed run (the step's key is a function of the checkpointed RNG and the step) draws
-exactly what an uninterrupted one would.
+draws the same samples (the objective is built with `rng_per_worker=False`, see
+framework/step.py), and a resumed run (the step's key is a function of the checkpointed RNG and
+the step) draws exactly what an uninterrupted one would.
 
 `lmbda` mixing (GKD): with probability lmbda a (micro-)batch is on-policy, otherwise the data's
 own completions are teacher-forced through `off_policy` (the distill objective); lmbda = 0 is
@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distillax.distill import chunked
+from distillax.framework import vocab_chunks
 from distillax.distill.base import Strategy
 from distillax.distill.divergences import kl
 from distillax.distill.logits import STUDENT, TEACHER, TokenLogits
@@ -176,7 +176,7 @@ def score_values(leaf: Strategy, logits: TokenLogits) -> dict[str, jax.Array]:
   return values
 
 
-def score_rollout(leaf: Strategy, student, extras, batch, *, chunk_size=chunked.AUTO,
+def score_rollout(leaf: Strategy, student, extras, batch, *, chunk_size=vocab_chunks.AUTO,
                   teacher_key: str = TEACHER_KEY) -> ObjectiveOutput:
   """Teacher and student on a scoring batch: the leaf's loss over the completion tokens."""
   inputs = run_models(leaf, student, extras, batch, chunk_size=chunk_size,
@@ -201,14 +201,14 @@ def _with_keys(out: ObjectiveOutput, sums: Mapping, ratios: Mapping, on: float) 
 
 def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
                              off_policy: Objective | None = None,
-                             chunk_size: int | None = chunked.AUTO,
+                             chunk_size: int | None = vocab_chunks.AUTO,
                              teacher_key: str = TEACHER_KEY,
                              sampling_context: Callable | None = None) -> Objective:
   """The step objective (see the module doc). `leaf`: GeneralizedJSD or SampledTokenKL;
   `off_policy`: the teacher-forced objective of the (1 - lmbda) share (needed when lmbda < 1);
   `sampling_context`: a context manager factory sampling runs under (e.g. adapter dropout off)."""
   sampling_context = sampling_context or contextlib.nullcontext
-  chunked.check_chunk_size(chunk_size)
+  vocab_chunks.check_chunk_size(chunk_size)
   if settings.lmbda < 1.0 and off_policy is None:
     raise ConfigError(f"on_policy.lmbda={settings.lmbda} < 1 mixes in the data's own "
                       f"completions, which needs the off-policy (distill) objective")
@@ -237,8 +237,7 @@ def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
                         lambda: _with_keys(off_policy(student, extras, batch, rng), sums,
                                            ratios, 0.0))
 
-  objective.rng_per_worker = False
-  return objective
+  return Objective(objective, rng_per_worker=False)
 
 
 __all__ = ["OnPolicySettings", "PROMPT_KEYS", "PROMPT_LENGTHS", "PROMPT_TOKENS", "ROW_IDS",

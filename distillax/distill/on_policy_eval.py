@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from distillax import partitioning as pt
-from distillax.distill import chunked
+from distillax.framework import vocab_chunks
 from distillax.distill.on_policy import (PROMPT_LENGTHS, PROMPT_TOKENS, ROW_IDS,
                                          OnPolicySettings, completion_stats, sample_rollout,
                                          score_rollout, scoring_batch)
@@ -63,7 +63,7 @@ class OnPolicyEvaluator:
   """`evaluate_on_policy` compiled once per model structure and prompt shape (keep one)."""
 
   def __init__(self, settings: OnPolicySettings, *, mesh=None, rules=None,
-               chunk_size: int | None = chunked.AUTO):
+               chunk_size: int | None = vocab_chunks.AUTO):
     self.settings = dataclasses.replace(settings, num_samples=1)
     self.mesh, self.rules, self.chunk_size = mesh, rules, chunk_size
     self._compiled = {}
@@ -115,7 +115,7 @@ class OnPolicyEvaluator:
 
 def evaluate_on_policy(student: nnx.Module, teacher: nnx.Module, prompts,
                        settings: OnPolicySettings, *, seed: int = 0, mesh=None, rules=None,
-                       chunk_size: int | None = chunked.AUTO) -> OnPolicyEval:
+                       chunk_size: int | None = vocab_chunks.AUTO) -> OnPolicyEval:
   """One-off on-policy eval (see the module doc); keep an OnPolicyEvaluator to reuse its
   compiled program. `prompts`: token id arrays (each at least one token)."""
   return OnPolicyEvaluator(settings, mesh=mesh, rules=rules, chunk_size=chunk_size)(

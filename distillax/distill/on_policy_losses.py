@@ -2,8 +2,8 @@
 
 Both read the student's and the teacher's logits at the positions of a completion the student
 sampled (on_policy.py builds that batch); the objective evaluates them in the one shared pass
-over the vocabulary, whole or a chunk of tokens at a time (chunked.py), so a 128k vocabulary
-never holds [tokens, V] fp32 logits for the whole batch.
+over the vocabulary, whole or a chunk of tokens at a time (framework/vocab_chunks.py), so a 128k
+vocabulary never holds [tokens, V] fp32 logits for the whole batch.
 
 `GeneralizedJSD` (GKD, Agarwal et al. 2024): over the full vocabulary, at temperature T,
   beta = 0:      KL(P || Q)                                 forward KL (mass-covering)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from distillax.data import batch as batch_spec
-from distillax.distill import chunked
+from distillax.framework import vocab_chunks
 from distillax.distill.base import DistillInputs, Strategy
 from distillax.distill.logit_kd import TOPK_IDS, CachedLogitKD, logit_metric_values
 from distillax.distill.objective import make_distill_objective
@@ -54,19 +54,19 @@ def cached_strategy(distill_cfg, info: CacheInfo, vocab_size: int) -> CachedLogi
                                        beta=float(lc.beta), weight=float(lc.weight))
 
 
-def hard_ce_objective(student, extras, batch, rng, *, chunk_size=chunked.AUTO):
+def hard_ce_objective(student, extras, batch, rng, *, chunk_size=vocab_chunks.AUTO):
   """Student-only next-token CE with the distillation metric names (loss = hard_ce)."""
   del extras, rng
   model, _ = unwrap_student(student)
   tokens_BxL = batch[batch_spec.INPUTS]
-  chunk_size = chunked.resolve_chunk_size(chunk_size, tokens_BxL.size, model.config.vocab_size)
+  vocab_chunks.check_chunk_size(chunk_size)
   out = model(tokens_BxL, **losses.model_inputs(batch), return_logits=chunk_size is None)
   inputs = DistillInputs(batch=batch, student=out, student_model=model, chunk_size=chunk_size)
-  sums = inputs.token_sums(logit_metric_values)
-  return ObjectiveOutput(loss_sum=sums["hard_ce"], tokens=jnp.sum(inputs.mask_BxL), sums=sums)
+  loss, sums = inputs.loss_and_sums(logit_metric_values, {"hard_ce": 1.0})
+  return ObjectiveOutput(loss_sum=loss, tokens=jnp.sum(inputs.mask_BxL), sums=sums)
 
 
-def cached_objective(strategy: Strategy, *, chunk_size: int | None = chunked.AUTO,
+def cached_objective(strategy: Strategy, *, chunk_size: int | None = vocab_chunks.AUTO,
                      metrics: bool = True):
   """Train batches (with the cached teacher arrays) get the strategy; eval batches from the
   validation split get hard CE. The branch is on the batch's keys, fixed at trace time.

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from distillax.data import batch as batch_spec
+from distillax.framework import vocab_chunks
 
 
 def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
@@ -21,6 +22,26 @@ def cross_entropy_sums(logits_BxLxV: jax.Array, targets_BxL: jax.Array, mask_BxL
   nll_BxL = token_nll(logits_BxLxV, targets_BxL)
   correct_BxL = (jnp.argmax(logits_BxLxV, axis=-1) == targets_BxL).astype(jnp.float32)
   return jnp.sum(nll_BxL * mask_BxL), jnp.sum(correct_BxL * mask_BxL), jnp.sum(mask_BxL)
+
+
+def _next_token_values(logits_NxV, teacher_logits_NxV, tokens) -> dict[str, jax.Array]:
+  """Per-position NLL and argmax hit, weighted by the loss mask (the chunk engine's values)."""
+  del teacher_logits_NxV
+  mask_N = tokens[batch_spec.LOSS_MASK].astype(jnp.float32)
+  targets_N = tokens[batch_spec.TARGETS]
+  correct_N = (jnp.argmax(logits_NxV, axis=-1) == targets_N).astype(jnp.float32)
+  return {"loss": token_nll(logits_NxV, targets_N) * mask_N, "correct": correct_N * mask_N}
+
+
+def model_cross_entropy_sums(model, hidden_BxLxD, targets_BxL, mask_BxL, *,
+                             chunk_size: int = vocab_chunks.AUTO):
+  """`cross_entropy_sums` of the model's logits from its final hidden states, through the
+  vocabulary-chunk engine: the (B, L, V) fp32 logits never exist."""
+  tokens = {batch_spec.TARGETS: targets_BxL, batch_spec.LOSS_MASK: mask_BxL}
+  loss, sums = vocab_chunks.vocab_chunk_sums(
+      _next_token_values, {"loss": 1.0}, tokens, mask_BxL,
+      vocab_chunks.OutputLayer.of_model(model), hidden_BxLxD, chunk_size=chunk_size)
+  return loss, sums["correct"], jnp.sum(mask_BxL.astype(jnp.float32))
 
 
 def model_inputs(batch) -> dict:

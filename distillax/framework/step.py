@@ -13,12 +13,15 @@ after the micro-batches and every use of a shared weight have been summed locall
 
 Random draws (dropout) depend on the data-parallel layout: each worker folds its index into the
 step's key, and each micro-batch its number. An objective whose draws must not depend on the
-layout (on-policy sampling keys each row by its global row id) sets `rng_per_worker = False`
-on itself: every worker then gets the step's key unchanged.
+layout (on-policy sampling keys each row by its global row id) is built with
+`Objective(fn, rng_per_worker=False)`: every worker then gets the step's key unchanged. The flag
+lives on the frozen `Objective` with its function, and a wrapper replaces the function only
+(`objective.wrapped(...)`), so no wrapper can drop it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping
 
 import flax
@@ -45,7 +48,28 @@ class ObjectiveOutput:
 
 
 # (trainable model, frozen extras by name, batch, rng) -> ObjectiveOutput
-Objective = Callable[[nnx.Module, Mapping[str, nnx.Module], Batch, jax.Array], ObjectiveOutput]
+ObjectiveFn = Callable[[nnx.Module, Mapping[str, nnx.Module], Batch, jax.Array], ObjectiveOutput]
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """What the step optimises: the function and the flags the step reads about it."""
+
+  fn: ObjectiveFn
+  # False: every data-parallel worker gets the step's key unchanged (draws keyed per row).
+  rng_per_worker: bool = True
+
+  def __call__(self, student, extras, batch, rng) -> ObjectiveOutput:
+    return self.fn(student, extras, batch, rng)
+
+  def wrapped(self, wrap: Callable[[ObjectiveFn], ObjectiveFn]) -> "Objective":
+    """The same objective (flags kept) with its function wrapped, e.g. in adapter dropout."""
+    return dataclasses.replace(self, fn=wrap(self.fn))
+
+
+def as_objective(objective: Objective | ObjectiveFn) -> Objective:
+  """A bare function is an objective with the default flags."""
+  return objective if isinstance(objective, Objective) else Objective(objective)
 
 
 def split_microbatches(batch: Batch, accum_steps: int) -> Batch:
@@ -70,13 +94,14 @@ def make_train_step(defs: ModelDefs, objective: Objective, tx: optax.GradientTra
                     schedule: optax.Schedule, *, accum_steps: int = 1,
                     axis_name: str | None = None) -> Callable[[TrainState, Batch], Any]:
   """The step body. Wrap it with a backend from `framework.backends` to run it."""
+  objective = as_objective(objective)
 
   def reduce(x):
     return jax.lax.psum(x, axis_name) if axis_name else x
 
   def step(state: TrainState, batch: Batch):
     step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    if axis_name and getattr(objective, "rng_per_worker", True):
+    if axis_name and objective.rng_per_worker:
       # Each worker draws its own randomness (dropout) for its own rows of the batch.
       step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
     params32 = master_dtype_params(state.params)

@@ -46,6 +46,7 @@ import safetensors.numpy
 from flax import nnx
 
 from distillax.errors import ConfigError, UserError
+from distillax.framework.step import Objective, as_objective
 from distillax.quant import intercept, keep_mask, lora_matmul
 from distillax.quant.config import WEIGHT_QTYPES
 from distillax.quant.fakequant import QuantSiteParam, einsum_parts
@@ -78,14 +79,17 @@ def lora_dropout(key: jax.Array | None):
     _DROPOUT_KEY.reset(token)
 
 
-def with_lora_dropout(objective: Callable) -> Callable:
-  """The objective with adapter dropout keyed by the step's rng (use for training only)."""
+def with_lora_dropout(objective: Objective | Callable) -> Objective:
+  """The objective with adapter dropout keyed by the step's rng (use for training only); its
+  flags (rng_per_worker) are kept."""
 
-  def objective_with_dropout(student, extras, batch, rng):
-    with lora_dropout(jax.random.fold_in(rng, 0x10A)):
-      return objective(student, extras, batch, rng)
+  def wrap(fn):
+    def objective_with_dropout(student, extras, batch, rng):
+      with lora_dropout(jax.random.fold_in(rng, 0x10A)):
+        return fn(student, extras, batch, rng)
+    return objective_with_dropout
 
-  return objective_with_dropout
+  return as_objective(objective).wrapped(wrap)
 
 
 # ---- the wrapper -------------------------------------------------------------------------------

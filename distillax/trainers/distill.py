@@ -11,7 +11,7 @@ from flax import nnx
 from distillax.distill import (TEACHER, AttentionTransfer, DistillStudent, FeaturePooling,
                                FeatureProjection, LogitKD, Strategy, make_distill_objective,
                                unwrap_student)
-from distillax.distill.chunked import chunk_size_from_config
+from distillax.framework.vocab_chunks import chunk_size_from_config
 from distillax.errors import ConfigError
 from distillax.framework.step import Objective
 from distillax.models.config import TransformerConfig

@@ -9,7 +9,7 @@ import jax
 from flax import nnx
 
 from distillax.data import batch as batch_spec
-from distillax.framework import chunked_loss, losses
+from distillax.framework import losses
 from distillax.framework.step import Objective, ObjectiveOutput
 from distillax.trainers.recipe import Recipe
 from distillax.trainers.registry import register
@@ -20,7 +20,7 @@ def lm_objective(student: nnx.Module, extras: Mapping[str, nnx.Module], batch, r
   """Cross-entropy on every target the loss mask keeps (padding and document edges excluded)."""
   del extras, rng
   out = student(batch[batch_spec.INPUTS], **losses.model_inputs(batch), return_logits=False)
-  loss_sum, correct, tokens = chunked_loss.model_cross_entropy_sums(  # never all (B, L, V) logits
+  loss_sum, correct, tokens = losses.model_cross_entropy_sums(  # never all (B, L, V) logits
       student, out.final_hidden_BxLxD, batch[batch_spec.TARGETS], batch[batch_spec.LOSS_MASK])
   return ObjectiveOutput(loss_sum=loss_sum, tokens=tokens, sums={"accuracy": correct})
 

@@ -78,10 +78,7 @@ class OnPolicyRecipe(DistillRecipe):
     context = (lambda: quant.lora_dropout(None)) if self.transforms.lora is not None else None
     on = make_on_policy_objective(leaf, self.settings, off_policy=off,
                                   chunk_size=self.chunk_size(), sampling_context=context)
-    wrapped = self.transforms.train_objective(on)
-    if wrapped is not on and hasattr(on, "rng_per_worker"):
-      wrapped.rng_per_worker = on.rng_per_worker
-    return wrapped
+    return self.transforms.train_objective(on)  # the wrapper keeps on's rng_per_worker
 
   def batch_shapes(self):
     shapes = dict(super().batch_shapes())

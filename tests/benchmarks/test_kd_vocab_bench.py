@@ -67,9 +67,10 @@ def test_chunks(result):
       assert r["chunk_tokens"] is None
     elif r["system"] == "chunk256":
       assert r["chunk_tokens"] == 256 < tokens  # two chunks: the chunked path really ran
-    else:  # auto: the most tokens whose fp32 logits of one model fit 128 MiB
+    else:  # auto: the most positions of every row whose fp32 logits of one model fit 128 MiB
       assert r["chunk_size"] == -1
-      assert r["chunk_tokens"] == min(tokens, 128 * 2**20 // (4 * r["vocab"]))
+      positions = max(1, min(s["seq_len"], 128 * 2**20 // (4 * s["batch"] * r["vocab"])))
+      assert r["chunk_tokens"] == s["batch"] * positions
 
 
 def test_memory_and_the_largest_batch(result):

@@ -15,7 +15,7 @@ from flax import nnx
 
 from distillax.data import batch as batch_spec
 from distillax.distill import AttentionTransfer, LogitKD, divergences, make_distill_objective
-from distillax.distill import chunked
+from distillax.framework import vocab_chunks
 from distillax.distill.base import DistillInputs
 from distillax.distill.objective import run_models
 from distillax.errors import ConfigError
@@ -70,8 +70,7 @@ def old_objective(kd: LogitKD):
       values.update(old_logit_kd(s, kd, {**tokens, "__t": t}))
       return values
 
-    sums = inputs.token_sums(per_token)
-    return kd.weight * sums[kd.name], sums
+    return inputs.loss_and_sums(per_token, {kd.name: kd.weight})
   return objective
 
 
@@ -143,7 +142,7 @@ def test_shared_reductions_give_the_old_values_and_gradients(case):
   kd = KDS[case]
   student, teacher, batch = models_and_batch(seed=1)
   runs = {"old": old_objective(kd), "unchunked": new_objective(kd, None),
-          "chunk4": new_objective(kd, 4), "auto": new_objective(kd, chunked.AUTO)}
+          "chunk4": new_objective(kd, 4), "auto": new_objective(kd, vocab_chunks.AUTO)}
   fns = {}
   for name, objective in runs.items():
     loss, ss = loss_fn(objective, student, teacher, batch)
@@ -167,11 +166,11 @@ def test_shared_reductions_give_the_old_values_and_gradients(case):
 def test_train_objective_reports_what_its_loss_needs():
   kd = KDS["forward_kl"]
   student, teacher, batch = models_and_batch(seed=2)
-  objective = new_objective(kd, chunked.AUTO, metrics=False)
+  objective = new_objective(kd, vocab_chunks.AUTO, metrics=False)
   loss, ss = loss_fn(objective, student, teacher, batch)
   (_, sums) = jax.jit(loss)(ss)
   assert set(sums) == {"logit_kd", "logit_kd_divergence", "hard_ce"}
-  full = jax.jit(loss_fn(new_objective(kd, chunked.AUTO), student, teacher, batch)[0])(ss)[1]
+  full = jax.jit(loss_fn(new_objective(kd, vocab_chunks.AUTO), student, teacher, batch)[0])(ss)[1]
   assert {"teacher_ce", "top1_agreement", "logit_cosine"} <= set(full)
   for key in sums:
     assert float(sums[key]) == float(full[key]), key
@@ -181,7 +180,7 @@ def test_only_the_loss_is_differentiated_and_a_metric_only_objective_works():
   """The fused path's sums are metrics (no gradient flows through them); with no token-level
   term (attention transfer alone) the logit metrics still come out, and nothing is fused."""
   student, teacher, batch = models_and_batch(seed=3)
-  objective = new_objective(AttentionTransfer({0: 1}), chunked.AUTO)
+  objective = new_objective(AttentionTransfer({0: 1}), vocab_chunks.AUTO)
   loss, ss = loss_fn(objective, student, teacher, batch)
   (value, sums), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(ss)
   assert {"hard_ce", "teacher_ce", "attention_transfer"} <= set(sums)
@@ -235,7 +234,7 @@ def test_chunked_step_never_builds_a_whole_logit_array():
 def test_chunked_forward_passes_return_no_logits():
   kd = KDS["forward_kl"]
   student, teacher, batch = models_and_batch()
-  for chunk, has_logits in ((chunked.AUTO, False), (4, False), (None, True)):
+  for chunk, has_logits in ((vocab_chunks.AUTO, False), (4, False), (None, True)):
     inputs = run_models(kd, student, {"teacher": teacher}, batch, chunk_size=chunk)
     assert isinstance(inputs, DistillInputs)
     assert (inputs.student.logits_BxLxV is not None) == has_logits
@@ -244,36 +243,39 @@ def test_chunked_forward_passes_return_no_logits():
 
 # ---- the chunk size ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tokens, vocab", [(1024, 128_256), (1024, 32_000), (1024, 256),
-                                           (4096, 151_936), (8, 2**26), (3, 10)])
-def test_auto_chunk_is_the_most_tokens_whose_logits_fit_the_budget(tokens, vocab):
-  chunk = chunked.auto_chunk_size(tokens, vocab)
-  budget = chunked.CHUNK_BUDGET_BYTES
-  assert 1 <= chunk <= tokens
-  assert chunk == tokens or chunk == 1 or chunk * vocab * 4 <= budget < (chunk + 1) * vocab * 4
-  if vocab * 4 * tokens <= budget:
-    assert chunk == tokens  # small vocabularies: one chunk holds the batch
+@pytest.mark.parametrize("rows, length, vocab", [(4, 256, 128_256), (4, 256, 32_000),
+                                                 (4, 256, 256), (8, 512, 151_936),
+                                                 (1, 8, 2**26), (3, 1, 10)])
+def test_auto_chunk_is_the_most_positions_whose_logits_fit_the_budget(rows, length, vocab):
+  positions = vocab_chunks.auto_chunk_len(rows, length, vocab)
+  budget = vocab_chunks.CHUNK_BUDGET_BYTES
+  row_bytes = rows * vocab * 4  # one position of every row
+  assert 1 <= positions <= length
+  assert positions == length or positions == 1 or (
+      positions * row_bytes <= budget < (positions + 1) * row_bytes)
+  if row_bytes * length <= budget:
+    assert positions == length  # small vocabularies: one chunk holds the batch
 
 
 def test_auto_chunk_examples():
-  # 128 MiB / (4 bytes x 128,256) = 261.6: Llama 3's vocabulary gets 261-token chunks.
-  assert chunked.auto_chunk_size(1024, 128_256) == 261
-  assert chunked.auto_chunk_size(4096, 32_000) == 1048
-  assert chunked.auto_chunk_size(1024, 32_000, budget_bytes=64 * 2**20) == 524
-  assert chunked.resolve_chunk_size(chunked.AUTO, 1024, 128_256) == 261
-  assert chunked.resolve_chunk_size(None, 1024, 128_256) is None
-  assert chunked.resolve_chunk_size(100, 1024, 128_256) == 100
+  # 128 MiB / (4 bytes x 4 rows x 128,256) = 65.4: Llama 3's vocabulary gets 65 positions of 4
+  # rows (260 tokens) per chunk on one device.
+  assert vocab_chunks.auto_chunk_len(4, 256, 128_256) == 65
+  assert vocab_chunks.auto_chunk_len(4, 1024, 32_000) == 262
+  assert vocab_chunks.auto_chunk_len(4, 1024, 32_000, budget_bytes=64 * 2**20) == 131
+  assert vocab_chunks.chunk_len(vocab_chunks.AUTO, 4, 256, 128_256) == 65
+  assert vocab_chunks.chunk_len(100, 4, 256, 128_256) == 25  # 100 tokens: 25 positions x 4 rows
 
 
 def test_chunk_size_from_config():
   from distillax.configs.sections import distill_section
-  assert distill_section().chunk_size == chunked.AUTO  # chunked by default
-  assert chunked.chunk_size_from_config(0) is None
-  assert chunked.chunk_size_from_config(-1) == chunked.AUTO
-  assert chunked.chunk_size_from_config(256) == 256
+  assert distill_section().chunk_size == vocab_chunks.AUTO  # chunked by default
+  assert vocab_chunks.chunk_size_from_config(0) is None
+  assert vocab_chunks.chunk_size_from_config(-1) == vocab_chunks.AUTO
+  assert vocab_chunks.chunk_size_from_config(256) == 256
   for bad in (-2, -100):
     with pytest.raises(ConfigError, match="chunk_size"):
-      chunked.chunk_size_from_config(bad)
+      vocab_chunks.chunk_size_from_config(bad)
   for bad in (0, -3, True, 2.5):
     with pytest.raises(ConfigError, match="chunk_size"):
       make_distill_objective(LogitKD(), chunk_size=bad)

@@ -1,4 +1,5 @@
-"""The chunked next-token loss against the unchunked one: values, accuracy and gradients."""
+"""The next-token loss through the vocabulary-chunk engine against the unchunked one: values,
+accuracy and gradients; and how the engine sizes its chunks."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ from flax import nnx
 
 from distillax import partitioning as pt
 from distillax.data import batch as batch_spec
-from distillax.framework import chunked_loss, losses
+from distillax.framework import losses, vocab_chunks
 from distillax.models.config import get_preset
 from distillax.trainers import lm_objective
 from tests.models.helpers import random_model
@@ -30,12 +31,12 @@ def _unchunked(student, batch):
                                    batch[batch_spec.LOSS_MASK])
 
 
-def _chunked(chunk_len):
+def _chunked(chunk_size):
   def run(student, batch):
     out = student(batch[batch_spec.INPUTS], **losses.model_inputs(batch), return_logits=False)
-    return chunked_loss.model_cross_entropy_sums(
+    return losses.model_cross_entropy_sums(
         student, out.final_hidden_BxLxD, batch[batch_spec.TARGETS], batch[batch_spec.LOSS_MASK],
-        chunk_len=chunk_len)
+        chunk_size=chunk_size)
   return run
 
 
@@ -50,15 +51,16 @@ def _value_and_grads(loss_fn, model, batch):
   return loss, correct, tokens, nnx.to_pure_dict(grads)
 
 
-@pytest.mark.parametrize("preset,chunk_len", [
-    ("tiny", 1), ("tiny", 5), ("tiny", None),  # 13 positions: 13 chunks, 3 (padded), auto (1)
-    ("tiny_gemma", 4),  # tied embeddings and a final logit soft-cap
+@pytest.mark.parametrize("preset,chunk_size", [
+    # 3 rows x 13 positions: 13 chunks of 1 position, 3 of 5 (padded), auto (1 chunk)
+    ("tiny", 3), ("tiny", 15), ("tiny", vocab_chunks.AUTO),
+    ("tiny_gemma", 12),  # tied embeddings and a final logit soft-cap
 ])
-def test_chunked_lm_loss_equals_unchunked_values_and_gradients(preset, chunk_len):
+def test_chunked_lm_loss_equals_unchunked_values_and_gradients(preset, chunk_size):
   model = random_model(get_preset(preset), seed=1)
   batch = _batch()
   want = _value_and_grads(_unchunked, model, batch)
-  got = _value_and_grads(_chunked(chunk_len), model, batch)
+  got = _value_and_grads(_chunked(chunk_size), model, batch)
   np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
   assert float(got[1]) == float(want[1]) and float(got[2]) == float(want[2])
   flat_want = jax.tree_util.tree_leaves_with_path(want[3])
@@ -80,9 +82,16 @@ def test_lm_objective_is_the_chunked_loss():
 
 def test_auto_chunk_len_budgets_one_devices_share_of_the_logits():
   # No rules: 16 rows x 128,256 fp32 logits per position = 8 MB, 16 positions fit 128 MiB.
-  assert chunked_loss.auto_chunk_len(16, 32768, 128_256) == 16
+  assert vocab_chunks.auto_chunk_len(16, 32768, 128_256) == 16
   # fsdp_tp on 4 x 2: each device holds 4 rows and half the vocabulary: 130 positions.
   mesh = pt.create_mesh({"data": 4, "model": 2})
   with pt.use_rules(mesh, pt.rules_from_config({"strategy": "fsdp_tp"})):
-    assert chunked_loss.auto_chunk_len(16, 32768, 128_256) == 128 * 2**20 // (4 * 4 * 64_128)
-  assert chunked_loss.auto_chunk_len(2, 10, 256) == 10  # capped at the sequence
+    assert vocab_chunks.auto_chunk_len(16, 32768, 128_256) == 128 * 2**20 // (4 * 4 * 64_128)
+  # dp on 8: one row per device, so a chunk holds 8x the positions it would on one device
+  # (the distillation chunks once filled only 1/dp of the budget here).
+  with pt.use_rules(pt.create_mesh({"data": 8, "model": 1}), pt.rules_from_config(
+      {"strategy": "dp"})):
+    assert vocab_chunks.auto_chunk_len(16, 32768, 128_256) == 128 * 2**20 // (4 * 2 * 128_256)
+  assert vocab_chunks.auto_chunk_len(2, 10, 256) == 10  # capped at the sequence
+  # An explicit size is tokens per chunk: 3 rows of 40 tokens take 13 positions per chunk.
+  assert vocab_chunks.chunk_len(40, 3, 100, 256) == 13 and vocab_chunks.chunk_len(2, 3, 9, 8) == 1
