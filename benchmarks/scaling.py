@@ -71,7 +71,7 @@ def one_config(name, cfg, strategy, shape, per_device_batch, seq_len, measure, r
                        model=model)
   engine = built.engine
   stats = dict(engine.runner.stats)
-  coll = hlo.collective_stats(engine.runner.call.as_text())
+  coll = hlo.collective_stats(engine.runner.compiled_text())
   sb = sharding_checks.state_bytes(engine)
   grad_bytes = float(sum(a.size * 4 for a in jax.tree.leaves(engine.layout.abstract.params)))
   row = {"model": name, "strategy": strategy, "devices": n, "mesh": f"{shape[0]}x{shape[1]}",

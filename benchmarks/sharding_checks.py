@@ -36,9 +36,9 @@ def _uses_axis(sharding, axis: str) -> bool:
 
 def state_shardings(engine: Engine) -> Any:
   """The compiled step's state shardings when it is compiled (jit), else the layout's."""
-  call = engine.runner.call
-  if hasattr(call, "input_shardings") and engine.runner.backend == "jit":
-    return call.input_shardings[0][0]
+  compiled = engine.runner.compiled
+  if compiled is not None and engine.runner.backend == "jit":
+    return compiled.input_shardings[0][0]
   return engine.layout.shardings
 
 

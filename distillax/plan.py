@@ -38,7 +38,7 @@ def plan_report(recipe: Recipe, engine) -> dict:
   stored = _tree_bytes(layout.stored_abstract, layout.stored_shardings)[0]
   whole = _tree_bytes(a, sh)[0]
   stats = dict(runner.stats)
-  hlo = runner.call.as_text() if hasattr(runner.call, "as_text") else ""
+  hlo = runner.compiled_text()
   model_flops = recipe.step_flops()
   peak = (stats.get("argument_size_in_bytes", 0) + stats.get("temp_size_in_bytes", 0) +
           stats.get("output_size_in_bytes", 0) - stats.get("alias_size_in_bytes", 0))

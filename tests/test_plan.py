@@ -65,3 +65,22 @@ def test_plan_sizes_llama_8b_on_64_simulated_devices():
   assert "FITS in 95 GiB" in text
   # 8,030,261,248 fp32 parameters = 29.92 GiB, 1/64 of it per device.
   assert "29.92 GiB total" in text and "478.75 MiB per device" in text
+
+
+def _collectives_line(out: str) -> str:
+  return next(l for l in out.splitlines() if "collectives per step per device" in l)
+
+
+def test_on_policy_plan_reads_the_step_behind_its_sampling_clock(capsys):
+  """The sampling clock wraps the runner's call; plan must still read the compiled step: the
+  same collectives as the unwrapped step, and not none."""
+  base = ["distillax", "plan", "--config", f"{ROOT}/distillax/configs/on_policy.py:tiny",
+          "--devices", "8", "--config.partitioning.strategy=fsdp_tp", "--config.mesh.model=2",
+          "--config.on_policy.prompt_len=6", "--config.on_policy.max_new_tokens=4",
+          "--config.on_policy.num_samples=1"]
+  lines = {}
+  for timed in (True, False):
+    assert main(base + [f"--config.on_policy.time_sampling={timed}"]) == 0
+    lines[timed] = _collectives_line(capsys.readouterr().out)
+  assert "none" not in lines[True] and "all-gather" in lines[True], lines[True]
+  assert lines[True] == lines[False]

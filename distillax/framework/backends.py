@@ -70,12 +70,23 @@ class StepRunner:
   data_parallel: int
   stats: dict[str, float] = dataclasses.field(default_factory=dict)
   compile_seconds: float = 0.0
+  # The compiled executable behind `call` (None until compiled). Kept apart from `call` so a
+  # wrapper that replaces `call` (a timing clock, say) never hides the program that runs.
+  compiled: Any = None
   # "per_step": one explicit psum of the summed gradient (shard_map, pmap, vmap, jit per worker);
   # "per_use": GSPMD reduces each contribution where it is produced.
   gradient_reduction: str = "per_step"
 
   def __call__(self, state, batch):
     return self.call(state, batch)
+
+  def compiled_text(self) -> str:
+    """The optimised, partitioned HLO of the step that runs (what plan and the collective
+    counts read); an error rather than an empty text when nothing was compiled."""
+    if self.compiled is None:
+      raise ValueError(f"the {self.backend} step was built with compile_now=False: nothing "
+                       f"compiled to read")
+    return self.compiled.as_text()
 
 
 def _require_data_parallel(backend: str, mesh: Mesh, layout: StateLayout) -> None:
@@ -300,6 +311,7 @@ def build_runner(backend: str, make_step: Callable[[str | None], Callable], layo
                                      compile_now=compile_now, reduce_once=reduce_once)
   runner.compile_seconds = time.perf_counter() - t0
   if compile_now and hasattr(runner.call, "memory_analysis"):
+    runner.compiled = runner.call
     runner.stats = compiled_stats(runner.call)
     log_compiled_stats(backend, runner.stats)
   return runner

@@ -36,7 +36,7 @@ def _engine(strategy, mesh_shape, backend="jit", accum_steps=1, cfg=None, batch=
 
 
 def _all_reduce_bytes(engine):
-  stats = hlo.collective_stats(engine.runner.call.as_text())
+  stats = hlo.collective_stats(engine.runner.compiled_text())
   assert not stats["trip_count_unknown"]
   return stats["all-reduce"]["bytes"]
 
@@ -86,7 +86,7 @@ def test_tp_communication_does_not_grow_with_accumulation():
 
 def test_fsdp_still_shards_through_gspmd():
   """Parameters split over data take the GSPMD path: no per-worker body, gathers present."""
-  stats = hlo.collective_stats(_engine("fsdp", (8, 1)).runner.call.as_text())
+  stats = hlo.collective_stats(_engine("fsdp", (8, 1)).runner.compiled_text())
   assert stats["all-gather"]["count"] > 0
 
 
