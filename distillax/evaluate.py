@@ -12,8 +12,9 @@ stage's row of report.json, come back exactly. A run is evaluated under its own 
 its newest valid checkpoint; with --config, on that config's data section and eval sizes
 (train.batch_size, seq_len, eval_batches) instead. A Hugging Face directory needs --config: the
 job it is evaluated as, with the directory's weights as the student (as train.init_from would
-start it). Prints one JSON object (eval_loss, eval_perplexity, eval_tokens and the objective's
-metrics) on stdout.
+start it). Prints one JSON object (eval_objective: the job's objective; eval_loss and
+eval_perplexity: next-token CE and its exp, whatever the objective; eval_tokens and the
+objective's metrics) on stdout.
 """
 
 from __future__ import annotations

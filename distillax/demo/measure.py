@@ -7,8 +7,8 @@ eval`'s route, with the stage's own job (recipe, eval objective, engine) at its 
 checkpoint, twice: on the report's `report_eval_batches` (every number of the table, the same
 tokens llama.cpp's rows read) and on the stage's own `train.eval_batches`, its `eval` entry in
 report.json, which is what `distillax eval --model <stage>` prints, to the last digit. The
-row's validation loss is that job's next-token CE (`eval_hard_ce` for distillation, `eval_loss`
-for next-token jobs). The PTQ row is the full-precision twin's checkpoint under the QAT stage's
+row's validation loss is that job's next-token CE (`eval_loss`, whatever the job's objective,
+`eval_objective`, is). The PTQ row is the full-precision twin's checkpoint under the QAT stage's
 engine: its fake-quant forward before any QAT step, which is PTQ (quant/qat.py). Top-1 agreement
 with the teacher compares each row's per-token top-1 with the teacher's, over the real tokens.
 Speed and MFU come from each stage's own metrics.jsonl. The quantized rows use llama.cpp's q4_0
@@ -136,7 +136,7 @@ def stage_rows(d: DemoInputs, evals: dict, sizes: dict) -> dict:
              else {"tokens_per_s": float("nan"), "mfu": float("nan")})
     n_params = sum(int(x.size) for x in jax.tree.leaves(
         nnx.state(d.plain.get(name, d.plain["student_kd_fp"]), nnx.Param)))
-    stages[name] = {"val_loss": metrics.get("eval_hard_ce", metrics["eval_loss"]),
+    stages[name] = {"val_loss": metrics["eval_loss"],
                     "val_perplexity": metrics["eval_perplexity"],
                     "top1_agreement": top1_agreement(per_token, teacher_tokens, d.batches),
                     "params": n_params, "bytes_on_disk": int(sizes[name]),

@@ -86,23 +86,25 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 def _means(totals: Mapping[str, Any], prefix: str) -> dict[str, float]:
-  """The sums divided once by the real token count; perplexity of the next-token CE."""
+  """The sums divided once by the real token count: `objective` is the objective's own loss,
+  `loss` and `perplexity` are always of the next-token cross-entropy (for an objective whose
+  loss mixes in other terms, distillation, that is its reported hard-label CE), so the two
+  names never hold one figure in one job and another in the next."""
   host = {k: float(v) for k, v in jax.device_get(totals).items()}
   tokens, loss_sum = host.pop("tokens"), host.pop("loss_sum")
-  out = {f"{prefix}{k}": v for k, v in loss_and_perplexity(loss_sum, tokens).items()}
-  out.update({f"{prefix}{k}": v / max(tokens, 1.0) for k, v in host.items()})
-  # Perplexity is always of the next-token cross-entropy: for objectives whose loss mixes in
-  # other terms (distillation) that is their reported hard-label CE.
-  if "hard_ce" in host:
-    out[f"{prefix}perplexity"] = loss_and_perplexity(host["hard_ce"], tokens)["perplexity"]
+  ce = loss_and_perplexity(host.get("hard_ce", loss_sum), tokens)
+  out = {f"{prefix}objective": loss_sum / tokens}
+  out.update({f"{prefix}{k}": v for k, v in ce.items()})
+  out.update({f"{prefix}{k}": v / tokens for k, v in host.items()})
   return out
 
 
 def evaluate(engine, state, batches: Iterable[Mapping[str, np.ndarray]], *,
              per_token: bool = False, prefix: str = "eval_"):
   """Exact means over every real token of `batches` (host numpy batches, as a recipe's
-  eval_iterator yields them) of `engine`'s eval objective at `state`: {prefix + loss,
-  perplexity, tokens, every metric of the objective}. With per_token, (those means, PerToken).
+  eval_iterator yields them) of `engine`'s eval objective at `state`: {prefix + objective (the
+  objective's loss), loss and perplexity (next-token CE), tokens, every metric of the
+  objective}. With per_token, (those means, PerToken).
   `engine` is a framework.engine.Engine."""
   sums = _compiled(engine, "sums", make_eval_step(engine.layout.defs, engine.objective))
   values = _compiled(engine, "per_token", _token_values(engine.layout.defs)) if per_token else None

@@ -2,6 +2,7 @@
 eval batch and, on request, the student's per-token values, against numpy on the same model's
 logits."""
 
+import dataclasses
 import math
 
 import jax
@@ -12,6 +13,7 @@ from distillax import partitioning as pt
 from distillax.errors import UserError
 from distillax.framework import evaluation, losses
 from distillax.framework.engine import build_engine
+from distillax.framework.step import ObjectiveOutput
 from distillax.models.init import create_model
 from distillax.trainers import lm_objective
 from tests.framework.engine_fixtures import MODEL, optimizer_config, packed_batches
@@ -75,6 +77,29 @@ def test_per_token_values_are_the_students_and_leave_the_means_unchanged():
   total = sum(float(np.sum(n.astype(np.float64) * b["loss_mask_BxL"]))
               for n, b in zip(tokens.nll_BxL, batches))
   assert total / means["eval_tokens"] == pytest.approx(means["eval_loss"], rel=1e-6)
+
+
+def _objective_with_a_term_besides_ce(student, extras, batch, rng):
+  """A distillation-like objective: its loss is 3 x the next-token CE + 1 per token, and it
+  reports the CE as hard_ce, as every distillation objective does."""
+  out = lm_objective(student, extras, batch, rng)
+  return ObjectiveOutput(loss_sum=3.0 * out.loss_sum + out.tokens, tokens=out.tokens,
+                         sums={"hard_ce": out.loss_sum})
+
+
+def test_eval_loss_is_the_next_token_ce_and_eval_objective_the_objective():
+  """In a distillation run eval_loss used to be the objective (1.548) next to the perplexity of
+  the CE (161): the names now say which figure is which, whatever the objective."""
+  model, lm_engine, batches = _uneven_eval()
+  engine = dataclasses.replace(lm_engine, objective=_objective_with_a_term_besides_ce, evals={})
+  got = evaluation.evaluate(engine, engine.init_state(model, {}, seed=0), batches)
+  nll = np.concatenate([_numpy_nll(model, b)[b["loss_mask_BxL"] > 0] for b in batches])
+  assert got["eval_loss"] == pytest.approx(nll.mean(), rel=1e-5)
+  assert got["eval_perplexity"] == pytest.approx(math.exp(nll.mean()), rel=1e-5)
+  assert got["eval_objective"] == pytest.approx(3 * nll.mean() + 1, rel=1e-5)
+  # Next-token training: the objective is the CE.
+  plain = evaluation.evaluate(lm_engine, lm_engine.init_state(model, {}, seed=0), batches)
+  assert plain["eval_objective"] == plain["eval_loss"]
 
 
 def test_perplexity_overflow_and_empty_eval():
