@@ -146,6 +146,8 @@ class MetricLogger:
     self._pending: tuple[int, dict[str, jax.Array]] | None = None
     self._last_step: int | None = None
     self._last_fetch: tuple[int, float] | None = None  # (step, time) of the previous fetch
+    self._paused_at: float | None = None  # when the current pause() began
+    self._untimed_s = 0.0  # paused time since the previous fetch: not step time
     self.latest: dict[str, float] | None = None        # the last row written (host floats)
 
   def record(self, step: int, metrics: Mapping[str, jax.Array]) -> dict[str, float] | None:
@@ -160,25 +162,29 @@ class MetricLogger:
   def write(self, step: int, scalars: Mapping[str, float]) -> dict[str, float]:
     """Write host-side values (eval results, ...) as their own row at `step`.
 
-    Pending train rows are written first, so the file stays in step order. Call flush() before
-    the eval itself: the train row is then timed before the eval work, and this call restarts
-    the step timer so the eval is not counted as step time either.
+    Pending train rows are written first, so the file stays in step order. Wrap the work that
+    made them in pause()/resume() so that it is not counted as step time.
     """
     self._fetch_pending()
     row = {name: float(value) for name, value in scalars.items()}
     self.writer.write_scalars(step, row)
-    self.resume_timing()
     return row
 
-  def resume_timing(self):
-    """Exclude the time since the last fetch from step timing (after eval, checkpoint saves).
+  def pause(self, block_on=None) -> None:
+    """Starts a stretch of work that is not a train step (eval, checkpoint save, rollback):
+    blocks until `block_on` (the train state) is computed, so every step dispatched so far is
+    inside the timed interval, then stops the step clock until resume(). Throughput is thus
+    measured over train steps only, also when the pause falls inside a logging window (the
+    window's row would otherwise count the eval as step time)."""
+    if block_on is not None:
+      jax.block_until_ready(block_on)
+    self._paused_at = self._clock()
 
-    Only when every recorded step has been fetched: then nothing ran on device since, and the
-    gap was host work. Otherwise the gap still overlaps steps and is kept.
-    """
-    if (self._last_fetch is not None and self._pending is None and not self._window.num_steps
-        and self._last_fetch[0] == self._last_step):
-      self._last_fetch = (self._last_step, self._clock())
+  def resume(self) -> None:
+    """Ends the stretch begun by pause(): its time is left out of the next row's step time."""
+    if self._paused_at is not None:
+      self._untimed_s += self._clock() - self._paused_at
+      self._paused_at = None
 
   def flush(self) -> dict[str, float] | None:
     """Fetch and write what is pending, and flush the writers."""
@@ -221,10 +227,13 @@ class MetricLogger:
     self._pending = None
     row = {name: to_host_scalar(value) for name, value in device_values.items()}
     now = self._clock()  # the fetch blocked until `step` finished: a completion timestamp
+    untimed = self._untimed_s
+    if self._paused_at is not None:  # a fetch inside a pause: its start belongs to this row
+      untimed, self._paused_at = untimed + now - self._paused_at, now
     if self.throughput is not None and self._last_fetch is not None:
       previous_step, previous_time = self._last_fetch
-      row.update(self.throughput.rates(step - previous_step, now - previous_time))
-    self._last_fetch = (step, now)
+      row.update(self.throughput.rates(step - previous_step, now - previous_time - untimed))
+    self._last_fetch, self._untimed_s = (step, now), 0.0
     self.writer.write_scalars(step, row)
     self.latest = row
     return row

@@ -132,13 +132,17 @@ class Trainer:
       tools.progress.update(tokens=tokens, loss=loss)
       bad_loss = loss is not None and not math.isfinite(loss)
       if bad_loss or (eval_every and run.step % eval_every == 0) or run.step == total:
-        if self._eval_point(run, ckpt, tools, loss if bad_loss else None):
+        tools.logger.pause(block_on=run.state)  # eval and rollback are not step time
+        rolled_back = self._eval_point(run, ckpt, tools, loss if bad_loss else None)
+        tools.logger.resume()
+        if rolled_back:
           tools.logger.restore_window(run.window)
           continue  # rolled back: run.step is the restored step
       if ckpt.should_save(run.step) or run.step == total:
+        tools.logger.pause(block_on=run.state)
         self._save(run, ckpt, tools,
                    metrics=run.last_eval if run.last_eval.get("eval_loss") else None)
-        tools.logger.resume_timing()
+        tools.logger.resume()
       if tools.guard.should_stop(run.step):
         logging.warning("stop requested: saving step %d of %d and stopping", run.step, total)
         self._save(run, ckpt, tools)

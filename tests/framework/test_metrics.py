@@ -179,7 +179,7 @@ def test_throughput_is_timed_between_fetches():
   assert third["step_time_s"] == pytest.approx((14.0 - 12.5) / 2)
 
 
-def test_eval_rows_and_resume_timing_keep_eval_out_of_step_time():
+def test_a_paused_eval_between_log_steps_is_kept_out_of_step_time():
   clock = FakeClock()
   writer = MemoryWriter()
   logger = metrics.MetricLogger(writer, throughput=Throughput(10, 1e9, 1), clock=clock)
@@ -187,9 +187,11 @@ def test_eval_rows_and_resume_timing_keep_eval_out_of_step_time():
     clock.now = float(i)
     logger.record(i, {"loss": jnp.float32(i)})
   clock.now = 3.0
-  logger.flush()                      # step 2 fetched at t=3
+  logger.pause()                      # eval after step 2; step 2 fetched inside the pause
+  logger.flush()
   clock.now = 100.0                   # a long eval
   logger.write(2, {"eval_loss": 0.5})
+  logger.resume()
   clock.now = 101.0
   logger.record(3, {"loss": jnp.float32(3.0)})
   clock.now = 102.0
@@ -197,8 +199,32 @@ def test_eval_rows_and_resume_timing_keep_eval_out_of_step_time():
   assert [(s, sorted(r)) for s, r in writer.rows][:3] == [
       (1, ["loss"]), (2, ["loss", "step_time_s", "tflops_per_device", "tokens_per_s"]),
       (2, ["eval_loss"])]
+  assert writer.rows[1][1]["step_time_s"] == pytest.approx(1.0)  # 2 -> 3
   assert writer.rows[3][0] == 3
   assert writer.rows[3][1]["step_time_s"] == pytest.approx(2.0)  # 100 -> 102, not 3 -> 102
+
+
+def test_an_eval_inside_a_logging_window_is_not_step_time():
+  """lm.py:tiny logs every 2 steps and evaluates and checkpoints at step 3: the row of step 4
+  used to count that work (0.75 s a step against 0.008 at step 6)."""
+  clock = FakeClock()
+  writer = MemoryWriter()
+  logger = metrics.MetricLogger(writer, log_every=2, throughput=Throughput(10, 1e9, 1),
+                                clock=clock)
+  for i in (1, 2, 3):                 # each step takes 1 s; step 2 fetched at record(3), t=3
+    clock.now = float(i)
+    logger.record(i, {"loss": jnp.float32(i)})
+  clock.now = 4.0                     # step 3 done: eval and checkpoint at step 3 (its window
+  logger.pause()                      # still open) from t=4 to t=50
+  clock.now = 50.0
+  logger.write(3, {"eval_loss": 0.5})
+  logger.resume()
+  clock.now = 51.0                    # step 4 ran from 50 to 51; fetched at record(5)
+  logger.record(4, {"loss": jnp.float32(4.0)})
+  logger.record(5, {"loss": jnp.float32(5.0)})
+  rows = {(s, "eval_loss" in r): r for s, r in writer.rows}
+  # Steps 3 and 4 ran 1 s each: (51 - 3 - 46) / 2, not (51 - 3) / 2 = 24.
+  assert rows[(4, False)]["step_time_s"] == pytest.approx(1.0)
 
 
 def test_metric_validation():
