@@ -9,7 +9,7 @@ decode (same arrays, same key, same prompts) compiled on its own, blocks on it, 
 train step and blocks on that; `sampling_share` is the first time over the second and
 `sampled_tokens_per_s` the completion tokens it sampled over its time. Both are measured, not
 modelled; the share is an estimate, since XLA schedules the decode inside the step together
-with the rest. On the other steps nothing blocks.
+with the rest, and it is capped at 1. On the other steps nothing blocks.
 """
 
 from __future__ import annotations
@@ -85,8 +85,9 @@ class SamplingClock:
   doc); every step's metrics carry the last measured `sampled_tokens_per_s` and
   `sampling_share`."""
 
-  def __init__(self, engine: Engine, settings: OnPolicySettings, every: int):
-    self.engine, self.every = engine, int(every)
+  def __init__(self, engine: Engine, settings: OnPolicySettings, every: int, *,
+               clock: Callable[[], float] = time.perf_counter):
+    self.engine, self.every, self.clock = engine, int(every), clock
     self.inner = engine.runner
     self.sample = sampling_program(engine, settings)
     self.place_global = backends.global_batch_placer(engine.mesh, engine.rules)
@@ -96,13 +97,18 @@ class SamplingClock:
     self.host_batch = batch
     return self.inner.place_batch(batch)
 
-  def _timed_sampling(self, state) -> tuple[float, int]:
-    args = (self.engine.global_state(state), self.place_global(self.host_batch))
+  def _timed_sampling(self, state, batch) -> tuple[float, int]:
+    # The state may be the output of a step still running (nothing blocks between steps): wait
+    # for it, and for the step's placed batch, before the clock starts, so that the time is the
+    # decode's alone and not the tail of the previous step's.
+    args = jax.block_until_ready((self.engine.global_state(state),
+                                  self.place_global(self.host_batch)))
+    jax.block_until_ready(batch)
     if not self.figures:
       jax.block_until_ready(self.sample(*args))  # compiles; not timed
-    start = time.perf_counter()
+    start = self.clock()
     lengths = jax.block_until_ready(self.sample(*args))
-    return time.perf_counter() - start, int(np.sum(jax.device_get(lengths)))
+    return self.clock() - start, int(np.sum(jax.device_get(lengths)))
 
   def __call__(self, state, batch):
     measure = self.every > 0 and self.calls % self.every == 0 and self.host_batch is not None
@@ -110,12 +116,15 @@ class SamplingClock:
     if not measure:
       new_state, metrics = self.inner.call(state, batch)
     else:
-      sample_s, sampled = self._timed_sampling(state)
-      start = time.perf_counter()
+      sample_s, sampled = self._timed_sampling(state, batch)
+      start = self.clock()
       new_state, metrics = jax.block_until_ready(self.inner.call(state, batch))
-      step_s = time.perf_counter() - start
+      step_s = self.clock() - start
+      # The two are timed apart, a few milliseconds each on a small model, so load on the
+      # machine during one and not the other can put the decode alone above the whole step
+      # that holds it (issue 31 saw 1.79 on on_policy.py:tiny): a share is at most 1.
       self.figures = {"sampled_tokens_per_s": np.float32(sampled / max(sample_s, 1e-9)),
-                      "sampling_share": np.float32(sample_s / max(step_s, 1e-9))}
+                      "sampling_share": np.float32(min(sample_s / max(step_s, 1e-9), 1.0))}
     return new_state, {**metrics, **self.figures}
 
   def runner(self) -> backends.StepRunner:
@@ -123,14 +132,25 @@ class SamplingClock:
 
 
 def write_samples(workdir: str, step: int, records: list[dict]) -> str:
-  """<workdir>/on_policy_samples/step_<N>.jsonl, one record per prompt (rewritten whole, so a
-  resumed run's eval of the same step leaves one file)."""
+  """<workdir>/on_policy_samples/step_<N>.jsonl, one record per prompt. A file of the same step
+  with other completions (the step's eval before a rollback) is kept as
+  step_<N>.superseded-<k>.jsonl, never overwritten; the same completions again (a resumed
+  run's eval of the same step) leave one file."""
   folder = os.path.join(workdir, SAMPLES_DIR)
   os.makedirs(folder, exist_ok=True)
   path = os.path.join(folder, f"step_{int(step):06d}.jsonl")
+  text = "".join(json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
+                 for record in records)
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      if f.read() == text:
+        return path
+    k = 1
+    while os.path.exists(aside := f"{path[:-len('.jsonl')]}.superseded-{k}.jsonl"):
+      k += 1
+    os.replace(path, aside)
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
-    for record in records:
-      f.write(json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n")
+    f.write(text)
   os.replace(tmp, path)
   return path
