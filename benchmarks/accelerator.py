@@ -15,7 +15,7 @@ Sized for one short lent call on an H200 or a TPU (scripts/accelerator_run.sh wr
    Each row reports the step time, tokens/s, MFU in the causal and in the PaLM convention, the
    compiled step's bytes and the runtime peak (`memory_stats()['peak_bytes_in_use']`).
 
-Every row runs in its own process (benchmarks/accelerator_row.py) under a time limit, the
+Every row runs in its own process (benchmarks/lib/accelerator_row.py) under a time limit, the
 smaller of --row-limit-s and what is left of --budget-s, with XLA_PYTHON_CLIENT_MEM_FRACTION
 raised (--mem-fraction); a row whose compiled step exceeds the chip is reported, not run. The
 JSON is rewritten after every row, so a run cut short still returns the rows it finished.
@@ -41,10 +41,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import accelerator_table, subproc  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from benchmarks.lib import prologue  # noqa: E402
 
-ROW_SCRIPT = Path(__file__).resolve().parent / "accelerator_row.py"
+prologue.start(__name__, default_devices=1)
+# No JAX in this process: it would take the chip (and its memory) from the rows, each of which
+# runs in its own process (lib/accelerator_row.py) so that its peak memory is its own.
+
+from benchmarks.lib import accelerator_table, subproc  # noqa: E402
+
+ROW_SCRIPT = Path(__file__).resolve().parent / "lib" / "accelerator_row.py"
 REFUSED_EXIT = 3  # accelerator_row.REFUSED_EXIT (not imported: that module is the JAX side)
 STOPPED_EXIT = 124  # stopped by SIGTERM/SIGINT (what `timeout` itself returns)
 MIN_ROW_S = 30.0  # a row is not started with less of the budget left than this
@@ -182,7 +188,7 @@ def run_all(specs, results: Results, launch, budget_s: float, row_limit_s: float
 
 
 def parse_args(argv=None):
-  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=1)
+  parser = subproc.base_parser(__doc__.splitlines()[0])
   expect = parser.add_mutually_exclusive_group()
   expect.add_argument("--expect-gpu", dest="expect", action="store_const", const="gpu",
                       help="fail (exit 3, one line) unless JAX runs on a GPU")
@@ -198,7 +204,7 @@ def parse_args(argv=None):
                       help="run only rows whose name holds this (repeatable)")
   parser.add_argument("--model", action="append", default=[], type=_key_value,
                       help="model config field for every row, e.g. --model scan_layers=true")
-  return parser.parse_args(argv)
+  return subproc.parse_args(parser, argv)
 
 
 def _key_value(text: str) -> tuple[str, object]:

@@ -22,8 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import subproc  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from benchmarks.lib import prologue  # noqa: E402
+
+prologue.start(__name__, default_devices=1)
+
+from benchmarks.lib import common, subproc  # noqa: E402
+from distillax.models import get_preset  # noqa: E402
 
 IMPLS = ("reference", "blockwise")
 TARGET = 0.25  # blockwise temporaries / reference temporaries at the checked length
@@ -32,8 +37,6 @@ QUICK = {"preset": "tiny", "lengths": (512, 2048), "checked": 2048}
 
 
 def model_config(preset: str, impl: str, length: int):
-  from distillax.models import get_preset
-
   changes = dict(scan_layers=True, remat="full", param_dtype="float32", dtype="bfloat16",
                  attention_impl=impl, max_seq_len=max(length, 128))
   if preset == "tiny":
@@ -43,8 +46,6 @@ def model_config(preset: str, impl: str, length: int):
 
 def measure(preset: str, impl: str, length: int) -> dict:
   """One compile: the step's memory figures, or the error if it cannot compile here."""
-  from benchmarks import common
-
   cfg = model_config(preset, impl, length)
   start = time.perf_counter()
   try:
@@ -69,10 +70,9 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def main() -> int:
-  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=1)
+  parser = subproc.base_parser(__doc__.splitlines()[0])
   parser.add_argument("--lengths", default=None, help="comma-separated sequence lengths")
-  args = subproc.parse_args_before_jax(parser)
-  from benchmarks import common
+  args = subproc.parse_args(parser)
 
   s = dict(QUICK if args.quick else FULL)
   if args.lengths:

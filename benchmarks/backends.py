@@ -16,24 +16,26 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import subproc  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from benchmarks.lib import prologue  # noqa: E402
+
+prologue.start(__name__, default_devices=8)
+
+from benchmarks.lib import backend_suite, common, subproc  # noqa: E402
+from distillax.models import get_preset  # noqa: E402
 
 QUICK_ONLY = ("jit/dp", "shard_map", "vmap")
 
 
 def main() -> int:
-  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=8)
+  parser = subproc.base_parser(__doc__.splitlines()[0])
   parser.add_argument("--model", default="demo_teacher", help="model preset name")
   parser.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
   parser.add_argument("--seq-len", type=int, default=128)
   parser.add_argument("--reps", type=int, default=5, help="interleaved timing rounds")
-  args = subproc.parse_args_before_jax(parser)
+  args = subproc.parse_args(parser)
   if args.quick:
     args.model, args.batch, args.seq_len, args.reps = "tiny", 8, 32, 2
-
-  from benchmarks import backend_suite, common
-  from distillax.models import get_preset
 
   print(f"{args.model}: global batch {args.batch} x {args.seq_len} on {args.devices} devices",
         flush=True)

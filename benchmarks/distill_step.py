@@ -19,8 +19,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import subproc  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from benchmarks.lib import prologue  # noqa: E402
+
+prologue.start(__name__, default_devices=1)
+
+import jax  # noqa: E402
+
+from benchmarks.lib import common, subproc  # noqa: E402
+from distillax import partitioning as pt  # noqa: E402
+from distillax.distill import (CachedLogitKD, LogitKD, make_distill_objective,  # noqa: E402
+                               read_teacher_cache, write_teacher_cache)
+from distillax.framework import build_engine  # noqa: E402
+from distillax.models import abstract_model, create_model, get_preset  # noqa: E402
 
 TOP_K, TEMPERATURE = 32, 2.0
 
@@ -32,15 +43,6 @@ def settings(quick: bool) -> dict:
 
 
 def run(quick: bool) -> dict:
-  import jax
-
-  from benchmarks import common
-  from distillax import partitioning as pt
-  from distillax.distill import (CachedLogitKD, LogitKD, make_distill_objective,
-                                 read_teacher_cache, write_teacher_cache)
-  from distillax.framework import build_engine
-  from distillax.models import abstract_model, create_model, get_preset
-
   s = settings(quick)
   B, L = s["batch"], s["seq_len"]
   student_cfg, teacher_cfg = get_preset("demo_student"), get_preset("demo_teacher")
@@ -89,9 +91,7 @@ def run(quick: bool) -> dict:
 
 
 def main() -> int:
-  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=1)
-  args = subproc.parse_args_before_jax(parser)
-  from benchmarks import common
+  args = subproc.parse_args(subproc.base_parser(__doc__.splitlines()[0]))
 
   res = run(args.quick)
   print(f"\ndemo_student <- demo_teacher, batch {res['batch']} x {res['seq_len']}, top-k "

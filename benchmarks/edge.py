@@ -30,8 +30,18 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import subproc  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from benchmarks.lib import prologue  # noqa: E402
+
+prologue.start(__name__, default_devices=1)
+
+import numpy as np  # noqa: E402
+
+from benchmarks.lib import common, subproc  # noqa: E402
+from distillax.configs import demo  # noqa: E402
+from distillax.edge import gguf_runtime, measurements  # noqa: E402
+from distillax.edge.gguf_export import write_gguf  # noqa: E402
+from distillax.models import TransformerConfig, get_preset, param_count  # noqa: E402
 
 FORMATS = ("f32", "f16", "q8_0", "q4_0")
 REFERENCE = "f32"
@@ -40,9 +50,6 @@ BYTE_VOCAB = 384  # the byte tokenizer's 259 ids padded to a multiple of 128, as
 
 def model_configs(names):
   """{name: TransformerConfig} of the benchmarked models."""
-  from distillax.configs import demo
-  from distillax.models.config import TransformerConfig, get_preset
-
   student = dict(demo.get_config().student_model)
   student["vocab_size"] = BYTE_VOCAB
   known = {
@@ -74,9 +81,6 @@ def settings(args) -> dict:
 
 def export_formats(name: str, cfg, folder: str) -> dict:
   """Writes the model as every format; returns {format: {'path', 'file_bytes', 'types'}}."""
-  from benchmarks import common
-  from distillax.edge.gguf_export import write_gguf
-
   model = common.host_model(cfg, seed=0)
   out = {}
   for fmt in FORMATS:
@@ -90,10 +94,6 @@ def time_formats(files: dict, s: dict) -> dict:
   """{format: {'prompt_s': [...], 'decode_s': [...], 'peak_rss_bytes': [...], ...}} over
   interleaved rounds, one child process per (round, format): measurements.interleaved_rounds
   on the kernels and KV cache a deployment gets."""
-  import numpy as np
-
-  from distillax.edge import gguf_runtime, measurements
-
   ids = np.random.default_rng(0).integers(3, 259, s["prompt"] + s["decode"]).tolist()
   speed = {"prompt": ids[:s["prompt"]], "decode": ids[s["prompt"]:], "rounds": s["inner"]}
 
@@ -109,9 +109,6 @@ def time_formats(files: dict, s: dict) -> dict:
 
 def model_rows(name: str, cfg, files: dict, runs: dict, s: dict) -> list[dict]:
   """One row per format: medians, per-round figures and ratios to f32 (paired by round)."""
-  from benchmarks import common
-  from distillax.models.init import param_count
-
   ref = runs[REFERENCE]
   rows = []
   for fmt in FORMATS:
@@ -150,8 +147,6 @@ def run_checks(rows: list[dict]) -> list[dict]:
 
 
 def print_results(rows: list[dict], checks: list[dict]) -> None:
-  from benchmarks import common
-
   fb = common.fmt_bytes
   print()
   print(common.format_table(rows, [
@@ -171,21 +166,19 @@ def print_results(rows: list[dict], checks: list[dict]) -> None:
 
 
 def parse_args():
-  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=1)
+  parser = subproc.base_parser(__doc__.splitlines()[0])
   parser.add_argument("--models", default="", help="comma list: tiny, demo_student, llama_100m")
   parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
   parser.add_argument("--inner", type=int, default=None, help="timed rounds in each child")
   parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (one batch)")
   parser.add_argument("--decode", type=int, default=None, help="one-token decode steps")
   parser.add_argument("--threads", type=int, default=1, help="llama.cpp threads")
-  return subproc.parse_args_before_jax(parser)
+  return subproc.parse_args(parser)
 
 
 def main() -> int:
   args = parse_args()
   s = settings(args)
-
-  from benchmarks import common
 
   rows = []
   with tempfile.TemporaryDirectory() as folder:

@@ -22,8 +22,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import subproc  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from benchmarks.lib import prologue  # noqa: E402
+
+prologue.start(__name__, default_devices=1)
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from benchmarks.lib import common, subproc  # noqa: E402
+from distillax.distill import LogitKD, make_distill_objective  # noqa: E402
+from distillax.models import TransformerConfig, create_model  # noqa: E402
 
 B, L = 2, 256
 CHUNKS = (None, 128, 64)  # None = unchunked; 64 tokens is the chunk the PASS check uses
@@ -33,13 +42,6 @@ MEMORY_TARGET = 0.25
 
 def build(vocab: int, chunk: int | None):
   """(jitted loss+grad fn, its args) for one vocabulary and chunk size."""
-  import jax
-  from flax import nnx
-
-  from benchmarks import common
-  from distillax.distill import LogitKD, make_distill_objective
-  from distillax.models import TransformerConfig, create_model
-
   small = dict(vocab_size=vocab, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                max_seq_len=L)
   student = create_model(TransformerConfig(embed_dim=64, mlp_dim=128, **small), seed=0)
@@ -56,9 +58,6 @@ def build(vocab: int, chunk: int | None):
 
 
 def measure(vocab: int, reps: int, run: bool) -> list[dict]:
-  import jax
-
-  from benchmarks import common
   rows, calls = [], {}
   for chunk in CHUNKS:
     fn, args = build(vocab, chunk)
@@ -95,9 +94,7 @@ def measure(vocab: int, reps: int, run: bool) -> list[dict]:
 
 
 def main() -> int:
-  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=1)
-  args = subproc.parse_args_before_jax(parser)
-  from benchmarks import common
+  args = subproc.parse_args(subproc.base_parser(__doc__.splitlines()[0]))
 
   reps = 2 if args.quick else 5
   rows = []

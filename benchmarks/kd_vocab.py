@@ -14,12 +14,12 @@ the train objective the recipe builds (loss terms and hard_ce; the extra logit m
 eval-only): `unchunked` (chunk_size None: [B, L, V] logits), `chunk256` (256 tokens per chunk,
 the setting of issue 17's table) and `default` (the config's distill.chunk_size, auto: chunks
 sized from the vocabulary and the batch). When `tunix` imports, Tunix 0.1.7's
-DistillationTrainer with its LogitStrategy runs the same shapes: its llama3 model built from the
-same configs (layers, widths, heads, tied embeddings; Tunix's own initialisation, which leaves
-MLP kernels at zero and ignores rope_theta: step cost depends on shapes only), one-hot labels as
-its LogitStrategy takes them, a causal mask, and the same optax transformation. A Tunix step is
-what its train loop does per step: the teacher's jitted forward (`_prepare_inputs`), then the
-jitted train step.
+DistillationTrainer with its LogitStrategy runs the same shapes (benchmarks/lib/tunix_kd.py):
+its llama3 model built from the same configs (layers, widths, heads, tied embeddings; Tunix's
+own initialisation, which leaves MLP kernels at zero and ignores rope_theta: step cost depends
+on shapes only), one-hot labels as its LogitStrategy takes them, a causal mask, and the same
+optax transformation. A Tunix step is what its train loop does per step: the teacher's jitted
+forward (`_prepare_inputs`), then the jitted train step.
 
 Per vocabulary, every system's step is timed in interleaved rounds (A, B, C, D, A, ...: the
 shared machine's slow moments land on all alike); ratios are medians of per-round ratios, and
@@ -43,8 +43,20 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import subproc  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from benchmarks.lib import prologue  # noqa: E402
+
+prologue.start(__name__, default_devices=1)
+
+import jax  # noqa: E402
+
+from benchmarks.lib import common, subproc  # noqa: E402
+from distillax import partitioning as pt  # noqa: E402
+from distillax.configs.sections import distill_section  # noqa: E402
+from distillax.distill import LogitKD, make_distill_objective  # noqa: E402
+from distillax.framework import build_engine  # noqa: E402
+from distillax.framework.vocab_chunks import chunk_len, chunk_size_from_config  # noqa: E402
+from distillax.models import abstract_model, get_preset  # noqa: E402
 
 TEMPERATURE, ALPHA = 2.0, 0.7
 VOCABS = (256, 32_000, 128_256)
@@ -65,19 +77,12 @@ def settings(quick: bool) -> dict:
 def model_configs(vocab: int, s: dict):
   """(student, teacher) configs: the demo bodies, or for --quick the tiny preset's widths (one
   student layer, two teacher layers), with tied embeddings like the demo's, at `vocab`."""
-  from distillax.models import get_preset
   if s["models"] == "tiny":
     tiny = get_preset("tiny", vocab_size=vocab, tie_embeddings=True, max_seq_len=s["seq_len"],
                       num_layers=1)
     return tiny, tiny.replace(num_layers=2)
   return (get_preset("demo_student").replace(vocab_size=vocab),
           get_preset("demo_teacher").replace(vocab_size=vocab))
-
-
-def peak_bytes(stats) -> int:
-  """Bytes live while the compiled program runs: arguments, temporaries, outputs not aliased."""
-  return int(stats["argument_size_in_bytes"] + stats["temp_size_in_bytes"]
-             + stats["output_size_in_bytes"] - stats.get("alias_size_in_bytes", 0))
 
 
 def largest_batch(peak_of, limit: int, first: int, cap: int, known=None):
@@ -117,21 +122,12 @@ def _next_guess(lo: int, hi: int | None, peaks: dict, limit: int, cap: int) -> i
 
 def distillax_variants() -> dict:
   """name -> chunk_size; `default` is what the config section gives (auto)."""
-  from distillax.configs.sections import distill_section
-  from distillax.framework.vocab_chunks import chunk_size_from_config
   return {"unchunked": None, "chunk256": 256,
           "default": chunk_size_from_config(distill_section().chunk_size)}
 
 
 def distillax_engine(student_cfg, teacher_cfg, chunk_size, batch: int, seq_len: int):
   """The train step the distill recipe compiles (train objective: metrics=False)."""
-  import jax
-
-  from benchmarks import common
-  from distillax import partitioning as pt
-  from distillax.distill import LogitKD, make_distill_objective
-  from distillax.framework import build_engine
-  from distillax.models import abstract_model
   objective = make_distill_objective(LogitKD(temperature=TEMPERATURE, alpha=ALPHA),
                                      chunk_size=chunk_size, metrics=False)
   mesh = pt.create_mesh({"data": 1, "model": 1}, devices=jax.devices()[:1])
@@ -145,7 +141,6 @@ class DistillaxSystem:
   """One distillax variant: a stepper on the benchmark batch and compile-only peaks."""
 
   def __init__(self, name, chunk_size, student_cfg, teacher_cfg, s, batch, models):
-    from benchmarks import common
     self.name, self.chunk_size = name, chunk_size
     self.cfgs, self.seq_len = (student_cfg, teacher_cfg), s["seq_len"]
     start = time.perf_counter()
@@ -162,138 +157,35 @@ class DistillaxSystem:
     return self.stepper.losses
 
   def peak_at(self, batch: int) -> int:
-    return peak_bytes(distillax_engine(*self.cfgs, self.chunk_size, batch, self.seq_len)
-                      .runner.stats)
+    return common.peak_bytes(
+        distillax_engine(*self.cfgs, self.chunk_size, batch, self.seq_len).runner.stats)
 
 
 # ---- Tunix (optional) ---------------------------------------------------------------------------
 
-def tunix_available() -> bool:
+def tunix_kd():
+  """benchmarks/lib/tunix_kd.py, or None where Tunix is not installed. Imported here, not at
+  the top: Tunix is optional (a scratch venv, never a distillax dependency)."""
   try:
-    import tunix.distillation.distillation_trainer  # noqa: F401
-  except ImportError:
-    return False
-  return True
-
-
-def tunix_config(cfg):
-  """Tunix llama3 ModelConfig with the shapes of a distillax TransformerConfig."""
-  from tunix.models.llama3 import model as llama
-  return llama.ModelConfig(num_layers=cfg.num_layers, vocab_size=cfg.vocab_size,
-                           embed_dim=cfg.embed_dim, hidden_dim=cfg.mlp_dim,
-                           num_heads=cfg.num_heads, head_dim=cfg.head_dim,
-                           num_kv_heads=cfg.num_kv_heads, rope_theta=int(cfg.rope_theta),
-                           norm_eps=cfg.norm_eps, weight_tying=cfg.tie_embeddings)
-
-
-def _tunix_model_inputs(x):
-  import jax.numpy as jnp
-  B, L = x.input_tokens.shape
-  causal = jnp.tril(jnp.ones((L, L), bool))[None]
-  return {"input_tokens": x.input_tokens, "input_mask": x.input_mask,
-          "positions": jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)),
-          "attention_mask": causal & x.input_mask.astype(bool)[:, None, :]}
-
-
-def _tunix_forward(model, input_tokens, input_mask, positions, attention_mask):
-  del input_mask
-  logits, _ = model(input_tokens, positions, None, attention_mask)
-  return logits
-
-
-def _tunix_labels(vocab: int):
-  def labels(input_tokens, **_):
-    import jax
-    import jax.numpy as jnp
-    return jax.nn.one_hot(jnp.roll(input_tokens, -1, axis=1), vocab)
-  return labels
-
-
-class TunixSystem:
-  """Tunix's DistillationTrainer + LogitStrategy on llama3 models of the same shapes."""
-
-  name = "tunix"
-
-  def __init__(self, student_cfg, teacher_cfg, s, batch):
-    import jax.numpy as jnp
-    from flax import nnx
-    from tunix.distillation import distillation_trainer as dt
-    from tunix.distillation import strategies
-    from tunix.models.llama3 import model as llama
-
-    from benchmarks import common
-    from distillax.framework import optim
-    self.vocab, self.seq_len = student_cfg.vocab_size, s["seq_len"]
-    student = llama.Llama3(tunix_config(student_cfg), rngs=nnx.Rngs(0))
-    teacher = llama.Llama3(tunix_config(teacher_cfg), rngs=nnx.Rngs(1))
-    strategy = strategies.LogitStrategy(
-        student_forward_fn=_tunix_forward, teacher_forward_fn=_tunix_forward,
-        labels_fn=_tunix_labels(self.vocab), temperature=TEMPERATURE, alpha=ALPHA)
-    tx, _ = optim.make_optimizer(common.benchmark_optimizer(), 1000)
-    trainer = dt.DistillationTrainer(student, teacher, strategy, tx,
-                                     dt.TrainingConfig(eval_every_n_steps=10**9))
-    self.trainer = trainer.with_gen_model_input_fn(_tunix_model_inputs)
-    self.train_step, _ = self.trainer.jit_train_and_eval_step(cache_nnx_graph=False)
-    self.example = dt.TrainingInput(input_tokens=jnp.asarray(batch["inputs_BxL"]),
-                                    input_mask=jnp.asarray(batch["loss_mask_BxL"], jnp.int32))
-    self.losses: list[float] = []
-    self.compile_s = 0.0
-    start = time.perf_counter()
-    self.stats = self._stats(s["batch"])
-    self.compile_s = time.perf_counter() - start
-
-  def __call__(self, steps: int) -> None:
-    import jax
-    loss = None
-    for _ in range(steps):
-      prepared = self.trainer._prepare_inputs(self.example)  # the teacher's jitted forward
-      loss, _, _ = self.train_step(prepared)
-    jax.block_until_ready(loss)
-    self.losses.append(float(loss))
-
-  def _stats(self, batch: int) -> dict:
-    """Both programs compiled for `batch` rows; the peak adds what stays resident."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from tunix.distillation import distillation_trainer as dt
-
-    from distillax.framework.backends import compiled_stats
-    L = self.seq_len
-    example = dt.TrainingInput(input_tokens=jax.ShapeDtypeStruct((batch, L), jnp.int32),
-                               input_mask=jax.ShapeDtypeStruct((batch, L), jnp.int32))
-    inputs = jax.eval_shape(_tunix_model_inputs, example)
-    strategy, teacher = self.trainer.strategy, self.trainer.teacher_model
-    t_stats = compiled_stats(strategy._teacher_forward_fn.lower(teacher, **inputs).compile())
-    train_in = dt.TrainingInput(input_tokens=example.input_tokens, input_mask=example.input_mask,
-                                teacher_output=jax.ShapeDtypeStruct((batch, L, self.vocab),
-                                                                    jnp.float32))
-    step = self.train_step
-    s_stats = compiled_stats(step.func.lower(*step.args, train_in).compile())
-    nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
-    teacher_bytes = nbytes(nnx.state(teacher))
-    student_bytes = nbytes(nnx.state(self.trainer.model)) + nbytes(
-        nnx.state(self.trainer.optimizer))
-    peak = max(peak_bytes(t_stats) + student_bytes, peak_bytes(s_stats) + teacher_bytes)
-    return {"teacher_program": t_stats, "train_program": s_stats, "peak": peak,
-            "temp_size_in_bytes": t_stats["temp_size_in_bytes"] + s_stats["temp_size_in_bytes"],
-            "flops": t_stats.get("flops", 0.0) + s_stats.get("flops", 0.0)}
-
-  def peak_at(self, batch: int) -> int:
-    return self._stats(batch)["peak"]
+    from benchmarks.lib import tunix_kd as module
+  except ModuleNotFoundError as e:
+    if (e.name or "").split(".")[0] != "tunix":
+      raise
+    return None
+  return module
 
 
 # ---- one vocabulary -----------------------------------------------------------------------------
 
 def build_systems(vocab: int, s: dict, with_tunix: bool):
-  from benchmarks import common
   student_cfg, teacher_cfg = model_configs(vocab, s)
   batch = common.packed_batch(s["batch"], s["seq_len"], vocab, seed=0)
   models = (common.host_model(student_cfg, 0), common.host_model(teacher_cfg, 1))
   systems = {name: DistillaxSystem(name, chunk, student_cfg, teacher_cfg, s, batch, models)
              for name, chunk in distillax_variants().items()}
   if with_tunix:
-    systems["tunix"] = TunixSystem(student_cfg, teacher_cfg, s, batch)
+    systems["tunix"] = tunix_kd().TunixSystem(student_cfg, teacher_cfg, batch,
+                                              temperature=TEMPERATURE, alpha=ALPHA)
   for name, system in systems.items():
     print(f"  vocab {vocab}: {name} compiled in {system.compile_s:.0f}s", flush=True)
   return systems, (student_cfg, teacher_cfg)
@@ -301,7 +193,6 @@ def build_systems(vocab: int, s: dict, with_tunix: bool):
 
 def timed(systems: dict, reps: int):
   """(wall seconds per step, process CPU seconds per step) of each system, interleaved."""
-  from benchmarks import common
   cpu = {name: [] for name in systems}
 
   def with_cpu(name, run):
@@ -319,12 +210,10 @@ def timed(systems: dict, reps: int):
 def chunk_tokens(chunk_size, batch: int, length: int, vocab: int) -> int | None:
   """Tokens per logit chunk the objective uses on one device (auto resolved as the engine
   resolves it, without rules); None: unchunked."""
-  from distillax.framework.vocab_chunks import chunk_len
   return None if chunk_size is None else batch * chunk_len(chunk_size, batch, length, vocab)
 
 
 def measure_vocab(vocab: int, s: dict, with_tunix: bool) -> list[dict]:
-  from benchmarks import common
   systems, cfgs = build_systems(vocab, s, with_tunix)
   load_before = os.getloadavg()
   times, cpu = timed(systems, s["reps"])
@@ -333,7 +222,7 @@ def measure_vocab(vocab: int, s: dict, with_tunix: bool) -> list[dict]:
   rows = []
   for name, system in systems.items():
     stats = system.stats
-    peak = stats["peak"] if name == "tunix" else peak_bytes(stats)
+    peak = stats["peak"] if name == "tunix" else common.peak_bytes(stats)
     best, peaks = None, {s["batch"]: peak}
     if s["max_batch"] and name in s["max_batch_systems"]:
       print(f"  vocab {vocab}: {name}: largest batch in "
@@ -393,7 +282,6 @@ def checks(rows: list[dict], with_tunix: bool) -> list[dict]:
 
 
 def print_table(rows: list[dict], s: dict) -> None:
-  from benchmarks import common
   print(common.format_table(rows, [
       ("vocab", lambda r: r["vocab"]), ("system", lambda r: r["system"]),
       ("chunk", lambda r: "-" if r["chunk_tokens"] is None else r["chunk_tokens"]),
@@ -409,21 +297,20 @@ def print_table(rows: list[dict], s: dict) -> None:
 
 
 def main() -> int:
-  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=1)
+  parser = subproc.base_parser(__doc__.splitlines()[0])
   parser.add_argument("--vocabs", default="", help="comma-separated vocabulary sizes")
   parser.add_argument("--reps", type=int, default=0, help="timed rounds per vocabulary")
   parser.add_argument("--no-tunix", action="store_true", help="skip Tunix even if it imports")
   parser.add_argument("--no-max-batch", action="store_true",
                       help="skip the compile-only search for the largest batch")
-  args = subproc.parse_args_before_jax(parser)
-  from benchmarks import common
+  args = subproc.parse_args(parser)
 
   s = settings(args.quick)
   if args.vocabs:
     s["vocabs"] = tuple(int(v) for v in args.vocabs.split(","))
   s["reps"] = args.reps or s["reps"]
   s["max_batch"] = not args.no_max_batch
-  with_tunix = not args.no_tunix and tunix_available()
+  with_tunix = not args.no_tunix and tunix_kd() is not None
   print(f"Tunix: {'yes' if with_tunix else 'not importable or skipped'}; load average "
         f"{os.getloadavg()}", flush=True)
   rows = []

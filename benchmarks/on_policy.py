@@ -17,13 +17,15 @@ distillax, each program compiled on its own and timed on the same arrays in inte
   scoring   teacher and student forwards and the loss over fixed completions (no gradient)
   update    step - sampling - scoring: the student's backward and the optimizer (derived)
   sampler   models.sampler.Sampler on the same prompts: the inference sampler alone
-Sampled tokens/s = B * T / seconds. TRL (when --trl-python is given): benchmarks/on_policy_trl.py
-runs in that interpreter on the same two models written by distillax's Hugging Face export
-(models/hf.save), the same prompts, T and batch; a GKDTrainer step is its training_step (HF
-generate with a KV cache, then the student's and teacher's forwards, the JSD and backward) plus
-the optimizer step, torch on --trl-threads threads (default 1, see on_policy_trl.py). Its
-figures come back as JSON; the ratio is distillax step tokens/s over TRL's (target >= 3x). The first-step student logits of both systems on prompt 0 are compared
-(the same weights reach both).
+Sampled tokens/s = B * T / seconds. TRL (when --trl-python is given):
+benchmarks/lib/on_policy_trl.py runs in that interpreter on the same two models written by
+distillax's Hugging Face export (models/hf.save), the same prompts, T and batch; a GKDTrainer
+step is its training_step (HF generate with a KV cache, then the student's and teacher's
+forwards, the JSD and backward) plus the optimizer step, torch on --trl-threads threads
+(default 1, see lib/on_policy_trl.py).
+Its figures come back as JSON; the ratio is distillax step tokens/s over TRL's (target >= 3x).
+The first-step student logits of both systems on prompt 0 are compared (the same weights reach
+both).
 
 Writes benchmarks/results/on_policy.json.
 """
@@ -38,8 +40,29 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import subproc  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from benchmarks.lib import prologue  # noqa: E402
+
+prologue.start(__name__, default_devices=1)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from benchmarks.lib import common, subproc  # noqa: E402
+from distillax import partitioning as pt  # noqa: E402
+from distillax.data import ByteTokenizer, padded_vocab_size  # noqa: E402
+from distillax.distill import TEACHER  # noqa: E402
+from distillax.distill.on_policy import (OnPolicySettings, make_on_policy_objective,  # noqa: E402
+                                         sample_rollout, score_rollout, scoring_batch)
+from distillax.distill.on_policy_eval import prompt_arrays  # noqa: E402
+from distillax.distill.on_policy_losses import GeneralizedJSD  # noqa: E402
+from distillax.framework import build_engine  # noqa: E402
+from distillax.models import abstract_model, get_preset, hf  # noqa: E402
+from distillax.models.sampler import Sampler  # noqa: E402
+
+TRL_SCRIPT = Path(__file__).resolve().parent / "lib" / "on_policy_trl.py"  # its own interpreter
 
 BETA, TEMPERATURE = 0.5, 1.0
 TARGET_RATIO = 3.0
@@ -52,7 +75,6 @@ def settings(quick: bool) -> dict:
 
 
 def model_configs(s: dict, vocab: int):
-  from distillax.models import get_preset
   if s["models"] == "tiny":
     tiny = get_preset("tiny", vocab_size=vocab, tie_embeddings=True, num_layers=1)
     return tiny, tiny.replace(num_layers=2)
@@ -61,7 +83,6 @@ def model_configs(s: dict, vocab: int):
 
 
 def prompts(s: dict, vocab: int, seed: int = 0) -> list[list[int]]:
-  import numpy as np
   rng = np.random.default_rng(seed)
   P = s["prompt_len"]
   return [rng.integers(4, vocab, int(rng.integers(P // 2, P + 1))).tolist()
@@ -69,7 +90,6 @@ def prompts(s: dict, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def on_policy_settings(s: dict, pad_id: int):
-  from distillax.distill.on_policy import OnPolicySettings
   return OnPolicySettings(max_new_tokens=s["max_new_tokens"], temperature=1.0, eos_id=None,
                           pad_id=pad_id)
 
@@ -80,17 +100,6 @@ class DistillaxPrograms:
   """The on-policy step and its parts, compiled separately over one state and batch."""
 
   def __init__(self, s: dict, student_cfg, teacher_cfg, prompt_ids, pad_id: int):
-    import jax
-    import numpy as np
-
-    from benchmarks import common
-    from distillax import partitioning as pt
-    from distillax.distill import TEACHER
-    from distillax.distill.on_policy import make_on_policy_objective
-    from distillax.distill.on_policy_eval import prompt_arrays
-    from distillax.distill.on_policy_losses import GeneralizedJSD
-    from distillax.framework import build_engine
-    from distillax.models import abstract_model
     self.settings = on_policy_settings(s, pad_id)
     self.leaf = GeneralizedJSD(beta=BETA, temperature=TEMPERATURE)
     objective = make_on_policy_objective(self.leaf, self.settings)
@@ -110,10 +119,6 @@ class DistillaxPrograms:
     self._parts()
 
   def _parts(self):
-    import jax
-
-    from distillax.distill.on_policy import sample_rollout, score_rollout, scoring_batch
-    from distillax.models.sampler import Sampler
     defs, settings, leaf = self.engine.layout.defs, self.settings, self.leaf
     key = jax.random.key(0)
 
@@ -132,7 +137,6 @@ class DistillaxPrograms:
 
   def runs(self) -> dict:
     """name -> (steps -> None), each blocking on its result."""
-    import jax
     s = self.settings
     hb = self.host_batch
 
@@ -150,14 +154,11 @@ class DistillaxPrograms:
                 temperature=1.0, pad_id=s.pad_id, seed=0).tokens_BxT)}
 
   def first_logits(self, prompt) -> list[float]:
-    import jax.numpy as jnp
-    import numpy as np
     out = self.models[0](jnp.asarray([prompt], jnp.int32)).logits_BxLxV
     return np.asarray(out[0, -1]).tolist()
 
 
 def measure_distillax(s: dict, programs: DistillaxPrograms) -> dict:
-  from benchmarks import common
   times, _ = common.interleaved(programs.runs(), reps=s["reps"], steps_per_rep=1,
                                 warmup_steps=1)
   med = {name: common.median(t) for name, t in times.items()}
@@ -174,11 +175,6 @@ def measure_distillax(s: dict, programs: DistillaxPrograms) -> dict:
 # ---- TRL (optional, another interpreter) --------------------------------------------------------
 
 def export_models(programs: DistillaxPrograms, tokenizer, folder: Path) -> dict:
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from distillax.models import hf
   paths = {}
   for name, model in zip(("student", "teacher"), programs.models):
     paths[name] = str(folder / name)
@@ -193,9 +189,8 @@ def run_trl(python: str, s: dict, paths: dict, prompt_ids, pad_id: int, folder: 
           "reps": s["reps"], "pad_id": pad_id, "out": str(folder / "trl.json"),
           "threads": s["trl_threads"]}
   (folder / "trl_spec.json").write_text(json.dumps(spec))
-  script = Path(__file__).resolve().parent / "on_policy_trl.py"
-  # -P: benchmarks/ must not shadow packages (benchmarks/peft.py vs peft)
-  proc = subprocess.run([python, "-P", str(script), str(folder / "trl_spec.json")],
+  # -P: the script's folder must not shadow packages (as benchmarks/peft.py would shadow peft)
+  proc = subprocess.run([python, "-P", str(TRL_SCRIPT), str(folder / "trl_spec.json")],
                         capture_output=True, text=True, timeout=3600,
                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
   if proc.returncode != 0:
@@ -204,7 +199,6 @@ def run_trl(python: str, s: dict, paths: dict, prompt_ids, pad_id: int, folder: 
 
 
 def print_report(s: dict, d: dict, trl: dict | None) -> None:
-  from benchmarks import common
   sec = d["seconds"]
   rows = [{"part": k, "ms": sec[k], "share": d["share"].get(k)} for k in
           ("sampling", "scoring", "update", "step")]
@@ -221,14 +215,12 @@ def print_report(s: dict, d: dict, trl: dict | None) -> None:
 
 
 def main() -> int:
-  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=1)
+  parser = subproc.base_parser(__doc__.splitlines()[0])
   parser.add_argument("--reps", type=int, default=0, help="timed rounds")
   parser.add_argument("--trl-python", default="", help="an interpreter with trl installed")
   parser.add_argument("--trl-threads", type=int, default=1,
-                      help="torch intra-op threads of the TRL run (see on_policy_trl.py)")
-  args = subproc.parse_args_before_jax(parser)
-  from benchmarks import common
-  from distillax.data import ByteTokenizer, padded_vocab_size
+                      help="torch intra-op threads of the TRL run (see lib/on_policy_trl.py)")
+  args = subproc.parse_args(parser)
 
   s = settings(args.quick)
   s["reps"] = args.reps or s["reps"]

@@ -35,11 +35,18 @@ One CPU device by default (--devices). Writes benchmarks/results/peft[_MODEL][_r
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import subproc  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from benchmarks.lib import prologue  # noqa: E402
+
+prologue.start(__name__, default_devices=1)
+
+import jax  # noqa: E402
+
+from benchmarks.lib import common, subproc, variants  # noqa: E402
 
 # name -> (config module in distillax/configs, what it is)
 VARIANTS = {
@@ -77,10 +84,8 @@ def settings(args) -> dict:
 
 def variant_config(name: str, s: dict):
   """The job config a user would run for this variant, sized for the benchmark."""
-  import importlib
-
-  module = importlib.import_module(f"distillax.configs.{VARIANTS[name][0]}")
-  c = module.get_config("tiny" if s["model"] == "tiny" else None)
+  c = variants.job_config(VARIANTS[name][0], tiny=s["model"] == "tiny", batch=s["batch"],
+                          seq_len=s["seq_len"])
   for key, value in (MODELS[s["model"]] or {}).items():
     c.model[key] = value
   c.model.max_seq_len = max(int(c.model.max_seq_len), s["seq_len"])
@@ -90,102 +95,19 @@ def variant_config(name: str, s: dict):
     c.model.scan_layers = True
   if s["dropout"] is not None and c.lora.module_regex:
     c.lora.dropout = s["dropout"]
-  c.backend = "jit"
-  c.train.batch_size, c.train.seq_len = s["batch"], s["seq_len"]
-  c.train.steps = 1000  # the schedule's horizon only; keeps the learning rate off zero
-  c.train.accum_steps = 1
   return c
-
-
-def build_variant(name: str, s: dict):
-  """(stepper, row of static figures) for one variant, through the job's own recipe."""
-  import time
-
-  import jax
-  import numpy as np
-
-  from benchmarks import common
-  from benchmarks.qat import tree_bytes
-  from distillax.framework import STUDENT
-  from distillax.models import param_count
-  from distillax.trainers import recipe_for
-
-  c = variant_config(name, s)
-  start = time.perf_counter()
-  recipe = recipe_for(c)
-  engine = recipe.build_engines().main
-  student, extras = recipe.build(abstract=False)
-  batch = common.packed_batch(s["batch"], s["seq_len"], recipe.model_config.vocab_size, seed=1)
-  stepper = common.Stepper(engine, student, batch, extras, seed=int(c.seed))
-  jax.block_until_ready(stepper.state)
-  batch_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-                    for x in jax.tree.leaves(stepper.batch))
-  layout, stats = engine.layout, engine.runner.stats
-  mem = {k: int(stats.get(f"{k}_size_in_bytes", 0)) for k in ("argument", "temp", "output",
-                                                               "alias")}
-  abstract = layout.abstract
-  row = {
-      "variant": name, "what": VARIANTS[name][1], "config": VARIANTS[name][0] + ".py",
-      "lora": ({k: c.lora[k] for k in ("module_regex", "rank", "alpha", "dropout", "base_qtype",
-                                        "base_tile_size")} if c.lora.module_regex else None),
-      "mesh": dict(recipe.mesh.shape), "strategy": recipe.rules.name,
-      "model_params": param_count(recipe.model_config),
-      "trainable_params": sum(int(x.size) for x in jax.tree.leaves(abstract.params)),
-      "param_bytes": tree_bytes(abstract.params),
-      "frozen_bytes": tree_bytes(abstract.frozen[STUDENT]),
-      "opt_state_bytes": tree_bytes(abstract.opt_state),
-      "state_bytes_per_device": tree_bytes(abstract, layout.shardings),
-      "batch_bytes_per_device": batch_bytes,
-      **{f"{k}_bytes": v for k, v in mem.items()},
-      # XLA's usual peak estimate for one call: inputs + outputs + scratch, less the donated
-      # buffers the outputs reuse.
-      "compiled_total_bytes": mem["argument"] + mem["output"] + mem["temp"] - mem["alias"],
-      "flops": stats.get("flops"), "build_s": time.perf_counter() - start,
-      "model": common.config_summary(recipe.model_config)
-      | {"tie_embeddings": recipe.model_config.tie_embeddings},
-  }
-  return stepper, row
 
 
 def time_variants(steppers: dict, rows: dict, s: dict) -> None:
   """Adds timings, losses and the ratios to full fine-tuning (time, memory) to each row."""
-  from benchmarks import common
-
-  common.timed_rounds(steppers, rows, reps=s["reps"], steps_per_rep=s["steps_per_rep"],
-                      warmup_steps=1, tokens_per_step=s["batch"] * s["seq_len"],
-                      reference=REFERENCE)
-  ref = rows[REFERENCE]
-  for r in rows.values():
-    r["ratio_to_full"] = r.pop("ratio")
-    r["temp_ratio_to_full"] = r["temp_bytes"] / ref["temp_bytes"]
-    r["memory_ratio_to_full"] = r["compiled_total_bytes"] / ref["compiled_total_bytes"]
+  variants.time_against(steppers, rows, REFERENCE, reps=s["reps"],
+                        steps_per_rep=s["steps_per_rep"], warmup_steps=1,
+                        tokens_per_step=s["batch"] * s["seq_len"])
 
 
 def run_checks(rows: dict) -> list[dict]:
   """What must hold whatever the timings."""
-  checks = []
-
-  def check(ok: bool, text: str, **extra):
-    checks.append({"check": text, "pass": bool(ok), **extra})
-
-  ref = rows[REFERENCE]
-  for name, r in rows.items():
-    expected = r["state_bytes_per_device"] + r["batch_bytes_per_device"]
-    check(r["argument_bytes"] == expected,
-          f"{name}: XLA's argument bytes = state + batch from the shardings",
-          xla=r["argument_bytes"], from_shardings=expected)
-    check(r["final_loss"] < r["first_loss"], f"{name}: the loss falls on the repeated batch",
-          first=r["first_loss"], final=r["final_loss"])
-  rel = abs(rows["lora"]["first_loss"] - ref["first_loss"]) / ref["first_loss"]
-  check(rel <= 1e-5, "lora: first loss equals full fine-tuning's (B starts at zero)",
-        rel_diff=rel)
-  check(rows["lora"]["trainable_params"] < ref["trainable_params"] / 4,
-        "lora: adapters are a small part of the parameters")
-  check(rows["qlora"]["trainable_params"] == rows["lora"]["trainable_params"],
-        "qlora: same adapters as lora")
-  check(rows["qlora"]["frozen_bytes"] < rows["lora"]["frozen_bytes"],
-        "qlora: frozen nf4 base stored smaller than lora's fp32 base")
-  return checks
+  return variants.shared_checks(rows, REFERENCE, lora="lora", qlora="qlora")
 
 
 def targets(rows: dict) -> list[dict]:
@@ -195,8 +117,6 @@ def targets(rows: dict) -> list[dict]:
 
 
 def print_results(rows: dict, checks: list[dict], met: list[dict]) -> None:
-  from benchmarks import common
-
   fb = common.fmt_bytes
   print()
   print(common.format_table(list(rows.values()), [
@@ -221,8 +141,7 @@ def print_results(rows: dict, checks: list[dict], met: list[dict]) -> None:
 
 
 def parse_args():
-  """Parsed before JAX is imported: `--devices` sets how many CPU devices it simulates."""
-  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=1)
+  parser = subproc.base_parser(__doc__.splitlines()[0])
   parser.add_argument("--model", choices=tuple(MODELS), default=None,
                       help="model shape (default 25m; tiny with --quick)")
   parser.add_argument("--batch", type=int, default=None, help="global batch (sequences)")
@@ -235,26 +154,20 @@ def parse_args():
                       help="model.remat of every variant (default: the configs', none)")
   parser.add_argument("--scan-layers", dest="scan_layers", action="store_true",
                       help="model.scan_layers=True in every variant (what makes remat work)")
-  return subproc.parse_args_before_jax(parser)
+  return subproc.parse_args(parser)
 
 
 def main() -> int:
   args = parse_args()
   s = settings(args)
-
-  import os
-
-  import jax
-
-  from benchmarks import common
-
   print(f"{s['model']}: batch {s['batch']} x {s['seq_len']}, {jax.device_count()} "
         f"{jax.devices()[0].platform} device(s), {s['reps']} rounds x {s['steps_per_rep']} "
         f"steps, remat {s['remat'] or 'as configured'}"
         f"{', scanned layers' if s['scan_layers'] else ''}", flush=True)
   steppers, rows = {}, {}
   for name in s["variants"]:
-    steppers[name], rows[name] = build_variant(name, s)
+    steppers[name], rows[name] = variants.build_variant(
+        name, VARIANTS[name][1], VARIANTS[name][0], variant_config(name, s))
     print(f"  built {name} in {rows[name]['build_s']:.1f} s", flush=True)
   load_before = os.getloadavg()
   time_variants(steppers, rows, s)

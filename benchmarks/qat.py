@@ -25,8 +25,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import subproc  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from benchmarks.lib import prologue  # noqa: E402
+
+prologue.start(__name__, default_devices=8)
+
+import jax  # noqa: E402
+
+from benchmarks.lib import common, subproc, variants  # noqa: E402
 
 # name -> (config module in distillax/configs, what it measures)
 VARIANTS = {
@@ -61,134 +67,34 @@ def settings(args) -> dict:
 
 def variant_config(name: str, s: dict):
   """The job config a user would run for this variant, sized for the benchmark."""
-  import importlib
-
-  module = importlib.import_module(f"distillax.configs.{VARIANTS[name][0]}")
-  c = module.get_config("tiny" if s["model"] == "tiny" else None)
+  c = variants.job_config(VARIANTS[name][0], tiny=s["model"] == "tiny", batch=s["batch"],
+                          seq_len=s["seq_len"])
   if name == "qat_int8":
     c.qat.rules = QAT_INT8_RULES
   if c.qat.rules:
     c.qat.start_step = 0  # measure the fake-quant step itself (no second, fp32 step compiled)
-  c.backend = "jit"
   c.partitioning.strategy = s["strategy"]
   c.mesh.model = s["mesh_model"]
-  c.train.batch_size, c.train.seq_len = s["batch"], s["seq_len"]
-  c.train.steps = 1000  # the schedule's horizon only; keeps the learning rate off zero
-  c.train.accum_steps = 1
   return c
-
-
-def _bits(dtype) -> int:
-  import jax.numpy as jnp
-  dtype = jnp.dtype(dtype)
-  return 4 if dtype.name in ("int4", "uint4") else dtype.itemsize * 8
-
-
-def tree_bytes(abstract, shardings=None) -> int:
-  """Bytes of a tree of ShapeDtypeStructs: in all, or on one device given its shardings."""
-  import jax
-  import numpy as np
-
-  leaves = jax.tree.leaves(abstract)
-  if shardings is None:
-    return sum(int(np.prod(x.shape)) * _bits(x.dtype) // 8 for x in leaves)
-  total = 0
-  for x, sh in zip(leaves, jax.tree.leaves(shardings)):
-    total += int(np.prod(sh.shard_shape(x.shape))) * _bits(x.dtype) // 8
-  return total
-
-
-def build_variant(name: str, s: dict):
-  """(stepper, row of static figures) for one variant, through the job's own recipe."""
-  import time
-
-  import jax
-  import numpy as np
-
-  from benchmarks import common
-  from distillax.framework import STUDENT
-  from distillax.trainers import recipe_for
-
-  c = variant_config(name, s)
-  start = time.perf_counter()
-  recipe = recipe_for(c)  # mesh, rules, model config
-  engine = recipe.build_engines().main  # compiled step (QAT from step 0: the only engine)
-  student, extras = recipe.build(abstract=False)
-  batch = common.packed_batch(s["batch"], s["seq_len"], recipe.model_config.vocab_size, seed=1)
-  stepper = common.Stepper(engine, student, batch, extras, seed=int(c.seed))
-  jax.block_until_ready(stepper.state)
-  build_s = time.perf_counter() - start
-  batch_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize
-                    for x in jax.tree.leaves(stepper.batch))
-  layout, stats = engine.layout, engine.runner.stats
-  sh = layout.shardings
-  mem = {k: int(stats.get(f"{k}_size_in_bytes", 0)) for k in ("argument", "temp", "output",
-                                                               "alias")}
-  row = {
-      "variant": name, "what": VARIANTS[name][1], "config": VARIANTS[name][0] + ".py",
-      "qat_rules": [list(r) for r in c.qat.rules],
-      "lora": ({k: c.lora[k] for k in ("module_regex", "rank", "alpha", "dropout", "base_qtype",
-                                        "base_tile_size")} if c.lora.module_regex else None),
-      "mesh": dict(recipe.mesh.shape), "strategy": recipe.rules.name,
-      "trainable_params": sum(int(x.size) for x in jax.tree.leaves(layout.abstract.params)),
-      "param_bytes": tree_bytes(layout.abstract.params),
-      "frozen_bytes": tree_bytes(layout.abstract.frozen[STUDENT]),
-      "opt_state_bytes": tree_bytes(layout.abstract.opt_state),
-      "opt_state_bytes_per_device": tree_bytes(layout.abstract.opt_state, sh.opt_state),
-      "state_bytes_per_device": tree_bytes(layout.abstract, sh),
-      "batch_bytes_per_device": batch_bytes,
-      **{f"{k}_bytes": v for k, v in mem.items()},
-      # XLA's usual peak estimate for one call: live inputs + outputs + scratch, less donated
-      # buffers reused for outputs.
-      "compiled_total_bytes": mem["argument"] + mem["output"] + mem["temp"] - mem["alias"],
-      "flops": stats.get("flops"), "build_s": build_s,
-      "model": common.config_summary(recipe.model_config)
-      | {"tie_embeddings": recipe.model_config.tie_embeddings},
-  }
-  return stepper, row
 
 
 def run_checks(rows: dict) -> list[dict]:
   """What must hold whatever the timings: facts of LoRA / QLoRA / QAT the figures show."""
-  checks = []
-
-  def check(ok: bool, text: str, **extra):
-    checks.append({"check": text, "pass": bool(ok), **extra})
-
+  checks = variants.shared_checks(rows, REFERENCE, lora="lora", qlora="qlora_nf4")
   ref = rows[REFERENCE]
-  for name, r in rows.items():
-    expected = r["state_bytes_per_device"] + r["batch_bytes_per_device"]
-    check(r["argument_bytes"] == expected,
-          f"{name}: XLA's per-device argument bytes = state + batch shards from the rules",
-          xla=r["argument_bytes"], from_shardings=expected)
-    check(r["final_loss"] < r["first_loss"] and r["first_loss"] == r["first_loss"],
-          f"{name}: the loss falls on the repeated batch", first=r["first_loss"],
-          final=r["final_loss"])
   for name in ("qat_int8", "qat_int4"):
     if name in rows:
       r = rows[name]
-      check(r["trainable_params"] == ref["trainable_params"],
-            f"{name}: same trainable parameters as plain (fake quant adds no state)")
-      check(r["first_loss"] != ref["first_loss"],
-            f"{name}: the forward is fake-quantized (first loss differs from plain)",
-            rel_diff=abs(r["first_loss"] - ref["first_loss"]) / ref["first_loss"])
-  if "lora" in rows:
-    r = rows["lora"]
-    rel = abs(r["first_loss"] - ref["first_loss"]) / ref["first_loss"]
-    check(rel <= 1e-5, "lora: first loss equals plain's (B starts at zero)", rel_diff=rel)
-    check(r["trainable_params"] < ref["trainable_params"] / 4,
-          "lora: adapters are a small part of the parameters")
-  if "lora" in rows and "qlora_nf4" in rows:
-    check(rows["qlora_nf4"]["trainable_params"] == rows["lora"]["trainable_params"],
-          "qlora_nf4: same adapters as lora")
-    check(rows["qlora_nf4"]["frozen_bytes"] < rows["lora"]["frozen_bytes"],
-          "qlora_nf4: frozen base stored smaller than lora's fp32 base")
+      checks.append({"check": f"{name}: same trainable parameters as plain (fake quant adds no "
+                              f"state)", "pass": r["trainable_params"] == ref["trainable_params"]})
+      checks.append({"check": f"{name}: the forward is fake-quantized (first loss differs from "
+                              f"plain)", "pass": r["first_loss"] != ref["first_loss"],
+                     "rel_diff": abs(r["first_loss"] - ref["first_loss"]) / ref["first_loss"]})
   return checks
 
 
 def parse_args():
-  """Parsed before JAX is imported: `--devices` sets how many CPU devices it simulates."""
-  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=8)
+  parser = subproc.base_parser(__doc__.splitlines()[0])
   parser.add_argument("--model", choices=("tiny", "demo_student"), default=None,
                       help="model preset (default demo_student; tiny with --quick)")
   parser.add_argument("--batch", type=int, default=None, help="global batch (sequences)")
@@ -199,26 +105,18 @@ def parse_args():
   parser.add_argument("--mesh-model", dest="mesh_model", type=int, default=1,
                       help="devices on the 'model' axis (the rest go to 'data')")
   parser.add_argument("--only", default="", help=f"comma list from {','.join(VARIANTS)}")
-  return subproc.parse_args_before_jax(parser)
+  return subproc.parse_args(parser)
 
 
 def time_variants(steppers: dict, rows: dict, s: dict) -> None:
   """Adds each variant's timings, losses and ratios to plain (time and memory) to its row."""
-  from benchmarks import common
-
-  common.timed_rounds(steppers, rows, reps=s["reps"], steps_per_rep=s["steps_per_rep"],
-                      warmup_steps=2, tokens_per_step=s["batch"] * s["seq_len"],
-                      reference=REFERENCE)
-  for r in rows.values():
-    r["ratio_to_plain"] = r.pop("ratio")
-    r["memory_ratio_to_plain"] = (r["compiled_total_bytes"]
-                                  / rows[REFERENCE]["compiled_total_bytes"])
+  variants.time_against(steppers, rows, REFERENCE, reps=s["reps"],
+                        steps_per_rep=s["steps_per_rep"], warmup_steps=2,
+                        tokens_per_step=s["batch"] * s["seq_len"])
 
 
 def print_results(rows: dict, checks: list[dict]) -> None:
   """The table and the checks for the console; the JSON carries the same figures in full."""
-  from benchmarks import common
-
   fb = common.fmt_bytes
   print()
   print(common.format_table(list(rows.values()), [
@@ -244,17 +142,13 @@ def print_results(rows: dict, checks: list[dict]) -> None:
 def main() -> int:
   args = parse_args()
   s = settings(args)
-
-  import jax
-
-  from benchmarks import common
-
   print(f"{s['model']}: global batch {s['batch']} x {s['seq_len']}, {jax.device_count()} "
         f"{jax.devices()[0].platform} devices, strategy {s['strategy']}, "
         f"{s['reps']} rounds x {s['steps_per_rep']} steps", flush=True)
   steppers, rows = {}, {}
   for name in s["variants"]:
-    steppers[name], rows[name] = build_variant(name, s)
+    steppers[name], rows[name] = variants.build_variant(
+        name, VARIANTS[name][1], VARIANTS[name][0], variant_config(name, s))
     print(f"  built {name} in {rows[name]['build_s']:.1f} s", flush=True)
   time_variants(steppers, rows, s)
   checks = run_checks(rows)

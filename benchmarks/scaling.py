@@ -25,8 +25,21 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import subproc  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from benchmarks.lib import prologue  # noqa: E402
+
+prologue.start(__name__, default_devices=1)
+
+import jax  # noqa: E402
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")  # files only, never a window
+import matplotlib.pyplot as plt  # noqa: E402
+
+from benchmarks.lib import common, sharding_checks, subproc  # noqa: E402
+from distillax.framework import flops as flops_lib  # noqa: E402
+from distillax.framework import hlo, throughput  # noqa: E402
+from distillax.models import get_preset  # noqa: E402
 
 # name -> (per-device batch, sequence length, overrides)
 MEASURED = {"tiny": (1, 128, {}), "demo_student": (1, 128, {}), "demo_teacher": (1, 128, {})}
@@ -58,13 +71,6 @@ def plan(quick: bool) -> dict[int, dict[str, list[str]]]:
 def one_config(name, cfg, strategy, shape, per_device_batch, seq_len, measure, reps, peak,
                model=None):
   """Compile (and maybe run) one model x preset x mesh; everything the table and checks need."""
-  import jax
-
-  from benchmarks import common, sharding_checks
-  from distillax.framework import hlo
-  from distillax.framework import flops as flops_lib
-  from distillax.framework import throughput
-
   n = shape[0] * shape[1]
   batch = per_device_batch * n
   built = common.build(cfg, strategy, shape, "jit", batch, seq_len, abstract=not measure,
@@ -109,12 +115,6 @@ def one_config(name, cfg, strategy, shape, per_device_batch, seq_len, measure, r
 
 def child(args) -> dict:
   """Every configuration of this process's device count."""
-  import jax
-
-  from benchmarks import common
-  from distillax.framework import throughput
-  from distillax.models import get_preset
-
   n = jax.device_count()
   todo = plan(args.quick)[n]
   peak, peak_source = throughput.peak_flops_per_device()
@@ -153,9 +153,6 @@ def check_cell(row) -> str:
 
 
 def print_tables(rows) -> None:
-  from benchmarks import common
-  from distillax.framework import hlo
-
   def mfu_cell(r):
     return "n/a" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
 
@@ -181,15 +178,8 @@ def print_tables(rows) -> None:
         ("MFU", mfu_cell), ("checks", check_cell)]))
 
 
-def plot(rows, path: Path) -> bool:
+def plot(rows, path: Path) -> None:
   """Memory per device and step time vs devices, one line per preset, one row per model."""
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    print("matplotlib is not installed (pip install matplotlib): no plot written")
-    return False
   models = list(dict.fromkeys(r["model"] for r in rows))
   fig, axes = plt.subplots(len(models), 2, figsize=(11, 3.2 * len(models)), squeeze=False)
   for i, model in enumerate(models):
@@ -225,26 +215,23 @@ def plot(rows, path: Path) -> bool:
   fig.tight_layout(rect=(0, 0, 1, 0.98))
   fig.savefig(path, dpi=110)
   plt.close(fig)
-  return True
 
 
 def main() -> int:
-  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=1)
+  parser = subproc.base_parser(__doc__.splitlines()[0])
   parser.add_argument("--replot", action="store_true",
                       help="only redraw the tables and scaling.png from an existing scaling.json")
-  args = subproc.parse_args_before_jax(parser)
+  args = subproc.parse_args(parser)
   if args.child_out:
     subproc.write_child_result(args.child_out, child(args))
     return 0
-
-  from benchmarks import common
 
   if args.replot:
     rows = json.loads((Path(args.out) / "scaling.json").read_text())["rows"]
     print_tables(rows)
     png = Path(args.out) / "scaling.png"
-    if plot(rows, png):
-      print(f"wrote {png}")
+    plot(rows, png)
+    print(f"wrote {png}")
     return 0
 
   start = time.perf_counter()
@@ -282,8 +269,8 @@ def main() -> int:
   path = common.write_json(args.out, "scaling", payload)
   print(f"wrote {path}")
   png = Path(args.out) / "scaling.png"
-  if plot(rows, png):
-    print(f"wrote {png}")
+  plot(rows, png)
+  print(f"wrote {png}")
   print(f"total {time.perf_counter() - start:.0f}s")
   return 0 if not failed else 1
 

@@ -5,9 +5,9 @@
 Part 1 (8 simulated CPU devices): for the tiny and demo_student sizes, the step time of `jit`
 under dp / fsdp / tp / fsdp_tp, `shard_map`, `pmap` and `vmap`, timed round-robin, as ratios to
 jit+dp. Part 2 (one device, a child process): the framework's `jit` step against a minimal
-flax + optax step for the same model, batch and optimizer (benchmarks/baseline.py); the overhead
-ratio's target is <= 1.03. Both steps start from the same weights, so their losses after the same
-steps must agree: that shows the yardstick computes the same thing.
+flax + optax step for the same model, batch and optimizer (benchmarks/lib/baseline.py); the
+overhead ratio's target is <= 1.03. Both steps start from the same weights, so their losses after
+the same steps must agree: that shows the yardstick computes the same thing.
 
 Writes benchmarks/results/step.json.
 """
@@ -17,8 +17,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import subproc  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from benchmarks.lib import prologue  # noqa: E402
+
+prologue.start(__name__, default_devices=8)
+
+import jax  # noqa: E402
+
+from benchmarks.lib import backend_suite, baseline, common, subproc  # noqa: E402
+from distillax.models import get_preset  # noqa: E402
 
 OVERHEAD_TARGET = 1.03
 
@@ -37,11 +44,6 @@ def _rel(a: float, b: float) -> float:
 
 def overhead_part(quick: bool) -> dict:
   """One device: the framework's jit+dp step vs the minimal step, interleaved."""
-  import jax
-
-  from benchmarks import baseline, common
-  from distillax.models import get_preset
-
   s = settings(quick)
   out = []
   for name, (batch, seq_len) in s["models"].items():
@@ -78,9 +80,6 @@ def overhead_part(quick: bool) -> dict:
 
 
 def backends_part(quick: bool) -> list[dict]:
-  from benchmarks import backend_suite
-  from distillax.models import get_preset
-
   s = settings(quick)
   results = []
   for name, (batch, seq_len) in s["models"].items():
@@ -93,14 +92,10 @@ def backends_part(quick: bool) -> list[dict]:
 
 
 def main() -> int:
-  parser = subproc.base_parser(__doc__.splitlines()[0], default_devices=8)
-  args = subproc.parse_args_before_jax(parser)
+  args = subproc.parse_args(subproc.base_parser(__doc__.splitlines()[0]))
   if args.child_out:  # the one-device overhead measurement
     subproc.write_child_result(args.child_out, overhead_part(args.quick))
     return 0
-
-  from benchmarks import common
-  from benchmarks.backend_suite import ratio_key
 
   print("== part 1: backends and presets on 8 simulated devices ==", flush=True)
   backend_results = backends_part(args.quick)
@@ -109,7 +104,7 @@ def main() -> int:
 
   ok = True
   for res in backend_results:
-    key = ratio_key(res)
+    key = backend_suite.ratio_key(res)
     print(f"\n{res['preset']}: global batch {res['batch']} x {res['seq_len']}, "
           f"{res['devices']} devices, median of {res['reps']} interleaved rounds")
     print(common.format_table(res["rows"], [

@@ -3,7 +3,7 @@
 #   scripts/accelerator_run.sh --expect-gpu [accelerator.py flags, e.g. --only train/]
 # Before: `make accelerator-wheels` here (wheels into .whl/), then carry .whl with the repo.
 # There: the carried wheels the image lacks (or has outside pyproject.toml's ranges) go into a
-# fresh target folder (benchmarks/accelerator_deps.py; pip --no-index or unpacking, never the
+# fresh target folder (benchmarks/lib/accelerator_deps.py; pip --no-index or unpacking, never the
 # network), which goes first on PYTHONPATH with the repo after it; the image's own JAX is used.
 # One `timeout` (ACCEL_TIMEOUT_S, default 420 s) bounds the whole run; the benchmark's own
 # budget is 40 s less, so it normally ends by itself with its table printed. Results go to $OUT
@@ -25,7 +25,7 @@ py=${PYTHON:-python3}
 results=${OUT:-benchmarks/results}
 site=$(mktemp -d)/site
 mkdir -p "$results"
-"$py" benchmarks/accelerator_deps.py --wheels "${ACCEL_WHEELS:-.whl}" --target "$site" \
+"$py" benchmarks/lib/accelerator_deps.py --wheels "${ACCEL_WHEELS:-.whl}" --target "$site" \
   2>&1 | tee "$results/accelerator_deps.txt" || exit 2
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$py" benchmarks/accelerator.py --json "$results/accelerator.json" \

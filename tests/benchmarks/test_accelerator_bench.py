@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import accelerator, accelerator_table
+from benchmarks import accelerator
+from benchmarks.lib import accelerator_table
 from distillax.models.config import get_preset
 
 ROOT = Path(__file__).resolve().parents[2]

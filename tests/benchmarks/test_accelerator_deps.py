@@ -1,4 +1,4 @@
-"""benchmarks/accelerator_deps.py: which carried wheels go onto an accelerator image, and that
+"""benchmarks/lib/accelerator_deps.py: which carried wheels go onto an accelerator image, and that
 both ways of installing them (pip without an index, plain unpacking) give an importable
 distribution with its metadata."""
 
@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-from benchmarks import accelerator_deps as deps
+from benchmarks.lib import accelerator_deps as deps
 
 
 def test_only_missing_or_out_of_range_distributions_are_installed():

@@ -1,6 +1,6 @@
 """TRL's GKDTrainer on the job benchmarks/on_policy.py measures in distillax (run by it).
 
-  /tmp/trl_venv/bin/python benchmarks/on_policy_trl.py SPEC.json
+  /tmp/trl_venv/bin/python -P benchmarks/lib/on_policy_trl.py SPEC.json
 
 Runs in an interpreter with trl, torch and transformers (never distillax's own environment):
 SPEC.json names the two models distillax exported (config.json + safetensors + tokenizer), the
@@ -22,9 +22,15 @@ import tempfile
 import time
 import warnings
 
+warnings.filterwarnings("ignore")  # before torch, transformers and trl import
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from trl.experimental.gkd import GKDConfig, GKDTrainer  # noqa: E402
+
 
 def _inputs(prompts, pad_id):
-  import torch
   width = max(len(p) for p in prompts)
   ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
   mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -36,10 +42,6 @@ def _inputs(prompts, pad_id):
 
 
 def _trainer(spec, folder):
-  import torch
-  from datasets import Dataset
-  from transformers import AutoModelForCausalLM, AutoTokenizer
-  from trl.experimental.gkd import GKDConfig, GKDTrainer
   torch.manual_seed(0)
   tokenizer = AutoTokenizer.from_pretrained(spec["student"])
   load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -63,8 +65,6 @@ def _trainer(spec, folder):
 
 
 def main(spec_path: str) -> int:
-  warnings.filterwarnings("ignore")
-  import torch
   spec = json.load(open(spec_path))
   torch.set_num_threads(int(spec.get("threads", 1)))
   with tempfile.TemporaryDirectory() as folder:

@@ -1,6 +1,7 @@
 """Carried wheels onto a bare accelerator image, without a network and without touching its JAX.
 
-  python benchmarks/accelerator_deps.py --wheels .whl --target /tmp/site [--pyproject pyproject.toml]
+  python benchmarks/lib/accelerator_deps.py --wheels .whl --target /tmp/site \\
+      [--pyproject pyproject.toml]
 
 A lent GPU or TPU machine brings its own Python, JAX and most of the scientific stack, but not
 every library distillax imports (grain, ml-collections, clu, qwix, ...), and it cannot reach a
@@ -24,6 +25,7 @@ import argparse
 import re
 import subprocess
 import sys
+import tomllib
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -47,8 +49,6 @@ def wheel_name_version(path: Path) -> tuple[str, str]:
 
 def pyproject_ranges(pyproject: Path) -> dict[str, str]:
   """{distribution: specifier} of the core dependencies."""
-  import tomllib
-
   deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
   out = {}
   for dep in deps:
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
   parser.add_argument("--wheels", type=Path, required=True, help="folder of carried wheels")
   parser.add_argument("--target", type=Path, required=True, help="where to install them")
   parser.add_argument("--pyproject", type=Path,
-                      default=Path(__file__).resolve().parent.parent / "pyproject.toml")
+                      default=Path(__file__).resolve().parents[2] / "pyproject.toml")
   args = parser.parse_args(argv)
   found = sorted(args.wheels.glob("*.whl")) if args.wheels.is_dir() else []
   wheels = dict(wheel_name_version(p) for p in found)

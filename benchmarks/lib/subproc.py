@@ -1,9 +1,10 @@
-"""Simulated device counts without importing JAX: one child process per count.
+"""Simulated device counts without importing JAX: one child process per count, and the flags
+every benchmark script shares.
 
-XLA reads `--xla_force_host_platform_device_count` once, when JAX initialises its CPU backend,
-so a script that measures 1, 2, 4, 8 and 64 devices re-invokes itself once per count with
-`--devices N --child-out FILE`; the child sets the flag before importing JAX, does its part and
-writes JSON to FILE; the parent collects it. Nothing here imports JAX.
+XLA reads the device count once, when JAX initialises its CPU backend, so a script that measures
+1, 2, 4, 8 and 64 devices re-invokes itself once per count with `--devices N --child-out FILE`;
+the child's prologue (prologue.start) sets the count before it imports JAX, the child does its
+part and writes JSON to FILE; the parent collects it. Nothing here imports JAX.
 """
 
 from __future__ import annotations
@@ -18,23 +19,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-DEVICE_FLAG = "--xla_force_host_platform_device_count"
+from benchmarks.lib import prologue
 
-
-def force_host_devices(n: int) -> None:
-  """Makes JAX's CPU backend expose `n` devices; must run before JAX is imported."""
-  if "jax" in sys.modules:
-    raise RuntimeError("force_host_devices must run before jax is imported")
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_FLAG)]
-  os.environ["XLA_FLAGS"] = " ".join(flags + [f"{DEVICE_FLAG}={int(n)}"])
-
-
-def ensure_repo_on_path() -> None:
-  """`python benchmarks/x.py` from a fresh clone: make `distillax` and `benchmarks` importable."""
-  if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+RESULTS_DIR = prologue.BENCHMARKS_DIR / "results"
 
 
 def run_child(script: Path, devices: int, args: Sequence[str], *, echo: bool = True) -> dict:
@@ -43,8 +30,7 @@ def run_child(script: Path, devices: int, args: Sequence[str], *, echo: bool = T
     out = Path(tmp) / "child.json"
     cmd = [sys.executable, str(script), "--devices", str(devices), "--child-out", str(out),
            *args]
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the child sets its own device count
+    env = dict(os.environ)  # the child's prologue replaces the device count, keeps other flags
     start = time.perf_counter()
     tail: list[str] = []
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -62,24 +48,33 @@ def run_child(script: Path, devices: int, args: Sequence[str], *, echo: bool = T
     return result
 
 
-def base_parser(description: str, default_devices: int) -> argparse.ArgumentParser:
-  """Flags every benchmark script shares: --quick, --out, and the child-process plumbing."""
-  parser = argparse.ArgumentParser(description=description)
+def positive_int(text: str) -> int:
+  if not (text.isdigit() and int(text) > 0):
+    raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+  return int(text)
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+  """Flags every benchmark script shares: --quick, --out, --devices (read by the prologue before
+  JAX starts; declared here so that --help shows it and a bad value fails in one line) and the
+  child-process plumbing. No abbreviations: the prologue reads `--devices` as spelled."""
+  parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
   parser.add_argument("--quick", action="store_true",
                       help="smallest settings (seconds; what the smoke tests run)")
   parser.add_argument("--out", default=str(RESULTS_DIR),
                       help="folder for the JSON (and PNG) results")
-  parser.add_argument("--devices", type=int, default=default_devices,
+  parser.add_argument("--devices", type=positive_int, default=prologue.started().default,
                       help="simulated CPU devices of this process (set before JAX starts)")
   parser.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
   return parser
 
 
-def parse_args_before_jax(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None):
-  """Parses the flags and sets the device count; call before importing JAX."""
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None):
+  """Parses the flags; the device count they name is the one the prologue already set."""
   args = parser.parse_args(argv)
-  ensure_repo_on_path()
-  force_host_devices(args.devices)  # only the CPU backend reads it; harmless on accelerators
+  if args.devices != prologue.started().count:
+    parser.error(f"--devices {args.devices}: the prologue set {prologue.started().count} "
+                 f"devices before JAX started (spell the flag --devices N)")
   return args
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from benchmarks import common
+from benchmarks.lib import common
 from distillax.models import TransformerConfig
 
 REFERENCE = "jit/dp"

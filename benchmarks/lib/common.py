@@ -1,8 +1,8 @@
 """What every benchmark script shares: synthetic batches, engines, timing, tables, JSON.
 
-Import after `subproc.parse_args_before_jax` (this module imports JAX). Every step measured here
-is built by `distillax.framework.engine.build_engine`, the function the trainer uses, so the
-figures are those of the step users run.
+This module imports JAX: a script imports it after its prologue (prologue.start). Every step
+measured here is built by `distillax.framework.engine.build_engine`, the function the trainer
+uses, so the figures are those of the step users run.
 """
 
 from __future__ import annotations
@@ -123,6 +123,13 @@ def build(cfg: TransformerConfig, strategy: str, mesh_shape: tuple[int, int], ba
   engine = build_engine(model, dict(extras or {}), objective, benchmark_optimizer(), total_steps,
                         mesh, rules, backend, batch_shapes(batch, seq_len))
   return Built(engine, None if abstract else model, mesh_shape, time.perf_counter() - start)
+
+
+def peak_bytes(stats: Mapping[str, float]) -> int:
+  """Bytes live while a compiled program runs (XLA's usual peak estimate for one call):
+  arguments + temporaries + outputs, less the donated buffers the outputs reuse."""
+  return int(stats.get("argument_size_in_bytes", 0) + stats.get("temp_size_in_bytes", 0)
+             + stats.get("output_size_in_bytes", 0) - stats.get("alias_size_in_bytes", 0))
 
 
 # ---- timing -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The printed report of benchmarks/accelerator.py: the probe's lines and one table of rows.
 
 Reads only the JSON payload (no JAX), so the table can be printed again from a saved file:
-`python benchmarks/accelerator_table.py benchmarks/results/accelerator.json`.
+`python benchmarks/lib/accelerator_table.py benchmarks/results/accelerator.json`.
 """
 
 from __future__ import annotations
