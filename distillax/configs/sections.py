@@ -9,6 +9,7 @@ The `data` and `optimizer` sections live with the code that reads them
 from __future__ import annotations
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def mesh_section() -> ml_collections.ConfigDict:
@@ -42,7 +43,12 @@ def train_section() -> ml_collections.ConfigDict:
   c.log_every = 10  # steps between metric rows
   c.eval_every = 50  # steps between evals (0 = only at the end)
   c.eval_batches = 8  # batches per eval
-  c.rollback_threshold = 0.05  # roll back when eval perplexity rises this much over best
+  # The eval figure the rollback guard watches (lower is better); None = the one the job's
+  # objective lowers: eval_perplexity (lm, sequence_kd), eval_objective (distillation),
+  # eval_on_policy_reverse_kl (on_policy). Also eval_loss (next-token CE) and, on-policy,
+  # eval_on_policy_teacher_nll.
+  c.rollback_metric = config_dict.placeholder(str)
+  c.rollback_threshold = 0.05  # roll back when that figure rises this share over its best
   c.rollback_lr_factor = 0.5  # learning-rate scale after a rollback
   c.max_rollbacks = 2  # rollbacks allowed before the run fails
   c.progress = True  # progress bar with ETA on the console
@@ -56,7 +62,7 @@ def checkpoint_section() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.every_steps = 100  # steps between checkpoints (0 = only at the end)
   c.keep = 2  # newest checkpoints kept
-  c.keep_best = 1  # best-by-eval-loss checkpoints kept besides the newest
+  c.keep_best = 1  # best checkpoints by train.rollback_metric kept besides the newest
   c.async_save = True  # write checkpoints in the background
   return c
 

@@ -16,7 +16,7 @@ from distillax.demo.measure import ROWS
 from distillax.demo.stages import TRAINED_STAGES
 from distillax.demo.markdown import table_lines
 from distillax.framework import jsonio
-from distillax.framework.writers import read_jsonl
+from distillax.framework.writers import ROLLED_BACK, read_jsonl
 
 LABELS = {"teacher": "teacher", "student_scratch": "student, from scratch",
           "student_kd": "student, distilled",
@@ -29,9 +29,17 @@ LABELS = {"teacher": "teacher", "student_scratch": "student, from scratch",
 CONTINUING = ("student_kd_fp", "student_qat_int4", *on_policy.STAGES)
 
 
+def _next_token_loss(row: dict):
+  """An eval row's next-token CE: eval_loss; rows written before eval_objective existed held
+  a distillation objective there and the CE in eval_hard_ce."""
+  return row["eval_loss"] if "eval_objective" in row else row.get("eval_hard_ce", row["eval_loss"])
+
+
 def _curve(stage_dir: str):
   rows = read_jsonl(os.path.join(stage_dir, "metrics.jsonl"))
-  pts = [(r["step"], r.get("eval_hard_ce", r.get("eval_loss"))) for r in rows if "eval_loss" in r]
+  # Rows a rollback abandoned are not the stage's curve.
+  pts = [(r["step"], _next_token_loss(r)) for r in rows
+         if "eval_loss" in r and not r.get(ROLLED_BACK)]
   pts = [p for p in pts if p[1] is not None]  # a diverged eval is null in strict JSON
   return [p[0] for p in pts], [p[1] for p in pts]
 

@@ -186,6 +186,21 @@ class MetricLogger:
       self._untimed_s += self._clock() - self._paused_at
       self._paused_at = None
 
+  def rolled_back(self, from_step: int, to_step: int, fields: Mapping[str, float]) -> None:
+    """Marks the rows of the abandoned trajectory (steps after `to_step`, see
+    writers.JsonlWriter.mark_rolled_back) and writes the rollback's own row at `from_step`:
+    {"rolled_back_to": to_step, **fields}. The steps after `to_step` are counted again from
+    there."""
+    self._fetch_pending()
+    mark = getattr(self.writer, "mark_rolled_back", None)
+    if mark is not None:
+      mark(to_step)
+    self.writer.write_scalars(from_step, {"rolled_back_to": float(to_step), **fields})
+    self.writer.flush()
+    # The interval since the last fetch holds steps of the abandoned trajectory: the next row
+    # is not timed (as the first, which holds compilation), the ones after it are.
+    self._last_step, self._last_fetch, self._untimed_s = to_step, None, 0.0
+
   def flush(self) -> dict[str, float] | None:
     """Fetch and write what is pending, and flush the writers."""
     written = self._fetch_pending()

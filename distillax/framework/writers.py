@@ -7,6 +7,11 @@ Resuming: pass the restored step as `resume_step`. metrics.jsonl keeps its rows 
 and drops later ones (written after the last checkpoint by the run that died), and TensorBoard gets
 a purge marker so its own reader hides those later events too. A resumed run therefore shows one
 clean curve in both.
+
+Rolling back: the rows of the abandoned trajectory stay in metrics.jsonl, each marked
+`"rolled_back": true`, followed by the rollback's own row `{"step": N, "rolled_back_to": M, ...}`
+and the rows of steps M+1.. run again. A reader that wants one curve skips the marked rows;
+resuming never drops them.
 """
 
 from __future__ import annotations
@@ -36,6 +41,23 @@ def _as_float(value) -> float:
   return float(np.asarray(value))
 
 
+# A row of a trajectory a rollback abandoned carries ROLLED_BACK: true; the rollback's own row
+# carries ROLLED_BACK_TO: the step the run went back to (trainers/base.py).
+ROLLED_BACK, ROLLED_BACK_TO = "rolled_back", "rolled_back_to"
+
+
+def _parsed(line: str) -> dict | None:
+  try:
+    row = json.loads(line)
+  except json.JSONDecodeError:
+    return None
+  return row if isinstance(row, dict) else None
+
+
+def _rollback_history(row: dict) -> bool:
+  return bool(row.get(ROLLED_BACK)) or ROLLED_BACK_TO in row
+
+
 class JsonlWriter:
   """One JSON object per line, `{"step": int, name: float, ...}`, flushed line by line.
 
@@ -52,9 +74,9 @@ class JsonlWriter:
     self._file = open(path, "a", encoding="utf-8")
 
   def _repair(self, resume_step: int | None):
-    """Drop a torn last line, and rows after resume_step; rewrite atomically only if needed."""
-    path = self.path
-    with open(path, encoding="utf-8") as f:
+    """Drop a torn last line, and rows after resume_step (rows a rollback marked, and its own
+    rows, are history and stay); rewrite atomically only if needed."""
+    with open(self.path, encoding="utf-8") as f:
       lines = f.read().split("\n")
     kept, changed = [], False
     # split() leaves '' after a final newline; anything else last is a torn line.
@@ -65,19 +87,36 @@ class JsonlWriter:
       changed = True
     for line in lines:
       if resume_step is not None:
-        try:
-          row_step = json.loads(line).get("step")
-        except (json.JSONDecodeError, AttributeError):
-          row_step = None
-        if row_step is None or row_step > resume_step:
+        row = _parsed(line)
+        if (row is None or row.get("step") is None
+            or (row["step"] > resume_step and not _rollback_history(row))):
           changed = True
           continue
       kept.append(line)
     if changed:
-      tmp = path + ".tmp"
-      with open(tmp, "w", encoding="utf-8") as f:
-        f.write("".join(line + "\n" for line in kept))
-      os.replace(tmp, path)
+      self._rewrite(kept)
+
+  def _rewrite(self, lines: list[str]) -> None:
+    tmp = self.path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      f.write("".join(line + "\n" for line in lines))
+    os.replace(tmp, self.path)
+
+  def mark_rolled_back(self, to_step: int) -> None:
+    """After a rollback to `to_step`: every row of a later step not marked yet gets
+    `"rolled_back": true` (the trajectory it belongs to was abandoned; the rows that follow
+    hold the same steps again), rewritten atomically. Nothing is dropped."""
+    self._file.close()
+    with open(self.path, encoding="utf-8") as f:
+      lines = [line for line in f.read().split("\n") if line]
+    out = []
+    for line in lines:
+      row = _parsed(line)
+      if row is not None and (row.get("step") or 0) > to_step and not _rollback_history(row):
+        line = jsonio.dumps({**row, ROLLED_BACK: True})
+      out.append(line)
+    self._rewrite(out)
+    self._file = open(self.path, "a", encoding="utf-8")
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]):
     row = {"step": int(step)}
@@ -171,6 +210,13 @@ class MultiWriter:
   def write_scalars(self, step: int, scalars: Mapping[str, float]):
     for writer in self.writers:
       writer.write_scalars(step, scalars)
+
+  def mark_rolled_back(self, to_step: int) -> None:
+    """JsonlWriter.mark_rolled_back where there is one (TensorBoard and the console keep the
+    abandoned rows as they were written)."""
+    for writer in self.writers:
+      if hasattr(writer, "mark_rolled_back"):
+        writer.mark_rolled_back(to_step)
 
   def flush(self):
     for writer in self.writers:

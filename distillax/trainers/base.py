@@ -4,8 +4,10 @@ It runs whatever a recipe builds and knows nothing of distillation or quantizati
 user relies on to trust a run lives here once: a workdir that belongs to one job (workdir.py),
 exact resume from the newest valid checkpoint (state, data position, RNG and the open metrics
 window), a checkpoint on SIGTERM or Ctrl-C, metrics one step late so logging never stalls the
-device, and rollback to the best checkpoint when eval perplexity jumps or the loss stops being
-finite.
+device, and rollback to the best checkpoint when the eval figure the job lowers
+(`train.rollback_metric`) jumps or the loss stops being finite. Throughput counts train steps
+only: eval, checkpoint saves and rollbacks are paused out of it. A rollback marks the abandoned
+rows of metrics.jsonl (framework/writers.py) and writes a row of its own.
 """
 
 from __future__ import annotations
@@ -42,14 +44,24 @@ class _Run:
   state: Any
   step: int
   train_it: Any
+  metric: str  # the eval figure the rollback guard watches (Recipe.rollback_metric)
   rollbacks: int = 0
-  best: float | None = None  # best eval perplexity so far
+  best: float | None = None  # best value of `metric` so far
   last_eval: dict = dataclasses.field(default_factory=dict)
+  eval_step: int | None = None  # the step last_eval is of
   window: dict | None = None  # the open metrics window the restored checkpoint carried
+  data_state: Any = None  # the data position a rollback restored
 
   @property
   def meta(self) -> dict:
-    return {"rollbacks": self.rollbacks, "best_eval_perplexity": self.best}
+    return {"rollbacks": self.rollbacks, "rollback_metric": self.metric, "best": self.best}
+
+  def best_from(self, extra: dict) -> float | None:
+    """The best value a checkpoint's metadata holds for this run's metric (None when it was
+    kept for another; checkpoints from before train.rollback_metric kept eval perplexity)."""
+    metric = extra.get("rollback_metric", "eval_perplexity")
+    best = extra.get("best", extra.get("best_eval_perplexity"))
+    return best if metric == self.metric else None
 
 
 @dataclasses.dataclass
@@ -94,7 +106,7 @@ class Trainer:
     self.fingerprints = check_sources_unchanged(self.workdir, self.recipe,
                                                 self.engines.main.layout)
     prepare_workdir(workdir_state, c, primary=self.primary)
-    ckpt = open_checkpointer(self.workdir, c.checkpoint)
+    ckpt = open_checkpointer(self.workdir, c.checkpoint, self.recipe.rollback_metric)
     run = self._start(ckpt, train_it)
     tools = _Tools(
         MetricLogger(create_writers(self.workdir, is_primary=self.primary, resume_step=run.step,
@@ -140,8 +152,9 @@ class Trainer:
           continue  # rolled back: run.step is the restored step
       if ckpt.should_save(run.step) or run.step == total:
         tools.logger.pause(block_on=run.state)
+        # Only this step's own eval ranks its checkpoint (the best one is where rollback goes).
         self._save(run, ckpt, tools,
-                   metrics=run.last_eval if run.last_eval.get("eval_loss") else None)
+                   metrics=run.last_eval if run.eval_step == run.step else None)
         tools.logger.resume()
       if tools.guard.should_stop(run.step):
         logging.warning("stop requested: saving step %d of %d and stopping", run.step, total)
@@ -153,20 +166,27 @@ class Trainer:
     True when it rolled back."""
     tools.logger.flush()
     run.last_eval = {} if bad_loss is not None else self._evaluate(run.state, run.step)
+    run.eval_step = run.step
     if run.last_eval:
       tools.logger.write(run.step, run.last_eval)
       if tools.progress.enabled:  # the metric rows' console line is off while the bar shows
-        tools.progress.log(f"step {run.step}: eval objective {run.last_eval['eval_loss']:.4f}, "
-                           f"next-token perplexity {run.last_eval['eval_perplexity']:.3f}")
-    ppl = run.last_eval.get("eval_perplexity", math.inf)
-    limit = (run.best or math.inf) * (1 + float(self.config.train.rollback_threshold))
-    if bad_loss is not None or not math.isfinite(ppl) or ppl > limit:
-      reason = (f"loss {bad_loss}" if bad_loss is not None
-                else f"eval perplexity {ppl:.4g} vs best {run.best}")
-      self._rollback(ckpt, run, reason)
+        tools.progress.log(f"step {run.step}: eval objective "
+                           f"{run.last_eval['eval_objective']:.4f}, next-token loss "
+                           f"{run.last_eval['eval_loss']:.4f}"
+                           + (f", {run.metric} {run.last_eval[run.metric]:.4g}"
+                              if run.metric not in ("eval_objective", "eval_loss") else ""))
+    value = run.last_eval.get(run.metric, math.inf)
+    threshold = float(self.config.train.rollback_threshold)
+    limit = math.inf if run.best is None else run.best + threshold * abs(run.best)
+    if bad_loss is not None or not math.isfinite(value) or value > limit:
+      reason = (f"train loss {bad_loss}" if bad_loss is not None
+                else f"{run.metric} {value:.4g} vs best {run.best:.4g}" if run.best is not None
+                else f"{run.metric} {value}")
+      self._rollback(ckpt, run, tools, reason,
+                     diverged=bad_loss is not None or not math.isfinite(value))
       tools.progress.count = run.step
       return True
-    run.best = ppl if run.best is None else min(run.best, ppl)
+    run.best = value if run.best is None else min(run.best, value)
     return False
 
   def _evaluate(self, state, step: int) -> dict[str, float]:
@@ -196,15 +216,17 @@ class Trainer:
       check_fingerprints(restored[2], self.fingerprints, self.workdir)
     student, extras = self.recipe.build(abstract=False)
     if restored is None:
-      return _Run(engine.init_state(student, extras, int(self.config.seed)), 0, train_it)
+      return _Run(engine.init_state(student, extras, int(self.config.seed)), 0, train_it,
+                  self.recipe.rollback_metric)
     stored, data_state, meta = restored
     logging.info("resuming from step %d (frozen models reloaded from their sources)",
                  int(meta.get("step", -1)))
     extra = dict(meta.get("extra") or {})
     state = engine.restored_state(stored, student, extras)
     step = int(jax.device_get(self.engines.main.runner.fetch_state(state).step))
-    run = _Run(state, step, train_it, rollbacks=int(extra.get("rollbacks", 0)),
-               best=extra.get("best_eval_perplexity"), window=extra.get("metrics_window"))
+    run = _Run(state, step, train_it, self.recipe.rollback_metric,
+               rollbacks=int(extra.get("rollbacks", 0)), window=extra.get("metrics_window"))
+    run.best = run.best_from(extra)
     if run.rollbacks:
       self.engines = self.recipe.build_engines(self._scaled_lr(run.rollbacks))
     if data_state is not None:
@@ -215,38 +237,58 @@ class Trainer:
     c = self.config
     return float(c.optimizer.learning_rate) * float(c.train.rollback_lr_factor) ** rollbacks
 
-  def _rollback(self, ckpt: Checkpointer, run: _Run, reason: str) -> None:
-    """Restores the best checkpoint and continues with a smaller learning rate."""
+  def _rollback(self, ckpt: Checkpointer, run: _Run, tools: _Tools, reason: str, *,
+                diverged: bool) -> None:
+    """Restores the best checkpoint and continues with a smaller learning rate; marks the
+    abandoned rows of metrics.jsonl and writes the rollback's own row (one line on the console
+    too). Past train.max_rollbacks, a UserError whose advice fits the cause."""
     c = self.config
     if run.rollbacks >= int(c.train.max_rollbacks):
+      lr = self._scaled_lr(run.rollbacks)
+      advice = (f"lower optimizer.learning_rate (the last try ran at {lr:.3g})" if diverged else
+                f"{run.metric} rose more than train.rollback_threshold="
+                f"{float(c.train.rollback_threshold):g} over its best: lower "
+                f"optimizer.learning_rate (the last try ran at {lr:.3g}), or raise "
+                f"train.rollback_threshold if that figure is noisy")
       raise UserError(f"training diverged at step {run.step} ({reason}) after {run.rollbacks} "
-                      f"rollbacks; lower optimizer.learning_rate or raise train.max_rollbacks")
+                      f"rollbacks; {advice}, or raise train.max_rollbacks")
     ckpt.wait()
-    best_step, from_step = ckpt.best_step(), run.step
+    from_step = run.step
     run.rollbacks += 1
     self.engines = self.recipe.build_engines(self._scaled_lr(run.rollbacks))
+    self._restore_best(ckpt, run)
+    scale = float(c.train.rollback_lr_factor) ** run.rollbacks
+    message = (f"rollback {run.rollbacks} at step {from_step} ({reason}): back to step "
+               f"{run.step}, learning rate x{scale:g}")
+    logging.warning("%s", message)
+    if tools.progress.enabled:
+      tools.progress.log(message)
+    tools.logger.rolled_back(from_step, run.step, {"rollbacks": run.rollbacks,
+                                                    "learning_rate_scale": scale})
+    run.train_it = self.recipe.train_iterator()
+    if run.data_state is not None:
+      restore_iterator_state(run.train_it, run.data_state)
+
+  def _restore_best(self, ckpt: Checkpointer, run: _Run) -> None:
+    """run.state, step, window and data position from the best checkpoint by run.metric (a
+    fresh state when there is none)."""
     engine = self.engines.main
-    layout, data_state, run.window = engine.layout, None, None
+    layout, run.data_state, run.window = engine.layout, None, None
+    best_step = ckpt.best_step()
     if best_step is None and not ckpt.all_steps():
       student, extras = self.recipe.build(abstract=False)
-      run.state, run.step = engine.init_state(student, extras, int(c.seed)), 0
-    else:
-      stored, data_state, meta = ckpt.restore(best_step, abstract_state=layout.stored_abstract,
-                                              shardings=layout.stored_shardings)
-      # The frozen models are the ones already in memory: nothing is reloaded.
-      frozen = engine.runner.fetch_state(run.state).frozen
-      state = layout.reloaded.joined(stored, jax.device_put(frozen, layout.shardings.frozen))
-      run.state, run.step = engine.runner.place_state(state), int(meta["step"])
-      run.window = (meta.get("extra") or {}).get("metrics_window")
-      # Newer steps belong to the diverged trajectory: set aside (not deleted) so a later resume
-      # cannot pick them up.
-      ckpt.set_aside_steps_after(run.step)
-    logging.warning("rollback %d at step %d (%s): back to step %d, learning rate x%g",
-                    run.rollbacks, from_step, reason, run.step,
-                    float(c.train.rollback_lr_factor) ** run.rollbacks)
-    run.train_it = self.recipe.train_iterator()
-    if data_state is not None:
-      restore_iterator_state(run.train_it, data_state)
+      run.state, run.step = engine.init_state(student, extras, int(self.config.seed)), 0
+      return
+    stored, run.data_state, meta = ckpt.restore(best_step, abstract_state=layout.stored_abstract,
+                                                shardings=layout.stored_shardings)
+    # The frozen models are the ones already in memory: nothing is reloaded.
+    frozen = engine.runner.fetch_state(run.state).frozen
+    state = layout.reloaded.joined(stored, jax.device_put(frozen, layout.shardings.frozen))
+    run.state, run.step = engine.runner.place_state(state), int(meta["step"])
+    run.window = (meta.get("extra") or {}).get("metrics_window")
+    # Newer steps belong to the diverged trajectory: set aside (not deleted) so a later resume
+    # cannot pick them up.
+    ckpt.set_aside_steps_after(run.step)
 
   def _throughput(self) -> Throughput:
     peak, source = peak_flops_per_device()

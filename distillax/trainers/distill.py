@@ -65,6 +65,8 @@ class DistillRecipe(Recipe):
   """The student (wrapped with its training-only projections) against an online teacher."""
 
   student_path = ("model",)  # DistillStudent.model
+  # The guard watches the distillation objective (its next-token CE is a part of it at most).
+  rollback_metrics = ("eval_objective", "eval_loss", "eval_perplexity")
 
   def __init__(self, config, **kwargs):
     super().__init__(config, **kwargs)

@@ -5,9 +5,10 @@ the prompts come from the train documents the way sequence KD takes them (chat t
 last answer with the chat template's generation prompt, a prompt/completion record's prompt, or
 a text's first `prompt_len` tokens). Each step's batch is the distill recipe's packed batch (the
 lmbda < 1 share trains the `distill` loss on it) plus the step's prompts; the objective
-(distill/on_policy.py) samples and scores inside the compiled step. Eval reports the usual
-validation loss of the `distill` loss and the on-policy figure on held-out prompts
-(distill/on_policy_eval.py), and writes a few completions to <workdir>/on_policy_samples/.
+(distill/on_policy.py) samples and scores inside the compiled step. Eval reports the `distill`
+loss on the validation data (eval_objective; eval_loss is its next-token CE) and the on-policy
+figures on held-out prompts (distill/on_policy_eval.py), whose reverse KL the rollback guard
+watches, and writes a few completions to <workdir>/on_policy_samples/.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ def settings_from_config(c, tokenizer) -> OnPolicySettings:
 @register("on_policy")
 class OnPolicyRecipe(DistillRecipe):
   """The student learns from its own samples, graded token by token by the teacher."""
+
+  # The guard watches what on-policy training lowers, the reverse KL on the student's own
+  # samples of held-out prompts: its teacher-forced CE on the data may rise as it improves.
+  rollback_metrics = ("eval_on_policy_reverse_kl", "eval_on_policy_teacher_nll",
+                      "eval_objective", "eval_loss", "eval_perplexity")
 
   def __init__(self, config, **kwargs):
     super().__init__(config, **kwargs)

@@ -95,6 +95,20 @@ class Engines:
     return self.main
 
 
+def rollback_metric(config, choices: tuple[str, ...], job: str) -> str:
+  """train.rollback_metric, None resolved to the job's own figure (the first of `choices`); one
+  the job's eval does not report (or one that is not lower-is-better) fails when the recipe is
+  made, not at the first eval."""
+  name = config.train.get("rollback_metric")
+  if name is None:
+    return choices[0]
+  if name not in choices:
+    raise ConfigError(f"train.rollback_metric={name!r} is not an eval figure the {job} job's "
+                      f"rollback guard can watch; use one of {', '.join(choices)}, e.g. "
+                      f"--config.train.rollback_metric={choices[0]}")
+  return name
+
+
 class Recipe:
   """The base every recipe specialises (lm.py's LMRecipe is the plainest): one student, no
   frozen extras, the packed train and validation data; a subclass names the objective.
@@ -112,6 +126,10 @@ class Recipe:
   student_path: tuple[str, ...] = ()
   # The splits of `data` the job trains or evaluates on, which must each have a token to train.
   data_splits: tuple[str, ...] = ("train", "eval")
+  # The eval figures the rollback guard may watch (train.rollback_metric), each lower-is-better;
+  # the first is the job's own (the default): the figure its objective lowers. Next-token
+  # training lowers the CE, so its perplexity.
+  rollback_metrics: tuple[str, ...] = ("eval_perplexity", "eval_loss", "eval_objective")
 
   def __init__(self, config, *, workdir: str | None = None, mesh=None,
                rules: pt.RuleSet | None = None):
@@ -136,6 +154,7 @@ class Recipe:
       raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="
                         f"{self.model_config.max_seq_len}; lower the first or raise the second")
     self.transforms = StudentTransforms.from_config(config)
+    self.rollback_metric = rollback_metric(config, self.rollback_metrics, self.name)
 
   # ---- what the job builds (subclasses override these) ----------------------------------------
 

@@ -182,13 +182,14 @@ def check_workdir(workdir: str, config, *, owner: str | None = None) -> WorkdirS
   return WorkdirState(workdir, has_job_file, summary=summary, finished=finished)
 
 
-def open_checkpointer(workdir: str, checkpoint_cfg) -> Checkpointer:
-  """The run's checkpoint manager (`checkpoint` section); keeps the best by eval loss too."""
+def open_checkpointer(workdir: str, checkpoint_cfg, best_metric: str) -> Checkpointer:
+  """The run's checkpoint manager (`checkpoint` section); keeps the best by `best_metric` too
+  (the rollback guard's figure: a rollback goes back to the best step by it)."""
   c = checkpoint_cfg
   try:
     return Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), every_steps=int(c.every_steps),
                         keep_last=int(c.keep), keep_best=int(c.keep_best),
-                        best_metric="eval_loss", async_save=bool(c.async_save))
+                        best_metric=best_metric, async_save=bool(c.async_save))
   except OSError as e:
     raise _not_writable(workdir, e) from None
 

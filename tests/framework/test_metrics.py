@@ -227,6 +227,35 @@ def test_an_eval_inside_a_logging_window_is_not_step_time():
   assert rows[(4, False)]["step_time_s"] == pytest.approx(1.0)
 
 
+def test_a_rollback_row_marks_the_abandoned_rows_and_the_next_row_is_not_timed(tmp_path):
+  clock = FakeClock()
+  writer = writers.create_writers(str(tmp_path), is_primary=True, console=False)
+  logger = metrics.MetricLogger(writer, throughput=Throughput(10, 1e9, 1), clock=clock)
+  for i in range(1, 6):
+    clock.now = float(i)
+    logger.record(i, {"loss": jnp.float32(i)})
+  logger.flush()
+  logger.write(5, {"eval_loss": 9.0})
+  logger.rolled_back(5, 3, {"rollbacks": 1, "learning_rate_scale": 0.5})
+  for i in (4, 5, 6):
+    clock.now = 100.0 + i
+    logger.record(i, {"loss": jnp.float32(10 * i)})
+  logger.close()
+  rows = writers.read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert [(r["step"], r.get("loss"), r.get("rolled_back")) for r in rows] == [
+      (1, 1.0, None), (2, 2.0, None), (3, 3.0, None), (4, 4.0, True), (5, 5.0, True),
+      (5, None, True), (5, None, None), (4, 40.0, None), (5, 50.0, None), (6, 60.0, None)]
+  assert {k: rows[6][k] for k in ("rolled_back_to", "rollbacks", "learning_rate_scale")} == {
+      "rolled_back_to": 3, "rollbacks": 1, "learning_rate_scale": 0.5}
+  # Step 4 again: its interval holds the abandoned steps, so it gets no step time; 5 and 6 do.
+  assert "step_time_s" not in rows[7]
+  assert rows[8]["step_time_s"] == pytest.approx(1.0)
+  # A later resume at step 4 drops the rows after it but keeps the rollback's history.
+  writers.create_writers(str(tmp_path), is_primary=True, console=False, resume_step=4).close()
+  kept = writers.read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert kept == rows[:8]
+
+
 def test_metric_validation():
   logger = metrics.MetricLogger(MemoryWriter(), log_every=2)
   with pytest.raises(ValueError, match="scalars"):

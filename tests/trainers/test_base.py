@@ -24,9 +24,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 from distillax.configs import lm as lm_config
+from distillax.configs import on_policy as op_config
+from distillax.errors import UserError
 from distillax.framework.preemption import STOPPED_EXIT_CODE
 from distillax.framework.throughput import Throughput
-from distillax.trainers import LMRecipe, Trainer
+from distillax.trainers import LMRecipe, Trainer, recipe_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 10
@@ -290,3 +292,49 @@ def test_nan_loss_rolls_back_to_the_best_checkpoint(tmp_path, caplog):
   # The diverged trajectory's checkpoints are set aside, the new ones are there.
   kept = {int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()}
   assert 8 in kept
+  # metrics.jsonl says which rows were abandoned: the rows of steps 5 and 6 before the rollback
+  # are marked, the rollback's own row follows (at step 6, whose row showed the NaN of step 5),
+  # and nothing after it is marked.
+  marker = next(i for i, r in enumerate(rows) if "rolled_back_to" in r)
+  assert {k: rows[marker][k] for k in ("step", "rolled_back_to", "rollbacks",
+                                        "learning_rate_scale")} == {
+      "step": 6, "rolled_back_to": 4, "rollbacks": 1, "learning_rate_scale": 0.5}
+  assert [r["step"] for r in rows[:marker] if r.get("rolled_back")] == [5, 6]
+  assert not any(r.get("rolled_back") for r in rows[marker + 1:])
+
+
+class ScriptedEvals(Trainer):
+  """The loop with eval figures given by step instead of measured."""
+
+  def __init__(self, recipe, workdir, script):
+    super().__init__(recipe, workdir)
+    self.script = script
+
+  def _evaluate(self, state, step):
+    ppl, kl = self.script[step]
+    return {"eval_objective": 1.5, "eval_loss": math.log(ppl), "eval_perplexity": ppl,
+            "eval_tokens": 64.0, "eval_on_policy_reverse_kl": kl}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_on_policy_guard_watches_the_reverse_kl_not_the_next_token_perplexity(tmp_path):
+  """On-policy distillation lowers the reverse KL on the student's own samples; its next-token
+  perplexity on the data may rise meanwhile. A rise of the perplexity alone (step 4) is no
+  rollback; a rise of the reverse KL (step 6) is, and with no rollback left the error's advice
+  names that figure and its threshold."""
+  config = op_config.get_config("tiny")
+  config.on_policy.prompt_len, config.on_policy.max_new_tokens = 6, 6
+  config.on_policy.num_samples, config.on_policy.time_sampling = 1, False
+  config.train.steps, config.train.eval_every, config.train.max_rollbacks = 6, 2, 0
+  config.checkpoint.every_steps, config.checkpoint.async_save = 2, False
+  recipe = recipe_for(config)
+  assert recipe.rollback_metric == "eval_on_policy_reverse_kl"
+  script = {2: (100.0, 0.048), 4: (200.0, 0.030), 6: (150.0, 0.040)}
+  with pytest.raises(UserError) as failure:
+    ScriptedEvals(recipe, str(tmp_path), script).run()
+  message = str(failure.value)
+  assert message.startswith("training diverged at step 6 (eval_on_policy_reverse_kl 0.04 vs "
+                            "best 0.03)"), message
+  assert "train.rollback_threshold=0.05" in message and "train.max_rollbacks" in message
+  evals = [r for r in _rows(tmp_path) if "eval_perplexity" in r]
+  assert [r["step"] for r in evals] == [2, 4, 6]
