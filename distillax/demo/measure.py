@@ -203,7 +203,8 @@ def samples(d: DemoInputs) -> dict:
   for name in ("teacher", "student_scratch", "student_kd"):
     gen = generate(d.plain[name], prompt, lengths, mesh=d.mesh, rules=d.rules,
                    max_new_tokens=int(c.sample_tokens), eos_id=tokenizer.eos_id,
-                   pad_id=tokenizer.pad_id, temperature=0.7, top_p=0.9, seed=0)
+                   pad_id=tokenizer.pad_id, temperature=0.7, top_p=0.9, seed=0,
+                   vocab_limit=tokenizer.vocab_size)
     tokens, n = np.asarray(gen.tokens_BxT), np.asarray(gen.lengths_B)
     out[name] = [p + tokenizer.decode([int(t) for t in tokens[i, :n[i]]])
                  for i, p in enumerate(prompts)]

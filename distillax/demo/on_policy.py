@@ -70,9 +70,10 @@ def _distillax_figures(models: dict, teacher, prompts, settings, mesh, rules, se
 
 
 def sample_gguf(path: str, prompts, settings: OnPolicySettings, seed: int):
-  """llama.cpp's samples of `prompts` (temperature, stop tokens as `settings`; numpy's seeded
-  draws from its float32 logits, every step one llama.cpp decode) and the log-softmax of its
-  logits at each sampled position: [(completion ids, logp_TxV)]."""
+  """llama.cpp's samples of `prompts` (temperature, stop tokens and vocab_limit as `settings`:
+  no padded row is drawn; numpy's seeded draws from its float32 logits, every step one
+  llama.cpp decode) and the log-softmax of its full logits at each sampled position:
+  [(completion ids, logp_TxV)]."""
   rng = np.random.default_rng(seed)
   llm = gguf_runtime.load(path)
   out = []
@@ -85,9 +86,10 @@ def sample_gguf(path: str, prompts, settings: OnPolicySettings, seed: int):
         z = np.asarray(llm.scores[llm.n_tokens - 1], np.float64)
         logp = z - z.max() - np.log(np.exp(z - z.max()).sum())
         logps.append(logp)
-        t = settings.temperature
-        p = np.exp((z - z.max()) / t) / np.exp((z - z.max()) / t).sum() if t > 0 else None
-        token = int(np.argmax(z)) if p is None else int(rng.choice(len(p), p=p))
+        t, real = settings.temperature, z[:settings.vocab_limit]  # padded rows never drawn
+        p = np.exp((real - real.max()) / t) / np.exp((real - real.max()) / t).sum() if t > 0 \
+            else None
+        token = int(np.argmax(real)) if p is None else int(rng.choice(len(p), p=p))
         ids.append(token)
         if token in settings.stops:
           break

@@ -13,6 +13,19 @@ every reader:
 
 The arithmetic is that of `jax.nn.log_softmax(x / T)` operation for operation, so values are
 bit-identical to computing each softmax separately; only the repeated passes are gone.
+
+Padded vocabulary rows (a model's rows past its tokenizer's ids: the byte tokenizer's 259 ids in
+384 rows, Qwen's 151,936 rows for 151,669 tokens) are kept: every distribution here, student's
+and teacher's, and next-token CE (framework/vocab_chunks.py) normalise over all V rows, as the
+model's own softmax does wherever it runs (transformers, llama.cpp: neither masks them). No
+target is ever a padded id (data holds tokenizer ids; models/sampler.py never draws one), so
+the rows only enter as probability mass: CE and reverse KL push the student's mass there down,
+forward KL matches it to the teacher's (next to nothing for a trained teacher). Restricting the
+distributions to the real ids would leave those rows without gradient, at their initial values,
+for a runtime that does not mask them to emit. The sampler's renormalisation over real ids is
+the one place they are dropped, so SampledTokenKL's importance weight exp(log p_learner - log
+q_sampler), sampling at temperature 1 unfiltered, is 1 minus the student's mass on padded rows
+(next to 1 once it is trained).
 """
 
 from __future__ import annotations

@@ -77,6 +77,7 @@ class OnPolicySettings:
   pad_id: int = 0
   lmbda: float = 1.0
   cache_dtype: str | None = None
+  vocab_limit: int | None = None  # the tokenizer's vocab_size: padded rows are never sampled
 
   def __post_init__(self):
     if self.num_samples < 1:
@@ -88,7 +89,8 @@ class OnPolicySettings:
 
   def sampling(self) -> SamplingConfig:
     return SamplingConfig(int(self.max_new_tokens), float(self.temperature), self.top_k,
-                          self.top_p, self.eos_id, int(self.pad_id), tuple(self.stop_ids))
+                          self.top_p, self.eos_id, int(self.pad_id), tuple(self.stop_ids),
+                          self.vocab_limit)
 
   @property
   def stops(self) -> tuple[int, ...]:

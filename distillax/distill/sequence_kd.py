@@ -10,7 +10,7 @@ recipe is trainers/sequence_kd.py):
      chat's last assistant answer, rendered with the chat template and its generation prompt;
      a prompt/completion record's prompt (whole prompts longer than prompt_len are skipped),
   2. continues each with the teacher through the KV-cached sampler (models/sampler.py), batched
-     and sharded on the run's mesh,
+     and sharded on the run's mesh, drawing only ids the tokenizer has (never a padded row),
   3. writes one JSONL record per prompt to `<workdir>/teacher_samples.jsonl` (or
      `sequence_kd.output`), decoded with the run's tokenizer: `{"text": prompt + continuation}`
      for text, `{"prompt": turns or text, "completion": the teacher's answer}` for chats and
@@ -175,7 +175,8 @@ def generate_samples(teacher, prompts: list[Prompt], tokenizer, sc, *, mesh=None
                   max_new_tokens=int(sc.max_new_tokens), temperature=float(sc.temperature),
                   top_k=int(sc.top_k) or None, top_p=float(sc.top_p) if sc.top_p < 1 else None,
                   eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-                  seed=jax.random.fold_in(jax.random.key(seed), start))
+                  seed=jax.random.fold_in(jax.random.key(seed), start),
+                  vocab_limit=tokenizer.vocab_size)
     new_BxT, lengths_B, logprobs_BxT = jax.device_get(
         (out.tokens_BxT, out.lengths_B, out.logprobs_BxT))
     for i, prompt in enumerate(chunk):

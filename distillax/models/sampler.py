@@ -6,6 +6,16 @@ single-token steps serves the whole batch with static shapes. Padding never leak
 attention (segment ids), and positions count real tokens only, so results match running each
 prompt alone. The model may be sharded: its arrays keep their shardings and the activation
 constraints of `distillax.partitioning` apply when `mesh` and `rules` are given.
+
+Padded vocabulary: a model's embedding usually has more rows than its tokenizer has ids (the
+byte tokenizer's 259 ids are padded to 384 so the vocabulary shards evenly; Qwen has 151,936
+rows for 151,669 tokens). The rows past the tokenizer are not tokens: nothing decodes them, a
+teacher has never seen them as text. `vocab_limit` (the tokenizer's `vocab_size`, passed in by
+whoever built the tokenizer: generate, sequence KD, on-policy distillation, the demo) masks them
+out of every draw, greedy included, so a sampled id is always one the tokenizer can emit. The
+reported `logprobs_BxT` stay those of the model's full softmax (what the losses see, padded rows
+included: see distill/logits.py); `sample_logprobs_BxT` are those of the masked distribution the
+token was actually drawn from.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ class SamplingConfig:
   eos_id: int | None = None
   pad_id: int = 0
   stop_ids: tuple[int, ...] = ()  # more ids that end a row like EOS (e.g. an end of turn)
+  vocab_limit: int | None = None  # ids >= it are never drawn: the tokenizer's vocab_size
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -46,6 +57,9 @@ class SamplingConfig:
       raise UserError(f"top_k={self.top_k} must be >= 1 or None")
     if self.top_p is not None and not 0 < self.top_p <= 1:
       raise UserError(f"top_p={self.top_p} must be in (0, 1] or None")
+    if self.vocab_limit is not None and self.vocab_limit < 1:
+      raise UserError(f"vocab_limit={self.vocab_limit} must be >= 1 (the tokenizer's vocab_size) "
+                      f"or None")
 
 
 @jax.tree_util.register_dataclass
@@ -85,8 +99,18 @@ def sample_token(logits_BxV: jax.Array, key: jax.Array, cfg: SamplingConfig) -> 
   return _sample(logits_BxV, key, cfg)[0]
 
 
+def mask_padded_ids(logits_BxV: jax.Array, vocab_limit: int | None) -> jax.Array:
+  """`logits_BxV` with the ids at or past `vocab_limit` (a padded vocabulary's rows that no
+  tokenizer id names) set to -inf, so no draw can pick them."""
+  if vocab_limit is None or vocab_limit >= logits_BxV.shape[-1]:
+    return logits_BxV
+  real_V = jnp.arange(logits_BxV.shape[-1]) < vocab_limit
+  return jnp.where(real_V, logits_BxV, -jnp.inf)
+
+
 def _sample(logits_BxV, key, cfg: SamplingConfig):
   """(token_B, log-probability of it under the distribution it was drawn from)."""
+  logits_BxV = mask_padded_ids(logits_BxV, cfg.vocab_limit)
   if cfg.temperature == 0:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), jnp.zeros(logits_BxV.shape[:1])
   filtered_BxV = filter_logits(logits_BxV, cfg)
@@ -197,11 +221,14 @@ class Sampler:
 
   def __call__(self, prompt_tokens_BxP, prompt_lengths_B=None, *, max_new_tokens: int,
                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-               eos_id: int | None = None, pad_id: int = 0, seed: int | jax.Array = 0
-               ) -> GenerationOutput:
+               eos_id: int | None = None, pad_id: int = 0, seed: int | jax.Array = 0,
+               vocab_limit: int | None = None) -> GenerationOutput:
     """Continues each prompt. prompt_tokens_BxP is right-padded; prompt_lengths_B gives each
-    row's real length (default: all P tokens). seed: an int or a PRNG key."""
-    cfg = SamplingConfig(max_new_tokens, float(temperature), top_k, top_p, eos_id, pad_id)
+    row's real length (default: all P tokens). seed: an int or a PRNG key. vocab_limit: the
+    tokenizer's vocab_size (ids past it are padding rows, never drawn); None draws from every
+    row of the model's vocabulary."""
+    cfg = SamplingConfig(max_new_tokens, float(temperature), top_k, top_p, eos_id, pad_id,
+                         vocab_limit=vocab_limit)
     prompt = jnp.asarray(prompt_tokens_BxP, jnp.int32)
     B, P = prompt.shape
     if P + max_new_tokens > self.config.max_seq_len:

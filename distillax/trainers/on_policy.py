@@ -35,7 +35,8 @@ from distillax.trainers.registry import register
 
 def settings_from_config(c, tokenizer) -> OnPolicySettings:
   """The sampling settings of the `on_policy` section (stops: EOS and every special token,
-  e.g. the end of a chat turn)."""
+  e.g. the end of a chat turn; ids past the tokenizer's, a padded vocabulary's rows, never
+  sampled)."""
   for name in ("prompt_len", "max_new_tokens", "num_samples", "num_prompts", "eval_prompts"):
     if int(c[name]) < 1:
       raise ConfigError(f"on_policy.{name}={c[name]} must be >= 1")
@@ -45,7 +46,8 @@ def settings_from_config(c, tokenizer) -> OnPolicySettings:
       max_new_tokens=int(c.max_new_tokens), num_samples=int(c.num_samples),
       temperature=float(c.sampling_temperature), top_k=int(c.top_k) or None,
       top_p=float(c.top_p) if float(c.top_p) < 1 else None, eos_id=tokenizer.eos_id,
-      stop_ids=stops, pad_id=int(tokenizer.pad_id), lmbda=float(c.lmbda))
+      stop_ids=stops, pad_id=int(tokenizer.pad_id), lmbda=float(c.lmbda),
+      vocab_limit=int(tokenizer.vocab_size))
 
 
 @register("on_policy")

@@ -27,13 +27,16 @@ def test_llama_cpp_samples_and_figures_match_distillax(tmp_path):
   quantized = quantize_post_training(student, {"rules": list(RULES)})
   prompts = [np.array([1, 70, 101, 32, 9], np.int32), np.array([1, 100, 101, 102], np.int32),
              np.array([1, 40, 41, 42, 43, 44], np.int32), np.array([1, 33], np.int32)]
-  settings = OnPolicySettings(max_new_tokens=10, temperature=0.0, eos_id=2, pad_id=0)
+  # Only the byte tokenizer's 259 ids are drawn, in distillax and in llama.cpp alike.
+  settings = OnPolicySettings(max_new_tokens=10, temperature=0.0, eos_id=2, pad_id=0,
+                              vocab_limit=259)
   ours = OnPolicyEvaluator(settings)(quantized, teacher, prompts, seed=0)
   samples = sample_gguf(path, prompts, settings, seed=0)
   # Greedy in both: the same tokens, unless two logits are within llama.cpp's rounding.
   agree = [sum(a == b for a, b in zip(ids, mine)) for (ids, _), (_, mine) in
            zip(samples, ours.samples)]
   assert agree == [len(mine) for _, mine in ours.samples]
+  assert max(max(ids) for ids, _ in samples) < 259
   theirs = gguf_figures(path, teacher, prompts, settings, 0, None, None)
   for key in ("on_policy_teacher_nll", "on_policy_reverse_kl"):
     np.testing.assert_allclose(theirs[key], ours.figures[key], rtol=2e-3, atol=2e-4,

@@ -11,7 +11,8 @@ from distillax import partitioning as pt
 from distillax.errors import UserError
 from distillax.models.config import get_preset
 from distillax.models.init import model_shardings
-from distillax.models.sampler import Sampler, SamplingConfig, filter_logits, generate
+from distillax.models.sampler import (Sampler, SamplingConfig, filter_logits, generate,
+                                      sample_token)
 from distillax.models.transformer import with_layer_layout
 from tests.models.helpers import forward, random_model
 
@@ -121,6 +122,28 @@ def test_sampled_tokens_respect_top_k_and_follow_the_distribution():
   assert set(first_p) == set(top[:2])
 
 
+def test_sampled_ids_from_a_padded_model_are_all_below_the_tokenizer_size():
+  """The byte tokenizer's 259 ids in a vocabulary padded to 384 rows, as training pads it: of
+  1,000 ids a fresh model samples, none is a padded row; without the limit, the same draws
+  include padded rows (so the limit is what keeps them out)."""
+  model = random_model(get_preset("tiny", vocab_size=384), seed=7)
+  prompt = np.tile(np.array([[2, 103, 104]], np.int32), (8, 1))
+  sampler = Sampler(model)
+  ids = np.asarray(sampler(prompt, max_new_tokens=125, temperature=1.0, seed=0,
+                           vocab_limit=259).tokens_BxT)
+  assert ids.size == 1000 and ids.max() < 259
+  assert len(set(ids.ravel().tolist())) > 100  # a spread of real tokens, not one id
+  unlimited = np.asarray(sampler(prompt, max_new_tokens=125, temperature=1.0,
+                                 seed=0).tokens_BxT)
+  assert (unlimited >= 259).sum() > 100
+  # Greedy, top-k and top-p pick among real ids even when a padded row scores highest.
+  logits = jnp.zeros((1, 384)).at[0, 300].set(9.0).at[0, 5].set(4.0).at[0, 6].set(3.0)
+  for cfg in (SamplingConfig(1, 0.0, vocab_limit=259), SamplingConfig(1, 1.0, top_k=1,
+                                                                      vocab_limit=259),
+              SamplingConfig(1, 1.0, top_p=0.01, vocab_limit=259)):
+    assert int(sample_token(logits, jax.random.key(0), cfg)[0]) == 5, cfg
+
+
 def test_filter_logits_top_p_keeps_the_smallest_nucleus():
   logits = jnp.log(jnp.array([[0.5, 0.05, 0.3, 0.15]]))
   kept = np.isfinite(np.asarray(filter_logits(logits, SamplingConfig(1, 1.0, top_p=0.75))))
@@ -135,3 +158,5 @@ def test_bad_sampling_arguments():
     generate(model, PROMPTS, max_new_tokens=2, temperature=1.0, top_p=1.5)
   with pytest.raises(UserError, match="max_seq_len"):
     generate(model, PROMPTS, max_new_tokens=500)
+  with pytest.raises(UserError, match="vocab_limit"):
+    generate(model, PROMPTS, max_new_tokens=2, vocab_limit=0)

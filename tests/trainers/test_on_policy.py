@@ -163,6 +163,10 @@ def test_cli_q4_0_student_with_overrides_writes_figures_and_samples(tmp_path):
   samples = [json.loads(line) for line in
              (workdir / "on_policy_samples" / "step_000003.jsonl").read_text().splitlines()]
   assert len(samples) == 4 and all(len(s["completion_ids"]) <= 8 for s in samples)
+  # Every sampled id is a token: the byte tokenizer's 259 ids, not the vocabulary's padded rows
+  # (the tiny model has 384), which the completion text would silently drop.
+  ids = [i for s in samples for i in s["completion_ids"]]
+  assert ids and max(ids) < 259, ids
   assert json.loads((workdir / "config.json").read_text())["qat"]["rules"]
 
 
