@@ -14,12 +14,14 @@ its newest valid checkpoint; with --config, on that config's data section and ev
 job it is evaluated as, with the directory's weights as the student (as train.init_from would
 start it). Prints one JSON object (eval_objective: the job's objective; eval_loss and
 eval_perplexity: next-token CE and its exp, whatever the objective; eval_tokens and the
-objective's metrics) on stdout.
+objective's metrics) on stdout, and on stderr one line naming the form the student was evaluated in (a QAT
+job's fake-quant forward from qat.start_step on, LoRA adapters on: the training forward).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 
 import jax
 
@@ -56,14 +58,18 @@ def restore_onto(recipe, engines, model_dir: str):
 
 
 def _run_job(config, model_dir: str):
-  """(recipe, engine, state) of a run at its newest valid checkpoint."""
+  """(recipe, engine, state, form) of a run at its newest valid checkpoint."""
   recipe = run_recipe(model_dir, config)
   engine, state = restore_onto(recipe, recipe.build_engines(compile_now=False), model_dir)
-  return recipe, engine, state
+  step = int(jax.device_get(engine.runner.fetch_state(state).step))
+  form = recipe.transforms.describe(fake_quant=recipe.transforms.fake_quant_at(step),
+                                    lora_merged=False)
+  return recipe, engine, state, f"{form}; checkpoint step {step}"
 
 
 def _hf_job(config, model_dir: str):
-  """(recipe, engine, state) of `config`'s job with the checkpoint's weights as the student."""
+  """(recipe, engine, state, form) of `config`'s job with the checkpoint's weights as the
+  student."""
   from distillax.trainers import recipe_for
   if config is None:
     raise UserError(f"--model {model_dir} is a Hugging Face directory: pass the --config to "
@@ -76,7 +82,9 @@ def _hf_job(config, model_dir: str):
   recipe = recipe_for(cfg)
   engine = recipe.build_engines(compile_now=False).main
   student, extras = recipe.build(abstract=False)
-  return recipe, engine, engine.init_state(student, extras, int(cfg.seed))
+  form = recipe.transforms.describe(fake_quant=True, lora_merged=False)
+  state = engine.init_state(student, extras, int(cfg.seed))
+  return recipe, engine, state, f"{form} (a Hugging Face checkpoint)"
 
 
 def evaluate_model(config, model_dir: str) -> dict[str, float]:
@@ -87,7 +95,9 @@ def evaluate_model(config, model_dir: str) -> dict[str, float]:
     raise UserError("--model is required: a run's --workdir or a Hugging Face checkpoint "
                     "directory, e.g. --model runs/kd")
   job = _hf_job if is_hf_checkpoint(model_dir) else _run_job
-  recipe, engine, state = job(config, model_dir)
+  recipe, engine, state, form = job(config, model_dir)
+  if jax.process_index() == 0:
+    print(f"distillax eval: {model_dir} evaluated as {form}", file=sys.stderr, flush=True)
   return evaluate(engine, state, recipe.eval_iterator())
 
 

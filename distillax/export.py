@@ -10,9 +10,11 @@ llama.cpp (edge/gguf_export.py) or quantized.
 The run's own config.json says what model and trainer produced it; `--config` supplies the mesh
 and rules to load it with and, for `--format quantized`, the `qat.rules` (int4 weights / int8
 activations when the config has none). LoRA is merged and training-only parts (feature
-projections, fake quantization) are dropped before writing. The Hugging Face export also carries
-the run's tokenizer, chat template and a generation_config.json, so transformers' AutoTokenizer,
-apply_chat_template and generate work on it as it is.
+projections, fake quantization) are dropped before writing; one line names that form (the
+plain weights, LoRA merged), which the GGUF q8_0/q4_0 and quantized formats round again. The
+Hugging Face export also carries the run's tokenizer, chat template and a
+generation_config.json, so transformers' AutoTokenizer, apply_chat_template and generate work
+on it as it is.
 
 `--config` is optional: without it the run's own config.json says everything (its mesh,
 rules and qat section), so `distillax export --workdir runs/kd --output out/kd_hf` is enough.
@@ -107,11 +109,13 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str,
     check_same_job(config, workdir)
   from distillax import quant
   from distillax.models import hf
-  from distillax.trainers import load_trained_model
+  from distillax.trainers import load_as_trained
   mesh = pt.create_mesh(config.mesh)
   rules = pt.rules_from_config(config.partitioning)
-  model = load_trained_model(workdir, mesh, rules)
+  model, form = load_as_trained(workdir, mesh, rules, full_precision=True)
   primary = jax.process_index() == 0  # every process joins the gathers; one says so
+  if primary:
+    print(f"distillax export: {workdir} loaded as {form}", flush=True)
   if fmt == "hf":
     tokenizer, template = _run_tokenizer(workdir)
     hf.save(model, output, tokenizer=tokenizer, chat_template=template)

@@ -12,6 +12,12 @@ with the chat template as transformers renders them (data/chat.py), with the gen
 Generation stops at EOS or at an end id of the directory's generation_config.json; what is
 printed is the generated text alone. `--config` (optional) places the model: its mesh and
 partitioning sections.
+
+A run decodes with the forward it trained, the one `distillax eval` judges and its GGUF export
+reproduces in llama.cpp: a QAT run's fake-quantized weights and activations (from
+qat.start_step on), LoRA merged. `--full_precision` decodes a QAT run's plain weights instead.
+One line on stderr names the form loaded. Only ids the tokenizer has are drawn (a padded
+vocabulary's extra rows never are: models/sampler.py).
 """
 
 from __future__ import annotations
@@ -40,15 +46,21 @@ class LoadedModel:
   template: object  # data.chat.ChatTemplate or None
   stop_ids: tuple[int, ...]
   add_bos: bool = True
+  full_precision: bool = False  # a QAT run's plain weights instead of its fake-quant forward
 
   @functools.cached_property
   def model(self):
     from distillax.models import hf
-    from distillax.trainers import is_hf_checkpoint, load_trained_model
+    from distillax.trainers import is_hf_checkpoint, load_as_trained
     mesh, rules = _placement(self.config)
     if is_hf_checkpoint(self.model_dir):
-      return hf.load(self.model_dir, mesh=mesh, rules=rules)
-    return load_trained_model(self.model_dir, mesh, rules)
+      model = hf.load(self.model_dir, mesh=mesh, rules=rules)
+      form = "full precision (a Hugging Face checkpoint)"
+    else:
+      model, form = load_as_trained(self.model_dir, mesh, rules,
+                                    full_precision=self.full_precision)
+    print(f"distillax generate: {self.model_dir} loaded as {form}", file=sys.stderr, flush=True)
+    return model
 
 
 def _placement(config):
@@ -71,8 +83,9 @@ def _generation_stop_ids(folder: str) -> list[int]:
   return [int(i) for i in (ids if isinstance(ids, list) else [ids]) if i is not None]
 
 
-def load_model_dir(model_dir: str, config=None) -> LoadedModel:
-  """A run's newest checkpoint, or a Hugging Face directory, with what prompting it needs."""
+def load_model_dir(model_dir: str, config=None, *, full_precision: bool = False) -> LoadedModel:
+  """A run's newest checkpoint, or a Hugging Face directory, with what prompting it needs;
+  `full_precision`: a QAT run's plain weights rather than the fake-quant forward it trained."""
   from distillax.data import make_tokenizer
   from distillax.data.chat import template_for
   from distillax.trainers import is_hf_checkpoint, load_run_config
@@ -94,7 +107,8 @@ def load_model_dir(model_dir: str, config=None) -> LoadedModel:
   folder = os.path.dirname(getattr(tokenizer, "path", "")) or model_dir
   stops = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
   stops += [i for i in _generation_stop_ids(folder) if i not in stops]
-  return LoadedModel(model_dir, config, tokenizer, template, tuple(stops), add_bos)
+  return LoadedModel(model_dir, config, tokenizer, template, tuple(stops), add_bos,
+                     full_precision)
 
 
 def read_messages(text: str) -> list[dict]:
@@ -159,7 +173,8 @@ def generate_tokens(loaded: LoadedModel, tokens: list[int], *, max_new_tokens: i
   out = Sampler(loaded.model)(np.asarray([tokens], np.int32), max_new_tokens=steps,
                               temperature=temperature, top_k=top_k, top_p=top_p,
                               eos_id=loaded.stop_ids[0] if loaded.stop_ids else None,
-                              pad_id=loaded.tokenizer.pad_id, seed=seed)
+                              pad_id=loaded.tokenizer.pad_id, seed=seed,
+                              vocab_limit=loaded.tokenizer.vocab_size)
   ids = np.asarray(jax.device_get(out.tokens_BxT))[0].tolist()
   cut = next((i for i, t in enumerate(ids) if t in loaded.stop_ids), len(ids))
   return ids[:cut]
@@ -167,7 +182,7 @@ def generate_tokens(loaded: LoadedModel, tokens: list[int], *, max_new_tokens: i
 
 def run_generate(config, model_dir: str | None, *, prompt: str | None, messages: str | None,
                  max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
-                 seed: int) -> int:
+                 seed: int, full_precision: bool = False) -> int:
   """Prints the text the model generates; 0."""
   if jax.process_count() > 1:
     raise UserError("generate runs in one process; launch it without --num_processes")
@@ -176,7 +191,7 @@ def run_generate(config, model_dir: str | None, *, prompt: str | None, messages:
   if (prompt is None) == (messages is None):
     raise UserError("give exactly one of --prompt TEXT or --messages JSON")
   turns = read_messages(messages) if messages is not None else None
-  loaded = load_model_dir(model_dir, config)
+  loaded = load_model_dir(model_dir, config, full_precision=full_precision)
   tokens = prompt_tokens(loaded, prompt, turns)
   ids = generate_tokens(loaded, tokens, max_new_tokens=max_new_tokens, temperature=temperature,
                         top_k=top_k, top_p=top_p, seed=seed)

@@ -1,7 +1,10 @@
 """`distillax export --format gguf`: a QAT run trained with llama.cpp's types exports as GGUF
-that llama.cpp runs with the QAT forward's logits and the run's tokenizer; bad flags fail in one
-line, before anything is loaded or written."""
+that llama.cpp runs with the QAT forward's logits and the run's tokenizer, and `distillax
+generate` decodes that run as llama.cpp decodes the export; bad flags fail in one line, before
+anything is loaded or written."""
 
+import contextlib
+import io
 import os
 
 import numpy as np
@@ -11,6 +14,7 @@ from distillax import partitioning as pt
 from distillax.data.tokenizer import ByteTokenizer
 from distillax.main import main
 from distillax.edge import gguf_runtime
+from distillax.generate import generate_tokens, load_model_dir
 from distillax.quant import quantize_for_training
 from distillax.trainers import load_trained_model
 from tests.edge.helpers import IDS, logits
@@ -38,12 +42,23 @@ def export(run, output, *flags):
                str(output), RULES_FLAG, *flags])
 
 
-def test_qat_run_exports_as_gguf_that_llama_cpp_runs(tmp_path, capsys):
-  run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def q4_run(tmp_path_factory):
+  """(a 3-step QAT run with RULES, its q4_0 GGUF file, what the export printed)."""
+  root = tmp_path_factory.mktemp("qat_gguf")
+  run = root / "run"
   assert main(["distillax", "train", "--config", QAT, "--workdir", str(run),
                "--config.train.steps=3", RULES_FLAG]) == 0
-  assert export(run, tmp_path / "q4", "--format", "gguf", "--quant", "q4_0") == 0
-  assert "model-q4_0.gguf" in capsys.readouterr().out
+  with contextlib.redirect_stdout(io.StringIO()) as printed:
+    assert export(run, root / "q4", "--format", "gguf", "--quant", "q4_0") == 0
+  return run, root / "q4" / "model-q4_0.gguf", printed.getvalue()
+
+
+def test_qat_run_exports_as_gguf_that_llama_cpp_runs(q4_run, tmp_path, capsys):
+  run, _, printed = q4_run
+  assert "model-q4_0.gguf" in printed
+  # The export names the form it loaded: the plain weights, which the q4_0 file rounds again.
+  assert f"{run} loaded as full precision (qat.rules' fake quantization off)" in printed
   trained = load_trained_model(str(run), pt.create_mesh({"data": 8, "model": 1}),
                                pt.rules_from_config({"strategy": "fsdp"}))
   qat = quantize_for_training(trained, {"rules": RULES})
@@ -53,7 +68,7 @@ def test_qat_run_exports_as_gguf_that_llama_cpp_runs(tmp_path, capsys):
           if k == "deployment" or k in gguf_runtime.kernel_paths()]
   for kernels, exact_cache, tolerance in rows:
     kernels = gguf_runtime.deployment_kernels() if kernels == "deployment" else kernels
-    llm = gguf_runtime.load(tmp_path / "q4" / "model-q4_0.gguf", kernels=kernels,
+    llm = gguf_runtime.load(q4_run[1], kernels=kernels,
                             exact_cache=exact_cache)
     try:
       got = gguf_runtime.logits(llm, IDS)
@@ -74,3 +89,39 @@ def test_qat_run_exports_as_gguf_that_llama_cpp_runs(tmp_path, capsys):
   assert "--quant applies to --format gguf" in err and "'q5_k' is unknown" in err
   assert "weight_qtype='int4' has no GGUF type" in err
   assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_generate_on_a_q4_0_qat_run_gives_llama_cpp_greedy_tokens(q4_run, capsys):
+  """`distillax generate` decodes a QAT run in the form it trained (fake-quant q8_0 / q4_0
+  weights by RULES, q8_0 activations), the one `eval` judges: llama.cpp's greedy tokens on the run's q4_0
+  GGUF (the reference kernels, the judge; f32 KV cache), among the tokenizer's ids."""
+  run, gguf, _ = q4_run
+  byte = ByteTokenizer()
+  prompt = [byte.bos_id] + byte.encode("def ")
+  llm = gguf_runtime.load(gguf, kernels="reference", exact_cache=True)
+  try:
+    want = gguf_runtime.greedy(llm, prompt, 16, vocab_limit=byte.vocab_size)
+  finally:
+    llm.close()
+  want = want[:want.index(byte.eos_id)] if byte.eos_id in want else want
+  capsys.readouterr()
+  assert generate_tokens(load_model_dir(str(run)), prompt, max_new_tokens=16) == want
+  assert "loaded as fake-quant q8_0/q4_0 weights, q8_0 activations" in capsys.readouterr().err
+  # The command prints that text, and names the form on stderr in one line.
+  assert main(["distillax", "generate", "--model", str(run), "--prompt", "def ",
+               "--max_new_tokens", "16"]) == 0
+  out = capsys.readouterr()
+  assert out.out == byte.decode(want) + "\n"
+  said = [line for line in out.err.splitlines() if line.startswith("distillax generate:")]
+  assert said == [f"distillax generate: {run} loaded as fake-quant q8_0/q4_0 weights, q8_0 "
+                  f"activations (qat.rules: the forward QAT trains); checkpoint step 3"]
+  # eval judges that same form, and says so.
+  assert main(["distillax", "eval", "--model", str(run)]) == 0
+  assert (f"distillax eval: {run} evaluated as fake-quant q8_0/q4_0 weights, q8_0 activations "
+          f"(qat.rules: the forward QAT trains); checkpoint step 3") in capsys.readouterr().err
+  # --full_precision decodes the plain weights (what generate did before), which llama.cpp's
+  # q4_0 file does not run: other tokens.
+  plain = generate_tokens(load_model_dir(str(run), full_precision=True), prompt,
+                          max_new_tokens=16)
+  assert plain != want
+  assert "loaded as full precision (qat.rules' fake quantization off)" in capsys.readouterr().err

@@ -45,12 +45,17 @@ def test_eval_of_a_run_gives_its_summary_numbers(run, capsys):
   summary = json.loads(open(os.path.join(workdir, "summary.json")).read())
   capsys.readouterr()
   assert main(["distillax", "eval", "--model", workdir]) == 0
-  got = _json_line(capsys)
+  out = capsys.readouterr()
+  got = json.loads(out.out.strip().splitlines()[-1])
   for key in ("eval_loss", "eval_perplexity", "eval_tokens", "eval_accuracy"):
     assert got[key] == summary[key], key
+  # One line names the form evaluated (tests/test_export_gguf.py has a QAT run's).
+  assert f"distillax eval: {workdir} evaluated as full precision; checkpoint step 4" in out.err
   # Its export, evaluated as the same job: the same weights, batches and objective.
   assert main(["distillax", "eval", "--model", export, "--config", LM]) == 0
-  exported = _json_line(capsys)
+  out = capsys.readouterr()
+  exported = json.loads(out.out.strip().splitlines()[-1])
+  assert f"{export} evaluated as full precision (a Hugging Face checkpoint)" in out.err
   np.testing.assert_allclose(exported["eval_loss"], summary["eval_loss"], rtol=1e-6)
   assert exported["eval_tokens"] == summary["eval_tokens"]
   # Another split of the same run: --config's data section and eval sizes.
@@ -60,9 +65,9 @@ def test_eval_of_a_run_gives_its_summary_numbers(run, capsys):
   assert fewer["eval_tokens"] == summary["eval_tokens"] / 2
 
 
-def _greedy(model, tokens, steps, eos_id, pad_id):
+def _greedy(model, tokens, steps, eos_id, pad_id, vocab_limit):
   ids = Sampler(model)(np.asarray([tokens], np.int32), max_new_tokens=steps, eos_id=eos_id,
-                       pad_id=pad_id).tokens_BxT[0].tolist()
+                       pad_id=pad_id, vocab_limit=vocab_limit).tokens_BxT[0].tolist()
   return ids[:ids.index(eos_id)] if eos_id in ids else ids
 
 
@@ -72,11 +77,14 @@ def test_generate_prints_what_the_sampler_generates(run, capsys):
   mesh, rules = pt.create_mesh(None), pt.rules_from_config({"strategy": "fsdp"})
   model = load_trained_model(workdir, mesh, rules)
   prompt = [byte.bos_id] + byte.encode("def main(")
-  want = _greedy(model, prompt, 12, byte.eos_id, byte.pad_id)
+  want = _greedy(model, prompt, 12, byte.eos_id, byte.pad_id, byte.vocab_size)
   capsys.readouterr()
   assert main(["distillax", "generate", "--model", workdir, "--prompt", "def main(",
                "--max_new_tokens", "12"]) == 0
-  assert capsys.readouterr().out == byte.decode(want) + "\n"
+  out = capsys.readouterr()
+  assert out.out == byte.decode(want) + "\n"
+  assert (f"distillax generate: {workdir} loaded as full precision; checkpoint step 4"
+          in out.err.splitlines())
   # The export generates the same tokens through its Hugging Face form of the byte tokenizer.
   loaded = load_model_dir(export)
   assert loaded.stop_ids == (byte.eos_id,)
@@ -91,6 +99,19 @@ def test_generate_prints_what_the_sampler_generates(run, capsys):
   assert texts[0] == texts[1] and texts[2] == byte.decode(want) + "\n"
 
 
+def test_generate_samples_only_the_tokenizers_ids(run):
+  """The run's model has 384 vocabulary rows for the byte tokenizer's 259 ids: whatever it
+  samples (temperature 1, nothing filtered) is a token, never a padded row the text would
+  silently drop."""
+  workdir, _ = run
+  byte = ByteTokenizer()
+  loaded = load_model_dir(workdir)
+  ids = generate_tokens(loaded, [byte.bos_id] + byte.encode("def "), max_new_tokens=100,
+                        temperature=1.0, seed=1)
+  assert loaded.model.config.vocab_size == 384 and len(ids) > 50
+  assert max(ids) < byte.vocab_size, ids
+
+
 def test_generate_answers_chat_turns_with_the_chat_template(tmp_path, capsys):
   folder = ct.save_tokenizer(tmp_path / "tokenizer", ct.CHATML)
   tokenizer = make_tokenizer(f"hf:{folder}")
@@ -98,7 +119,7 @@ def test_generate_answers_chat_turns_with_the_chat_template(tmp_path, capsys):
   hf.save(model, tmp_path / "chat", tokenizer=tokenizer)
   messages = [{"role": "user", "content": "What does os.path.join do?"}]
   ids = tokenizer.encode(template_for(tokenizer).render(messages, add_generation_prompt=True))
-  want = _greedy(model, ids, 10, tokenizer.eos_id, tokenizer.pad_id)
+  want = _greedy(model, ids, 10, tokenizer.eos_id, tokenizer.pad_id, tokenizer.vocab_size)
   (tmp_path / "chat.json").write_text(json.dumps(messages))
   capsys.readouterr()
   for given in (json.dumps(messages), str(tmp_path / "chat.json")):

@@ -65,7 +65,8 @@ def _generate(config, flags: dict) -> int:
   from distillax.generate import run_generate
   return run_generate(config, flags["model"], prompt=flags["prompt"], messages=flags["messages"],
                       max_new_tokens=flags["max_new_tokens"], temperature=flags["temperature"],
-                      top_k=flags["top_k"], top_p=flags["top_p"], seed=flags["seed"])
+                      top_k=flags["top_k"], top_p=flags["top_p"], seed=flags["seed"],
+                      full_precision=flags["full_precision"])
 
 
 def _eval(config, flags: dict) -> int:

@@ -35,7 +35,7 @@ COMMAND_FLAGS = {
     "cache-teacher": ("workdir", "devices") + _DISTRIBUTED,
     "demo": ("workdir", "devices") + _DISTRIBUTED,
     "generate": ("model", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p",
-                 "seed", "devices"),
+                 "seed", "full_precision", "devices"),
     "eval": ("model", "devices") + _DISTRIBUTED,
 }
 # Flags that name a directory: made absolute (from the current directory) before a job sees them.
@@ -67,6 +67,9 @@ FLAGS = {
     "top_k": ("integer", None, "K", "sample from the K most likely tokens only"),
     "top_p": ("float", None, "P", "sample from the smallest set of tokens with mass P"),
     "seed": ("integer", 0, "N", "sampling seed"),
+    "full_precision": ("bool", False, "", "decode a QAT run's plain weights, not the fake-quant "
+                                          "forward it trained (the default, as eval and its GGUF "
+                                          "export run it)"),
 }
 
 

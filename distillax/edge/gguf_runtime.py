@@ -133,13 +133,16 @@ def logits(llm, ids: Sequence[int]) -> np.ndarray:
   return np.array(llm.scores[:len(ids)], dtype=np.float32)
 
 
-def greedy(llm, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-  """Greedy continuation in llama.cpp: the prompt once, then one token per decode step."""
+def greedy(llm, prompt: Sequence[int], max_new_tokens: int,
+           vocab_limit: int | None = None) -> list[int]:
+  """Greedy continuation in llama.cpp: the prompt once, then one token per decode step.
+  vocab_limit: the tokenizer's size, as distillax's sampler takes it (the argmax over ids below
+  it: a padded vocabulary's extra rows are never picked); None: llama.cpp's raw argmax."""
   llm.reset()
   llm.eval([int(i) for i in prompt])
   out = []
   for _ in range(max_new_tokens):
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1][:vocab_limit]))
     out.append(token)
     llm.eval([token])
   return out

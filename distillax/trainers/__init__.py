@@ -19,10 +19,10 @@ from distillax.trainers.registry import recipe_class, recipe_for
 from distillax.trainers.sequence_kd import SequenceKDRecipe
 from distillax.trainers.sources import (is_hf_checkpoint, load_run_config, resolve_model_config,
                                         RunSource)
-from distillax.trainers.saved import load_trained_model, restore_run_state
+from distillax.trainers.saved import load_as_trained, load_trained_model, restore_run_state
 
 __all__ = ["CachedDistillRecipe", "DistillRecipe", "Engines", "LMRecipe", "OnPolicyRecipe", "Recipe",
            "RunSource",
            "SequenceKDRecipe", "Trainer", "check_recipe_data", "is_hf_checkpoint", "load_run_config",
-           "load_trained_model", "lm_objective", "recipe_class", "recipe_for",
+           "load_as_trained", "load_trained_model", "lm_objective", "recipe_class", "recipe_for",
            "resolve_model_config", "restore_run_state", "strategy_from_config"]

@@ -16,10 +16,13 @@ import os
 import jax
 from flax import nnx
 
+from distillax import quant
 from distillax.errors import UserError
 from distillax.framework.state import TrainState
-from distillax.trainers.sources import RunSource, checkpoints_of, student_source
+from distillax.trainers.sources import (RunSource, checkpoints_of, load_run_config,
+                                        student_source)
 from distillax.trainers.sources.files import CHECKPOINT_DIR
+from distillax.trainers.transforms import StudentTransforms
 
 SOURCES_KEY = "sources"  # in a checkpoint's metadata `extra`
 
@@ -110,6 +113,24 @@ def load_trained_model(workdir: str, mesh, rules) -> nnx.Module:
   source = RunSource(os.path.abspath(workdir), "", base_of=student_source)
   cfg = source.model_config()
   return source.load(cfg, mesh, rules, seed=int(source.run_config.seed))
+
+
+def load_as_trained(workdir: str, mesh, rules, *, full_precision: bool = False
+                    ) -> tuple[nnx.Module, str]:
+  """(student, the form it computes in, in words) of `workdir`'s newest valid checkpoint, for
+  inference: the forward the run trained and `distillax eval` judges, i.e. fake-quantized
+  under QAT (from qat.start_step on), which its GGUF export reproduces in llama.cpp; the plain
+  weights with `full_precision`. LoRA is merged either way."""
+  model = load_trained_model(workdir, mesh, rules)
+  transforms = StudentTransforms.from_config(load_run_config(workdir, "--model"))
+  step = int((newest_meta(os.path.abspath(workdir)) or {}).get("step") or 0)
+  fake_quant = transforms.fake_quant_at(step) and not full_precision
+  if fake_quant:
+    model = quant.quantize_for_training(model, transforms.qat)
+  form = transforms.describe(fake_quant=fake_quant, lora_merged=True)
+  if transforms.qat is not None and not fake_quant and not full_precision:
+    form += f", as trained before qat.start_step={transforms.qat.start_step}"
+  return model, f"{form}; checkpoint step {step}"
 
 
 def step_of(state: TrainState) -> int:

@@ -62,6 +62,26 @@ class StudentTransforms:
       return quant.with_lora_dropout(objective)
     return objective
 
+  def fake_quant_at(self, step: int) -> bool:
+    """Whether the run's forward at `step` is fake-quantized (QAT rules, started by then)."""
+    return self.qat is not None and step >= self.qat.start_step
+
+  def describe(self, *, fake_quant: bool, lora_merged: bool) -> str:
+    """The form a loaded student computes in, in words (`distillax generate`, `eval` and
+    `export` print it, so nobody judges one form believing it is another)."""
+    if fake_quant and self.qat is not None:
+      weights = "/".join(dict.fromkeys(str(r.weight_qtype) for r in self.qat.rules))
+      acts = "/".join(dict.fromkeys(str(r.act_qtype) for r in self.qat.rules if r.act_qtype))
+      form = f"fake-quant {weights} weights" + (f", {acts} activations" if acts else "") + \
+          " (qat.rules: the forward QAT trains)"
+    elif self.qat is not None:
+      form = "full precision (qat.rules' fake quantization off)"
+    else:
+      form = "full precision"
+    if self.lora is not None:
+      form += ", LoRA merged" if lora_merged else ", LoRA adapters on"
+    return form
+
   def strip(self, model: nnx.Module) -> nnx.Module:
     """The plain model inside: LoRA merged, fake quantization off (export re-applies it)."""
     if self.lora is not None:
