@@ -7,11 +7,12 @@ a command that works.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import re
 import sys
 
-from distillax.cli.flags import COMMAND_FLAGS, flag_value
+from distillax.cli.flags import COMMAND_FLAGS, flag_value, flag_values
 
 _TYPE_WORDS = {int: "a whole number", float: "a number", bool: "true or false", str: "a string",
                tuple: "a tuple, e.g. (('a', 1),)"}
@@ -132,7 +133,6 @@ def _unknown_flag_line(name: str, command: str, defaults) -> str:
 def _bad_value_line(dotted: str, flag_argv: list[str], defaults, reason: str) -> str:
   """`--config.train.steps=abc`: the value does not parse as the field's type; name the type and
   a good value (the config file's)."""
-  value = flag_value(flag_argv, f"config.{dotted}")
   path = dotted.split(".")
   default = _section(defaults, path)
   reason = (reason.strip().splitlines() or [""])[0]
@@ -144,6 +144,30 @@ def _bad_value_line(dotted: str, flag_argv: list[str], defaults, reason: str) ->
     kind = _section(defaults, path[:-1]).get_ref(path[-1]).get_type()
   except Exception:  # noqa: BLE001 - only used to word an error better
     kind = type(default) if default is not None else None
+  value = _failing_value(flag_values(flag_argv, f"config.{dotted}"), reason, kind)
   words = _TYPE_WORDS.get(kind, f"a {kind.__name__}" if kind else "a value of the field's type")
   example = f", e.g. --config.{dotted}={default!r}" if default is not None else ""
   return f"--config.{dotted}={value} must be {words} ({reason}){example}"
+
+
+def _parses_as(value: str, kind) -> bool:
+  """Whether `value` reads as a value of type `kind` (roughly as config_flags reads it)."""
+  try:
+    if kind is bool:
+      return value.lower() in ("true", "false", "1", "0", "yes", "no", "t", "f", "y", "n")
+    if kind in (int, float):
+      kind(value)
+    elif kind is tuple:
+      return isinstance(ast.literal_eval(value), (tuple, list))
+    return True
+  except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+    return False
+
+
+def _failing_value(values: list[str], reason: str, kind) -> str | None:
+  """Of the values given to one key (it may be given twice), the one the parser refused:
+  overrides apply in order and the first that does not parse stops the parse, so it is the
+  first the parser's reason quotes, else the first that does not read as the field's type."""
+  quoted = [v for v in values if f"'{v}'" in reason]
+  refused = quoted or [v for v in values if not _parses_as(v, kind)]
+  return (refused or values or [None])[0]

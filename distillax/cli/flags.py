@@ -73,12 +73,21 @@ FLAGS = {
 }
 
 
-def flag_value(argv: list[str], name: str) -> str | None:
-  """The value given to `--name` (as `--name=v` or `--name v`), or None; read straight from argv
-  for what must be known before absl parses (--devices, --config's file, a bad override)."""
+def flag_values(argv: list[str], name: str) -> list[str]:
+  """Every value given to `--name`, in order: a flag may be given more than once (absl keeps
+  the last; a config override that does not parse fails at the first such value)."""
+  out = []
   for i, arg in enumerate(argv):
     if arg.startswith(f"--{name}="):
-      return arg.split("=", 1)[1]
-    if arg == f"--{name}" and i + 1 < len(argv):
-      return argv[i + 1]
-  return None
+      out.append(arg.split("=", 1)[1])
+    elif arg == f"--{name}" and i + 1 < len(argv):
+      out.append(argv[i + 1])
+  return out
+
+
+def flag_value(argv: list[str], name: str) -> str | None:
+  """The value absl keeps for `--name` (as `--name=v` or `--name v`: the last one given), or
+  None; read straight from argv for what must be known before absl parses (--devices,
+  --config's file)."""
+  values = flag_values(argv, name)
+  return values[-1] if values else None
