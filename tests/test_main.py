@@ -96,8 +96,9 @@ def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path,
     summary = json.loads((workdir / stage / "summary.json").read_text())
     assert report[stage]["eval"] == printed == {k: summary[k] for k in printed}, stage
     assert report[stage]["val_tokens"] == report["setup"]["val_tokens"] > printed["eval_tokens"]
-    own_loss = printed.get("eval_hard_ce", printed["eval_loss"])
-    assert abs(report[stage]["val_loss"] - own_loss) < 0.5, stage  # a superset of its tokens
+    # Next-token CE, whatever the stage's objective: the report's val loss on a superset of
+    # its tokens.
+    assert abs(report[stage]["val_loss"] - printed["eval_loss"]) < 0.5, stage
   capsys.readouterr()
   assert main(argv) == 0
   assert capsys.readouterr().out.count("finished earlier, reusing") == 7
