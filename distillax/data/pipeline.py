@@ -144,6 +144,13 @@ def split_documents(cfg, which: str) -> sources.Documents:
     train, validation = sources.load_documents(
         cfg.source, cfg.format, cfg.text_field, layout).split(cfg.validation_fraction)
     documents = train if which == "train" else validation
+    if len(documents) == 0 and len(train) + len(validation):
+      # The split is by a hash of each document: a small fraction of few documents holds out none.
+      what, fix = (("holds out none", "raise it") if which == "eval" else
+                   ("leaves none to train on", "lower it or add documents"))
+      raise UserError(f"data.validation_fraction={cfg.validation_fraction} {what} of the "
+                      f"{len(train) + len(validation)} documents of data source {cfg.source!r} "
+                      f"(each goes to eval by a hash of it); {fix}, or set data.eval_source")
   if len(documents) == 0:
     hint = ("raise data.validation_fraction or set data.eval_source" if which == "eval"
             else "lower data.validation_fraction or add documents")

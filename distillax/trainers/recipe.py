@@ -23,61 +23,19 @@ from flax import nnx
 
 from distillax import partitioning as pt
 from distillax.data import batch_shapes, make_eval_iterator, make_tokenizer, make_train_iterator
-from distillax.data.sources import resolve_files
-from distillax.data.survey import check_data
-from distillax.errors import ConfigError, UserError
-from distillax.framework import flops, optim
+from distillax.errors import ConfigError
+from distillax.framework import flops
 from distillax.framework.engine import Engine, build_engine
 from distillax.framework.state import Reloaded
 from distillax.framework.step import Objective
 from distillax.models.config import TransformerConfig
 from distillax.models.init import abstract_model
 from distillax.trainers import sources as src
+# The checks, imported here too: what a job's config may hold is asked of the recipe.
+from distillax.trainers.checks import (check_data_paths, check_model_conflicts,
+                                       check_recipe_data, check_run_sections)
+from distillax.trainers.paths import absolute_paths
 from distillax.trainers.transforms import StudentTransforms
-
-
-# (section, field, smallest allowed value, an example of a good value). Checked when a recipe is
-# made, so a value no run can use fails in one line naming it, not steps later in what it breaks
-# (a negative train.steps used to surface as a complaint about the warmup).
-_LIMITS = (("train", "steps", 1, 200), ("train", "batch_size", 1, 16),
-           ("train", "seq_len", 1, 128), ("train", "accum_steps", 1, 1),
-           ("train", "log_every", 1, 10), ("train", "eval_every", 0, 50),
-           ("train", "eval_batches", 1, 8), ("train", "rollback_threshold", 0, 0.05),
-           ("train", "max_rollbacks", 0, 2), ("checkpoint", "every_steps", 0, 100),
-           ("checkpoint", "keep", 1, 2), ("checkpoint", "keep_best", 0, 1))
-
-
-def check_run_sections(config) -> None:
-  """Refuses train (and checkpoint) values no run can use, before any mesh, data or compile."""
-  for section, key, least, example in _LIMITS:
-    value = config[section].get(key, example) if section in config else example
-    if not (isinstance(value, (int, float)) and value >= least):  # NaN fails this too
-      raise ConfigError(f"{section}.{key}={value!r} must be {least} or more, e.g. "
-                        f"--config.{section}.{key}={example}")
-  factor = config.train.get("rollback_lr_factor", 0.5)
-  if not 0 < factor <= 1:
-    raise ConfigError(f"train.rollback_lr_factor={factor!r} must be in (0, 1]: the learning "
-                      f"rate is scaled by it after a rollback; e.g. "
-                      f"--config.train.rollback_lr_factor=0.5")
-
-
-def check_data_paths(data) -> None:
-  """A data source that names no files fails when the recipe is made, not after compiling."""
-  for key in ("source", "eval_source"):
-    spec = str(data.get(key, "") or "")
-    if spec and spec != "stdlib":
-      try:
-        resolve_files(spec)
-      except UserError as e:
-        raise ConfigError(f"data.{key}: {e}") from None
-
-
-def check_recipe_data(recipe: "Recipe") -> None:
-  """Reads every record of a recipe's data once, before anything compiles: a bad record or a
-  split with no token to train (recipe.data_splits) is one line naming it, not a failure (or a
-  wait) steps in."""
-  check_data(recipe.config.data, recipe.tokenizer, process_count=jax.process_count(),
-             splits=recipe.data_splits)
 
 
 @dataclasses.dataclass
@@ -133,12 +91,12 @@ class Recipe:
 
   def __init__(self, config, *, workdir: str | None = None, mesh=None,
                rules: pt.RuleSet | None = None):
-    check_run_sections(config)
-    optim.check_optimizer_config(config.optimizer)
+    config = absolute_paths(config)  # as the CLI makes them: orbax refuses relative paths
+    check_run_sections(config)  # the optimizer section's too
     check_data_paths(config.data)
     self.sources = src.job_sources(config)
-    # A student from a checkpoint or the teacher has its source's shape: `self.config` (what
-    # config.json records) holds it in the model section.
+    # A student from an earlier run, a checkpoint or the teacher has its source's shape:
+    # `self.config` (what config.json records) holds it in the model section.
     self.config = config = src.resolve_student(config, self.sources)
     self.workdir = workdir
     self.mesh = mesh if mesh is not None else pt.create_mesh(config.mesh)
@@ -149,10 +107,8 @@ class Recipe:
       self.sources = dataclasses.replace(
           self.sources, student=dataclasses.replace(self.sources.student, cfg=self.model_config))
     src.check_run_shape(self.sources.student, self.model_config)
+    # Checked with the data before training, or before compiling (checks.model_conflicts).
     self.batch_size, self.seq_len = int(config.train.batch_size), int(config.train.seq_len)
-    if self.seq_len > self.model_config.max_seq_len:
-      raise ConfigError(f"train.seq_len={self.seq_len} exceeds model.max_seq_len="
-                        f"{self.model_config.max_seq_len}; lower the first or raise the second")
     self.transforms = StudentTransforms.from_config(config)
     self.rollback_metric = rollback_metric(config, self.rollback_metrics, self.name)
 
@@ -204,6 +160,7 @@ class Recipe:
                     compile_now: bool = True) -> Engines:
     """The step(s) at `learning_rate` (default: the optimizer section's), compiled now unless
     compile_now=False (eval alone: the train step then compiles only if it is ever run)."""
+    check_model_conflicts(self)
     lr = float(self.config.optimizer.learning_rate if learning_rate is None else learning_rate)
     start = self.transforms.qat_start_step
     return Engines(self._engine(lr, compile_now=compile_now),

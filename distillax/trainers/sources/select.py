@@ -8,7 +8,8 @@ holds teacher *outputs*, not a model, so such a job has no teacher source.
 
 A student whose weights come from a source has that source's shape: `resolve_student` writes
 the source's model config into the config's `model` section, so the run's config.json describes
-the model exactly; only how the model runs (RUN_FIELDS) stays the `model` section's. A
+the model exactly; only how the model runs (RUN_FIELDS; for an earlier run, whose checkpoint
+holds arrays of its own dtype and layout, COMPUTE_FIELDS) stays the `model` section's. A
 command-line `--config.model.*` value that disagrees with the source is an error, not a
 silently different model: the CLI says which fields it set with `command_line_overrides`.
 """
@@ -28,6 +29,10 @@ from distillax.trainers.sources import files, vocabulary
 from distillax.trainers.sources.kinds import (RUN_FIELDS, BlocksSource, FreshSource, HFSource,
                                               ModelSource, RunSource, preset_source)
 
+# Model fields that say how the forward computes, not what a checkpoint stores: all that a
+# student from an earlier run may change (RunSource.load places the loaded student as this
+# config's model).
+COMPUTE_FIELDS = ("dtype", "remat", "attention_impl")
 # Fresh preset teachers draw from their own seed stream, apart from the student's.
 PRESET_SEED_OFFSET = 1000
 
@@ -138,11 +143,12 @@ def job_sources(config) -> JobSources:
   return JobSources(student_source(config, teacher), teacher, cached)
 
 
-def _check_overrides(source: ModelSource, want: dict) -> None:
-  """A `--config.model.X=v` the source contradicts is the user asking for two models."""
+def _check_overrides(source: ModelSource, want: dict, kept: tuple[str, ...]) -> None:
+  """A `--config.model.X=v` the source contradicts is the user asking for two models (`kept`:
+  the fields the config may choose whatever the source holds)."""
   for key, value in (_OVERRIDES.get() or {}).items():
     name = key.removeprefix("model.")
-    if not key.startswith("model.") or name in RUN_FIELDS or name not in want:
+    if not key.startswith("model.") or name in kept or name not in want:
       continue
     if value != want[name]:
       why = (f" (the layer count is len({source.field}))" if name == "num_layers"
@@ -157,15 +163,20 @@ def resolve_student(config, sources: JobSources):
   is nothing to change); the tokenizers of data, student and teacher checked to be one."""
   vocabulary.check_tokenizers([sources.teacher, sources.student], config.data.tokenizer)
   source = sources.student
-  if source.kind in ("fresh", "run"):  # a run's shape is checked against the model section
+  if source.kind == "fresh":
     return config
   cfg: TransformerConfig = source.model_config()
   if sources.teacher is not None and source.kind == "hf" and sources.teacher.kind != "fresh":
     vocabulary.check_vocab_sizes(source, cfg.vocab_size, sources.teacher,
                                  sources.teacher.model_config().vocab_size)
   want = cfg.to_dict()
-  _check_overrides(source, want)
-  want.update({k: config.model[k] for k in RUN_FIELDS if k in config.model})
+  # An earlier run's checkpoint holds its arrays in its own dtype and layer layout, so a run
+  # keeps those too; only how the forward computes may change.
+  kept = COMPUTE_FIELDS if source.kind == "run" else RUN_FIELDS
+  _check_overrides(source, want, kept)
+  if source.kind == "run" and not source.run_config.model.get("vocab_size"):
+    want["vocab_size"] = 0  # as the run has it (its tokenizer's size): the same job identity
+  want.update({k: config.model[k] for k in kept if k in config.model})
   if all(config.model.get(k) == v for k, v in want.items()):
     return config
   out = config.copy_and_resolve_references()
@@ -174,13 +185,11 @@ def resolve_student(config, sources: JobSources):
   return out
 
 
-# Model fields that say how the forward computes, not what a checkpoint stores.
-COMPUTE_FIELDS = ("dtype", "remat", "attention_impl")
-
-
 def check_run_shape(source: ModelSource, cfg: TransformerConfig) -> None:
   """Refuses an earlier run the student cannot start from, before anything is built or a
-  workdir is touched: no checkpoints yet, or a model of another shape than `cfg`."""
+  workdir is touched: no checkpoints yet, or a model of another shape than `cfg` (the model
+  section has the run's, resolve_student wrote it there; a vocabulary of 0 is this job's
+  tokenizer's, which may differ from the run's)."""
   if source.kind != "run":
     return
   earlier = source.model_config()
@@ -200,16 +209,20 @@ def check_run_shape(source: ModelSource, cfg: TransformerConfig) -> None:
                       + f"; make the model section match it, e.g. {fix}")
 
 
-def teacher_model_config(teacher_section, source: ModelSource | None,
-                         student_vocab: int) -> TransformerConfig | None:
+def teacher_model_config(teacher_section, source: ModelSource | None, student_vocab: int,
+                         student: ModelSource | None = None, *, from_scratch: bool = True
+                         ) -> TransformerConfig | None:
   """The teacher as the step runs it: its source's model with the section's dtype overrides,
-  checked against the student's vocabulary; None without a teacher model (a cache)."""
+  checked against the vocabulary of the student (`student`: its source, which the error names;
+  `from_scratch`: whether a fresh student is a fix worth naming); None without a teacher model
+  (a cache)."""
   if source is None:
     return None
   cfg = source.model_config()
   overrides = {k: teacher_section[k] for k in ("param_dtype", "dtype") if teacher_section[k]}
   cfg = cfg.replace(**overrides) if overrides else cfg
-  vocabulary.check_vocab_sizes(None, student_vocab, source, cfg.vocab_size)
+  vocabulary.check_vocab_sizes(student, student_vocab, source, cfg.vocab_size,
+                               from_scratch=from_scratch)
   return cfg
 
 
@@ -220,4 +233,6 @@ def job_teacher(config, sources: JobSources, student_vocab: int
   teacher = sources.step_teacher
   if teacher is not None and teacher.kind == "fresh":
     teacher = teacher_source(config.teacher, student_vocab)
-  return teacher, teacher_model_config(config.teacher, teacher, student_vocab)
+  # On-policy, a random student would learn from its own random samples: no fix to suggest.
+  return teacher, teacher_model_config(config.teacher, teacher, student_vocab, sources.student,
+                                       from_scratch=config.get("trainer") != "on_policy")

@@ -75,16 +75,26 @@ def check_tokenizers(sources, data_tokenizer: str) -> None:
                       f"use a student and data of the teacher's tokenizer")
 
 
-def check_vocab_sizes(student_source, student_vocab: int, teacher_source,
-                      teacher_vocab: int) -> None:
-  """A student and a teacher of different vocabulary sizes cannot share logits."""
+def check_vocab_sizes(student_source, student_vocab: int, teacher_source, teacher_vocab: int,
+                      *, from_scratch: bool = True) -> None:
+  """A student and a teacher of different vocabulary sizes cannot share logits. A fresh
+  student (`student_source` None or fresh) is told where a student of the teacher's
+  vocabulary comes from; `from_scratch`: training one from scratch is a fix worth naming (not
+  on-policy, where a random student learns from its own random samples)."""
   if teacher_vocab == student_vocab:
     return
-  if student_source is not None and student_source.kind == "hf":
+  if student_source is not None and student_source.kind != "fresh":
     raise ConfigError(f"{student_source.named()} has vocab_size={student_vocab} but the teacher "
                       f"({teacher_source.named()}) has {teacher_vocab}; distillation needs one "
                       f"tokenizer on both sides: pick a student of the teacher's family or derive "
                       f"one with --config.student.from_teacher.layers")
-  raise ConfigError(f"teacher vocabulary {teacher_vocab} != student vocabulary {student_vocab}; "
-                    f"logit distillation needs one tokenizer: set "
-                    f"model.vocab_size={teacher_vocab}")
+  blocks = tuple(range(0, teacher_source.model_config().num_layers, 2))
+  scratch = (f"; or, to train a student from scratch, --config.model.vocab_size={teacher_vocab}"
+             if from_scratch else "")
+  raise ConfigError(f"the teacher ({teacher_source.named()}) has vocab_size={teacher_vocab} but "
+                    f"the student, fresh weights of the model section, has {student_vocab} "
+                    f"(none of train.init_from, student.hf_path, student.from_teacher.layers is "
+                    f"set); start the student from the teacher's family: its blocks "
+                    f"(--config.student.from_teacher.layers='{blocks}'), a smaller checkpoint of "
+                    f"it (--config.student.hf_path=DIR) or an earlier run of its tokenizer "
+                    f"(--config.train.init_from=DIR){scratch}")

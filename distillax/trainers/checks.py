@@ -1,0 +1,141 @@
+"""What a job's config may hold, checked before anything is built, with every problem a check
+can see in one message.
+
+Two checks, because they can see different things:
+- `check_run_sections`, when a recipe is made: values no run can use (a negative train.steps,
+  an on_policy.top_p of 0), each named by the key the user sets, with a good value.
+- `check_recipe_data`, before anything compiles: what the config asks of its model and data
+  (train.seq_len against model.max_seq_len, the warmup against train.steps, a split with no
+  token to train, a bad record). A user whose config conflicts with a small model and 20 chats
+  in three ways learns all three from one run, not from three reruns.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from distillax.data.sources import resolve_files
+from distillax.data.survey import check_data
+from distillax.errors import ConfigError, UserError
+from distillax.framework import optim
+
+# (section, field, smallest allowed value, an example of a good value). Checked when a recipe is
+# made, so a value no run can use fails in one line naming it, not steps later in what it breaks
+# (a negative train.steps used to surface as a complaint about the warmup).
+_LIMITS = (("train", "steps", 1, 200), ("train", "batch_size", 1, 16),
+           ("train", "seq_len", 1, 128), ("train", "accum_steps", 1, 1),
+           ("train", "log_every", 1, 10), ("train", "eval_every", 0, 50),
+           ("train", "eval_batches", 1, 8), ("train", "rollback_threshold", 0, 0.05),
+           ("train", "max_rollbacks", 0, 2), ("checkpoint", "every_steps", 0, 100),
+           ("checkpoint", "keep", 1, 2), ("checkpoint", "keep_best", 0, 1))
+
+# (section, field, test, what it must be, a good value) of fractional fields. The on_policy ones
+# are checked here, by the names the user sets, rather than where they end up (a sampler's
+# `temperature`, which is another on_policy field; GeneralizedJSD.beta; a top_p of None, which
+# the command line cannot give).
+_RANGES = (
+    ("train", "rollback_lr_factor", lambda v: 0 < v <= 1,
+     "in (0, 1]: the learning rate is scaled by it after a rollback;", 0.5),
+    ("on_policy", "sampling_temperature", lambda v: v >= 0, "0 (greedy) or more,", 1.0),
+    ("on_policy", "top_k", lambda v: v >= 0, "0 (off) or more,", 0),
+    ("on_policy", "top_p", lambda v: 0 < v <= 1, "in (0, 1] (1 = off),", 1.0),
+    ("on_policy", "beta", lambda v: 0 <= v <= 1,
+     "in [0, 1] (0 forward KL, 1 reverse KL, 0.5 the symmetric JSD),", 0.5),
+    ("on_policy", "temperature", lambda v: v > 0,
+     "more than 0 (1.0 compares the models' own distributions),", 1.0),
+    ("on_policy", "lmbda", lambda v: 0 <= v <= 1,
+     "in [0, 1] (the share of steps on the student's own samples),", 1.0))
+
+
+def one_error(problems: list[str]) -> ConfigError | None:
+  """One error for every problem found (None for none): the problem itself when alone, else
+  each numbered in one line."""
+  if not problems:
+    return None
+  if len(problems) == 1:
+    return ConfigError(problems[0])
+  listed = "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+  return ConfigError(f"{len(problems)} problems, all to fix before this job can run: {listed}")
+
+
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def section_problems(config) -> list[str]:
+  """The train, checkpoint, optimizer and on_policy values no run can use."""
+  out = []
+  for section, key, least, example in _LIMITS:
+    value = config[section].get(key, example) if section in config else example
+    if not (isinstance(value, (int, float)) and value >= least):  # NaN fails this too
+      out.append(f"{section}.{key}={value!r} must be {least} or more, e.g. "
+                 f"--config.{section}.{key}={example}")
+  for section, key, ok, must, example in _RANGES:
+    if section in config and key in config[section]:
+      value = config[section][key]
+      if not (_is_number(value) and ok(value)):
+        out.append(f"{section}.{key}={value!r} must be {must} e.g. "
+                   f"--config.{section}.{key}={example}")
+  try:
+    optim.check_optimizer_config(config.optimizer)
+  except ConfigError as e:
+    out.append(str(e))
+  return out
+
+
+def check_run_sections(config) -> None:
+  """Refuses train, checkpoint, optimizer and on_policy values no run can use, all in one
+  message, before any mesh, data or compile."""
+  error = one_error(section_problems(config))
+  if error is not None:
+    raise error
+
+
+def check_data_paths(data) -> None:
+  """A data source that names no files fails when the recipe is made, not after compiling."""
+  for key in ("source", "eval_source"):
+    spec = str(data.get(key, "") or "")
+    if spec and spec != "stdlib":
+      try:
+        resolve_files(spec)
+      except UserError as e:
+        raise ConfigError(f"data.{key}: {e}") from None
+
+
+def model_conflicts(recipe) -> list[str]:
+  """What the config asks that its model (or its own run length) cannot give."""
+  out = []
+  cfg, limit = recipe.config, recipe.model_config.max_seq_len
+  if recipe.seq_len > limit:
+    out.append(f"train.seq_len={recipe.seq_len} exceeds model.max_seq_len={limit}; lower the "
+               f"first (e.g. --config.train.seq_len={limit}) or raise the second")
+  try:
+    optim.make_schedule(cfg.optimizer, int(cfg.train.steps))
+  except ConfigError as e:  # the warmup outlasts the run, an unknown schedule
+    out.append(str(e))
+  return out
+
+
+def check_model_conflicts(recipe) -> None:
+  """Refuses a config its model cannot run, every conflict in one message (what compiling a
+  job's step checks first; training checks its data with them, check_recipe_data)."""
+  error = one_error(model_conflicts(recipe))
+  if error is not None:
+    raise error
+
+
+def check_recipe_data(recipe) -> None:
+  """Reads every record of a recipe's data once, before anything compiles: a bad record or a
+  split with no token to train (recipe.data_splits) is named in one message with every
+  conflict between the config and its model, not a failure (or a wait) steps in."""
+  problems = model_conflicts(recipe)
+  try:
+    check_data(recipe.config.data, recipe.tokenizer, process_count=jax.process_count(),
+               splits=recipe.data_splits)
+  except UserError as e:
+    problems.append(str(e))
+  error = one_error(problems)
+  if error is not None:
+    raise error
