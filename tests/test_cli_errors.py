@@ -137,3 +137,20 @@ def test_a_relative_init_from_loads_the_run_from_the_python_api(run, monkeypatch
   student = recipe.build_student(abstract=False)
   assert student.config.num_layers == 3
   assert recipe.config.train.init_from == str(run)  # what config.json records
+
+
+def test_extending_a_finished_run_says_the_schedule_is_recomputed(capsys, tmp_path, run):
+  """2 -> 3 steps of warmup_cosine (peak 3e-4, warmup 1, end 10%): at step 2 the 2-step
+  schedule had reached its end, 3e-5; over 3 steps step 2 is halfway down the cosine,
+  3e-5 + 0.5 * 2.7e-4 = 1.65e-4."""
+  extended = tmp_path / "extended"
+  shutil.copytree(run, extended)
+  capsys.readouterr()
+  assert main(["distillax", "train", "--config", f"{LM}:tiny", "--workdir", str(extended),
+               "--config.train.steps=3", *RUN_FLAGS]) == 0
+  notes = [line for line in capsys.readouterr().err.splitlines() if "schedule" in line]
+  assert len(notes) == 1 and notes[0].startswith("W"), notes
+  assert ("train.steps=3 resumes this workdir's run of 2 steps with the learning-rate schedule "
+          "(warmup_cosine) recomputed over 3 steps: at step 2 the rate is 0.000165, where the "
+          "2-step schedule had 3e-05") in notes[0]
+  assert json.loads((extended / "summary.json").read_text())["step"] == 3

@@ -14,7 +14,9 @@ def _train(config, flags: dict) -> int:
   """0 when the run finished (now or earlier); STOPPED_EXIT_CODE when a signal (SIGTERM, Ctrl-C)
   stopped it first, with a checkpoint to resume from."""
   import jax
+  from absl import logging
 
+  from distillax.cli.extend import schedule_note
   from distillax.errors import UserError
   from distillax.framework.preemption import STOPPED_EXIT_CODE
   from distillax.trainers import Trainer, recipe_for
@@ -23,7 +25,11 @@ def _train(config, flags: dict) -> int:
     raise UserError("--workdir is required for train, e.g. --workdir runs/my_run")
   where = os.path.abspath(workdir)
   try:
-    summary = Trainer(recipe_for(config, workdir=workdir), workdir).run()
+    recipe = recipe_for(config, workdir=workdir)
+    note = schedule_note(where, recipe.config)
+    if note and jax.process_index() == 0:
+      logging.warning("%s", note)
+    summary = Trainer(recipe, workdir).run()
   except KeyboardInterrupt:  # outside the steps (compiling, say); between steps Ctrl-C saves
     print("distillax train: interrupted; rerun the same command to resume", file=sys.stderr,
           flush=True)
