@@ -4,8 +4,15 @@
 all-gather, reduce-scatter, all-reduce, all-to-all and collective-permute the SPMD partitioner
 inserted is there with its shapes. Static counts are not per-step counts, though: a collective
 inside a `while` body (layers under `lax.scan`, gradient accumulation) runs once per iteration,
-so each computation is weighted by the trip counts of the loops that call it (XLA records them as
-`known_trip_count` in the while op's backend config).
+so each computation is weighted by the trip counts of the loops that call it. XLA:CPU and GPU
+record them as `known_trip_count` in the while op's backend config; the TPU compiler does not, so
+there the count is read from the loop itself: a condition `counter < N` (or <=, >, >=) whose
+counter starts at a constant (what `lax.scan` and `fori_loop` lower to, stepping by one). Without
+either, a loop is counted once and `trip_count_unknown` says so.
+
+The TPU compiler also fuses an all-reduce with the slice each device keeps into an
+"all-reduce-scatter" fusion (its FSDP gradient reduction): the all-reduce inside is counted as
+the reduce-scatter it is, with the fusion's (sharded) output as its result.
 
 Bytes are logical buffer sizes from the HLO shapes, per device: `operand_bytes` (what each device
 contributes) and `result_bytes` (what each device ends up with). `bytes` is the larger of the two,
@@ -84,6 +91,7 @@ class Instruction:
   opcode: str
   operands: list[str]
   attrs: str
+  args: str = ""  # the text inside the call's parentheses (a constant's literal)
 
 
 @dataclasses.dataclass
@@ -119,29 +127,124 @@ def parse_module(text: str) -> Module:
     args = _call_args(rest)
     attrs = rest[len(opcode) + len(args) + 2:]
     computations[current].append(
-        Instruction(m.group(1), shape, opcode, _OPERAND_RE.findall(args), attrs))
+        Instruction(m.group(1), shape, opcode, _OPERAND_RE.findall(args), attrs, args))
   if not entry and computations:
     entry = list(computations)[-1]
   return Module(computations, entry)
 
 
+_PASS_THROUGH = ("copy", "bitcast", "convert", "reshape")
+_DIRECTION_RE = re.compile(r"direction=(LT|LE|GT|GE)")
+_CONDITION_RE = re.compile(r"\bcondition=%([\w.\-]+)")
+_INDEX_RE = re.compile(r"\bindex=(\d+)")
+
+
+def _constant(name: str, by_name: dict[str, Instruction]) -> int | None:
+  """The integer a scalar `constant(N)` holds, seen through copies and converts."""
+  for _ in range(8):
+    ins = by_name.get(name)
+    if ins is None:
+      return None
+    if ins.opcode == "constant":
+      try:
+        return int(ins.args.strip())
+      except ValueError:
+        return None
+    if ins.opcode not in _PASS_THROUGH or len(ins.operands) != 1:
+      return None
+    name = ins.operands[0]
+  return None
+
+
+def _tuple_index(name: str, by_name: dict[str, Instruction]) -> int | None:
+  """k when `name` is get-tuple-element(parameter, index=k) (through copies)."""
+  ins = by_name.get(name)
+  while ins is not None and ins.opcode in _PASS_THROUGH and len(ins.operands) == 1:
+    ins = by_name.get(ins.operands[0])
+  if ins is None or ins.opcode != "get-tuple-element":
+    return None
+  found = _INDEX_RE.search(ins.attrs)
+  return int(found.group(1)) if found else None
+
+
+_FLIPPED = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE"}
+
+
+def _comparison(module: Module, root: Instruction) -> tuple[str, list[str]] | None:
+  """(direction, [lhs, rhs]) of a loop condition's ROOT: a compare, or a fusion wrapping one
+  compare of its two parameters (XLA:CPU's `wrapped_compare`)."""
+  if root.opcode == "compare" and len(root.operands) == 2:
+    direction = _DIRECTION_RE.search(root.attrs)
+    return (direction.group(1), list(root.operands)) if direction else None
+  if root.opcode != "fusion" or len(root.operands) != 2:
+    return None
+  called = _OPERAND_RE.findall(" ".join(t for k, t in _CALLEE_RE.findall(root.attrs)
+                                        if k == "calls"))
+  inner = module.computations.get(called[0]) if called else None
+  if not inner or inner[-1].opcode != "compare":
+    return None
+  params = {ins.name: int(ins.args.strip()) for ins in inner if ins.opcode == "parameter"}
+  direction = _DIRECTION_RE.search(inner[-1].attrs)
+  picks = [params.get(o) for o in inner[-1].operands]
+  if direction is None or len(picks) != 2 or None in picks:
+    return None
+  return direction.group(1), [root.operands[i] for i in picks]
+
+
+def inferred_trip_count(module: Module, loop: Instruction,
+                        by_name: dict[str, Instruction]) -> int | None:
+  """The trip count of a while loop without `known_trip_count`: its condition's ROOT compares
+  tuple element k with a constant N, and element k of the loop's initial tuple is a constant S;
+  the counter steps by one. None when the loop has another shape."""
+  cond = _CONDITION_RE.search(loop.attrs)
+  body = module.computations.get(cond.group(1)) if cond else None
+  found = _comparison(module, body[-1]) if body else None
+  if found is None:
+    return None
+  direction, (a, b) = found
+  local = {ins.name: ins for ins in body}
+  index, bound = _tuple_index(a, local), _constant(b, local)
+  if index is None and bound is None:  # `N > counter`: the same test written the other way
+    direction = _FLIPPED[direction]
+    index, bound = _tuple_index(b, local), _constant(a, local)
+  if index is None or bound is None:
+    return None
+  init = by_name.get(loop.operands[0]) if loop.operands else None
+  if init is None or init.opcode != "tuple" or index >= len(init.operands):
+    return None
+  start = _constant(init.operands[index], by_name)
+  if start is None:
+    return None
+  trips = {"LT": bound - start, "LE": bound - start + 1, "GT": start - bound,
+           "GE": start - bound + 1}[direction]
+  return max(trips, 0)
+
+
+def _while_trips(module: Module, ins: Instruction,
+                 by_name: dict[str, Instruction]) -> int | None:
+  found = _TRIP_RE.search(ins.attrs)
+  return int(found.group(1)) if found else inferred_trip_count(module, ins, by_name)
+
+
 def computation_multiplicity(module: Module) -> tuple[dict[str, int], bool]:
   """How many times each computation runs per call of the entry; flag: a trip count was unknown.
 
-  A while body and condition run `known_trip_count` times per execution of the while (the
-  condition once more, which does not matter for collectives); any other callee once per call.
-  Counts propagate down the call graph (a DAG) in topological order, so a computation called from
-  several places gets the sum over its callers.
+  A while body and condition run its trip count times per execution of the while (the
+  condition once more, which does not matter for collectives): `known_trip_count` where XLA
+  records it, else `inferred_trip_count`. Any other callee runs once per call. Counts propagate
+  down the call graph (a DAG) in topological order, so a computation called from several places
+  gets the sum over its callers.
   """
   edges: dict[str, list[tuple[str, int]]] = {}
   unknown = False
+  by_name = {ins.name: ins for comp in module.computations.values() for ins in comp}
   for comp, instructions in module.computations.items():
     for ins in instructions:
       trips = 1
       if ins.opcode == "while":
-        found = _TRIP_RE.search(ins.attrs)
-        trips = int(found.group(1)) if found else 1
-        unknown = unknown or not found
+        found = _while_trips(module, ins, by_name)
+        trips = found if found is not None else 1
+        unknown = unknown or found is None
       for kind, target in _CALLEE_RE.findall(ins.attrs):
         weight = trips if kind in ("body", "condition") else 1
         for callee in _OPERAND_RE.findall(target):
@@ -177,12 +280,28 @@ def _kind(opcode: str) -> tuple[str | None, str]:
   return None, ""
 
 
+_SCATTER_FUSION_RE = re.compile(r'"emitter"\s*:\s*"AllReduceScatterFusion"')
+
+
+def reduce_scatter_fusions(module: Module) -> set[str]:
+  """The computations of TPU all-reduce-scatter fusions: an all-reduce whose result each device
+  slices to its own shard, i.e. a reduce-scatter (what FSDP's gradient reduction becomes)."""
+  found = {name for name in module.computations if name.startswith("all-reduce-scatter")}
+  for instructions in module.computations.values():
+    for ins in instructions:
+      if ins.opcode == "fusion" and _SCATTER_FUSION_RE.search(ins.attrs):
+        found.update(_OPERAND_RE.findall(" ".join(t for k, t in _CALLEE_RE.findall(ins.attrs)
+                                                  if k == "calls")))
+  return found
+
+
 def collective_stats(hlo_text: str) -> dict:
   """Per-step collectives of a compiled module: {kind: {count, operand_bytes, result_bytes,
   bytes}} plus 'total' and 'trip_count_unknown'. Async pairs (-start/-done) count once."""
   module = parse_module(hlo_text)
   shapes = module.shapes()
   mult, unknown = computation_multiplicity(module)
+  scatters = reduce_scatter_fusions(module)
   out = {k: {"count": 0, "operand_bytes": 0.0, "result_bytes": 0.0, "bytes": 0.0}
          for k in COLLECTIVES}
   starts: dict[str, float] = {}
@@ -197,6 +316,8 @@ def collective_stats(hlo_text: str) -> dict:
         starts[ins.name] = operand_bytes
         continue
       result_bytes = shape_bytes(ins.shape)
+      if kind == "all-reduce" and comp in scatters:
+        kind, result_bytes = "reduce-scatter", shape_bytes(instructions[-1].shape)
       if phase == "done":
         operand_bytes = starts.get(ins.operands[0], result_bytes) if ins.operands else result_bytes
       row = out[kind]
@@ -208,6 +329,60 @@ def collective_stats(hlo_text: str) -> dict:
                   for key in ("count", "operand_bytes", "result_bytes", "bytes")}
   out["trip_count_unknown"] = unknown
   return out
+
+
+_CONTRACTING_RE = re.compile(r"\blhs_contracting_dims=\{([0-9,]*)\}")
+_DIM_LABELS_RE = re.compile(r"\bdim_labels=([0-9a-z]+)_([0-9a-z]+)->")
+
+
+def _dims(shape: str) -> list[int]:
+  found = _ARRAY_RE.search(shape)
+  return [int(d) for d in found.group(2).split(",") if d] if found else []
+
+
+def _conv_contraction(ins: Instruction, shapes: dict[str, str]) -> float:
+  """Input elements each output of a convolution sums: input features x the kernel positions
+  that can overlap the input. The TPU compiler writes some dots as convolutions over a size-1
+  spatial dim padded to the kernel's width, where one kernel position per output is real."""
+  labels = _DIM_LABELS_RE.search(ins.attrs)
+  lhs, rhs = (_dims(shapes.get(o, "")) for o in ins.operands)
+  if not labels:
+    return 0.0
+  lhs_l, rhs_l = labels.groups()
+  if len(lhs) != len(lhs_l) or len(rhs) != len(rhs_l) or "i" not in rhs_l:
+    return 0.0
+  spatial = [c for c in rhs_l if c.isdigit()]
+  return rhs[rhs_l.index("i")] * math.prod(
+      min(rhs[rhs_l.index(c)], lhs[lhs_l.index(c)]) for c in spatial if c in lhs_l)
+
+
+def _matmul_flops(ins: Instruction, shapes: dict[str, str]) -> float:
+  """2 x output elements x contracted elements of one dot or convolution (0 for anything else)."""
+  if ins.opcode == "dot" and ins.operands:
+    contracting = _CONTRACTING_RE.search(ins.attrs)
+    lhs = _dims(shapes.get(ins.operands[0], ""))
+    picked = [int(d) for d in contracting.group(1).split(",") if d] if contracting else []
+    return 2.0 * math.prod(_dims(ins.shape)) * math.prod(lhs[d] for d in picked if d < len(lhs))
+  if ins.opcode == "convolution" and len(ins.operands) == 2:
+    return 2.0 * math.prod(_dims(ins.shape)) * _conv_contraction(ins, shapes)
+  return 0.0
+
+
+def matmul_flops(hlo_text: str) -> dict:
+  """Per-device FLOPs of every dot and convolution in a compiled module, each weighted by how
+  often its computation runs (trip counts as in `collective_stats`): {'flops',
+  'trip_count_unknown'}.
+
+  Why not `cost_analysis()['flops']` alone: XLA counts a while body once whatever its trip
+  count, so a scanned layer stack or accumulated micro-batches are undercounted by their count
+  (and the GPU compiler reports no FLOPs at all deviceless). Kernels in custom calls (Pallas
+  splash, cuDNN) are not counted here either: their FLOPs are opaque to the HLO."""
+  module = parse_module(hlo_text)
+  shapes = module.shapes()
+  mult, unknown = computation_multiplicity(module)
+  total = sum(mult.get(comp, 0) * _matmul_flops(ins, shapes)
+              for comp, instructions in module.computations.items() for ins in instructions)
+  return {"flops": total, "trip_count_unknown": unknown}
 
 
 def summarize(stats: dict, kinds: Iterable[str] = COLLECTIVES) -> str:

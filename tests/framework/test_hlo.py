@@ -120,3 +120,110 @@ def test_compiled_all_gather_and_permute_bytes():
   assert stats["all-gather"]["result_bytes"] == 8 * 16 * 4
   assert stats["collective-permute"]["count"] == 1
   assert stats["collective-permute"]["bytes"] == 16 * 4
+
+
+# The shapes the TPU compiler gives a scanned loop and an FSDP gradient reduction (no
+# known_trip_count; the counter's start reached through a copy; an all-reduce-scatter fusion
+# whose all-reduce of f32[64,16] is sliced to f32[16,16] per device), and XLA:CPU's wrapped
+# compare. The loop runs 6 - 2 = 4 times; its body holds a dot f32[8,32] x f32[32,16].
+TPU_STYLE_MODULE = """
+HloModule jit_step, entry_computation_layout={()->f32[]}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %add.1 = f32[] add(%a, %b)
+}
+
+%all-reduce-scatter.3 (input_0: f32[64,16]) -> f32[16,16] {
+  %input_0 = f32[64,16]{1,0:T(8,128)} parameter(0)
+  %all-reduce.9 = f32[64,16]{1,0:T(8,128)} all-reduce(%input_0), channel_id=4, to_apply=%add
+  %pid = u32[] partition-id()
+  %zero.2 = u32[] constant(0)
+  ROOT %ds = f32[16,16]{1,0:T(8,128)} dynamic-slice(%all-reduce.9, %pid, %zero.2), dynamic_slice_sizes={16,16}
+}
+
+%body (p: (s32[], f32[8,32], f32[32,16])) -> (s32[], f32[8,32], f32[32,16]) {
+  %p = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,32]{1,0} get-tuple-element(%p), index=1
+  %w = f32[32,16]{1,0} get-tuple-element(%p), index=2
+  %d = f32[8,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ag = f32[64,16]{1,0} all-gather(%d), channel_id=5, dimensions={0}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) tuple(%next, %x, %w)
+}
+
+%cond (p.1: (s32[], f32[8,32], f32[32,16])) -> pred[] {
+  %p.1 = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) parameter(0)
+  %limit = s32[]{:T(128)} constant(6)
+  %gte = s32[] get-tuple-element(%p.1), index=0
+  ROOT %lt = pred[] compare(%gte, %limit), direction=LT
+}
+
+%wrapped_compare_computation (c0: s32[], c1: s32[]) -> pred[] {
+  %c0 = s32[] parameter(0)
+  %c1 = s32[] parameter(1)
+  ROOT %cmp = pred[] compare(%c1, %c0), direction=GT
+}
+
+%cond.cpu (p.2: (s32[], f32[8,32], f32[32,16])) -> pred[] {
+  %p.2 = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) parameter(0)
+  %gte.2 = s32[] get-tuple-element(%p.2), index=0
+  %limit.2 = s32[] constant(3)
+  ROOT %wrapped_compare = pred[] fusion(%gte.2, %limit.2), kind=kLoop, calls=%wrapped_compare_computation
+}
+
+ENTRY %main (x.1: f32[8,32], w.1: f32[32,16], g: f32[64,16]) -> f32[] {
+  %x.1 = f32[8,32]{1,0} parameter(0)
+  %w.1 = f32[32,16]{1,0} parameter(1)
+  %g = f32[64,16]{1,0} parameter(2)
+  %two = s32[] constant(2)
+  %start = s32[] copy(%two)
+  %init = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) tuple(%start, %x.1, %w.1)
+  %loop = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) while(%init), condition=%cond, body=%body
+  %zero = s32[] constant(0)
+  %init.cpu = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) tuple(%zero, %x.1, %w.1)
+  %loop.cpu = (s32[], f32[8,32]{1,0}, f32[32,16]{1,0}) while(%init.cpu), condition=%cond.cpu, body=%body
+  %fusion.7 = f32[16,16]{1,0} fusion(%g), kind=kCustom, calls=%all-reduce-scatter.3, backend_config={"collective_algorithm_config":{"emitter":"AllReduceScatterFusion"}}
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_trip_counts_read_from_the_loop_condition():
+  """4 iterations (2 up to < 6) plus 3 (0 up to 3 > counter, XLA:CPU's wrapped compare): the
+  body's all-gather of f32[64,16] runs 7 times."""
+  stats = hlo.collective_stats(TPU_STYLE_MODULE)
+  assert not stats["trip_count_unknown"]
+  assert stats["all-gather"]["count"] == 7
+  assert stats["all-gather"]["result_bytes"] == 7 * 64 * 16 * 4
+
+
+def test_all_reduce_scatter_fusion_is_a_reduce_scatter():
+  stats = hlo.collective_stats(TPU_STYLE_MODULE)
+  assert stats["all-reduce"]["count"] == 0
+  rs = stats["reduce-scatter"]
+  assert rs["count"] == 1
+  assert (rs["operand_bytes"], rs["result_bytes"]) == (64 * 16 * 4, 16 * 16 * 4)
+
+
+def test_matmul_flops_count_each_loop_iteration():
+  """2 x 8 x 16 x 32 FLOPs per dot, 7 iterations in all."""
+  assert hlo.matmul_flops(TPU_STYLE_MODULE) == {"flops": 7 * 2 * 8 * 16 * 32,
+                                                "trip_count_unknown": False}
+
+
+def test_matmul_flops_of_a_tpu_convolution_written_dot():
+  """The TPU compiler writes [32,64] x [64,2,16] -> [32,2,16] as a convolution over a size-1
+  spatial dim with a width-2 window padded 1_1: one kernel position per output is real, so
+  2 x 32 x 2 x 16 x 64 FLOPs, not twice that."""
+  text = """
+ENTRY %main (a: f32[32,64,1], b: f32[64,2,16]) -> f32[32,2,16] {
+  %a = f32[32,64,1]{1,0,2} parameter(0)
+  %b = f32[64,2,16]{0,2,1} parameter(1)
+  ROOT %c = f32[32,2,16]{0,2,1} convolution(%a, %b), window={size=2 pad=1_1 rhs_reversal=1}, dim_labels=bf0_i0o->b0f
+}
+"""
+  assert hlo.matmul_flops(text)["flops"] == 2 * 32 * 2 * 16 * 64
