@@ -22,6 +22,7 @@ from distillax.cli.error_lines import fail, parse_error_line
 from distillax.cli.flags import (COMMAND_FLAGS, COMMANDS, CONFIG_OPTIONAL, FLAGS, PATH_FLAGS,
                                  USAGE, flag_value)
 from distillax.cli.help_text import command_help, overview_help, version_line
+from distillax.cli.target_env import prepare_target_environment
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
   devices_error = _preset_devices(rest)
   if devices_error:
     return fail(command, devices_error)
+  if command == "plan" and flag_value(rest, "target") is not None:
+    prepare_target_environment(flag_value(rest, "target"))
 
   from distillax.errors import UserError
   from distillax.framework import logs

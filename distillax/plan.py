@@ -1,6 +1,11 @@
 """`distillax plan`: size a run on a laptop. Compiles the real step for N simulated devices
 without materialising a single parameter, then prints where every array lives, what each device
 holds, the compiled memory, FLOPs and collectives per step, and whether it fits a memory budget.
+`plan --target` (plan_target.py) compiles the same step with a TPU's or GPU's own compiler.
+
+Exit status: 0, or DOES_NOT_FIT_EXIT_CODE when the step does not fit the memory it is checked
+against (--memory_gb, or a target's chip), so scripts can tell a plan that fits from one that
+does not; 2 for a command line or config to fix.
 """
 
 from __future__ import annotations
@@ -12,10 +17,11 @@ import numpy as np
 
 from distillax import partitioning as pt
 from distillax.errors import UserError
-from distillax.framework.hlo import collective_stats
+from distillax.framework.hlo import collective_stats, matmul_flops
 from distillax.trainers import Recipe, recipe_for
 
 fmt = pt.shard.format_bytes
+DOES_NOT_FIT_EXIT_CODE = 3
 
 
 def _tree_bytes(abstract, shardings) -> tuple[int, int]:
@@ -43,7 +49,8 @@ def plan_report(recipe: Recipe, engine) -> dict:
   peak = (stats.get("argument_size_in_bytes", 0) + stats.get("temp_size_in_bytes", 0) +
           stats.get("output_size_in_bytes", 0) - stats.get("alias_size_in_bytes", 0))
   return {
-      "devices": jax.device_count(), "mesh": pt.mesh_shape_str(engine.mesh),
+      # The mesh's devices, not jax.device_count(): a target compile's host sees 1.
+      "devices": int(engine.mesh.devices.size), "mesh": pt.mesh_shape_str(engine.mesh),
       "strategy": engine.rules.name, "backend": runner.backend,
       "gradient_reduction": runner.gradient_reduction,
       "params_total_bytes": params[0], "params_bytes_per_device": params[1],
@@ -54,6 +61,9 @@ def plan_report(recipe: Recipe, engine) -> dict:
       "checkpoint_bytes": stored, "reloaded_bytes": whole - stored,
       "compiled": stats, "peak_bytes_per_device": peak,
       "model_flops_per_step": model_flops, "collectives": collective_stats(hlo),
+      # Dots and convolutions, each times its loops' trip counts (XLA's own figure counts a
+      # loop body once).
+      "hlo_matmul_flops_per_device": matmul_flops(hlo)["flops"],
       "compile_seconds": runner.compile_seconds,
   }
 
@@ -84,6 +94,14 @@ def run_plan(config, devices: int | None = None, memory_gb: float | None = None)
   rows = pt.describe(layout.abstract.params, layout.logical.params, recipe.mesh, recipe.rules)
   print(pt.format_plan(rows, f"trainable parameters ({recipe.model_config.__class__.__name__})"))
   r = plan_report(recipe, engine)
+  print_figures(recipe, r)
+  if memory_gb is None:
+    return 0
+  return print_verdict(r["peak_bytes_per_device"], memory_gb * 2**30, f"{memory_gb:g} GiB")
+
+
+def print_figures(recipe: Recipe, r: dict) -> None:
+  """The per-device figures of a plan report, as `plan` and `plan --target` print them."""
   c = r["compiled"]
   print(f"\nplan: {r['devices']} devices, mesh {r['mesh']} (data x model), strategy "
         f"{r['strategy']}, backend {r['backend']}, batch {recipe.batch_size} x "
@@ -102,8 +120,9 @@ def run_plan(config, devices: int | None = None, memory_gb: float | None = None)
         f"temporaries/activations {fmt(c.get('temp_size_in_bytes', 0))}, outputs "
         f"{fmt(c.get('output_size_in_bytes', 0))} (aliased {fmt(c.get('alias_size_in_bytes', 0))})")
   print(f"  peak per device ~ {fmt(r['peak_bytes_per_device'])}")
-  print(f"  model FLOPs per step {r['model_flops_per_step']:.4g} (analytic); XLA per device "
-        f"{c.get('flops', float('nan')):.4g}")
+  print(f"  model FLOPs per step {r['model_flops_per_step']:.4g} (analytic); per device: "
+        f"{r['hlo_matmul_flops_per_device']:.4g} in the compiled matmuls, XLA's count "
+        f"{c.get('flops', float('nan')):.4g} (loop bodies once)")
   coll = r["collectives"]
   parts = ", ".join(f"{k} x{v['count']} ({fmt(v['bytes'])})" for k, v in coll.items()
                     if isinstance(v, dict) and k != "total" and v["count"])
@@ -111,9 +130,10 @@ def run_plan(config, devices: int | None = None, memory_gb: float | None = None)
         f"{fmt(coll['total']['bytes'])}"
         + (" (a loop's trip count is unknown: counted once)" if coll["trip_count_unknown"] else ""))
   print(f"  compiled in {r['compile_seconds']:.1f}s")
-  if memory_gb is not None:
-    budget = memory_gb * 2**30
-    verdict = "FITS" if r["peak_bytes_per_device"] <= budget else "DOES NOT FIT"
-    print(f"  {verdict} in {memory_gb:g} GiB per device "
-          f"({r['peak_bytes_per_device'] / budget:.0%} of it)")
-  return 0
+
+
+def print_verdict(peak: float, budget: float, what: str) -> int:
+  """FITS (exit 0) or DOES NOT FIT (DOES_NOT_FIT_EXIT_CODE) in `budget` bytes per device."""
+  fits = peak <= budget
+  print(f"  {'FITS' if fits else 'DOES NOT FIT'} in {what} per device ({peak / budget:.0%} of it)")
+  return 0 if fits else DOES_NOT_FIT_EXIT_CODE

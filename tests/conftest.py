@@ -24,6 +24,12 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `plan --target` tests load libtpu (compile-only TPU devices) in both xdist workers: libtpu
+# takes a lock file per process unless told that several may load it; off a TPU VM it should
+# ask no metadata server and look for no workers (distillax/cli/target_env.py sets the same).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

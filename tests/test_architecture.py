@@ -15,9 +15,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "distillax")
 # Lowest first; a module's floor is that of its longest listed prefix.
 FLOORS = (("errors",), ("partitioning", "data"), ("framework", "models"), ("distill", "quant"),
-          ("edge",), ("trainers",), ("configs", "demo", "plan", "export", "cache_teacher",
-                                     "launch_local", "main", "__main__", "cli", "generate",
-                                     "evaluate"))
+          ("edge",), ("trainers",), ("configs", "demo", "plan", "plan_target", "export",
+                                     "cache_teacher", "launch_local", "main", "__main__", "cli",
+                                     "generate", "evaluate"))
 
 
 def _modules() -> dict[str, str]:

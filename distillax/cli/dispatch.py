@@ -48,8 +48,19 @@ def _train(config, flags: dict) -> int:
 
 
 def _plan(config, flags: dict) -> int:
-  from distillax.plan import run_plan
-  return run_plan(config, devices=flags["devices"], memory_gb=flags["memory_gb"])
+  from distillax.errors import UserError
+  if flags["target"] is None:
+    if flags["slices"] is not None or flags["nodes"] is not None or flags["search"]:
+      raise UserError("--slices, --nodes and --search size a --target; add one, e.g. "
+                      "--target tpu:v5e-4")
+    from distillax.plan import run_plan
+    return run_plan(config, devices=flags["devices"], memory_gb=flags["memory_gb"])
+  if flags["devices"] is not None:
+    raise UserError(f"--devices={flags['devices']} simulates CPU devices, --target="
+                    f"{flags['target']} compiles for the target's own; drop --devices")
+  from distillax.plan_target import run_target_plan
+  return run_target_plan(config, flags["target"], slices=flags["slices"], nodes=flags["nodes"],
+                         memory_gb=flags["memory_gb"], search=flags["search"])
 
 
 def _export(config, flags: dict) -> int:

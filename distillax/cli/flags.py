@@ -12,8 +12,9 @@ USAGE = ("usage: distillax {train,plan,export,cache-teacher,demo,generate,eval} 
 CONFIG_OPTIONAL = ("generate", "eval", "export")
 ABOUT = {
     "train": "train the job a config describes in --workdir; the same command again resumes it",
-    "plan": "compile the step for --devices simulated devices and print where every array lives "
-            "and what each device holds; nothing is trained or written",
+    "plan": "compile the step for --devices simulated devices (or, with --target, for a TPU "
+            "slice or GPU nodes with their own compiler) and print where every array lives and "
+            "what each device holds; exit 3 when it does not fit; nothing is trained or written",
     "export": "write the trained student of the run in --workdir to --output (Hugging Face "
               "safetensors, GGUF for llama.cpp, or the legacy quantized format only distillax "
               "reads)",
@@ -30,7 +31,7 @@ _DISTRIBUTED = ("coordinator_address", "num_processes", "process_id")
 # The flags each command reads besides --config and --verbose.
 COMMAND_FLAGS = {
     "train": ("workdir", "devices") + _DISTRIBUTED,
-    "plan": ("devices", "memory_gb"),
+    "plan": ("devices", "memory_gb", "target", "slices", "nodes", "search"),
     "export": ("workdir", "output", "format", "quant", "devices") + _DISTRIBUTED,
     "cache-teacher": ("workdir", "devices") + _DISTRIBUTED,
     "demo": ("workdir", "devices") + _DISTRIBUTED,
@@ -45,7 +46,16 @@ FLAGS = {
     "workdir": ("string", None, "DIR", "the run's directory (config.json, metrics, checkpoints); "
                                        "export reads it, cache-teacher writes the cache there"),
     "devices": ("integer", None, "N", "simulate N CPU devices (plan; training on a CPU host)"),
-    "memory_gb": ("float", None, "GIB", "per-device memory to check the plan against"),
+    "memory_gb": ("float", None, "GIB", "per-device memory to check the plan against (default "
+                                        "with --target: the chip's)"),
+    "target": ("string", None, "TARGET", "compile with a TPU's or GPU's own compiler from this "
+                                         "host: tpu:v5e-4 | tpu:v5p-128 | tpu:v6e-64 | "
+                                         "tpu:v4-32 | tpu:tpu7x-16 | gpu:h100x8 | gpu:h200x8 | "
+                                         "gpu:b200x8 (the aot / aot-gpu extras)"),
+    "slices": ("integer", None, "N", "--target tpu:...: N slices over DCN (multi-slice)"),
+    "nodes": ("integer", None, "N", "--target gpu:...: N nodes of that many GPUs"),
+    "search": ("bool", False, "", "--target: find the largest per-device batch, then the "
+                                  "cheapest model.remat, that fit"),
     "output": ("string", None, "DIR", "new or empty directory to write the exported model to"),
     "format": ("string", "hf", "FORMAT", "hf (safetensors) | gguf (llama.cpp) | quantized "
                                          "(legacy: only distillax reads it)"),

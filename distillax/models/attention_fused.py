@@ -1,8 +1,10 @@
 """Fused attention kernels: cuDNN flash attention (NVIDIA GPUs) and Pallas splash attention (TPU).
 
-UNVERIFIED on real devices: no GPU or TPU has run these paths yet. The splash path is checked
-against the reference path in Pallas interpret mode on CPU (tests/models/test_attention_impls.py);
-the cuDNN path cannot run on CPU at all. attention_impl.choose only sends a call here when the
+Never run on a real device yet. The splash path is checked against the reference path in Pallas
+interpret mode on CPU (tests/models/test_attention_impls.py), and the TPU compiler (libtpu,
+`plan --target`, tests/test_plan_target.py) lowers it through Mosaic for v5e, v5p and v6e. The
+cuDNN path cannot run on CPU; the CUDA plugin's compiler lowers it for an H100 target when
+NVIDIA's cuDNN wheel is installed (not in the test suite: a 1 GB wheel). attention_impl.choose only sends a call here when the
 kernel supports what it needs, and never with a KV cache: both kernels here assume queries and
 keys are the same positions (index i attends 0..i).
 

@@ -6,8 +6,9 @@ decided in one pure function, so models never look at the platform themselves.
 - `blockwise` (attention_blockwise.py): pure JAX online softmax over key blocks with a backward
   pass that recomputes, so nothing L x S is ever held; every backend, every platform.
 - `cudnn` / `splash` (attention_fused.py): the NVIDIA cuDNN flash kernel and the Pallas TPU splash
-  kernel. UNVERIFIED on real devices: no GPU or TPU has run them yet (the splash kernel is
-  checked against the reference in Pallas interpret mode on CPU).
+  kernel. Not yet run on a real device: splash is checked against the reference in Pallas
+  interpret mode on CPU and lowered by the TPU compiler (`plan --target`); cuDNN is lowered by
+  the CUDA plugin's compiler given the cuDNN wheel.
 - `auto`: a fused kernel where the platform has one that supports what the call needs, blockwise
   otherwise; the reference when probabilities are asked for. Decode steps against a KV cache
   (one query per row) use the reference: their scores are (B, H, 1, S), small; a cache prefill
@@ -16,6 +17,8 @@ decided in one pure function, so models never look at the platform themselves.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 
@@ -23,9 +26,15 @@ import jax
 
 from distillax.errors import ConfigError
 from distillax.models.config import ATTENTION_IMPLS as IMPLEMENTATIONS
+from distillax.partitioning import active_rules
+
 _FUSED_PLATFORM = {"cudnn": "gpu", "splash": "tpu"}
+# Device platforms as JAX names them, by the platform names `choose` takes.
+_PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu"}
 _log = logging.getLogger(__name__)
 _logged: set[tuple[str, str, str]] = set()
+_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "distillax_attention_choices", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +87,7 @@ def _explicit_fused(requested: str, platform: str, needs: AttentionNeeds) -> tup
 
 
 def choose(requested: str, platform: str, needs: AttentionNeeds) -> tuple[str, str]:
-  """(implementation, why) for one call. platform: jax.default_backend() ('cpu', 'gpu', 'tpu').
+  """(implementation, why) for one call. platform: 'cpu', 'gpu' or 'tpu' (compile_platform()).
 
   Raises ConfigError for an explicit fused kernel the platform or the model cannot run."""
   if requested not in IMPLEMENTATIONS:
@@ -105,10 +114,48 @@ def choose(requested: str, platform: str, needs: AttentionNeeds) -> tuple[str, s
   return "blockwise", f"platform {platform!r} has no fused attention kernel here"
 
 
+def _mesh_platform(mesh) -> str | None:
+  """The platform of a concrete mesh's devices, or of an abstract mesh's abstract device."""
+  if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:
+    return mesh.devices.flat[0].platform
+  if isinstance(mesh, jax.sharding.AbstractMesh) and mesh.abstract_device is not None:
+    return mesh.abstract_device.platform
+  return None
+
+
+def compile_platform() -> str:
+  """The platform the step being traced is compiled for: that of the devices of the mesh in
+  force (the step's sharding rules, or jax's own mesh context inside shard_map / set_mesh),
+  else jax.default_backend(). Why not the default backend alone: `plan --target` compiles for a
+  TPU or GPU topology from a CPU host, where jax.default_backend() is 'cpu' but the program runs
+  on the target's chips, and must get the target's kernels."""
+  active = active_rules()
+  platform = _mesh_platform(active.mesh if active is not None else None)
+  if platform is None:
+    platform = _mesh_platform(jax.sharding.get_abstract_mesh())
+  platform = platform or jax.default_backend()
+  return _PLATFORM_ALIASES.get(platform, platform)
+
+
+@contextlib.contextmanager
+def recorded_choices():
+  """Collects every (requested, implementation, why) `resolve` decides inside, one entry per
+  traced call (a scanned layer stack is traced once): what `plan` reports per compiled step."""
+  found: list[tuple[str, str, str]] = []
+  token = _RECORD.set(found)
+  try:
+    yield found
+  finally:
+    _RECORD.reset(token)
+
+
 def resolve(requested: str, needs: AttentionNeeds) -> str:
-  """`choose` on the platform this process computes on, logging each distinct choice once."""
-  impl, why = choose(requested, jax.default_backend(), needs)
+  """`choose` on the platform the step compiles for, logging each distinct choice once."""
+  impl, why = choose(requested, compile_platform(), needs)
   key = (requested, impl, why)
+  record = _RECORD.get()
+  if record is not None:
+    record.append(key)
   if key not in _logged:
     _logged.add(key)
     _log.info("attention: model.attention_impl=%r runs %s (%s)", requested, impl, why)
