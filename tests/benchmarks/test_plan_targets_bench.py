@@ -1,0 +1,27 @@
+"""benchmarks/plan_targets.py --quick: the tiny lm step compiled by libtpu for tpu:v5e-4 and by
+XLA:CPU over 4 simulated devices, each in its own process, side by side in the JSON."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_row_compares_the_tpu_compiler_with_the_cpu_plan(tmp_path):
+  proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plan_targets.py"), "--quick",
+                         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  (row,) = json.loads((tmp_path / "plan_targets_quick.json").read_text())["rows"]
+  tpu, cpu = row["on_target"], row["on_cpu"]
+  assert tpu["devices"] == cpu["devices"] == 4 and tpu["mesh"] == cpu["mesh"] == "4x1"
+  assert tpu["peak_bytes"] > 0 and cpu["peak_bytes"] > 0
+  assert any(k.startswith("mosaic:splash_mqa_fwd") for k in tpu["kernels"]), tpu["kernels"]
+  # The same program, with the same model: the analytic FLOPs agree; XLA:CPU forms no
+  # reduce-scatter where the TPU compiler's FSDP gradient reduction is one.
+  assert tpu["model_flops_per_step"] == cpu["model_flops_per_step"]
+  assert cpu["collectives"]["reduce-scatter"]["count"] == 0
+  assert tpu["collectives"]["reduce-scatter"]["count"] > 0
+  assert "tiny-v5e4" in proc.stdout  # the table
