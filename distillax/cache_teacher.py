@@ -54,11 +54,11 @@ def _check(config, directory: str | None) -> str:
   return directory
 
 
-def run_cache_teacher(config, workdir: str | None) -> int:
+def run_cache_teacher(config, workdir: str | None, *, model_overrides=None) -> int:
   """Writes the teacher cache to cache.dir or the workdir; returns 0."""
   directory = _check(config, workdir)
   cc = config.cache
-  recipe = recipe_for(config)
+  recipe = recipe_for(config, model_overrides=model_overrides)
   if not isinstance(recipe, DistillRecipe):
     raise ConfigError(f"cache-teacher needs trainer='distill', not {config.trainer!r}")
   teacher_cfg = recipe.teacher_model_config

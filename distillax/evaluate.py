@@ -57,8 +57,10 @@ def restore_onto(recipe, engines, model_dir: str):
   return engines.at(step), state
 
 
-def _run_job(config, model_dir: str):
-  """(recipe, engine, state, form) of a run at its newest valid checkpoint."""
+def _run_job(config, model_dir: str, model_overrides=None):
+  """(recipe, engine, state, form) of a run at its newest valid checkpoint (its own model
+  section: no override applies to it)."""
+  del model_overrides
   recipe = run_recipe(model_dir, config)
   engine, state = restore_onto(recipe, recipe.build_engines(compile_now=False), model_dir)
   step = int(jax.device_get(engine.runner.fetch_state(state).step))
@@ -67,7 +69,7 @@ def _run_job(config, model_dir: str):
   return recipe, engine, state, f"{form}; checkpoint step {step}"
 
 
-def _hf_job(config, model_dir: str):
+def _hf_job(config, model_dir: str, model_overrides=None):
   """(recipe, engine, state, form) of `config`'s job with the checkpoint's weights as the
   student."""
   from distillax.trainers import recipe_for
@@ -79,7 +81,7 @@ def _hf_job(config, model_dir: str):
   cfg.train.init_from = model_dir
   if "student" in cfg:
     cfg.student.hf_path, cfg.student.from_teacher.layers = "", ()
-  recipe = recipe_for(cfg)
+  recipe = recipe_for(cfg, model_overrides=model_overrides)
   engine = recipe.build_engines(compile_now=False).main
   student, extras = recipe.build(abstract=False)
   form = recipe.transforms.describe(fake_quant=True, lora_merged=False)
@@ -87,7 +89,7 @@ def _hf_job(config, model_dir: str):
   return recipe, engine, state, f"{form} (a Hugging Face checkpoint)"
 
 
-def evaluate_model(config, model_dir: str) -> dict[str, float]:
+def evaluate_model(config, model_dir: str, *, model_overrides=None) -> dict[str, float]:
   """The eval metrics of `model_dir` (a run or a Hugging Face directory), as the trainer
   computes them."""
   from distillax.trainers.sources import is_hf_checkpoint
@@ -95,15 +97,15 @@ def evaluate_model(config, model_dir: str) -> dict[str, float]:
     raise UserError("--model is required: a run's --workdir or a Hugging Face checkpoint "
                     "directory, e.g. --model runs/kd")
   job = _hf_job if is_hf_checkpoint(model_dir) else _run_job
-  recipe, engine, state, form = job(config, model_dir)
+  recipe, engine, state, form = job(config, model_dir, model_overrides)
   if jax.process_index() == 0:
     print(f"distillax eval: {model_dir} evaluated as {form}", file=sys.stderr, flush=True)
   return evaluate(engine, state, recipe.eval_iterator())
 
 
-def run_eval(config, model_dir: str | None) -> int:
+def run_eval(config, model_dir: str | None, *, model_overrides=None) -> int:
   """Prints the metrics as one JSON object; 0."""
-  metrics = evaluate_model(config, model_dir)
+  metrics = evaluate_model(config, model_dir, model_overrides=model_overrides)
   if jax.process_index() == 0:
     print(json.dumps(metrics, sort_keys=True), flush=True)
   return 0

@@ -38,13 +38,14 @@ from distillax.errors import UserError
 FORMATS = ("hf", "quantized", "gguf")
 
 
-def check_same_job(config, workdir: str) -> None:
+def check_same_job(config, workdir: str, model_overrides=None) -> None:
   """Refuses a `--config` whose trainer or model section differs from the run's config.json."""
   from distillax.trainers import load_run_config
   from distillax.trainers.sources import job_sources, resolve_student
   run = load_run_config(workdir, "--workdir").to_dict()
   # The model section as the run's recipe resolved it (a student from a source has its shape).
-  ours = json.loads(resolve_student(config, job_sources(config)).to_json_best_effort())
+  ours = json.loads(resolve_student(config, job_sources(config),
+                                    model_overrides).to_json_best_effort())
   diff = [f"trainer {ours.get('trainer')!r} vs the run's {run.get('trainer')!r}"] if (
       ours.get("trainer") != run.get("trainer")) else []
   theirs_model, our_model = run.get("model", {}), ours.get("model", {})
@@ -92,7 +93,7 @@ def check_output(output: str) -> None:
 
 
 def run_export(config, workdir: str | None, output: str | None, fmt: str,
-               gguf_quant: str | None = None) -> int:
+               gguf_quant: str | None = None, *, model_overrides=None) -> int:
   if not workdir:
     raise UserError("--workdir is required: the run whose newest checkpoint to export")
   if not output:
@@ -106,7 +107,7 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str,
     from distillax.trainers import load_run_config
     config = load_run_config(workdir, "--workdir")
   else:
-    check_same_job(config, workdir)
+    check_same_job(config, workdir, model_overrides)
   from distillax import quant
   from distillax.models import hf
   from distillax.trainers import load_as_trained

@@ -61,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     runtime.initialize(config, coordinator_address=_flag(fv, "coordinator_address"),
                        num_processes=_flag(fv, "num_processes"),
                        process_id=_flag(fv, "process_id"))
-    from distillax.trainers.sources import command_line_overrides
     config, flag_values = _resolve(command, config, fv)
-    # The model fields set on the command line are checked against the student's source.
-    overrides = config_flags.get_override_values(fv["config"]) if config is not None else None
-    with command_line_overrides(overrides):
-      return JOBS[command](config, flag_values)
+    # The fields set on the command line: a job checks the model ones against its student's
+    # source (an argument, so the Python API passes its own or none).
+    flag_values["config_overrides"] = (config_flags.get_override_values(fv["config"])
+                                       if config is not None else None)
+    return JOBS[command](config, flag_values)
   except UserError as e:
     return fail(command, str(e))
 

@@ -81,14 +81,15 @@ def _attention_on_cpu(config):
   return config
 
 
-def run_plan(config, devices: int | None = None, memory_gb: float | None = None) -> int:
+def run_plan(config, devices: int | None = None, memory_gb: float | None = None, *,
+             model_overrides=None) -> int:
   if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
     raise UserError(f"--memory_gb={memory_gb:g} must be a positive number of GiB per device "
                     f"to check the plan against, e.g. --memory_gb 16")
   if devices is not None and jax.device_count() != devices:
     raise UserError(f"--devices={devices} but JAX sees {jax.device_count()} devices; plan runs "
                     f"on simulated CPU devices, so leave JAX_PLATFORMS unset or set it to cpu")
-  recipe = recipe_for(_attention_on_cpu(config))
+  recipe = recipe_for(_attention_on_cpu(config), model_overrides=model_overrides)
   engine = recipe.build_engines().main
   layout = engine.layout
   rows = pt.describe(layout.abstract.params, layout.logical.params, recipe.mesh, recipe.rules)

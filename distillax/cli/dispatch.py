@@ -1,5 +1,6 @@
 """Which job each command runs: JOBS maps a command to a function of (the resolved config, the
-command's flag values with paths already absolute) that returns the exit status. Each job imports
+command's flag values with paths already absolute, and `config_overrides`: the `--config.*`
+values the user set) that returns the exit status. Each job imports
 its module only when it runs, so a command loads (and compiles) only what it needs, and nothing
 here imports JAX before main.py has handled `--devices`.
 """
@@ -25,7 +26,7 @@ def _train(config, flags: dict) -> int:
     raise UserError("--workdir is required for train, e.g. --workdir runs/my_run")
   where = os.path.abspath(workdir)
   try:
-    recipe = recipe_for(config, workdir=workdir)
+    recipe = recipe_for(config, workdir=workdir, model_overrides=flags["config_overrides"])
     note = schedule_note(where, recipe.config)
     if note and jax.process_index() == 0:
       logging.warning("%s", note)
@@ -54,7 +55,8 @@ def _plan(config, flags: dict) -> int:
       raise UserError("--slices, --nodes and --search size a --target; add one, e.g. "
                       "--target tpu:v5e-4")
     from distillax.plan import run_plan
-    return run_plan(config, devices=flags["devices"], memory_gb=flags["memory_gb"])
+    return run_plan(config, devices=flags["devices"], memory_gb=flags["memory_gb"],
+                    model_overrides=flags["config_overrides"])
   if flags["devices"] is not None:
     raise UserError(f"--devices={flags['devices']} simulates CPU devices, --target="
                     f"{flags['target']} compiles for the target's own; drop --devices")
@@ -65,12 +67,13 @@ def _plan(config, flags: dict) -> int:
 
 def _export(config, flags: dict) -> int:
   from distillax.export import run_export
-  return run_export(config, flags["workdir"], flags["output"], flags["format"], flags["quant"])
+  return run_export(config, flags["workdir"], flags["output"], flags["format"], flags["quant"],
+                    model_overrides=flags["config_overrides"])
 
 
 def _cache_teacher(config, flags: dict) -> int:
   from distillax.cache_teacher import run_cache_teacher
-  return run_cache_teacher(config, flags["workdir"])
+  return run_cache_teacher(config, flags["workdir"], model_overrides=flags["config_overrides"])
 
 
 def _demo(config, flags: dict) -> int:
@@ -88,7 +91,7 @@ def _generate(config, flags: dict) -> int:
 
 def _eval(config, flags: dict) -> int:
   from distillax.evaluate import run_eval
-  return run_eval(config, flags["model"])
+  return run_eval(config, flags["model"], model_overrides=flags["config_overrides"])
 
 
 JOBS = {"train": _train, "plan": _plan, "export": _export, "cache-teacher": _cache_teacher,

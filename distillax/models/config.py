@@ -25,10 +25,27 @@ GLOBAL_WINDOW = 2**30
 # Per-layer attention types, as Hugging Face's `layer_types` names them.
 SLIDING, FULL = "sliding_attention", "full_attention"
 
+# What a config field is. Every job that compares two configs (a model loaded from a source, a
+# run started from another, a workdir resumed) reads the kinds from here, never a list of its own.
+SHAPE = "shape"  # what the model is: its arrays and its function (two values, two models)
+STORAGE = "storage"  # how its arrays are stored: their dtype and layer layout
+COMPUTE = "compute"  # how the forward computes: the same function, tested equal across values
+FIELD_KINDS = (SHAPE, STORAGE, COMPUTE)
+
+
+def _storage(default):
+  return dataclasses.field(default=default, metadata={"kind": STORAGE})
+
+
+def _compute(default):
+  return dataclasses.field(default=default, metadata={"kind": COMPUTE})
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """Shapes and numerics of a decoder-only LM (Llama 3, Gemma 1/2, Qwen 2/2.5/3, Mistral)."""
+  """Shapes and numerics of a decoder-only LM (Llama 3, Gemma 1/2, Qwen 2/2.5/3, Mistral).
+
+  A field is SHAPE unless declared `_storage(...)` or `_compute(...)` (see `field_kind`)."""
 
   vocab_size: int = 256
   embed_dim: int = 64
@@ -62,14 +79,14 @@ class TransformerConfig:
   qkv_bias: bool = False  # Qwen 2/2.5: the q, k and v projections add a bias (o does not)
   qk_norm: bool = False  # Qwen 3: RMSNorm over head_dim on each query and key head, before RoPE
   max_seq_len: int = 2048
-  param_dtype: str = "float32"
-  dtype: str = "float32"  # compute dtype; softmax and norms always run in float32
-  scan_layers: bool = False  # stack layers and run them with lax.scan (flat compile time)
+  param_dtype: str = _storage("float32")
+  dtype: str = _compute("float32")  # compute dtype; softmax and norms always run in float32
+  scan_layers: bool = _storage(False)  # stack layers and run them with lax.scan (flat compile)
   # 'none' | 'full' | 'save_dots' | 'save_dots_no_batch'. On XLA:CPU it saves memory only with
   # scan_layers=True (unrolled, XLA schedules the recomputation early; benchmarks/peft.py).
-  remat: str = "none"
+  remat: str = _compute("none")
   # auto | reference | blockwise | cudnn | splash: how attention runs (models/attention_impl.py).
-  attention_impl: str = "auto"
+  attention_impl: str = _compute("auto")
 
   def __post_init__(self):
     positive = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -188,6 +205,23 @@ class TransformerConfig:
     values = dict(values)
     base = get_preset(values.pop("preset")) if values.get("preset") else cls()
     return base.replace(**values)
+
+
+def field_kind(name: str) -> str:
+  """SHAPE, STORAGE or COMPUTE: what the TransformerConfig field `name` is."""
+  for f in dataclasses.fields(TransformerConfig):
+    if f.name == name:
+      return f.metadata.get("kind", SHAPE)
+  raise ConfigError(f"unknown model config field {name!r}")
+
+
+def fields_of_kind(*kinds: str) -> tuple[str, ...]:
+  """The TransformerConfig fields of any of `kinds`, in declaration order."""
+  unknown = set(kinds) - set(FIELD_KINDS)
+  if unknown:
+    raise ValueError(f"unknown field kinds {sorted(unknown)}; kinds: {FIELD_KINDS}")
+  return tuple(f.name for f in dataclasses.fields(TransformerConfig)
+               if f.metadata.get("kind", SHAPE) in kinds)
 
 
 def window_fields(window: int | None, local: Sequence[bool]) -> dict[str, Any]:

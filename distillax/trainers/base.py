@@ -100,6 +100,9 @@ class Trainer:
     workdir_state = check_workdir(self.workdir, c)
     if workdir_state.finished:
       return {**workdir_state.summary, "already_finished": True}
+    if workdir_state.changes and self.primary:
+      logging.warning("resuming %s with the same job computed another way: %s", self.workdir,
+                      "; ".join(workdir_state.changes))
     check_recipe_data(self.recipe)
     self.engines = self.recipe.build_engines()
     train_it = self.recipe.train_iterator()

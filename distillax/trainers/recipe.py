@@ -72,7 +72,9 @@ class Recipe:
   frozen extras, the packed train and validation data; a subclass names the objective.
 
   `workdir` is where the job's own files go (sequence KD writes its samples there); `mesh` and
-  `rules` override the config's (loading an earlier run onto this run's topology).
+  `rules` override the config's (loading an earlier run onto this run's topology);
+  `model_overrides` are the `--config.*` values a user set (the CLI's), checked against the
+  student's source.
   """
 
   name = "recipe"  # @register sets the registered name
@@ -90,14 +92,14 @@ class Recipe:
   rollback_metrics: tuple[str, ...] = ("eval_perplexity", "eval_loss", "eval_objective")
 
   def __init__(self, config, *, workdir: str | None = None, mesh=None,
-               rules: pt.RuleSet | None = None):
+               rules: pt.RuleSet | None = None, model_overrides: Mapping | None = None):
     config = absolute_paths(config)  # as the CLI makes them: orbax refuses relative paths
     check_run_sections(config)  # the optimizer section's too
     check_data_paths(config.data)
     self.sources = src.job_sources(config)
     # A student from an earlier run, a checkpoint or the teacher has its source's shape:
     # `self.config` (what config.json records) holds it in the model section.
-    self.config = config = src.resolve_student(config, self.sources)
+    self.config = config = src.resolve_student(config, self.sources, model_overrides)
     self.workdir = workdir
     self.mesh = mesh if mesh is not None else pt.create_mesh(config.mesh)
     self.rules = rules if rules is not None else pt.rules_from_config(config.partitioning)

@@ -24,6 +24,7 @@ from typing import Any
 from distillax.errors import UserError
 from distillax.framework import jsonio
 from distillax.framework.checkpoint import Checkpointer
+from distillax.models.config import COMPUTE, fields_of_kind
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
@@ -48,6 +49,9 @@ NOT_JOB_IDENTITY: dict[str, str] = {
     "runtime.": "how the processes find each other, not what they compute",
     "sequence_kd.output": "where the teacher samples are written",
     "cache.": "read by `distillax cache-teacher` only, never by training",
+    # The model fields declared as how the forward computes (models/config.py's field kinds).
+    **{f"model.{name}": "how the forward computes: the same model, tested equal"
+       for name in fields_of_kind(COMPUTE)},
 }
 _ABSENT = "<absent>"
 
@@ -67,11 +71,18 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
   return out
 
 
+def _not_identity(name: str) -> str | None:
+  """Why the dotted config field `name` does not make another job; None when it does."""
+  for n, why in NOT_JOB_IDENTITY.items():
+    if name == n or (n.endswith(".") and name.startswith(n)):
+      return why
+  return None
+
+
 def _identity_of(config_json: dict) -> dict[str, Any]:
   """Every field of a config (as JSON, dotted names) that says which job it is."""
-  def excluded(name: str) -> bool:
-    return any(name == n or (n.endswith(".") and name.startswith(n)) for n in NOT_JOB_IDENTITY)
-  return {k: v for k, v in _flatten(jsonio.strict(config_json)).items() if not excluded(k)}
+  return {k: v for k, v in _flatten(jsonio.strict(config_json)).items()
+          if _not_identity(k) is None}
 
 
 def job_identity(config) -> dict[str, Any]:
@@ -118,6 +129,9 @@ class WorkdirState:
   foreign: bool = False  # a config.json that no distillax run wrote: this job may not take it
   summary: dict | None = None  # summary.json of an earlier session of this job
   finished: bool = False  # that session finished at train.steps or beyond: nothing to train
+  # Fields of the model section that differ from the earlier session's config.json without
+  # making another job (how the forward computes), each as "name: there -> here (why)".
+  changes: tuple[str, ...] = ()
 
 
 def _stored_identity(workdir: str) -> tuple[dict | None, bool, bool]:
@@ -173,13 +187,32 @@ def check_workdir(workdir: str, config, *, owner: str | None = None) -> WorkdirS
   stored, has_job_file, foreign = _stored_identity(workdir)
   if stored is None:
     return WorkdirState(workdir, foreign=foreign)
+  # A job.json written before a field joined NOT_JOB_IDENTITY still holds it: not compared.
+  stored = {k: v for k, v in stored.items() if _not_identity(k) is None}
   error = _other_job_error(owner or f"workdir {workdir}", stored, job_identity(config))
   if error is not None:
     raise error
   summary = read_summary(workdir)
   finished = bool(summary and summary.get("finished")
                   and int(summary.get("step") or 0) >= int(config.train.steps))
-  return WorkdirState(workdir, has_job_file, summary=summary, finished=finished)
+  return WorkdirState(workdir, has_job_file, summary=summary, finished=finished,
+                      changes=_model_changes(workdir, config))
+
+
+def _model_changes(workdir: str, config) -> tuple[str, ...]:
+  """The model fields outside the job's identity whose value differs from the workdir's
+  config.json (what a resume logs); none when that file is missing or unreadable."""
+  try:
+    earlier = _read_json(os.path.join(workdir, CONFIG_FILE))
+  except ValueError:
+    return ()
+  if not _is_run_config(earlier):
+    return ()
+  there = _flatten({"model": jsonio.strict(earlier).get("model", {})})
+  here = _flatten({"model": json.loads(config.to_json_best_effort()).get("model", {})})
+  return tuple(f"{k}: {_short(there.get(k, _ABSENT))} -> {_short(here.get(k, _ABSENT))} "
+               f"({_not_identity(k)})" for k in sorted(set(there) | set(here))
+               if _not_identity(k) is not None and there.get(k, _ABSENT) != here.get(k, _ABSENT))
 
 
 def open_checkpointer(workdir: str, checkpoint_cfg, best_metric: str) -> Checkpointer:

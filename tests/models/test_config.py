@@ -116,3 +116,25 @@ def test_dict_round_trip_and_frozen():
   assert mc.TransformerConfig.from_dict(cfg.to_dict()) == cfg
   with pytest.raises(dataclasses.FrozenInstanceError):
     cfg.num_layers = 4
+
+
+def test_every_field_declares_its_kind_and_every_list_of_fields_is_derived_from_it():
+  """The storage and compute fields are named here by hand; every other field is shape. The
+  sources' run fields, init_from's compute fields and the workdir identity read the kinds."""
+  from distillax.models.config import (COMPUTE, SHAPE, STORAGE, field_kind, fields_of_kind)
+  from distillax.trainers.sources import RUN_FIELDS
+  from distillax.trainers.sources.select import COMPUTE_FIELDS
+  from distillax.trainers.workdir import NOT_JOB_IDENTITY
+  names = [f.name for f in dataclasses.fields(mc.TransformerConfig)]
+  assert fields_of_kind(STORAGE) == ("param_dtype", "scan_layers")
+  assert fields_of_kind(COMPUTE) == ("dtype", "remat", "attention_impl")
+  assert fields_of_kind(SHAPE) == tuple(n for n in names if n not in (
+      "param_dtype", "scan_layers", "dtype", "remat", "attention_impl"))
+  assert [field_kind(n) for n in ("vocab_size", "param_dtype", "remat")] == [
+      SHAPE, STORAGE, COMPUTE]
+  assert set(RUN_FIELDS) == {"param_dtype", "scan_layers", "dtype", "remat", "attention_impl"}
+  assert COMPUTE_FIELDS == ("dtype", "remat", "attention_impl")
+  assert {k for k in NOT_JOB_IDENTITY if k.startswith("model.")} == {
+      "model.dtype", "model.remat", "model.attention_impl"}
+  with pytest.raises(ConfigError, match="unknown model config field 'nope'"):
+    field_kind("nope")

@@ -212,3 +212,33 @@ def test_the_same_job_continues_on_another_topology(run_copy):
   assert train_steps == sorted(train_steps) and train_steps[-1] == 8
   assert read_summary(str(run_copy))["step"] == 8
   assert json.loads((run_copy / "config.json").read_text())["mesh"]["model"] == 2
+
+
+def test_a_resume_that_only_changes_how_the_forward_computes_continues_and_logs_it(
+    run_copy, capsys, caplog):
+  """attention_impl and remat are declared compute fields (models/config.py): the same job,
+  resumed with the change said once; the paths are tested equal elsewhere."""
+  job_before = (run_copy / JOB_FILE).read_bytes()
+  assert _train(run_copy, *LM_TINY, "--config.train.steps=8",
+                "--config.model.attention_impl=reference", "--config.model.remat=full") == 0
+  captured = capsys.readouterr()
+  assert captured.out.strip().splitlines()[-1] == f"distillax train: done at step 8; workdir {run_copy}"
+  said = caplog.text + captured.err
+  assert 'model.attention_impl: "auto" -> "reference" (how the forward computes' in said, said
+  assert 'model.remat: "none" -> "full"' in said
+  assert (run_copy / JOB_FILE).read_bytes() == job_before
+  model = json.loads((run_copy / "config.json").read_text())["model"]
+  assert (model["attention_impl"], model["remat"]) == ("reference", "full")
+
+
+def test_a_job_json_that_still_holds_a_compute_field_is_the_same_job(run_copy):
+  """A workdir whose job.json was written while attention_impl was part of the identity."""
+  job = json.loads((run_copy / JOB_FILE).read_text())
+  job["identity"]["model.attention_impl"] = "auto"
+  (run_copy / JOB_FILE).write_text(json.dumps(job))
+  config = lm.get_config("tiny")
+  config.model.attention_impl = "blockwise"
+  state = check_workdir(str(run_copy), config)
+  assert state.finished and state.changes == (
+      'model.attention_impl: "auto" -> "blockwise" (how the forward computes: the same model, '
+      'tested equal)',)

@@ -16,12 +16,12 @@ from distillax.trainers.sources.kinds import (RUN_FIELDS, BlocksSource, FreshSou
                                               resolve_model_config)
 from distillax.trainers.sources.runs import as_loaded, checkpoints_of
 from distillax.trainers.sources.select import (PRESET_SEED_OFFSET, JobSources,
-                                               check_run_shape, command_line_overrides,
-                                               job_sources, job_teacher, resolve_student, student_source,
+                                               check_run_shape, job_sources, job_teacher,
+                                               resolve_student, student_source,
                                                teacher_model_config, teacher_source)
 
 __all__ = ["BlocksSource", "FreshSource", "HFSource", "JobSources", "ModelSource",
            "PRESET_SEED_OFFSET", "RUN_FIELDS", "RunSource", "as_loaded", "check_run_shape",
-           "checkpoints_of", "command_line_overrides", "hf_tokenizer_file", "is_hf_checkpoint",
-           "job_sources", "job_teacher", "load_run_config", "place", "resolve_model_config", "resolve_student", "student_source",
-           "teacher_model_config", "teacher_source"]
+           "checkpoints_of", "hf_tokenizer_file", "is_hf_checkpoint", "job_sources",
+           "job_teacher", "load_run_config", "place", "resolve_model_config", "resolve_student",
+           "student_source", "teacher_model_config", "teacher_source"]

@@ -27,14 +27,16 @@ from distillax import partitioning as pt
 from distillax.data import check_vocab, make_tokenizer, padded_vocab_size
 from distillax.errors import ConfigError
 from distillax.models import hf
-from distillax.models.config import TransformerConfig, get_preset
+from distillax.models.config import (COMPUTE, STORAGE, TransformerConfig, fields_of_kind,
+                                     get_preset)
 from distillax.models.init import abstract_model, create_model
 from distillax.models.transformer import layer_params
 from distillax.trainers.sources import files
 
-# The model fields that say how a model runs, not what it is: a model loaded from a source
-# takes the asking config's values of these (e.g. fp32 master weights of a bf16 checkpoint).
-RUN_FIELDS = ("param_dtype", "dtype", "scan_layers", "remat", "attention_impl")
+# The model fields that say how a model runs, not what it is (the kinds TransformerConfig
+# declares): a model loaded from a source takes the asking config's values of these (e.g. fp32
+# master weights of a bf16 checkpoint).
+RUN_FIELDS = fields_of_kind(STORAGE, COMPUTE)
 
 
 def resolve_model_config(model_cfg, tokenizer) -> TransformerConfig:

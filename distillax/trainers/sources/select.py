@@ -9,22 +9,21 @@ holds teacher *outputs*, not a model, so such a job has no teacher source.
 A student whose weights come from a source has that source's shape: `resolve_student` writes
 the source's model config into the config's `model` section, so the run's config.json describes
 the model exactly; only how the model runs (RUN_FIELDS; for an earlier run, whose checkpoint
-holds arrays of its own dtype and layout, COMPUTE_FIELDS) stays the `model` section's. A
-command-line `--config.model.*` value that disagrees with the source is an error, not a
-silently different model: the CLI says which fields it set with `command_line_overrides`.
+holds arrays of its own dtype and layout, COMPUTE_FIELDS) stays the `model` section's; both
+lists are the field kinds TransformerConfig declares. A command-line `--config.model.*` value
+that disagrees with the source is an error, not a silently different model: the CLI passes the
+values it was given as `model_overrides`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import os
-from typing import Iterator, Mapping
+from typing import Mapping
 
 from distillax.data import make_tokenizer, padded_vocab_size
 from distillax.errors import ConfigError
-from distillax.models.config import TransformerConfig
+from distillax.models.config import COMPUTE, TransformerConfig, fields_of_kind
 from distillax.trainers.sources import files, vocabulary
 from distillax.trainers.sources.kinds import (RUN_FIELDS, BlocksSource, FreshSource, HFSource,
                                               ModelSource, RunSource, preset_source)
@@ -32,25 +31,9 @@ from distillax.trainers.sources.kinds import (RUN_FIELDS, BlocksSource, FreshSou
 # Model fields that say how the forward computes, not what a checkpoint stores: all that a
 # student from an earlier run may change (RunSource.load places the loaded student as this
 # config's model).
-COMPUTE_FIELDS = ("dtype", "remat", "attention_impl")
+COMPUTE_FIELDS = fields_of_kind(COMPUTE)
 # Fresh preset teachers draw from their own seed stream, apart from the student's.
 PRESET_SEED_OFFSET = 1000
-
-_OVERRIDES: contextvars.ContextVar[Mapping | None] = contextvars.ContextVar(
-    "distillax_command_line_overrides", default=None)
-
-
-@contextlib.contextmanager
-def command_line_overrides(overrides: Mapping | None) -> Iterator[None]:
-  """The command line's `--config.*` values (by dotted name) while a CLI job runs: the model
-  fields among them are checked against the student's source. Outside (the Python API) which
-  fields a user set is unknown, and none is checked."""
-  token = _OVERRIDES.set(dict(overrides) if overrides else None)
-  try:
-    yield
-  finally:
-    _OVERRIDES.reset(token)
-
 
 def _vocab_of(config) -> int:
   """The model vocabulary the data's tokenizer implies (model.vocab_size, else padded)."""
@@ -143,10 +126,12 @@ def job_sources(config) -> JobSources:
   return JobSources(student_source(config, teacher), teacher, cached)
 
 
-def _check_overrides(source: ModelSource, want: dict, kept: tuple[str, ...]) -> None:
+def _check_overrides(source: ModelSource, want: dict, kept: tuple[str, ...],
+                     overrides: Mapping | None) -> None:
   """A `--config.model.X=v` the source contradicts is the user asking for two models (`kept`:
-  the fields the config may choose whatever the source holds)."""
-  for key, value in (_OVERRIDES.get() or {}).items():
+  the fields the config may choose whatever the source holds). `overrides`: the values the
+  user set by dotted name (the CLI's); None (the Python API: unknown) checks none."""
+  for key, value in (overrides or {}).items():
     name = key.removeprefix("model.")
     if not key.startswith("model.") or name in kept or name not in want:
       continue
@@ -158,9 +143,10 @@ def _check_overrides(source: ModelSource, want: dict, kept: tuple[str, ...]) -> 
                         f"from there has their shape: drop the override")
 
 
-def resolve_student(config, sources: JobSources):
+def resolve_student(config, sources: JobSources, model_overrides: Mapping | None = None):
   """`config` with the model section its student source implies (the same object when there
-  is nothing to change); the tokenizers of data, student and teacher checked to be one."""
+  is nothing to change); the tokenizers of data, student and teacher checked to be one, and
+  the `--config.*` values the user set (`model_overrides`) against the source."""
   vocabulary.check_tokenizers([sources.teacher, sources.student], config.data.tokenizer)
   source = sources.student
   if source.kind == "fresh":
@@ -173,7 +159,7 @@ def resolve_student(config, sources: JobSources):
   # An earlier run's checkpoint holds its arrays in its own dtype and layer layout, so a run
   # keeps those too; only how the forward computes may change.
   kept = COMPUTE_FIELDS if source.kind == "run" else RUN_FIELDS
-  _check_overrides(source, want, kept)
+  _check_overrides(source, want, kept, model_overrides)
   if source.kind == "run" and not source.run_config.model.get("vocab_size"):
     want["vocab_size"] = 0  # as the run has it (its tokenizer's size): the same job identity
   want.update({k: config.model[k] for k in kept if k in config.model})
