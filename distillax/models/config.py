@@ -17,6 +17,9 @@ import jax.numpy as jnp
 from distillax.errors import ConfigError
 
 MLP_ACTIVATIONS = ("swiglu", "geglu")
+# models/moe.py: how a token's router logits pick and weight its experts, and how they run.
+ROUTERS = ("softmax_topk", "topk_softmax")
+MOE_IMPLS = ("ragged", "dense")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 # models/attention_impl.py: auto picks a fused kernel where the platform has one, else blockwise.
 ATTENTION_IMPLS = ("auto", "reference", "blockwise", "cudnn", "splash")
@@ -79,6 +82,13 @@ class TransformerConfig:
   qkv_bias: bool = False  # Qwen 2/2.5: the q, k and v projections add a bias (o does not)
   qk_norm: bool = False  # Qwen 3: RMSNorm over head_dim on each query and key head, before RoPE
   max_seq_len: int = 2048
+  # Mixture of experts (models/moe.py): every layer's MLP becomes num_experts gated experts and a
+  # router; 0 = a dense MLP in every layer (the other MoE fields are then unused).
+  num_experts: int = 0
+  num_experts_per_tok: int = 2  # experts each token is routed to (k)
+  moe_mlp_dim: int = 0  # hidden width of each expert; 0 = mlp_dim
+  router: str = "softmax_topk"  # 'softmax_topk' (Qwen3-MoE) | 'topk_softmax' (Mixtral, gpt-oss)
+  norm_topk_prob: bool = False  # softmax_topk only: rescale the k kept probabilities to sum to 1
   param_dtype: str = _storage("float32")
   dtype: str = _compute("float32")  # compute dtype; softmax and norms always run in float32
   scan_layers: bool = _storage(False)  # stack layers and run them with lax.scan (flat compile)
@@ -87,6 +97,9 @@ class TransformerConfig:
   remat: str = _compute("none")
   # auto | reference | blockwise | cudnn | splash: how attention runs (models/attention_impl.py).
   attention_impl: str = _compute("auto")
+  # ragged (dropless grouped matmul, the default) | dense (every expert on every token; the
+  # reference the tests hold ragged to).
+  moe_impl: str = _compute("ragged")
 
   def __post_init__(self):
     positive = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -123,6 +136,7 @@ class TransformerConfig:
     if self.sliding_window_pattern < 0:
       raise ConfigError(f"model.sliding_window_pattern={self.sliding_window_pattern} must be >= 0")
     self._check_layer_types()
+    self._check_moe()
     for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
                  "rope_scaling_factor"):
       value = getattr(self, name)
@@ -141,12 +155,34 @@ class TransformerConfig:
       raise ConfigError(f"model.layer_types={list(types)} must name {SLIDING!r} or {FULL!r} for "
                         f"each of the model.num_layers={self.num_layers} layers (or be None)")
 
+  def _check_moe(self):
+    for name in ("num_experts", "moe_mlp_dim"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"model.{name}={value!r} must be a non-negative integer (0 = off)")
+    k = self.num_experts_per_tok
+    if self.num_experts and (not isinstance(k, int) or isinstance(k, bool)
+                             or not 1 <= k <= self.num_experts):
+      raise ConfigError(f"model.num_experts_per_tok={k!r} must be an integer from 1 to "
+                        f"model.num_experts={self.num_experts}")
+    if self.router not in ROUTERS:
+      raise ConfigError(f"model.router={self.router!r}; choose one of {', '.join(ROUTERS)}")
+    if self.moe_impl not in MOE_IMPLS:
+      raise ConfigError(f"model.moe_impl={self.moe_impl!r}; choose one of {', '.join(MOE_IMPLS)}")
+    if not isinstance(self.norm_topk_prob, bool):
+      raise ConfigError(f"model.norm_topk_prob={self.norm_topk_prob!r} must be True or False")
+
   # ---- derived quantities ----------------------------------------------------------------
 
   @property
   def num_groups(self) -> int:
     """Query heads per key/value head."""
     return self.num_heads // self.num_kv_heads
+
+  @property
+  def expert_mlp_dim(self) -> int:
+    """Hidden width of each MoE expert."""
+    return self.moe_mlp_dim or self.mlp_dim
 
   @property
   def jnp_param_dtype(self):

@@ -19,6 +19,7 @@ from distillax.errors import ConfigError
 from distillax.models.attention import Attention, KVCache
 from distillax.models.config import TransformerConfig
 from distillax.models.layers import MLP, Embedder, RMSNorm, normal_param, rope_sin_cos, softcap
+from distillax.models.moe import MoE
 from distillax.partitioning import constrain
 
 _REMAT_POLICIES = {
@@ -47,13 +48,14 @@ class ModelOutput:
 
 
 class Block(nnx.Module):
-  """Pre-norm attention + gated MLP, each added to the residual (Gemma 2 also post-norms)."""
+  """Pre-norm attention + gated MLP (or mixture of experts), each added to the residual (Gemma 2
+  also post-norms)."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
     self.attn_norm = RMSNorm(config)
     self.attn = Attention(config, rngs=rngs)
     self.mlp_norm = RMSNorm(config)
-    self.mlp = MLP(config, rngs=rngs)
+    self.mlp = MoE(config, rngs=rngs) if config.num_experts else MLP(config, rngs=rngs)
     self.post_attn_norm = RMSNorm(config) if config.use_post_norms else None
     self.post_mlp_norm = RMSNorm(config) if config.use_post_norms else None
 

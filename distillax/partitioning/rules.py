@@ -37,6 +37,7 @@ LOGICAL_AXES = {
     "kv_heads": "key/value attention heads (GQA/MQA)",
     "head_dim": "per-head feature dimension",
     "layers": "stacked layers under scan",
+    "expert": "mixture-of-experts experts (stacked expert weights, router outputs)",
 }
 
 _REPLICATE_REST = tuple((name, None) for name in LOGICAL_AXES)

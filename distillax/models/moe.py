@@ -1,0 +1,129 @@
+"""Mixture-of-experts feed-forward: a router picks k of E gated MLPs per token.
+
+The experts are three stacked weights, gate/up (expert, embed, mlp) and down (expert, mlp,
+embed), so the rules place them like any parameter: expert parallelism is a rule for the
+logical axis 'expert', never code here that reads the mesh.
+
+Routing follows each family's own rule, because the numbers must match its checkpoints:
+- 'softmax_topk' (Qwen3-MoE): softmax over all E logits, keep the k largest probabilities,
+  renormalise them to sum to 1 only with `norm_topk_prob`;
+- 'topk_softmax' (Mixtral, gpt-oss): keep the k largest logits, softmax over those k.
+Ties pick the lower expert index (`lax.top_k`), so every path routes alike.
+
+Dispatch is switched by `moe_impl`:
+- 'ragged' (default, dropless): the T*k (token, expert) pairs are sorted by expert and each
+  expert's contiguous group runs through one grouped matmul (`jax.lax.ragged_dot`), so the
+  work is T*k rows whatever the routing and no token is ever dropped;
+- 'dense': every expert runs on every token and the outputs are weighted by the (mostly zero)
+  routing weights. E/k times the work; it is the reference the ragged path is tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from distillax.models.config import TransformerConfig
+from distillax.models.layers import normal_param
+from distillax.partitioning import constrain
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """Which k experts each of T tokens goes to, with what weight, and the raw router logits
+  (float32; the load-balancing and z losses read them)."""
+
+  weights_TxK: jax.Array
+  experts_TxK: jax.Array  # int32 expert indices, best first
+  logits_TxE: jax.Array
+
+
+def route(logits_TxE: jax.Array, k: int, kind: str, norm_topk_prob: bool) -> Routing:
+  """The family's routing rule over float32 router logits (see the module docstring)."""
+  logits_TxE = logits_TxE.astype(jnp.float32)
+  if kind == "softmax_topk":
+    probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
+    weights_TxK, experts_TxK = jax.lax.top_k(probs_TxE, k)
+    if norm_topk_prob:
+      weights_TxK = weights_TxK / jnp.sum(weights_TxK, axis=-1, keepdims=True)
+  elif kind == "topk_softmax":
+    top_TxK, experts_TxK = jax.lax.top_k(logits_TxE, k)
+    weights_TxK = jax.nn.softmax(top_TxK, axis=-1)
+  else:
+    raise ValueError(f"unknown router kind {kind!r}")
+  return Routing(weights_TxK, experts_TxK.astype(jnp.int32), logits_TxE)
+
+
+def _activation(name: str):
+  return jax.nn.silu if name == "swiglu" else (lambda x: jax.nn.gelu(x, approximate=True))
+
+
+def ragged_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act):
+  """Dropless grouped-matmul dispatch: sort the T*k assignments by expert, run each expert's
+  group with `ragged_dot`, undo the sort and sum each token's k weighted outputs."""
+  T, D = x_TxD.shape
+  E, k = gate_ExDxF.shape[0], routing.experts_TxK.shape[1]
+  experts_N = routing.experts_TxK.reshape(-1)  # N = T*k assignments, token-major
+  order_N = jnp.argsort(experts_N, stable=True)
+  group_sizes_E = jnp.bincount(experts_N, length=E).astype(jnp.int32)
+  xs_NxD = jnp.take(x_TxD, order_N // k, axis=0)
+  gate_NxF = jax.lax.ragged_dot(xs_NxD, gate_ExDxF, group_sizes_E)
+  up_NxF = jax.lax.ragged_dot(xs_NxD, up_ExDxF, group_sizes_E)
+  out_NxD = jax.lax.ragged_dot(act(gate_NxF) * up_NxF, down_ExFxD, group_sizes_E)
+  out_TxKxD = jnp.take(out_NxD, jnp.argsort(order_N), axis=0).reshape(T, k, D)
+  w_TxK = routing.weights_TxK.astype(out_TxKxD.dtype)
+  return jnp.einsum("TKD,TK->TD", out_TxKxD, w_TxK)
+
+
+def dense_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act):
+  """The reference: every expert on every token, weighted by a dense (T, E) routing matrix
+  that is zero off the chosen experts."""
+  E = gate_ExDxF.shape[0]
+  one_hot_TxKxE = jax.nn.one_hot(routing.experts_TxK, E, dtype=routing.weights_TxK.dtype)
+  combine_TxE = jnp.einsum("TK,TKE->TE", routing.weights_TxK, one_hot_TxKxE)
+  gate_TxExF = jnp.einsum("TD,EDF->TEF", x_TxD, gate_ExDxF)
+  up_TxExF = jnp.einsum("TD,EDF->TEF", x_TxD, up_ExDxF)
+  out_TxExD = jnp.einsum("TEF,EFD->TED", act(gate_TxExF) * up_TxExF, down_ExFxD)
+  return jnp.einsum("TED,TE->TD", out_TxExD, combine_TxE.astype(out_TxExD.dtype))
+
+
+_DISPATCH = {"ragged": ragged_experts, "dense": dense_experts}
+
+
+class MoE(nnx.Module):
+  """Router + E gated experts; the drop-in replacement of `MLP` when `num_experts > 0`."""
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+    D, E, F = config.embed_dim, config.num_experts, config.expert_mlp_dim
+    pd = config.jnp_param_dtype
+    out_std = F ** -0.5 / math.sqrt(2 * config.num_layers)
+    self.router = normal_param(rngs, (D, E), D ** -0.5, pd, ("embed", "expert"))
+    self.gate = normal_param(rngs, (E, D, F), D ** -0.5, pd, ("expert", "embed", "mlp"))
+    self.up = normal_param(rngs, (E, D, F), D ** -0.5, pd, ("expert", "embed", "mlp"))
+    self.down = normal_param(rngs, (E, F, D), out_std, pd, ("expert", "mlp", "embed"))
+    self.k = config.num_experts_per_tok
+    self.router_kind = config.router
+    self.norm_topk_prob = config.norm_topk_prob
+    self.impl = config.moe_impl
+    self.activation = config.mlp_activation
+    self.dtype = config.jnp_dtype
+
+  def routing(self, x_TxD: jax.Array) -> Routing:
+    """Router logits in float32 (routing decisions must not flip with the compute dtype)."""
+    logits_TxE = jnp.einsum("TD,DE->TE", x_TxD, self.router[...].astype(self.dtype),
+                            preferred_element_type=jnp.float32)
+    return route(logits_TxE, self.k, self.router_kind, self.norm_topk_prob)
+
+  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    dt = self.dtype
+    B, L, D = x_BxLxD.shape
+    x_TxD = x_BxLxD.astype(dt).reshape(B * L, D)
+    routing = self.routing(x_TxD)
+    weights = [w[...].astype(dt) for w in (self.gate, self.up, self.down)]
+    out_TxD = _DISPATCH[self.impl](x_TxD, routing, *weights, _activation(self.activation))
+    return constrain(out_TxD.reshape(B, L, D), ("batch", "residual_length", "embed"))

@@ -1,0 +1,95 @@
+"""The mixture-of-experts block: routing rules, ties, and the ragged dispatch against the dense
+reference for values and gradients, alone and inside a model (unrolled and scanned layers)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from distillax.errors import ConfigError
+from distillax.models import moe
+from distillax.models.config import get_preset
+from distillax.models.transformer import with_config
+from tests.models.helpers import forward, random_model
+
+T, D, E, F, K = 7, 6, 5, 4, 2
+
+
+def _arrays(seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(T, D))
+  logits = rng.normal(size=(T, E))
+  logits[:, 3] = -50.0  # expert 3 gets no token: an empty group in the grouped matmul
+  gate, up = rng.normal(size=(E, D, F)), rng.normal(size=(E, D, F))
+  down = rng.normal(size=(E, F, D))
+  return [jnp.asarray(a, jnp.float32) for a in (x, logits, gate, up, down)]
+
+
+@pytest.mark.parametrize("kind,norm", [("softmax_topk", False), ("softmax_topk", True),
+                                       ("topk_softmax", False)])
+def test_ragged_dispatch_equals_dense_reference_in_values_and_gradients(kind, norm):
+  args = _arrays()
+  cotangent = jnp.asarray(np.random.default_rng(1).normal(size=(T, D)), jnp.float32)
+
+  def loss(dispatch, x, logits, gate, up, down):
+    routing = moe.route(logits, K, kind, norm)
+    return jnp.sum(dispatch(x, routing, gate, up, down, jax.nn.silu) * cotangent)
+
+  grads = {}
+  for name, dispatch in (("ragged", moe.ragged_experts), ("dense", moe.dense_experts)):
+    fn = jax.jit(jax.value_and_grad(lambda *a, d=dispatch: loss(d, *a), argnums=(0, 1, 2, 3, 4)))
+    grads[name] = fn(*args)
+  (v_r, g_r), (v_d, g_d) = grads["ragged"], grads["dense"]
+  np.testing.assert_allclose(v_r, v_d, rtol=1e-5, atol=1e-5)
+  for a, b, name in zip(g_r, g_d, ("x", "logits", "gate", "up", "down")):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+  assert float(jnp.abs(g_r[0]).max()) > 0 and float(jnp.abs(g_r[1]).max()) > 0
+  assert float(jnp.abs(g_r[2][3]).max()) == 0.0  # the unused expert learns nothing
+
+
+def test_router_rules_and_ties_pick_the_lower_expert_index():
+  # Row 0: all four equal. Row 1: experts 1 and 2 tie for first, expert 3 is third.
+  logits = jnp.asarray([[1.0, 1.0, 1.0, 1.0], [0.0, 2.0, 2.0, 1.0]], jnp.float32)
+  e = math.e
+  for kind, norm, row0, row1 in [
+      ("softmax_topk", False, [0.25, 0.25], [e**2 / (1 + 2 * e**2 + e)] * 2),
+      ("softmax_topk", True, [0.5, 0.5], [0.5, 0.5]),
+      ("topk_softmax", False, [0.5, 0.5], [0.5, 0.5])]:
+    r = moe.route(logits, 2, kind, norm)
+    assert r.experts_TxK.tolist() == [[0, 1], [1, 2]], kind
+    np.testing.assert_allclose(r.weights_TxK, [row0, row1], rtol=1e-6, err_msg=f"{kind} {norm}")
+  # k = 3 on row 1: Qwen's unnormalised probabilities versus Mixtral's softmax over the k.
+  r = moe.route(logits[1:], 3, "softmax_topk", False)
+  np.testing.assert_allclose(r.weights_TxK, [[e**2, e**2, e]] / np.float32(1 + 2 * e**2 + e),
+                             rtol=1e-6)
+  r = moe.route(logits[1:], 3, "topk_softmax", False)
+  np.testing.assert_allclose(r.weights_TxK, [[e**2, e**2, e]] / np.float32(2 * e**2 + e),
+                             rtol=1e-6)
+  assert r.experts_TxK.tolist() == [[1, 2, 3]]
+
+
+def test_moe_model_ragged_equals_dense_and_scanned_layers_stack_the_experts():
+  config = get_preset("tiny", num_experts=4, num_experts_per_tok=2, moe_mlp_dim=24,
+                      norm_topk_prob=True)
+  model = random_model(config)
+  assert model.layers[0].mlp.gate[...].shape == (4, 64, 24)
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, size=(2, 9)), jnp.int32)
+  ragged = forward(model, tokens).logits_BxLxV
+  dense = forward(with_config(model, moe_impl="dense", scan_layers=True), tokens).logits_BxLxV
+  np.testing.assert_allclose(ragged, dense, rtol=1e-4, atol=1e-4)
+  dense_mlp = forward(random_model(get_preset("tiny")), tokens).logits_BxLxV
+  assert dense_mlp.shape == ragged.shape
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("num_experts_per_tok", 5, "model.num_experts_per_tok=5 must be an integer from 1 to "
+                               "model.num_experts=4"),
+    ("moe_impl", "megablox", "model.moe_impl='megablox'; choose one of ragged, dense"),
+    ("router", "sigmoid", "model.router='sigmoid'; choose one of softmax_topk, topk_softmax"),
+    ("num_experts", -1, "model.num_experts=-1 must be a non-negative integer"),
+])
+def test_moe_config_errors_name_the_field_and_the_choices(field, value, message):
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    get_preset("tiny", **{"num_experts": 4, field: value})
