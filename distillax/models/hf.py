@@ -1,4 +1,5 @@
-"""Hugging Face safetensors checkpoints in and out (Llama, Gemma, Gemma 2, Qwen 2/3, Mistral).
+"""Hugging Face safetensors checkpoints in and out (Llama, Gemma, Gemma 2, Qwen 2/3, Mistral,
+Qwen3-MoE, Mixtral).
 
 `load` checks every tensor name and shape against config.json before reading any weights, then
 builds each parameter with `jax.make_array_from_callback`: every device's shard is read straight
@@ -6,12 +7,17 @@ from the file (only that slice), so a sharded model never exists whole on one ho
 config.json and model.safetensors (several files plus model.safetensors.index.json past
 `max_shard_bytes`) that transformers loads as is; given the tokenizer, also its files, the chat
 template and generation_config.json (hf_tokenizer.py), every file with mode 0644.
+
+A stacked parameter has leading dims HF stores as separate tensors: the layers under
+`scan_layers`, the experts of a mixture (HF checkpoints keep one tensor per expert,
+`mlp.experts.{e}.gate_proj.weight`), or both; its `_Source` lists their names in row-major order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 from pathlib import Path
@@ -29,7 +35,8 @@ from distillax.data.tokenizer import Tokenizer
 from distillax.errors import UserError
 from distillax.framework import jsonio
 from distillax.models.config import TransformerConfig
-from distillax.models.hf_config import architecture_of, config_from_hf, config_to_hf
+from distillax.models.hf_config import (architecture_of, config_from_hf, config_to_hf,
+                                        hf_architecture)
 from distillax.models.hf_tokenizer import make_readable, write_tokenizer_files
 from distillax.models.init import RulesLike, abstract_model, resolve_rules
 from distillax.models.transformer import Transformer
@@ -90,8 +97,26 @@ class _Layout:
     return cols.reshape(len(r[2]), len(r[0]), K)[:, :, sl(r[1])].transpose(1, 2, 0)
 
 
+# Expert weights: ours (expert, in, out) stacked from one HF (out, in) tensor per expert "{e}".
+_EXPERT_NAMES = {  # architecture -> (module, router, gate, up, down)
+    "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
+    "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def _expert_sources(config: TransformerConfig) -> dict[tuple[str, ...], tuple[str, _Layout]]:
+  module, router, gate, up, down = _EXPERT_NAMES[hf_architecture(config)]
+  return {
+      ("mlp", "router"): (f"{module}.{router}.weight", _Layout("T")),
+      ("mlp", "gate"): (f"{module}.experts.{{e}}.{gate}.weight", _Layout("T")),
+      ("mlp", "up"): (f"{module}.experts.{{e}}.{up}.weight", _Layout("T")),
+      ("mlp", "down"): (f"{module}.experts.{{e}}.{down}.weight", _Layout("T")),
+  }
+
+
 def _layer_sources(config: TransformerConfig) -> dict[tuple[str, ...], tuple[str, _Layout]]:
-  """Block sub-path -> (HF name suffix under model.layers.{i}., layout)."""
+  """Block sub-path -> (HF name suffix under model.layers.{i}., layout); a suffix with "{e}"
+  names one tensor per expert."""
   mlp_norm = "pre_feedforward_layernorm" if config.use_post_norms else "post_attention_layernorm"
   sources = {
       ("attn_norm", "scale"): ("input_layernorm.weight", _Layout("copy")),
@@ -104,6 +129,10 @@ def _layer_sources(config: TransformerConfig) -> dict[tuple[str, ...], tuple[str
       ("mlp", "up"): ("mlp.up_proj.weight", _Layout("T")),
       ("mlp", "down"): ("mlp.down_proj.weight", _Layout("T")),
   }
+  if config.num_experts:
+    for key in ("gate", "up", "down"):
+      del sources[("mlp", key)]
+    sources.update(_expert_sources(config))
   if config.use_post_norms:
     sources[("post_attn_norm", "scale")] = ("post_attention_layernorm.weight", _Layout("copy"))
     sources[("post_mlp_norm", "scale")] = ("post_feedforward_layernorm.weight", _Layout("copy"))
@@ -125,25 +154,31 @@ _TOP_SOURCES = {
 
 @dataclasses.dataclass(frozen=True)
 class _Source:
-  """Where one of our parameters comes from: HF tensor names (one per stacked layer)."""
+  """Where one of our parameters comes from: HF tensor names, one per index of the leading
+  stacked dims `lead` (layers under scan, experts, both: row-major; () = one tensor)."""
 
   names: tuple[str, ...]
   layout: _Layout
-  stacked: bool
+  lead: tuple[int, ...] = ()
+
+  def split(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of one HF tensor's block in ours: `shape` without the stacked dims."""
+    return tuple(shape[len(self.lead):])
 
 
 def _source_of(path: tuple, config: TransformerConfig) -> _Source:
   keys = tuple(str(k) for k in path)
   if keys[0] != "layers":
     name, layout = _TOP_SOURCES[keys]
-    return _Source((name,), layout, False)
+    return _Source((name,), layout)
   sources = _layer_sources(config)
-  if config.scan_layers:
-    suffix, layout = sources[keys[1:]]
-    return _Source(tuple(f"model.layers.{i}.{suffix}" for i in range(config.num_layers)),
-                   layout, True)
-  suffix, layout = sources[keys[2:]]
-  return _Source((f"model.layers.{keys[1]}.{suffix}",), layout, False)
+  suffix, layout = sources[keys[1:] if config.scan_layers else keys[2:]]
+  layers = range(config.num_layers) if config.scan_layers else [keys[1]]
+  experts = range(config.num_experts) if "{e}" in suffix else [0]
+  lead = (((config.num_layers,) if config.scan_layers else ())
+          + ((config.num_experts,) if "{e}" in suffix else ()))
+  names = tuple(f"model.layers.{i}.{suffix.format(e=e)}" for i in layers for e in experts)
+  return _Source(names, layout, lead)
 
 
 def _key_path(path) -> tuple:
@@ -222,8 +257,7 @@ def load(path: str | os.PathLike, *, mesh: Mesh | None = None, rules: RulesLike 
 
     # Validate every name and shape before reading a single weight.
     for source, x in plans:
-      per_layer = x.shape[1:] if source.stacked else x.shape
-      want = source.layout.hf_shape(tuple(per_layer))
+      want = source.layout.hf_shape(source.split(x.shape))
       for name in source.names:
         used.add(name)
         handle, file = tensor(name)
@@ -252,12 +286,13 @@ def _make_array(source: _Source, x, sharding, tensor: Callable) -> jax.Array:
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     key = tuple(s.indices(n) for s, n in zip(index, shape))
     if key not in memo:
-      if source.stacked:
-        layers = range(*index[0].indices(shape[0]))
-        block = np.stack([source.layout.read(tensor(source.names[i])[0], index[1:], shape[1:])
-                          for i in layers])
-      else:
-        block = source.layout.read(tensor(source.names[0])[0], index, shape)
+      n = len(source.lead)
+      picks = [range(*s.indices(d)) for s, d in zip(index[:n], shape[:n])]
+      inner = source.split(shape)
+      blocks = [source.layout.read(tensor(source.names[int(np.ravel_multi_index(i, source.lead))
+                                                       if n else 0])[0], index[n:], inner)
+                for i in itertools.product(*picks)]
+      block = np.stack(blocks).reshape(tuple(map(len, picks)) + blocks[0].shape)
       memo[key] = np.ascontiguousarray(block.astype(dtype))
     return memo[key]
 
@@ -280,8 +315,7 @@ def _tensor_names_and_bytes(model: Transformer) -> list[tuple[str, int]]:
   out = []
   for path, x in jax.tree_util.tree_flatten_with_path(values)[0]:
     source = _source_of(_key_path(path), config)
-    per_layer = x.shape[1:] if source.stacked else x.shape
-    nbytes = int(np.prod(per_layer)) * x.dtype.itemsize
+    nbytes = int(np.prod(source.split(x.shape))) * x.dtype.itemsize
     out += [(name, nbytes) for name in source.names]
   return out
 
@@ -293,7 +327,7 @@ def hf_tensors(model: Transformer):
   for path, x in jax.tree_util.tree_flatten_with_path(values)[0]:
     source = _source_of(_key_path(path), config)
     host = _host_array(x)
-    parts = list(host) if source.stacked else [host]
+    parts = host.reshape((-1,) + source.split(host.shape))
     for name, part in zip(source.names, parts):
       yield name, np.ascontiguousarray(source.layout.to_hf(part))
 

@@ -1,11 +1,12 @@
-"""Hugging Face `config.json` <-> TransformerConfig for Llama, Gemma, Gemma 2, Qwen 2/2.5, Qwen 3
-and Mistral.
+"""Hugging Face `config.json` <-> TransformerConfig for Llama, Gemma, Gemma 2, Qwen 2/2.5, Qwen 3,
+Mistral, and the mixtures of experts Qwen3-MoE and Mixtral.
 
 Reads both the transformers 5 layout (`rope_parameters`) and the older one (`rope_theta` +
 `rope_scaling`), and writes both so other readers (older transformers, serving stacks) agree.
 The families differ only in a few switches: Gemma's GeGLU / (1 + w) norms / sqrt(D) embeddings,
 Gemma 2's post norms, soft-caps and alternating sliding window, Qwen 2's q/k/v biases, Qwen 3's
-q/k RMSNorm, Mistral's sliding window on every layer. Per-layer `layer_types` that follow no
+q/k RMSNorm, Mistral's sliding window on every layer; Qwen3-MoE is Qwen 3 with experts in every
+layer (softmax then top-k, `norm_topk_prob`), Mixtral is Mistral with experts (top-k then softmax). Per-layer `layer_types` that follow no
 pattern (a Gemma 2 student made of teacher blocks) are read and, for Gemma 2, written as they are.
 """
 
@@ -18,10 +19,13 @@ from distillax.models.config import FULL, SLIDING, TransformerConfig, window_fie
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+                "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 ARCHITECTURES = tuple(_MODEL_TYPES.values())
 _GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM")
-_QWEN_FAMILY = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_QWEN_FAMILY = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_MISTRAL_FAMILY = ("MistralForCausalLM", "MixtralForCausalLM")
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _TANH_GELU = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu")  # Gemma's 'gelu' means tanh
 
 
@@ -76,7 +80,7 @@ def _window_pattern(window, types: list[str], num_layers: int, where: str) -> di
 def _sliding(hf: Mapping[str, Any], arch: str, num_layers: int, where: str) -> dict[str, Any]:
   """Which layers attend locally, as each family's transformers code decides it."""
   window = hf.get("sliding_window")
-  if arch == "MistralForCausalLM":  # every layer (transformers ignores Mistral layer_types)
+  if arch in _MISTRAL_FAMILY:  # every layer (transformers ignores Mistral layer_types)
     return _window_pattern(window, [SLIDING] * num_layers, num_layers, where)
   if arch in _QWEN_FAMILY:  # only with use_sliding_window; by default layers >= max_window_layers
     if not hf.get("use_sliding_window"):
@@ -90,6 +94,24 @@ def _sliding(hf: Mapping[str, Any], arch: str, num_layers: int, where: str) -> d
   return _window_pattern(window, types, num_layers, where)
 
 
+def _moe_fields(hf: Mapping[str, Any], arch: str, where: str) -> dict[str, Any]:
+  """The expert fields of Qwen3-MoE (experts in every layer only) and Mixtral."""
+  if arch == "MixtralForCausalLM":
+    return dict(num_experts=int(hf["num_local_experts"]),
+                num_experts_per_tok=int(hf["num_experts_per_tok"]), router="topk_softmax")
+  if arch != "Qwen3MoeForCausalLM":
+    return {}
+  step, dense_layers = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+  if step != 1 or dense_layers:
+    raise UserError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense_layers}: "
+                    f"distillax runs Qwen3-MoE with experts in every layer (step 1, no dense "
+                    f"layers)")
+  return dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
+              num_experts_per_tok=int(hf["num_experts_per_tok"]),
+              moe_mlp_dim=int(hf["moe_intermediate_size"]), router="softmax_topk",
+              norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+
+
 def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
                    where: str) -> dict[str, Any]:
   """The TransformerConfig switches of one architecture."""
@@ -98,9 +120,10 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
     if (act or "silu") != "silu":
       raise UserError(f"{where}: hidden_act={act!r} is not supported for {arch} (only silu)")
     fields: dict[str, Any] = dict(mlp_activation="swiglu", qkv_bias=arch == "Qwen2ForCausalLM",
-                                  qk_norm=arch == "Qwen3ForCausalLM")
-    if arch in _QWEN_FAMILY or arch == "MistralForCausalLM":
+                                  qk_norm=arch in _QK_NORM)
+    if arch in _QWEN_FAMILY or arch in _MISTRAL_FAMILY:
       fields.update(_sliding(hf, arch, num_layers, where))
+    fields.update(_moe_fields(hf, arch, where))
     return fields
   if (act or "gelu_pytorch_tanh") not in _TANH_GELU:
     raise UserError(f"{where}: hidden activation {act!r} is not supported for Gemma "
@@ -139,10 +162,24 @@ def config_from_hf(hf: Mapping[str, Any], *, where: str = "config.json",
   return TransformerConfig(**fields)
 
 
+def _moe_architecture(config: TransformerConfig, every_or_no_layer_local: bool) -> str | None:
+  """Qwen3-MoE or Mixtral for a SwiGLU mixture of experts, or None when neither holds it."""
+  if config.qkv_bias:
+    return None
+  if config.qk_norm and config.router == "softmax_topk":
+    return "Qwen3MoeForCausalLM" if every_or_no_layer_local else None
+  if not config.qk_norm and config.router == "topk_softmax":
+    return "MixtralForCausalLM" if every_or_no_layer_local else None
+  return None
+
+
 def _swiglu_architecture(config: TransformerConfig) -> str | None:
-  """Llama, Qwen 2, Qwen 3 or Mistral for a SwiGLU config, or None when none holds it."""
+  """Llama, Qwen 2, Qwen 3 or Mistral (Qwen3-MoE or Mixtral with experts) for a SwiGLU config,
+  or None when none holds it."""
   local = config.local_layers()
   every_or_no_layer_local = all(local) or not any(local)
+  if config.num_experts:
+    return _moe_architecture(config, every_or_no_layer_local)
   if config.qkv_bias and config.qk_norm:
     return None  # Qwen 3's attention_bias also biases o_proj
   if config.qkv_bias:
@@ -164,7 +201,9 @@ def hf_architecture(config: TransformerConfig) -> str:
                  config.query_pre_attn_scalar)
   qwen_only = (config.qkv_bias, config.qk_norm)
   arch = None
-  if gemma_like and config.use_post_norms and not any(qwen_only):
+  if config.num_experts and not llama_like:
+    arch = None
+  elif gemma_like and config.use_post_norms and not any(qwen_only):
     arch = "Gemma2ForCausalLM"
   elif gemma_like and not any(gemma2_only + qwen_only) and config.sliding_window is None:
     arch = "GemmaForCausalLM" if config.rope_scaling_factor is None else None
@@ -177,6 +216,7 @@ def hf_architecture(config: TransformerConfig) -> str:
         f"norm_scale_plus_one={config.norm_scale_plus_one}, scale_embeddings="
         f"{config.scale_embeddings}, use_post_norms={config.use_post_norms}, qkv_bias="
         f"{config.qkv_bias}, qk_norm={config.qk_norm}, sliding_window={config.sliding_window}, "
+        f"num_experts={config.num_experts}, router={config.router!r}, "
         f"local layers {[i for i, x in enumerate(config.local_layers()) if x]}); use a preset or "
         f"an imported checkpoint of one of these families as the base of the student")
   return arch
@@ -198,7 +238,7 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
   fields = dict(hidden_act="silu")
   if arch == "LlamaForCausalLM":
     fields.update(mlp_bias=False)
-  elif arch == "MistralForCausalLM":
+  elif arch in _MISTRAL_FAMILY:
     fields.update(sliding_window=window)
   else:  # Qwen: a window is on every layer (max_window_layers=0) or on none
     fields.update(use_sliding_window=window is not None, sliding_window=window,
@@ -231,4 +271,17 @@ def config_to_hf(config: TransformerConfig) -> dict[str, Any]:
   if config.rope_scaling_factor is not None:
     hf["rope_scaling"] = dict(rope)
   hf.update(_family_hf_fields(config, arch))
+  hf.update(_moe_hf_fields(config, arch))
   return hf
+
+
+def _moe_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
+  if arch == "MixtralForCausalLM":
+    return dict(num_local_experts=config.num_experts,
+                num_experts_per_tok=config.num_experts_per_tok,
+                intermediate_size=config.expert_mlp_dim, router_jitter_noise=0.0)
+  if arch != "Qwen3MoeForCausalLM":
+    return {}
+  return dict(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+              moe_intermediate_size=config.expert_mlp_dim, norm_topk_prob=config.norm_topk_prob,
+              decoder_sparse_step=1, mlp_only_layers=[])

@@ -150,3 +150,41 @@ def test_qwen_and_mistral_features_without_hf_class_are_refused():
   assert hf_architecture(get_preset("tiny", qk_norm=True)) == "Qwen3ForCausalLM"
   with pytest.raises(UserError, match="qk_norm"):
     get_preset("tiny", qk_norm="yes")
+
+
+# As published (Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1 config.json, shape keys).
+QWEN_3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "max_position_embeddings": 40960, "vocab_size": 151936,
+    "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None,
+    "max_window_layers": 48, "attention_bias": False}
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_local_experts": 8,
+    "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+    "max_position_embeddings": 32768, "vocab_size": 32000, "sliding_window": None,
+    "tie_word_embeddings": False, "router_aux_loss_coef": 0.02}
+
+
+def test_moe_configs_map_to_experts_and_back():
+  qwen = config_from_hf(QWEN_3_30B_A3B)
+  assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.expert_mlp_dim, qwen.router,
+          qwen.norm_topk_prob, qwen.qk_norm) == (128, 8, 768, "softmax_topk", True, True)
+  mixtral = config_from_hf(MIXTRAL_8X7B)
+  assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.expert_mlp_dim,
+          mixtral.router, mixtral.qk_norm) == (8, 2, 14336, "topk_softmax", False)
+  for cfg in (qwen, mixtral):
+    assert config_from_hf(config_to_hf(cfg)) == cfg
+  assert config_to_hf(qwen)["moe_intermediate_size"] == 768
+  with pytest.raises(UserError, match="decoder_sparse_step=2, mlp_only_layers=\\[\\]: distillax "
+                                      "runs Qwen3-MoE with experts in every layer"):
+    config_from_hf({**QWEN_3_30B_A3B, "decoder_sparse_step": 2})
+  with pytest.raises(UserError, match="no Hugging Face equivalent.*num_experts=4"):
+    hf_architecture(get_preset("tiny_gemma", num_experts=4))  # GeGLU experts: no HF MoE class
+  with pytest.raises(UserError, match="no Hugging Face equivalent.*router='softmax_topk'"):
+    hf_architecture(get_preset("tiny", num_experts=4))  # Qwen's router without Qwen's q/k norm
