@@ -23,7 +23,7 @@ def mesh_section() -> ml_collections.ConfigDict:
 
 def partitioning_section() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.strategy = "fsdp"  # dp | fsdp | tp | fsdp_tp | tp_sp | fsdp_tp_sp | a registered preset
+  c.strategy = "fsdp"  # dp | fsdp | tp | fsdp_tp | tp_sp | fsdp_tp_sp | fsdp_ep | ep_tp | registered
   c.rules = ()  # extra (logical, mesh axes) rules placed before the preset's
   c.replicate_indivisible = False  # replicate dims a mesh axis does not divide
   # auto | per_step | per_use. With parameters replicated over data (dp, tp): per_step sums

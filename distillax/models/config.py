@@ -310,6 +310,11 @@ PRESETS: dict[str, TransformerConfig] = {
         scale_embeddings=True, attn_logit_softcap=50.0, final_logit_softcap=30.0,
         query_pre_attn_scalar=16.0, sliding_window=8, sliding_window_pattern=2,
         use_post_norms=True, max_seq_len=128),
+    # A Mixtral at test size: 4 experts of width 32 in every layer, top-2 (softmax over the 2).
+    "tiny_moe": TransformerConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
+                                  num_kv_heads=2, head_dim=16, mlp_dim=128, num_experts=4,
+                                  num_experts_per_tok=2, moe_mlp_dim=32, router="topk_softmax",
+                                  max_seq_len=128),
     # CPU demo pair (byte-level): a ~4.8M teacher and a ~1.5M student that train a few hundred
     # steps on two cores in minutes. Same family and head_dim so every KD strategy applies.
     "demo_teacher": TransformerConfig(vocab_size=256, embed_dim=256, num_layers=6, num_heads=8,

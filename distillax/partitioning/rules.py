@@ -71,6 +71,14 @@ _PRESETS: dict[str, tuple[Rule, ...]] = {
     "fsdp_tp_sp": _preset(("batch", "data"), ("residual_length", "model"), ("embed", "data"),
                           ("heads", "model"), ("kv_heads", "model"), ("mlp", "model"),
                           ("vocab", "model")),
+    # Expert parallelism (mixture-of-experts models) as placement only: each data group holds
+    # num_experts / data of every layer's experts, whole (their width is not also split over
+    # data: that axis is taken), and GSPMD moves the routed tokens to them. fsdp_ep: the rest
+    # as fsdp (MaxText's experts-as-data-parallel); ep_tp: the rest as tp, the experts' own
+    # mlp width over model. On a dense model both are fsdp / tp.
+    "fsdp_ep": _preset(("batch", "data"), ("expert", "data"), ("embed", "data")),
+    "ep_tp": _preset(("batch", "data"), ("expert", "data"), ("heads", "model"),
+                     ("kv_heads", "model"), ("mlp", "model"), ("vocab", "model")),
 }
 BUILTIN_PRESETS = tuple(_PRESETS)
 

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from distillax import partitioning as pt  # noqa: E402
 from distillax.models import hf  # noqa: E402
-from tests.models.helpers import forward, random_model  # noqa: E402
+from tests.support.models import Normal, forward, random_model  # noqa: E402
 
 SHAPES = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, num_experts_per_tok=2,
@@ -91,7 +91,7 @@ def test_moe_import_matches_transformers_unrolled_and_sharded_scanned(hf_checkpo
 
 def test_moe_export_loads_in_transformers_and_round_trips_exactly(hf_checkpoint, tmp_path):
   family, path, _ = hf_checkpoint
-  ours = random_model(hf.load(path, scan_layers=True).config, seed=7, scale=0.1)
+  ours = random_model(hf.load(path, scan_layers=True).config, seed=7, init=Normal(0.1))
   hf.save(ours, tmp_path)
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(
       tmp_path, attn_implementation="eager").eval()

@@ -12,7 +12,7 @@ from distillax.errors import ConfigError
 from distillax.models import moe
 from distillax.models.config import get_preset
 from distillax.models.transformer import with_config
-from tests.models.helpers import forward, random_model
+from tests.support.models import forward, random_model
 
 T, D, E, F, K = 7, 6, 5, 4, 2
 

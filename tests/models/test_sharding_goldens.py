@@ -7,8 +7,9 @@ paths that moved. Regenerate deliberately with DISTILLAX_UPDATE_GOLDENS=1 and re
 before committing it.
 
 The models cover the features that change the tree: `tiny` (untied output, GQA with 2 kv heads),
-`tiny_gemma` (tied embeddings, post norms) and `llama3.2-1b` (a published shape: stacked layers
-under scan, bfloat16, 128k vocabulary). tiny's 4 query and 2 kv heads do not divide a model axis
+`tiny_gemma` (tied embeddings, post norms), `llama3.2-1b` (a published shape: stacked layers
+under scan, bfloat16, 128k vocabulary) and `tiny_moe` (stacked experts and a router: where the
+'expert' rules of fsdp_ep / ep_tp place them). tiny's 4 query and 2 kv heads do not divide a model axis
 of 4 or 8; the default rules reject that, so the dumps are made with `replicate_indivisible`
 (the dim falls back to its replicated rule) and list the paths that need it.
 """
@@ -24,7 +25,7 @@ from distillax.errors import PartitioningError
 from tests.models.sharding import plan, rows_by_path
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "goldens"
-MODELS = ("tiny", "tiny_gemma", "llama3.2-1b")
+MODELS = ("tiny", "tiny_gemma", "llama3.2-1b", "tiny_moe")
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 
 
@@ -166,3 +167,19 @@ def test_fsdp_per_device_bytes_are_total_over_data_size(preset, data, model):
   for r in rows:
     assert r.bytes_per_device * data == r.bytes_total, r.path
     assert "model" not in r.mesh_spec, r.path
+
+
+def test_tiny_moe_expert_parallel_presets_by_hand():
+  """fsdp_ep: each data group holds 4/4 = 1 expert whole (embed cannot take data as well), the
+  router and attention as fsdp; ep_tp: the experts over data and their width over model."""
+  ep = rows_by_path(plan("tiny_moe", "fsdp_ep", 4, 2))
+  gate = ep["layers/0/mlp/gate"]  # (expert 4, embed 64, mlp 32) f32
+  assert gate.mesh_spec == ("data", None, None) and gate.bytes_per_device == 64 * 32 * 4
+  assert ep["layers/1/mlp/down"].mesh_spec == ("data", None, None)
+  assert ep["layers/0/mlp/router"].mesh_spec == ("data", None)  # (embed, expert): embed first
+  assert ep["layers/0/attn/q"].mesh_spec == ("data", None, None)
+  ep_tp = rows_by_path(plan("tiny_moe", "ep_tp", 4, 2))
+  assert ep_tp["layers/0/mlp/up"].mesh_spec == ("data", None, "model")
+  assert ep_tp["layers/0/mlp/down"].mesh_spec == ("data", "model", None)
+  assert ep_tp["layers/0/mlp/router"].mesh_spec == (None, "data")
+  assert rows_by_path(plan("tiny", "fsdp_ep", 4, 2)) == rows_by_path(plan("tiny", "fsdp", 4, 2))
