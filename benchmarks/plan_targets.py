@@ -15,13 +15,14 @@ Rows (full run):
     64 x 8192 and 16 x 32768 tokens, under fsdp, fsdp_tp and fsdp_tp_sp (model axis 8); fsdp
     cannot split a batch of 8 or 16 over 64 data-parallel devices, and says so;
   - Llama 3.1 8B -> Llama 3.2 1B logit distillation (teacher in the step, bf16) on tpu:v5e-64
-    (64 x 2048) and on gpu:h100x8 (8 x 2048; blockwise attention: cuDNN's lowering needs the
-    nvidia-cudnn wheel, which `make test` does not install);
-  - the on-policy step of that pair on tpu:v5e-64 (64 prompts of 256 tokens, 256 sampled).
+    (64 x 2048) and on gpu:h100x8 (8 x 2048; `auto` attention is cuDNN there, whose lowering
+    needs NVIDIA's cuDNN wheel, which `make test` does not install: without it the row says so);
+  - the on-policy step of that pair on tpu:v5e-64 (64 prompts of 257 tokens, 256 sampled: the
+    512 scored tokens are splash's 128-token blocks).
 --quick: the tiny lm job on tpu:v5e-4 (the smoke test; tests/test_plan_target.py compiles for
 a GPU).
 Writes benchmarks/results/plan_targets[_quick].json after every row (a long run keeps what it
-has measured); --rows runs only the rows named.
+has measured); --rows reruns only the rows named, keeping the file's other rows.
 """
 
 from __future__ import annotations
@@ -68,8 +69,7 @@ def full_rows() -> list[dict]:
                strategy=strategy, model_axis=1 if strategy == "fsdp" else 8)
           for b, s in SHAPES_8B for strategy in STRATEGIES]
   rows += [_row("kd-8b-1b-v5e64", "kd", "tpu:v5e-64", 64, batch=64, seq=2048),
-           _row("kd-8b-1b-h100x8", "kd", "gpu:h100x8", 8, batch=8, seq=2048,
-                attention="blockwise"),
+           _row("kd-8b-1b-h100x8", "kd", "gpu:h100x8", 8, batch=8, seq=2048),
            _row("onpolicy-8b-1b-v5e64", "on_policy", "tpu:v5e-64", 64, batch=64, seq=512)]
   return rows
 
@@ -95,7 +95,8 @@ def job_config(row: dict):
         "bfloat16"
     c.partitioning.strategy = "fsdp"
     if row["job"] == "on_policy":
-      c.on_policy.prompt_len = c.on_policy.max_new_tokens = row["seq"] // 2
+      # Scored: prompt + completion less its last token, a multiple of splash's 128-token blocks.
+      c.on_policy.prompt_len, c.on_policy.max_new_tokens = row["seq"] // 2 + 1, row["seq"] // 2
       c.on_policy.time_sampling = False
   c.train.batch_size, c.train.seq_len = row["batch"], row["seq"]
   if "attention" in row:
@@ -187,7 +188,9 @@ def main() -> None:
     wanted = set(args.rows.split(","))
     rows = [r for r in rows if r["id"] in wanted]
   name = "plan_targets_quick" if args.quick else "plan_targets"
-  done = []
+  done, path = [], Path(args.out) / f"{name}.json"
+  if args.rows and path.exists():  # rerun some rows: keep the others' figures
+    done = [r for r in json.loads(path.read_text())["rows"] if r["id"] not in wanted]
   for row in rows:
     done.append(measure(row))
     common.write_json(args.out, name, {"rows": done, "jax": jax.__version__,

@@ -28,7 +28,7 @@ from distillax.trainers import recipe_for
 
 # Custom calls that are the compiler's own bookkeeping, not kernels.
 _BOOKKEEPING = ("AsyncCollectiveStart", "AsyncCollectiveDone", "AssumeGatherIndicesInBound",
-                "GatherScatterIndicesBitpacked", "Sharding", "SPMDFullToShardShape",
+                "GatherScatterIndicesBitpacked", "ConcatBitcast", "Sharding", "SPMDFullToShardShape",
                 "SPMDShardToFullShape", "AllocateBuffer", "MoveToHost", "MoveToDevice")
 _TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
 _GPU_FUSION_RE = re.compile(r'"kind":"(__(?:triton|cudnn|cublas)[\w$]*)"')
@@ -83,10 +83,11 @@ def compile_on(config, target: targets.Target, devices: list) -> dict:
     except Exception as e:  # noqa: BLE001 - only an out-of-memory compile is a plan's answer
       if "cuDNN" in str(e) and ("not found" in str(e) or "not detected" in str(e)):
         raise UserError(
-            f"model.attention_impl={config.model.get('attention_impl', 'auto')!r} runs cuDNN "
-            f"attention on {target.name}, which lowers only with NVIDIA's cuDNN library: "
-            f"pip install nvidia-cudnn-cu12 beside the aot-gpu extra, or use "
-            f"--config.model.attention_impl=blockwise") from None
+            f"{target.name}: attention runs cuDNN (model.attention_impl="
+            f"{config.model.get('attention_impl', 'auto')!r}; 'auto' picks cuDNN on a GPU, for a "
+            f"teacher preset too), whose lowering needs NVIDIA's cuDNN library: pip install "
+            f"nvidia-cudnn-cu12 beside the aot-gpu extra, or set "
+            f"--config.model.attention_impl=blockwise (a student without a teacher)") from None
       line = _out_of_memory(e)
       if line is None:
         raise

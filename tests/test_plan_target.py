@@ -184,6 +184,20 @@ def test_gpu_target_compiles_tiny_with_blockwise():
   assert not peak.strip().endswith(" 0 B"), peak
 
 
+def test_gpu_target_without_cudnn_says_so_in_one_line():
+  """`auto` attention in bf16 is cuDNN on a GPU target, whose lowering needs NVIDIA's cuDNN
+  wheel (not installed by make test): one line naming the wheel and the blockwise fallback."""
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(
+      [sys.executable, "-m", "distillax", "plan", "--config", LM_TINY, "--target", "gpu:h100x1",
+       "--config.model.dtype=bfloat16"], env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+  (line,) = [l for l in out.stderr.splitlines() if l.startswith("distillax plan: error:")]
+  assert "attention runs cuDNN (model.attention_impl='auto'" in line
+  assert "pip install nvidia-cudnn-cu12" in line and "attention_impl=blockwise" in line
+
+
 def test_target_without_its_compiler_names_the_extra(monkeypatch, capsys):
   monkeypatch.setattr(targets, "installed", lambda module: False)
   code = main(["distillax", "plan", "--config", LM_TINY, "--target", "tpu:v5e-4"])
