@@ -95,6 +95,43 @@ def dense_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act
 _DISPATCH = {"ragged": ragged_experts, "dense": dense_experts}
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RouterStats:
+  """One layer's routing as sums over the real (non-padding) tokens, so micro-batches and
+  data-parallel workers add up; a model's stats stack the layers on a leading axis."""
+
+  load_E: jax.Array  # (token, expert) assignments per expert
+  prob_E: jax.Array  # router softmax probability per expert, summed over tokens
+  z: jax.Array  # squared logsumexp of the router logits, summed over tokens
+  tokens: jax.Array  # real tokens
+
+
+def router_stats(routing: Routing, mask_T: jax.Array | None) -> RouterStats:
+  T, E = routing.logits_TxE.shape
+  m_T = jnp.ones((T,), jnp.float32) if mask_T is None else mask_T.astype(jnp.float32)
+  one_hot_TxKxE = jax.nn.one_hot(routing.experts_TxK, E, dtype=jnp.float32)
+  load_E = jnp.einsum("TKE,T->E", one_hot_TxKxE, m_T)
+  prob_E = jnp.einsum("TE,T->E", jax.nn.softmax(routing.logits_TxE, axis=-1), m_T)
+  z = jnp.sum(jnp.square(jax.nn.logsumexp(routing.logits_TxE, axis=-1)) * m_T)
+  return RouterStats(load_E, prob_E, z, jnp.sum(m_T))
+
+
+def router_losses(stats: RouterStats) -> dict[str, jax.Array]:
+  """Per-layer means of layer-stacked stats (N, ...): the Switch load-balancing loss
+  E * sum_e f_e P_e (f_e: share of the assignments to expert e, P_e: its mean router
+  probability; 1 when perfectly balanced), the router z-loss mean(logsumexp(logits)^2), and
+  each layer's max / mean load over its experts (1 = balanced, E / k = every token on the same
+  k experts)."""
+  tokens_N = jnp.maximum(stats.tokens, 1.0)
+  E = stats.load_E.shape[-1]
+  f_NxE = stats.load_E / jnp.maximum(jnp.sum(stats.load_E, axis=-1, keepdims=True), 1.0)
+  p_NxE = stats.prob_E / tokens_N[:, None]
+  mean_load_N = jnp.maximum(jnp.mean(stats.load_E, axis=-1), 1e-9)
+  return {"aux_N": E * jnp.sum(f_NxE * p_NxE, axis=-1), "z_N": stats.z / tokens_N,
+          "max_over_mean_load_N": jnp.max(stats.load_E, axis=-1) / mean_load_N}
+
+
 class MoE(nnx.Module):
   """Router + E gated experts; the drop-in replacement of `MLP` when `num_experts > 0`."""
 
@@ -119,11 +156,16 @@ class MoE(nnx.Module):
                             preferred_element_type=jnp.float32)
     return route(logits_TxE, self.k, self.router_kind, self.norm_topk_prob)
 
-  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+  def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None
+               ) -> tuple[jax.Array, RouterStats]:
+    """The experts' output and this layer's RouterStats over the tokens whose segment id is
+    not 0 (all tokens without segment ids)."""
     dt = self.dtype
     B, L, D = x_BxLxD.shape
     x_TxD = x_BxLxD.astype(dt).reshape(B * L, D)
     routing = self.routing(x_TxD)
     weights = [w[...].astype(dt) for w in (self.gate, self.up, self.down)]
     out_TxD = _DISPATCH[self.impl](x_TxD, routing, *weights, _activation(self.activation))
-    return constrain(out_TxD.reshape(B, L, D), ("batch", "residual_length", "embed"))
+    mask_T = None if segment_ids_BxL is None else (segment_ids_BxL > 0).reshape(B * L)
+    out_BxLxD = constrain(out_TxD.reshape(B, L, D), ("batch", "residual_length", "embed"))
+    return out_BxLxD, router_stats(routing, mask_T)

@@ -19,7 +19,7 @@ from distillax.errors import ConfigError
 from distillax.models.attention import Attention, KVCache
 from distillax.models.config import TransformerConfig
 from distillax.models.layers import MLP, Embedder, RMSNorm, normal_param, rope_sin_cos, softcap
-from distillax.models.moe import MoE
+from distillax.models.moe import MoE, RouterStats
 from distillax.partitioning import constrain
 
 _REMAT_POLICIES = {
@@ -38,6 +38,8 @@ class ModelOutput:
     of block i (the residual stream before the final norm).
   attention_probs: (num_layers, B, num_heads, L, S) float32 softmax probabilities.
   cache: the updated KVCache when one was passed in.
+  router_stats: a mixture of experts' routing per layer (moe.RouterStats, leading axis
+    num_layers; None for a dense model). Unused, it costs nothing: XLA drops it.
   """
 
   logits_BxLxV: jax.Array | None
@@ -45,6 +47,7 @@ class ModelOutput:
   hidden_states: jax.Array | None = None
   attention_probs: jax.Array | None = None
   cache: KVCache | None = None
+  router_stats: RouterStats | None = None
 
 
 class Block(nnx.Module):
@@ -69,11 +72,15 @@ class Block(nnx.Module):
     if self.post_attn_norm is not None:
       h = self.post_attn_norm(h)
     x_BxLxD = x_BxLxD + h
-    h = self.mlp(self.mlp_norm(x_BxLxD))
+    stats = None
+    if isinstance(self.mlp, MoE):
+      h, stats = self.mlp(self.mlp_norm(x_BxLxD), ctx["q_segment"])
+    else:
+      h = self.mlp(self.mlp_norm(x_BxLxD))
     if self.post_mlp_norm is not None:
       h = self.post_mlp_norm(h)
     x_BxLxD = constrain(x_BxLxD + h, ("batch", "residual_length", "embed"))
-    return x_BxLxD, new_cache, probs
+    return x_BxLxD, new_cache, probs, stats
 
 
 def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
@@ -173,8 +180,8 @@ class Transformer(nnx.Module):
     x_BxLxD = embedded_BxLxD = self.embedder(tokens_BxL)
     cache_kv = None if cache is None else (cache.k_NxBxSxKxH, cache.v_NxBxSxKxH)
     run = self._run_scanned if cfg.scan_layers else self._run_unrolled
-    x_BxLxD, per_layer_x, new_kv, probs = run(x_BxLxD, ctx, cache_kv, return_hidden_states,
-                                              return_attention)
+    x_BxLxD, per_layer_x, new_kv, probs, stats = run(x_BxLxD, ctx, cache_kv,
+                                                     return_hidden_states, return_attention)
 
     final_hidden_BxLxD = self.final_norm(x_BxLxD)
     hidden_states = None
@@ -184,8 +191,7 @@ class Transformer(nnx.Module):
     if cache is not None:
       new_cache = KVCache(new_kv[0], new_kv[1], k_segment_BxS, start + L)
     logits = self.logits_from_hidden(final_hidden_BxLxD) if return_logits else None
-    return ModelOutput(logits, final_hidden_BxLxD,
-                       hidden_states, probs, new_cache)
+    return ModelOutput(logits, final_hidden_BxLxD, hidden_states, probs, new_cache, stats)
 
   def _block_fn(self, graphdef, return_probs: bool):
     """A pure (state, x, ctx, window, cache_kv) -> outputs function of one block, remat-wrapped."""
@@ -201,13 +207,13 @@ class Transformer(nnx.Module):
 
   def _run_unrolled(self, x_BxLxD, ctx, cache_kv, want_hidden, want_probs):
     cfg = self.config
-    xs, ks, vs, probs = [], [], [], []
+    xs, ks, vs, probs, stats = [], [], [], [], []
     for i, block in enumerate(self.layers):
       graphdef, state = nnx.split(block)
       layer_kv = None if cache_kv is None else (cache_kv[0][i], cache_kv[1][i])
       window = cfg.sliding_window if cfg.layer_uses_sliding_window(i) else None
-      x_BxLxD, new_kv, p = self._block_fn(graphdef, want_probs)(state, x_BxLxD, ctx, window,
-                                                                layer_kv)
+      x_BxLxD, new_kv, p, st = self._block_fn(graphdef, want_probs)(state, x_BxLxD, ctx, window,
+                                                                    layer_kv)
       if want_hidden:
         xs.append(x_BxLxD)
       if want_probs:
@@ -215,9 +221,12 @@ class Transformer(nnx.Module):
       if new_kv is not None:
         ks.append(new_kv[0])
         vs.append(new_kv[1])
+      if st is not None:
+        stats.append(st)
     stack = lambda items: jnp.stack(items) if items else None
     new_kv = (stack(ks), stack(vs)) if cache_kv is not None else None
-    return x_BxLxD, stack(xs), new_kv, stack(probs)
+    stats = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None
+    return x_BxLxD, stack(xs), new_kv, stack(probs), stats
 
   def _run_scanned(self, x_BxLxD, ctx, cache_kv, want_hidden, want_probs):
     graphdef, state = nnx.split(self.layers)
@@ -227,11 +236,11 @@ class Transformer(nnx.Module):
 
     def body(x_BxLxD, layer):
       layer_state, window, layer_kv = layer
-      x_BxLxD, new_kv, p = block_fn(layer_state, x_BxLxD, ctx, window, layer_kv)
-      return x_BxLxD, (x_BxLxD if want_hidden else None, new_kv, p)
+      x_BxLxD, new_kv, p, st = block_fn(layer_state, x_BxLxD, ctx, window, layer_kv)
+      return x_BxLxD, (x_BxLxD if want_hidden else None, new_kv, p, st)
 
-    x_BxLxD, (xs, new_kv, probs) = jax.lax.scan(body, x_BxLxD, (state, windows, cache_kv))
-    return x_BxLxD, xs, new_kv, probs
+    x_BxLxD, (xs, new_kv, probs, stats) = jax.lax.scan(body, x_BxLxD, (state, windows, cache_kv))
+    return x_BxLxD, xs, new_kv, probs, stats
 
 
 # ---- layout conversion -------------------------------------------------------------------------

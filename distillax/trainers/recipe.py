@@ -67,6 +67,20 @@ def rollback_metric(config, choices: tuple[str, ...], job: str) -> str:
   return name
 
 
+def check_router_losses(train, model_config: TransformerConfig, job: str, supported: bool):
+  """Router-loss weights only where a router and an objective that adds them exist."""
+  for name in ("moe_aux_loss", "router_z_loss"):
+    value = float(train.get(name, 0.0))
+    if value < 0:
+      raise ConfigError(f"train.{name}={value} must be >= 0 (0 = off)")
+    if value and not model_config.num_experts:
+      raise ConfigError(f"train.{name}={value} weighs a router loss, but the student is dense "
+                        f"(model.num_experts=0); set --config.train.{name}=0")
+    if value and not supported:
+      raise ConfigError(f"train.{name}={value}: the {job} job's objective adds no router "
+                        f"losses yet (lm and sequence_kd do); set --config.train.{name}=0")
+
+
 class Recipe:
   """The base every recipe specialises (lm.py's LMRecipe is the plainest): one student, no
   frozen extras, the packed train and validation data; a subclass names the objective.
@@ -90,6 +104,8 @@ class Recipe:
   # the first is the job's own (the default): the figure its objective lowers. Next-token
   # training lowers the CE, so its perplexity.
   rollback_metrics: tuple[str, ...] = ("eval_perplexity", "eval_loss", "eval_objective")
+  # Whether the objective adds train.moe_aux_loss / train.router_z_loss (next-token recipes).
+  router_losses: bool = False
 
   def __init__(self, config, *, workdir: str | None = None, mesh=None,
                rules: pt.RuleSet | None = None, model_overrides: Mapping | None = None):
@@ -109,6 +125,7 @@ class Recipe:
       self.sources = dataclasses.replace(
           self.sources, student=dataclasses.replace(self.sources.student, cfg=self.model_config))
     src.check_run_shape(self.sources.student, self.model_config)
+    check_router_losses(config.train, self.model_config, self.name, self.router_losses)
     # Checked with the data before training, or before compiling (checks.model_conflicts).
     self.batch_size, self.seq_len = int(config.train.batch_size), int(config.train.seq_len)
     self.transforms = StudentTransforms.from_config(config)

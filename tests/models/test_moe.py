@@ -93,3 +93,24 @@ def test_moe_model_ragged_equals_dense_and_scanned_layers_stack_the_experts():
 def test_moe_config_errors_name_the_field_and_the_choices(field, value, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
     get_preset("tiny", **{"num_experts": 4, field: value})
+
+
+def test_router_stats_count_only_real_tokens_and_losses_by_hand():
+  # 3 tokens over 2 experts, top-1; the third is padding. Logits (ln 3, 0): p = (3/4, 1/4),
+  # logsumexp = ln 4; logits (0, ln 3): p = (1/4, 3/4).
+  ln3, ln4 = math.log(3.0), math.log(4.0)
+  logits = jnp.asarray([[ln3, 0.0], [ln3, 0.0], [0.0, ln3]], jnp.float32)
+  routing = moe.route(logits, 1, "topk_softmax", False)
+  stats = moe.router_stats(routing, jnp.asarray([True, True, False]))
+  np.testing.assert_allclose(stats.load_E, [2.0, 0.0])
+  np.testing.assert_allclose(stats.prob_E, [1.5, 0.5], rtol=1e-6)
+  np.testing.assert_allclose(stats.z, 2 * ln4**2, rtol=1e-6)
+  assert float(stats.tokens) == 2.0
+  # Two layers: this one (all on expert 0) and a balanced one (load 1/1, probs 1/2 each).
+  both = jax.tree.map(lambda a, b: jnp.stack([a, b]), stats, moe.RouterStats(
+      jnp.asarray([1.0, 1.0]), jnp.asarray([1.0, 1.0]), jnp.asarray(0.0), jnp.asarray(2.0)))
+  terms = moe.router_losses(both)
+  # Switch: E * sum_e f_e P_e = 2 * (1 * 3/4 + 0 * 1/4) = 1.5; balanced: 2 * (2 * 1/2 * 1/2) = 1.
+  np.testing.assert_allclose(terms["aux_N"], [1.5, 1.0], rtol=1e-6)
+  np.testing.assert_allclose(terms["z_N"], [ln4**2, 0.0], rtol=1e-6)
+  np.testing.assert_allclose(terms["max_over_mean_load_N"], [2.0, 1.0], rtol=1e-6)

@@ -1,0 +1,70 @@
+"""The next-token objective of a mixture-of-experts student: router losses weighted by
+train.moe_aux_loss / train.router_z_loss, expert-load metrics per layer, and the weights refused
+in one line where no router or no objective takes them."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from distillax.main import main
+from distillax.models import moe
+from distillax.models.config import get_preset
+from distillax.trainers.lm import lm_objective
+from tests.support.engines import packed_batches
+from tests.support.models import Normal, random_model
+from tests.test_main import LM, ROOT
+
+
+def _objective(model, batch, **weights):
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def run(state, batch):
+    m = nnx.merge(graphdef, state)
+    out = lm_objective(m, {}, batch, jax.random.key(0), **weights)
+    stats = m(batch["inputs_BxL"], segment_ids_BxL=batch["segment_ids_BxL"],
+              positions_BxL=batch["positions_BxL"], return_logits=False).router_stats
+    return out, stats
+
+  return run(state, batch)
+
+
+def test_lm_objective_adds_the_weighted_router_losses_and_reports_the_load_per_layer():
+  batch = {k: jnp.asarray(v) for k, v in packed_batches(1, batch=2, seq_len=8)[0].items()}
+  model = random_model(get_preset("tiny_moe"), init=Normal(0.1))
+  plain, stats = _objective(model, batch)
+  weighted, _ = _objective(model, batch, moe_aux_loss=0.5, router_z_loss=0.25)
+  terms = moe.router_losses(stats)
+  tokens = float(plain.tokens)
+  aux, z = float(jnp.mean(terms["aux_N"])), float(jnp.mean(terms["z_N"]))
+  assert aux >= 1.0 - 1e-6 and z > 0  # Switch loss is 1 at best; the z-loss is positive
+  np.testing.assert_allclose(plain.sums["moe_aux_loss"], tokens * aux, rtol=1e-5)
+  np.testing.assert_allclose(plain.sums["router_z_loss"], tokens * z, rtol=1e-5)
+  np.testing.assert_allclose(weighted.loss_sum, plain.loss_sum + tokens * (0.5 * aux + 0.25 * z),
+                             rtol=1e-5)
+  # Every real token (segment id > 0) sends k = 2 assignments; padding sends none.
+  real = int(np.sum(np.asarray(batch["segment_ids_BxL"]) > 0))
+  np.testing.assert_allclose(np.sum(stats.load_E, axis=-1), [2 * real] * 2)
+  for i in range(2):
+    top, mean = plain.ratios[f"expert_load_max_over_mean_l{i}"]
+    assert float(mean) == pytest.approx(2 * real / 4) and float(top) >= float(mean)
+  dense, _ = _objective(random_model(get_preset("tiny")), batch)
+  assert set(dense.sums) == {"accuracy"} and dense.ratios == {}
+
+
+@pytest.mark.parametrize("config,flags,says", [
+    (f"{LM}:tiny", [], "train.moe_aux_loss=0.01 weighs a router loss, but the student is dense "
+                       "(model.num_experts=0); set --config.train.moe_aux_loss=0"),
+    (f"{ROOT}/distillax/configs/distill.py:tiny", ["--config.model.num_experts=4"],
+     "train.moe_aux_loss=0.01: the distill job's objective adds no router losses yet (lm and "
+     "sequence_kd do); set --config.train.moe_aux_loss=0"),
+])
+def test_router_loss_weights_are_refused_where_nothing_takes_them(capsys, tmp_path, config, flags,
+                                                                   says):
+  code = main(["distillax", "train", "--workdir", str(tmp_path / "wd"), "--config", config,
+               "--config.train.moe_aux_loss=0.01", *flags])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1 and err[0].endswith(says), err
+  assert not (tmp_path / "wd").exists()
