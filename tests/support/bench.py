@@ -1,0 +1,45 @@
+"""What the benchmark smoke tests share: the environment their scripts run under and parameter
+counts written out by hand from a model's fields (a config, or the JSON summary of one), which
+the scripts' figures are checked against."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+# The smoke tests check figures, not speed: LLVM's optimisation level changes neither XLA's
+# buffer assignment nor the values compared, and at 0 the compiles take half the time.
+FAST_COMPILE = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+
+
+def _fields(m):
+  return m if isinstance(m, Mapping) else m.__dict__
+
+
+def matmul_weights(m) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+  """One decoder block's matmul weights as (contracted dims, output dims)."""
+  m = _fields(m)
+  d, h, k, hd, f = (m["embed_dim"], m["num_heads"], m["num_kv_heads"], m["head_dim"],
+                    m["mlp_dim"])
+  return {"q": ((d,), (h, hd)), "k": ((d,), (k, hd)), "v": ((d,), (k, hd)),
+          "o": ((h, hd), (d,)), "gate": ((d,), (f,)), "up": ((d,), (f,)), "down": ((f,), (d,))}
+
+
+def _block_matmul_params(m) -> int:
+  return sum(math.prod(c) * math.prod(o) for c, o in matmul_weights(m).values())
+
+
+def matmul_params(m, layers: int | None = None) -> int:
+  """Weights that take part in a matmul: every block's q, k, v, o, gated MLP, and the output
+  layer."""
+  f = _fields(m)
+  return (layers or f["num_layers"]) * _block_matmul_params(m) + f["vocab_size"] * f["embed_dim"]
+
+
+def total_params(m, layers: int | None = None) -> int:
+  """Every parameter: blocks (matmuls and two norm scales), the embedding, an untied output
+  layer, the final norm; `layers` blocks instead of the model's own count when given."""
+  f = _fields(m)
+  block = _block_matmul_params(m) + 2 * f["embed_dim"]
+  embed = f["vocab_size"] * f["embed_dim"] * (1 if f["tie_embeddings"] else 2)
+  return (layers or f["num_layers"]) * block + embed + f["embed_dim"]
