@@ -18,6 +18,11 @@ The config is read by attribute name only (vocab_size, embed_dim, num_layers, nu
 num_kv_heads, head_dim, mlp_dim, mlp_activation; optionally sliding_window,
 sliding_window_pattern and layer_types), so any object with those fields works, e.g.
 `distillax.models.config.TransformerConfig`. tie_embeddings does not change the count.
+
+A mixture of experts (num_experts > 0; num_experts_per_tok k, moe_mlp_dim F, 0 = mlp_dim) counts
+what a dropless grouped matmul does: each token's k experts (k gated MLPs of width F) plus the
+router (embed x num_experts), the active-parameter convention of MoE MFU figures; the dense
+reference path (`moe_impl='dense'`) executes num_experts / k times the expert work.
 """
 
 from __future__ import annotations
@@ -108,6 +113,11 @@ def forward_flops_breakdown(cfg: Any, batch: int, seq_len: int, *,
       "mlp": layers * mlp_matrices * 2.0 * tokens * n["embed"] * n["mlp"],
       "logits": 2.0 * tokens * n["embed"] * n["vocab"],
   }
+  experts = int(getattr(cfg, "num_experts", 0) or 0)
+  if experts:
+    k = int(_field(cfg, "num_experts_per_tok"))
+    width = int(getattr(cfg, "moe_mlp_dim", 0) or n["mlp"])
+    out["mlp"] = layers * 2.0 * tokens * n["embed"] * (mlp_matrices * k * width + experts)
   out["total"] = sum(out.values())
   return out
 

@@ -332,3 +332,19 @@ def test_cpu_peak_is_measured_once_and_shared_by_host_devices(monkeypatch):
   assert len(calls) == 1
   assert peak == again == pytest.approx(80e9 / jax.local_device_count())
   assert "probe" in source and "80.0 GFLOP/s" in source
+
+
+def test_mixture_of_experts_counts_the_routed_experts_and_the_router():
+  @dataclasses.dataclass(frozen=True)
+  class MoECfg(Cfg):
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_mlp_dim: int = 0
+
+  moe = MoECfg(**dataclasses.asdict(TINY), num_experts=5, num_experts_per_tok=2, moe_mlp_dim=3)
+  got = flops.forward_flops_breakdown(moe, batch=1, seq_len=3)
+  # 3 tokens x (2 experts x gate, up, down of 4 x 3, and the 4 x 5 router).
+  assert got["mlp"] == 2 * 3 * (2 * 3 * 4 * 3 + 4 * 5)
+  assert got["total"] == 192 + 96 + 36 + 36 + 2 * 3 * (72 + 20) + 240
+  same_width = dataclasses.replace(moe, moe_mlp_dim=0)  # 0: each expert is mlp_dim wide
+  assert flops.forward_flops_breakdown(same_width, 1, 3)["mlp"] == 2 * 3 * (2 * 3 * 4 * 8 + 20)
