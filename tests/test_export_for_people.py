@@ -22,7 +22,7 @@ from distillax.models.config import get_preset
 from distillax.models.hf_tokenizer import FILE_MODE
 from distillax.models.sampler import Sampler
 from tests.data import chat_testing as ct
-from tests.models.helpers import forward, random_model
+from tests.support.models import forward, random_model
 
 TEXTS = ["hello", "héllo wörld 日本 🙂", "a<s>b</s><pad> <|im_end|>", "  two  spaces\n\ttab",
          "def f(x):\n    return x  # ok"]

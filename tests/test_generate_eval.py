@@ -18,7 +18,7 @@ from distillax.models.config import get_preset
 from distillax.models.sampler import Sampler
 from distillax.trainers import load_trained_model
 from tests.data import chat_testing as ct
-from tests.models.helpers import random_model
+from tests.support.models import random_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LM = f"{ROOT}/distillax/configs/lm.py:tiny"

@@ -23,7 +23,7 @@ from distillax.configs.paths import resolve_job_config
 from distillax.main import _parse, main
 from distillax.trainers import load_trained_model, recipe_for
 from tests.data import chat_testing as ct
-from tests.models.helpers import forward
+from tests.support.models import forward
 from tests.test_docstring_commands import docstring_commands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,7 @@ from distillax.data import batch as batch_spec
 from distillax.framework import losses, vocab_chunks
 from distillax.models.config import get_preset
 from distillax.trainers import lm_objective
-from tests.models.helpers import random_model
+from tests.support.models import random_model
 
 
 def _batch(B=3, L=13, vocab=256, seed=0):

@@ -20,7 +20,7 @@ from distillax.models.attention_impl import AttentionNeeds, choose
 from distillax.models.config import GLOBAL_WINDOW, get_preset
 from distillax.models.sampler import generate
 from distillax.models.transformer import with_config, with_layer_layout
-from tests.models.helpers import random_model
+from tests.support.models import random_model
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

@@ -20,7 +20,7 @@ from distillax.errors import UserError  # noqa: E402
 from distillax.models import hf  # noqa: E402
 from distillax.models.config import get_preset  # noqa: E402
 from distillax.models.hf_config import hf_architecture  # noqa: E402
-from tests.models.helpers import forward, random_model  # noqa: E402
+from tests.support.models import Normal, forward, param_arrays, random_model  # noqa: E402
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, max_position_embeddings=128, attn_implementation="eager")
@@ -102,7 +102,7 @@ def test_import_sharded_and_scanned(hf_checkpoint):
 def test_export_loads_in_transformers_with_same_logits(hf_checkpoint, tmp_path):
   family, path, _ = hf_checkpoint
   ours = hf.load(path)
-  ours = random_model(ours.config, seed=11, scale=0.1)  # fresh weights, same architecture
+  ours = random_model(ours.config, seed=11, init=Normal(0.1))  # fresh weights, same architecture
   hf.save(ours, tmp_path)
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(
       tmp_path, attn_implementation="eager").eval()
@@ -113,11 +113,6 @@ def test_export_loads_in_transformers_with_same_logits(hf_checkpoint, tmp_path):
   diff = float(np.max(np.abs(got - theirs)))
   _record(family, "export", diff)
   assert diff <= 1e-4
-
-
-def _param_dict(model):
-  return {jax.tree_util.keystr(p): np.asarray(x) for p, x in
-          jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]}
 
 
 @pytest.mark.parametrize("preset,overrides", [
@@ -133,7 +128,7 @@ def test_save_load_round_trip_is_exact_including_multi_file(preset, overrides, t
   back = hf.load(tmp_path, mesh=mesh, rules="fsdp", dtype=overrides.get("dtype"),
                  scan_layers=model.config.scan_layers)
   assert back.config == model.config.replace(max_seq_len=back.config.max_seq_len)
-  a, b = _param_dict(model), _param_dict(back)
+  a, b = param_arrays(model), param_arrays(back)
   assert a.keys() == b.keys()
   for k in a:
     assert a[k].dtype == b[k].dtype, k

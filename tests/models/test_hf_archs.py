@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from distillax import partitioning as pt  # noqa: E402
 from distillax.errors import UserError  # noqa: E402
 from distillax.models import hf  # noqa: E402
-from tests.models.helpers import forward, random_model  # noqa: E402
+from tests.support.models import Normal, forward, param_arrays, random_model  # noqa: E402
 
 SHAPES = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
               num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
@@ -63,11 +63,6 @@ def hf_checkpoint(request, tmp_path_factory):
 def _record(family, key, diff):
   MAX_DIFFS.setdefault(family, {})[key] = diff
   print(f"\n[hf parity] {family} {key}: max |logit diff| = {diff:.3e}")
-
-
-def _param_dict(model):
-  return {jax.tree_util.keystr(p): np.asarray(x) for p, x in
-          jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]}
 
 
 def test_import_matches_transformers(hf_checkpoint):
@@ -113,7 +108,7 @@ def test_import_sharded_and_scanned(hf_checkpoint):
 
 def test_export_loads_in_transformers_with_same_logits(hf_checkpoint, tmp_path):
   family, path, _ = hf_checkpoint
-  ours = random_model(hf.load(path).config, seed=7, scale=0.1)  # fresh weights, same family
+  ours = random_model(hf.load(path).config, seed=7, init=Normal(0.1))  # fresh weights, same family
   hf.save(ours, tmp_path)
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(
       tmp_path, attn_implementation="eager").eval()
@@ -132,7 +127,7 @@ def test_export_then_import_is_exact(hf_checkpoint, tmp_path):
   back = hf.load(tmp_path, mesh=mesh, rules={"strategy": "fsdp_tp",
                                              "replicate_indivisible": True}, scan_layers=True)
   assert back.config == ours.config
-  a, b = _param_dict(ours), _param_dict(back)
+  a, b = param_arrays(ours), param_arrays(back)
   assert a.keys() == b.keys()
   assert any("bias" in k or "q_norm" in k for k in a) == (family != "mistral")
   for k in a:

@@ -9,7 +9,7 @@ from flax import nnx
 from distillax import partitioning as pt
 from distillax.models.config import get_preset
 from distillax.models.init import abstract_model, create_model, model_shardings
-from tests.models.helpers import forward
+from tests.support.models import forward
 
 
 def _params(model):

@@ -14,7 +14,7 @@ from distillax.models.init import model_shardings
 from distillax.models.sampler import (Sampler, SamplingConfig, filter_logits, generate,
                                       sample_token)
 from distillax.models.transformer import with_layer_layout
-from tests.models.helpers import forward, random_model
+from tests.support.models import Normal, forward, random_model
 
 PROMPTS = np.array([[7, 3, 9, 200, 11, 5],
                     [42, 17, 0, 0, 0, 0],
@@ -94,7 +94,7 @@ def test_top_k_1_is_greedy_and_eos_stops_rows():
 
 
 def test_sampled_tokens_respect_top_k_and_follow_the_distribution():
-  model = random_model(get_preset("tiny"), seed=6, scale=0.15)
+  model = random_model(get_preset("tiny"), seed=6, init=Normal(0.15))
   model.lm_head[...] = model.lm_head[...] * 8.0  # sharpen: top tokens ~0.13, 0.10, 0.10
   prompt = np.tile(np.array([[5, 6, 7, 8]], np.int32), (2000, 1))
   logits = np.asarray(forward(model, jnp.asarray(prompt[:1])).logits_BxLxV)[0, -1]

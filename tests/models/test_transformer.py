@@ -10,7 +10,7 @@ from distillax.models.attention import KVCache
 from distillax.models.config import get_preset
 from distillax.models.transformer import ModelOutput, with_config, with_layer_layout
 from tests.models import reference
-from tests.models.helpers import forward, numpy_params, random_model
+from tests.support.models import forward, numpy_params, random_model
 
 CONFIGS = {
     "tiny": get_preset("tiny"),

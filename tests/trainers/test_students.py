@@ -24,7 +24,7 @@ from distillax.models import hf
 from distillax.models.transformer import layer_params
 from distillax.edge.gguf_export import gguf_architecture
 from distillax.trainers import recipe_for
-from tests.models.helpers import forward
+from tests.support.models import forward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOKENS = np.random.default_rng(0).integers(3, 300, size=(2, 12)).astype(np.int64)
