@@ -78,7 +78,12 @@ def gguf_name(param: str) -> str:
 
 def gguf_architecture(config: TransformerConfig) -> str:
   """llama.cpp's architecture for a config, or a UserError naming what llama.cpp would change."""
-  arch = ARCHITECTURES[hf_architecture(config)]
+  hf_arch = hf_architecture(config)
+  if hf_arch not in ARCHITECTURES:
+    raise UserError(f"GGUF export of {hf_arch} models (model.num_experts={config.num_experts}) "
+                    f"is not supported yet; GGUF takes {', '.join(ARCHITECTURES)}: export this "
+                    f"one with --format hf")
+  arch = ARCHITECTURES[hf_arch]
   local = [config.layer_uses_sliding_window(i) for i in range(config.num_layers)]
   if arch != "gemma2" and any(local) and config.sliding_window < config.max_seq_len:
     raise UserError(f"llama.cpp's {arch} architecture attends over the whole context; "
