@@ -47,6 +47,8 @@ def _uncached_greedy(model, prompts, lengths, steps):
     # Qwen 2 biases + Qwen 3 q/k norms (cached keys are biased, normed, then rotated) and a
     # Mistral-style window of 5 on every layer, shorter than prompt + generation.
     ("tiny", True, dict(qkv_bias=True, qk_norm=True, sliding_window=5, sliding_window_pattern=0)),
+    # A mixture of experts: each decoded token is routed on its own (ragged groups of 3 rows).
+    ("tiny_moe", True, {}),
 ])
 def test_cached_greedy_equals_uncached_recomputation(name, scan, overrides):
   # tiny_gemma: the sliding window (8) is shorter than prompt + generation, soft-caps on.
