@@ -55,7 +55,7 @@ def train_section() -> ml_collections.ConfigDict:
   # workdir of an earlier run whose final weights start this one, or a Hugging Face checkpoint
   # directory (the student then has its shape, as with student.hf_path)
   c.init_from = ""
-  # Mixture-of-experts students (model.num_experts > 0) in next-token jobs (lm, sequence_kd):
+  # Mixture-of-experts students (model.num_experts > 0) in lm, sequence_kd and distill jobs:
   c.moe_aux_loss = 0.0  # weight of the Switch load-balancing loss (1 when balanced)
   c.router_z_loss = 0.0  # weight of the router z-loss: mean squared logsumexp of router logits
   return c

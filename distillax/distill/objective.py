@@ -35,6 +35,7 @@ from distillax.distill.student import unwrap_student
 from distillax.errors import ConfigError
 from distillax.framework import losses
 from distillax.framework.step import Objective, ObjectiveOutput
+from distillax.models import moe
 
 TEACHER = "teacher"
 
@@ -76,7 +77,8 @@ def _teacher(extras: Mapping, teacher_key: str):
 
 
 def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab_chunks.AUTO,
-                           teacher_key: str = TEACHER, metrics: bool = True) -> Objective:
+                           teacher_key: str = TEACHER, metrics: bool = True,
+                           router_loss_weights: tuple[float, float] = (0.0, 0.0)) -> Objective:
   """The step objective of `strategy`.
 
   chunk_size: tokens per logit chunk; vocab_chunks.AUTO (default) picks it from the vocabulary and
@@ -84,6 +86,8 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
   metrics: also report teacher_ce, top1_agreement and logit_cosine, which cost passes over the
     vocabulary the losses do not need (eval objectives); False reports the loss terms and
     hard_ce only (train objectives).
+  router_loss_weights: (Switch load-balancing, router z-loss) weights for a mixture-of-experts
+    student, whose router losses and expert loads are reported whatever the weights.
   """
   if not isinstance(strategy, Strategy):
     raise ConfigError(f"make_distill_objective needs a distillation strategy, got {strategy!r}")
@@ -109,6 +113,12 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
       term, metrics_of_leaf = leaf.term_sums(inputs)
       loss_sum = loss_sum + weight * term
       sums.update(metrics_of_leaf)
-    return ObjectiveOutput(loss_sum=loss_sum, tokens=jnp.sum(inputs.mask_BxL), sums=sums)
+    tokens, ratios = jnp.sum(inputs.mask_BxL), {}
+    if inputs.student.router_stats is not None:
+      extra, router_sums, ratios = moe.objective_terms(inputs.student.router_stats, tokens,
+                                                       *router_loss_weights)
+      loss_sum = loss_sum + extra
+      sums.update(router_sums)
+    return ObjectiveOutput(loss_sum=loss_sum, tokens=tokens, sums=sums, ratios=ratios)
 
   return objective

@@ -132,6 +132,21 @@ def router_losses(stats: RouterStats) -> dict[str, jax.Array]:
           "max_over_mean_load_N": jnp.max(stats.load_E, axis=-1) / mean_load_N}
 
 
+def objective_terms(stats: RouterStats, tokens: jax.Array, aux_weight: float, z_weight: float):
+  """What an objective adds for a mixture of experts: (loss sum, metric sums, per-layer ratios).
+  The losses enter per token of the objective's loss (its sums are divided by the global token
+  count, so they become per-token means) and are averaged over layers; each layer's max / mean
+  tokens per expert is a ratio of sums."""
+  terms = router_losses(stats)
+  aux_sum = tokens * jnp.mean(terms["aux_N"])
+  z_sum = tokens * jnp.mean(terms["z_N"])
+  ratios = {f"expert_load_max_over_mean_l{i}": (jnp.max(stats.load_E[i]),
+                                                 jnp.mean(stats.load_E[i]))
+            for i in range(stats.load_E.shape[0])}
+  return (aux_weight * aux_sum + z_weight * z_sum,
+          {"moe_aux_loss": aux_sum, "router_z_loss": z_sum}, ratios)
+
+
 class MoE(nnx.Module):
   """Router + E gated experts; the drop-in replacement of `MLP` when `num_experts > 0`."""
 

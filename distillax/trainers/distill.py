@@ -67,6 +67,7 @@ class DistillRecipe(Recipe):
   student_path = ("model",)  # DistillStudent.model
   # The guard watches the distillation objective (its next-token CE is a part of it at most).
   rollback_metrics = ("eval_objective", "eval_loss", "eval_perplexity")
+  router_losses = True  # an MoE student's, next to the distillation terms
 
   def __init__(self, config, **kwargs):
     super().__init__(config, **kwargs)
@@ -79,8 +80,12 @@ class DistillRecipe(Recipe):
   def objective(self, *, train: bool = False) -> Objective:
     """Train: the loss terms and hard_ce; eval adds the logit metrics that cost extra passes
     over the vocabulary (teacher_ce, top1_agreement, logit_cosine)."""
+    weights = (0.0, 0.0)
+    if train:
+      weights = tuple(float(self.config.train.get(name, 0.0))
+                      for name in ("moe_aux_loss", "router_z_loss"))
     objective = make_distill_objective(self.strategy(), chunk_size=self.chunk_size(),
-                                       metrics=not train)
+                                       metrics=not train, router_loss_weights=weights)
     return self.transforms.train_objective(objective) if train else objective
 
   def chunk_size(self) -> int | None:

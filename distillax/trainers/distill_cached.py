@@ -17,6 +17,8 @@ from distillax.trainers.registry import register
 class CachedDistillRecipe(DistillRecipe):
   """`trainer='distill'` with `teacher.cache_dir` set."""
 
+  router_losses = False  # its objective adds no router losses yet
+
   data_splits = ("eval",)  # the train batches come from the cache
 
   def __init__(self, config, **kwargs):

@@ -7,7 +7,6 @@ import functools
 from typing import Mapping
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from distillax.data import batch as batch_spec
@@ -26,27 +25,12 @@ def lm_objective(student: nnx.Module, extras: Mapping[str, nnx.Module], batch, r
   out = student(batch[batch_spec.INPUTS], **losses.model_inputs(batch), return_logits=False)
   loss_sum, correct, tokens = losses.model_cross_entropy_sums(  # never all (B, L, V) logits
       student, out.final_hidden_BxLxD, batch[batch_spec.TARGETS], batch[batch_spec.LOSS_MASK])
-  output = ObjectiveOutput(loss_sum=loss_sum, tokens=tokens, sums={"accuracy": correct})
-  if out.router_stats is None:
-    return output
-  return with_router_losses(output, out.router_stats, moe_aux_loss, router_z_loss)
-
-
-def with_router_losses(output: ObjectiveOutput, stats: moe.RouterStats, aux_weight: float,
-                       z_weight: float) -> ObjectiveOutput:
-  """`output` plus the router losses, weighted per token of the loss (the step divides its sums
-  by the global token count, so they enter as per-token means, averaged over layers), and per
-  layer the max / mean tokens per expert (train metrics)."""
-  terms = moe.router_losses(stats)
-  aux_sum = output.tokens * jnp.mean(terms["aux_N"])
-  z_sum = output.tokens * jnp.mean(terms["z_N"])
-  loads = stats.load_E
-  ratios = {f"expert_load_max_over_mean_l{i}": (jnp.max(loads[i]), jnp.mean(loads[i]))
-            for i in range(loads.shape[0])}
-  return ObjectiveOutput(loss_sum=output.loss_sum + aux_weight * aux_sum + z_weight * z_sum,
-                         tokens=output.tokens,
-                         sums={**output.sums, "moe_aux_loss": aux_sum, "router_z_loss": z_sum},
-                         ratios={**output.ratios, **ratios})
+  sums, ratios = {"accuracy": correct}, {}
+  if out.router_stats is not None:
+    extra, router_sums, ratios = moe.objective_terms(out.router_stats, tokens, moe_aux_loss,
+                                                     router_z_loss)
+    loss_sum, sums = loss_sum + extra, {**sums, **router_sums}
+  return ObjectiveOutput(loss_sum=loss_sum, tokens=tokens, sums=sums, ratios=ratios)
 
 
 @register("lm")

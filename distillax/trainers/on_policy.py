@@ -54,6 +54,8 @@ def settings_from_config(c, tokenizer) -> OnPolicySettings:
 class OnPolicyRecipe(DistillRecipe):
   """The student learns from its own samples, graded token by token by the teacher."""
 
+  router_losses = False  # its objective adds no router losses yet
+
   # The guard watches what on-policy training lowers, the reverse KL on the student's own
   # samples of held-out prompts: its teacher-forced CE on the data may rise as it improves.
   rollback_metrics = ("eval_on_policy_reverse_kl", "eval_on_policy_teacher_nll",

@@ -57,9 +57,9 @@ def test_lm_objective_adds_the_weighted_router_losses_and_reports_the_load_per_l
 @pytest.mark.parametrize("config,flags,says", [
     (f"{LM}:tiny", [], "train.moe_aux_loss=0.01 weighs a router loss, but the student is dense "
                        "(model.num_experts=0); set --config.train.moe_aux_loss=0"),
-    (f"{ROOT}/distillax/configs/distill.py:tiny", ["--config.model.num_experts=4"],
-     "train.moe_aux_loss=0.01: the distill job's objective adds no router losses yet (lm and "
-     "sequence_kd do); set --config.train.moe_aux_loss=0"),
+    (f"{ROOT}/distillax/configs/on_policy.py:tiny", ["--config.model.num_experts=4"],
+     "train.moe_aux_loss=0.01: the on_policy job's objective adds no router losses yet (lm, "
+     "sequence_kd and distill do); set --config.train.moe_aux_loss=0"),
 ])
 def test_router_loss_weights_are_refused_where_nothing_takes_them(capsys, tmp_path, config, flags,
                                                                    says):
