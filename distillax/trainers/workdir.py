@@ -162,11 +162,26 @@ def _short(value: Any) -> str:
   return text if len(text) <= 40 else text[:37] + "..."
 
 
+# Fields added after runs began whose value here asks for nothing an older job did not do (a
+# dense model, no router loss): a job.json without them and a config with these values are the
+# same job. Fields that are off when None (model.layer_types) need no entry.
+ADDED_LATER: dict[str, Any] = {
+    "model.num_experts": 0, "model.num_experts_per_tok": 2, "model.moe_mlp_dim": 0,
+    "model.router": "softmax_topk", "model.norm_topk_prob": False,
+    "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
+}
+
+
+def _asks_for_more(name: str, value: Any) -> bool:
+  """Whether a field the stored job lacks asks, with `value`, for something that job did not."""
+  return value is not None and (name not in ADDED_LATER or value != ADDED_LATER[name])
+
+
 def _other_job_error(owner: str, stored: dict, current: dict) -> UserError | None:
-  # A field newer than the stored job that this config leaves None asks for nothing the older
-  # job did not do (e.g. model.layer_types, added after a run began): the same job.
+  # A field newer than the stored job that this config leaves off (None, or its ADDED_LATER
+  # value) asks for nothing the older job did not do: the same job.
   names = [k for k in current if stored.get(k, _ABSENT) != current[k]
-           and (k in stored or current[k] is not None)]
+           and (k in stored or _asks_for_more(k, current[k]))]
   names += [k for k in stored if k not in current]
   if not names:
     return None

@@ -242,3 +242,18 @@ def test_a_job_json_that_still_holds_a_compute_field_is_the_same_job(run_copy):
   assert state.finished and state.changes == (
       'model.attention_impl: "auto" -> "blockwise" (how the forward computes: the same model, '
       'tested equal)',)
+
+
+def test_a_run_from_before_mixtures_of_experts_is_the_same_dense_job(run_copy, capsys):
+  """A job.json written before the MoE fields existed: a dense model without router losses is
+  the job it ran; experts (or a router loss) make another."""
+  job = json.loads((run_copy / JOB_FILE).read_text())
+  for name in ("model.num_experts", "model.num_experts_per_tok", "model.moe_mlp_dim",
+               "model.router", "model.norm_topk_prob", "train.moe_aux_loss",
+               "train.router_z_loss"):
+    del job["identity"][name]
+  (run_copy / JOB_FILE).write_text(json.dumps(job))
+  assert _train(run_copy, *LM_TINY) == 0
+  assert "already finished at step 6" in capsys.readouterr().out
+  assert _train(run_copy, *LM_TINY, "--config.model.num_experts=4") == 2
+  assert "model.num_experts: <absent> there, 4 here" in _error_line(capsys)[0]
