@@ -13,15 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from distillax import partitioning as pt
 from distillax.distill import LogitKD, make_distill_objective
 from distillax.framework import optim
-from distillax.framework.engine import build_engine
 from distillax.framework.evaluation import evaluate
 from distillax.models.config import TransformerConfig
 from distillax.models.init import abstract_model, create_model
 from distillax.models.transformer import Transformer
 from distillax.trainers import lm_objective
+from tests.support.engines import mesh_and_rules, tiny_engine
 
 V, L, B = 32, 32, 8  # vocabulary, sequence length, batch
 TRAIN_SEQUENCES, VAL_SEQUENCES, STEPS, EVAL_EVERY = 16, 64, 60, 10
@@ -75,13 +74,11 @@ def train_curve(objective, extras, train_seqs, val_batches):
   """Eval hard-label CE every EVAL_EVERY steps of the real compiled step, on one device."""
   student_cfg = TransformerConfig(vocab_size=V, embed_dim=32, num_layers=1, num_heads=2,
                                   num_kv_heads=1, head_dim=16, mlp_dim=64, max_seq_len=64)
-  mesh = pt.create_mesh({"data": 1, "model": 1}, devices=jax.devices()[:1])
-  rules = pt.rules_from_config({"strategy": "dp"})
+  mesh, rules = mesh_and_rules("dp", 1, devices=jax.devices()[:1])
   opt = optim.default_optimizer_config()
   opt.learning_rate, opt.warmup_steps = 3e-3, 5
-  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in as_batch(train_seqs[:B]).items()}
-  engine = build_engine(abstract_model(student_cfg), extras, objective, opt, STEPS, mesh, rules,
-                        "jit", shapes)
+  engine = tiny_engine(abstract_model(student_cfg), as_batch(train_seqs[:B]), mesh, rules,
+                       steps=STEPS, objective=objective, extras=extras, opt=opt)
   state = engine.init_state(create_model(student_cfg, mesh=mesh, rules=rules, seed=3), extras, 0)
   curve = []
   for step in range(STEPS):

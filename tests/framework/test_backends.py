@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.framework.engine_fixtures import packed_batches, run_training
+from tests.support.engines import packed_batches, run_training
 
 BATCHES = packed_batches(10)
 
@@ -58,18 +58,13 @@ def test_gradient_accumulation_4x2_equals_one_batch_of_8():
 
 def test_pmap_compiles_its_step_once(caplog):
   """The state is placed the way pmap lays out its outputs, so step 2 reuses step 1's program."""
-  from tests.framework.engine_fixtures import MODEL, optimizer_config
-  from distillax import partitioning as pt
-  from distillax.framework.engine import build_engine
   from distillax.models.init import create_model
-  from distillax.trainers import lm_objective
+  from tests.support.engines import mesh_and_rules, tiny_engine
+  from tests.support.models import TINY
 
-  mesh = pt.create_mesh({"data": 8, "model": 1})
-  rules = pt.rules_from_config({"strategy": "dp"})
-  model = create_model(MODEL, mesh=mesh, rules=rules, seed=0)
-  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in BATCHES[0].items()}
-  engine = build_engine(model, {}, lm_objective, optimizer_config(), 3, mesh, rules, "pmap",
-                        shapes)
+  mesh, rules = mesh_and_rules("dp", 8)
+  model = create_model(TINY, mesh=mesh, rules=rules, seed=0)
+  engine = tiny_engine(model, BATCHES[0], mesh, rules, "pmap", steps=3)
   state = engine.init_state(model, {}, seed=0)
   with caplog.at_level(logging.WARNING), jax.log_compiles(True):
     for b in BATCHES[:3]:

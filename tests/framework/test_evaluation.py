@@ -5,18 +5,16 @@ logits."""
 import dataclasses
 import math
 
-import jax
 import numpy as np
 import pytest
 
-from distillax import partitioning as pt
 from distillax.errors import UserError
 from distillax.framework import evaluation, losses
-from distillax.framework.engine import build_engine
 from distillax.framework.step import ObjectiveOutput
 from distillax.models.init import create_model
 from distillax.trainers import lm_objective
-from tests.framework.engine_fixtures import MODEL, optimizer_config, packed_batches
+from tests.support.engines import mesh_and_rules, packed_batches, tiny_engine
+from tests.support.models import TINY
 
 
 def _numpy_nll(model, batch):
@@ -30,16 +28,13 @@ def _numpy_nll(model, batch):
 
 def _uneven_eval():
   """(model, engine, batches): three batches with very different numbers of real tokens."""
-  mesh = pt.create_mesh({"data": 4, "model": 2})
-  rules = pt.rules_from_config({"strategy": "fsdp_tp"})
-  model = create_model(MODEL, mesh=mesh, rules=rules, seed=3)
+  mesh, rules = mesh_and_rules("fsdp_tp", 4, 2)
+  model = create_model(TINY, mesh=mesh, rules=rules, seed=3)
   batches = packed_batches(3, seed=5)
   for batch, keep in zip(batches, (1.0, 0.5, 0.1)):
     rows = int(len(batch["loss_mask_BxL"]) * keep) or 1
     batch["loss_mask_BxL"][rows:] = 0.0
-  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batches[0].items()}
-  engine = build_engine(model, {}, lm_objective, optimizer_config(), 10, mesh, rules, "jit",
-                        shapes)
+  engine = tiny_engine(model, batches[0], mesh, rules)
   return model, engine, batches
 
 

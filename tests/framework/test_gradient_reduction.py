@@ -11,28 +11,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from distillax import partitioning as pt
 from distillax.errors import ConfigError
 from distillax.framework import hlo
-from distillax.framework.engine import build_engine
 from distillax.framework.step import ObjectiveOutput
 from distillax.models.init import abstract_model, create_model
-from distillax.trainers import lm_objective
-from tests.framework.engine_fixtures import MODEL, optimizer_config, packed_batches, run_training
+from tests.support.engines import mesh_and_rules, packed_batches, run_training, tiny_engine
+from tests.support.models import TINY
 
 # Tied table of 1024 x 64: most of the gradient bytes, so a second reduction of it cannot hide.
-TIED = dataclasses.replace(MODEL, tie_embeddings=True, vocab_size=1024)
+TIED = dataclasses.replace(TINY, tie_embeddings=True, vocab_size=1024)
 
 
 def _engine(strategy, mesh_shape, backend="jit", accum_steps=1, cfg=None, batch=32, seq=16,
             reduction="auto"):
-  mesh = pt.create_mesh({"data": mesh_shape[0], "model": mesh_shape[1]})
-  rules = pt.rules_from_config({"strategy": strategy})
-  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
-            for k, v in packed_batches(1, batch=batch, seq_len=seq)[0].items()}
-  return build_engine(abstract_model(cfg or TIED), {}, lm_objective, optimizer_config(), 10,
-                      mesh, rules, backend, shapes, accum_steps=accum_steps,
-                      gradient_reduction=reduction)
+  mesh, rules = mesh_and_rules(strategy, *mesh_shape)
+  return tiny_engine(abstract_model(cfg or TIED), packed_batches(1, batch=batch, seq_len=seq)[0],
+                     mesh, rules, backend, accum_steps=accum_steps, gradient_reduction=reduction)
 
 
 def _all_reduce_bytes(engine):
@@ -58,7 +52,7 @@ def test_dp_all_reduces_one_gradient_per_step(accum_steps):
 
 def test_per_use_reduction_moves_a_gradient_per_micro_batch():
   """What per_step saves, measured on the same step: GSPMD reduces inside the micro-batch loop."""
-  per_use = _engine("dp", (8, 1), accum_steps=4, cfg=MODEL, reduction="per_use")
+  per_use = _engine("dp", (8, 1), accum_steps=4, cfg=TINY, reduction="per_use")
   assert per_use.runner.gradient_reduction == "per_use"
   assert _all_reduce_bytes(per_use) == pytest.approx(4 * _grad_bytes(per_use), rel=1e-2)
 
@@ -66,9 +60,9 @@ def test_per_use_reduction_moves_a_gradient_per_micro_batch():
 def test_auto_keeps_per_use_reductions_where_nothing_is_saved():
   """Untied and not accumulating: per-layer reductions stay, so the compiler may overlap them
   with the backward pass; parameters split over data always reduce per use."""
-  assert _engine("dp", (8, 1), cfg=MODEL).runner.gradient_reduction == "per_use"
+  assert _engine("dp", (8, 1), cfg=TINY).runner.gradient_reduction == "per_use"
   assert _engine("fsdp", (8, 1), accum_steps=4).runner.gradient_reduction == "per_use"
-  assert _engine("dp", (8, 1), cfg=MODEL, reduction="per_step").runner.gradient_reduction == (
+  assert _engine("dp", (8, 1), cfg=TINY, reduction="per_step").runner.gradient_reduction == (
       "per_step")
   with pytest.raises(ConfigError, match="gradient_reduction=per_step needs parameters"):
     _engine("fsdp", (8, 1), reduction="per_step")
@@ -111,14 +105,12 @@ def test_each_data_worker_draws_its_own_randomness(backend):
     return ObjectiveOutput(loss_sum=0.0 * student.final_norm.scale[...].sum(), tokens=one,
                            sums={"u": u, "u2": u * u})
 
-  mesh = pt.create_mesh({"data": 8, "model": 1})
-  rules = pt.rules_from_config({"strategy": "dp"})
-  shapes = {"inputs_BxL": jax.ShapeDtypeStruct((8, 4), jnp.int32)}
-  model = create_model(MODEL, mesh=mesh, rules=rules, seed=0)
-  engine = build_engine(model, {}, objective, optimizer_config(), 10, mesh, rules, backend, shapes,
-                        gradient_reduction="per_step")
+  mesh, rules = mesh_and_rules("dp", 8)
+  batch = {"inputs_BxL": np.zeros((8, 4), np.int32)}
+  model = create_model(TINY, mesh=mesh, rules=rules, seed=0)
+  engine = tiny_engine(model, batch, mesh, rules, backend, objective=objective,
+                       gradient_reduction="per_step")
   state = engine.init_state(model, {}, seed=0)
-  _, metrics = engine.runner(state, engine.runner.place_batch(
-      {"inputs_BxL": np.zeros((8, 4), np.int32)}))
+  _, metrics = engine.runner(state, engine.runner.place_batch(batch))
   variance = float(metrics["u2"]) - float(metrics["u"]) ** 2  # over the 8 workers' draws
   assert variance > 1e-3

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 from distillax.launch_local import launch
-from tests.framework.engine_fixtures import packed_batches, run_training
+from tests.support.engines import packed_batches, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

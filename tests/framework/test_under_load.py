@@ -19,16 +19,12 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from distillax import partitioning as pt
-from distillax.framework.engine import build_engine
 from distillax.main import _preset_devices
 from distillax.models.init import create_model
-from distillax.trainers import lm_objective
-from tests.framework.engine_fixtures import MODEL, optimizer_config, packed_batches
+from tests.support.engines import mesh_and_rules, packed_batches, train_copy
+from tests.support.models import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WARN = "--xla_cpu_collective_call_warn_stuck_timeout_seconds"
@@ -92,27 +88,11 @@ def busy_host():
       p.wait()
 
 
-def train(backend, model, mesh, rules, batches):
-  """Losses and final params of one run from a copy of `model` (the step donates its state)."""
-  graphdef, weights = nnx.split(model)
-  model = nnx.merge(graphdef, jax.tree.map(jnp.copy, weights))
-  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batches[0].items()}
-  engine = build_engine(model, {}, lm_objective, optimizer_config(), len(batches), mesh, rules,
-                        backend, shapes)
-  state = engine.init_state(model, {}, seed=0)
-  losses = []
-  for b in batches:
-    state, metrics = engine.runner(state, engine.runner.place_batch(b))
-    losses.append(float(metrics["loss"]))
-  return np.array(losses), jax.device_get(engine.runner.fetch_state(state).params)
-
-
 def test_collective_backends_finish_and_agree_with_jit_under_load(tmp_path):
   batches = packed_batches(3)
-  mesh = pt.create_mesh({"data": 8, "model": 1})
-  rules = pt.rules_from_config({"strategy": "dp"})
-  model = create_model(MODEL, mesh=mesh, rules=rules, seed=0)
-  ref_losses, ref_params = train("jit", model, mesh, rules, batches)
+  mesh, rules = mesh_and_rules("dp", 8)
+  model = create_model(TINY, mesh=mesh, rules=rules, seed=0)
+  ref_losses, ref_params = train_copy("jit", model, mesh, rules, batches)
   assert np.all(np.isfinite(ref_losses)) and ref_losses[-1] < ref_losses[0]
   # Each step of both all-reduces its gradients over 8 devices sharing 2 cores with the spinners.
   out = tmp_path / "runs.npz"

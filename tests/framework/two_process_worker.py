@@ -14,7 +14,7 @@ from distillax.framework import runtime  # noqa: E402
 def main(out_path: str) -> None:
   assert runtime.initialize(timeout_s=300), "expected a multi-process launch"
   assert jax.device_count() == 8 and jax.local_device_count() == 4
-  from tests.framework.engine_fixtures import packed_batches, run_training
+  from tests.support.engines import packed_batches, run_training
   losses, params, _ = run_training("jit", "fsdp", (8, 1), packed_batches(10))
   # The per-worker jit path (shard_map over data spanning both processes), accumulating.
   per_step, _, engine = run_training("jit", "dp", (4, 2), packed_batches(10), accum_steps=2)

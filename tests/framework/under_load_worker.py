@@ -15,18 +15,16 @@ jax.config.update("jax_default_matmul_precision", "highest")
 def main(out_path: str) -> None:
   import numpy as np
 
-  from distillax import partitioning as pt
   from distillax.models.init import create_model
-  from tests.framework.engine_fixtures import MODEL, packed_batches
-  from tests.framework.test_under_load import train
+  from tests.support.engines import mesh_and_rules, packed_batches, train_copy
+  from tests.support.models import TINY
 
   assert jax.device_count() == 8, "the parent passes XLA_FLAGS with 8 simulated devices"
-  mesh = pt.create_mesh({"data": 8, "model": 1})
-  rules = pt.rules_from_config({"strategy": "dp"})
-  model = create_model(MODEL, mesh=mesh, rules=rules, seed=0)
+  mesh, rules = mesh_and_rules("dp", 8)
+  model = create_model(TINY, mesh=mesh, rules=rules, seed=0)
   arrays = {}
   for backend in ("pmap", "shard_map"):
-    losses, params = train(backend, model, mesh, rules, packed_batches(3))
+    losses, params = train_copy(backend, model, mesh, rules, packed_batches(3))
     arrays[f"{backend}/losses"] = losses
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       arrays[f"{backend}/params{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
