@@ -10,6 +10,7 @@ refuses, in one line naming the source and the fix, when they no longer match.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -19,6 +20,7 @@ from flax import nnx
 from distillax import quant
 from distillax.errors import UserError
 from distillax.framework.state import TrainState
+from distillax.models.config import TransformerConfig
 from distillax.trainers.sources import (RunSource, checkpoints_of, load_run_config,
                                         student_source)
 from distillax.trainers.sources.files import CHECKPOINT_DIR
@@ -49,6 +51,14 @@ def _changed(saved: dict, now: dict) -> str:
   return ", ".join(keys) or "?"
 
 
+def _as_of_now(saved: dict) -> dict:
+  """A saved fingerprint with the model-config fields added since it was written filled in with
+  their defaults, which are what that older model computed (a dense model: num_experts 0)."""
+  if not isinstance(saved.get("config"), dict):
+    return saved
+  return {**saved, "config": {**dataclasses.asdict(TransformerConfig()), **saved["config"]}}
+
+
 def check_fingerprints(meta: dict, now: dict[str, dict], directory: str) -> None:
   """Refuses a checkpoint whose reloaded sources changed since it was saved."""
   saved = (meta.get("extra") or {}).get(SOURCES_KEY) or {}
@@ -58,9 +68,10 @@ def check_fingerprints(meta: dict, now: dict[str, dict], directory: str) -> None
       raise UserError(f"checkpoint step {step} in {directory} does not record its {name} "
                       f"({fingerprint['source']}); it was saved by another distillax or job: "
                       f"use a new workdir")
-    if saved[name] != fingerprint:
+    if _as_of_now(saved[name]) != fingerprint:
       raise UserError(f"{fingerprint['source']} changed since checkpoint step {step} in "
-                      f"{directory} was saved with it as the {name} ({_changed(saved[name], fingerprint)} "
+                      f"{directory} was saved with it as the {name} "
+                      f"({_changed(_as_of_now(saved[name]), fingerprint)} "
                       f"differ); the run reloads its {name} from there: put back the {name} it "
                       f"trained with, or start a new workdir")
 

@@ -14,11 +14,13 @@ import pytest
 from flax import nnx
 
 from distillax.data import make_tokenizer, padded_vocab_size
+from distillax.errors import UserError
 from distillax.main import main
 from distillax.models import hf
 from distillax.models.config import get_preset
 from distillax.models.init import create_model
 from distillax.trainers import load_trained_model
+from distillax.trainers.saved import SOURCES_KEY, check_fingerprints
 from distillax import partitioning as pt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,3 +136,18 @@ def test_a_lora_checkpoint_holds_no_frozen_base_and_resumes_onto_another_mesh(tm
                                 "--config.partitioning.strategy=fsdp_tp")
   for key, value in saved.items():
     np.testing.assert_allclose(resumed[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_a_checkpoint_saved_before_the_moe_fields_keeps_its_teacher():
+  """A teacher fingerprint written before the mixture-of-experts fields existed: the same dense
+  teacher now (the new fields at their defaults) is the same teacher; another shape is not."""
+  now = {"teacher": {"kind": "fresh", "source": "teacher.preset=tiny",
+                     "config": get_preset("tiny").to_dict(), "seed_offset": 1}}
+  added = ("num_experts", "num_experts_per_tok", "moe_mlp_dim", "router", "norm_topk_prob",
+           "moe_impl")
+  older = dict(now["teacher"], config={k: v for k, v in now["teacher"]["config"].items()
+                                       if k not in added})
+  check_fingerprints({"step": 3, "extra": {SOURCES_KEY: {"teacher": older}}}, now, "ckpt")
+  moe_now = {"teacher": dict(now["teacher"], config=get_preset("tiny_moe").to_dict())}
+  with pytest.raises(UserError, match="teacher.preset=tiny changed since checkpoint step 3"):
+    check_fingerprints({"step": 3, "extra": {SOURCES_KEY: {"teacher": older}}}, moe_now, "ckpt")
