@@ -1,24 +1,12 @@
-"""Shared pieces of the quantization tests: tiny models, a jitted forward, an independent numpy
-quantizer (written from the formulas, not from qwix) and synthetic batches."""
+"""Shared pieces of the quantization tests: an independent numpy quantizer (written from the
+formulas, not from qwix) and synthetic tokens and batches. Their models are tests.support.models'
+TINY / TINY1 with FAN_IN weights."""
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from flax import nnx
-
-from distillax import partitioning as pt
-from distillax.models.config import get_preset
-from distillax.models.init import abstract_model, model_shardings
-
-# 8 query heads over 4 kv heads (every preset places on 4x2), small vocab.
-TINY = get_preset("tiny", num_heads=8, num_kv_heads=4, head_dim=8, vocab_size=128)
-# One layer: what the engine tests compile (compile time dominates them on 2 cores).
-TINY1 = TINY.replace(num_layers=1)
 
 # The NF4 code book of the QLoRA paper (Dettmers et al. 2023, appendix E).
 NF4_CODES = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -26,44 +14,6 @@ NF4_CODES = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174
                       0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
                       0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
                       0.7229568362236023, 1.0], np.float32)
-
-
-def numpy_model(config=TINY, seed=0, mesh=None, strategy="fsdp"):
-  """A model initialised with numpy (no XLA compile: create_model's jit costs seconds here):
-  unit norm scales, weights normal / sqrt(fan_in), embeddings 0.02; placed by `strategy` rules
-  on `mesh` when given."""
-  graphdef, state = nnx.split(abstract_model(config))
-  rng = np.random.default_rng(seed)
-
-  def init(path, x):
-    name = "/".join(str(getattr(k, "key", k)) for k in path)
-    if name.endswith("scale"):
-      return np.ones(x.shape, np.float32)
-    if "embedding" in name:
-      return rng.normal(size=x.shape) * 0.02
-    fan_in = x.shape[-3] * x.shape[-2] if name.endswith("attn/o") else x.shape[-2]
-    return rng.normal(size=x.shape) / np.sqrt(fan_in)
-
-  values = jax.tree_util.tree_map_with_path(init, nnx.to_pure_dict(state))
-  values = jax.tree.map(lambda v, x: jnp.asarray(v, x.dtype), values, nnx.to_pure_dict(state))
-  if mesh is not None:
-    shardings = model_shardings(nnx.merge(graphdef, state), mesh,
-                                pt.rules_from_config({"strategy": strategy}))
-    values = jax.device_put(values, shardings)
-  nnx.replace_by_pure_dict(state, values)
-  return nnx.merge(graphdef, state)
-
-
-def logits(model, tokens_BxL):
-  """model(tokens).logits under jit (eager dispatch is slow on a shared 2-core machine);
-  compiled once per GraphDef."""
-  graphdef, state = nnx.split(model)
-  return _logits(graphdef, state, tokens_BxL)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _logits(graphdef, state, tokens_BxL):
-  return nnx.merge(graphdef, state)(tokens_BxL).logits_BxLxV
 
 
 def tokens(batch=2, length=12, vocab=128, seed=0):

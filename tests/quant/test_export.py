@@ -12,7 +12,8 @@ from distillax.errors import UserError
 from distillax.quant import (QuantConfig, export_quantized, load_quantized,
                              quantize_for_training, size_report)
 from distillax.quant.export import pack_nibbles, unpack_nibbles
-from tests.quant.helpers import TINY, logits, np_fake_quant, numpy_model, tokens
+from tests.quant.helpers import np_fake_quant, tokens
+from tests.support.models import FAN_IN, TINY, logits, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -23,7 +24,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 @pytest.fixture(scope="module")
 def model():
-  return numpy_model(TINY, seed=3)
+  return random_model(TINY, seed=3, init=FAN_IN)
 
 
 @pytest.mark.parametrize("weight,act,tile,scan", [
@@ -31,7 +32,7 @@ def model():
     ("float8_e4m3fn", None, None, False), ("int4", None, None, True)])
 def test_round_trip_equals_fake_quant_forward(model, tmp_path, weight, act, tile, scan):
   if scan:
-    model = numpy_model(TINY.replace(scan_layers=True), seed=4)
+    model = random_model(TINY.replace(scan_layers=True), seed=4, init=FAN_IN)
   qcfg = QuantConfig.simple(weight, act, tile)
   qat = quantize_for_training(model, qcfg)
   export_quantized(qat, qcfg, str(tmp_path))

@@ -12,8 +12,8 @@ from distillax.quant import (QuantConfig, QuantRule, WeightQuant, find_matmul_si
                              quantize_for_training, quantize_post_training)
 from distillax.quant.fakequant import fake_quantize_weight
 from tests.models import reference
-from tests.models.helpers import numpy_params
-from tests.quant.helpers import TINY, TINY1, logits, np_fake_quant, numpy_model, tokens
+from tests.quant.helpers import np_fake_quant, tokens
+from tests.support.models import FAN_IN, TINY, TINY1, logits, numpy_params, random_model
 
 WEIGHT_CASES = [("int8", None), ("int4", None), ("int4", 8), ("nf4", 8), ("float8_e4m3fn", None)]
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 @pytest.fixture(scope="module")
 def model():
-  return numpy_model(TINY1, seed=0)
+  return random_model(TINY1, seed=0, init=FAN_IN)
 
 
 @pytest.mark.parametrize("qtype,tile", WEIGHT_CASES)
@@ -48,7 +48,8 @@ def test_sites_follow_the_model_einsums(model):
   assert sites["layers/0/mlp/down"].module_path == "layers/0/mlp"
   qat = quantize_for_training(model, QuantConfig.simple("int4", "int8"))
   assert {s.name: s for s in find_matmul_sites(qat)} == sites
-  scanned = {s.name: s for s in find_matmul_sites(numpy_model(TINY.replace(scan_layers=True)))}
+  scanned_model = random_model(TINY.replace(scan_layers=True), init=FAN_IN)
+  scanned = {s.name: s for s in find_matmul_sites(scanned_model)}
   assert scanned["layers/attn/o"].stacked == 1 and scanned["layers/attn/o"].shape == (8, 8, 64)
   assert sites["lm_head"].module_path == ""
 

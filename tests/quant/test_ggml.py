@@ -17,7 +17,8 @@ from distillax.quant import (QuantConfig, QuantRule, WeightQuant, export_quantiz
                              quantize_for_training, quantize_post_training)
 from distillax.quant.fakequant import (fake_quantize, fake_quantize_weight, ste_activation,
                                         ste_weight)
-from tests.quant.helpers import TINY1, numpy_model, tokens
+from tests.quant.helpers import tokens
+from tests.support.models import FAN_IN, TINY1, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 GGML_TYPES = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
@@ -143,7 +144,7 @@ def test_contraction_not_a_multiple_of_32_is_refused():
 
 
 def test_distillax_quantized_format_refuses_ggml_types(tmp_path):
-  model = numpy_model(TINY1, seed=0)
+  model = random_model(TINY1, seed=0, init=FAN_IN)
   with pytest.raises(UserError, match="--format gguf"):
     export_quantized(model, {"rules": ((".*", "q4_0", None, None),)}, tmp_path / "out")
 
@@ -175,7 +176,7 @@ def test_qat_forward_equals_ptq_on_tensor_and_data_parallel_meshes(data, model):
   # another order than PTQ's and later q8_0 activations rounded differently (4e-3 here).
   mesh = pt.create_mesh({"data": data, "model": model})
   rules = pt.rules_from_config({"strategy": "fsdp_tp"})
-  student = numpy_model(HEAD_DIM_24, seed=0, mesh=mesh, strategy="fsdp_tp")
+  student = random_model(HEAD_DIM_24, seed=0, init=FAN_IN, mesh=mesh, strategy="fsdp_tp")
   batch = jax.device_put(tokens(8, 16, HEAD_DIM_24.vocab_size),
                          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
   qat = placed_logits(quantize_for_training(student, Q4_0_Q8_0_RULES), batch, mesh, rules)

@@ -14,15 +14,15 @@ from flax import nnx
 
 from distillax import partitioning as pt
 from distillax.errors import ConfigError, UserError
-from distillax.framework.engine import build_engine
 from distillax.quant import (LoRAParam, LoRAWeight, QuantConfig, apply_lora, load_adapters,
                              lora_dropout, merge_lora, quantize_post_training, save_adapters,
                              with_lora_dropout)
 from distillax.quant.keep_mask import keep_mask_bits, unpack_keep_mask
 from distillax.quant.weights import QuantizedValue
 from distillax.trainers import lm_objective
-from tests.framework.engine_fixtures import optimizer_config, packed_batches
-from tests.quant.helpers import TINY, TINY1, logits, numpy_model, tokens
+from tests.quant.helpers import tokens
+from tests.support.engines import mesh_and_rules, packed_batches, run_steps, tiny_engine
+from tests.support.models import FAN_IN, TINY, TINY1, logits, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -34,24 +34,21 @@ def _flat(tree):
 
 def _train(model, steps=2):
   """`steps` engine steps (jit, fsdp 4x2) training only LoRAParams, with adapter dropout."""
-  mesh = pt.create_mesh({"data": 4, "model": 2})
-  rules = pt.rules_from_config({"strategy": "fsdp"})
+  mesh, rules = mesh_and_rules("fsdp", 4, 2)
   batches = packed_batches(steps, batch=8, seq_len=16, vocab=TINY1.vocab_size, seed=5)
-  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batches[0].items()}
-  engine = build_engine(model, {}, with_lora_dropout(lm_objective), optimizer_config(), 4, mesh,
-                        rules, "jit", shapes, trainable=LoRAParam)
+  engine = tiny_engine(model, batches[0], mesh, rules, steps=4,
+                       objective=with_lora_dropout(lm_objective), trainable=LoRAParam)
   state = engine.init_state(model, {}, seed=0)
   before = jax.device_get(state)
-  for batch in batches:
-    state, metrics = engine.runner(state, engine.runner.place_batch(batch))
-    assert np.isfinite(float(metrics["loss"]))
+  state, losses = run_steps(engine, state, batches)
+  assert np.all(np.isfinite(losses))
   return engine, before, jax.device_get(state)
 
 
 @pytest.fixture
 def mesh_model():  # fresh per test: the engine donates the state, base weights included
   mesh = pt.create_mesh({"data": 4, "model": 2})
-  return numpy_model(TINY1, seed=0, mesh=mesh, strategy="fsdp")
+  return random_model(TINY1, seed=0, init=FAN_IN, mesh=mesh, strategy="fsdp")
 
 
 def test_lora_trains_only_adapters_which_shard_like_their_weights(mesh_model):
@@ -110,7 +107,7 @@ def _randomize_b(model, scale=0.05):
 
 
 def test_merge_dropout_and_adapter_files(tmp_path):
-  model = numpy_model(TINY1, seed=1)
+  model = random_model(TINY1, seed=1, init=FAN_IN)
   lora = apply_lora(model, module_regex=r".*attn/(q|o)", rank=4, alpha=8.0, dropout=0.2)
   _randomize_b(lora)
   toks = tokens(2, 10, TINY1.vocab_size, seed=2)
@@ -200,7 +197,7 @@ def _site_and_reference(wrapper, spec, key, trainable):
 ])
 def test_adapted_matmul_is_the_lora_formula_with_its_gradients(site_name, base_qtype, dropout,
                                                                 trains_base):
-  model = numpy_model(TINY1, seed=4)
+  model = random_model(TINY1, seed=4, init=FAN_IN)
   lora = apply_lora(model, module_regex=r".*/(q|o|down)|lm_head", rank=4, alpha=8.0,
                     dropout=dropout,
                     base_qtype=base_qtype, base_tile_size=8 if base_qtype else None)
@@ -233,7 +230,8 @@ def test_row_parallel_sites_keep_two_matmuls_under_tensor_parallelism():
   column-parallel ones (contracting the whole embed dim) take the one-matmul form, laid out
   like their output."""
   mesh = pt.create_mesh({"data": 4, "model": 2})
-  lora = apply_lora(numpy_model(TINY1, seed=0), module_regex=r"layers/.*/(attn|mlp)/.*")
+  lora = apply_lora(random_model(TINY1, seed=0, init=FAN_IN),
+                    module_regex=r"layers/.*/(attn|mlp)/.*")
   block = lora.layers[0]
   with pt.use_rules(mesh, pt.rules_from_config({"strategy": "tp"})):
     assert block.attn.o._matmul_layout(8) == (False, None)
@@ -284,18 +282,16 @@ def test_adapters_need_less_scratch_memory_than_full_fine_tuning():
   full fine-tuning of the same model: the adapter path keeps only x, packed 1-bit keep masks and
   rank-sized activations for the backward, and a QLoRA base is dequantized in each pass rather
   than kept in full precision."""
-  mesh = pt.create_mesh({"data": 4, "model": 2})
-  rules = pt.rules_from_config({"strategy": "fsdp"})
-  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
-            for k, v in packed_batches(1, batch=8, seq_len=64, vocab=TINY1.vocab_size)[0].items()}
-  model = numpy_model(TINY1, seed=0, mesh=mesh, strategy="fsdp")
+  mesh, rules = mesh_and_rules("fsdp", 4, 2)
+  batch = packed_batches(1, batch=8, seq_len=64, vocab=TINY1.vocab_size)[0]
+  model = random_model(TINY1, seed=0, init=FAN_IN, mesh=mesh, strategy="fsdp")
   temp = lambda engine: engine.runner.stats["temp_size_in_bytes"]
-  full = build_engine(model, {}, lm_objective, optimizer_config(), 4, mesh, rules, "jit", shapes)
+  full = tiny_engine(model, batch, mesh, rules, steps=4)
   for base_qtype in (None, "nf4"):
     lora = apply_lora(model, module_regex=r"layers/.*/(attn|mlp)/.*", rank=4, dropout=0.1,
                       base_qtype=base_qtype, base_tile_size=8 if base_qtype else None)
-    engine = build_engine(lora, {}, with_lora_dropout(lm_objective), optimizer_config(), 4,
-                          mesh, rules, "jit", shapes, trainable=LoRAParam)
+    engine = tiny_engine(lora, batch, mesh, rules, steps=4,
+                         objective=with_lora_dropout(lm_objective), trainable=LoRAParam)
     assert temp(engine) < temp(full), (base_qtype, temp(engine), temp(full))
 
 
@@ -308,8 +304,8 @@ def test_the_shipped_regex_adapts_every_block_matmul_scanned_or_unrolled():
 
   regex = lora_config.get_config("tiny").lora.module_regex
   two_layers = TINY.replace(num_layers=2)
-  unrolled = numpy_model(two_layers, seed=0)
-  scanned = with_layer_layout(numpy_model(two_layers, seed=0), scan_layers=True)
+  unrolled = random_model(two_layers, seed=0, init=FAN_IN)
+  scanned = with_layer_layout(random_model(two_layers, seed=0, init=FAN_IN), scan_layers=True)
   adapted = {name: apply_lora(m, module_regex=regex, rank=4)
              for name, m in (("unrolled", unrolled), ("scanned", scanned))}
   pure = {name: nnx.to_pure_dict(nnx.state(m, LoRAParam)) for name, m in adapted.items()}

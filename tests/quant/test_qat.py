@@ -1,38 +1,17 @@
 """QAT through the real engine: sharded params stay sharded under fsdp on 8 devices, the
 delayed start swaps models over one state, and the shard_map backend runs a QAT student."""
 
-import functools
-
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from distillax import partitioning as pt
-from distillax.framework.engine import build_engine
 from distillax.quant import (QuantConfig, QuantSiteParam, check_swappable, quantize_for_training,
                              quantize_post_training)
-from distillax.trainers import lm_objective
-from tests.framework.engine_fixtures import optimizer_config, packed_batches
-from tests.quant.helpers import TINY1, numpy_model
+from tests.support.engines import lm_loss, mesh_and_rules, packed_batches, tiny_engine
+from tests.support.models import FAN_IN, TINY1, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-def _shapes(batch):
-  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
-
-
-def _direct_loss(model, batch):
-  """Mean next-token loss by calling the model directly (not through the engine)."""
-  graphdef, state = nnx.split(model)
-  return float(_loss(graphdef, state, {k: np.asarray(v) for k, v in batch.items()}))
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _loss(graphdef, state, batch):
-  out = lm_objective(nnx.merge(graphdef, state), {}, batch, None)
-  return out.loss_sum / out.tokens
 
 
 def _specs(tree):
@@ -41,9 +20,8 @@ def _specs(tree):
 
 
 def test_fsdp_qat_keeps_shardings_and_swaps_at_start_step():
-  mesh = pt.create_mesh({"data": 4, "model": 2})
-  rules = pt.rules_from_config({"strategy": "fsdp"})
-  model = numpy_model(TINY1, seed=0, mesh=mesh, strategy="fsdp")
+  mesh, rules = mesh_and_rules("fsdp", 4, 2)
+  model = random_model(TINY1, seed=0, init=FAN_IN, mesh=mesh, strategy="fsdp")
   # Weight-only: activation rounding would amplify the summation-order noise of sharded vs
   # unsharded matmuls into rounding flips, and this test compares across the two.
   qcfg = QuantConfig.simple("int4", None, tile_size=8, start_step=2)
@@ -59,9 +37,8 @@ def test_fsdp_qat_keeps_shardings_and_swaps_at_start_step():
   assert any(s.spec and s.spec[0] == "data" for s in (x.sharding for x in fp_leaves))
 
   batches = packed_batches(3, batch=8, seq_len=16, vocab=TINY1.vocab_size, seed=1)
-  args = (lm_objective, optimizer_config(), 3, mesh, rules, "jit", _shapes(batches[0]))
-  fp_engine = build_engine(model, {}, *args)
-  qat_engine = build_engine(qat, {}, *args)
+  fp_engine = tiny_engine(model, batches[0], mesh, rules, steps=3)
+  qat_engine = tiny_engine(qat, batches[0], mesh, rules, steps=3)
   assert _specs(fp_engine.layout.shardings) == _specs(qat_engine.layout.shardings)
 
   state = fp_engine.init_state(model, {}, seed=0)
@@ -72,8 +49,8 @@ def test_fsdp_qat_keeps_shardings_and_swaps_at_start_step():
       graphdef, values = nnx.split(model)
       nnx.replace_by_pure_dict(values, fp_engine.runner.fetch_state(state).params)
       trained = nnx.merge(graphdef, values)
-      ptq_loss = _direct_loss(quantize_post_training(trained, qcfg), batch)
-      fp_loss = _direct_loss(trained, batch)
+      ptq_loss = float(lm_loss(quantize_post_training(trained, qcfg), batch))
+      fp_loss = float(lm_loss(trained, batch))
     state, metrics = engine.runner(state, engine.runner.place_batch(batch))
   qat_loss = float(metrics["loss"])
   np.testing.assert_allclose(qat_loss, ptq_loss, rtol=1e-5)
@@ -88,15 +65,13 @@ def test_shard_map_backend_runs_a_qat_student():
   (Not bit-equal: per-device matmuls sum in another order and int8 rounding of activations
   turns that noise into occasional one-step flips.)"""
   config = TINY1
-  mesh = pt.create_mesh({"data": 8, "model": 1})
-  rules = pt.rules_from_config({"strategy": "dp"})
-  model = numpy_model(config, seed=2, mesh=mesh, strategy="dp")
+  mesh, rules = mesh_and_rules("dp", 8)
+  model = random_model(config, seed=2, init=FAN_IN, mesh=mesh, strategy="dp")
   qat = quantize_for_training(model, QuantConfig.simple("int8", "int8"))
   batch = packed_batches(1, batch=8, seq_len=16, vocab=config.vocab_size, seed=3)[0]
-  engine = build_engine(qat, {}, lm_objective, optimizer_config(), 3, mesh, rules, "shard_map",
-                        _shapes(batch))
-  want = _direct_loss(qat, batch)
-  weights_only = _direct_loss(quantize_for_training(model, QuantConfig.simple("int8")), batch)
+  engine = tiny_engine(qat, batch, mesh, rules, "shard_map", steps=3)
+  want = float(lm_loss(qat, batch))
+  weights_only = float(lm_loss(quantize_for_training(model, QuantConfig.simple("int8")), batch))
   state = engine.init_state(qat, {}, seed=0)
   _, metrics = engine.runner(state, engine.runner.place_batch(batch))
   loss = float(metrics["loss"])

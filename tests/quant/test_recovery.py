@@ -10,34 +10,24 @@ and 0.60 on another (XLA:CPU's vector code differs by ISA). So int4 pools three 
 data seeds), summing the gaps before dividing, and asks for "most": more than half.
 """
 
-import functools
-
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from distillax import partitioning as pt
 from distillax.framework import optim
-from distillax.framework.engine import build_engine
 from distillax.quant import QuantConfig, quantize_for_training, quantize_post_training
-from distillax.trainers import lm_objective
-from tests.quant.helpers import TINY1, markov_batches, markov_table, numpy_model
+from tests.quant.helpers import markov_batches, markov_table
+from tests.support.engines import lm_loss, mesh_and_rules, run_steps, tiny_engine
+from tests.support.models import FAN_IN, TINY1, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 N_STEPS, K_STEPS, BATCH, LENGTH = 300, 150, 32, 32
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _loss(graphdef, state, batch):
-  out = lm_objective(nnx.merge(graphdef, state), {}, batch, None)
-  return out.loss_sum / out.tokens
-
-
 def _val_loss(model, batches):
-  graphdef, state = nnx.split(model)
-  return float(np.mean([_loss(graphdef, state, b) for b in batches]))
+  return float(np.mean([lm_loss(model, b) for b in batches]))
 
 
 def _with_params(model, params):
@@ -46,31 +36,23 @@ def _with_params(model, params):
   return nnx.merge(graphdef, state)
 
 
-def _run(engine, state, batches):
-  for batch in batches:
-    state, _ = engine.runner(state, engine.runner.place_batch(batch))
-  return state
-
-
 def _recovery_run(seed, qtypes):
   """One run from seed: full-precision, PTQ and QAT val losses per qtype."""
   config = TINY1.replace(max_seq_len=64)
   table = markov_table(config.vocab_size, successors=2, seed=0)
   train = markov_batches(table, N_STEPS + K_STEPS, BATCH, LENGTH, seed=100 + seed)
   val = markov_batches(table, 4, 128, LENGTH, seed=2)
-  mesh = pt.create_mesh({"data": 1, "model": 1}, devices=jax.devices()[:1])
-  rules = pt.rules_from_config({"strategy": "dp"})
+  mesh, rules = mesh_and_rules("dp", 1, devices=jax.devices()[:1])
   opt = optim.default_optimizer_config()
   opt.learning_rate, opt.warmup_steps, opt.weight_decay, opt.end_lr_fraction = 3e-3, 20, 0.0, 0.0
-  shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in train[0].items()}
-  build = lambda m: build_engine(m, {}, lm_objective, opt, N_STEPS + K_STEPS, mesh, rules, "jit",
-                                 shapes)
+  build = lambda m: tiny_engine(m, train[0], mesh, rules, steps=N_STEPS + K_STEPS, opt=opt)
 
-  model = numpy_model(config, seed=seed)
+  model = random_model(config, seed=seed, init=FAN_IN)
   fp_engine = build(model)
-  state = _run(fp_engine, fp_engine.init_state(model, {}, seed=0), train[:N_STEPS])
+  state, _ = run_steps(fp_engine, fp_engine.init_state(model, {}, seed=0), train[:N_STEPS])
   at_start = jax.device_get(state)  # the engine donates its input state
-  fp = _with_params(model, _run(fp_engine, jax.device_put(at_start), train[N_STEPS:]).params)
+  fp_state, _ = run_steps(fp_engine, jax.device_put(at_start), train[N_STEPS:])
+  fp = _with_params(model, fp_state.params)
   fp_loss = _val_loss(fp, val)
 
   results = {}
@@ -78,7 +60,7 @@ def _recovery_run(seed, qtypes):
     qcfg = QuantConfig.simple(qtype)  # per-channel weights, activations in full precision
     ptq_loss = _val_loss(quantize_post_training(fp, qcfg), val)
     qat_model = quantize_for_training(model, qcfg)
-    qat_state = _run(build(qat_model), jax.device_put(at_start), train[N_STEPS:])
+    qat_state, _ = run_steps(build(qat_model), jax.device_put(at_start), train[N_STEPS:])
     qat_loss = _val_loss(_with_params(qat_model, qat_state.params), val)
     results[qtype] = dict(fp=fp_loss, ptq=ptq_loss, qat=qat_loss)
   print(f"\nQAT run seed {seed} (val loss):",
