@@ -115,6 +115,23 @@ def model_conflicts(recipe) -> list[str]:
     optim.make_schedule(cfg.optimizer, int(cfg.train.steps))
   except ConfigError as e:  # the warmup outlasts the run, an unknown schedule
     out.append(str(e))
+  out += _vmap_moe_conflicts(recipe)
+  return out
+
+
+def _vmap_moe_conflicts(recipe) -> list[str]:
+  """jax.lax.ragged_dot (the ragged MoE dispatch) has no batching rule over the vmap backend's
+  worker axis: name the fix instead of failing inside the compile."""
+  if recipe.config.get("backend") != "vmap":
+    return []
+  models = [("model", recipe.model_config), ("teacher", recipe.teacher_model_config)]
+  out = []
+  for name, mc in models:
+    if mc is not None and mc.num_experts and mc.moe_impl == "ragged":
+      fix = ("or --config.model.moe_impl=dense" if name == "model"
+             else "(the teacher's experts run ragged)")
+      out.append(f"backend='vmap' cannot batch the {name}'s ragged expert matmul "
+                 f"(jax.lax.ragged_dot); use --config.backend=shard_map or pmap {fix}")
   return out
 
 

@@ -68,3 +68,14 @@ def test_router_loss_weights_are_refused_where_nothing_takes_them(capsys, tmp_pa
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1 and err[0].endswith(says), err
   assert not (tmp_path / "wd").exists()
+
+
+def test_the_vmap_backend_refuses_ragged_experts_in_one_line(capsys, tmp_path):
+  code = main(["distillax", "train", "--workdir", str(tmp_path / "wd"), "--config", f"{LM}:tiny",
+               "--config.backend=vmap", "--config.model.num_experts=4"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1, err
+  assert err[0].endswith("backend='vmap' cannot batch the model's ragged expert matmul "
+                         "(jax.lax.ragged_dot); use --config.backend=shard_map or pmap or "
+                         "--config.model.moe_impl=dense"), err
+  assert not (tmp_path / "wd").exists()
