@@ -292,6 +292,7 @@ def objectives():
 def test_masked_tokens_change_neither_loss_nor_gradient(tmp_path, tokenizer_dirs):
   from distillax.distill import DistillStudent
   from tests.distill import helpers
+  from tests.support.models import NORMS_NEAR_ONE, random_model
   seq_len = 32
   batch = chat_batch(tmp_path, tokenizer_dirs["chatml"], seq_len)
   mask = batch["loss_mask_BxL"]
@@ -305,10 +306,10 @@ def test_masked_tokens_change_neither_loss_nor_gradient(tmp_path, tokenizer_dirs
   control = {k: v.copy() for k, v in batch.items()}
   control["targets_BxL"][tuple(trained)] = (control["targets_BxL"][tuple(trained)] + 1) % vocab
   for name, (objective, strategy) in objectives().items():
-    model = helpers.make_model(student_config, 3)
+    model = random_model(student_config, 3, NORMS_NEAR_ONE)
     student = model if strategy is None else DistillStudent(
         model, strategy, teacher_embed_dim=teacher_config.embed_dim, rngs=nnx.Rngs(1))
-    run = loss_and_grad(objective, student, helpers.make_model(teacher_config, 4))
+    run = loss_and_grad(objective, student, random_model(teacher_config, 4, NORMS_NEAR_ONE))
     loss, sums, grads = run(batch)
     loss_other, sums_other, grads_other = run(other)
     np.testing.assert_array_equal(loss_other, loss, err_msg=name)

@@ -1,17 +1,14 @@
-"""Tiny models, batches and float64 numpy references for the distillation tests."""
+"""Tiny student and teacher, batches and float64 numpy references for the distillation tests."""
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from distillax.distill import DistillInputs
 from distillax.models.config import TransformerConfig
-from distillax.models.transformer import ModelOutput, Transformer
+from distillax.models.transformer import ModelOutput
+from tests.support.models import NORMS_NEAR_ONE, random_model
 
 VOCAB = 48
 # A teacher twice as wide with twice the heads and one more layer than the student, as in practice.
@@ -21,33 +18,10 @@ STUDENT_CONFIG = TransformerConfig(vocab_size=VOCAB, embed_dim=16, num_layers=2,
                                    num_kv_heads=1, head_dim=8, mlp_dim=32, max_seq_len=32)
 
 
-@functools.cache
-def _initialised(config: TransformerConfig, seed: int):
-  """(graphdef, pure state) with random numpy values: no XLA compile per model shape (eager or
-  jitted init compiles for seconds on a busy 2-core machine). Norm scales near 1, matrices
-  scaled by fan-in, so activations stay in a sane range."""
-  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-  rng = np.random.default_rng(seed)
-
-  def value(x):
-    if len(x.shape) == 1:
-      return (1.0 + 0.1 * rng.standard_normal(x.shape)).astype(x.dtype)
-    return (rng.standard_normal(x.shape) * x.shape[-2] ** -0.5).astype(x.dtype)
-
-  return graphdef, jax.tree.map(value, nnx.to_pure_dict(abstract))
-
-
-def make_model(config: TransformerConfig, seed: int) -> Transformer:
-  """A fresh module (its own Variables) over cached random values."""
-  graphdef, values = _initialised(config, seed)
-  abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-  _, state = nnx.split(abstract)
-  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, values))
-  return nnx.merge(graphdef, state)
-
-
 def make_models(seed: int = 0, student_config=STUDENT_CONFIG, teacher_config=TEACHER_CONFIG):
-  return make_model(student_config, seed + 200), make_model(teacher_config, seed + 100)
+  """(student, teacher) with norm scales near 1 and fan-in scaled matrices, seeds apart."""
+  return (random_model(student_config, seed + 200, NORMS_NEAR_ONE),
+          random_model(teacher_config, seed + 100, NORMS_NEAR_ONE))
 
 
 def make_batch(B: int = 2, L: int = 9, seed: int = 0, vocab: int = VOCAB):

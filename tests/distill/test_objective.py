@@ -16,6 +16,7 @@ from distillax.framework.state import build_layout, init_state
 from distillax.framework.step import make_train_step
 from distillax.models.transformer import Transformer
 from tests.distill import helpers as h
+from tests.support.models import NORMS_NEAR_ONE, random_model
 
 STRATEGY = (LogitKD(temperature=1.5, alpha=0.6, top_k=5)
             + 0.5 * AttentionTransfer({0: 1, 1: 2})
@@ -147,7 +148,7 @@ def test_missing_teacher_and_vocab_mismatch_raise():
   student, teacher, batch = setup(LogitKD())
   with pytest.raises(ConfigError, match="no frozen model named 'teacher'"):
     jax.eval_shape(lambda: make_distill_objective(LogitKD())(student, {}, h.to_jnp(batch), None))
-  other = h.make_model(h.TEACHER_CONFIG.replace(vocab_size=h.VOCAB + 2), 0)
+  other = random_model(h.TEACHER_CONFIG.replace(vocab_size=h.VOCAB + 2), 0, NORMS_NEAR_ONE)
   with pytest.raises(ConfigError, match="vocabulary"):
     jax.eval_shape(lambda: make_distill_objective(LogitKD())(student, {"teacher": other},
                                                              h.to_jnp(batch), None))

@@ -16,6 +16,7 @@ from distillax.distill.on_policy_losses import GeneralizedJSD, SampledTokenKL
 from distillax.models.config import TransformerConfig
 from distillax.quant import quantize_for_training
 from tests.distill import helpers as h
+from tests.support.models import NORMS_NEAR_ONE, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -178,7 +179,7 @@ Q4_0_RULES = {"rules": [("", None, None, None), (".*", "q4_0", "q8_0", None)]}
 def test_qat_student_samples_from_its_fake_quantized_forward():
   """The decode's log-probabilities of its own tokens equal the QAT model's full forward over
   prompt + completion (q4_0 weights, q8_0 activations), not the full-precision model's."""
-  model = h.make_model(QCONFIG, 3)
+  model = random_model(QCONFIG, 3, NORMS_NEAR_ONE)
   qat = quantize_for_training(model, Q4_0_RULES)
   batch = _prompt_batch()
   settings = OnPolicySettings(max_new_tokens=6, num_samples=1, pad_id=0)

@@ -21,6 +21,7 @@ from distillax.distill.objective import run_models
 from distillax.errors import ConfigError
 from distillax.framework import losses
 from tests.distill import helpers as h
+from tests.support.models import NORMS_NEAR_ONE, random_model
 
 V = 97  # prime: no other dimension of the tiny models or the batch has this size
 # These tests compare loss formulations, so both models run the reference attention: its
@@ -286,7 +287,7 @@ def test_teacher_forward_runs_in_the_dtype_its_config_asks():
   logits; the loss moves by bf16 rounding only. The default teacher computes in fp32."""
   kd = KDS["forward_kl"]
   student, teacher, batch = models_and_batch(seed=4)
-  bf16_teacher = h.make_model(TEACHER.replace(dtype="bfloat16"), 4 + 100)
+  bf16_teacher = random_model(TEACHER.replace(dtype="bfloat16"), 4 + 100, NORMS_NEAR_ONE)
   objective = new_objective(kd, 4, metrics=False)
 
   def run(t):
