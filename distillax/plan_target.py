@@ -9,7 +9,8 @@ peak and its collectives are another program's. A step the target compiler refus
 (a TPU compile fails when HBM or a kernel's VMEM runs out) is reported DOES NOT FIT, not raised.
 
 `--search` compiles the step several times to find the largest per-device batch that fits, and
-then the cheapest rematerialisation policy that fits at that batch.
+then the cheapest rematerialisation policy that fits at that batch, starting from the config's
+own batch.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _GPU_FUSION_RE = re.compile(r'"kind":"(__(?:triton|cudnn|cublas)[\w$]*)"')
 _OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Ran out of memory", "VmemOom", "out of memory")
 # Remat policies, cheapest to recompute first (`none` recomputes nothing, `full` everything).
 REMAT_BY_COST = ("none", "save_dots", "save_dots_no_batch", "full")
+MAX_PER_DEVICE = 1024  # sequences per data-parallel device: where --search stops doubling
 
 
 def fused_kernels(hlo_text: str) -> dict[str, int]:
@@ -149,26 +151,37 @@ def _trial(config, target, devices, budget: float, batch: int, remat: str) -> di
   return {"fits": fits, "peak": peak, "batch": batch, "remat": remat}
 
 
-def search_fit(config, target, devices, budget: float, *, max_per_device: int = 1024) -> dict:
+def search_fit(config, target, devices, budget: float, *,
+               max_per_device: int = MAX_PER_DEVICE) -> dict:
   """The largest per-device batch (a power of two) that fits with the most memory-saving remat
-  policy, then the cheapest policy that still fits at that batch. {'batch', 'remat', 'peak',
-  'per_device_batch', 'trials'} or {'batch': None} when even one sequence per device does not
-  fit. Global batch = per-device batch x the data-parallel devices x train.accum_steps."""
+  policy, then the cheapest policy that still fits at that batch. The search starts at the
+  config's own per-device batch (fewer compiles of a big model): doubling while it fits, else
+  halving until it does. {'batch', 'remat', 'peak', 'per_device_batch', 'trials'}, or
+  {'batch': None} when even one sequence per device does not fit. Global batch = per-device
+  batch x the data-parallel devices x train.accum_steps."""
   mesh_cfg = config.mesh
   model_axis = int(mesh_cfg.get("model", 1) or 1) * int(mesh_cfg.get("dcn_model", 1) or 1)
-  data_devices = len(devices) // model_axis
-  rows_per = data_devices * max(1, int(config.train.accum_steps))
-  trials, best, per = [], None, 1
-  while per <= max_per_device:
-    trials.append(_trial(config, target, devices, budget, per * rows_per, REMAT_BY_COST[-1]))
-    if not trials[-1]["fits"]:
-      break
-    best, per = trials[-1], per * 2
+  rows_per = len(devices) // model_axis * max(1, int(config.train.accum_steps))
+  per = 1 << max(0, (int(config.train.batch_size) // rows_per).bit_length() - 1)
+  per = min(per, max_per_device)
+  trials, best = [], None
+
+  def try_(per_device: int, remat: str) -> dict:
+    trials.append(_trial(config, target, devices, budget, per_device * rows_per, remat))
+    return trials[-1]
+
+  if try_(per, REMAT_BY_COST[-1])["fits"]:
+    best = trials[-1]
+    while per * 2 <= max_per_device and try_(per * 2, REMAT_BY_COST[-1])["fits"]:
+      best, per = trials[-1], per * 2
+  else:
+    while per > 1 and best is None:
+      per //= 2
+      best = trials[-1] if try_(per, REMAT_BY_COST[-1])["fits"] else None
   if best is None:
     return {"batch": None, "trials": trials}
   for remat in REMAT_BY_COST[:-1]:
-    trials.append(_trial(config, target, devices, budget, best["batch"], remat))
-    if trials[-1]["fits"]:
+    if try_(best["batch"] // rows_per, remat)["fits"]:
       best = trials[-1]
       break
   return dict(best, per_device_batch=best["batch"] // rows_per, trials=trials)
@@ -183,8 +196,10 @@ def run_search(config, target, devices, budget: float, what: str) -> int:
     print(f"  DOES NOT FIT: one sequence per device of {int(config.train.seq_len)} tokens "
           f"does not fit with model.remat=full")
     return DOES_NOT_FIT_EXIT_CODE
+  capped = (" (the most the search tries: a larger batch may fit)"
+            if found["per_device_batch"] >= MAX_PER_DEVICE else "")
   print(f"  largest fit: --config.train.batch_size={found['batch']} "
-        f"({found['per_device_batch']} per data-parallel device) "
+        f"({found['per_device_batch']} per data-parallel device{capped}) "
         f"--config.model.remat={found['remat']}: {fmt(found['peak'])} per device, "
         f"{len(found['trials'])} compiles")
   return 0

@@ -109,9 +109,10 @@ def test_a_step_the_tpu_compiler_cannot_fit_is_reported_not_raised(capsys):
 
 
 def test_search_finds_a_batch_and_remat_that_compile_and_fit():
-  """A 10 MiB budget on v5e-4 (tiny lm, 128 tokens): the search doubles the per-device batch
-  with remat=full until a compile does not fit, then tries cheaper policies at the largest
-  batch that did. What it returns compiles again and fits; twice its batch did not."""
+  """A 10 MiB budget on v5e-4 (tiny lm, 128 tokens): from the config's 2 sequences per device
+  the search doubles the batch with remat=full until a compile does not fit, then tries cheaper
+  policies at the largest batch that did. What it returns compiles again and fits; twice its
+  batch did not."""
   target, devices = _devices("tpu:v5e-4")
   budget = 10 * 2**20
   found = search_fit(_tiny(lm), target, devices, budget, max_per_device=8)
@@ -123,6 +124,30 @@ def test_search_finds_a_batch_and_remat_that_compile_and_fit():
   assert report["peak_bytes_per_device"] <= budget
   doubled = [t for t in found["trials"] if t["batch"] == 2 * found["batch"]]
   assert found["per_device_batch"] == 8 or (doubled and not doubled[0]["fits"])
+
+
+@pytest.mark.parametrize("start, limit, expected", [
+    # (config's per-device batch, largest per-device batch that fits but with remat=none,
+    #  (per-device batch found, remat found, compiles)); remat=none fits half of it.
+    (2, 8, (8, "save_dots", 4 + 2)),  # full: 2, 4, 8 fit, 16 not; at 8 none fails, save_dots fits
+    (8, 2, (2, "save_dots", 3 + 2)),  # 8 does not fit: halve to 4, then 2
+    (4, 4, (4, "save_dots", 2 + 2)),
+])
+def test_search_doubles_from_the_configs_batch_then_halves(monkeypatch, start, limit, expected):
+  """The search's walk, with a stand-in for the compile on 4 data-parallel devices: every
+  policy but remat=none fits up to `limit` sequences per device, none up to half of it."""
+  import distillax.plan_target as plan_target
+
+  def trial(config, target, devices, budget, batch, remat):
+    per = batch // 4
+    return {"fits": per <= (limit // 2 if remat == "none" else limit), "peak": float(per),
+            "batch": batch, "remat": remat}
+
+  monkeypatch.setattr(plan_target, "_trial", trial)
+  c = lm.get_config("tiny")
+  c.train.batch_size = start * 4
+  found = search_fit(c, None, [None] * 4, 1.0)
+  assert (found["per_device_batch"], found["remat"], len(found["trials"])) == expected
 
 
 def test_tpu_trip_counts_match_the_unrolled_program():
@@ -236,3 +261,10 @@ def test_target_names_and_shapes():
   assert (two.devices, two.slices) == (8, 2)
   gpus = targets.parse_target("gpu:h200x8", nodes=4)
   assert (gpus.devices, gpus.topology) == (32, "1x4x8")
+
+
+def test_slices_smaller_than_a_host_and_v4_megacore_have_their_devices():
+  """One v5e chip, two v5p chips (one device each) and a v4-8 (4 megacore chips)."""
+  got = {name: len(targets.target_devices(targets.parse_target(name)))
+         for name in ("tpu:v5e-1", "tpu:v5p-4", "tpu:v4-8")}
+  assert got == {"tpu:v5e-1": 1, "tpu:v5p-4": 2, "tpu:v4-8": 4}

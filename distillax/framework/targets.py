@@ -195,14 +195,13 @@ def target_devices(target: Target) -> list:
   if target.platform == "tpu":
     if not installed("libtpu"):
       raise _missing(target, "libtpu (the TPU compiler)")
-    chips = math.prod(int(d) for d in target.topology.split(":")[1].split("x"))
-    kwargs = {}
-    if chips >= 4 or target.slices > 1:  # a multi-host slice: hosts of 2x2 chips
-      kwargs = dict(chip_config_name="megacore" if target.chip == "v4" else "default",
-                    chips_per_host_bounds=(2, 2, 1), num_slices=target.slices,
-                    wrap=(False, False, False))
-    devices = topologies.get_topology_desc(topology_name=target.topology, platform="tpu",
-                                           **kwargs).devices
+    shape = tuple(int(d) for d in target.topology.split(":")[1].split("x"))
+    # Hosts of 2x2 chips; a slice smaller than one host is its own host.
+    host = (2, 2, 1) if math.prod(shape) >= 4 else (shape + (1, 1))[:3]
+    devices = topologies.get_topology_desc(
+        topology_name=target.topology, platform="tpu",
+        chip_config_name="megacore" if target.chip == "v4" else "default",
+        chips_per_host_bounds=host, num_slices=target.slices, wrap=(False, False, False)).devices
   else:
     if not installed("jax_plugins.xla_cuda12"):
       raise _missing(target, "the CUDA PJRT plugin (jax-cuda12-plugin, jax-cuda12-pjrt)")
