@@ -16,6 +16,7 @@ own batch.
 from __future__ import annotations
 
 import collections
+import math
 import re
 
 from distillax import partitioning as pt
@@ -121,6 +122,9 @@ def run_target_plan(config, target_spec: str, *, slices: int | None = None,
                     search: bool = False) -> int:
   """`plan --target`: 0 when the step fits the target's memory, DOES_NOT_FIT_EXIT_CODE when it
   does not (or the compiler ran out of memory), 2 (a UserError) for a command line to fix."""
+  if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
+    raise UserError(f"--memory_gb={memory_gb:g} must be a positive number of GiB per device, or "
+                    f"left out to check against the target chip's memory")
   target = targets.parse_target(target_spec, slices=slices, nodes=nodes)
   devices = targets.target_devices(target)
   print(f"target {target.describe()}")

@@ -241,6 +241,7 @@ def test_target_without_its_compiler_names_the_extra(monkeypatch, capsys):
     (["--target", "gpu:h100x8", "--slices", "2"], "--slices is for TPU targets"),
     (["--search"], "--slices, --nodes and --search size a --target"),
     (["--target", "tpu:v5e-4", "--devices", "8"], "--devices=8 simulates CPU devices"),
+    (["--target", "tpu:v5e-4", "--memory_gb", "0"], "--memory_gb=0 must be a positive number"),
 ])
 def test_bad_target_lines(argv, line, capsys):
   code = main(["distillax", "plan", "--config", LM_TINY] + argv)
