@@ -17,7 +17,8 @@ from distillax.quant import QuantSiteParam, full_precision, quantize_for_trainin
 from distillax.quant.graph import get_path
 from distillax.edge.gguf_export import gguf_architecture, write_gguf
 from distillax.edge.gguf_vocab import vocab_of
-from tests.edge.helpers import CONFIGS, field, peaked_model
+from tests.edge.helpers import CONFIGS, field
+from tests.support.models import PEAKED, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -80,7 +81,7 @@ def assert_bitwise(got, want, name):
 
 
 def test_f32_tensors_read_back_as_the_weights(tmp_path):
-  model = peaked_model(CONFIGS["llama"])
+  model = random_model(CONFIGS["llama"], init=PEAKED)
   write_gguf(model, tmp_path / "m.gguf", quant="f32")
   reader, tensors = read(tmp_path / "m.gguf")
   want = expected_tensors(model, "llama")
@@ -105,7 +106,7 @@ RULES = {False: ((r"layers/0/mlp", "q8_0", "q8_0", None), (".*", "q4_0", "q8_0",
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_qat_weights_read_back_bit_for_bit(tmp_path, scan_layers):
-  model = with_layer_layout(peaked_model(CONFIGS["llama"]), scan_layers)
+  model = with_layer_layout(random_model(CONFIGS["llama"], init=PEAKED), scan_layers)
   qat = quantize_for_training(model, {"rules": RULES[scan_layers]})
   write_gguf(qat, tmp_path / "m.gguf", quant="q4_0", rules=RULES[scan_layers])
   # The weights the QAT forward reads (rounded on read), in the plain unrolled model.
@@ -133,7 +134,7 @@ def test_qat_weights_read_back_bit_for_bit(tmp_path, scan_layers):
 
 def test_tied_gemma2_embedding_norms_and_metadata(tmp_path):
   config = CONFIGS["gemma2"]
-  model = peaked_model(config)
+  model = random_model(config, init=PEAKED)
   write_gguf(model, tmp_path / "m.gguf", quant="q4_0")  # no rules: every matmul weight
   reader, tensors = read(tmp_path / "m.gguf")
   qat = quantize_for_training(model, {"rules": ((".*", "q4_0", None, None),)})
@@ -156,7 +157,7 @@ def test_tied_gemma2_embedding_norms_and_metadata(tmp_path):
 
 
 def test_f16_keeps_norms_and_biases_in_f32(tmp_path):
-  model = peaked_model(CONFIGS["qwen2"])
+  model = random_model(CONFIGS["qwen2"], init=PEAKED)
   write_gguf(model, tmp_path / "m.gguf", quant="f16")
   _, tensors = read(tmp_path / "m.gguf")
   want = expected_tensors(model, "qwen2")
@@ -168,7 +169,7 @@ def test_f16_keeps_norms_and_biases_in_f32(tmp_path):
 
 
 def test_byte_tokenizer_as_llama_cpp_byte_tokens(tmp_path):
-  write_gguf(peaked_model(CONFIGS["qwen3"]), tmp_path / "m.gguf")
+  write_gguf(random_model(CONFIGS["qwen3"], init=PEAKED), tmp_path / "m.gguf")
   reader, _ = read(tmp_path / "m.gguf")
   tokens, types = field(reader, "tokenizer.ggml.tokens"), field(reader, "tokenizer.ggml.token_type")
   assert field(reader, "tokenizer.ggml.model") == "llama" and len(tokens) == 384
@@ -226,7 +227,7 @@ def test_hf_byte_level_bpe_as_gpt2_vocabulary(tmp_path):
     (dict(qkv_bias=True), "f32", None, "only to the llama architecture"),
 ])
 def test_what_llama_cpp_would_run_differently_is_refused(tmp_path, change, quant, rules, match):
-  model = peaked_model(CONFIGS["llama"].replace(**change))
+  model = random_model(CONFIGS["llama"].replace(**change), init=PEAKED)
   with pytest.raises(UserError, match=match):
     write_gguf(model, tmp_path / "m.gguf", quant=quant, rules=rules)
   assert not (tmp_path / "m.gguf").exists()
@@ -241,14 +242,14 @@ def test_gemma2_sliding_layers_llama_cpp_does_not_run_are_refused(tmp_path):
   for change in (dict(sliding_window_pattern=0),
                  dict(layer_types=("full_attention", "sliding_attention"))):
     with pytest.raises(UserError, match=r"llama.cpp's gemma2 runs layers \['sliding', 'full'\]"):
-      write_gguf(peaked_model(gemma2.replace(**change)), tmp_path / "m.gguf")
+      write_gguf(random_model(gemma2.replace(**change), init=PEAKED), tmp_path / "m.gguf")
     assert not (tmp_path / "m.gguf").exists()
   wide = gemma2.replace(sliding_window_pattern=0, sliding_window=gemma2.max_seq_len)
   assert gguf_architecture(wide) == "gemma2"
 
 
 def test_gemma2_with_another_query_scale_is_refused(tmp_path):
-  model = peaked_model(CONFIGS["gemma2"].replace(query_pre_attn_scalar=256.0))
+  model = random_model(CONFIGS["gemma2"].replace(query_pre_attn_scalar=256.0), init=PEAKED)
   with pytest.raises(UserError, match="query_pre_attn_scalar=256"):
     write_gguf(model, tmp_path / "m.gguf")
 

@@ -26,7 +26,8 @@ from distillax.edge import gguf_export, gguf_runtime
 from distillax.edge.gguf_export import write_gguf
 from distillax.models.transformer import with_config
 from distillax.quant import quantize_for_training
-from tests.edge.helpers import CONFIGS, IDS, greedy, logits, peaked_model
+from tests.edge.helpers import CONFIGS, IDS, greedy, logits
+from tests.support.models import PEAKED, random_model
 from tests.edge.test_gguf_export import byte_level_bpe
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -65,7 +66,7 @@ def run(model, path, quant, llama_cpp_gelu=False, generate=False, kernels=("refe
 def llama_runs(tmp_path_factory):
   """Every format on every kernel path this CPU can force (gguf_runtime.kernel_paths)."""
   folder = tmp_path_factory.mktemp("llama")
-  model = peaked_model(CONFIGS["llama"])
+  model = random_model(CONFIGS["llama"], init=PEAKED)
   full = logits(model, IDS)
   return {q: {**run(model, folder / f"{q}.gguf", q, generate=True,
                     kernels=gguf_runtime.kernel_paths()), "full": full}
@@ -111,7 +112,7 @@ def test_greedy_generation_agrees_token_for_token(llama_runs, quant):
     ("gemma2", "f32", 1e-3), ("gemma2", "q4_0", 1e-3), ("gemma", "f32", 1e-4),
     ("qwen2", "f32", 1e-4), ("qwen2", "q4_0", 1e-3), ("qwen3", "f32", 1e-4)])
 def test_other_architectures_match(tmp_path, arch, quant, tolerance):
-  model = peaked_model(CONFIGS[arch])
+  model = random_model(CONFIGS[arch], init=PEAKED)
   r = run(model, tmp_path / "m.gguf", quant, llama_cpp_gelu=arch.startswith("gemma"))
   assert np.abs(r["llama_cpp"] - r["distillax"]).max() <= tolerance
 
@@ -120,7 +121,7 @@ def test_llama_cpp_gemma2_slides_on_even_layers_whatever_the_file_says(tmp_path,
   """Why gguf_export refuses a Gemma 2 whose sliding layers are not the even ones (a student of
   two sliding teacher blocks): written anyway, llama.cpp runs it as sliding/full, another model
   than the one trained."""
-  every = peaked_model(CONFIGS["gemma2"].replace(sliding_window_pattern=0))
+  every = random_model(CONFIGS["gemma2"].replace(sliding_window_pattern=0), init=PEAKED)
   assert every.config.local_layers() == [True, True]
   monkeypatch.setattr(gguf_export, "_check_gemma2_windows", lambda config: None)
   r = run(every, tmp_path / "m.gguf", "f32", llama_cpp_gelu=True)
@@ -134,7 +135,7 @@ def vocab_only(path):
 
 
 def test_llama_cpp_tokenizes_like_the_byte_tokenizer(tmp_path):
-  write_gguf(peaked_model(CONFIGS["qwen3"]), tmp_path / "m.gguf")
+  write_gguf(random_model(CONFIGS["qwen3"], init=PEAKED), tmp_path / "m.gguf")
   llm, tok = vocab_only(tmp_path / "m.gguf"), ByteTokenizer()
   try:
     for text in TEXTS:
@@ -147,7 +148,7 @@ def test_llama_cpp_tokenizes_like_the_byte_tokenizer(tmp_path):
 
 def test_llama_cpp_tokenizes_like_the_hf_bpe_tokenizer(tmp_path):
   tok = byte_level_bpe(tmp_path)
-  model = peaked_model(CONFIGS["qwen2"].replace(vocab_size=512))
+  model = random_model(CONFIGS["qwen2"].replace(vocab_size=512), init=PEAKED)
   write_gguf(model, tmp_path / "m.gguf", tokenizer=tok, add_bos=False)
   llm = vocab_only(tmp_path / "m.gguf")
   try:
@@ -171,7 +172,7 @@ def test_demo_student_greedy_agrees_for_32_tokens(tmp_path):
             if k in TransformerConfig.__dataclass_fields__}
   config = TransformerConfig(**{**fields, "vocab_size": CONFIGS["llama"].vocab_size,
                                 "tie_embeddings": False})
-  model = peaked_model(config)
+  model = random_model(config, init=PEAKED)
   rules = tuple(demo.get_config().quant_rules)
   write_gguf(model, tmp_path / "demo.gguf", quant="q4_0", rules=rules)
   reference = quantize_for_training(model, {"rules": rules})
