@@ -15,16 +15,10 @@ import pytest
 from benchmarks import accelerator
 from benchmarks.lib import accelerator_table
 from distillax.models.config import get_preset
+from tests.support.bench import matmul_params
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "accelerator.py"
-
-
-def matmul_weights(c, layers=None) -> int:
-  """Weights that take part in a matmul, by hand: q, k, v, o, the gated MLP, the output layer."""
-  per_layer = (c.embed_dim * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-               + 3 * c.embed_dim * c.mlp_dim)
-  return (layers or c.num_layers) * per_layer + c.vocab_size * c.embed_dim
 
 
 def test_json_holds_every_finished_row_before_the_next_starts(tmp_path):
@@ -112,12 +106,12 @@ def test_quick_rows_on_cpu(tmp_path):
     tokens, T = r["tokens_per_step"], r["seq_len"]
     assert tokens == r["batch"] * T
     attn = tiny.num_layers * tiny.num_heads * tiny.head_dim * T  # L H Q T
-    palm = tokens * (6 * matmul_weights(tiny) + 12 * attn)
-    causal = tokens * (6 * matmul_weights(tiny) + 6 * attn)  # half of each T x T product
+    palm = tokens * (6 * matmul_params(tiny) + 12 * attn)
+    causal = tokens * (6 * matmul_params(tiny) + 6 * attn)  # half of each T x T product
     if name.startswith("distill"):  # the frozen teacher's forward: 2N + 4 L H Q T per token
       t_attn = teacher_layers * tiny.num_heads * tiny.head_dim * T
-      palm += tokens * (2 * matmul_weights(tiny, teacher_layers) + 4 * t_attn)
-      causal += tokens * (2 * matmul_weights(tiny, teacher_layers) + 2 * t_attn)
+      palm += tokens * (2 * matmul_params(tiny, teacher_layers) + 4 * t_attn)
+      causal += tokens * (2 * matmul_params(tiny, teacher_layers) + 2 * t_attn)
     assert r["flops_palm"] == pytest.approx(palm)
     assert r["flops_causal"] == pytest.approx(causal)
     assert r["tokens_per_s"] == pytest.approx(tokens / r["step_s"])

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.bench import FAST_COMPILE
+
 ROOT = Path(__file__).resolve().parents[2]
-# Compile-only figures: LLVM's optimisation level changes neither XLA's buffer assignment nor
-# these numbers, and at 0 the compiles take half the time.
-FAST_COMPILE = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
 @pytest.fixture(scope="module")

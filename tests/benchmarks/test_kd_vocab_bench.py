@@ -14,12 +14,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.kd_vocab import largest_batch
+from tests.support.bench import FAST_COMPILE, total_params
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ["unchunked", "chunk256", "default"]
-# The smoke test checks figures, not speed: LLVM's optimisation level changes neither XLA's
-# buffer assignment nor the values compared here, and at 0 the compiles take half the time.
-FAST_COMPILE = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +30,6 @@ def result(tmp_path_factory):
   assert "max batch" in proc.stdout  # the table was printed
   text = (out / "kd_vocab.json").read_text()
   return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON: {c}"))
-
-
-def params(cfg: dict) -> int:
-  """Parameters of a tied-embedding decoder from its config: q, k, v, o, gated MLP, 2 norms per
-  block, the embedding, the final norm."""
-  block = (cfg["embed_dim"] * cfg["head_dim"] * (2 * cfg["num_heads"] + 2 * cfg["num_kv_heads"])
-           + 3 * cfg["embed_dim"] * cfg["mlp_dim"] + 2 * cfg["embed_dim"])
-  return cfg["num_layers"] * block + cfg["vocab_size"] * cfg["embed_dim"] + cfg["embed_dim"]
 
 
 def test_every_variant_timed_and_the_same_loss(result):
@@ -80,7 +70,7 @@ def test_memory_and_the_largest_batch(result):
   assert [r["system"] for r in searched] == list(s["max_batch_systems"])
   for r in result["rows"]:
     # fp32 student params and two Adam moments, fp32 teacher params: all live in the step
-    assert r["peak_bytes"] >= 4 * (3 * params(r["student"]) + params(r["teacher"]))
+    assert r["peak_bytes"] >= 4 * (3 * total_params(r["student"]) + total_params(r["teacher"]))
     assert {int(b): p for b, p in r["peaks_by_batch"].items()}[s["batch"]] == r["peak_bytes"]
   for r in searched:
     peaks = {int(b): p for b, p in r["peaks_by_batch"].items()}

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.bench import FAST_COMPILE
+
 ROOT = Path(__file__).resolve().parents[2]
-FAST_COMPILE = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
 @pytest.fixture(scope="module")

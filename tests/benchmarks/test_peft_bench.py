@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.benchmarks.test_kd_vocab_bench import FAST_COMPILE
-from tests.benchmarks.test_qat_bench import matmul_weights, total_params
+from tests.support.bench import FAST_COMPILE, matmul_weights, total_params
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.bench import matmul_weights, total_params
+
 ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = ["plain", "qat_int8", "qat_int4", "lora", "qlora_nf4"]
 
@@ -25,21 +27,6 @@ def result(tmp_path_factory):
   res = json.loads((out / "qat.json").read_text())
   res["by_name"] = {r["variant"]: r for r in res["rows"]}
   return res
-
-
-def matmul_weights(m) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-  """One decoder block's matmul weights as (contracted dims, output dims), from the config."""
-  d, h, k, hd, f = (m["embed_dim"], m["num_heads"], m["num_kv_heads"], m["head_dim"],
-                    m["mlp_dim"])
-  return {"q": ((d,), (h, hd)), "k": ((d,), (k, hd)), "v": ((d,), (k, hd)),
-          "o": ((h, hd), (d,)), "gate": ((d,), (f,)), "up": ((d,), (f,)), "down": ((f,), (d,))}
-
-
-def total_params(m) -> int:
-  block = sum(math.prod(c) * math.prod(o) for c, o in matmul_weights(m).values())
-  block += 2 * m["embed_dim"]  # two norm scales
-  embed = m["vocab_size"] * m["embed_dim"] * (1 if m["tie_embeddings"] else 2)
-  return m["num_layers"] * block + embed + m["embed_dim"]
 
 
 def test_every_variant_timed(result):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from distillax.models.config import get_preset
+from tests.support.bench import total_params
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,18 +21,6 @@ def run_script(name: str, out: Path) -> dict:
                         timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return json.loads((out / f"{name}.json").read_text())
-
-
-def layer_params(c) -> int:
-  """Parameters of one decoder block from the config, by hand: q, k, v, o, gated MLP, 2 norms."""
-  attn = c.embed_dim * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-  return attn + 3 * c.embed_dim * c.mlp_dim + 2 * c.embed_dim
-
-
-def total_params(c, layers=None) -> int:
-  head = 0 if c.tie_embeddings else c.vocab_size * c.embed_dim
-  return ((layers or c.num_layers) * layer_params(c) + c.vocab_size * c.embed_dim + head
-          + c.embed_dim)
 
 
 def train_flops(c, batch, seq) -> float:
