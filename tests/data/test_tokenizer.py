@@ -1,24 +1,18 @@
 """Tokenizers: byte-level ids, SentencePiece and Hugging Face round trips, vocab checks."""
 
 import io
-import os
 
 import numpy as np
 import pytest
 
+from tests.data.chat_testing import training_lines
 from tests.data.data_testing import (data_config, random_texts, reconstruct_documents,
                                      write_text_files)
 from distillax.data import (ByteTokenizer, check_vocab, make_eval_iterator, make_tokenizer,
-                            padded_vocab_size, stdlib_files)
+                            padded_vocab_size)
 from distillax.errors import ConfigError, UserError
 
 SAMPLE = 'def f(x):\n\treturn  x + "é€中🙂"\n\n  end '
-
-
-def training_lines():
-  root, _ = stdlib_files()
-  with open(os.path.join(root, "os.py"), encoding="utf-8") as f:
-    return [line for line in f.read().splitlines() if line.strip()][:600]
 
 
 @pytest.fixture(scope="module")
