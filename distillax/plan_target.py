@@ -149,8 +149,9 @@ def _trial(config, target, devices, budget: float, batch: int, remat: str) -> di
   report = compile_on(trial, target, devices)
   peak = report.get("peak_bytes_per_device")
   fits = "out_of_memory" not in report and peak <= budget
-  shown = fmt(peak) if peak is not None else "out of memory at compile"
-  print(f"  search: batch {batch}, remat {remat}: {shown} per device, "
+  shown = (f"{fmt(peak)} per device" if peak is not None
+           else "the compiler ran out of memory")
+  print(f"  search: batch {batch}, remat {remat}: {shown}, "
         f"{'fits' if fits else 'does not fit'}", flush=True)
   return {"fits": fits, "peak": peak, "batch": batch, "remat": remat}
 
