@@ -70,16 +70,18 @@ def _out_of_memory(error: Exception) -> str | None:
   return pick[:400]
 
 
-def compile_on(config, target: targets.Target, devices: list) -> dict:
+def compile_on(config, target: targets.Target, devices: list, model_overrides=None) -> dict:
   """Compiles `config`'s train step for `target`; the plan report, plus the target, the kernels
-  and attention choices, or {'out_of_memory': <compiler's line>} when it does not compile."""
+  and attention choices, or {'out_of_memory': <compiler's line>} when it does not compile.
+  `model_overrides`: the --config.* values the user set (checked against the student's
+  source, as every job does)."""
   config = config.copy_and_resolve_references()
   mesh_cfg = config.mesh
   if target.slices > 1 and int(mesh_cfg.get("dcn_data", 1) or 1) * int(
       mesh_cfg.get("dcn_model", 1) or 1) == 1:
     mesh_cfg.dcn_data = target.slices  # data parallel across slices (DCN), the rest inside one
   mesh = pt.create_mesh(mesh_cfg, devices=devices)
-  recipe = recipe_for(config, mesh=mesh)
+  recipe = recipe_for(config, mesh=mesh, model_overrides=model_overrides)
   with attention_impl.recorded_choices() as choices:
     try:
       engine = recipe.build_engines().main
@@ -119,7 +121,7 @@ def _print_target(report: dict) -> None:
 
 def run_target_plan(config, target_spec: str, *, slices: int | None = None,
                     nodes: int | None = None, memory_gb: float | None = None,
-                    search: bool = False) -> int:
+                    search: bool = False, model_overrides=None) -> int:
   """`plan --target`: 0 when the step fits the target's memory, DOES_NOT_FIT_EXIT_CODE when it
   does not (or the compiler ran out of memory), 2 (a UserError) for a command line to fix."""
   if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
@@ -131,7 +133,7 @@ def run_target_plan(config, target_spec: str, *, slices: int | None = None,
   budget, what = _budget(target, memory_gb)
   if search:
     return run_search(config, target, devices, budget, what)
-  report = compile_on(config, target, devices)
+  report = compile_on(config, target, devices, model_overrides)
   if "out_of_memory" in report:
     print(f"  DOES NOT FIT: the {target.platform.upper()} compiler ran out of memory: "
           f"{report['out_of_memory']}")

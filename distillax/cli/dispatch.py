@@ -62,7 +62,8 @@ def _plan(config, flags: dict) -> int:
                     f"{flags['target']} compiles for the target's own; drop --devices")
   from distillax.plan_target import run_target_plan
   return run_target_plan(config, flags["target"], slices=flags["slices"], nodes=flags["nodes"],
-                         memory_gb=flags["memory_gb"], search=flags["search"])
+                         memory_gb=flags["memory_gb"], search=flags["search"],
+                         model_overrides=flags["config_overrides"])
 
 
 def _export(config, flags: dict) -> int:
