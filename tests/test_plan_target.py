@@ -58,8 +58,15 @@ def _default_matmul_precision():
     yield
 
 
+def _moe():
+  c = _tiny(lm)
+  c.model.num_experts, c.model.moe_mlp_dim = 4, 64  # ragged_dot experts (model.moe_impl)
+  return c
+
+
 TINY_JOBS = {"lm": lambda: _tiny(lm), "distill": lambda: _tiny(distill),
-             "on_policy": _on_policy, "qat_q4_0": _qat_q4_0, "lora": lambda: _tiny(lora)}
+             "on_policy": _on_policy, "qat_q4_0": _qat_q4_0, "lora": lambda: _tiny(lora),
+             "moe": _moe}
 
 
 @pytest.mark.parametrize("job", sorted(TINY_JOBS))
@@ -76,6 +83,8 @@ def test_tiny_jobs_compile_for_a_tpu_with_splash(job):
   assert any("fwd" in k for k in splash) and any("dkv" in k for k in splash), report["kernels"]
   assert any(choice.startswith("splash (") for choice in report["attention"]), report
   assert report["peak_bytes_per_device"] <= report["memory_bytes_per_device"]
+  if job == "moe":  # the experts' grouped matmuls lower to Mosaic's ragged-dot kernels
+    assert any(k.startswith("mosaic:ragged-dot") for k in report["kernels"]), report["kernels"]
 
 
 @pytest.mark.parametrize("target_name", ["tpu:v5p-8", "tpu:v6e-4"])
