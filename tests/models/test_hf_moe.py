@@ -14,6 +14,7 @@ from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from tests.support.hf import saved_with_logits, torch_logits  # noqa: E402
 
 from distillax import partitioning as pt  # noqa: E402
 from distillax.models import hf  # noqa: E402
@@ -45,17 +46,13 @@ def _hf_model(family):
 
 
 def _torch_logits(model):
-  with torch.no_grad():
-    return model(input_ids=torch.tensor(TOKENS)).logits.numpy()
+  return torch_logits(model, TOKENS)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def hf_checkpoint(request, tmp_path_factory):
   family = request.param
-  model = _hf_model(family)
-  path = tmp_path_factory.mktemp(family)
-  model.save_pretrained(path)
-  return family, path, _torch_logits(model)
+  return (family, *saved_with_logits(_hf_model(family), tmp_path_factory.mktemp(family), TOKENS))
 
 
 def test_moe_import_matches_transformers_unrolled_and_sharded_scanned(hf_checkpoint):
