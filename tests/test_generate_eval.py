@@ -14,7 +14,7 @@ from distillax.data.chat import template_for
 from distillax.generate import generate_tokens, load_model_dir
 from distillax.main import main
 from distillax.models import hf
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.sampler import Sampler
 from distillax.trainers import load_trained_model
 from tests.data import chat_testing as ct

@@ -15,7 +15,7 @@ from distillax.configs import sections
 from distillax.data import default_data_config
 from distillax.errors import ConfigError
 from distillax.framework.optim import default_optimizer_config
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 
 
 def model_config(preset: str, **overrides) -> ml_collections.ConfigDict:

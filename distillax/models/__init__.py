@@ -5,7 +5,8 @@ import hf`.
 """
 
 from distillax.models.attention import KVCache
-from distillax.models.config import PRESETS, TransformerConfig, get_preset, preset_names
+from distillax.models.config import TransformerConfig
+from distillax.models.presets import PRESETS, get_preset, preset_names
 from distillax.models.init import (abstract_model, create_model, model_shardings, param_count,
                                    resolve_rules)
 from distillax.models.sampler import GenerationOutput, Sampler, SamplingConfig, generate

@@ -2,9 +2,7 @@
 decoder.
 
 Configs are data (dtypes are names such as 'bfloat16'), so they round-trip through JSON and
-ConfigDict overrides. Named presets cover the tests (`tiny`, `tiny_gemma`), the CPU demo
-(`demo_teacher`, `demo_student`) and the real shapes of published checkpoints (shapes only;
-nothing is downloaded).
+ConfigDict overrides. Named configs live in `models/presets.py`.
 """
 
 from __future__ import annotations
@@ -237,10 +235,8 @@ class TransformerConfig:
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "TransformerConfig":
-    """From a dict/ConfigDict; a 'preset' key starts from that preset, other keys override."""
-    values = dict(values)
-    base = get_preset(values.pop("preset")) if values.get("preset") else cls()
-    return base.replace(**values)
+    """From a dict/ConfigDict of fields (a 'preset' key: `presets.config_from_dict`)."""
+    return cls().replace(**dict(values))
 
 
 def field_kind(name: str) -> str:
@@ -274,79 +270,3 @@ def window_fields(window: int | None, local: Sequence[bool]) -> dict[str, Any]:
             "layer_types": None}
   return {"sliding_window": int(window), "sliding_window_pattern": 2,  # unused with types
           "layer_types": tuple(SLIDING if x else FULL for x in local)}
-
-
-# ---- presets ---------------------------------------------------------------------------------
-
-def _llama3(**kw) -> TransformerConfig:
-  base = dict(vocab_size=128_256, mlp_activation="swiglu", norm_eps=1e-5, rope_theta=500_000.0,
-              rope_scaling_factor=32.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
-              rope_original_max_len=8192, max_seq_len=131_072, scan_layers=True,
-              param_dtype="bfloat16", dtype="bfloat16")
-  return TransformerConfig(**{**base, **kw})
-
-
-def _gemma(**kw) -> TransformerConfig:
-  base = dict(vocab_size=256_000, mlp_activation="geglu", norm_eps=1e-6, norm_scale_plus_one=True,
-              rope_theta=10_000.0, tie_embeddings=True, scale_embeddings=True, max_seq_len=8192,
-              head_dim=256, scan_layers=True, param_dtype="bfloat16", dtype="bfloat16")
-  return TransformerConfig(**{**base, **kw})
-
-
-def _gemma2(**kw) -> TransformerConfig:
-  return _gemma(use_post_norms=True, attn_logit_softcap=50.0, final_logit_softcap=30.0,
-                query_pre_attn_scalar=256.0, sliding_window=4096, sliding_window_pattern=2, **kw)
-
-
-PRESETS: dict[str, TransformerConfig] = {
-    # Seconds-fast test shapes: byte vocabulary, GQA (4 query heads over 2 kv heads).
-    "tiny": TransformerConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
-                              num_kv_heads=2, head_dim=16, mlp_dim=128, max_seq_len=128),
-    # Every Gemma-2 feature at test size: GeGLU, (1+scale) norms, sqrt(D) embeddings, tied
-    # output, post norms, soft-capping, query pre-attention scalar, alternating sliding window.
-    "tiny_gemma": TransformerConfig(
-        vocab_size=256, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        mlp_dim=128, mlp_activation="geglu", norm_scale_plus_one=True, tie_embeddings=True,
-        scale_embeddings=True, attn_logit_softcap=50.0, final_logit_softcap=30.0,
-        query_pre_attn_scalar=16.0, sliding_window=8, sliding_window_pattern=2,
-        use_post_norms=True, max_seq_len=128),
-    # A Mixtral at test size: 4 experts of width 32 in every layer, top-2 (softmax over the 2).
-    "tiny_moe": TransformerConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
-                                  num_kv_heads=2, head_dim=16, mlp_dim=128, num_experts=4,
-                                  num_experts_per_tok=2, moe_mlp_dim=32, router="topk_softmax",
-                                  max_seq_len=128),
-    # CPU demo pair (byte-level): a ~4.8M teacher and a ~1.5M student that train a few hundred
-    # steps on two cores in minutes. Same family and head_dim so every KD strategy applies.
-    "demo_teacher": TransformerConfig(vocab_size=256, embed_dim=256, num_layers=6, num_heads=8,
-                                      num_kv_heads=4, head_dim=32, mlp_dim=768,
-                                      tie_embeddings=True, max_seq_len=256),
-    "demo_student": TransformerConfig(vocab_size=256, embed_dim=128, num_layers=6, num_heads=4,
-                                      num_kv_heads=2, head_dim=32, mlp_dim=512,
-                                      tie_embeddings=True, max_seq_len=256),
-    # Published shapes (Hugging Face config.json of each checkpoint).
-    "llama3.2-1b": _llama3(embed_dim=2048, num_layers=16, num_heads=32, num_kv_heads=8,
-                           head_dim=64, mlp_dim=8192, tie_embeddings=True),
-    "llama3.2-3b": _llama3(embed_dim=3072, num_layers=28, num_heads=24, num_kv_heads=8,
-                           head_dim=128, mlp_dim=8192, tie_embeddings=True),
-    "llama3.1-8b": _llama3(embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
-                           head_dim=128, mlp_dim=14_336, tie_embeddings=False,
-                           rope_scaling_factor=8.0),
-    "gemma-2b": _gemma(embed_dim=2048, num_layers=18, num_heads=8, num_kv_heads=1, mlp_dim=16_384),
-    "gemma-7b": _gemma(embed_dim=3072, num_layers=28, num_heads=16, num_kv_heads=16,
-                       mlp_dim=24_576),
-    "gemma2-2b": _gemma2(embed_dim=2304, num_layers=26, num_heads=8, num_kv_heads=4,
-                         mlp_dim=9216),
-    "gemma2-9b": _gemma2(embed_dim=3584, num_layers=42, num_heads=16, num_kv_heads=8,
-                         mlp_dim=14_336),
-}
-
-
-def preset_names() -> tuple[str, ...]:
-  return tuple(PRESETS)
-
-
-def get_preset(name: str, **overrides) -> TransformerConfig:
-  """A named preset, optionally with fields replaced (`get_preset('tiny', scan_layers=True)`)."""
-  if name not in PRESETS:
-    raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
-  return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]

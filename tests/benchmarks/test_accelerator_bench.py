@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks import accelerator
 from benchmarks.lib import accelerator_table
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from tests.support.bench import matmul_params
 
 ROOT = Path(__file__).resolve().parents[2]

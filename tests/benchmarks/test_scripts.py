@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from tests.support.bench import total_params
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import pytest
 from distillax.demo import edge
 from distillax.edge import gguf_runtime, measurements
 from distillax.edge.gguf_export import write_gguf
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.init import create_model
 from tests.edge.helpers import byte_eval_batches
 

@@ -8,7 +8,7 @@ import pytest
 from distillax.demo.on_policy import gguf_figures, sample_gguf
 from distillax.distill.on_policy import OnPolicySettings
 from distillax.distill.on_policy_eval import OnPolicyEvaluator
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.init import create_model
 from distillax.quant import quantize_post_training
 from distillax.edge.gguf_export import write_gguf

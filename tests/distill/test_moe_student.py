@@ -8,7 +8,7 @@ from flax import nnx
 
 from distillax.distill import LogitKD, make_distill_objective
 from distillax.models import moe
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from tests.support.engines import packed_batches
 from tests.support.models import Normal, random_model
 

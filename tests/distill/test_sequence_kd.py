@@ -19,7 +19,7 @@ from distillax.data import (make_tokenizer, make_train_iterator, resolve_data_co
                             split_documents)
 from distillax.distill.sequence_kd import take_prompts
 from distillax.trainers import SequenceKDRecipe
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.init import create_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

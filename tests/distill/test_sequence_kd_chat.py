@@ -19,7 +19,7 @@ from distillax import main as cli
 from distillax.configs import sequence_kd as seqkd_config
 from distillax.data import default_data_config, make_tokenizer, make_train_iterator
 from distillax.distill.sequence_kd import sample_record, take_prompt_records
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.init import create_model
 from distillax.trainers import SequenceKDRecipe
 from tests.data import chat_testing as ct

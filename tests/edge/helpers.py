@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from distillax.data import make_eval_iterator, make_tokenizer
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from tests.support.models import logits as batch_logits
 
 VOCAB = 384  # the byte tokenizer's 259 ids padded to a multiple of 128, as training pads them

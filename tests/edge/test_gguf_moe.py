@@ -5,7 +5,7 @@ import pytest
 
 from distillax.edge.gguf_export import gguf_architecture
 from distillax.errors import UserError
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 
 
 def test_gguf_export_of_an_moe_model_is_refused_in_one_line():

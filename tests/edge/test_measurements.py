@@ -15,7 +15,7 @@ from distillax.data import batch as batch_spec
 from distillax.edge import measurements
 from distillax.edge.gguf_export import write_gguf
 from distillax.framework import losses
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.init import create_model
 from tests.edge.helpers import byte_eval_batches
 

@@ -10,7 +10,7 @@ from flax import nnx
 from distillax import partitioning as pt
 from distillax.data import batch as batch_spec
 from distillax.framework import losses, vocab_chunks
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.trainers import lm_objective
 from tests.support.models import random_model
 

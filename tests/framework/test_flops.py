@@ -201,7 +201,7 @@ def test_the_real_model_matches_xla_cost_analysis(preset):
   # The project's own Transformer computes the full masked score matrix (also for its sliding
   # window layers), so XLA's count is compared with causal=False.
   from flax import nnx
-  from distillax.models.config import get_preset
+  from distillax.models.presets import get_preset
   from distillax.models.transformer import Transformer
   cfg = get_preset(preset)
   graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from flax import nnx
 
 from distillax import partitioning as pt
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.init import abstract_model
 
 

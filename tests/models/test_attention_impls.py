@@ -17,7 +17,8 @@ from distillax.models import attention_blockwise, attention_impl
 from distillax.models.attention import reference_attention
 from distillax.models.attention_fused import cudnn_attention, splash_attention
 from distillax.models.attention_impl import AttentionNeeds, choose
-from distillax.models.config import GLOBAL_WINDOW, get_preset
+from distillax.models.config import GLOBAL_WINDOW
+from distillax.models.presets import get_preset
 from distillax.models.sampler import generate
 from distillax.models.transformer import with_config, with_layer_layout
 from tests.support.models import random_model

@@ -8,6 +8,7 @@ import pytest
 from distillax.errors import ConfigError
 from distillax.models import config as mc
 from distillax.models.init import param_count
+from distillax.models.presets import PRESETS, config_from_dict, get_preset
 
 # Published sizes (model cards / safetensors metadata of the Hugging Face checkpoints).
 PUBLISHED = {
@@ -23,7 +24,7 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_real_presets_match_published_parameter_counts(name):
-  cfg = mc.get_preset(name)
+  cfg = get_preset(name)
   assert cfg.scan_layers
   assert param_count(cfg) == PUBLISHED[name]
 
@@ -40,26 +41,26 @@ def _closed_form(cfg):
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_gemma", "demo_teacher", "demo_student"])
 def test_small_presets(name):
-  cfg = mc.get_preset(name)
+  cfg = get_preset(name)
   assert param_count(cfg) == _closed_form(cfg)
   assert cfg.vocab_size == 256
 
 
 def test_demo_sizes():
-  assert 4e6 <= param_count(mc.get_preset("demo_teacher")) <= 8e6
-  assert 1e6 <= param_count(mc.get_preset("demo_student")) <= 2e6
+  assert 4e6 <= param_count(get_preset("demo_teacher")) <= 8e6
+  assert 1e6 <= param_count(get_preset("demo_student")) <= 2e6
 
 
 def test_scan_layout_does_not_change_count():
-  cfg = mc.get_preset("tiny_gemma")
+  cfg = get_preset("tiny_gemma")
   assert param_count(cfg.replace(scan_layers=True)) == param_count(cfg)
 
 
 def test_gemma2_alternates_local_and_global_layers():
-  cfg = mc.get_preset("gemma2-2b")
+  cfg = get_preset("gemma2-2b")
   assert [cfg.layer_uses_sliding_window(i) for i in range(4)] == [True, False, True, False]
   assert cfg.layer_windows()[:2] == (4096, mc.GLOBAL_WINDOW)
-  assert mc.get_preset("tiny").layer_windows() is None
+  assert get_preset("tiny").layer_windows() is None
   every = cfg.replace(sliding_window_pattern=0)
   assert all(every.layer_uses_sliding_window(i) for i in range(cfg.num_layers))
 
@@ -67,7 +68,7 @@ def test_gemma2_alternates_local_and_global_layers():
 def test_a_model_of_some_blocks_keeps_each_blocks_attention():
   """A student made of teacher blocks attends in each block as the teacher did, in the one form
   that says it: a pattern when the blocks follow one, else per-layer types."""
-  gemma2 = mc.get_preset("gemma2-2b")  # sliding, full, sliding, full, ...
+  gemma2 = get_preset("gemma2-2b")  # sliding, full, sliding, full, ...
   both_sliding = gemma2.select_layers((0, 2))
   assert both_sliding.layer_windows() == (4096, 4096) and both_sliding.layer_types is None
   assert both_sliding.sliding_window_pattern == 0  # every layer local is a pattern
@@ -77,7 +78,7 @@ def test_a_model_of_some_blocks_keeps_each_blocks_attention():
   assert mixed.local_layers() == [False, True, True]
   assert gemma2.select_layers((0, 1, 4, 3)) == gemma2.replace(num_layers=4)  # the pattern
   assert gemma2.select_layers((1, 3)).sliding_window is None  # no layer local: no window
-  mistral = mc.get_preset("tiny", sliding_window=5, sliding_window_pattern=0)
+  mistral = get_preset("tiny", sliding_window=5, sliding_window_pattern=0)
   assert mistral.select_layers((1, 0)).layer_windows() == (5, 5)
   # config.json stores the types as a list; the config read back is the same.
   assert mc.TransformerConfig.from_dict(json.loads(json.dumps(mixed.to_dict()))) == mixed
@@ -100,18 +101,18 @@ def test_a_model_of_some_blocks_keeps_each_blocks_attention():
 ])
 def test_bad_values_raise_config_error_naming_the_field(changes, field):
   with pytest.raises(ConfigError, match=field):
-    mc.get_preset("tiny").replace(**changes)
+    get_preset("tiny").replace(**changes)
 
 
 def test_unknown_preset_and_field():
   with pytest.raises(ConfigError, match="tiny"):
-    mc.get_preset("nope")
+    get_preset("nope")
   with pytest.raises(ConfigError, match="widht"):
-    mc.get_preset("tiny").replace(widht=3)
+    get_preset("tiny").replace(widht=3)
 
 
 def test_dict_round_trip_and_frozen():
-  cfg = mc.TransformerConfig.from_dict({"preset": "tiny_gemma", "num_layers": 3})
+  cfg = config_from_dict({"preset": "tiny_gemma", "num_layers": 3})
   assert cfg.num_layers == 3 and cfg.use_post_norms
   assert mc.TransformerConfig.from_dict(cfg.to_dict()) == cfg
   with pytest.raises(dataclasses.FrozenInstanceError):

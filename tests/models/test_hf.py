@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from distillax import partitioning as pt  # noqa: E402
 from distillax.errors import UserError  # noqa: E402
 from distillax.models import hf  # noqa: E402
-from distillax.models.config import get_preset  # noqa: E402
+from distillax.models.presets import get_preset  # noqa: E402
 from distillax.models.hf_config import hf_architecture  # noqa: E402
 from tests.support.models import Normal, forward, param_arrays, random_model  # noqa: E402
 

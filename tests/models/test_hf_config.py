@@ -3,7 +3,7 @@
 import pytest
 
 from distillax.errors import UserError
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.hf_config import config_from_hf, config_to_hf, hf_architecture
 
 # As published on the Hugging Face hub (older, pre-transformers-5 layout: rope_theta/rope_scaling).

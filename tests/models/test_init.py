@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from distillax import partitioning as pt
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.init import abstract_model, create_model, model_shardings
 from tests.support.models import forward
 

@@ -10,7 +10,7 @@ import pytest
 
 from distillax.errors import ConfigError
 from distillax.models import moe
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.transformer import with_config
 from tests.support.models import forward, random_model
 

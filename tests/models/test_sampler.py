@@ -9,7 +9,7 @@ from flax import nnx
 
 from distillax import partitioning as pt
 from distillax.errors import UserError
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.init import model_shardings
 from distillax.models.sampler import (Sampler, SamplingConfig, filter_logits, generate,
                                       sample_token)

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from distillax.models.attention import KVCache
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.transformer import ModelOutput, with_config, with_layer_layout
 from tests.models import reference
 from tests.support.models import forward, numpy_params, random_model

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as GGMLType
 
 from distillax import partitioning as pt
 from distillax.errors import ConfigError, UserError
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.quant import (QuantConfig, QuantRule, WeightQuant, export_quantized, ggml,
                              quantize_for_training, quantize_post_training)
 from distillax.quant.fakequant import (fake_quantize, fake_quantize_weight, ste_activation,

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from distillax import partitioning as pt
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.init import abstract_model, model_shardings
 from distillax.models.transformer import layer_params
 

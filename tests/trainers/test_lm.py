@@ -10,7 +10,7 @@ from flax import nnx
 
 from distillax.main import main
 from distillax.models import moe
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.trainers.lm import lm_objective
 from tests.support.engines import packed_batches
 from tests.support.models import Normal, random_model

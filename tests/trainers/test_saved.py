@@ -17,7 +17,7 @@ from distillax.data import make_tokenizer, padded_vocab_size
 from distillax.errors import UserError
 from distillax.main import main
 from distillax.models import hf
-from distillax.models.config import get_preset
+from distillax.models.presets import get_preset
 from distillax.models.init import create_model
 from distillax.trainers import load_trained_model
 from distillax.trainers.saved import SOURCES_KEY, check_fingerprints

@@ -27,8 +27,8 @@ from distillax import partitioning as pt
 from distillax.data import check_vocab, make_tokenizer, padded_vocab_size
 from distillax.errors import ConfigError
 from distillax.models import hf
-from distillax.models.config import (COMPUTE, STORAGE, TransformerConfig, fields_of_kind,
-                                     get_preset)
+from distillax.models.config import COMPUTE, STORAGE, TransformerConfig, fields_of_kind
+from distillax.models.presets import config_from_dict, get_preset
 from distillax.models.init import abstract_model, create_model
 from distillax.models.transformer import layer_params
 from distillax.trainers.sources import files
@@ -45,7 +45,7 @@ def resolve_model_config(model_cfg, tokenizer) -> TransformerConfig:
   values = dict(model_cfg)
   if int(values.get("vocab_size") or 0) <= 0:
     values["vocab_size"] = padded_vocab_size(tokenizer)
-  cfg = TransformerConfig.from_dict(values)
+  cfg = config_from_dict(values)
   check_vocab(tokenizer, cfg.vocab_size)
   return cfg
 
