@@ -29,6 +29,20 @@ def _gemma2(**kw) -> TransformerConfig:
                 query_pre_attn_scalar=256.0, sliding_window=4096, sliding_window_pattern=2, **kw)
 
 
+def _qwen3(**kw) -> TransformerConfig:
+  base = dict(vocab_size=151_936, mlp_activation="swiglu", norm_eps=1e-6, rope_theta=1_000_000.0,
+              qk_norm=True, head_dim=128, max_seq_len=40_960, scan_layers=True,
+              param_dtype="bfloat16", dtype="bfloat16")
+  return TransformerConfig(**{**base, **kw})
+
+
+def _qwen3_moe(**kw) -> TransformerConfig:
+  # Every layer sparse (decoder_sparse_step 1, no mlp_only_layers); mlp_dim is config.json's
+  # intermediate_size, which no layer of these checkpoints uses.
+  return _qwen3(num_experts=128, num_experts_per_tok=8, router="softmax_topk",
+                norm_topk_prob=True, tie_embeddings=False, **kw)
+
+
 PRESETS: dict[str, TransformerConfig] = {
     # Seconds-fast test shapes: byte vocabulary, GQA (4 query heads over 2 kv heads).
     "tiny": TransformerConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
@@ -69,6 +83,12 @@ PRESETS: dict[str, TransformerConfig] = {
                          mlp_dim=9216),
     "gemma2-9b": _gemma2(embed_dim=3584, num_layers=42, num_heads=16, num_kv_heads=8,
                          mlp_dim=14_336),
+    "qwen3-1.7b": _qwen3(embed_dim=2048, num_layers=28, num_heads=16, num_kv_heads=8,
+                         mlp_dim=6144, tie_embeddings=True),
+    "qwen3-30b-a3b": _qwen3_moe(embed_dim=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                                mlp_dim=6144, moe_mlp_dim=768),
+    "qwen3-235b-a22b": _qwen3_moe(embed_dim=4096, num_layers=94, num_heads=64, num_kv_heads=4,
+                                  mlp_dim=12_288, moe_mlp_dim=1536),
 }
 
 

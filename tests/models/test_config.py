@@ -29,14 +29,45 @@ def test_real_presets_match_published_parameter_counts(name):
   assert param_count(cfg) == PUBLISHED[name]
 
 
-def _closed_form(cfg):
-  """Parameter count written out by hand from the shapes."""
+def _closed_form(cfg, active=False):
+  """Parameter count written out by hand from the shapes; `active`: a token's share of an MoE
+  (its k experts and the router, the convention of the model cards' "activated" figure)."""
   D, F = cfg.embed_dim, cfg.mlp_dim
   attn = D * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+  attn += 2 * cfg.head_dim if cfg.qk_norm else 0
   norms = (4 if cfg.use_post_norms else 2) * D
-  per_layer = attn + 3 * D * F + norms
+  mlp = 3 * D * F
+  if cfg.num_experts:
+    used = cfg.num_experts_per_tok if active else cfg.num_experts
+    mlp = used * 3 * D * cfg.moe_mlp_dim + D * cfg.num_experts  # experts + router
+  per_layer = attn + mlp + norms
   head = 0 if cfg.tie_embeddings else D * cfg.vocab_size
   return cfg.vocab_size * D + cfg.num_layers * per_layer + D + head
+
+
+# Qwen3 model cards, in billions as the cards round them: (total, activated, non-embedding).
+QWEN3_CARDS = {"qwen3-1.7b": (1.7, 1.7, 1.4), "qwen3-30b-a3b": (30.5, 3.3, 29.9),
+               "qwen3-235b-a22b": (235.0, 22.0, 234.0)}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN3_CARDS))
+def test_qwen3_presets_match_their_model_cards(name):
+  cfg = get_preset(name)
+  total, active = param_count(cfg), _closed_form(cfg, active=True)
+  assert total == _closed_form(cfg)
+  embeddings = cfg.vocab_size * cfg.embed_dim * (1 if cfg.tie_embeddings else 2)
+  for ours, card in zip((total, active, total - embeddings), QWEN3_CARDS[name]):
+    assert ours / 1e9 == pytest.approx(card, rel=0.02)
+  assert (cfg.qk_norm, cfg.vocab_size, cfg.head_dim, cfg.rope_theta) == (True, 151_936, 128, 1e6)
+  if cfg.num_experts:
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.router, cfg.norm_topk_prob) == (
+        128, 8, "softmax_topk", True)
+  # 30,532,122,624 / 3,353,032,704 and 235,093,634,560 / 22,190,763,520, by hand from the
+  # config.json shapes: the two MoE presets' exact totals, and their active parameters.
+  exact = {"qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
+           "qwen3-235b-a22b": (235_093_634_560, 22_190_763_520)}
+  if name in exact:
+    assert (total, active) == exact[name]
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_gemma", "demo_teacher", "demo_student"])
