@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from distillax.errors import PartitioningError
-from distillax.partitioning.rules import RuleSet
+from distillax.partitioning.rules import RuleSet, axes_tuple
 
 LOGICAL_AXES_KEY = "logical_axes"
 
@@ -144,6 +144,34 @@ def no_rules():
     yield
   finally:
     _ACTIVE.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class ManualAxes:
+  """Where the active rules split one logical axis: the mesh and its axes, for code that runs a
+  `shard_map` region over exactly them (the rest of the mesh stays under GSPMD)."""
+
+  mesh: Mesh | jax.sharding.AbstractMesh
+  axes: tuple[str, ...]  # mesh axes, major first
+  size: int  # number of shards (the product of their sizes)
+  inner_rules: RuleSet  # the active rules without these axes, for constraints inside the region
+
+
+def split_over(logical: str, size: int) -> ManualAxes | None:
+  """The mesh axes the active rules split a dimension named `logical` of length `size` over;
+  None outside `use_rules`, or when they keep it whole (replicated, or on axes of one device).
+
+  Why: a model whose parallel form needs explicit collectives (the experts' token exchange)
+  asks the rules whether to build it, and never reads the mesh itself."""
+  active = _ACTIVE.get()
+  if active is None:
+    return None
+  spec = active.rules.resolve((logical,), (size,), active.mesh, logical)
+  axes = axes_tuple(spec[0]) if len(spec) else ()
+  shards = math.prod(active.mesh.shape[a] for a in axes)
+  if shards <= 1:
+    return None
+  return ManualAxes(active.mesh, axes, shards, active.rules.without_mesh_axes(axes))
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:

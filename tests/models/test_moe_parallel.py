@@ -1,0 +1,103 @@
+"""The experts' token exchange (models/moe_parallel.py) against the replicated ragged dispatch:
+tokens routed only to experts held on other devices, values and gradients, under the rules that
+switch it on; and the rules that leave it off."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from distillax import partitioning as pt
+from distillax.models import moe, moe_parallel
+
+D, F = 8, 4
+
+
+def _experts(E, seed=0):
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((E, D, F), (E, D, F), (E, F, D))]
+
+
+def _cross_device_routing(T, E, n, k=2):
+  """Token t lives on device t // (T / n) of the exchange and is routed to k experts of the
+  devices after its own (expert e lives on device e // (E / n)): no token's expert is local."""
+  per_device, E_local = T // n, E // n
+  device_T = np.arange(T) // per_device
+  experts = np.stack([((device_T + 1 + j) % n) * E_local + (np.arange(T) + j) % E_local
+                      for j in range(k)], axis=1)
+  assert not np.any(experts // E_local == device_T[:, None])
+  weights = np.random.default_rng(1).uniform(0.1, 1.0, size=(T, k))
+  return jnp.asarray(weights, jnp.float32), jnp.asarray(experts, jnp.int32)
+
+
+@pytest.mark.parametrize("rules,E", [
+    # fsdp_ep on a (4, 2) mesh: experts over data (4 shards), the model axis left to GSPMD.
+    ((("expert", "data"),), 4),
+    # Experts over both axes (8 shards), one expert per device and k = 2: every token sends two
+    # rows, to two other devices.
+    ((("expert", ("data", "model")),), 8),
+])
+def test_tokens_routed_to_experts_on_other_devices_match_the_replicated_dispatch(rules, E):
+  mesh = pt.create_mesh({"data": 4, "model": 2})
+  rule_set = pt.RuleSet(rules + pt.preset("fsdp"))
+  T = 16
+  n = 4 if E == 4 else 8
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(T, D)), jnp.float32)
+  weights, experts = _cross_device_routing(T, E, n)
+  gate, up, down = _experts(E)
+  cotangent = jnp.asarray(np.random.default_rng(3).normal(size=(T, D)), jnp.float32)
+
+  def replicated(x, w, g, u, d):
+    routing = moe.Routing(w, experts, jnp.zeros((T, E)))
+    return jnp.sum(moe.ragged_experts(x, routing, g, u, d, jax.nn.silu) * cotangent)
+
+  def exchanged(x, w, g, u, d):
+    with pt.use_rules(mesh, rule_set):
+      where = pt.split_over("expert", E)
+      assert where is not None and where.size == n
+      out = moe_parallel.exchanged_experts(x, w, experts, g, u, d, jax.nn.silu, where)
+    return jnp.sum(out * cotangent)
+
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4)))
+  want_value, want_grads = grad(replicated)(x, weights, gate, up, down)
+  args = (x, weights, gate, up, down)
+  got_value, got_grads = grad(exchanged)(*args)
+  np.testing.assert_allclose(got_value, want_value, rtol=1e-5)
+  for got, want, name in zip(got_grads, want_grads, ("x", "weights", "gate", "up", "down")):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+  hlo = grad(exchanged).lower(*args).compile().as_text()
+  assert len(re.findall(r"all-to-all\(", hlo)) >= 3  # rows out, expert ids out, results back
+
+
+def test_token_count_not_divisible_by_the_shards_is_padded_and_cut():
+  mesh = pt.create_mesh({"data": 4, "model": 2})
+  rule_set = pt.rules_from_config({"strategy": "fsdp_ep"})
+  T, E = 7, 4
+  x = jnp.asarray(np.random.default_rng(4).normal(size=(T, D)), jnp.float32)
+  routing = moe.route(jnp.asarray(np.random.default_rng(5).normal(size=(T, E)), jnp.float32),
+                      2, "topk_softmax", False)
+  gate, up, down = _experts(E, seed=6)
+  want = moe.ragged_experts(x, routing, gate, up, down, jax.nn.silu)
+
+  @jax.jit
+  def exchanged(x):
+    with pt.use_rules(mesh, rule_set):
+      return moe_parallel.exchanged_experts(x, routing.weights_TxK, routing.experts_TxK, gate,
+                                            up, down, jax.nn.silu, pt.split_over("expert", E))
+  np.testing.assert_allclose(exchanged(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_split_over_asks_the_active_rules_only():
+  mesh = pt.create_mesh({"data": 4, "model": 2})
+  assert pt.split_over("expert", 4) is None  # no rules active: every backend but GSPMD jit
+  for strategy, E, want in [("fsdp_ep", 4, ("data",)), ("ep_tp", 8, ("data",)),
+                            ("fsdp", 4, None), ("dp", 4, None)]:
+    with pt.use_rules(mesh, pt.rules_from_config({"strategy": strategy})):
+      where = pt.split_over("expert", E)
+    assert (where and where.axes) == want, strategy
+  # Inside the per-data-worker region the data axis is manual and stripped from the rules.
+  rules = pt.rules_from_config({"strategy": "fsdp_ep"}).without_mesh_axes(["data"])
+  with pt.use_rules(mesh, rules):
+    assert pt.split_over("expert", 4) is None
