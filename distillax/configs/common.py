@@ -28,7 +28,7 @@ def model_config(preset: str, **overrides) -> ml_collections.ConfigDict:
   cfg.setdefault("vocab_size", 0)
   out = ml_collections.ConfigDict(cfg)
   for key in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
-              "rope_scaling_factor"):
+              "rope_scaling_factor", "moe_capacity_factor"):
     if out[key] is None:
       out[key] = config_dict.placeholder(float)
   if out["sliding_window"] is None:

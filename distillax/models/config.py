@@ -98,6 +98,10 @@ class TransformerConfig:
   # ragged (dropless grouped matmul, the default) | dense (every expert on every token; the
   # reference the tests hold ragged to).
   moe_impl: str = _compute("ragged")
+  # Expert capacity: each expert takes at most ceil(factor * tokens * k / num_experts) of a layer
+  # call's assignments, the rest dropped (models/moe.py); None = dropless. A training-time limit,
+  # not stored weights, so a student from a source (HF, teacher blocks, a run) may set it.
+  moe_capacity_factor: float | None = _compute(None)
 
   def __post_init__(self):
     positive = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -167,6 +171,10 @@ class TransformerConfig:
       raise ConfigError(f"model.router={self.router!r}; choose one of {', '.join(ROUTERS)}")
     if self.moe_impl not in MOE_IMPLS:
       raise ConfigError(f"model.moe_impl={self.moe_impl!r}; choose one of {', '.join(MOE_IMPLS)}")
+    cf = self.moe_capacity_factor
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+      raise ConfigError(f"model.moe_capacity_factor={cf!r} must be a positive number (e.g. 1.25) "
+                        f"or None (dropless)")
     if not isinstance(self.norm_topk_prob, bool):
       raise ConfigError(f"model.norm_topk_prob={self.norm_topk_prob!r} must be True or False")
 

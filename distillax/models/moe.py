@@ -16,6 +16,13 @@ Dispatch is switched by `moe_impl`:
   work is T*k rows whatever the routing and no token is ever dropped;
 - 'dense': every expert runs on every token and the outputs are weighted by the (mostly zero)
   routing weights. E/k times the work; it is the reference the ragged path is tested against.
+
+Optional capacity (`moe_capacity_factor`; None = dropless): each expert takes at most
+C = ceil(factor * T * k / E) of the (token, expert) assignments of a layer call's T tokens,
+the first C in token order (flattened batch, row-major; padding tokens take no slot). An
+assignment past that is dropped: it contributes 0 and the token keeps its other experts'
+weighted output (no renormalisation). Both dispatches drop the same assignments (`keep_TxK`);
+the ragged one also skips their rows in the grouped matmul. RouterStats counts the drops.
 """
 
 from __future__ import annotations
@@ -38,9 +45,10 @@ class Routing:
   """Which k experts each of T tokens goes to, with what weight, and the raw router logits
   (float32; the load-balancing and z losses read them)."""
 
-  weights_TxK: jax.Array
+  weights_TxK: jax.Array  # 0 where an assignment was dropped for capacity
   experts_TxK: jax.Array  # int32 expert indices, best first
   logits_TxE: jax.Array
+  keep_TxK: jax.Array | None = None  # bool; None = dropless (every assignment kept)
 
 
 def route(logits_TxE: jax.Array, k: int, kind: str, norm_topk_prob: bool) -> Routing:
@@ -59,6 +67,29 @@ def route(logits_TxE: jax.Array, k: int, kind: str, norm_topk_prob: bool) -> Rou
   return Routing(weights_TxK, experts_TxK.astype(jnp.int32), logits_TxE)
 
 
+def expert_capacity(tokens: int, k: int, num_experts: int, factor: float | None) -> int | None:
+  """Assignments each expert takes per layer call: ceil(factor * T * k / E); None = dropless."""
+  return None if factor is None else math.ceil(factor * tokens * k / num_experts)
+
+
+def with_capacity(routing: Routing, capacity: int, mask_T: jax.Array | None) -> Routing:
+  """`routing` with every expert's assignments past its first `capacity` (in token order, real
+  tokens only) dropped: keep_TxK False and weight 0. Padding assignments are dropped too but
+  take no slot (RouterStats counts only real tokens' drops)."""
+  T, k = routing.experts_TxK.shape
+  E = routing.logits_TxE.shape[-1]
+  real_N = jnp.ones((T * k,), bool) if mask_T is None else jnp.repeat(mask_T.astype(bool), k)
+  key_N = jnp.where(real_N, routing.experts_TxK.reshape(-1), E)  # padding sorts last
+  order_N = jnp.argsort(key_N, stable=True)  # by expert, then token order
+  counts = jnp.bincount(key_N, length=E + 1)
+  starts = jnp.cumsum(counts) - counts
+  rank_sorted_N = jnp.arange(T * k) - starts[key_N[order_N]]
+  rank_N = jnp.zeros((T * k,), rank_sorted_N.dtype).at[order_N].set(rank_sorted_N)
+  keep_TxK = (real_N & (rank_N < capacity)).reshape(T, k)
+  weights_TxK = jnp.where(keep_TxK, routing.weights_TxK, 0.0)
+  return dataclasses.replace(routing, weights_TxK=weights_TxK, keep_TxK=keep_TxK)
+
+
 def _activation(name: str):
   return jax.nn.silu if name == "swiglu" else (lambda x: jax.nn.gelu(x, approximate=True))
 
@@ -69,6 +100,8 @@ def ragged_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, ac
   T, D = x_TxD.shape
   E, k = gate_ExDxF.shape[0], routing.experts_TxK.shape[1]
   experts_N = routing.experts_TxK.reshape(-1)  # N = T*k assignments, token-major
+  if routing.keep_TxK is not None:  # dropped assignments sort past every group: no work
+    experts_N = jnp.where(routing.keep_TxK.reshape(-1), experts_N, E)
   order_N = jnp.argsort(experts_N, stable=True)
   group_sizes_E = jnp.bincount(experts_N, length=E).astype(jnp.int32)
   xs_NxD = jnp.take(x_TxD, order_N // k, axis=0)
@@ -105,16 +138,20 @@ class RouterStats:
   prob_E: jax.Array  # router softmax probability per expert, summed over tokens
   z: jax.Array  # squared logsumexp of the router logits, summed over tokens
   tokens: jax.Array  # real tokens
+  dropped: jax.Array  # assignments dropped for capacity (0 when dropless)
 
 
 def router_stats(routing: Routing, mask_T: jax.Array | None) -> RouterStats:
+  """`load_E` counts the router's choices, dropped or not (the balance the aux loss sees)."""
   T, E = routing.logits_TxE.shape
   m_T = jnp.ones((T,), jnp.float32) if mask_T is None else mask_T.astype(jnp.float32)
   one_hot_TxKxE = jax.nn.one_hot(routing.experts_TxK, E, dtype=jnp.float32)
   load_E = jnp.einsum("TKE,T->E", one_hot_TxKxE, m_T)
   prob_E = jnp.einsum("TE,T->E", jax.nn.softmax(routing.logits_TxE, axis=-1), m_T)
   z = jnp.sum(jnp.square(jax.nn.logsumexp(routing.logits_TxE, axis=-1)) * m_T)
-  return RouterStats(load_E, prob_E, z, jnp.sum(m_T))
+  dropped = (jnp.zeros(()) if routing.keep_TxK is None
+             else jnp.sum(jnp.where(routing.keep_TxK, 0.0, m_T[:, None])))
+  return RouterStats(load_E, prob_E, z, jnp.sum(m_T), dropped)
 
 
 def router_losses(stats: RouterStats) -> dict[str, jax.Array]:
@@ -136,13 +173,16 @@ def objective_terms(stats: RouterStats, tokens: jax.Array, aux_weight: float, z_
   """What an objective adds for a mixture of experts: (loss sum, metric sums, per-layer ratios).
   The losses enter per token of the objective's loss (its sums are divided by the global token
   count, so they become per-token means) and are averaged over layers; each layer's max / mean
-  tokens per expert is a ratio of sums."""
+  tokens per expert and its share of (token, expert) assignments dropped for capacity
+  (`expert_tokens_dropped_l{i}`, 0 when dropless) are ratios of sums."""
   terms = router_losses(stats)
   aux_sum = tokens * jnp.mean(terms["aux_N"])
   z_sum = tokens * jnp.mean(terms["z_N"])
   ratios = {f"expert_load_max_over_mean_l{i}": (jnp.max(stats.load_E[i]),
                                                  jnp.mean(stats.load_E[i]))
             for i in range(stats.load_E.shape[0])}
+  ratios.update({f"expert_tokens_dropped_l{i}": (stats.dropped[i], jnp.sum(stats.load_E[i]))
+                 for i in range(stats.load_E.shape[0])})
   return (aux_weight * aux_sum + z_weight * z_sum,
           {"moe_aux_loss": aux_sum, "router_z_loss": z_sum}, ratios)
 
@@ -162,6 +202,7 @@ class MoE(nnx.Module):
     self.router_kind = config.router
     self.norm_topk_prob = config.norm_topk_prob
     self.impl = config.moe_impl
+    self.capacity_factor = config.moe_capacity_factor
     self.activation = config.mlp_activation
     self.dtype = config.jnp_dtype
 
@@ -179,8 +220,11 @@ class MoE(nnx.Module):
     B, L, D = x_BxLxD.shape
     x_TxD = x_BxLxD.astype(dt).reshape(B * L, D)
     routing = self.routing(x_TxD)
+    mask_T = None if segment_ids_BxL is None else (segment_ids_BxL > 0).reshape(B * L)
+    capacity = expert_capacity(B * L, self.k, self.router.shape[-1], self.capacity_factor)
+    if capacity is not None:
+      routing = with_capacity(routing, capacity, mask_T)
     weights = [w[...].astype(dt) for w in (self.gate, self.up, self.down)]
     out_TxD = _DISPATCH[self.impl](x_TxD, routing, *weights, _activation(self.activation))
-    mask_T = None if segment_ids_BxL is None else (segment_ids_BxL > 0).reshape(B * L)
     out_BxLxD = constrain(out_TxD.reshape(B, L, D), ("batch", "residual_length", "embed"))
     return out_BxLxD, router_stats(routing, mask_T)

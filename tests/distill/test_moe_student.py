@@ -37,4 +37,6 @@ def test_moe_student_router_losses_enter_the_distillation_objective():
   np.testing.assert_allclose(plain.sums["router_z_loss"], tokens * z, rtol=1e-5)
   np.testing.assert_allclose(weighted.loss_sum, plain.loss_sum + tokens * (0.5 * aux + 0.25 * z),
                              rtol=1e-5)
-  assert sorted(plain.ratios) == ["expert_load_max_over_mean_l0", "expert_load_max_over_mean_l1"]
+  assert sorted(plain.ratios) == ["expert_load_max_over_mean_l0", "expert_load_max_over_mean_l1",
+                                  "expert_tokens_dropped_l0", "expert_tokens_dropped_l1"]
+  assert float(plain.ratios["expert_tokens_dropped_l0"][0]) == 0.0  # dropless

@@ -159,15 +159,18 @@ def test_every_field_declares_its_kind_and_every_list_of_fields_is_derived_from_
   from distillax.trainers.workdir import NOT_JOB_IDENTITY
   names = [f.name for f in dataclasses.fields(mc.TransformerConfig)]
   assert fields_of_kind(STORAGE) == ("param_dtype", "scan_layers")
-  assert fields_of_kind(COMPUTE) == ("dtype", "remat", "attention_impl", "moe_impl")
+  assert fields_of_kind(COMPUTE) == ("dtype", "remat", "attention_impl", "moe_impl",
+                                     "moe_capacity_factor")
   assert fields_of_kind(SHAPE) == tuple(n for n in names if n not in (
-      "param_dtype", "scan_layers", "dtype", "remat", "attention_impl", "moe_impl"))
+      "param_dtype", "scan_layers", "dtype", "remat", "attention_impl", "moe_impl",
+      "moe_capacity_factor"))
   assert [field_kind(n) for n in ("vocab_size", "param_dtype", "remat")] == [
       SHAPE, STORAGE, COMPUTE]
   assert set(RUN_FIELDS) == {"param_dtype", "scan_layers", "dtype", "remat", "attention_impl",
-                             "moe_impl"}
-  assert COMPUTE_FIELDS == ("dtype", "remat", "attention_impl", "moe_impl")
+                             "moe_impl", "moe_capacity_factor"}
+  assert COMPUTE_FIELDS == ("dtype", "remat", "attention_impl", "moe_impl", "moe_capacity_factor")
   assert {k for k in NOT_JOB_IDENTITY if k.startswith("model.")} == {
-      "model.dtype", "model.remat", "model.attention_impl", "model.moe_impl"}
+      "model.dtype", "model.remat", "model.attention_impl", "model.moe_impl",
+      "model.moe_capacity_factor"}
   with pytest.raises(ConfigError, match="unknown model config field 'nope'"):
     field_kind("nope")

@@ -108,9 +108,69 @@ def test_router_stats_count_only_real_tokens_and_losses_by_hand():
   assert float(stats.tokens) == 2.0
   # Two layers: this one (all on expert 0) and a balanced one (load 1/1, probs 1/2 each).
   both = jax.tree.map(lambda a, b: jnp.stack([a, b]), stats, moe.RouterStats(
-      jnp.asarray([1.0, 1.0]), jnp.asarray([1.0, 1.0]), jnp.asarray(0.0), jnp.asarray(2.0)))
+      jnp.asarray([1.0, 1.0]), jnp.asarray([1.0, 1.0]), jnp.asarray(0.0), jnp.asarray(2.0),
+      jnp.asarray(0.0)))
   terms = moe.router_losses(both)
   # Switch: E * sum_e f_e P_e = 2 * (1 * 3/4 + 0 * 1/4) = 1.5; balanced: 2 * (2 * 1/2 * 1/2) = 1.
   np.testing.assert_allclose(terms["aux_N"], [1.5, 1.0], rtol=1e-6)
   np.testing.assert_allclose(terms["z_N"], [ln4**2, 0.0], rtol=1e-6)
   np.testing.assert_allclose(terms["max_over_mean_load_N"], [2.0, 1.0], rtol=1e-6)
+
+
+def test_capacity_drops_the_assignments_past_each_experts_first_slots_in_token_order():
+  # 5 tokens, k = 2, E = 5, factor 1: C = ceil(1 * 5 * 2 / 5) = 2 assignments per expert.
+  experts = jnp.asarray([[0, 1], [0, 2], [0, 1], [1, 0], [2, 0]], jnp.int32)
+  weights = jnp.asarray([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5], [0.8, 0.2], [0.9, 0.1]])
+  routing = moe.Routing(weights, experts, jnp.zeros((5, 5)))
+  assert moe.expert_capacity(5, 2, 5, 1.0) == 2 and moe.expert_capacity(5, 2, 5, None) is None
+  # All real: expert 0 is chosen by tokens 0..4 and keeps 0, 1; expert 1 by 0, 2, 3 and keeps
+  # 0, 2; expert 2 by 1, 4 (both kept). Dropped: (2, e0), (3, e0), (4, e0), (3, e1).
+  full = moe.with_capacity(routing, 2, None)
+  assert full.keep_TxK.tolist() == [[True, True], [True, True], [False, True], [False, False],
+                                    [True, False]]
+  np.testing.assert_allclose(full.weights_TxK, [[0.6, 0.4], [0.7, 0.3], [0.0, 0.5], [0.0, 0.0],
+                                                [0.9, 0.0]])
+  assert float(moe.router_stats(full, None).dropped) == 4.0
+  # Token 2 is padding: it takes no slot, so expert 1 keeps token 3; expert 0 still drops 3, 4.
+  mask = jnp.asarray([True, True, False, True, True])
+  padded = moe.with_capacity(routing, 2, mask)
+  assert padded.keep_TxK.tolist() == [[True, True], [True, True], [False, False], [True, False],
+                                      [True, False]]
+  stats = moe.router_stats(padded, mask)
+  assert float(stats.dropped) == 2.0 and float(moe.router_stats(routing, mask).dropped) == 0.0
+  # The metric: dropped over the layer's real assignments (8), next to the load ratio.
+  _, _, ratios = moe.objective_terms(jax.tree.map(lambda a: a[None], stats), 4.0, 0.0, 0.0)
+  assert [float(v) for v in ratios["expert_tokens_dropped_l0"]] == [2.0, 8.0]
+
+
+def test_ragged_with_capacity_equals_dense_with_capacity_and_skips_the_dropped_rows():
+  x, logits, gate, up, down = _arrays(seed=3)
+  mask = jnp.asarray([True] * 5 + [False, True])
+  cotangent = jnp.asarray(np.random.default_rng(4).normal(size=(T, D)), jnp.float32)
+  # ceil(0.5 * 7 * 2 / 5) = 2; expert 3 gets nothing, so 12 real assignments meet 8 slots.
+  capacity = moe.expert_capacity(T, K, E, 0.5)
+  assert capacity == 2
+
+  def loss(dispatch, *args):
+    x, logits, gate, up, down = args
+    routing = moe.with_capacity(moe.route(logits, K, "softmax_topk", True), capacity, mask)
+    return jnp.sum(dispatch(x, routing, gate, up, down, jax.nn.silu) * cotangent), routing
+
+  out = {}
+  for name, dispatch in (("ragged", moe.ragged_experts), ("dense", moe.dense_experts)):
+    fn = jax.value_and_grad(lambda *a, d=dispatch: loss(d, *a), argnums=(0, 1, 2, 3, 4),
+                            has_aux=True)
+    out[name] = jax.jit(fn)(x, logits, gate, up, down)
+  ((v_r, routing), g_r), ((v_d, _), g_d) = out["ragged"], out["dense"]
+  np.testing.assert_allclose(v_r, v_d, rtol=1e-5, atol=1e-5)
+  for a, b, name in zip(g_r, g_d, ("x", "logits", "gate", "up", "down")):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+  keep = np.asarray(routing.keep_TxK)
+  assert int(np.sum(~keep[np.asarray(mask)])) >= 4 and not keep[5].any()
+  # A token that lost nothing gets its dropless output; one that lost an expert does not.
+  dropless = moe.ragged_experts(x, moe.route(logits, K, "softmax_topk", True), gate, up, down,
+                                jax.nn.silu)
+  with_cap = moe.ragged_experts(x, routing, gate, up, down, jax.nn.silu)
+  whole = keep.all(axis=1)
+  np.testing.assert_allclose(with_cap[whole], dropless[whole], rtol=1e-5, atol=1e-6)
+  assert not np.allclose(with_cap[~whole], dropless[~whole])
