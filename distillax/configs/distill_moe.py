@@ -1,0 +1,47 @@
+"""Distil a mixture-of-experts teacher into a dense student: a Qwen3-30B-A3B-shape teacher (128
+experts, top-8) into a Qwen3-1.7B-shape student, with the teacher's experts over `data` (fsdp_ep).
+
+The teacher runs inside the step (bf16, frozen) and is never written to a checkpoint; on resume it
+is reloaded from its source. Size the job on a laptop, never materialising a parameter:
+  distillax plan --config distillax/configs/distill_moe.py --devices 64 --memory_gb 95
+The Qwen3-235B-A22B teacher shape on 256 devices:
+  distillax plan --config distillax/configs/distill_moe.py --devices 256 \
+      --config.teacher.preset=qwen3-235b-a22b
+Train (on real hardware) with the released teacher, converted by nothing (its config.json,
+safetensors and tokenizer.json as Hugging Face ships them), and chats on local disk:
+  distillax train --config distillax/configs/distill_moe.py --workdir runs/moe_kd \
+      --config.teacher.hf_path=models/Qwen3-30B-A3B --config.data.source=data/chats.jsonl \
+      --config.data.tokenizer=hf:models/Qwen3-30B-A3B
+A seconds-long run on 8 devices: a fresh tiny MoE teacher (4 experts, top-2, over a data axis
+of 4) into a tiny dense student (ep_tp: tensor parallel over a model axis of 2):
+  distillax train --config distillax/configs/distill_moe.py:tiny --workdir runs/moe_kd_tiny
+"""
+
+from distillax.configs import distill
+from distillax.configs.common import model_config, parse_arg
+
+
+def get_config(arg: str | None = None):
+  # distill.py's LogitKD (T=2, alpha=0.7), AdamW + clipping + warmup/cosine and its `:tiny`.
+  tiny = parse_arg(arg, tiny=False).tiny
+  c = distill.get_config("tiny" if tiny else None)
+  c.partitioning.strategy = "fsdp_ep"  # experts over data (whole), everything else fsdp
+  if tiny:
+    # tiny_moe's 4 experts over a data axis of 4; the rest tp over model (heads, kv heads, mlp
+    # widths and vocab all divide by 2): both axes of an EP mesh at test size.
+    c.teacher.preset = "tiny_moe"
+    c.partitioning.strategy = "ep_tp"
+    c.mesh.data, c.mesh.model = 4, 2
+    return c
+  c.model = model_config("qwen3-1.7b", param_dtype="float32", dtype="bfloat16", remat="full")
+  c.teacher.preset = "qwen3-30b-a3b"
+  c.teacher.param_dtype = "bfloat16"
+  c.teacher.dtype = "bfloat16"
+  c.optimizer.learning_rate = 1e-4
+  c.optimizer.warmup_steps = 100
+  c.train.batch_size = 64
+  c.train.seq_len = 2048
+  c.train.steps = 1000
+  c.train.eval_every = 200
+  c.checkpoint.every_steps = 200
+  return c
