@@ -131,6 +131,10 @@ def student_section() -> ml_collections.ConfigDict:
   # Teacher blocks the student starts as, e.g. (0, 2, 4): embeddings, final norm and head come
   # with them; () = off
   c.from_teacher.layers = ()
+  # Mixture-of-experts teacher: the experts each copied block keeps (student expert j = teacher
+  # expert experts[j]), e.g. (0, 3, 5) in every layer or ((0, 3), (1, 2)) per student layer, as
+  # `distillax expert-load --keep_top N` prints them; () = all
+  c.from_teacher.experts = ()
   return c
 
 

@@ -169,6 +169,7 @@ ADDED_LATER: dict[str, Any] = {
     "model.num_experts": 0, "model.num_experts_per_tok": 2, "model.moe_mlp_dim": 0,
     "model.router": "softmax_topk", "model.norm_topk_prob": False,
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
+    "student.from_teacher.experts": [],
 }
 
 

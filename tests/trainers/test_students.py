@@ -276,3 +276,56 @@ def test_training_from_a_checkpoint_records_its_shape_and_exports_it(tmp_path, c
   # Three steps at a negligible learning rate: still the checkpoint it started from.
   np.testing.assert_allclose(_logits(exported), _logits(checkpoint[1]), atol=1e-4)
   assert hf.load(str(out)).config.num_layers == 4
+
+
+def _moe_student(layers, experts):
+  config = distill.get_config("tiny")
+  config.teacher.preset = "tiny_moe"
+  config.student.from_teacher.layers, config.student.from_teacher.experts = layers, experts
+  recipe = recipe_for(config)
+  student, extras = _student(recipe)
+  return recipe, student, extras["teacher"]
+
+
+def test_a_student_keeping_teacher_experts_is_the_teacher_sliced_by_hand():
+  """All four experts listed: the teacher itself. A subset per layer: the teacher's blocks with
+  the kept experts' weights and router columns cut out in numpy, run through the model."""
+  tokens = jnp.asarray(TOKENS % 256, jnp.int32)
+  recipe, student, teacher = _moe_student((0, 1), (0, 1, 2, 3))
+  assert recipe.model_config.num_experts == 4
+  want = np.asarray(forward(teacher, tokens).logits_BxLxV)
+  np.testing.assert_array_equal(np.asarray(forward(student, tokens).logits_BxLxV), want)
+
+  kept = ((3, 0, 2), (1, 2, 3))
+  recipe, student, teacher = _moe_student((1, 0), kept)
+  assert (recipe.model_config.num_experts, recipe.config.model.num_experts) == (3, 3)
+  values = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(teacher)))
+  sliced = {k: v for k, v in values.items() if k != "layers"}
+  sliced["layers"] = {}
+  for i, (t, e) in enumerate(zip((1, 0), kept)):
+    block = values["layers"][t]
+    mlp = block["mlp"]
+    sliced["layers"][i] = {**block, "mlp": {"router": mlp["router"][:, list(e)],
+                                            **{n: mlp[n][list(e)] for n in ("gate", "up",
+                                                                            "down")}}}
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: type(teacher)(recipe.model_config,
+                                                                   rngs=nnx.Rngs(0))))
+  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, sliced))
+  by_hand = nnx.merge(graphdef, state)
+  got = np.asarray(forward(student, tokens).logits_BxLxV)
+  np.testing.assert_allclose(got, np.asarray(forward(by_hand, tokens).logits_BxLxV), atol=2e-5)
+  assert np.max(np.abs(got - want)) > 1e-3  # fewer experts: another model
+
+
+@pytest.mark.parametrize("experts,says", [
+    ((0,), "student.from_teacher.experts keeps 1 experts per layer, but the teacher routes each "
+           "token to 2 (model.num_experts_per_tok=2); keep at least 2"),
+    ((0, 4), "student.from_teacher.experts names expert(s) [4] (student layer 0) but the teacher "
+             "has 4 per layer (0..3); pick experts it has"),
+    (((0, 1), (1, 2, 3)), "every layer must keep the same number"),
+])
+def test_expert_subsets_the_teacher_cannot_give_fail_in_one_line(capsys, tmp_path, experts, says):
+  code, err = _cli(capsys, tmp_path, "--config.teacher.preset=tiny_moe",
+                   "--config.student.from_teacher.layers=(0,1)",
+                   f"--config.student.from_teacher.experts={experts!r}".replace(" ", ""))
+  assert code == 2 and len(err) == 1 and says in err[0], err

@@ -31,7 +31,7 @@ from distillax.models.config import COMPUTE, STORAGE, TransformerConfig, fields_
 from distillax.models.presets import config_from_dict, get_preset
 from distillax.models.init import abstract_model, create_model
 from distillax.models.transformer import layer_params
-from distillax.trainers.sources import files
+from distillax.trainers.sources import experts, files
 
 # The model fields that say how a model runs, not what it is (the kinds TransformerConfig
 # declares): a model loaded from a source takes the asking config's values of these (e.g. fp32
@@ -206,15 +206,21 @@ class RunSource(ModelSource):
 @dataclasses.dataclass(frozen=True)
 class BlocksSource(ModelSource):
   """Blocks `layers` (in that order) of another source, with its embeddings, final norm and
-  head: a student derived from its teacher."""
+  head: a student derived from its teacher; `experts` (student.from_teacher.experts): the
+  experts each block keeps (sources/experts.py; () = all)."""
 
   of: ModelSource
   layers: tuple[int, ...]
   field: str = "student.from_teacher.layers"
+  experts: tuple = ()
   kind = "teacher"
 
   def named(self) -> str:
     return f"{self.field}={self.layers}"
+
+  def kept_experts(self) -> tuple[tuple[int, ...], ...] | None:
+    """Per student layer, the teacher experts it keeps; None = all."""
+    return experts.kept_experts(self.experts, len(self.layers), self.of.model_config())
 
   def model_config(self):
     whole = self.of.model_config()
@@ -222,12 +228,14 @@ class BlocksSource(ModelSource):
     if outside:
       raise ConfigError(f"{self.named()} names blocks {outside} but the teacher has "
                         f"{whole.num_layers} (0..{whole.num_layers - 1}); pick blocks it has")
-    return whole.select_layers(self.layers)  # each block keeps its attention type
+    # Each block keeps its attention type.
+    return experts.with_kept_experts(whole.select_layers(self.layers), self.kept_experts())
 
   def load(self, cfg, mesh, rules, *, seed):
     whole = self.of.load(self.of.model_config(), mesh, rules, seed=seed)  # bit for bit
     per_layer = layer_params(whole)
-    picked = [per_layer[i] for i in self.layers]
+    kept = self.kept_experts() or [None] * len(self.layers)
+    picked = [experts.slice_layer(per_layer[i], e) for i, e in zip(self.layers, kept)]
     values = {k: v for k, v in nnx.to_pure_dict(nnx.state(whole)).items() if k != "layers"}
     values["layers"] = (jax.tree.map(lambda *a: jnp.stack(a), *picked) if cfg.scan_layers
                         else dict(enumerate(picked)))
@@ -237,4 +245,6 @@ class BlocksSource(ModelSource):
     return self.of.tokenizer_file()
 
   def fingerprint(self):
-    return {**self.of.fingerprint(), "layers": list(self.layers)}
+    kept = self.kept_experts()
+    return {**self.of.fingerprint(), "layers": list(self.layers),
+            **({} if kept is None else {"experts": [list(row) for row in kept]})}

@@ -70,7 +70,9 @@ def student_source(config, teacher: ModelSource | None = None) -> ModelSource:
   student = config.get("student") or {}
   init_from = str(config.train.get("init_from", "") or "")
   hf_path = str(student.get("hf_path", "") or "") if student else ""
-  layers = tuple(student.get("from_teacher", {}).get("layers", ()) or ()) if student else ()
+  from_teacher = (student.get("from_teacher") or {}) if student else {}
+  layers = tuple(from_teacher.get("layers", ()) or ())
+  kept = tuple(from_teacher.get("experts", ()) or ())
   named = [name for name, value in (("train.init_from", init_from),
                                     ("student.hf_path", hf_path),
                                     ("student.from_teacher.layers", layers)) if value]
@@ -89,7 +91,11 @@ def student_source(config, teacher: ModelSource | None = None) -> ModelSource:
                         "section; use a distillation config")
     _check_layers(layers)
     of = teacher or teacher_source(_as_stored(config.teacher), _vocab_of(config))
-    return BlocksSource(of, layers)
+    return BlocksSource(of, layers, experts=kept)
+  if kept:
+    raise ConfigError(f"student.from_teacher.experts={kept!r} keeps teacher experts, but the "
+                      f"student copies no teacher blocks; set student.from_teacher.layers too, "
+                      f"e.g. --config.student.from_teacher.layers='(0, 1)'")
   return FreshSource(None, "")
 
 

@@ -1,0 +1,84 @@
+"""A student derived from teacher blocks that keeps a subset of each layer's experts
+(`student.from_teacher.experts`): pruning a mixture of experts by load, then distilling.
+
+Student expert j of a layer is teacher expert kept[j] of the block it copies: its gate, up and
+down weights (and biases, where the family has them) and its router column are copied, so the
+student's router scores the kept experts exactly as the teacher did. What changes is what the
+router normalises over: a softmax over all E logits (softmax_topk) becomes one over the kept
+ones, so the student's routing weights equal the teacher's only renormalised (or for
+topk_softmax, whenever the teacher's top k are all kept). The router distillation strategy
+(distill/router_kd.py) reads the same mapping to compare the two routers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+
+from distillax.errors import ConfigError
+from distillax.models.config import TransformerConfig
+
+FIELD = "student.from_teacher.experts"
+
+
+def _index(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def kept_experts(experts: Sequence[Any], num_layers: int, teacher: TransformerConfig
+                 ) -> tuple[tuple[int, ...], ...] | None:
+  """Per student layer, the teacher experts it keeps, in student order; None = all of them.
+
+  `experts`: () (all), one tuple of teacher expert indices for every layer, or one tuple per
+  student layer (`num_layers` of them)."""
+  experts = tuple(experts or ())
+  if not experts:
+    return None
+  E, k = teacher.num_experts, teacher.num_experts_per_tok
+  if not E:
+    raise ConfigError(f"{FIELD}={experts!r} keeps experts, but the teacher is dense "
+                      f"(model.num_experts=0); clear {FIELD}")
+  if all(_index(e) for e in experts):
+    per_layer = (experts,) * num_layers
+  elif (len(experts) == num_layers and all(isinstance(row, (tuple, list)) and row
+                                          and all(_index(e) for e in row) for row in experts)):
+    per_layer = tuple(tuple(row) for row in experts)
+  else:
+    raise ConfigError(f"{FIELD}={experts!r} must list teacher expert indices (0..{E - 1}) kept "
+                      f"in every layer, e.g. (0, 3, 5), or one such tuple per student layer "
+                      f"({num_layers}), e.g. {((0, 1),) * num_layers}")
+  for i, row in enumerate(per_layer):
+    outside = sorted({e for e in row if e >= E})
+    if outside:
+      raise ConfigError(f"{FIELD} names expert(s) {outside} (student layer {i}) but the teacher "
+                        f"has {E} per layer (0..{E - 1}); pick experts it has")
+    twice = sorted({e for e in row if row.count(e) > 1})
+    if twice:
+      raise ConfigError(f"{FIELD} keeps expert(s) {twice} twice in student layer {i}; list "
+                        f"each kept expert once")
+  counts = sorted({len(row) for row in per_layer})
+  if len(counts) > 1:
+    raise ConfigError(f"{FIELD} keeps {[len(r) for r in per_layer]} experts in the student "
+                      f"layers; every layer must keep the same number (model.num_experts is one "
+                      f"number)")
+  if counts[0] < k:
+    raise ConfigError(f"{FIELD} keeps {counts[0]} experts per layer, but the teacher routes "
+                      f"each token to {k} (model.num_experts_per_tok={k}); keep at least {k}")
+  return per_layer
+
+
+def with_kept_experts(cfg: TransformerConfig, kept) -> TransformerConfig:
+  """The student config of `cfg`'s blocks keeping `kept` (None: unchanged)."""
+  return cfg if kept is None else cfg.replace(num_experts=len(kept[0]))
+
+
+def slice_layer(values: dict, kept_layer: Sequence[int] | None) -> dict:
+  """One block's parameter values with its experts cut to `kept_layer` (in that order): the
+  router's expert columns (its last axis) and every other MoE array's leading expert axis."""
+  if kept_layer is None:
+    return values
+  index = jnp.asarray(kept_layer, jnp.int32)
+  mlp = {name: jnp.take(v, index, axis=v.ndim - 1 if name == "router" else 0)
+         for name, v in values["mlp"].items()}
+  return {**values, "mlp": mlp}
