@@ -117,6 +117,35 @@ def _chunks(a_BxLx, C: int):
   return jnp.moveaxis(a, 2, -1) if a.ndim == 4 else jnp.moveaxis(a, 2, 3)
 
 
+def _within_chunks(q, k, v, g, beta, doc_NxBxC, doc_before_NxB):
+  """What each chunk needs from its own tokens, for all chunks at once (O(L * C) per head):
+  (values written without S0, their S0 read-out, the masked intra-chunk scores, queries and keys
+  for reading and writing S0, the state's decay over the chunk)."""
+  C = q.shape[-2]
+  same_NxBxCxC = doc_NxBxC[..., :, None] == doc_NxBxC[..., None, :]
+  causal_CxC = jnp.tril(jnp.ones((C, C), bool))
+  keep = (same_NxBxCxC & causal_CxC)[:, :, None]  # (N, B, 1, C, C): j <= i, one document
+  carry = (doc_NxBxC == doc_before_NxB[..., None])[:, :, None]  # (N, B, 1, C)
+  G = jnp.cumsum(g, axis=-1)  # (N, B, H, C)
+  decay_CxC = jnp.exp(jnp.where(keep, G[..., :, None] - G[..., None, :], -jnp.inf))
+  decay_CxC = jnp.where(keep, decay_CxC, 0.0)
+  k_beta = k * beta[..., None]
+  strict_CxC = jnp.tril(jnp.ones((C, C), bool), -1)
+  A = jnp.where(strict_CxC, jnp.einsum("NBHiK,NBHjK->NBHij", k_beta, k) * decay_CxC, 0.0)
+  eye = jnp.eye(C, dtype=jnp.float32)
+  solve = lambda rhs: jax.lax.linalg.triangular_solve(
+      jnp.broadcast_to(A + eye, rhs.shape[:-1] + (C,)), rhs, left_side=True, lower=True,
+      unit_diagonal=True)
+  u_NxBxHxCxV = solve(v * beta[..., None])
+  w_state_NxBxHxCxK = solve(k_beta * (jnp.exp(G) * carry)[..., None])
+  intra_NxBxHxCxC = jnp.einsum("NBHiK,NBHjK->NBHij", q, k) * decay_CxC
+  q_state = q * (jnp.exp(G) * carry)[..., None]
+  last_keep = keep[..., -1, :]  # (N, B, 1, C): tokens of the chunk's last document
+  k_out = k * jnp.where(last_keep, jnp.exp(G[..., -1:] - G), 0.0)[..., None]
+  state_decay_NxBxH = jnp.exp(G[..., -1]) * carry[..., -1]
+  return (u_NxBxHxCxV, w_state_NxBxHxCxK, intra_NxBxHxCxC, q_state, k_out, state_decay_NxBxH)
+
+
 def gated_delta_rule_chunked(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, g_BxLxH, beta_BxLxH, *,
                              segment_ids_BxL=None, initial_state_BxHxKxV=None,
                              state_segment_B=None, chunk_size: int = 64):
@@ -149,27 +178,7 @@ def gated_delta_rule_chunked(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, g_BxLxH, beta_BxLx
   doc_NxBxC = jnp.moveaxis(doc_BxL.reshape(B, N, C), 1, 0)
   doc_before_NxB = jnp.concatenate([jnp.zeros((1, B), jnp.int32), doc_NxBxC[:-1, :, -1]], 0)
 
-  same_NxBxCxC = doc_NxBxC[..., :, None] == doc_NxBxC[..., None, :]
-  causal_CxC = jnp.tril(jnp.ones((C, C), bool))
-  keep = (same_NxBxCxC & causal_CxC)[:, :, None]  # (N, B, 1, C, C): j <= i, one document
-  carry = (doc_NxBxC == doc_before_NxB[..., None])[:, :, None]  # (N, B, 1, C)
-  G = jnp.cumsum(g, axis=-1)  # (N, B, H, C)
-  decay_CxC = jnp.exp(jnp.where(keep, G[..., :, None] - G[..., None, :], -jnp.inf))
-  decay_CxC = jnp.where(keep, decay_CxC, 0.0)
-  k_beta = k * beta[..., None]
-  strict_CxC = jnp.tril(jnp.ones((C, C), bool), -1)
-  A = jnp.where(strict_CxC, jnp.einsum("NBHiK,NBHjK->NBHij", k_beta, k) * decay_CxC, 0.0)
-  eye = jnp.eye(C, dtype=jnp.float32)
-  solve = lambda rhs: jax.lax.linalg.triangular_solve(
-      jnp.broadcast_to(A + eye, rhs.shape[:-1] + (C,)), rhs, left_side=True, lower=True,
-      unit_diagonal=True)
-  u_NxBxHxCxV = solve(v * beta[..., None])
-  w_state_NxBxHxCxK = solve(k_beta * (jnp.exp(G) * carry)[..., None])
-  intra_NxBxHxCxC = jnp.einsum("NBHiK,NBHjK->NBHij", q, k) * decay_CxC
-  q_state = q * (jnp.exp(G) * carry)[..., None]
-  last_keep = keep[..., -1, :]  # (N, B, 1, C): tokens of the chunk's last document
-  k_out = k * jnp.where(last_keep, jnp.exp(G[..., -1:] - G), 0.0)[..., None]
-  state_decay_NxBxH = jnp.exp(G[..., -1]) * carry[..., -1]
+  chunk_terms = _within_chunks(q, k, v, g, beta, doc_NxBxC, doc_before_NxB)
 
   def chunk_step(S_BxHxKxV, chunk):
     u, w_state, intra, q_s, k_o, decay = chunk
@@ -182,9 +191,7 @@ def gated_delta_rule_chunked(q_BxLxHxK, k_BxLxHxK, v_BxLxHxV, g_BxLxH, beta_BxLx
 
   state = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state_BxHxKxV is None
            else f32(initial_state_BxHxKxV))
-  state, out_NxBxHxCxV = jax.lax.scan(
-      chunk_step, state,
-      (u_NxBxHxCxV, w_state_NxBxHxCxK, intra_NxBxHxCxC, q_state, k_out, state_decay_NxBxH))
+  state, out_NxBxHxCxV = jax.lax.scan(chunk_step, state, chunk_terms)
   out_BxLxHxV = jnp.moveaxis(out_NxBxHxCxV, 3, 2).transpose(1, 0, 2, 3, 4).reshape(
       B, N * C, H, V)
   return out_BxLxHxV[:, :L], state
