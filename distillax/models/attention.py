@@ -1,7 +1,9 @@
 """Grouped-query attention with causal + segment masks, sliding windows and a KV cache.
 
-Optional per-architecture parts: q/k/v biases (Qwen 2) and q/k RMSNorm over head_dim (Qwen 3),
-both applied before RoPE, so the cache holds exactly the keys a full forward computes.
+Optional per-architecture parts: q/k/v biases (Qwen 2; gpt-oss also biases o) and q/k RMSNorm
+over head_dim (Qwen 3), both applied before RoPE, so the cache holds exactly the keys a full
+forward computes. Attention sinks (gpt-oss): one learned logit per head joins every row's softmax
+denominator (a key nobody sees whose value is zero), so a query may attend "nowhere".
 
 Masks are built from token *indices* (order in the sequence or slot in the cache) and segment
 ids: a query sees a key iff the key is not later, both carry the same segment id (packed
@@ -77,16 +79,23 @@ def window_mask(mask_BxLxS, q_index_BxL, k_index_BxS, window) -> jax.Array:
 
 def reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_index_BxL, k_index_BxS,
                         q_segment_BxL=None, k_segment_BxS=None, window=None, scale: float,
-                        softcap: float | None = None):
+                        softcap: float | None = None, sinks_KxG=None):
   """(out_BxLxKxGxH, probs_BxKxGxLxS): the whole fp32 scores and probabilities at once, the
-  path every other implementation is checked against and the only one that returns probs."""
+  path every other implementation is checked against and the only one that returns probs
+  (with sinks_KxG, their share of each row is left out: rows then sum to less than 1)."""
   logits_BxKxGxLxS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BxLxKxGxH, k_BxSxKxH,
                                 preferred_element_type=jnp.float32) * scale
   logits_BxKxGxLxS = _softcap(logits_BxKxGxLxS, softcap)
   mask = attention_mask(q_index_BxL, k_index_BxS, q_segment_BxL, k_segment_BxS)
   mask = window_mask(mask, q_index_BxL, k_index_BxS, window)
   logits_BxKxGxLxS = jnp.where(mask[:, None, None], logits_BxKxGxLxS, _MASKED)
-  probs_BxKxGxLxS = jax.nn.softmax(logits_BxKxGxLxS, axis=-1)
+  if sinks_KxG is None:
+    probs_BxKxGxLxS = jax.nn.softmax(logits_BxKxGxLxS, axis=-1)
+  else:
+    sink_BxKxGxLx1 = jnp.broadcast_to(sinks_KxG.astype(jnp.float32)[None, :, :, None, None],
+                                      logits_BxKxGxLxS.shape[:-1] + (1,))
+    with_sink = jnp.concatenate([logits_BxKxGxLxS, sink_BxKxGxLx1], axis=-1)
+    probs_BxKxGxLxS = jax.nn.softmax(with_sink, axis=-1)[..., :-1]
   out_BxLxKxGxH = jnp.einsum("BKGLS,BSKH->BLKGH", probs_BxKxGxLxS.astype(v_BxSxKxH.dtype),
                              v_BxSxKxH)
   return out_BxLxKxGxH, probs_BxKxGxLxS
@@ -109,6 +118,11 @@ class Attention(nnx.Module):
                             if config.qkv_bias else None)
     self.q_bias, self.k_bias = bias(H, "heads"), bias(K, "kv_heads")
     self.v_bias = bias(K, "kv_heads")
+    # gpt-oss: a bias on o (zero at init) and one sink logit per query head.
+    self.o_bias = (nnx.Param(jnp.zeros((D,), pd), logical_axes=("embed",))
+                   if config.attn_out_bias else None)
+    self.sinks = (nnx.Param(jnp.zeros((H,), pd), logical_axes=("heads",))
+                  if config.attention_sinks else None)
     head_norm = lambda: (RMSNorm(config, dim=Dh, logical_axes=("head_dim",)) if config.qk_norm
                          else None)
     self.q_norm, self.k_norm = head_norm(), head_norm()
@@ -143,14 +157,17 @@ class Attention(nnx.Module):
     needs = attention_impl.AttentionNeeds(
         probs=return_probs, cached=cached, query_len=L, key_len=k_BxSxKxH.shape[1],
         segments=masking["q_segment_BxL"] is not None, window=cfg.sliding_window is not None,
-        softcap=cfg.attn_logit_softcap is not None, dtype=cfg.dtype, head_dim=Dh)
+        softcap=cfg.attn_logit_softcap is not None, dtype=cfg.dtype, head_dim=Dh,
+        sinks=self.sinks is not None)
     impl = attention_impl.resolve(cfg.attention_impl, needs)
     common = dict(scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap)
+    sinks_KxG = None if self.sinks is None else self.sinks[...].reshape(K, G)
     if impl == "reference":
-      return reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common)
+      return reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common,
+                                 sinks_KxG=sinks_KxG)
     if impl == "blockwise":  # without a cache, indices are positions 0..L-1: skip the pairs
       return blockwise_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common,
-                                 causal_offset=None if cached else 0), None
+                                 causal_offset=None if cached else 0, sinks_KxG=sinks_KxG), None
     fused = {"cudnn": cudnn_attention, "splash": splash_attention}[impl]
     windows = tuple(sorted(set(cfg.layer_windows() or (None,)), key=lambda w: w or 0))
     masking = {k: v for k, v in masking.items() if k not in ("q_index_BxL", "k_index_BxS")}
@@ -189,6 +206,8 @@ class Attention(nnx.Module):
     attn_BxLxHxK = constrain(attn_BxLxKxGxH.astype(dt).reshape(B, L, K * G, Dh),
                              ("batch", "length", "heads", "head_dim"))
     out_BxLxD = jnp.einsum("BLHK,HKD->BLD", attn_BxLxHxK, self.o[...].astype(dt))
+    if self.o_bias is not None:
+      out_BxLxD = out_BxLxD + self.o_bias[...].astype(dt)
     probs = None
     if return_probs:
       S = probs_BxKxGxLxS.shape[-1]

@@ -15,6 +15,10 @@ time: causal attention does about half the work. The schedule is static: no data
 branch (a `lax.cond` here would make JAX keep every block's scores when a scan over layers is
 differentiated, and its predicate would need a collective across a sharded batch).
 
+Attention sinks (gpt-oss) start every row's running max at its head's sink logit and its running
+sum at 1 (exp(sink - sink)): the sink joins the denominator as a key with a zero value. Its
+gradient needs no pass over the pairs: d sink = -sum over rows of exp(sink - lse) * (dout . out).
+
 Padding added to make L and S multiples of the block sizes gets segment ids no real token has,
 so it is never seen and never sees. Statistics and accumulators are fp32; the probabilities meet
 the values in the compute dtype, as in the reference path.
@@ -115,14 +119,18 @@ def _schedule(q_blocks, kv_blocks, static):
   return tuple(jnp.asarray(a) for a in pair_schedule(nq, nk, *static[2:]))
 
 
-def _forward(q, k, v, qi, ki, qs, ks, window, static):
+def _forward(q, k, v, qi, ki, qs, ks, window, sinks, static):
   """(out (B, L, K, G, H), lse (Nq, B, K, G, bq)): the online softmax over the scheduled pairs."""
   scale, softcap = static[0], static[1]
   q_blocks, kv_blocks = _prepare(q, k, v, qi, ki, qs, ks, static)
   nq, B, bq, K, G, H = q_blocks[0].shape
   acc_dt = _acc(q)
-  init = (jnp.full((nq, B, K, G, bq), _MASKED, acc_dt), jnp.zeros((nq, B, K, G, bq), acc_dt),
-          jnp.zeros((nq, B, K, G, bq, H), acc_dt))
+  rows = (nq, B, K, G, bq)
+  if sinks is None:
+    m0, l0 = jnp.full(rows, _MASKED, acc_dt), jnp.zeros(rows, acc_dt)
+  else:
+    m0, l0 = jnp.broadcast_to(sinks.astype(acc_dt)[:, :, None], rows), jnp.ones(rows, acc_dt)
+  init = (m0, l0, jnp.zeros((nq, B, K, G, bq, H), acc_dt))
 
   def step(carry, pair):
     i, j = pair
@@ -148,14 +156,14 @@ def _forward(q, k, v, qi, ki, qs, ks, window, static):
   return _unblock(out, q.shape[1]), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _attention(q, k, v, qi, ki, qs, ks, window, static):
-  return _forward(q, k, v, qi, ki, qs, ks, window, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _attention(q, k, v, qi, ki, qs, ks, window, sinks, static):
+  return _forward(q, k, v, qi, ki, qs, ks, window, sinks, static)[0]
 
 
-def _attention_fwd(q, k, v, qi, ki, qs, ks, window, static):
-  out, lse_blocks = _forward(q, k, v, qi, ki, qs, ks, window, static)
-  return out, (q, k, v, qi, ki, qs, ks, window, out, lse_blocks)
+def _attention_fwd(q, k, v, qi, ki, qs, ks, window, sinks, static):
+  out, lse_blocks = _forward(q, k, v, qi, ki, qs, ks, window, sinks, static)
+  return out, (q, k, v, qi, ki, qs, ks, window, sinks, out, lse_blocks)
 
 
 def _pair_grads(q_side, kv_side, window, static):
@@ -180,13 +188,17 @@ def _pair_grads(q_side, kv_side, window, static):
 
 
 def _attention_bwd(static, res, dout):
-  q, k, v, qi, ki, qs, ks, window, out, lse_blocks = res
+  q, k, v, qi, ki, qs, ks, window, sinks, out, lse_blocks = res
   bq = static[2]
   acc_dt = _acc(q)
   delta = jnp.einsum("BLKGH,BLKGH->BKGL", dout.astype(acc_dt), out.astype(acc_dt))
   q_blocks, kv_blocks = _prepare(q, k, v, qi, ki, qs, ks, static)
-  q_side = (*q_blocks, _blocks(dout.astype(q.dtype), bq, 0), lse_blocks,
-            _delta_blocks(delta, bq))
+  delta_blocks = _delta_blocks(delta, bq)
+  q_side = (*q_blocks, _blocks(dout.astype(q.dtype), bq, 0), lse_blocks, delta_blocks)
+  dsinks = None
+  if sinks is not None:  # the sink's probability per row times that row's dout . out
+    p_sink = jnp.exp(sinks.astype(acc_dt)[:, :, None] - lse_blocks)
+    dsinks = -jnp.einsum("NBKGQ,NBKGQ->KG", p_sink, delta_blocks).astype(sinks.dtype)
 
   def step(carry, pair):
     i, j = pair
@@ -199,7 +211,7 @@ def _attention_bwd(static, res, dout):
   (dq, dk, dv), _ = jax.lax.scan(step, init, _schedule(q_blocks, kv_blocks, static))
   S = k.shape[1]
   return (_unblock(dq, q.shape[1]).astype(q.dtype), _unblock(dk, S).astype(k.dtype),
-          _unblock(dv, S).astype(v.dtype), None, None, None, None, None)
+          _unblock(dv, S).astype(v.dtype), None, None, None, None, None, dsinks)
 
 
 def _delta_blocks(delta_BxKxGxL, block: int):
@@ -214,13 +226,14 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def blockwise_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_index_BxL, k_index_BxS,
                         q_segment_BxL=None, k_segment_BxS=None, window=None, scale: float,
                         softcap: float | None = None, causal_offset: int | None = None,
-                        block_q: int | None = None, block_k: int | None = None):
+                        block_q: int | None = None, block_k: int | None = None, sinks_KxG=None):
   """Attention output (B, L, K, G, H) in the queries' dtype, never forming (L, S) scores.
 
   window: None (global) or keys less than this many indices back (may be traced, as under
   scanned layers). Segment ids default to one document. causal_offset: the caller's promise
   that q_index = causal_offset + arange(L) and k_index = arange(S) in every row (a forward
-  without a KV cache: 0), so invisible block pairs are skipped; None visits every pair."""
+  without a KV cache: 0), so invisible block pairs are skipped; None visits every pair.
+  sinks_KxG: one sink logit per query head (gpt-oss), or None."""
   B, L = q_index_BxL.shape
   S = k_index_BxS.shape[1]
   if q_segment_BxL is None:
@@ -233,4 +246,4 @@ def blockwise_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_index_BxL, k_ind
             static_window)
   return _attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, q_index_BxL.astype(jnp.int32),
                     k_index_BxS.astype(jnp.int32), q_segment_BxL.astype(jnp.int32),
-                    k_segment_BxS.astype(jnp.int32), window, static)
+                    k_segment_BxS.astype(jnp.int32), window, sinks_KxG, static)

@@ -50,12 +50,15 @@ class AttentionNeeds:
   softcap: bool = False  # the attention logits are soft-capped (Gemma 2)
   dtype: str = "float32"  # compute dtype of queries, keys and values
   head_dim: int = 64
+  sinks: bool = False  # a learned per-head logit joins the softmax denominator (gpt-oss)
 
 
 def cudnn_unsupported(needs: AttentionNeeds) -> str | None:
   """Why cuDNN flash attention (through jax.nn.dot_product_attention) cannot serve `needs`."""
   if needs.softcap:
     return "cuDNN flash attention has no logit soft-cap"
+  if needs.sinks:
+    return "cuDNN flash attention has no attention sinks"
   if needs.dtype not in ("bfloat16", "float16"):
     return f"cuDNN flash attention runs in bfloat16/float16, not {needs.dtype}"
   if needs.head_dim > 128 or needs.head_dim % 8:
@@ -65,6 +68,8 @@ def cudnn_unsupported(needs: AttentionNeeds) -> str | None:
 
 def splash_unsupported(needs: AttentionNeeds) -> str | None:
   """Why Pallas splash attention cannot serve `needs`."""
+  if needs.sinks:
+    return "splash attention has no attention sinks"
   if needs.query_len % 128 or needs.key_len % 128:
     return f"sequence length {needs.query_len} is not a multiple of splash's 128-token blocks"
   return None

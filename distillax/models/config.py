@@ -14,10 +14,11 @@ import jax.numpy as jnp
 
 from distillax.errors import ConfigError
 
-MLP_ACTIVATIONS = ("swiglu", "geglu")
+MLP_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
+ROPE_SCALING_TYPES = ("llama3", "yarn")
 # models/moe.py: how a token's router logits pick and weight its experts, and how they run.
 ROUTERS = ("softmax_topk", "topk_softmax")
-MOE_IMPLS = ("ragged", "dense")
+MOE_IMPLS = ("ragged", "dense", "tokamax")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 # models/attention_impl.py: auto picks a fused kernel where the platform has one, else blockwise.
 ATTENTION_IMPLS = ("auto", "reference", "blockwise", "cudnn", "splash")
@@ -44,7 +45,8 @@ def _compute(default):
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """Shapes and numerics of a decoder-only LM (Llama 3, Gemma 1/2, Qwen 2/2.5/3, Mistral).
+  """Shapes and numerics of a decoder-only LM (Llama 3, Gemma 1/2, Qwen 2/2.5/3, Mistral, and
+  the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss).
 
   A field is SHAPE unless declared `_storage(...)` or `_compute(...)` (see `field_kind`)."""
 
@@ -64,6 +66,12 @@ class TransformerConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_len: int = 8192
+  # With rope_scaling_factor: 'llama3' (Llama 3.1, the low/high_freq fields) | 'yarn' (gpt-oss).
+  rope_scaling_type: str = "llama3"
+  rope_yarn_beta_fast: float = 32.0  # yarn: pairs turning more often than this keep their speed
+  rope_yarn_beta_slow: float = 1.0  # yarn: pairs turning less often than this are slowed fully
+  rope_yarn_truncate: bool = True  # yarn: floor/ceil the ramp's ends (gpt-oss: False)
+  rope_attention_factor: float | None = None  # yarn: cos/sin scale; None = 0.1 ln(factor) + 1
   tie_embeddings: bool = False  # output projection = embedding table transposed
   scale_embeddings: bool = False  # Gemma: embeddings multiplied by sqrt(embed_dim)
   attn_logit_softcap: float | None = None  # Gemma 2: cap * tanh(logits / cap) on attention scores
@@ -79,6 +87,8 @@ class TransformerConfig:
   use_post_norms: bool = False  # Gemma 2: RMSNorm after attention and after the MLP too
   qkv_bias: bool = False  # Qwen 2/2.5: the q, k and v projections add a bias (o does not)
   qk_norm: bool = False  # Qwen 3: RMSNorm over head_dim on each query and key head, before RoPE
+  attn_out_bias: bool = False  # gpt-oss: the o projection adds a bias too
+  attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax's sum
   max_seq_len: int = 2048
   # Mixture of experts (models/moe.py): every layer's MLP becomes num_experts gated experts and a
   # router; 0 = a dense MLP in every layer (the other MoE fields are then unused).
@@ -87,6 +97,10 @@ class TransformerConfig:
   moe_mlp_dim: int = 0  # hidden width of each expert; 0 = mlp_dim
   router: str = "softmax_topk"  # 'softmax_topk' (Qwen3-MoE) | 'topk_softmax' (Mixtral, gpt-oss)
   norm_topk_prob: bool = False  # softmax_topk only: rescale the k kept probabilities to sum to 1
+  router_bias: bool = False  # gpt-oss: the router adds a learned bias per expert to its logits
+  expert_bias: bool = False  # gpt-oss: every expert's gate, up and down projections add biases
+  swiglu_alpha: float = 1.702  # mlp_activation 'clamped_swiglu': gate * sigmoid(alpha * gate)
+  swiglu_limit: float = 7.0  # 'clamped_swiglu': gate clamped above, up both sides, at this
   param_dtype: str = _storage("float32")
   dtype: str = _compute("float32")  # compute dtype; softmax and norms always run in float32
   scan_layers: bool = _storage(False)  # stack layers and run them with lax.scan (flat compile)
@@ -96,7 +110,7 @@ class TransformerConfig:
   # auto | reference | blockwise | cudnn | splash: how attention runs (models/attention_impl.py).
   attention_impl: str = _compute("auto")
   # ragged (dropless grouped matmul, the default) | dense (every expert on every token; the
-  # reference the tests hold ragged to).
+  # reference the tests hold ragged to) | tokamax (tokamax's grouped matmul: moe_kernels.py).
   moe_impl: str = _compute("ragged")
   # Expert capacity: each expert takes at most ceil(factor * tokens * k / num_experts) of a layer
   # call's assignments, the rest dropped (models/moe.py); None = dropless. A training-time limit,
@@ -121,7 +135,8 @@ class TransformerConfig:
     if self.attention_impl not in ATTENTION_IMPLS:
       raise ConfigError(f"model.attention_impl={self.attention_impl!r}; choose one of "
                         f"{', '.join(ATTENTION_IMPLS)}")
-    for name in ("qkv_bias", "qk_norm"):
+    for name in ("qkv_bias", "qk_norm", "attn_out_bias", "attention_sinks", "router_bias",
+                 "expert_bias", "rope_yarn_truncate"):
       if not isinstance(getattr(self, name), bool):
         raise ConfigError(f"model.{name}={getattr(self, name)!r} must be True or False")
     for name in ("param_dtype", "dtype"):
@@ -139,8 +154,11 @@ class TransformerConfig:
       raise ConfigError(f"model.sliding_window_pattern={self.sliding_window_pattern} must be >= 0")
     self._check_layer_types()
     self._check_moe()
+    if self.rope_scaling_type not in ROPE_SCALING_TYPES:
+      raise ConfigError(f"model.rope_scaling_type={self.rope_scaling_type!r}; choose one of "
+                        f"{', '.join(ROPE_SCALING_TYPES)}")
     for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
-                 "rope_scaling_factor"):
+                 "rope_scaling_factor", "rope_attention_factor", "swiglu_limit"):
       value = getattr(self, name)
       if value is not None and not value > 0:
         raise ConfigError(f"model.{name}={value!r} must be positive or None")

@@ -1,5 +1,5 @@
 """Hugging Face safetensors checkpoints in and out (Llama, Gemma, Gemma 2, Qwen 2/3, Mistral,
-Qwen3-MoE, Mixtral).
+Qwen3-MoE, Mixtral, gpt-oss; gpt-oss's MXFP4-packed experts are dequantized on load).
 
 `load` checks every tensor name and shape against config.json before reading any weights, then
 builds each parameter with `jax.make_array_from_callback`: every device's shard is read straight
@@ -8,15 +8,12 @@ config.json and model.safetensors (several files plus model.safetensors.index.js
 `max_shard_bytes`) that transformers loads as is; given the tokenizer, also its files, the chat
 template and generation_config.json (hf_tokenizer.py), every file with mode 0644.
 
-A stacked parameter has leading dims HF stores as separate tensors: the layers under
-`scan_layers`, the experts of a mixture (HF checkpoints keep one tensor per expert,
-`mlp.experts.{e}.gate_proj.weight`), or both; its `_Source` lists their names in row-major order.
+Which HF tensor each parameter is, and in what layout: hf_names.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import json
 import os
@@ -35,8 +32,9 @@ from distillax.data.tokenizer import Tokenizer
 from distillax.errors import UserError
 from distillax.framework import jsonio
 from distillax.models.config import TransformerConfig
-from distillax.models.hf_config import (architecture_of, config_from_hf, config_to_hf,
-                                        hf_architecture)
+from distillax.models import mxfp4
+from distillax.models.hf_config import architecture_of, config_from_hf, config_to_hf
+from distillax.models.hf_names import INTERLEAVED, Source, interleave, key_path, source_of
 from distillax.models.hf_tokenizer import make_readable, write_tokenizer_files
 from distillax.models.init import RulesLike, abstract_model, resolve_rules
 from distillax.models.transformer import Transformer
@@ -44,145 +42,6 @@ from distillax.models.transformer import Transformer
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
 
-
-# ---- how one parameter maps to one HF tensor ------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-  """Ours <-> HF for one tensor kind. HF linear weights are (out, in); ours are (in, ...out)."""
-
-  # 'copy' | 'T' | 'out_heads' (D,H,K)<-(H*K,D) | 'in_heads' (H,K,D)<-(D,H*K)
-  # | 'flat_heads' (H,K)<-(H*K,) (q/k/v biases)
-  kind: str
-
-  def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
-    if self.kind == "copy":
-      return ours
-    if self.kind == "T":
-      return ours[::-1]
-    if self.kind == "out_heads":
-      return (ours[1] * ours[2], ours[0])
-    if self.kind == "flat_heads":
-      return (ours[0] * ours[1],)
-    return (ours[2], ours[0] * ours[1])
-
-  def to_hf(self, x: np.ndarray) -> np.ndarray:
-    if self.kind == "copy":
-      return x
-    if self.kind == "T":
-      return x.T
-    if self.kind == "out_heads":
-      return x.reshape(x.shape[0], -1).T
-    if self.kind == "flat_heads":
-      return x.reshape(-1)
-    return x.reshape(-1, x.shape[2]).T
-
-  def read(self, tensor, index: tuple[slice, ...], ours: tuple[int, ...]) -> np.ndarray:
-    """The block `ours[index]` read from the HF tensor slice handle (only what it needs)."""
-    r = [range(*s.indices(n)) for s, n in zip(index, ours)]
-    sl = lambda rg: slice(rg.start, rg.stop)
-    if self.kind == "copy":
-      return tensor[tuple(sl(x) for x in r)]
-    if self.kind == "T":
-      return tensor[sl(r[1]), sl(r[0])].T
-    if self.kind == "out_heads":  # ours (D, H, K) from hf (H*K, D)
-      D, H, K = ours
-      rows = tensor[r[1].start * K:r[1].stop * K, sl(r[0])]
-      return rows.reshape(len(r[1]), K, len(r[0]))[:, sl(r[2]), :].transpose(2, 0, 1)
-    if self.kind == "flat_heads":  # ours (H, K) from hf (H*K,)
-      H, K = ours
-      return tensor[r[0].start * K:r[0].stop * K].reshape(len(r[0]), K)[:, sl(r[1])]
-    H, K, D = ours  # 'in_heads': ours (H, K, D) from hf (D, H*K)
-    cols = tensor[sl(r[2]), r[0].start * K:r[0].stop * K]
-    return cols.reshape(len(r[2]), len(r[0]), K)[:, :, sl(r[1])].transpose(1, 2, 0)
-
-
-# Expert weights: ours (expert, in, out) stacked from one HF (out, in) tensor per expert "{e}".
-_EXPERT_NAMES = {  # architecture -> (module, router, gate, up, down)
-    "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
-    "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
-}
-
-
-def _expert_sources(config: TransformerConfig) -> dict[tuple[str, ...], tuple[str, _Layout]]:
-  module, router, gate, up, down = _EXPERT_NAMES[hf_architecture(config)]
-  return {
-      ("mlp", "router"): (f"{module}.{router}.weight", _Layout("T")),
-      ("mlp", "gate"): (f"{module}.experts.{{e}}.{gate}.weight", _Layout("T")),
-      ("mlp", "up"): (f"{module}.experts.{{e}}.{up}.weight", _Layout("T")),
-      ("mlp", "down"): (f"{module}.experts.{{e}}.{down}.weight", _Layout("T")),
-  }
-
-
-def _layer_sources(config: TransformerConfig) -> dict[tuple[str, ...], tuple[str, _Layout]]:
-  """Block sub-path -> (HF name suffix under model.layers.{i}., layout); a suffix with "{e}"
-  names one tensor per expert."""
-  mlp_norm = "pre_feedforward_layernorm" if config.use_post_norms else "post_attention_layernorm"
-  sources = {
-      ("attn_norm", "scale"): ("input_layernorm.weight", _Layout("copy")),
-      ("attn", "q"): ("self_attn.q_proj.weight", _Layout("out_heads")),
-      ("attn", "k"): ("self_attn.k_proj.weight", _Layout("out_heads")),
-      ("attn", "v"): ("self_attn.v_proj.weight", _Layout("out_heads")),
-      ("attn", "o"): ("self_attn.o_proj.weight", _Layout("in_heads")),
-      ("mlp_norm", "scale"): (f"{mlp_norm}.weight", _Layout("copy")),
-      ("mlp", "gate"): ("mlp.gate_proj.weight", _Layout("T")),
-      ("mlp", "up"): ("mlp.up_proj.weight", _Layout("T")),
-      ("mlp", "down"): ("mlp.down_proj.weight", _Layout("T")),
-  }
-  if config.num_experts:
-    for key in ("gate", "up", "down"):
-      del sources[("mlp", key)]
-    sources.update(_expert_sources(config))
-  if config.use_post_norms:
-    sources[("post_attn_norm", "scale")] = ("post_attention_layernorm.weight", _Layout("copy"))
-    sources[("post_mlp_norm", "scale")] = ("post_feedforward_layernorm.weight", _Layout("copy"))
-  if config.qkv_bias:
-    for proj in "qkv":
-      sources[("attn", f"{proj}_bias")] = (f"self_attn.{proj}_proj.bias", _Layout("flat_heads"))
-  if config.qk_norm:
-    sources[("attn", "q_norm", "scale")] = ("self_attn.q_norm.weight", _Layout("copy"))
-    sources[("attn", "k_norm", "scale")] = ("self_attn.k_norm.weight", _Layout("copy"))
-  return sources
-
-
-_TOP_SOURCES = {
-    ("embedder", "embedding"): ("model.embed_tokens.weight", _Layout("copy")),
-    ("final_norm", "scale"): ("model.norm.weight", _Layout("copy")),
-    ("lm_head",): ("lm_head.weight", _Layout("T")),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class _Source:
-  """Where one of our parameters comes from: HF tensor names, one per index of the leading
-  stacked dims `lead` (layers under scan, experts, both: row-major; () = one tensor)."""
-
-  names: tuple[str, ...]
-  layout: _Layout
-  lead: tuple[int, ...] = ()
-
-  def split(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of one HF tensor's block in ours: `shape` without the stacked dims."""
-    return tuple(shape[len(self.lead):])
-
-
-def _source_of(path: tuple, config: TransformerConfig) -> _Source:
-  keys = tuple(str(k) for k in path)
-  if keys[0] != "layers":
-    name, layout = _TOP_SOURCES[keys]
-    return _Source((name,), layout)
-  sources = _layer_sources(config)
-  suffix, layout = sources[keys[1:] if config.scan_layers else keys[2:]]
-  layers = range(config.num_layers) if config.scan_layers else [keys[1]]
-  experts = range(config.num_experts) if "{e}" in suffix else [0]
-  lead = (((config.num_layers,) if config.scan_layers else ())
-          + ((config.num_experts,) if "{e}" in suffix else ()))
-  names = tuple(f"model.layers.{i}.{suffix.format(e=e)}" for i in layers for e in experts)
-  return _Source(names, layout, lead)
-
-
-def _key_path(path) -> tuple:
-  return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
 
 
 # ---- load -------------------------------------------------------------------------------------
@@ -240,45 +99,69 @@ def load(path: str | os.PathLike, *, mesh: Mesh | None = None, rules: RulesLike 
     shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
 
   flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-  plans = [(_source_of(_key_path(p), config), x) for p, x in flat]
-  used = set()
+  plans = [(source_of(key_path(p), config), x) for p, x in flat]
+  packed = (hf_config.get("quantization_config") or {}).get("quant_method") == mxfp4.QUANT_METHOD
   with contextlib.ExitStack() as stack:
-    handles: dict[Path, Any] = {}
-
-    def tensor(name: str):
-      if name not in files:
-        raise UserError(f"tensor {name!r} not found in the safetensors files of {path}; the "
-                        f"weights do not match config.json ({config.num_layers} layers, "
-                        f"tie_word_embeddings={config.tie_embeddings})")
-      file = files[name]
-      if file not in handles:
-        handles[file] = stack.enter_context(safe_open(str(file), framework="numpy"))
-      return handles[file].get_slice(name), file
-
-    # Validate every name and shape before reading a single weight.
-    for source, x in plans:
-      want = source.layout.hf_shape(source.split(x.shape))
-      for name in source.names:
-        used.add(name)
-        handle, file = tensor(name)
-        got = tuple(handle.get_shape())
-        if got != want:
-          raise UserError(f"tensor {name!r} in {file.name} has shape {got} but config.json "
-                          f"implies {want}; the weights and config.json disagree")
-    unexpected = sorted(n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES)
-                        and not (config.tie_embeddings and n == "lm_head.weight"))
-    if unexpected:
-      raise UserError(f"{path}: tensors {unexpected[:5]} (of {len(unexpected)}) are not part of "
-                      f"a {architecture_of(hf_config, str(path))} distillax supports; the "
-                      f"checkpoint has features (biases, extra modules) that would be dropped")
-
-    arrays = [_make_array(source, x, sharding, tensor)
+    reader = _Reader(path, files, stack, packed, config)
+    _check_tensors(plans, reader, hf_config)  # every name and shape before reading a weight
+    arrays = [_make_array(source, x, sharding, reader.tensor)
               for (source, x), sharding in zip(plans, treedef.flatten_up_to(shardings))]
   nnx.replace_by_pure_dict(abstract_state, jax.tree_util.tree_unflatten(treedef, arrays))
   return nnx.merge(graphdef, abstract_state)
 
 
-def _make_array(source: _Source, x, sharding, tensor: Callable) -> jax.Array:
+class _Reader:
+  """Slice handles of a checkpoint's tensors, each file opened once; an MXFP4 checkpoint's
+  packed experts (`<name>_blocks` + `<name>_scales`) read as their dequantized tensor."""
+
+  def __init__(self, path: Path, files: dict[str, Path], stack, packed: bool, config):
+    self.path, self.files, self.stack, self.packed, self.config = path, files, stack, packed, config
+    self.handles: dict[Path, Any] = {}
+
+  def _stored(self, name: str):
+    file = self.files[name]
+    if file not in self.handles:
+      self.handles[file] = self.stack.enter_context(safe_open(str(file), framework="numpy"))
+    return self.handles[file].get_slice(name)
+
+  def tensor(self, name: str):
+    """(slice handle, file, the stored tensors it reads)."""
+    pair = mxfp4.packed_names(name)
+    if name not in self.files and self.packed and all(n in self.files for n in pair):
+      return mxfp4.PackedTensor(*map(self._stored, pair)), self.files[pair[0]], pair
+    if name not in self.files:
+      cfg = self.config
+      raise UserError(f"tensor {name!r} not found in the safetensors files of {self.path}; the "
+                      f"weights do not match config.json ({cfg.num_layers} layers, "
+                      f"tie_word_embeddings={cfg.tie_embeddings})")
+    return self._stored(name), self.files[name], (name,)
+
+
+def _check_tensors(plans, reader: _Reader, hf_config) -> None:
+  """Every tensor a parameter needs is there with the shape config.json implies, and nothing
+  is left over that the model would drop."""
+  used = set()
+  for source, x in plans:
+    want = source.layout.hf_shape(source.split(x.shape))
+    for name in source.names:
+      handle, file, names = reader.tensor(name)
+      used.update(names)
+      got = tuple(handle.get_shape())
+      if got != want:
+        raise UserError(f"tensor {name!r} in {file.name} has shape {got} but config.json "
+                        f"implies {want}; the weights and config.json disagree")
+  tied = reader.config.tie_embeddings
+  unexpected = sorted(n for n in reader.files if n not in used
+                      and not n.endswith(_IGNORED_SUFFIXES)
+                      and not (tied and n == "lm_head.weight"))
+  if unexpected:
+    raise UserError(f"{reader.path}: tensors {unexpected[:5]} (of {len(unexpected)}) are not "
+                    f"part of a {architecture_of(hf_config, str(reader.path))} distillax "
+                    f"supports; the checkpoint has features (biases, extra modules) that would "
+                    f"be dropped")
+
+
+def _make_array(source: Source, x, sharding, tensor: Callable) -> jax.Array:
   shape, dtype = tuple(x.shape), x.dtype
   memo: dict[tuple, np.ndarray] = {}  # replicated shards read once
 
@@ -312,24 +195,38 @@ def _tensor_names_and_bytes(model: Transformer) -> list[tuple[str, int]]:
   """(HF name, bytes) of every tensor `hf_tensors` yields, in the same order, from shapes only."""
   config = model.config
   values = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  out = []
+  out, halves = [], {}
   for path, x in jax.tree_util.tree_flatten_with_path(values)[0]:
-    source = _source_of(_key_path(path), config)
+    source = source_of(key_path(path), config)
     nbytes = int(np.prod(source.split(x.shape))) * x.dtype.itemsize
-    out += [(name, nbytes) for name in source.names]
+    for name in source.names:
+      if source.layout.kind not in INTERLEAVED:
+        out.append((name, nbytes))
+      elif name in halves:  # the second half completes the tensor, as in hf_tensors
+        out.append((name, nbytes + halves.pop(name)))
+      else:
+        halves[name] = nbytes
   return out
 
 
 def hf_tensors(model: Transformer):
-  """Yields (HF name, numpy array) for every parameter, one tensor at a time."""
+  """Yields (HF name, numpy array) for every parameter, one tensor at a time (a tensor two
+  parameters share, gpt-oss's gate_up_proj, when its second half arrives)."""
   config = model.config
   values = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  halves: dict[str, dict[str, np.ndarray]] = {}
   for path, x in jax.tree_util.tree_flatten_with_path(values)[0]:
-    source = _source_of(_key_path(path), config)
+    source = source_of(key_path(path), config)
     host = _host_array(x)
     parts = host.reshape((-1,) + source.split(host.shape))
     for name, part in zip(source.names, parts):
-      yield name, np.ascontiguousarray(source.layout.to_hf(part))
+      part = source.layout.to_hf(part)
+      if source.layout.kind in INTERLEAVED:
+        halves.setdefault(name, {})[source.layout.kind] = part
+        if len(halves[name]) < 2:
+          continue
+        part = interleave(**halves.pop(name))
+      yield name, np.ascontiguousarray(part)
 
 
 def save(model: Transformer, path: str | os.PathLike, *, tokenizer: Tokenizer | None = None,

@@ -1,13 +1,16 @@
 """Hugging Face `config.json` <-> TransformerConfig for Llama, Gemma, Gemma 2, Qwen 2/2.5, Qwen 3,
-Mistral, and the mixtures of experts Qwen3-MoE and Mixtral.
+Mistral, and the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss.
 
 Reads both the transformers 5 layout (`rope_parameters`) and the older one (`rope_theta` +
 `rope_scaling`), and writes both so other readers (older transformers, serving stacks) agree.
 The families differ only in a few switches: Gemma's GeGLU / (1 + w) norms / sqrt(D) embeddings,
 Gemma 2's post norms, soft-caps and alternating sliding window, Qwen 2's q/k/v biases, Qwen 3's
 q/k RMSNorm, Mistral's sliding window on every layer; Qwen3-MoE is Qwen 3 with experts in every
-layer (softmax then top-k, `norm_topk_prob`), Mixtral is Mistral with experts (top-k then softmax). Per-layer `layer_types` that follow no
-pattern (a Gemma 2 student made of teacher blocks) are read and, for Gemma 2, written as they are.
+layer (softmax then top-k, `norm_topk_prob`), Mixtral is Mistral with experts (top-k then
+softmax). gpt-oss adds biases (q/k/v/o, router, experts), attention sinks, the clamped SwiGLU,
+YaRN RoPE and alternating sliding / full layers. Per-layer `layer_types` that follow no pattern
+(a Gemma 2 student made of teacher blocks) are read and, for Gemma 2 and gpt-oss, written as they
+are.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from distillax.models.config import FULL, SLIDING, TransformerConfig, window_fie
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                "gpt_oss": "GptOssForCausalLM"}
+GPT_OSS = "GptOssForCausalLM"
 ARCHITECTURES = tuple(_MODEL_TYPES.values())
 _GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM")
 _QWEN_FAMILY = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -53,15 +58,36 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
   legacy = dict(hf.get("rope_scaling") or {})
   theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
   rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
-  scaling = params if params.get("rope_type") == "llama3" else legacy
+  scaling = params if params.get("rope_type") in ("llama3", "yarn") else legacy
   if rope_type == "default":
     return {"rope_theta": float(theta)}
+  if rope_type == "yarn":
+    return _yarn(scaling, float(theta), where)
   if rope_type == "llama3":
     return {"rope_theta": float(theta), "rope_scaling_factor": float(scaling["factor"]),
             "rope_low_freq_factor": float(scaling["low_freq_factor"]),
             "rope_high_freq_factor": float(scaling["high_freq_factor"]),
             "rope_original_max_len": int(scaling["original_max_position_embeddings"])}
-  raise UserError(f"{where}: unsupported RoPE type {rope_type!r}; supported: default, llama3")
+  raise UserError(f"{where}: unsupported RoPE type {rope_type!r}; supported: default, llama3, "
+                  f"yarn")
+
+
+def _yarn(scaling: Mapping[str, Any], theta: float, where: str) -> dict[str, Any]:
+  """YaRN as transformers 5.24 computes it (beta 32/1 and truncate on by default)."""
+  if scaling.get("mscale") or scaling.get("mscale_all_dim"):
+    raise UserError(f"{where}: yarn mscale={scaling.get('mscale')}, mscale_all_dim="
+                    f"{scaling.get('mscale_all_dim')} is not supported (DeepSeek's form); "
+                    f"distillax reads yarn with attention_factor or its default")
+  if scaling.get("factor") is None or scaling.get("original_max_position_embeddings") is None:
+    raise UserError(f"{where}: yarn RoPE needs 'factor' and 'original_max_position_embeddings'")
+  factor = scaling.get("attention_factor")
+  return {"rope_theta": theta, "rope_scaling_type": "yarn",
+          "rope_scaling_factor": float(scaling["factor"]),
+          "rope_original_max_len": int(scaling["original_max_position_embeddings"]),
+          "rope_yarn_beta_fast": float(scaling.get("beta_fast") or 32),
+          "rope_yarn_beta_slow": float(scaling.get("beta_slow") or 1),
+          "rope_yarn_truncate": bool(scaling.get("truncate", True)),
+          "rope_attention_factor": None if factor is None else float(factor)}
 
 
 def _window_pattern(window, types: list[str], num_layers: int, where: str) -> dict[str, Any]:
@@ -94,6 +120,20 @@ def _sliding(hf: Mapping[str, Any], arch: str, num_layers: int, where: str) -> d
   return _window_pattern(window, types, num_layers, where)
 
 
+def _gpt_oss_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[str, Any]:
+  """gpt-oss: biased attention with sinks, alternating sliding / full layers, biased router
+  (top-k then softmax) and biased experts with the clamped SwiGLU."""
+  bias = bool(hf.get("attention_bias", True))
+  types = hf.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
+  return dict(qkv_bias=bias, attn_out_bias=bias, attention_sinks=True,
+              num_experts=int(hf["num_local_experts"]),
+              num_experts_per_tok=int(hf["num_experts_per_tok"]), router="topk_softmax",
+              router_bias=True, expert_bias=True, mlp_activation="clamped_swiglu",
+              swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+              swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+              **_window_pattern(hf.get("sliding_window"), types, num_layers, where))
+
+
 def _moe_fields(hf: Mapping[str, Any], arch: str, where: str) -> dict[str, Any]:
   """The expert fields of Qwen3-MoE (experts in every layer only) and Mixtral."""
   if arch == "MixtralForCausalLM":
@@ -116,6 +156,8 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
                    where: str) -> dict[str, Any]:
   """The TransformerConfig switches of one architecture."""
   act = hf.get("hidden_activation") or hf.get("hidden_act")
+  if arch == GPT_OSS:  # its experts' activation is fixed by the class (hidden_act is unused)
+    return _gpt_oss_fields(hf, num_layers, where)
   if arch not in _GEMMA_FAMILY:
     if (act or "silu") != "silu":
       raise UserError(f"{where}: hidden_act={act!r} is not supported for {arch} (only silu)")
@@ -141,8 +183,12 @@ def config_from_hf(hf: Mapping[str, Any], *, where: str = "config.json",
                    dtype: str | None = None, **overrides) -> TransformerConfig:
   """The TransformerConfig of a HF config dict. `dtype` sets both param and compute dtype."""
   arch = architecture_of(hf, where)
+  quant = (hf.get("quantization_config") or {}).get("quant_method")
+  if quant is not None and not (arch == GPT_OSS and quant == "mxfp4"):
+    raise UserError(f"{where}: quantization_config quant_method={quant!r} is not supported; "
+                    f"distillax reads unquantized checkpoints and gpt-oss's mxfp4 experts")
   for flag in ("attention_bias", "mlp_bias"):  # Qwen 2's fixed q/k/v biases carry no flag
-    if hf.get(flag):
+    if hf.get(flag) and arch != GPT_OSS:
       raise UserError(f"{where}: {flag}=true is not supported (distillax has biases only on "
                       f"the q/k/v projections of Qwen2ForCausalLM)")
   heads = int(hf["num_attention_heads"])
@@ -191,6 +237,18 @@ def _swiglu_architecture(config: TransformerConfig) -> str | None:
   return "MistralForCausalLM" if all(local) else None
 
 
+def _is_gpt_oss(config: TransformerConfig) -> bool:
+  """Whether GptOssForCausalLM holds the config: every gpt-oss part, one attention_bias flag
+  for q/k/v and o, nothing of the other families."""
+  return (config.attention_sinks and config.router_bias and config.expert_bias
+          and config.mlp_activation == "clamped_swiglu" and config.num_experts > 0
+          and config.router == "topk_softmax" and config.qkv_bias == config.attn_out_bias
+          and not (config.qk_norm or config.norm_scale_plus_one or config.scale_embeddings
+                   or config.use_post_norms or config.attn_logit_softcap
+                   or config.final_logit_softcap or config.query_pre_attn_scalar)
+          and (config.rope_scaling_factor is None or config.rope_scaling_type == "yarn"))
+
+
 def hf_architecture(config: TransformerConfig) -> str:
   """Which HF class can hold this config, or a UserError naming the feature that none can."""
   gemma_like = (config.mlp_activation == "geglu" and config.norm_scale_plus_one
@@ -201,7 +259,10 @@ def hf_architecture(config: TransformerConfig) -> str:
                  config.query_pre_attn_scalar)
   qwen_only = (config.qkv_bias, config.qk_norm)
   arch = None
-  if config.num_experts and not llama_like:
+  if (config.attention_sinks or config.router_bias or config.expert_bias
+      or config.attn_out_bias or config.mlp_activation == "clamped_swiglu"):
+    arch = GPT_OSS if _is_gpt_oss(config) else None
+  elif config.num_experts and not llama_like:
     arch = None
   elif gemma_like and config.use_post_norms and not any(qwen_only):
     arch = "Gemma2ForCausalLM"
@@ -216,7 +277,9 @@ def hf_architecture(config: TransformerConfig) -> str:
         f"norm_scale_plus_one={config.norm_scale_plus_one}, scale_embeddings="
         f"{config.scale_embeddings}, use_post_norms={config.use_post_norms}, qkv_bias="
         f"{config.qkv_bias}, qk_norm={config.qk_norm}, sliding_window={config.sliding_window}, "
-        f"num_experts={config.num_experts}, router={config.router!r}, "
+        f"num_experts={config.num_experts}, router={config.router!r}, attention_sinks="
+        f"{config.attention_sinks}, router_bias={config.router_bias}, expert_bias="
+        f"{config.expert_bias}, attn_out_bias={config.attn_out_bias}, "
         f"local layers {[i for i, x in enumerate(config.local_layers()) if x]}); use a preset or "
         f"an imported checkpoint of one of these families as the base of the student")
   return arch
@@ -225,6 +288,13 @@ def hf_architecture(config: TransformerConfig) -> str:
 def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
   """The config.json keys one architecture adds to the shared ones."""
   window = config.sliding_window if any(config.local_layers()) else None
+  if arch == GPT_OSS:
+    return dict(hidden_act="silu", attention_bias=config.qkv_bias, sliding_window=window,
+                layer_types=[SLIDING if local else FULL for local in config.local_layers()],
+                num_local_experts=config.num_experts,
+                num_experts_per_tok=config.num_experts_per_tok,
+                intermediate_size=config.expert_mlp_dim, swiglu_alpha=config.swiglu_alpha,
+                swiglu_limit=config.swiglu_limit, router_aux_loss_coef=0.0)
   if arch in _GEMMA_FAMILY:
     fields = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
     if arch == "Gemma2ForCausalLM":
@@ -247,14 +317,27 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
   return fields
 
 
+def _rope_to_hf(config: TransformerConfig) -> dict[str, Any]:
+  if config.rope_scaling_factor is None:
+    return {"rope_type": "default", "rope_theta": config.rope_theta}
+  if config.rope_scaling_type == "yarn":
+    rope = {"rope_type": "yarn", "rope_theta": config.rope_theta,
+            "factor": config.rope_scaling_factor,
+            "original_max_position_embeddings": config.rope_original_max_len,
+            "beta_fast": config.rope_yarn_beta_fast, "beta_slow": config.rope_yarn_beta_slow,
+            "truncate": config.rope_yarn_truncate}
+    if config.rope_attention_factor is not None:
+      rope["attention_factor"] = config.rope_attention_factor
+    return rope
+  return {"rope_type": "llama3", "rope_theta": config.rope_theta,
+          "factor": config.rope_scaling_factor, "low_freq_factor": config.rope_low_freq_factor,
+          "high_freq_factor": config.rope_high_freq_factor,
+          "original_max_position_embeddings": config.rope_original_max_len}
+
+
 def config_to_hf(config: TransformerConfig) -> dict[str, Any]:
   arch = hf_architecture(config)
-  rope = {"rope_type": "default", "rope_theta": config.rope_theta}
-  if config.rope_scaling_factor is not None:
-    rope = {"rope_type": "llama3", "rope_theta": config.rope_theta,
-            "factor": config.rope_scaling_factor, "low_freq_factor": config.rope_low_freq_factor,
-            "high_freq_factor": config.rope_high_freq_factor,
-            "original_max_position_embeddings": config.rope_original_max_len}
+  rope = _rope_to_hf(config)
   hf: dict[str, Any] = {
       "architectures": [arch],
       "model_type": {v: k for k, v in _MODEL_TYPES.items()}[arch],

@@ -67,6 +67,24 @@ class Embedder(nnx.Module):
     return constrain(x_BxLxD, ("batch", "residual_length", "embed"))
 
 
+def activations(config: TransformerConfig):
+  """(act, up_act or None): the hidden of `config.mlp_activation` is act(gate) * up, or
+  act(gate) * up_act(up). SwiGLU: silu; GeGLU: tanh gelu; gpt-oss's 'clamped_swiglu' clamps
+  gate <= limit and |up| <= limit, then gate * sigmoid(alpha * gate) * (up + 1), as its
+  checkpoints were trained."""
+  if config.mlp_activation == "swiglu":
+    return jax.nn.silu, None
+  if config.mlp_activation == "geglu":
+    return (lambda gate: jax.nn.gelu(gate, approximate=True)), None
+  alpha, limit = config.swiglu_alpha, config.swiglu_limit
+
+  def clamped_glu(gate):
+    gate = jnp.minimum(gate, limit)
+    return gate * jax.nn.sigmoid(gate * alpha)
+
+  return clamped_glu, lambda up: jnp.clip(up, -limit, limit) + 1
+
+
 class MLP(nnx.Module):
   """Gated feed-forward: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (tanh gelu)."""
 
@@ -76,18 +94,16 @@ class MLP(nnx.Module):
     self.gate = normal_param(rngs, (D, F), D ** -0.5, pd, ("embed", "mlp"))
     self.up = normal_param(rngs, (D, F), D ** -0.5, pd, ("embed", "mlp"))
     self.down = normal_param(rngs, (F, D), out_std, pd, ("mlp", "embed"))
-    self.activation = config.mlp_activation
+    self.act, self.up_act = activations(config)
     self.dtype = config.jnp_dtype
 
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
     dt = self.dtype
     gate_BxLxF = jnp.einsum("BLD,DF->BLF", x_BxLxD, self.gate[...].astype(dt))
     up_BxLxF = jnp.einsum("BLD,DF->BLF", x_BxLxD, self.up[...].astype(dt))
-    if self.activation == "swiglu":
-      act_BxLxF = jax.nn.silu(gate_BxLxF)
-    else:
-      act_BxLxF = jax.nn.gelu(gate_BxLxF, approximate=True)
-    h_BxLxF = constrain(act_BxLxF * up_BxLxF, ("batch", "length", "mlp"))
+    if self.up_act is not None:
+      up_BxLxF = self.up_act(up_BxLxF)
+    h_BxLxF = constrain(self.act(gate_BxLxF) * up_BxLxF, ("batch", "length", "mlp"))
     out_BxLxD = jnp.einsum("BLF,FD->BLD", h_BxLxF, self.down[...].astype(dt))
     return constrain(out_BxLxD, ("batch", "residual_length", "embed"))
 
@@ -95,12 +111,14 @@ class MLP(nnx.Module):
 # ---- rotary position embedding -----------------------------------------------------------------
 
 def rope_inverse_frequencies(config: TransformerConfig) -> jax.Array:
-  """Per-pair inverse frequencies, with Llama 3.1's piecewise scaling when configured."""
+  """Per-pair inverse frequencies, with Llama 3.1's or YaRN's scaling when configured."""
   dim = config.head_dim
   inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
   factor = config.rope_scaling_factor
   if factor is None:
     return inv_freq
+  if config.rope_scaling_type == "yarn":
+    return _yarn_inverse_frequencies(config, inv_freq)
   low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
   old_len = config.rope_original_max_len
   wavelen = 2 * math.pi / inv_freq
@@ -112,10 +130,39 @@ def rope_inverse_frequencies(config: TransformerConfig) -> jax.Array:
   return jnp.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inverse_frequencies(config: TransformerConfig, inv_freq: jax.Array) -> jax.Array:
+  """YaRN (gpt-oss): pairs turning more than beta_fast times over the original context keep
+  their frequency, pairs turning fewer than beta_slow times are slowed by `factor`, with a
+  linear ramp over the pair index between the two (its ends floored/ceiled with truncate)."""
+  dim, theta, old_len = config.head_dim, config.rope_theta, config.rope_original_max_len
+  pair_of = lambda turns: dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+  low, high = pair_of(config.rope_yarn_beta_fast), pair_of(config.rope_yarn_beta_slow)
+  if config.rope_yarn_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  high = high + 0.001 if low == high else high  # a one-point ramp would divide by zero
+  ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+  return inv_freq / config.rope_scaling_factor * ramp + inv_freq * (1.0 - ramp)
+
+
+def rope_attention_factor(config: TransformerConfig) -> float:
+  """What YaRN multiplies cos and sin by (so the attention logits by its square): the
+  configured factor, else 0.1 ln(factor) + 1; 1 for other RoPE."""
+  factor = config.rope_scaling_factor
+  if factor is None or config.rope_scaling_type != "yarn":
+    return 1.0
+  if config.rope_attention_factor is not None:
+    return float(config.rope_attention_factor)
+  return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
 def rope_sin_cos(positions_BxL: jax.Array, config: TransformerConfig):
-  """(sin, cos) of shape (B, L, head_dim // 2) in float32."""
+  """(sin, cos) of shape (B, L, head_dim // 2) in float32 (YaRN: times its attention factor)."""
   angles = positions_BxL.astype(jnp.float32)[..., None] * rope_inverse_frequencies(config)
-  return jnp.sin(angles), jnp.cos(angles)
+  scale = rope_attention_factor(config)
+  if scale == 1.0:
+    return jnp.sin(angles), jnp.cos(angles)
+  return jnp.sin(angles) * scale, jnp.cos(angles) * scale
 
 
 def apply_rope(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2) -> jax.Array:

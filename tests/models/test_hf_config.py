@@ -48,8 +48,12 @@ def test_published_configs_give_the_presets(hf, preset):
 def test_unsupported_features_are_named():
   with pytest.raises(UserError, match="attention_bias"):
     config_from_hf({**LLAMA_3_2_1B, "attention_bias": True})
-  with pytest.raises(UserError, match="RoPE type 'yarn'"):
-    config_from_hf({**LLAMA_3_2_1B, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+  with pytest.raises(UserError, match="RoPE type 'longrope'"):
+    config_from_hf({**LLAMA_3_2_1B, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
+  with pytest.raises(UserError, match="yarn mscale=1.0, mscale_all_dim=1.0 is not supported"):
+    config_from_hf({**LLAMA_3_2_1B, "rope_scaling": {
+        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096,
+        "mscale": 1.0, "mscale_all_dim": 1.0}})
   with pytest.raises(UserError, match="hidden_act='relu'"):
     config_from_hf({**LLAMA_3_2_1B, "hidden_act": "relu"})
   with pytest.raises(UserError, match="unsupported architecture 'Phi3ForCausalLM'"):

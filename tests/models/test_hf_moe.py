@@ -14,7 +14,7 @@ from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from tests.support.hf import saved_with_logits, torch_logits  # noqa: E402
+from tests.support.hf import cached_decode_delta, saved_with_logits, torch_logits  # noqa: E402
 
 from distillax import partitioning as pt  # noqa: E402
 from distillax.models import hf  # noqa: E402
@@ -84,6 +84,12 @@ def test_moe_import_matches_transformers_unrolled_and_sharded_scanned(hf_checkpo
   tokens = jnp.asarray(np.tile(TOKENS, (4, 1)), jnp.int32)
   got = np.asarray(logits(state, tokens))
   assert float(np.max(np.abs(got - np.tile(want, (4, 1, 1))))) <= 1e-4
+
+
+def test_moe_cached_decode_matches_transformers(hf_checkpoint):
+  """Prefill 7 tokens, then 4 greedy single-token steps against the KV cache."""
+  family, path, _ = hf_checkpoint
+  assert cached_decode_delta(_hf_model(family), hf.load(path), TOKENS[:, :7], steps=4) <= 1e-4
 
 
 def test_moe_export_loads_in_transformers_and_round_trips_exactly(hf_checkpoint, tmp_path):

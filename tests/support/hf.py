@@ -14,3 +14,29 @@ def saved_with_logits(model, path, tokens) -> tuple:
   """(path, logits): `model` saved there with save_pretrained, and its logits of `tokens`."""
   model.save_pretrained(path)
   return path, torch_logits(model, tokens)
+
+
+def cached_decode_delta(hf_model, ours, prompt, steps: int) -> float:
+  """Max |Δlogit| between transformers and `ours` (a distillax model) over a KV-cached greedy
+  decode: the prompt's prefill, then `steps` single-token steps, each feeding both models the
+  token transformers picked (so they walk one path), every step's logits compared."""
+  import jax.numpy as jnp
+
+  from distillax.models.attention import KVCache
+  from tests.support.models import forward
+
+  B, P = prompt.shape
+  cache = KVCache.zeros(ours.config, B, P + steps)
+  worst, feed = 0.0, np.asarray(prompt)
+  with torch.no_grad():
+    out = hf_model(input_ids=torch.tensor(feed), use_cache=True)
+  for step in range(steps + 1):
+    mine = forward(ours, jnp.asarray(feed, jnp.int32), cache=cache)
+    cache = mine.cache
+    want = out.logits.numpy()[:, -1]
+    worst = max(worst, float(np.max(np.abs(np.asarray(mine.logits_BxLxV)[:, -1] - want))))
+    if step == steps:
+      return worst
+    feed = want.argmax(-1)[:, None]
+    with torch.no_grad():
+      out = hf_model(input_ids=torch.tensor(feed), cache=out.cache, use_cache=True)
