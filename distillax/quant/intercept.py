@@ -12,8 +12,14 @@ reproduce, so PTQ and exported models would only match it up to rounding flips. 
 are fake-quantized where they are read (`fakequant.QuantSiteParam`), and this interceptor only
 hands each einsum / dot_general to the weight object that fed it, which quantizes the activation
 input (QAT, PTQ) or adds its LoRA path (`lora.LoRAWeight`). A weight notes itself when read
-(`note_read`); model code reads a weight right before the einsum it feeds, so the next
-intercepted matmul with an operand of that shape is the weight's.
+(`note_read`); model code reads a weight before the matmul it feeds, so the oldest pending
+read whose value (or, after a cast, whose shape) is an operand of an intercepted matmul is the
+weight's. Oldest, because a mixture of experts reads gate, up and down (two of one shape) and
+then runs their grouped matmuls (`jax.lax.ragged_dot`, intercepted too) in that order.
+Under expert parallelism (fsdp_ep, ep_tp: models/moe_parallel.py's shard_map exchange) the
+grouped matmuls see each device's experts, not the weights read, so none is handed over: the
+experts are still rounded where read (QAT) and LoRA's merged weights used, but their input rows
+are not rounded (act_qtype) and their adapters take no dropout.
 
 qwix internals used (pinned qwix 0.1.8): `flax_util.get_current_module_path` and
 `model._apply_interceptors`.
@@ -47,8 +53,12 @@ class WeightRead:
   value: Any  # the array handed to the model
 
 
+_MAX_PENDING = 8  # reads no matmul took (a norm's scale, an embedding lookup) age out
+
+
 class _Reads(threading.local):
-  pending: WeightRead | None = None
+  def __init__(self):
+    self.pending: list[WeightRead] = []  # oldest first
 
 
 _READS = _Reads()
@@ -56,29 +66,34 @@ _READS = _Reads()
 
 def note_read(owner: Any, value: Any) -> None:
   """Called by weight objects when the model reads them."""
-  _READS.pending = WeightRead(owner, value)
+  _READS.pending = (_READS.pending + [WeightRead(owner, value)])[-_MAX_PENDING:]
 
 
 def clear_reads() -> None:
-  _READS.pending = None
+  _READS.pending = []
 
 
-def take_read(operands: Sequence[Any]) -> tuple[WeightRead, int] | None:
-  """The pending read and the index of the operand it feeds, consuming it.
+def take_read(operands: Sequence[Any], sides: Sequence[int] = (1, 0)
+              ) -> tuple[WeightRead, int] | None:
+  """The pending read that feeds one of `operands` (tried in `sides` order) and that operand's
+  index; it is consumed with every read older than it (reads feed matmuls in order).
 
   The operand is the read value itself or a cast of it (`.astype(compute dtype)`), so identity
-  is tried first and the shape second.
+  is tried first (any pending read) and the shape second (the oldest read of that shape).
   """
-  read, _READS.pending = _READS.pending, None
-  if read is None or len(operands) != 2:
+  pending = _READS.pending
+  if len(operands) != 2:
     return None
-  for i in (1, 0):
-    if operands[i] is read.value:
-      return read, i
-  for i in (1, 0):
-    if tuple(getattr(operands[i], "shape", ())) == tuple(read.value.shape):
-      return read, i
-  return None
+  found = next(((j, i) for j, read in enumerate(pending) for i in sides
+                if operands[i] is read.value), None)
+  if found is None:
+    found = next(((j, i) for j, read in enumerate(pending) for i in sides
+                  if tuple(getattr(operands[i], "shape", ())) == tuple(read.value.shape)), None)
+  if found is None:
+    return None
+  j, i = found
+  _READS.pending = pending[j + 1:]
+  return pending[j], i
 
 
 def current_module_path() -> str:
@@ -95,7 +110,8 @@ class Interceptor(qwix.QuantizationProvider):
 
   def get_intercept_map(self):
     return super().get_intercept_map() | {"jax.numpy.einsum": self.einsum,
-                                          "jax.lax.dot_general": self.dot_general}
+                                          "jax.lax.dot_general": self.dot_general,
+                                          "jax.lax.ragged_dot": self.ragged_dot}
 
   def process_model_inputs(self, model, model_args, model_kwargs):
     clear_reads()
@@ -118,6 +134,16 @@ class Interceptor(qwix.QuantizationProvider):
       read, index = taken
       return read.owner.intercepted_dot_general(lhs, rhs, dimension_numbers, index, kwargs)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, **kwargs)
+
+  def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
+                 **kwargs):
+    """A grouped matmul (lhs (M, K) rows, rhs (G, K, N): one matrix per group of rows): the
+    weight is always rhs."""
+    taken = take_read((lhs, rhs), sides=(1,))
+    kwargs = dict(precision=precision, preferred_element_type=preferred_element_type, **kwargs)
+    if taken is not None and hasattr(taken[0].owner, "intercepted_ragged_dot"):
+      return taken[0].owner.intercepted_ragged_dot(lhs, rhs, group_sizes, kwargs)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, **kwargs)
 
 
 # ---- installing and removing interception ------------------------------------------------------

@@ -100,11 +100,14 @@ class LoRAWeight(nnx.Module):
   is_weight_wrapper = True
 
   def __init__(self, base: nnx.Param | QuantizedWeight, lora_a: LoRAParam, lora_b: LoRAParam, *,
-               contract_axes, ndim: int, scaling: float, dropout: float, name: str):
+               contract_axes, ndim: int, scaling: float, dropout: float, name: str,
+               group_axes=()):
     self.base = base
-    self.lora_a = lora_a  # (*stacked, *contracted dims, rank)
-    self.lora_b = lora_b  # (*stacked, rank, *output dims)
+    self.lora_a = lora_a  # (*stacked, *group dims, *contracted dims, rank)
+    self.lora_b = lora_b  # (*stacked, *group dims, rank, *output dims)
     self.contract_axes = tuple(sorted(contract_axes))  # of the weight as its matmul sees it
+    # Axes with one matrix per index (an MoE's experts): each gets its own A and B.
+    self.group_axes = tuple(sorted(group_axes))
     self.call_ndim = ndim
     self.scaling = float(scaling)
     self.dropout = float(dropout)
@@ -128,6 +131,11 @@ class LoRAWeight(nnx.Module):
       return self.base.shape
     return tuple(self.base.get_raw_value().shape)
 
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The weight's shape, as model code reads it off a Param (`self.router.shape`)."""
+    return self.base_shape
+
   def base_value(self) -> jax.Array:
     return self.base[...]
 
@@ -136,12 +144,14 @@ class LoRAWeight(nnx.Module):
     n = self.call_ndim
     letters = _LETTERS[:n]
     rank_letter = _LETTERS[n]
+    group = "".join(letters[a] for a in self.group_axes)
     contract = "".join(letters[a] for a in self.contract_axes)
-    free = "".join(letters[i] for i in range(n) if i not in self.contract_axes)
+    free = "".join(letters[i] for i in range(n)
+                   if i not in self.contract_axes and i not in self.group_axes)
     a = self.lora_a[...].astype(jnp.float32)
     b = self.lora_b[...].astype(jnp.float32)
-    return self.scaling * jnp.einsum(f"...{contract}{rank_letter},...{rank_letter}{free}"
-                                     f"->...{letters}", a, b)
+    return self.scaling * jnp.einsum(f"...{group}{contract}{rank_letter},"
+                                     f"...{group}{rank_letter}{free}->...{letters}", a, b)
 
   def merged(self) -> jax.Array:
     """W + (alpha / rank) * A @ B in the base parameter's dtype."""
@@ -195,6 +205,22 @@ class LoRAWeight(nnx.Module):
       return self.base.dequantizer(dtype), self.base.stored()
     return lora_matmul.PlainBase(jnp.dtype(dtype).name), (self.base[...],)
 
+  def intercepted_ragged_dot(self, x_MxK, w_GxKxN, group_sizes_G, kwargs):
+    """An MoE's grouped matmul, y = x @ W_g + (alpha / rank) * (dropout(x) @ A_g) @ B_g for
+    the rows of group g, in three grouped matmuls (autodiff's backward: no gradient for the
+    frozen base, which is not differentiated)."""
+    base = self.base_value().astype(w_GxKxN.dtype)
+    y_MxN = jax.lax.ragged_dot(x_MxK, base, group_sizes_G, **kwargs)
+    keep_bits = self._keep_bits(x_MxK)
+    if keep_bits is not None:
+      keep = keep_mask.unpack_keep_mask(keep_bits, x_MxK.shape[-1])
+      x_MxK = jnp.where(keep, x_MxK / (1.0 - self.dropout), jnp.zeros_like(x_MxK))
+    h_MxR = jax.lax.ragged_dot(x_MxK, self.lora_a[...].astype(x_MxK.dtype), group_sizes_G,
+                               **kwargs)
+    delta_MxN = jax.lax.ragged_dot(h_MxR, self.lora_b[...].astype(h_MxR.dtype), group_sizes_G,
+                                   **kwargs)
+    return y_MxN + (self.scaling * delta_MxN).astype(y_MxN.dtype)
+
   def intercepted_dot_general(self, lhs, rhs, dimension_numbers, index, kwargs):
     """Direct dot_generals use the merged weight (no adapter dropout there)."""
     w = (lhs, rhs)[index]
@@ -226,6 +252,9 @@ def apply_lora(model: nnx.Module, *, module_regex: str, rank: int = 8, alpha: fl
   """A copy of `model` with adapters on every matmul weight whose path fullmatches
   `module_regex` (paths like 'layers/0/attn/q', 'layers/1/mlp/down', 'lm_head'; under
   scan_layers 'layers/attn/q'): e.g. r'layers/(.*/)?attn/.*' (either layout) or r'.*/(q|v)'.
+  An MoE's experts (mlp/gate, mlp/up, mlp/down, stacked (E, D, F)) get one A (E, D, rank) and
+  one B (E, rank, F) per expert; its router (mlp/router), when matched, gets adapters over a
+  full-precision base even in QLoRA (`MatmulSite.is_router`).
 
   QLoRA: `base_qtype` ('nf4' or 'int4', tiled by `base_tile_size` along the last contracted
   axis) stores those base weights as frozen codes + scales. Adapters use `adapter_dtype`
@@ -251,15 +280,14 @@ def apply_lora(model: nnx.Module, *, module_regex: str, rank: int = 8, alpha: fl
   compute_dtype = compute_dtype_of(model)
   key = jax.random.key(seed)
   for i, site in enumerate(chosen):
-    if site.batch_axes:
-      raise ConfigError(f"{site.name} is used with batch dims; it cannot carry adapters")
     var = get_path(adapted, site.weight_path)
     w = var.get_raw_value()
     logical = tuple(var.get_metadata().get("logical_axes") or (None,) * w.ndim)
     lead = site.stacked
     contract = sorted(site.contract_axes)
-    a_axes = list(range(lead)) + [lead + c for c in contract] + [None]
-    b_axes = list(range(lead)) + [None] + [lead + f for f in site.free_axes]
+    group = list(range(lead)) + [lead + g for g in sorted(site.batch_axes)]
+    a_axes = group + [lead + c for c in contract] + [None]
+    b_axes = group + [None] + [lead + f for f in site.free_axes]
     dims = lambda axes: tuple(rank if a is None else w.shape[a] for a in axes)
     names = lambda axes: tuple(None if a is None else logical[a] for a in axes)
     dtype = jnp.dtype(adapter_dtype) if adapter_dtype is not None else w.dtype
@@ -269,12 +297,12 @@ def apply_lora(model: nnx.Module, *, module_regex: str, rank: int = 8, alpha: fl
     lora_b = LoRAParam(place_like(jnp.zeros(dims(b_axes), dtype), w, b_axes),
                        logical_axes=names(b_axes))
     base = var
-    if base_qtype is not None:
+    if base_qtype is not None and not site.is_router:
       base = QuantizedWeight.from_array(
           w, site.quant(base_qtype, base_tile_size, compute_dtype), logical_axes=logical)
     set_path(adapted, site.weight_path, LoRAWeight(
         base, lora_a, lora_b, contract_axes=contract, ndim=len(site.shape),
-        scaling=alpha / rank, dropout=dropout, name=site.name))
+        scaling=alpha / rank, dropout=dropout, name=site.name, group_axes=site.batch_axes))
   return intercept.install(adapted, intercept.Interceptor(), sample_tokens)
 
 

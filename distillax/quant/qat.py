@@ -52,11 +52,13 @@ def compute_dtype_of(model: nnx.Module) -> str:
 def weight_quants(qcfg: QuantConfig, sites: list[MatmulSite], compute_dtype: str
                   ) -> dict[str, tuple[MatmulSite, WeightQuant]]:
   """{weight name: (site, how)} for every weight whose matmul module matches a rule with a
-  weight type (first match wins; a rule with weight_qtype None exempts)."""
+  weight type (first match wins; a rule with weight_qtype None exempts). An MoE's router stays
+  in full precision whatever the rules (`MatmulSite.is_router`); its experts are quantized like
+  any weight, per expert."""
   plans = {}
   for site in sites:
     rule = qcfg.rule_for(site.module_path)
-    if rule is None or rule.weight_qtype is None:
+    if rule is None or rule.weight_qtype is None or site.is_router:
       continue
     plans[site.name] = (site, site.quant(rule.weight_qtype, rule.tile_size, compute_dtype,
                                          rule.act_qtype))

@@ -32,11 +32,20 @@ class MatmulSite:
   shape: tuple[int, ...]  # the weight as the matmul sees it
   stacked: int  # leading axes of the stored variable not seen by the matmul (1 under scan)
   contract_axes: tuple[int, ...]  # weight axes contracted, in dot_general order
-  batch_axes: tuple[int, ...]  # weight axes that are dot_general batch axes (none in our model)
+  # Weight axes that pick one matrix per index: dot_general batch axes, or the group axis of a
+  # grouped matmul (`ragged_dot`, an MoE's experts: (E, D, F) is E matmuls of (D, F)).
+  batch_axes: tuple[int, ...]
 
   @property
   def name(self) -> str:
     return path_name(self.weight_path)
+
+  @property
+  def is_router(self) -> bool:
+    """An MoE router (models/moe.MoE.router): its top-k picks the experts, so rounding that
+    moves one logit past another sends tokens elsewhere. QAT, PTQ and QLoRA bases keep it in
+    full precision (llama.cpp's converter keeps ffn_gate_inp in f32 too)."""
+    return self.weight_path[-1] == "router"
 
   @property
   def free_axes(self) -> tuple[int, ...]:
@@ -109,6 +118,15 @@ class _SiteRecorder(intercept.Interceptor):
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type,
                                out_sharding=out_sharding)
+
+  def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
+                 **kwargs):
+    """rhs (G, K, N): K contracted with the rows' K, G the group axis."""
+    taken = intercept.take_read((lhs, rhs), sides=(1,))
+    if taken is not None and isinstance(taken[0].owner, _ProbeParam):
+      self._record(taken[0], (((1,), (1,)), ((), (0,))), 1, rhs.ndim)
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
+                              preferred_element_type=preferred_element_type, **kwargs)
 
 
 def has_wrapped_weights(model: nnx.Module) -> bool:

@@ -16,7 +16,6 @@ a new recipe, usually a few methods over this one.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, Mapping
 
 import jax
@@ -82,30 +81,6 @@ def check_router_losses(train, model_config: TransformerConfig, job: str, suppor
                         f"losses yet (lm, sequence_kd and distill do); set --config.train.{name}=0")
 
 
-def check_moe_transforms(transforms: StudentTransforms, model_config: TransformerConfig):
-  """QAT and LoRA reach the matmuls they find; the experts' grouped matmuls (ragged_dot) are not
-  among them yet, so rules that would cover the experts are refused instead of skipping them."""
-  if not model_config.num_experts:
-    return
-  layer = "layers" if model_config.scan_layers else "layers/0"
-  if transforms.qat is not None:
-    rule = transforms.qat.rule_for(f"{layer}/mlp")
-    if rule is not None and rule.weight_qtype is not None:
-      raise ConfigError(
-          f"qat.rules quantize {layer}/mlp, but the experts' grouped matmuls (model.num_experts="
-          f"{model_config.num_experts}) cannot be fake-quantized yet; put a first rule "
-          f"('layers/(.*/)?mlp', None, None, None) that keeps them in full precision")
-  if transforms.lora is not None:
-    regex = transforms.lora.module_regex
-    hit = [f"{layer}/mlp/{w}" for w in ("gate", "up", "down")
-           if re.fullmatch(regex, f"{layer}/mlp/{w}")]
-    if hit:
-      raise ConfigError(
-          f"lora.module_regex={regex!r} matches the experts ({', '.join(hit)}; model.num_experts="
-          f"{model_config.num_experts}), which cannot take adapters yet; narrow it, e.g. "
-          f"--config.lora.module_regex='layers/(.*/)?attn/.*'")
-
-
 class Recipe:
   """The base every recipe specialises (lm.py's LMRecipe is the plainest): one student, no
   frozen extras, the packed train and validation data; a subclass names the objective.
@@ -155,7 +130,6 @@ class Recipe:
     # Checked with the data before training, or before compiling (checks.model_conflicts).
     self.batch_size, self.seq_len = int(config.train.batch_size), int(config.train.seq_len)
     self.transforms = StudentTransforms.from_config(config)
-    check_moe_transforms(self.transforms, self.model_config)
     self.rollback_metric = rollback_metric(config, self.rollback_metrics, self.name)
 
   # ---- what the job builds (subclasses override these) ----------------------------------------

@@ -79,22 +79,3 @@ def test_the_vmap_backend_refuses_ragged_experts_in_one_line(capsys, tmp_path):
                          "(jax.lax.ragged_dot); use --config.backend=shard_map or pmap or "
                          "--config.model.moe_impl=dense"), err
   assert not (tmp_path / "wd").exists()
-
-
-@pytest.mark.parametrize("config,says", [
-    ("qat.py:tiny", "qat.rules quantize layers/0/mlp, but the experts' grouped matmuls "
-                    "(model.num_experts=4) cannot be fake-quantized yet; put a first rule "
-                    "('layers/(.*/)?mlp', None, None, None) that keeps them in full precision"),
-    ("lora.py:tiny", "lora.module_regex='layers/(.*/)?(attn|mlp)/.*' matches the experts "
-                     "(layers/0/mlp/gate, layers/0/mlp/up, layers/0/mlp/down; model.num_experts=4)"
-                     ", which cannot take adapters yet; narrow it, e.g. "
-                     "--config.lora.module_regex='layers/(.*/)?attn/.*'"),
-])
-def test_qat_and_lora_rules_that_reach_the_experts_are_refused(capsys, tmp_path, config, says):
-  """The experts' ragged_dot is no matmul site QAT or LoRA rewrites: rules covering them would
-  leave them silently in full precision and without adapters."""
-  code = main(["distillax", "train", "--workdir", str(tmp_path / "wd"), "--config",
-               f"{ROOT}/distillax/configs/{config}", "--config.model.num_experts=4"])
-  err = capsys.readouterr().err.strip().splitlines()
-  assert code == 2 and len(err) == 1 and err[0].endswith(says), err
-  assert not (tmp_path / "wd").exists()
