@@ -162,6 +162,11 @@ def distill_section() -> ml_collections.ConfigDict:
     # (features; 0 = embeddings); auto maps each student layer to the same relative depth
     s.loss = loss  # kl | mse (attention); cosine | mse (features)
     c[name] = s
+  # RouterKD: each MoE student router's softmax imitates its teacher layer's (KL per token,
+  # averaged over layers), restricted to the experts the student kept: needs a student of
+  # teacher blocks (student.from_teacher.layers / .experts) or one with the teacher's experts.
+  c.router = ml_collections.ConfigDict()
+  c.router.weight = 0.0  # weight of router distillation in the total loss (0 = off)
   return c
 
 

@@ -12,6 +12,7 @@ from distillax.distill.features import FeaturePooling, FeatureProjection, Projec
 from distillax.distill.logit_kd import (TEACHER_NLL, TOPK_IDS, TOPK_LOGPROBS, CachedLogitKD,
                                         LogitKD, logit_metric_values)
 from distillax.distill.objective import TEACHER, make_distill_objective, run_models
+from distillax.distill.router_kd import RouterKD
 from distillax.distill.student import DistillStudent, unwrap_student
 from distillax.distill.teacher_cache import (CacheInfo, read_cache_info, read_teacher_cache,
                                              write_teacher_cache)
@@ -19,7 +20,7 @@ from distillax.distill.teacher_cache import (CacheInfo, read_cache_info, read_te
 __all__ = [
     "AttentionTransfer", "CacheInfo", "CachedLogitKD", "Composite", "DIVERGENCES", "DistillInputs",
     "DistillStudent", "FeaturePooling", "FeatureProjection", "LogitKD", "Needs", "Projection",
-    "Strategy", "TEACHER", "TEACHER_NLL", "TOPK_IDS", "TOPK_LOGPROBS", "divergence",
+    "RouterKD", "Strategy", "TEACHER", "TEACHER_NLL", "TOPK_IDS", "TOPK_LOGPROBS", "divergence",
     "logit_metric_values", "make_distill_objective", "read_cache_info", "read_teacher_cache",
     "run_models", "unwrap_student", "write_teacher_cache",
 ]

@@ -45,6 +45,7 @@ class Needs:
   teacher: bool = True  # runs the online teacher (False: teacher data comes with the batch)
   hidden_states: bool = False  # per-layer residual streams (num_layers + 1, B, L, D)
   attention: bool = False  # per-layer attention probabilities (num_layers, B, H, L, S)
+  router_logits: bool = False  # per-layer router logits of an MoE (num_layers, B, L, E)
 
   def __or__(self, other: "Needs") -> "Needs":
     return Needs(*(a or b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))

@@ -57,6 +57,8 @@ def run_models(strategy: Strategy, student, extras: Mapping, batch, *, chunk_siz
   tokens_BxL = batch[batch_spec.INPUTS]
   vocab_chunks.check_chunk_size(chunk_size)
   flags = dict(return_hidden_states=needs.hidden_states, return_attention=needs.attention)
+  if needs.router_logits:
+    flags["return_router_logits"] = True
   if chunk_size is not None:
     flags["return_logits"] = False
   kwargs = losses.model_inputs(batch)

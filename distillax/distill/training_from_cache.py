@@ -34,7 +34,7 @@ def cached_strategy(distill_cfg, info: CacheInfo, vocab_size: int) -> CachedLogi
   if info.vocab_size != vocab_size:
     raise ConfigError(f"the teacher cache was written for vocabulary {info.vocab_size}, the "
                       f"student has {vocab_size}; set model.vocab_size={info.vocab_size}")
-  for section in ("attention", "feature_pooling", "feature_projection"):
+  for section in ("attention", "feature_pooling", "feature_projection", "router"):
     if section in distill_cfg and float(distill_cfg[section].weight) > 0:
       raise ConfigError(f"distill.{section}.weight={distill_cfg[section].weight} needs the teacher "
                         f"in memory, but teacher.cache_dir holds only top-k logits; set it to 0 or "

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distillax.models.config import TransformerConfig
-from distillax.models.layers import activations, normal_param
+from distillax.models.layers import normal_param
 from distillax.partitioning import constrain
 
 
@@ -90,12 +90,13 @@ def with_capacity(routing: Routing, capacity: int, mask_T: jax.Array | None) -> 
   return dataclasses.replace(routing, weights_TxK=weights_TxK, keep_TxK=keep_TxK)
 
 
-def ragged_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act,
-                   biases=None, up_act=None):
+def _activation(name: str):
+  return jax.nn.silu if name == "swiglu" else (lambda x: jax.nn.gelu(x, approximate=True))
+
+
+def ragged_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act):
   """Dropless grouped-matmul dispatch: sort the T*k assignments by expert, run each expert's
-  group with `ragged_dot`, undo the sort and sum each token's k weighted outputs.
-  The hidden is act(gate) * up (gpt-oss: * up_act(up)); biases: None or gpt-oss's
-  (gate_ExF, up_ExF, down_ExD)."""
+  group with `ragged_dot`, undo the sort and sum each token's k weighted outputs."""
   T, D = x_TxD.shape
   E, k = gate_ExDxF.shape[0], routing.experts_TxK.shape[1]
   experts_N = routing.experts_TxK.reshape(-1)  # N = T*k assignments, token-major
@@ -106,23 +107,13 @@ def ragged_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, ac
   xs_NxD = jnp.take(x_TxD, order_N // k, axis=0)
   gate_NxF = jax.lax.ragged_dot(xs_NxD, gate_ExDxF, group_sizes_E)
   up_NxF = jax.lax.ragged_dot(xs_NxD, up_ExDxF, group_sizes_E)
-  if biases is not None:  # each sorted row adds its expert's biases (a dropped row, sorted
-    # past every group as expert E, gets expert E-1's: its output is weighted 0 anyway)
-    sorted_N = jnp.take(experts_N, order_N)
-    bias = lambda b_ExX: jnp.take(b_ExX, sorted_N, axis=0, mode="clip")
-    gate_NxF, up_NxF = gate_NxF + bias(biases[0]), up_NxF + bias(biases[1])
-  if up_act is not None:
-    up_NxF = up_act(up_NxF)
   out_NxD = jax.lax.ragged_dot(act(gate_NxF) * up_NxF, down_ExFxD, group_sizes_E)
-  if biases is not None:
-    out_NxD = out_NxD + bias(biases[2])
   out_TxKxD = jnp.take(out_NxD, jnp.argsort(order_N), axis=0).reshape(T, k, D)
   w_TxK = routing.weights_TxK.astype(out_TxKxD.dtype)
   return jnp.einsum("TKD,TK->TD", out_TxKxD, w_TxK)
 
 
-def dense_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act,
-                  biases=None, up_act=None):
+def dense_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act):
   """The reference: every expert on every token, weighted by a dense (T, E) routing matrix
   that is zero off the chosen experts."""
   E = gate_ExDxF.shape[0]
@@ -130,13 +121,7 @@ def dense_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act
   combine_TxE = jnp.einsum("TK,TKE->TE", routing.weights_TxK, one_hot_TxKxE)
   gate_TxExF = jnp.einsum("TD,EDF->TEF", x_TxD, gate_ExDxF)
   up_TxExF = jnp.einsum("TD,EDF->TEF", x_TxD, up_ExDxF)
-  if biases is not None:
-    gate_TxExF, up_TxExF = gate_TxExF + biases[0], up_TxExF + biases[1]
-  if up_act is not None:
-    up_TxExF = up_act(up_TxExF)
   out_TxExD = jnp.einsum("TEF,EFD->TED", act(gate_TxExF) * up_TxExF, down_ExFxD)
-  if biases is not None:
-    out_TxExD = out_TxExD + biases[2]
   return jnp.einsum("TED,TE->TD", out_TxExD, combine_TxE.astype(out_TxExD.dtype))
 
 
@@ -154,6 +139,8 @@ class RouterStats:
   z: jax.Array  # squared logsumexp of the router logits, summed over tokens
   tokens: jax.Array  # real tokens
   dropped: jax.Array  # assignments dropped for capacity (0 when dropless)
+  # Every token's float32 router logits, only when asked for (return_router_logits): not a sum.
+  logits_BxLxE: jax.Array | None = None
 
 
 def router_stats(routing: Routing, mask_T: jax.Array | None) -> RouterStats:
@@ -213,13 +200,6 @@ class MoE(nnx.Module):
     self.gate = normal_param(rngs, (E, D, F), D ** -0.5, pd, ("expert", "embed", "mlp"))
     self.up = normal_param(rngs, (E, D, F), D ** -0.5, pd, ("expert", "embed", "mlp"))
     self.down = normal_param(rngs, (E, F, D), out_std, pd, ("expert", "mlp", "embed"))
-    # gpt-oss: router and expert biases (zero at init).
-    zeros = lambda shape, axes: nnx.Param(jnp.zeros(shape, pd), logical_axes=axes)
-    self.router_bias = zeros((E,), ("expert",)) if config.router_bias else None
-    self.gate_bias, self.up_bias, self.down_bias = (
-        (zeros((E, F), ("expert", "mlp")), zeros((E, F), ("expert", "mlp")),
-         zeros((E, D), ("expert", "embed"))) if config.expert_bias else (None, None, None))
-    self.act, self.up_act = activations(config)
     self.k = config.num_experts_per_tok
     self.router_kind = config.router
     self.norm_topk_prob = config.norm_topk_prob
@@ -232,14 +212,14 @@ class MoE(nnx.Module):
     """Router logits in float32 (routing decisions must not flip with the compute dtype)."""
     logits_TxE = jnp.einsum("TD,DE->TE", x_TxD, self.router[...].astype(self.dtype),
                             preferred_element_type=jnp.float32)
-    if self.router_bias is not None:
-      logits_TxE = logits_TxE + self.router_bias[...].astype(jnp.float32)
     return route(logits_TxE, self.k, self.router_kind, self.norm_topk_prob)
 
-  def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None
-               ) -> tuple[jax.Array, RouterStats]:
+  def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
+               return_router_logits: bool = False) -> tuple[jax.Array, RouterStats]:
     """The experts' output and this layer's RouterStats over the tokens whose segment id is
-    not 0 (all tokens without segment ids)."""
+    not 0 (all tokens without segment ids); with `return_router_logits`, the stats also hold
+    every token's router logits, computed from the router's input behind stop_gradient (a loss
+    on them trains the router alone, not the layers below it)."""
     dt = self.dtype
     B, L, D = x_BxLxD.shape
     x_TxD = x_BxLxD.astype(dt).reshape(B * L, D)
@@ -249,8 +229,10 @@ class MoE(nnx.Module):
     if capacity is not None:
       routing = with_capacity(routing, capacity, mask_T)
     weights = [w[...].astype(dt) for w in (self.gate, self.up, self.down)]
-    biases = (None if self.gate_bias is None
-              else [b[...].astype(dt) for b in (self.gate_bias, self.up_bias, self.down_bias)])
-    out_TxD = _DISPATCH[self.impl](x_TxD, routing, *weights, self.act, biases, self.up_act)
+    out_TxD = _DISPATCH[self.impl](x_TxD, routing, *weights, _activation(self.activation))
     out_BxLxD = constrain(out_TxD.reshape(B, L, D), ("batch", "residual_length", "embed"))
-    return out_BxLxD, router_stats(routing, mask_T)
+    stats = router_stats(routing, mask_T)
+    if return_router_logits:
+      logits_TxE = self.routing(jax.lax.stop_gradient(x_TxD)).logits_TxE
+      stats = dataclasses.replace(stats, logits_BxLxE=logits_TxE.reshape(B, L, -1))
+    return out_BxLxD, stats

@@ -40,6 +40,9 @@ class ModelOutput:
   cache: the updated KVCache when one was passed in.
   router_stats: a mixture of experts' routing per layer (moe.RouterStats, leading axis
     num_layers; None for a dense model). Unused, it costs nothing: XLA drops it.
+  router_logits_NxBxLxE: (num_layers, B, L, E) float32 router logits of a mixture of experts,
+    when requested; computed from each router's input behind stop_gradient (moe.MoE), so a
+    loss on them trains the routers only.
   """
 
   logits_BxLxV: jax.Array | None
@@ -48,6 +51,7 @@ class ModelOutput:
   attention_probs: jax.Array | None = None
   cache: KVCache | None = None
   router_stats: RouterStats | None = None
+  router_logits_NxBxLxE: jax.Array | None = None
 
 
 class Block(nnx.Module):
@@ -62,7 +66,8 @@ class Block(nnx.Module):
     self.post_attn_norm = RMSNorm(config) if config.use_post_norms else None
     self.post_mlp_norm = RMSNorm(config) if config.use_post_norms else None
 
-  def __call__(self, x_BxLxD, ctx: dict, window=None, cache_kv=None, return_probs=False):
+  def __call__(self, x_BxLxD, ctx: dict, window=None, cache_kv=None, return_probs=False,
+               return_router_logits=False):
     h = self.attn_norm(x_BxLxD)
     h, new_cache, probs = self.attn(h, sin_cos=ctx["sin_cos"], q_index_BxL=ctx["q_index"],
                                     k_index_BxS=ctx["k_index"], q_segment_BxL=ctx["q_segment"],
@@ -74,7 +79,7 @@ class Block(nnx.Module):
     x_BxLxD = x_BxLxD + h
     stats = None
     if isinstance(self.mlp, MoE):
-      h, stats = self.mlp(self.mlp_norm(x_BxLxD), ctx["q_segment"])
+      h, stats = self.mlp(self.mlp_norm(x_BxLxD), ctx["q_segment"], return_router_logits)
     else:
       h = self.mlp(self.mlp_norm(x_BxLxD))
     if self.post_mlp_norm is not None:
@@ -96,6 +101,13 @@ def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
     if isinstance(node, nnx.Variable):
       node.set_metadata("logical_axes", ("layers",) + tuple(node.get_metadata()["logical_axes"]))
   return blocks
+
+
+def _without_router_logits(stats: RouterStats | None):
+  """(the stats without per-token router logits, those logits or None)."""
+  if stats is None or stats.logits_BxLxE is None:
+    return stats, None
+  return dataclasses.replace(stats, logits_BxLxE=None), stats.logits_BxLxE
 
 
 class Transformer(nnx.Module):
@@ -138,7 +150,7 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BxL: jax.Array, *, positions_BxL: jax.Array | None = None,
                segment_ids_BxL: jax.Array | None = None, return_hidden_states: bool = False,
                return_attention: bool = False, cache: KVCache | None = None,
-               return_logits: bool = True) -> ModelOutput:
+               return_logits: bool = True, return_router_logits: bool = False) -> ModelOutput:
     """Logits for every position.
 
     positions_BxL: RoPE positions (default 0..L-1, or continuing the cache); restart them per
@@ -147,6 +159,7 @@ class Transformer(nnx.Module):
       to everything cached before them. The updated cache is returned in the output.
     return_logits: False skips the output projection (logits_BxLxV is None), for losses that
       project `final_hidden_BxLxD` in chunks and for the sampler's prefill.
+    return_router_logits: a mixture of experts also returns every layer's router logits.
     """
     cfg = self.config
     B, L = tokens_BxL.shape
@@ -180,8 +193,9 @@ class Transformer(nnx.Module):
     x_BxLxD = embedded_BxLxD = self.embedder(tokens_BxL)
     cache_kv = None if cache is None else (cache.k_NxBxSxKxH, cache.v_NxBxSxKxH)
     run = self._run_scanned if cfg.scan_layers else self._run_unrolled
-    x_BxLxD, per_layer_x, new_kv, probs, stats = run(x_BxLxD, ctx, cache_kv,
-                                                     return_hidden_states, return_attention)
+    x_BxLxD, per_layer_x, new_kv, probs, stats = run(
+        x_BxLxD, ctx, cache_kv, return_hidden_states, (return_attention, return_router_logits))
+    stats, router_logits = _without_router_logits(stats)
 
     final_hidden_BxLxD = self.final_norm(x_BxLxD)
     hidden_states = None
@@ -191,32 +205,34 @@ class Transformer(nnx.Module):
     if cache is not None:
       new_cache = KVCache(new_kv[0], new_kv[1], k_segment_BxS, start + L)
     logits = self.logits_from_hidden(final_hidden_BxLxD) if return_logits else None
-    return ModelOutput(logits, final_hidden_BxLxD, hidden_states, probs, new_cache, stats)
+    return ModelOutput(logits, final_hidden_BxLxD, hidden_states, probs, new_cache, stats,
+                       router_logits)
 
-  def _block_fn(self, graphdef, return_probs: bool):
-    """A pure (state, x, ctx, window, cache_kv) -> outputs function of one block, remat-wrapped."""
+  def _block_fn(self, graphdef, wants: tuple[bool, bool]):
+    """A pure (state, x, ctx, window, cache_kv) -> outputs function of one block, remat-wrapped;
+    `wants`: (attention probabilities, router logits)."""
 
     def apply(state, x_BxLxD, ctx, window, cache_kv):
       block = nnx.merge(graphdef, state)
-      return block(x_BxLxD, ctx, window, cache_kv, return_probs)
+      return block(x_BxLxD, ctx, window, cache_kv, *wants)
 
     if self.config.remat == "none":
       return apply
     return jax.checkpoint(apply, policy=_REMAT_POLICIES[self.config.remat],
                           prevent_cse=not self.config.scan_layers)
 
-  def _run_unrolled(self, x_BxLxD, ctx, cache_kv, want_hidden, want_probs):
+  def _run_unrolled(self, x_BxLxD, ctx, cache_kv, want_hidden, wants):
     cfg = self.config
     xs, ks, vs, probs, stats = [], [], [], [], []
     for i, block in enumerate(self.layers):
       graphdef, state = nnx.split(block)
       layer_kv = None if cache_kv is None else (cache_kv[0][i], cache_kv[1][i])
       window = cfg.sliding_window if cfg.layer_uses_sliding_window(i) else None
-      x_BxLxD, new_kv, p, st = self._block_fn(graphdef, want_probs)(state, x_BxLxD, ctx, window,
-                                                                    layer_kv)
+      x_BxLxD, new_kv, p, st = self._block_fn(graphdef, wants)(state, x_BxLxD, ctx, window,
+                                                               layer_kv)
       if want_hidden:
         xs.append(x_BxLxD)
-      if want_probs:
+      if wants[0]:
         probs.append(p)
       if new_kv is not None:
         ks.append(new_kv[0])
@@ -228,11 +244,11 @@ class Transformer(nnx.Module):
     stats = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None
     return x_BxLxD, stack(xs), new_kv, stack(probs), stats
 
-  def _run_scanned(self, x_BxLxD, ctx, cache_kv, want_hidden, want_probs):
+  def _run_scanned(self, x_BxLxD, ctx, cache_kv, want_hidden, wants):
     graphdef, state = nnx.split(self.layers)
     windows = self.config.layer_windows()
     windows = None if windows is None else jnp.asarray(windows, jnp.int32)
-    block_fn = self._block_fn(graphdef, want_probs)
+    block_fn = self._block_fn(graphdef, wants)
 
     def body(x_BxLxD, layer):
       layer_state, window, layer_kv = layer

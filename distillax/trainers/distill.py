@@ -9,8 +9,8 @@ from __future__ import annotations
 from flax import nnx
 
 from distillax.distill import (TEACHER, AttentionTransfer, DistillStudent, FeaturePooling,
-                               FeatureProjection, LogitKD, Strategy, make_distill_objective,
-                               unwrap_student)
+                               FeatureProjection, LogitKD, RouterKD, Strategy,
+                               make_distill_objective, unwrap_student)
 from distillax.framework.vocab_chunks import chunk_size_from_config
 from distillax.errors import ConfigError
 from distillax.framework.step import Objective
@@ -36,8 +36,23 @@ def parse_layer_map(spec, student_layers: int, teacher_layers: int, *, hidden: b
                       f"layer indices, e.g. '1:2,3:6'") from None
 
 
-def strategy_from_config(c, student: TransformerConfig, teacher: TransformerConfig) -> Strategy:
-  """The weighted sum of the strategies whose weight in the `distill` section is > 0."""
+def router_kd(c, student: TransformerConfig, teacher: TransformerConfig,
+              source: src.ModelSource) -> RouterKD:
+  """RouterKD with the layer and expert maps of the student's source (a student of teacher
+  blocks: block i is teacher layer layers[i], keeping its kept experts), checked here."""
+  layer_map = experts = None
+  if isinstance(source, src.BlocksSource):
+    layer_map, experts = dict(enumerate(source.layers)), source.kept_experts()
+  strategy = RouterKD(layer_map=layer_map, experts=experts, weight=c.router.weight)
+  strategy.check_experts(student.num_layers, student.num_experts, teacher.num_layers,
+                         teacher.num_experts)
+  return strategy
+
+
+def strategy_from_config(c, student: TransformerConfig, teacher: TransformerConfig,
+                         source: src.ModelSource | None = None) -> Strategy:
+  """The weighted sum of the strategies whose weight in the `distill` section is > 0
+  (`source`: the student's, whose maps router distillation reads)."""
   terms = []
   if c.logit.weight > 0:
     terms.append(LogitKD(temperature=c.logit.temperature, alpha=c.logit.alpha,
@@ -51,6 +66,8 @@ def strategy_from_config(c, student: TransformerConfig, teacher: TransformerConf
     if section.weight > 0:
       terms.append(cls(layer_map=parse_layer_map(section.layer_map, ls, lt, hidden=hidden),
                        loss=section.loss, weight=section.weight))
+  if c.get("router") is not None and c.router.weight > 0:
+    terms.append(router_kd(c, student, teacher, source))
   if not terms:
     raise ConfigError("every distill.*.weight is 0; give at least one strategy a weight, e.g. "
                       "--config.distill.logit.weight=1")
@@ -75,7 +92,8 @@ class DistillRecipe(Recipe):
         config, self.sources, self.model_config.vocab_size)
 
   def strategy(self) -> Strategy:
-    return strategy_from_config(self.config.distill, self.model_config, self.teacher_model_config)
+    return strategy_from_config(self.config.distill, self.model_config, self.teacher_model_config,
+                                self.sources.student)
 
   def objective(self, *, train: bool = False) -> Objective:
     """Train: the loss terms and hard_ce; eval adds the logit metrics that cost extra passes
