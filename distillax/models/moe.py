@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distillax.models.config import TransformerConfig
-from distillax.models.layers import normal_param
+from distillax.models.layers import activations, normal_param
 from distillax.partitioning import constrain
 
 
@@ -90,13 +90,12 @@ def with_capacity(routing: Routing, capacity: int, mask_T: jax.Array | None) -> 
   return dataclasses.replace(routing, weights_TxK=weights_TxK, keep_TxK=keep_TxK)
 
 
-def _activation(name: str):
-  return jax.nn.silu if name == "swiglu" else (lambda x: jax.nn.gelu(x, approximate=True))
-
-
-def ragged_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act):
+def ragged_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act,
+                   biases=None, up_act=None):
   """Dropless grouped-matmul dispatch: sort the T*k assignments by expert, run each expert's
-  group with `ragged_dot`, undo the sort and sum each token's k weighted outputs."""
+  group with `ragged_dot`, undo the sort and sum each token's k weighted outputs.
+  The hidden is act(gate) * up (gpt-oss: * up_act(up)); biases: None or gpt-oss's
+  (gate_ExF, up_ExF, down_ExD)."""
   T, D = x_TxD.shape
   E, k = gate_ExDxF.shape[0], routing.experts_TxK.shape[1]
   experts_N = routing.experts_TxK.reshape(-1)  # N = T*k assignments, token-major
@@ -107,13 +106,23 @@ def ragged_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, ac
   xs_NxD = jnp.take(x_TxD, order_N // k, axis=0)
   gate_NxF = jax.lax.ragged_dot(xs_NxD, gate_ExDxF, group_sizes_E)
   up_NxF = jax.lax.ragged_dot(xs_NxD, up_ExDxF, group_sizes_E)
+  if biases is not None:  # each sorted row adds its expert's biases (a dropped row, sorted
+    # past every group as expert E, gets expert E-1's: its output is weighted 0 anyway)
+    sorted_N = jnp.take(experts_N, order_N)
+    bias = lambda b_ExX: jnp.take(b_ExX, sorted_N, axis=0, mode="clip")
+    gate_NxF, up_NxF = gate_NxF + bias(biases[0]), up_NxF + bias(biases[1])
+  if up_act is not None:
+    up_NxF = up_act(up_NxF)
   out_NxD = jax.lax.ragged_dot(act(gate_NxF) * up_NxF, down_ExFxD, group_sizes_E)
+  if biases is not None:
+    out_NxD = out_NxD + bias(biases[2])
   out_TxKxD = jnp.take(out_NxD, jnp.argsort(order_N), axis=0).reshape(T, k, D)
   w_TxK = routing.weights_TxK.astype(out_TxKxD.dtype)
   return jnp.einsum("TKD,TK->TD", out_TxKxD, w_TxK)
 
 
-def dense_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act):
+def dense_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act,
+                  biases=None, up_act=None):
   """The reference: every expert on every token, weighted by a dense (T, E) routing matrix
   that is zero off the chosen experts."""
   E = gate_ExDxF.shape[0]
@@ -121,7 +130,13 @@ def dense_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act
   combine_TxE = jnp.einsum("TK,TKE->TE", routing.weights_TxK, one_hot_TxKxE)
   gate_TxExF = jnp.einsum("TD,EDF->TEF", x_TxD, gate_ExDxF)
   up_TxExF = jnp.einsum("TD,EDF->TEF", x_TxD, up_ExDxF)
+  if biases is not None:
+    gate_TxExF, up_TxExF = gate_TxExF + biases[0], up_TxExF + biases[1]
+  if up_act is not None:
+    up_TxExF = up_act(up_TxExF)
   out_TxExD = jnp.einsum("TEF,EFD->TED", act(gate_TxExF) * up_TxExF, down_ExFxD)
+  if biases is not None:
+    out_TxExD = out_TxExD + biases[2]
   return jnp.einsum("TED,TE->TD", out_TxExD, combine_TxE.astype(out_TxExD.dtype))
 
 
@@ -200,6 +215,13 @@ class MoE(nnx.Module):
     self.gate = normal_param(rngs, (E, D, F), D ** -0.5, pd, ("expert", "embed", "mlp"))
     self.up = normal_param(rngs, (E, D, F), D ** -0.5, pd, ("expert", "embed", "mlp"))
     self.down = normal_param(rngs, (E, F, D), out_std, pd, ("expert", "mlp", "embed"))
+    # gpt-oss: router and expert biases (zero at init).
+    zeros = lambda shape, axes: nnx.Param(jnp.zeros(shape, pd), logical_axes=axes)
+    self.router_bias = zeros((E,), ("expert",)) if config.router_bias else None
+    self.gate_bias, self.up_bias, self.down_bias = (
+        (zeros((E, F), ("expert", "mlp")), zeros((E, F), ("expert", "mlp")),
+         zeros((E, D), ("expert", "embed"))) if config.expert_bias else (None, None, None))
+    self.act, self.up_act = activations(config)
     self.k = config.num_experts_per_tok
     self.router_kind = config.router
     self.norm_topk_prob = config.norm_topk_prob
@@ -212,6 +234,8 @@ class MoE(nnx.Module):
     """Router logits in float32 (routing decisions must not flip with the compute dtype)."""
     logits_TxE = jnp.einsum("TD,DE->TE", x_TxD, self.router[...].astype(self.dtype),
                             preferred_element_type=jnp.float32)
+    if self.router_bias is not None:
+      logits_TxE = logits_TxE + self.router_bias[...].astype(jnp.float32)
     return route(logits_TxE, self.k, self.router_kind, self.norm_topk_prob)
 
   def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
@@ -229,7 +253,9 @@ class MoE(nnx.Module):
     if capacity is not None:
       routing = with_capacity(routing, capacity, mask_T)
     weights = [w[...].astype(dt) for w in (self.gate, self.up, self.down)]
-    out_TxD = _DISPATCH[self.impl](x_TxD, routing, *weights, _activation(self.activation))
+    biases = (None if self.gate_bias is None
+              else [b[...].astype(dt) for b in (self.gate_bias, self.up_bias, self.down_bias)])
+    out_TxD = _DISPATCH[self.impl](x_TxD, routing, *weights, self.act, biases, self.up_act)
     out_BxLxD = constrain(out_TxD.reshape(B, L, D), ("batch", "residual_length", "embed"))
     stats = router_stats(routing, mask_T)
     if return_router_logits:

@@ -168,6 +168,11 @@ def _short(value: Any) -> str:
 ADDED_LATER: dict[str, Any] = {
     "model.num_experts": 0, "model.num_experts_per_tok": 2, "model.moe_mlp_dim": 0,
     "model.router": "softmax_topk", "model.norm_topk_prob": False,
+    "model.rope_scaling_type": "llama3", "model.rope_yarn_beta_fast": 32.0,  # gpt-oss's fields
+    "model.rope_yarn_beta_slow": 1.0, "model.rope_yarn_truncate": True,
+    "model.attn_out_bias": False, "model.attention_sinks": False, "model.router_bias": False,
+    "model.expert_bias": False,
+    "model.swiglu_alpha": 1.702, "model.swiglu_limit": 7.0,
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
     "student.from_teacher.experts": [], "distill.router.weight": 0.0,
 }
