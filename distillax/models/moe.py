@@ -16,6 +16,9 @@ Dispatch is switched by `moe_impl`:
   work is T*k rows whatever the routing and no token is ever dropped;
 - 'dense': every expert runs on every token and the outputs are weighted by the (mostly zero)
   routing weights. E/k times the work; it is the reference the ragged path is tested against.
+- 'tokamax': the ragged dispatch with tokamax's grouped matmul (models/moe_kernels.py).
+When the rules split 'expert' over mesh axes (fsdp_ep, ep_tp), ragged and tokamax exchange the
+tokens with the devices holding their experts (models/moe_parallel.py).
 
 Optional capacity (`moe_capacity_factor`; None = dropless): each expert takes at most
 C = ceil(factor * T * k / E) of the (token, expert) assignments of a layer call's T tokens,
@@ -28,6 +31,7 @@ the ragged one also skips their rows in the grouped matmul. RouterStats counts t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -36,6 +40,8 @@ from flax import nnx
 
 from distillax.models.config import TransformerConfig
 from distillax.models.layers import activations, normal_param
+from distillax.models.moe_kernels import tokamax_ragged_dot
+from distillax.models.moe_parallel import routed_experts, run_experts
 from distillax.partitioning import constrain
 
 
@@ -140,7 +146,8 @@ def dense_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act
   return jnp.einsum("TED,TE->TD", out_TxExD, combine_TxE.astype(out_TxExD.dtype))
 
 
-_DISPATCH = {"ragged": ragged_experts, "dense": dense_experts}
+_DISPATCH = {"ragged": ragged_experts, "dense": dense_experts,
+             "tokamax": functools.partial(routed_experts, ragged_dot=tokamax_ragged_dot)}
 
 
 @jax.tree_util.register_dataclass
@@ -255,7 +262,9 @@ class MoE(nnx.Module):
     weights = [w[...].astype(dt) for w in (self.gate, self.up, self.down)]
     biases = (None if self.gate_bias is None
               else [b[...].astype(dt) for b in (self.gate_bias, self.up_bias, self.down_bias)])
-    out_TxD = _DISPATCH[self.impl](x_TxD, routing, *weights, self.act, biases, self.up_act)
+    # Experts the rules split (fsdp_ep, ep_tp) exchange tokens in a shard_map region.
+    out_TxD = run_experts(self.impl, _DISPATCH[self.impl], x_TxD, routing, weights, self.act,
+                          biases, self.up_act)
     out_BxLxD = constrain(out_TxD.reshape(B, L, D), ("batch", "residual_length", "embed"))
     stats = router_stats(routing, mask_T)
     if return_router_logits:

@@ -20,29 +20,17 @@ per device and k = 8 it is n x. `jax.lax.ragged_all_to_all` would shrink the sen
 rows actually sent, but XLA:CPU does not implement it (jax 0.10.2: "HLO opcode
 `ragged-all-to-all` is not supported"), and the receive side would still need the worst case.
 
-The model never reads the mesh: `MoE` asks `partitioning.split_over('expert', E)`.
+The model never reads the mesh: `run_experts` asks `partitioning.split_over('expert', E)`.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from distillax import partitioning as pt
-
-RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
-
-
-def grouped_ffn(xs_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,
-                ragged_dot: RaggedDot = jax.lax.ragged_dot):
-  """The gated MLP of each expert over its contiguous group of rows (rows past the groups'
-  total come out zero)."""
-  gate_NxF = ragged_dot(xs_NxD, gate_ExDxF, group_sizes_E)
-  up_NxF = ragged_dot(xs_NxD, up_ExDxF, group_sizes_E)
-  return ragged_dot(act(gate_NxF) * up_NxF, down_ExFxD, group_sizes_E)
+from distillax.models.moe_kernels import RaggedDot, grouped_ffn, ragged_dot_for, record
 
 
 def _pack_by_destination(dest_N, n: int, capacity: int):
@@ -60,18 +48,43 @@ def _pack_by_destination(dest_N, n: int, capacity: int):
   return order_N, dest_sorted_N, slot_N, source_nxC, filled_nxC
 
 
-def _local_experts(recv_MxD, expert_M, E_local: int, weights, act, ragged_dot):
-  """The received rows (expert_M = E_local marks an empty slot) through this device's experts,
-  returned in the order they arrived."""
+def _local_experts(rows_MxD, expert_M, E_local: int, weights, act, ragged_dot, biases=None,
+                   up_act=None):
+  """Rows through the experts their ids name (expert_M = E_local marks a row for none: an
+  empty slot or a dropped assignment), returned in their own order."""
   order_M = jnp.argsort(expert_M, stable=True)
   group_sizes_E = jnp.sum(expert_M[:, None] == jnp.arange(E_local)[None, :], axis=0,
                           dtype=jnp.int32)
-  out_MxD = grouped_ffn(jnp.take(recv_MxD, order_M, axis=0), group_sizes_E, *weights, act,
-                        ragged_dot=ragged_dot)
+  out_MxD = grouped_ffn(jnp.take(rows_MxD, order_M, axis=0), group_sizes_E, *weights, act,
+                        ragged_dot=ragged_dot, biases=biases, up_act=up_act,
+                        sorted_experts_N=jnp.take(expert_M, order_M))
   return jnp.take(out_MxD, jnp.argsort(order_M), axis=0)
 
 
-def _exchange(x_TxD, weights_TxK, experts_TxK, gate, up, down, *, axes, n, act, ragged_dot):
+def _combine(out_NxD, weights_TxK):
+  """Each token's k weighted expert outputs (rows token-major) summed."""
+  T, k = weights_TxK.shape
+  out_TxKxD = out_NxD.reshape(T, k, -1)
+  return jnp.einsum("TKD,TK->TD", out_TxKxD, weights_TxK.astype(out_TxKxD.dtype))
+
+
+def routed_experts(x_TxD, routing, gate_ExDxF, up_ExDxF, down_ExFxD, act, biases=None,
+                   up_act=None, *, ragged_dot: RaggedDot = jax.lax.ragged_dot):
+  """The dropless grouped-matmul dispatch with every expert on this device (the signature of
+  models/moe.py's dispatches): what `moe_impl='tokamax'` runs when the experts are not split,
+  and what each device runs on the rows it received when they are."""
+  E, k = gate_ExDxF.shape[0], routing.experts_TxK.shape[1]
+  experts_N = routing.experts_TxK.reshape(-1)
+  if routing.keep_TxK is not None:  # dropped for capacity: no expert, weight 0
+    experts_N = jnp.where(routing.keep_TxK.reshape(-1), experts_N, E)
+  rows_NxD = jnp.take(x_TxD, jnp.arange(experts_N.shape[0]) // k, axis=0)
+  out_NxD = _local_experts(rows_NxD, experts_N, E, (gate_ExDxF, up_ExDxF, down_ExFxD), act,
+                           ragged_dot, biases, up_act)
+  return _combine(out_NxD, routing.weights_TxK)
+
+
+def _exchange(x_TxD, weights_TxK, experts_TxK, gate, up, down, biases, *, axes, n, act, up_act,
+              ragged_dot):
   """Per device (inside the shard_map region): T local tokens, E_local local experts."""
   T, D = x_TxD.shape
   k = experts_TxK.shape[1]
@@ -86,17 +99,19 @@ def _exchange(x_TxD, weights_TxK, experts_TxK, gate, up, down, *, axes, n, act, 
   recv_nxCxD = jax.lax.all_to_all(send_nxCxD, axes, 0, 0, tiled=True)
   recv_local_nxC = jax.lax.all_to_all(local_nxC, axes, 0, 0, tiled=True)
   out_MxD = _local_experts(recv_nxCxD.reshape(n * capacity, D), recv_local_nxC.reshape(-1),
-                           E_local, (gate, up, down), act, ragged_dot)
+                           E_local, (gate, up, down), act, ragged_dot, biases, up_act)
   back_nxCxD = jax.lax.all_to_all(out_MxD.reshape(n, capacity, D), axes, 0, 0, tiled=True)
   out_sorted_NxD = back_nxCxD[dest_sorted_N, slot_N]
-  out_TxKxD = jnp.take(out_sorted_NxD, jnp.argsort(order_N), axis=0).reshape(T, k, D)
-  return jnp.einsum("TKD,TK->TD", out_TxKxD, weights_TxK.astype(out_TxKxD.dtype))
+  return _combine(jnp.take(out_sorted_NxD, jnp.argsort(order_N), axis=0), weights_TxK)
 
 
 def exchanged_experts(x_TxD, weights_TxK, experts_TxK, gate_ExDxF, up_ExDxF, down_ExFxD, act,
-                      where: pt.ManualAxes, ragged_dot: RaggedDot = jax.lax.ragged_dot):
-  """The routed experts' weighted output (T, D), experts split over `where` (see the module
-  docstring). Tokens are padded to a multiple of the shard count with zero-weight rows."""
+                      where: pt.ManualAxes, ragged_dot: RaggedDot = jax.lax.ragged_dot,
+                      biases=None, up_act=None):
+  """The routed experts' weighted output (T, D), experts (and their `biases`) split over
+  `where` (see the module docstring). Tokens are padded to a multiple of the shard count with
+  zero-weight rows. An assignment dropped for capacity has weight 0: it still travels, and
+  adds nothing."""
   T, D = x_TxD.shape
   n = where.size
   pad = -T % n
@@ -109,8 +124,22 @@ def exchanged_experts(x_TxD, weights_TxK, experts_TxK, gate_ExDxF, up_ExDxF, dow
 
   def body(*args):
     with pt.use_rules(jax.sharding.get_abstract_mesh(), where.inner_rules):
-      return _exchange(*args, axes=axes, n=n, act=act, ragged_dot=ragged_dot)
+      return _exchange(*args, axes=axes, n=n, act=act, up_act=up_act, ragged_dot=ragged_dot)
 
-  region = jax.shard_map(body, mesh=where.mesh, in_specs=(split,) * 6, out_specs=split,
+  region = jax.shard_map(body, mesh=where.mesh, in_specs=(split,) * 7, out_specs=split,
                          axis_names=set(where.axes), check_vma=False)
-  return region(x_TxD, weights_TxK, experts_TxK, gate_ExDxF, up_ExDxF, down_ExFxD)[:T]
+  return region(x_TxD, weights_TxK, experts_TxK, gate_ExDxF, up_ExDxF, down_ExFxD,
+                biases)[:T]
+
+
+def run_experts(impl: str, replicated, x_TxD, routing, weights, act, biases=None, up_act=None):
+  """The MoE layer's expert output (T, D) by `moe_impl`: exchanged over the mesh axes the rules
+  split 'expert' over, else `replicated(x_TxD, routing, *weights, act, biases, up_act)` (one
+  GSPMD program). The dense reference always runs as one GSPMD program."""
+  where = None if impl == "dense" else pt.split_over("expert", weights[0].shape[0])
+  if where is None:
+    record(f"{impl}, experts not split (one GSPMD program)")
+    return replicated(x_TxD, routing, *weights, act, biases, up_act)
+  record(f"{impl}, experts split {where.size} ways over {'+'.join(where.axes)} (all_to_all)")
+  return exchanged_experts(x_TxD, routing.weights_TxK, routing.experts_TxK, *weights, act,
+                           where, ragged_dot_for(impl), biases, up_act)

@@ -20,6 +20,7 @@ from distillax.data.sources import resolve_files
 from distillax.data.survey import check_data
 from distillax.errors import ConfigError, UserError
 from distillax.framework import optim
+from distillax.models import moe_kernels
 
 # (section, field, smallest allowed value, an example of a good value). Checked when a recipe is
 # made, so a value no run can use fails in one line naming it, not steps later in what it breaks
@@ -116,7 +117,15 @@ def model_conflicts(recipe) -> list[str]:
   except ConfigError as e:  # the warmup outlasts the run, an unknown schedule
     out.append(str(e))
   out += _vmap_moe_conflicts(recipe)
+  out += _tokamax_conflicts(recipe)
   return out
+
+
+def _tokamax_conflicts(recipe) -> list[str]:
+  """moe_impl='tokamax' without the optional package: named before anything compiles."""
+  models = (recipe.model_config, recipe.teacher_model_config)
+  wanted = any(mc is not None and mc.num_experts and mc.moe_impl == "tokamax" for mc in models)
+  return [moe_kernels.TOKAMAX_MISSING] if wanted and not moe_kernels.tokamax_installed() else []
 
 
 def _vmap_moe_conflicts(recipe) -> list[str]:
@@ -127,10 +136,10 @@ def _vmap_moe_conflicts(recipe) -> list[str]:
   models = [("model", recipe.model_config), ("teacher", recipe.teacher_model_config)]
   out = []
   for name, mc in models:
-    if mc is not None and mc.num_experts and mc.moe_impl == "ragged":
+    if mc is not None and mc.num_experts and mc.moe_impl in ("ragged", "tokamax"):
       fix = ("or --config.model.moe_impl=dense" if name == "model"
              else "(the teacher's experts run ragged)")
-      out.append(f"backend='vmap' cannot batch the {name}'s ragged expert matmul "
+      out.append(f"backend='vmap' cannot batch the {name}'s {mc.moe_impl} expert matmul "
                  f"(jax.lax.ragged_dot); use --config.backend=shard_map or pmap {fix}")
   return out
 

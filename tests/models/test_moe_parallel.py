@@ -32,14 +32,15 @@ def _cross_device_routing(T, E, n, k=2):
   return jnp.asarray(weights, jnp.float32), jnp.asarray(experts, jnp.int32)
 
 
-@pytest.mark.parametrize("rules,E", [
+@pytest.mark.parametrize("rules,E,gpt_oss", [
     # fsdp_ep on a (4, 2) mesh: experts over data (4 shards), the model axis left to GSPMD.
-    ((("expert", "data"),), 4),
+    ((("expert", "data"),), 4, False),
     # Experts over both axes (8 shards), one expert per device and k = 2: every token sends two
-    # rows, to two other devices.
-    ((("expert", ("data", "model")),), 8),
+    # rows, to two other devices; with gpt-oss's expert biases and up activation.
+    ((("expert", ("data", "model")),), 8, True),
 ])
-def test_tokens_routed_to_experts_on_other_devices_match_the_replicated_dispatch(rules, E):
+def test_tokens_routed_to_experts_on_other_devices_match_the_replicated_dispatch(rules, E,
+                                                                                  gpt_oss):
   mesh = pt.create_mesh({"data": 4, "model": 2})
   rule_set = pt.RuleSet(rules + pt.preset("fsdp"))
   T = 16
@@ -47,26 +48,33 @@ def test_tokens_routed_to_experts_on_other_devices_match_the_replicated_dispatch
   x = jnp.asarray(np.random.default_rng(2).normal(size=(T, D)), jnp.float32)
   weights, experts = _cross_device_routing(T, E, n)
   gate, up, down = _experts(E)
+  rng = np.random.default_rng(7)
+  biases = ([jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((E, F), (E, F), (E, D))]
+            if gpt_oss else None)
+  up_act = (lambda u: jnp.clip(u, -7.0, 7.0) + 1.0) if gpt_oss else None
   cotangent = jnp.asarray(np.random.default_rng(3).normal(size=(T, D)), jnp.float32)
 
-  def replicated(x, w, g, u, d):
+  def replicated(x, w, g, u, d, b):
     routing = moe.Routing(w, experts, jnp.zeros((T, E)))
-    return jnp.sum(moe.ragged_experts(x, routing, g, u, d, jax.nn.silu) * cotangent)
+    return jnp.sum(moe.ragged_experts(x, routing, g, u, d, jax.nn.silu, b, up_act) * cotangent)
 
-  def exchanged(x, w, g, u, d):
+  def exchanged(x, w, g, u, d, b):
     with pt.use_rules(mesh, rule_set):
       where = pt.split_over("expert", E)
       assert where is not None and where.size == n
-      out = moe_parallel.exchanged_experts(x, w, experts, g, u, d, jax.nn.silu, where)
+      out = moe_parallel.exchanged_experts(x, w, experts, g, u, d, jax.nn.silu, where,
+                                           biases=b, up_act=up_act)
     return jnp.sum(out * cotangent)
 
-  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4)))
-  want_value, want_grads = grad(replicated)(x, weights, gate, up, down)
-  args = (x, weights, gate, up, down)
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4, 5)))
+  args = (x, weights, gate, up, down, biases)
+  want_value, want_grads = grad(replicated)(*args)
   got_value, got_grads = grad(exchanged)(*args)
   np.testing.assert_allclose(got_value, want_value, rtol=1e-5)
-  for got, want, name in zip(got_grads, want_grads, ("x", "weights", "gate", "up", "down")):
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+  names = ("x", "weights", "gate", "up", "down", "biases")
+  for got, want, name in zip(got_grads, want_grads, names):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5, err_msg=name)
   hlo = grad(exchanged).lower(*args).compile().as_text()
   assert len(re.findall(r"all-to-all\(", hlo)) >= 3  # rows out, expert ids out, results back
 

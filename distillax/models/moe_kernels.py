@@ -1,0 +1,116 @@
+"""The grouped matmul behind `model.moe_impl`, and a record of how each traced MoE call ran.
+
+- 'ragged' uses `jax.lax.ragged_dot`: XLA's own grouped matmul on every platform (the TPU
+  compiler lowers it to its Mosaic ragged-dot kernel; XLA:CPU and XLA:GPU loop over groups).
+- 'tokamax' uses `tokamax.ragged_dot` (openxla's Pallas kernel library, the optional `tokamax`
+  extra) and lets tokamax pick, from the device the arrays live on: its Mosaic kernel on a TPU
+  v5 or newer, its Mosaic GPU / Triton kernels on an NVIDIA GPU, and otherwise (CPU, and any
+  compile from a CPU host such as `plan --target`) its XLA path, which is `ragged_dot` with
+  float32 accumulation. tokamax 0.0.12 reads the live device's kind to build its TPU kernel,
+  so a deviceless TPU compile cannot select it (measured: "Unsupported TPU device kind: cpu");
+  there the TPU compiler's own Mosaic ragged-dot runs, as for 'ragged'.
+- 'dense' (the reference) uses no grouped matmul.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import sys
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from distillax.errors import ConfigError
+from distillax.models.attention_impl import compile_platform
+
+RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+TOKAMAX_MISSING = ("model.moe_impl='tokamax' needs the tokamax package (pip install "
+                   "'distillax[tokamax]'); or set --config.model.moe_impl=ragged")
+
+
+def tokamax_installed() -> bool:
+  try:
+    import tokamax  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    return False
+  return True
+
+
+# tokamax's implementations to try (the first that accepts the call wins), by the platform the
+# step compiles for; elsewhere its XLA path.
+TOKAMAX_IMPLEMENTATIONS = {"tpu": ("mosaic", "xla"), "gpu": ("mosaic", "triton", "xla")}
+
+
+def _absl_flags_parsed() -> None:
+  """tokamax reads its options from absl flags, and parses sys.argv for them when nobody has:
+  a pytest or a script's own command line then fails ("Unknown command line flag 'q'"). Parse
+  an empty one instead (every flag keeps its default); the CLI has parsed them already."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS(sys.argv[:1] or ["distillax"])
+
+
+def tokamax_ragged_dot(lhs_NxD, rhs_ExDxF, group_sizes_E):
+  """tokamax's ragged_dot with the kernels of the platform the step compiles for (module
+  docstring); its XLA path elsewhere."""
+  try:
+    import tokamax  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise ConfigError(TOKAMAX_MISSING) from None
+  _absl_flags_parsed()
+  platform = compile_platform()
+  implementation = TOKAMAX_IMPLEMENTATIONS.get(platform, ("xla",))
+  record(f"tokamax ragged_dot on {platform}: first of {', '.join(implementation)}")
+  return tokamax.ragged_dot(lhs_NxD, rhs_ExDxF, group_sizes_E, implementation=implementation)
+
+
+def ragged_dot_for(impl: str) -> RaggedDot:
+  return tokamax_ragged_dot if impl == "tokamax" else jax.lax.ragged_dot
+
+
+def grouped_ffn(xs_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,
+                ragged_dot: RaggedDot = jax.lax.ragged_dot, biases=None, up_act=None,
+                sorted_experts_N=None):
+  """The gated MLP of each expert over its contiguous group of rows (rows past the groups'
+  total come out zero): act(gate) * up, or act(gate) * up_act(up) (gpt-oss). `biases`: None or
+  (gate_ExF, up_ExF, down_ExD), added to each row by its expert `sorted_experts_N` (rows past
+  the groups take the last expert's: their output is never used)."""
+  gate_NxF = ragged_dot(xs_NxD, gate_ExDxF, group_sizes_E)
+  up_NxF = ragged_dot(xs_NxD, up_ExDxF, group_sizes_E)
+  bias = lambda b_ExX: jnp.take(b_ExX, sorted_experts_N, axis=0, mode="clip")
+  if biases is not None:
+    gate_NxF, up_NxF = gate_NxF + bias(biases[0]), up_NxF + bias(biases[1])
+  if up_act is not None:
+    up_NxF = up_act(up_NxF)
+  out_NxD = ragged_dot(act(gate_NxF) * up_NxF, down_ExFxD, group_sizes_E)
+  return out_NxD if biases is None else out_NxD + bias(biases[2])
+
+
+# ---- what ran: one entry per traced MoE call (a scanned layer stack is traced once) ----------
+
+_RECORD: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "distillax_moe_choices", default=None)
+
+
+def record(choice: str) -> None:
+  found = _RECORD.get()
+  if found is not None:
+    found.append(choice)
+
+
+@contextlib.contextmanager
+def recorded_choices():
+  """Counts of how the MoE calls traced inside ran ('ragged, experts over data (all_to_all)',
+  ...): what `plan` reports beside the attention choices."""
+  found: list[str] = []
+  counts: dict[str, int] = {}
+  token = _RECORD.set(found)
+  try:
+    yield counts
+  finally:
+    _RECORD.reset(token)
+    counts.update(collections.Counter(found))
