@@ -29,6 +29,19 @@ def _gemma2(**kw) -> TransformerConfig:
                 query_pre_attn_scalar=256.0, sliding_window=4096, sliding_window_pattern=2, **kw)
 
 
+def _gpt_oss(**kw) -> TransformerConfig:
+  # gpt-oss-20b / 120b config.json: biased q/k/v/o with sinks, sliding (128) then full layers,
+  # YaRN x32 over 4096 (truncate off), 4 of E biased experts of width 2880 (clamped SwiGLU).
+  base = dict(vocab_size=201_088, embed_dim=2880, num_heads=64, num_kv_heads=8, head_dim=64,
+              mlp_dim=2880, norm_eps=1e-5, rope_theta=150_000.0, rope_scaling_type="yarn",
+              rope_scaling_factor=32.0, rope_original_max_len=4096, rope_yarn_truncate=False,
+              sliding_window=128, sliding_window_pattern=2, qkv_bias=True, attn_out_bias=True,
+              attention_sinks=True, num_experts_per_tok=4, router="topk_softmax",
+              router_bias=True, expert_bias=True, mlp_activation="clamped_swiglu",
+              max_seq_len=131_072, scan_layers=True, param_dtype="bfloat16", dtype="bfloat16")
+  return TransformerConfig(**{**base, **kw})
+
+
 def _qwen3(**kw) -> TransformerConfig:
   base = dict(vocab_size=151_936, mlp_activation="swiglu", norm_eps=1e-6, rope_theta=1_000_000.0,
               qk_norm=True, head_dim=128, max_seq_len=40_960, scan_layers=True,
@@ -60,6 +73,12 @@ PRESETS: dict[str, TransformerConfig] = {
                                   num_kv_heads=2, head_dim=16, mlp_dim=128, num_experts=4,
                                   num_experts_per_tok=2, moe_mlp_dim=32, router="topk_softmax",
                                   max_seq_len=128),
+    # Every gpt-oss feature at test size: q/k/v/o biases, sinks, sliding then full layers, YaRN,
+    # router and expert biases, the clamped SwiGLU; 4 experts of width 32, top-2.
+    "tiny_gpt_oss": _gpt_oss(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
+                             num_kv_heads=2, head_dim=16, mlp_dim=32, num_experts=4,
+                             num_experts_per_tok=2, sliding_window=8, max_seq_len=128,
+                             scan_layers=False, param_dtype="float32", dtype="float32"),
     # CPU demo pair (byte-level): a ~4.8M teacher and a ~1.5M student that train a few hundred
     # steps on two cores in minutes. Same family and head_dim so every KD strategy applies.
     "demo_teacher": TransformerConfig(vocab_size=256, embed_dim=256, num_layers=6, num_heads=8,
@@ -102,6 +121,8 @@ def get_preset(name: str, **overrides) -> TransformerConfig:
     raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
   return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
 
+    "gpt-oss-20b": _gpt_oss(num_layers=24, num_experts=32),
+    "gpt-oss-120b": _gpt_oss(num_layers=36, num_experts=128),
 
 def config_from_dict(values: Mapping[str, Any]) -> TransformerConfig:
   """A model section as a config: a 'preset' key starts from that preset, other keys override."""

@@ -89,6 +89,32 @@ def test_blockwise_matches_reference_values_and_input_gradients(case):
     np.testing.assert_allclose(a, b, **TOL, err_msg=f"d{name}")
 
 
+def test_blockwise_sinks_match_reference_values_and_gradients():
+  """gpt-oss's sink logits (one per query head) against a KV cache of 23 slots: 14 queries in
+  blocks of 4, window 3, packed segments with padding rows; output and the gradients of q, k, v
+  and the sinks."""
+  B, L, S, K, G, H = 2, 14, 23, 2, 3, 8
+  q, k, v = _qkv(B, L, S, K, G, H)
+  sinks = 2.0 * jax.random.normal(jax.random.key(5), (K, G))
+  seg = _packed_segments(B, S)
+  masking = dict(q_index_BxL=jnp.broadcast_to(jnp.arange(L) + S - L, (B, L)),
+                 k_index_BxS=jnp.broadcast_to(jnp.arange(S), (B, S)), q_segment_BxL=seg[:, S - L:],
+                 k_segment_BxS=seg, window=3, scale=H ** -0.5)
+  w = jax.random.normal(jax.random.key(9), (B, L, K, G, H))
+  ref = lambda *a: reference_attention(*a[:3], **masking, sinks_KxG=a[3])[0]
+  blk = lambda *a: attention_blockwise.blockwise_attention(
+      *a[:3], **masking, sinks_KxG=a[3], block_q=4, block_k=4, causal_offset=S - L)
+  both = [jax.jit(jax.value_and_grad(lambda *a, fn=fn: (jnp.sum(fn(*a) * w), fn(*a)),
+                                     argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sinks)
+          for fn in (ref, blk)]
+  (_, ref_out), ref_grads = both[0]
+  (_, blk_out), blk_grads = both[1]
+  np.testing.assert_allclose(blk_out, ref_out, **TOL)
+  assert float(jnp.max(jnp.abs(ref_grads[3]))) > 1e-2  # the sinks matter here
+  for name, a, b in zip(["q", "k", "v", "sinks"], blk_grads, ref_grads):
+    np.testing.assert_allclose(a, b, **TOL, err_msg=f"d{name}")
+
+
 def test_pair_schedule_skips_what_no_query_sees():
   # 4 x 4 blocks of 8, causal: the 10 pairs on or below the diagonal.
   i, j = attention_blockwise.pair_schedule(4, 4, 8, 8, 0, None)
@@ -289,6 +315,9 @@ TRAIN = AttentionNeeds(query_len=2048, key_len=2048, segments=True, dtype="bfloa
     # KV cache: decode steps (one query) use the reference, a prefill runs blockwise.
     ("tpu", AttentionNeeds(**{**TRAIN.__dict__, "cached": True, "query_len": 1}), "reference"),
     ("gpu", AttentionNeeds(**{**TRAIN.__dict__, "cached": True, "query_len": 64}), "blockwise"),
+    # gpt-oss's attention sinks: neither fused kernel has them.
+    ("gpu", AttentionNeeds(**{**TRAIN.__dict__, "sinks": True}), "blockwise"),
+    ("tpu", AttentionNeeds(**{**TRAIN.__dict__, "sinks": True}), "blockwise"),
 ])
 def test_auto_picks_by_platform_and_needs(platform, needs, want):
   assert choose("auto", platform, needs)[0] == want
@@ -303,6 +332,8 @@ def test_explicit_choices_and_their_errors():
     choose("cudnn", "cpu", TRAIN)
   with pytest.raises(ConfigError, match="soft-cap"):
     choose("cudnn", "gpu", AttentionNeeds(**{**TRAIN.__dict__, "softcap": True}))
+  with pytest.raises(ConfigError, match="splash attention has no attention sinks"):
+    choose("splash", "tpu", AttentionNeeds(**{**TRAIN.__dict__, "sinks": True}))
   with pytest.raises(ConfigError, match="attention_impl='flash'; choose one of auto"):
     choose("flash", "gpu", TRAIN)
   with pytest.raises(ConfigError, match="model.attention_impl='flash'"):

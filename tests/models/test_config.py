@@ -70,6 +70,29 @@ def test_qwen3_presets_match_their_model_cards(name):
     assert (total, active) == exact[name]
 
 
+# gpt-oss, by hand from config.json's shapes (D 2880, 64 heads of 64 over 8 kv heads, experts
+# of width 2880, vocab 201,088, untied): attention 2880*64*144 weights + 4096+512+512+2880 biases
+# + 64 sinks = 26,550,144; an expert 2880*5760 + 5760 + 2880*2880 + 2880 = 24,891,840; the router
+# 2880*E + E; two norms 5,760; embedding and unembedding 579,133,440 each; final norm 2,880.
+# Active (the model card's convention): attention, 4 experts, router and norms of every layer,
+# plus the unembedding. The card: 20b 20.9B total / 3.6B active, 120b 116.8B / 5.1B.
+GPT_OSS = {"gpt-oss-20b": (20_914_757_184, 3_608_304_384, 20.9, 3.6),
+           "gpt-oss-120b": (116_829_156_672, 5_132_846_592, 116.8, 5.1)}
+
+
+@pytest.mark.parametrize("name", sorted(GPT_OSS))
+def test_gpt_oss_presets_match_their_model_cards(name):
+  cfg = get_preset(name)
+  total, active, card_total, card_active = GPT_OSS[name]
+  assert param_count(cfg) == total
+  unembedding = cfg.vocab_size * cfg.embed_dim
+  per_layer_active = 26_550_144 + 4 * 24_891_840 + 2880 * cfg.num_experts + cfg.num_experts + 5760
+  assert cfg.num_layers * per_layer_active + unembedding == active
+  assert (total / 1e9, active / 1e9) == (pytest.approx(card_total, abs=0.05),
+                                         pytest.approx(card_active, abs=0.05))
+  assert cfg.local_layers()[:4] == [True, False, True, False]
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny_gemma", "demo_teacher", "demo_student"])
 def test_small_presets(name):
   cfg = get_preset(name)

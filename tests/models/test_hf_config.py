@@ -45,6 +45,39 @@ def test_published_configs_give_the_presets(hf, preset):
   assert config_from_hf(config_to_hf(cfg), dtype="bfloat16", scan_layers=True) == cfg
 
 
+# openai/gpt-oss-20b's config.json as published (the pre-transformers-5 rope_scaling layout).
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {
+        "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+        "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 201088}
+
+
+def test_published_gpt_oss_config_gives_the_preset_and_round_trips():
+  cfg = config_from_hf(GPT_OSS_20B, dtype="bfloat16", scan_layers=True)
+  assert cfg == get_preset("gpt-oss-20b")
+  written = config_to_hf(cfg)
+  assert (written["architectures"], written["layer_types"], written["rope_parameters"]) == (
+      ["GptOssForCausalLM"], GPT_OSS_20B["layer_types"],
+      {**GPT_OSS_20B["rope_scaling"], "rope_theta": 150000.0})
+  assert config_from_hf(written, dtype="bfloat16", scan_layers=True) == cfg
+  # one attention_bias flag covers q/k/v and o in gpt-oss: a model with only one has no class
+  with pytest.raises(UserError, match="no Hugging Face equivalent.*attn_out_bias=False"):
+    config_to_hf(cfg.replace(attn_out_bias=False))
+
+
 def test_unsupported_features_are_named():
   with pytest.raises(UserError, match="attention_bias"):
     config_from_hf({**LLAMA_3_2_1B, "attention_bias": True})

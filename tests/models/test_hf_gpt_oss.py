@@ -24,6 +24,8 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: 
 from distillax import partitioning as pt  # noqa: E402
 from distillax.errors import UserError  # noqa: E402
 from distillax.models import hf, mxfp4  # noqa: E402
+from distillax.models.hf_config import config_from_hf  # noqa: E402
+from distillax.models.layers import rope_attention_factor, rope_inverse_frequencies  # noqa: E402
 from tests.support.hf import cached_decode_delta, saved_with_logits, torch_logits  # noqa: E402
 from tests.support.models import Normal, forward, random_model  # noqa: E402
 
@@ -108,6 +110,24 @@ def test_gpt_oss_export_loads_in_transformers_and_round_trips_exactly(hf_checkpo
   for a, b in zip(jax.tree.leaves(nnx.state(ours, nnx.Param)),
                   jax.tree.leaves(nnx.state(back, nnx.Param))):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("truncate,attention_factor", [(True, None), (False, 1.5)])
+def test_yarn_frequencies_and_attention_factor_match_transformers(truncate, attention_factor):
+  """head_dim 64 (gpt-oss's), theta 150k, factor 32 over 4096: the ramp spans pairs ~8..17."""
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+          "beta_slow": 1.0, "truncate": truncate, "original_max_position_embeddings": 4096}
+  if attention_factor is not None:
+    rope["attention_factor"] = attention_factor
+  hf_cfg = transformers.GptOssConfig(head_dim=64, rope_parameters=rope,
+                                     max_position_embeddings=131072)
+  want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
+  ours = config_from_hf(json.loads(hf_cfg.to_json_string()))
+  np.testing.assert_allclose(rope_inverse_frequencies(ours), want_freq.numpy(), rtol=1e-6)
+  assert rope_attention_factor(ours) == pytest.approx(want_factor, rel=1e-12)
+  plain = rope_inverse_frequencies(ours.replace(rope_scaling_factor=None))
+  assert np.sum(~np.isclose(rope_inverse_frequencies(ours), plain)) > 20  # yarn slowed them
 
 
 # ---- MXFP4 ------------------------------------------------------------------------------------

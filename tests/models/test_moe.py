@@ -10,6 +10,7 @@ import pytest
 
 from distillax.errors import ConfigError
 from distillax.models import moe
+from distillax.models.layers import activations
 from distillax.models.presets import get_preset
 from distillax.models.transformer import with_config
 from tests.support.models import forward, random_model
@@ -27,24 +28,37 @@ def _arrays(seed=0):
   return [jnp.asarray(a, jnp.float32) for a in (x, logits, gate, up, down)]
 
 
-@pytest.mark.parametrize("kind,norm", [("softmax_topk", False), ("softmax_topk", True),
-                                       ("topk_softmax", False)])
-def test_ragged_dispatch_equals_dense_reference_in_values_and_gradients(kind, norm):
+@pytest.mark.parametrize("kind,norm,gpt_oss", [
+    ("softmax_topk", False, False), ("softmax_topk", True, False), ("topk_softmax", False, False),
+    # gpt-oss: gate/up/down biases and the clamped SwiGLU (limit 0.8: the clamps bite)
+    ("topk_softmax", False, True)])
+def test_ragged_dispatch_equals_dense_reference_in_values_and_gradients(kind, norm, gpt_oss):
   args = _arrays()
+  rng = np.random.default_rng(2)
+  biases = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((E, F), (E, F), (E, D))]
   cotangent = jnp.asarray(np.random.default_rng(1).normal(size=(T, D)), jnp.float32)
+  act, up_act = jax.nn.silu, None
+  if gpt_oss:
+    act, up_act = activations(get_preset("tiny", mlp_activation="clamped_swiglu",
+                                         swiglu_limit=0.8))
 
-  def loss(dispatch, x, logits, gate, up, down):
+  def loss(dispatch, x, logits, gate, up, down, biases):
     routing = moe.route(logits, K, kind, norm)
-    return jnp.sum(dispatch(x, routing, gate, up, down, jax.nn.silu) * cotangent)
+    out = dispatch(x, routing, gate, up, down, act, biases if gpt_oss else None, up_act)
+    return jnp.sum(out * cotangent)
 
   grads = {}
   for name, dispatch in (("ragged", moe.ragged_experts), ("dense", moe.dense_experts)):
-    fn = jax.jit(jax.value_and_grad(lambda *a, d=dispatch: loss(d, *a), argnums=(0, 1, 2, 3, 4)))
-    grads[name] = fn(*args)
+    fn = jax.jit(jax.value_and_grad(lambda *a, d=dispatch: loss(d, *a),
+                                    argnums=(0, 1, 2, 3, 4, 5)))
+    grads[name] = fn(*args, biases)
   (v_r, g_r), (v_d, g_d) = grads["ragged"], grads["dense"]
   np.testing.assert_allclose(v_r, v_d, rtol=1e-5, atol=1e-5)
-  for a, b, name in zip(g_r, g_d, ("x", "logits", "gate", "up", "down")):
+  for a, b, name in zip(jax.tree.leaves(g_r), jax.tree.leaves(g_d),
+                        ("x", "logits", "gate", "up", "down", "gate_b", "up_b", "down_b")):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+  if gpt_oss:  # the down bias of the expert no token picks learns nothing, the others do
+    assert float(jnp.abs(g_r[5][2][3]).max()) == 0.0 < float(jnp.abs(g_r[5][2]).max())
   assert float(jnp.abs(g_r[0]).max()) > 0 and float(jnp.abs(g_r[1]).max()) > 0
   assert float(jnp.abs(g_r[2][3]).max()) == 0.0  # the unused expert learns nothing
 
