@@ -68,17 +68,17 @@ PRESETS: dict[str, TransformerConfig] = {
         scale_embeddings=True, attn_logit_softcap=50.0, final_logit_softcap=30.0,
         query_pre_attn_scalar=16.0, sliding_window=8, sliding_window_pattern=2,
         use_post_norms=True, max_seq_len=128),
-    # A Mixtral at test size: 4 experts of width 32 in every layer, top-2 (softmax over the 2).
-    "tiny_moe": TransformerConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
-                                  num_kv_heads=2, head_dim=16, mlp_dim=128, num_experts=4,
-                                  num_experts_per_tok=2, moe_mlp_dim=32, router="topk_softmax",
-                                  max_seq_len=128),
     # Every gpt-oss feature at test size: q/k/v/o biases, sinks, sliding then full layers, YaRN,
     # router and expert biases, the clamped SwiGLU; 4 experts of width 32, top-2.
     "tiny_gpt_oss": _gpt_oss(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
                              num_kv_heads=2, head_dim=16, mlp_dim=32, num_experts=4,
                              num_experts_per_tok=2, sliding_window=8, max_seq_len=128,
                              scan_layers=False, param_dtype="float32", dtype="float32"),
+    # A Mixtral at test size: 4 experts of width 32 in every layer, top-2 (softmax over the 2).
+    "tiny_moe": TransformerConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
+                                  num_kv_heads=2, head_dim=16, mlp_dim=128, num_experts=4,
+                                  num_experts_per_tok=2, moe_mlp_dim=32, router="topk_softmax",
+                                  max_seq_len=128),
     # CPU demo pair (byte-level): a ~4.8M teacher and a ~1.5M student that train a few hundred
     # steps on two cores in minutes. Same family and head_dim so every KD strategy applies.
     "demo_teacher": TransformerConfig(vocab_size=256, embed_dim=256, num_layers=6, num_heads=8,
@@ -108,6 +108,8 @@ PRESETS: dict[str, TransformerConfig] = {
                                 mlp_dim=6144, moe_mlp_dim=768),
     "qwen3-235b-a22b": _qwen3_moe(embed_dim=4096, num_layers=94, num_heads=64, num_kv_heads=4,
                                   mlp_dim=12_288, moe_mlp_dim=1536),
+    "gpt-oss-20b": _gpt_oss(num_layers=24, num_experts=32),
+    "gpt-oss-120b": _gpt_oss(num_layers=36, num_experts=128),
 }
 
 
@@ -121,8 +123,6 @@ def get_preset(name: str, **overrides) -> TransformerConfig:
     raise ConfigError(f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}")
   return PRESETS[name].replace(**overrides) if overrides else PRESETS[name]
 
-    "gpt-oss-20b": _gpt_oss(num_layers=24, num_experts=32),
-    "gpt-oss-120b": _gpt_oss(num_layers=36, num_experts=128),
 
 def config_from_dict(values: Mapping[str, Any]) -> TransformerConfig:
   """A model section as a config: a 'preset' key starts from that preset, other keys override."""
