@@ -1,5 +1,5 @@
-"""`distillax train|plan|export|cache-teacher|demo|generate|eval --config=<file.py>[:arg]
-[--config.a.b=v ...]`.
+"""`distillax train|plan|export|cache-teacher|demo|generate|eval|expert-load
+--config=<file.py>[:arg] [--config.a.b=v ...]`.
 
 A thin entry: parse flags, join the distributed runtime when asked, resolve the config's paths
 and hand it to the command's job (distillax/cli/dispatch.py). Errors a user can cause print one

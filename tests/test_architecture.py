@@ -17,7 +17,7 @@ PACKAGE = os.path.join(ROOT, "distillax")
 FLOORS = (("errors",), ("partitioning", "data"), ("framework", "models"), ("distill", "quant"),
           ("edge",), ("trainers",), ("configs", "demo", "plan", "plan_target", "export",
                                      "cache_teacher", "launch_local", "main", "__main__", "cli",
-                                     "generate", "evaluate"))
+                                     "generate", "evaluate", "expert_load"))
 
 
 def _modules() -> dict[str, str]:

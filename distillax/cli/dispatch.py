@@ -95,5 +95,12 @@ def _eval(config, flags: dict) -> int:
   return run_eval(config, flags["model"], model_overrides=flags["config_overrides"])
 
 
+def _expert_load(config, flags: dict) -> int:
+  from distillax.expert_load import run_expert_load
+  return run_expert_load(config, flags["model"], json_path=flags["json"],
+                         keep_top=flags["keep_top"], batches=flags["batches"],
+                         model_overrides=flags["config_overrides"])
+
+
 JOBS = {"train": _train, "plan": _plan, "export": _export, "cache-teacher": _cache_teacher,
-        "demo": _demo, "generate": _generate, "eval": _eval}
+        "demo": _demo, "generate": _generate, "eval": _eval, "expert-load": _expert_load}

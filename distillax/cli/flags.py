@@ -5,11 +5,12 @@ prints them and error_lines.py names them in its fixes, so a flag is described i
 
 from __future__ import annotations
 
-COMMANDS = ("train", "plan", "export", "cache-teacher", "demo", "generate", "eval")
-USAGE = ("usage: distillax {train,plan,export,cache-teacher,demo,generate,eval} --config "
+COMMANDS = ("train", "plan", "export", "cache-teacher", "demo", "generate", "eval", "expert-load")
+USAGE = ("usage: distillax {train,plan,export,cache-teacher,demo,generate,eval,expert-load} "
+         "--config "
          "<file.py>[:arg] [--workdir DIR] [--config.key=value ...]")
 # Commands whose --config is optional: a run's own config.json says what they need.
-CONFIG_OPTIONAL = ("generate", "eval", "export")
+CONFIG_OPTIONAL = ("generate", "eval", "export", "expert-load")
 ABOUT = {
     "train": "train the job a config describes in --workdir; the same command again resumes it",
     "plan": "compile the step for --devices simulated devices (or, with --target, for a TPU "
@@ -26,6 +27,9 @@ ABOUT = {
                 "--model (a run's workdir, a Hugging Face directory or an export) and print it",
     "eval": "print the exact eval loss and perplexity of --model (a run, or a Hugging Face "
             "directory with a --config naming the data) on its validation split",
+    "expert-load": "print each mixture-of-experts layer's share of routed tokens per expert on "
+                   "the job's train data, for --model or the --config's teacher; --keep_top N "
+                   "prints the student.from_teacher.experts that keeps the N most loaded",
 }
 _DISTRIBUTED = ("coordinator_address", "num_processes", "process_id")
 # The flags each command reads besides --config and --verbose.
@@ -38,9 +42,10 @@ COMMAND_FLAGS = {
     "generate": ("model", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p",
                  "seed", "full_precision", "devices"),
     "eval": ("model", "devices") + _DISTRIBUTED,
+    "expert-load": ("model", "json", "keep_top", "batches", "devices"),
 }
 # Flags that name a directory: made absolute (from the current directory) before a job sees them.
-PATH_FLAGS = ("workdir", "output", "model")
+PATH_FLAGS = ("workdir", "output", "model", "json")
 # name -> (absl flag kind, default, placeholder in --help, help)
 FLAGS = {
     "workdir": ("string", None, "DIR", "the run's directory (config.json, metrics, checkpoints); "
@@ -66,7 +71,7 @@ FLAGS = {
     "process_id": ("integer", None, "I", "index of this process (multi-process)"),
     "verbose": ("bool", False, "", "also show the INFO lines of orbax, jax, grain and absl"),
     "model": ("string", None, "DIR", "a run's --workdir, a Hugging Face checkpoint directory or "
-                                     "an export (generate, eval)"),
+                                     "an export (generate, eval, expert-load)"),
     "prompt": ("string", None, "TEXT", "the text to continue (BOS first when the tokenizer has "
                                        "one)"),
     "messages": ("string", None, "JSON", "chat turns, a JSON list of {\"role\", \"content\"} "
@@ -77,6 +82,11 @@ FLAGS = {
     "top_k": ("integer", None, "K", "sample from the K most likely tokens only"),
     "top_p": ("float", None, "P", "sample from the smallest set of tokens with mass P"),
     "seed": ("integer", 0, "N", "sampling seed"),
+    "json": ("string", None, "FILE", "expert-load: also write the counts and shares (and the "
+                                     "kept experts) to this JSON file"),
+    "keep_top": ("integer", None, "N", "expert-load: print the flag keeping each layer's N "
+                                       "most loaded experts"),
+    "batches": ("integer", 8, "N", "expert-load: train batches of the job's data to route"),
     "full_precision": ("bool", False, "", "decode a QAT run's plain weights, not the fake-quant "
                                           "forward it trained (the default, as eval and its GGUF "
                                           "export run it)"),

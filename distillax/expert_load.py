@@ -1,0 +1,159 @@
+"""`distillax expert-load`: each expert's share of the routed tokens, per layer, on your data.
+
+  distillax expert-load --model runs/moe_teacher --keep_top 2
+  distillax expert-load --config distillax/configs/distill_moe.py:tiny --json load.json
+  distillax expert-load --model out/qwen3_moe_hf --config distillax/configs/lm.py \
+      --config.data.tokenizer=hf:out/qwen3_moe_hf/tokenizer.json --config.data.source=docs.jsonl
+
+Which model: --model (a run's workdir, read at its newest checkpoint; or a Hugging Face
+directory, which needs a --config for the data), else the --config's teacher (a distillation
+config: the model whose experts a derived student keeps), else its student. It runs over
+`--batches` batches of the train split of the job's data section (a run's own config.json
+unless --config is given) and counts, per layer, the (token, expert) choices of every router
+over the real tokens: the router's top k, before any capacity drops. Shares are those counts
+over each layer's total (each layer's shares sum to 1).
+
+Prints a table (rows: layers, columns: experts, in %) and with --keep_top N the
+`--config.student.from_teacher.experts=...` flag that keeps each layer's N most loaded experts
+(one tuple per teacher layer, in teacher order: a student of all the teacher's blocks takes it
+as printed). --json FILE writes the same as strict JSON. Pruning by load and then distilling is
+the recipe NVIDIA used for Nemotron-3-Nano.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from distillax.data import batch as batch_spec
+from distillax.errors import ConfigError, UserError
+from distillax.framework import jsonio, losses
+
+
+def _hf_recipe(config, model_dir: str, model_overrides):
+  from distillax.trainers import recipe_for
+  if config is None:
+    raise UserError(f"--model {model_dir} is a Hugging Face directory: pass a --config whose "
+                    f"data section names the tokens to route, e.g. --config "
+                    f"distillax/configs/lm.py --config.data.tokenizer=hf:{model_dir}")
+  cfg = config.copy_and_resolve_references()
+  cfg.train.init_from = model_dir
+  if "student" in cfg:
+    cfg.student.hf_path, cfg.student.from_teacher.layers = "", ()
+    cfg.student.from_teacher.experts = ()
+  recipe = recipe_for(cfg, model_overrides=model_overrides)
+  return recipe, recipe.sources.student, recipe.model_config
+
+
+def _model_source(config, model_dir: str | None, model_overrides):
+  """(recipe: data, mesh and rules; the source of the model to measure; its config)."""
+  from distillax.evaluate import run_recipe
+  from distillax.trainers import recipe_for, sources as src
+  if model_dir:
+    if src.is_hf_checkpoint(model_dir):
+      return _hf_recipe(config, model_dir, model_overrides)
+    recipe = run_recipe(model_dir, config)
+    source = src.RunSource(model_dir, "--model", base_of=src.student_source)
+    return recipe, source, recipe.model_config
+  if config is None:
+    raise UserError("expert-load needs --model (a run's workdir or a Hugging Face directory) "
+                    "or a --config whose teacher or student is a mixture of experts")
+  recipe = recipe_for(config, model_overrides=model_overrides)
+  teacher = getattr(recipe, "teacher_source", None)
+  if teacher is not None:
+    return recipe, teacher, recipe.teacher_model_config
+  return recipe, recipe.sources.student, recipe.model_config
+
+
+def _named(source) -> str:
+  return source.named() if source.kind != "fresh" or source.field else (
+      "--config's model section (fresh weights)")
+
+
+def _check(source, cfg, keep_top: int | None, batches: int, json_path: str | None) -> None:
+  if not cfg.num_experts:
+    raise UserError(f"{_named(source)} is a dense model (model.num_experts=0); expert-load "
+                    f"measures the experts of a mixture of experts: pass an MoE model")
+  if keep_top is not None and not cfg.num_experts_per_tok <= keep_top <= cfg.num_experts:
+    raise UserError(f"--keep_top={keep_top} must be from {cfg.num_experts_per_tok} (the experts "
+                    f"each token is routed to) to {cfg.num_experts} (all of them)")
+  if batches < 1:
+    raise UserError(f"--batches={batches} must be at least 1")
+  if json_path and (os.path.isdir(json_path)
+                    or not os.path.isdir(os.path.dirname(json_path) or ".")):
+    raise UserError(f"--json {json_path} must be a file in an existing directory")
+
+
+def count_assignments(model: nnx.Module, batches) -> tuple[np.ndarray, int]:
+  """((layers, experts) router choices summed over `batches`' real tokens, real tokens)."""
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def load(state, batch):
+    out = nnx.merge(graphdef, state)(batch[batch_spec.INPUTS], **losses.model_inputs(batch),
+                                     return_logits=False)
+    return out.router_stats.load_E, out.router_stats.tokens
+
+  total, tokens = 0.0, 0
+  for batch in batches:
+    load_NxE, tokens_N = jax.device_get(load(state, {k: jnp.asarray(v) for k, v in
+                                                     batch.items()}))
+    total = total + np.asarray(load_NxE, np.float64)
+    tokens += int(tokens_N[0])
+  return np.asarray(total), tokens
+
+
+def top_experts(counts_NxE: np.ndarray, n: int) -> list[list[int]]:
+  """Each layer's n most chosen experts (ties: the lower index), in ascending index order."""
+  return [sorted(int(e) for e in np.argsort(-row, kind="stable")[:n]) for row in counts_NxE]
+
+
+def _table(shares_NxE: np.ndarray) -> list[str]:
+  """Rows: layers; columns: experts (16 per block), shares in %."""
+  lines = []
+  E = shares_NxE.shape[1]
+  for start in range(0, E, 16):
+    cols = range(start, min(start + 16, E))
+    lines.append("layer " + "".join(f"{'e' + str(e):>7}" for e in cols))
+    for i, row in enumerate(shares_NxE):
+      lines.append(f"{i:>5} " + "".join(f"{100 * row[e]:>6.1f}%" for e in cols))
+  return lines
+
+
+def run_expert_load(config, model_dir: str | None, *, json_path: str | None = None,
+                    keep_top: int | None = None, batches: int = 8, model_overrides=None) -> int:
+  """Prints the table (and the keep flag); writes --json last, so an error writes nothing."""
+  from distillax.trainers import check_recipe_data
+  recipe, source, cfg = _model_source(config, model_dir, model_overrides)
+  _check(source, cfg, keep_top, int(batches), json_path)
+  check_recipe_data(recipe)
+  model = source.load(cfg, recipe.mesh, recipe.rules, seed=int(recipe.config.seed))
+  data = recipe.train_iterator()
+  counts_NxE, tokens = count_assignments(model, (next(data) for _ in range(int(batches))))
+  if tokens == 0:
+    raise ConfigError("the data gave no real token to route; check the data section")
+  shares_NxE = counts_NxE / counts_NxE.sum(axis=1, keepdims=True)
+  result = {"model": _named(source), "num_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_tok, "batches": int(batches),
+            "tokens": tokens, "assignments": counts_NxE.astype(int).tolist(),
+            "share": shares_NxE.tolist()}
+  lines = [f"distillax expert-load: {_named(source)}: {tokens} tokens ({batches} batches of "
+           f"{recipe.batch_size}x{recipe.seq_len}), {cfg.num_experts} experts, k="
+           f"{cfg.num_experts_per_tok}; share of each layer's routed tokens"] + _table(shares_NxE)
+  if keep_top is not None:
+    keep = top_experts(counts_NxE, keep_top)
+    result.update(keep_top=keep_top, keep=keep)
+    rows = ", ".join("(" + ", ".join(map(str, row)) + ("," if len(row) == 1 else "") + ")"
+                     for row in keep)
+    lines.append(f"keep the {keep_top} most loaded experts of each layer: "
+                 f"--config.student.from_teacher.experts='({rows},)'")
+  if jax.process_index() == 0:
+    print("\n".join(lines), flush=True)
+    if json_path:
+      with open(json_path, "w") as f:
+        jsonio.dump(result, f, indent=1)
+  return 0

@@ -1,0 +1,103 @@
+"""`distillax expert-load` on a tiny mixture-of-experts run (trained with a capacity, whose
+dropped-assignment metric its metrics.jsonl holds): per-layer shares that sum to 1 and equal a
+numpy count of the routers' top k on the same tokens, the keep flag, and one-line refusals that
+write nothing."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from distillax.data import batch as batch_spec
+from distillax.evaluate import run_recipe
+from distillax.framework import losses
+from distillax.main import main
+from distillax.models.moe import expert_capacity
+from distillax.trainers.sources import RunSource, student_source
+from tests.test_main import LM
+
+TINY_MOE = ["--config.model.num_experts=4", "--config.model.moe_mlp_dim=32"]
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+  """A 3-step tiny MoE run whose experts take at most half of the assignments (capacity 0.5)."""
+  workdir = tmp_path_factory.mktemp("moe") / "run"
+  assert main(["distillax", "train", "--config", f"{LM}:tiny", "--workdir", str(workdir),
+               *TINY_MOE, "--config.model.moe_capacity_factor=0.5", "--config.train.steps=3",
+               "--config.train.log_every=1", "--config.train.eval_every=0"]) == 0
+  return workdir
+
+
+def test_a_run_with_capacity_logs_the_share_of_assignments_it_dropped(moe_run):
+  rows = [json.loads(line) for line in (moe_run / "metrics.jsonl").read_text().splitlines()]
+  train = [r for r in rows if "loss" in r]
+  assert len(train) == 3
+  # 8 x 32 tokens per call, k = 2 of E = 4: capacity ceil(0.5 * 256 * 2 / 4) = 64 per expert,
+  # 256 slots for 2 * (real tokens) assignments: at least the rest is dropped.
+  assert expert_capacity(256, 2, 4, 0.5) == 64
+  for row in train:
+    floor = 1 - 4 * 64 / (2 * row["tokens"])
+    for layer in (0, 1):
+      assert floor - 1e-6 <= row[f"expert_tokens_dropped_l{layer}"] < 1, row
+
+
+def _numpy_counts(workdir, batches: int) -> np.ndarray:
+  """The routers' top-2 choices over the real tokens of the run's first train batches, counted
+  in numpy from the model's router logits."""
+  recipe = run_recipe(str(workdir))
+  model = RunSource(str(workdir), "--model", base_of=student_source).load(
+      recipe.model_config, recipe.mesh, recipe.rules, seed=0)
+  data = recipe.train_iterator()
+  counts = np.zeros((2, 4), np.int64)
+  for _ in range(batches):
+    batch = {k: jnp.asarray(v) for k, v in next(data).items()}
+    logits = np.asarray(model(batch[batch_spec.INPUTS], **losses.model_inputs(batch),
+                              return_router_logits=True).router_logits_NxBxLxE)
+    real = np.asarray(batch[batch_spec.SEGMENT_IDS]) > 0
+    top2 = np.argsort(-logits, axis=-1, kind="stable")[..., :2]  # (N, B, L, 2)
+    for layer in range(2):
+      counts[layer] += np.bincount(top2[layer][real].reshape(-1), minlength=4)
+  return counts
+
+
+def test_expert_load_shares_match_a_numpy_count_and_print_the_keep_flag(moe_run, tmp_path,
+                                                                        capsys):
+  out = tmp_path / "load.json"
+  assert main(["distillax", "expert-load", "--model", str(moe_run), "--batches", "2",
+               "--keep_top", "3", "--json", str(out)]) == 0
+  printed = capsys.readouterr().out
+  result = json.loads(out.read_text())
+  counts = _numpy_counts(moe_run, 2)
+  assert result["assignments"] == counts.tolist()
+  assert result["tokens"] * 2 == int(counts[0].sum())  # k choices per real token
+  shares = np.asarray(result["share"])
+  np.testing.assert_allclose(shares.sum(axis=1), [1.0, 1.0], rtol=1e-12)
+  np.testing.assert_allclose(shares, counts / counts.sum(axis=1, keepdims=True), rtol=1e-12)
+  keep = [sorted(np.argsort(-row, kind="stable")[:3].tolist()) for row in counts]
+  assert result["keep"] == keep
+  flag = "--config.student.from_teacher.experts='(" + "".join(
+      "(" + ", ".join(map(str, row)) + "), " for row in keep)[:-2] + ",)'"
+  assert flag in printed, printed
+
+
+@pytest.mark.parametrize("args,says", [
+    ([f"--config={LM}:tiny"], "--config's model section (fresh weights) is a dense model "
+                              "(model.num_experts=0)"),
+    (["--model", "{run}", f"--config={LM}:tiny", *TINY_MOE,
+      "--config.data.source=/nonexistent/docs.jsonl"],
+     "data source '/nonexistent/docs.jsonl': no such file or directory"),
+    (["--model", "{run}", "--keep_top", "5"], "--keep_top=5 must be from 2 (the experts each "
+                                              "token is routed to) to 4 (all of them)"),
+])
+def test_expert_load_refusals_are_one_line_and_write_nothing(moe_run, tmp_path, capsys, args,
+                                                             says):
+  out = tmp_path / "load.json"
+  args = [a.replace("{run}", str(moe_run)) for a in args]
+  code = main(["distillax", "expert-load", *args, "--json", str(out)])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1 and says in err[0], err
+  assert not out.exists()
