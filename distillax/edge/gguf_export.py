@@ -4,8 +4,9 @@
              tokenizer=make_tokenizer("byte"))
 
 Architectures: what `hf_config.hf_architecture` names, as llama.cpp's llama (Llama, and
-Mistral when no layer's window is shorter than the context), gemma, gemma2, qwen2 and qwen3,
-with llama.cpp's tensor names and `{arch}.*` keys. Conventions llama.cpp expects and we follow:
+Mistral when no layer's window is shorter than the context; Mixtral, its experts included),
+gemma, gemma2, qwen2, qwen3 and qwen3moe, with llama.cpp's tensor names and `{arch}.*` keys
+(edge/gguf_layout.py). Conventions llama.cpp expects and we follow:
 tensors are row-major [out, in] (GGUF ne0 = in, the axis ggml's blocks run along); Llama's q/k
 rows are permuted from the rotate-half layout to llama.cpp's interleaved RoPE (its other archs
 rotate halves like us); Gemma's norms are stored as 1 + scale (llama.cpp multiplies by the
@@ -14,20 +15,21 @@ embeddings mean no `output.weight` (llama.cpp reuses token_embd); Llama 3.1 RoPE
 as the `rope_freqs` factors convert_hf_to_gguf.py writes. Features llama.cpp would silently run
 differently (a sliding window on a llama/qwen arch, Gemma 2 without soft-caps, with another
 query scale or with sliding layers other than the even ones, the only pattern llama.cpp's gemma2
-runs) are refused with a UserError.
+runs, an MoE that drops tokens for capacity or a Qwen3-MoE without norm_topk_prob) are
+refused with a UserError.
 
 Types (`quant`): f32 writes every tensor as float32; f16 writes matrices as float16 (norms and
 biases stay f32, as llama.cpp's converter does); q8_0 / q4_0 quantize the matmul weights the
 quant `rules` select (the rules of QAT, first match wins; without rules every matmul weight,
-tied embedding included), the others stay f32. A matmul weight is flattened to [out, in] with
-its contracted axes (increasing order) as `in`, the layout `quant/ggml.py` blocks QAT weights
-in, and quantized by that same code: the blocks in the file are the numbers the QAT forward
-used, bit for bit. Norms and biases are always f32.
+tied embedding included), the others stay f32; an MoE router (ffn_gate_inp) is always f32, as
+QAT keeps it in full precision. A matmul weight is flattened to [out, in] with its contracted
+axes (increasing order) as `in` (an MoE's stacked experts to [expert, out, in]), the layout
+`quant/ggml.py` blocks QAT weights in, and quantized by that same code: the blocks in the file
+are the numbers the QAT forward used, bit for bit. Norms and biases are always f32.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Sequence
 
@@ -44,6 +46,7 @@ from distillax.models.transformer import Transformer, with_layer_layout
 from distillax.quant import ggml
 from distillax.quant.config import GGML_WEIGHT_QTYPES, QuantConfig
 from distillax.quant.graph import flat_pure_dict
+from distillax.edge.gguf_layout import add_hparams, gguf_name, rope_freq_factors
 from distillax.edge.gguf_vocab import vocab_of
 from distillax.quant.qat import full_precision, weight_quants
 from distillax.quant.sites import MatmulSite, find_matmul_sites
@@ -51,27 +54,8 @@ from distillax.quant.sites import MatmulSite, find_matmul_sites
 QUANTS = ("f32", "f16", "q8_0", "q4_0")
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-_FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}  # gguf.LlamaFileType
-_TOP_NAMES = {"embedder/embedding": "token_embd.weight", "final_norm/scale": "output_norm.weight",
-              "lm_head": "output.weight"}
-_BLOCK_NAMES = {
-    "attn_norm/scale": "attn_norm.weight", "attn/q": "attn_q.weight", "attn/k": "attn_k.weight",
-    "attn/v": "attn_v.weight", "attn/o": "attn_output.weight", "attn/q_bias": "attn_q.bias",
-    "attn/k_bias": "attn_k.bias", "attn/v_bias": "attn_v.bias",
-    "attn/q_norm/scale": "attn_q_norm.weight", "attn/k_norm/scale": "attn_k_norm.weight",
-    "post_attn_norm/scale": "post_attention_norm.weight", "mlp_norm/scale": "ffn_norm.weight",
-    "mlp/gate": "ffn_gate.weight", "mlp/up": "ffn_up.weight", "mlp/down": "ffn_down.weight",
-    "post_mlp_norm/scale": "post_ffw_norm.weight",
-}
-
-
-def gguf_name(param: str) -> str:
-  """llama.cpp's name of one of our parameters ('layers/3/attn/q' -> 'blk.3.attn_q.weight')."""
-  if param in _TOP_NAMES:
-    return _TOP_NAMES[param]
-  _, layer, rest = param.split("/", 2)
-  return f"blk.{layer}.{_BLOCK_NAMES[rest]}"
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama"}
 
 
 # ---- architecture --------------------------------------------------------------------------
@@ -92,6 +76,8 @@ def gguf_architecture(config: TransformerConfig) -> str:
   if arch != "llama" and config.rope_scaling_factor is not None:
     raise UserError(f"llama.cpp applies Llama 3.1 RoPE scaling only to the llama architecture, "
                     f"not {arch}; set rope_scaling_factor=None")
+  if config.num_experts:
+    _check_experts(config, arch)
   if arch == "gemma2":
     _check_gemma2_windows(config)
     if config.attn_logit_softcap is None or config.final_logit_softcap is None:
@@ -104,6 +90,17 @@ def gguf_architecture(config: TransformerConfig) -> str:
       raise UserError(f"llama.cpp's gemma2 scales queries by {llama_cpp_scale}**-0.5 for "
                       f"{config.num_layers} layers; query_pre_attn_scalar={scale} would differ")
   return arch
+
+
+def _check_experts(config: TransformerConfig, arch: str) -> None:
+  """llama.cpp's MoE layers route softmax -> top-k -> renormalise (qwen3moe and llama alike:
+  Mixtral's top-k -> softmax is the same numbers) and never drop a token."""
+  if arch == "qwen3moe" and not config.norm_topk_prob:
+    raise UserError("llama.cpp's qwen3moe renormalises the top-k router weights; "
+                    "norm_topk_prob=False would run differently there (set it to True)")
+  if config.moe_capacity_factor is not None:
+    raise UserError(f"llama.cpp runs every expert dropless; moe_capacity_factor="
+                    f"{config.moe_capacity_factor} drops tokens in this model (set it to None)")
 
 
 def _check_gemma2_windows(config: TransformerConfig) -> None:
@@ -123,54 +120,13 @@ def _check_gemma2_windows(config: TransformerConfig) -> None:
                     f"student from blocks that alternate sliding/full from the first")
 
 
-def _add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> None:
-  writer.add_context_length(config.max_seq_len)
-  writer.add_embedding_length(config.embed_dim)
-  writer.add_block_count(config.num_layers)
-  writer.add_feed_forward_length(config.mlp_dim)
-  writer.add_head_count(config.num_heads)
-  writer.add_head_count_kv(config.num_kv_heads)
-  writer.add_key_length(config.head_dim)
-  writer.add_value_length(config.head_dim)
-  writer.add_rope_dimension_count(config.head_dim)
-  writer.add_rope_freq_base(float(config.rope_theta))
-  writer.add_layer_norm_rms_eps(float(config.norm_eps))
-  writer.add_vocab_size(config.vocab_size)
-  writer.add_file_type(_FILE_TYPES[quant])
-  if quant in GGML_WEIGHT_QTYPES:
-    writer.add_quantization_version(2)  # ggml's GGML_QNT_VERSION
-  if arch == "gemma2":
-    writer.add_attn_logit_softcapping(float(config.attn_logit_softcap))
-    writer.add_final_logit_softcapping(float(config.final_logit_softcap))
-    writer.add_sliding_window(int(config.sliding_window or config.max_seq_len))
-    writer.add_sliding_window_pattern(2)  # what llama.cpp's gemma2 runs (it reads no pattern)
-
-
-def rope_freq_factors(config: TransformerConfig) -> np.ndarray:
-  """Llama 3.1's RoPE scaling as llama.cpp takes it: one divisor per frequency (rope_freqs),
-  computed as convert_hf_to_gguf.py does."""
-  dim, factor = config.head_dim, config.rope_scaling_factor
-  low, high, old = (config.rope_low_freq_factor, config.rope_high_freq_factor,
-                    config.rope_original_max_len)
-  out = []
-  for i in range(0, dim, 2):
-    wavelen = 2 * math.pi * config.rope_theta ** (i / dim)
-    if wavelen < old / high:
-      out.append(1.0)
-    elif wavelen > old / low:
-      out.append(factor)
-    else:
-      smooth = (old / wavelen - low) / (high - low)
-      out.append(1 / ((1 - smooth) / factor + smooth))
-  return np.asarray(out, np.float32)
-
-
 # ---- tensors -------------------------------------------------------------------------------
 
 def tensor_types(model: Transformer, quant: str, rules: Sequence[Any] | None = None
-                 ) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
-  """({param name: the axes its matmul contracts}, {param name: 'f32' | 'f16' | 'q8_0' |
-  'q4_0'}) with one-layer names ('layers/3/attn/q'): how `write_gguf` stores each parameter.
+                 ) -> tuple[dict[str, tuple[tuple[int, ...], tuple[int, ...]]], dict[str, str]]:
+  """({param name: (the axes its matmul contracts, its group axes: an MoE's experts)},
+  {param name: 'f32' | 'f16' | 'q8_0' | 'q4_0'}) with one-layer names ('layers/3/attn/q'): how
+  `write_gguf` stores each parameter.
 
   The rules are matched in the model's own layout, as QAT matched them (a scanned model's
   module paths are 'layers/attn', an unrolled one's 'layers/3/attn'); stacked parameters then
@@ -180,15 +136,16 @@ def tensor_types(model: Transformer, quant: str, rules: Sequence[Any] | None = N
     raise UserError(f"--quant={quant!r} is unknown; use one of {', '.join(QUANTS)}")
   sites = {s.name: s for s in find_matmul_sites(model)}
   plans = _ggml_plans(quant, rules, list(sites.values())) if quant in GGML_WEIGHT_QTYPES else {}
-  contracts, types = {}, {}
+  layouts, types = {}, {}
   for name in flat_pure_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param))):
+    matrix = name == "embedder/embedding" or (name in sites and not sites[name].is_router)
     kind = plans[name][1].qtype if name in plans else (
-        "f16" if quant == "f16" and (name in sites or name == "embedder/embedding") else "f32")
+        "f16" if quant == "f16" and matrix else "f32")  # an MoE router stays f32
     for layer_name in _per_layer(name, model.config):
       types[layer_name] = kind
       if name in sites:
-        contracts[layer_name] = sites[name].contract_axes
-  return contracts, types
+        layouts[layer_name] = (sites[name].contract_axes, sites[name].batch_axes)
+  return layouts, types
 
 
 def _per_layer(name: str, config: TransformerConfig) -> list[str]:
@@ -211,15 +168,17 @@ def _ggml_plans(quant: str, rules, sites: list[MatmulSite]):
   return weight_quants(qcfg, sites, "float32")
 
 
-def _rows(x: np.ndarray, contract: Sequence[int] | None, name: str) -> np.ndarray:
-  """GGUF's row-major [out, in] of a matmul weight (in = its contracted axes, increasing);
-  the untied embedding as it is ([vocab, embed]); norms and biases flattened."""
-  if contract is None:
+def _rows(x: np.ndarray, layout, name: str) -> np.ndarray:
+  """GGUF's row-major [out, in] of a matmul weight (in = its contracted axes, increasing), one
+  per group index for stacked experts ([expert, out, in]); the untied embedding as it is
+  ([vocab, embed]); norms and biases flattened."""
+  if layout is None:
     return x if name == "embedder/embedding" else x.reshape(-1)
-  contract = sorted(contract)
-  free = [a for a in range(x.ndim) if a not in contract]
+  contract, groups = sorted(layout[0]), sorted(layout[1])
+  free = [a for a in range(x.ndim) if a not in contract and a not in groups]
   n_in = int(np.prod([x.shape[a] for a in contract]))
-  return np.transpose(x, free + contract).reshape(-1, n_in)
+  lead = tuple(x.shape[a] for a in groups)
+  return np.transpose(x, groups + free + contract).reshape(lead + (-1, n_in))
 
 
 def _rope_interleave(rows: np.ndarray, n_heads: int) -> np.ndarray:
@@ -228,19 +187,19 @@ def _rope_interleave(rows: np.ndarray, n_heads: int) -> np.ndarray:
           .swapaxes(1, 2).reshape(rows.shape))
 
 
-def gguf_arrays(model: Transformer, contracts: dict[str, tuple[int, ...]]):
+def gguf_arrays(model: Transformer, layouts: dict[str, tuple]):
   """Yields (param name, GGUF name, float32 array as llama.cpp reads it) for every parameter
   of an unrolled model, before any quantization."""
   config = model.config
   arch = gguf_architecture(config)
   params = flat_pure_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   for name, value in params.items():
-    x = _rows(_host(value).astype(np.float32), contracts.get(name), name)
+    x = _rows(_host(value).astype(np.float32), layouts.get(name), name)
     if name.endswith("norm/scale") and config.norm_scale_plus_one:
       x = (np.float32(1) + x).astype(np.float32)
     if arch == "llama" and name.endswith(("attn/q", "attn/k")):
       x = _rope_interleave(x, config.num_heads if name.endswith("q") else config.num_kv_heads)
-    yield name, gguf_name(name), np.ascontiguousarray(x)
+    yield name, gguf_name(name, config), np.ascontiguousarray(x)
   if arch == "llama" and config.rope_scaling_factor is not None:
     yield None, "rope_freqs.weight", rope_freq_factors(config)
 
@@ -296,13 +255,13 @@ def write_gguf(model: nnx.Module, path: str | os.PathLike, *, quant: str = "f32"
   config = model.config
   arch = gguf_architecture(config)
   vocab = vocab_of(tokenizer or ByteTokenizer(), config.vocab_size)
-  contracts, types = tensor_types(model, quant, rules)
+  layouts, types = tensor_types(model, quant, rules)
   model = with_layer_layout(model, False)
   writer = gguf.GGUFWriter(os.fspath(path), arch)
-  _add_hparams(writer, config, arch, quant)
+  add_hparams(writer, config, arch, quant)
   vocab.write(writer, add_bos)
   stored = {}
-  for name, gguf_tensor, rows in gguf_arrays(model, contracts):
+  for name, gguf_tensor, rows in gguf_arrays(model, layouts):
     ggml_type = types.get(name, "f32")
     data = encode_tensor(rows, ggml_type)
     raw = None if ggml_type in ("f32", "f16") else gguf.GGMLQuantizationType[ggml_type.upper()]

@@ -1,0 +1,89 @@
+"""Where our parameters go in a GGUF file: llama.cpp's tensor names and its `{arch}.*` keys.
+
+A mixture of experts (Qwen3-MoE as llama.cpp's qwen3moe, Mixtral as its llama) stores each
+layer's router as `ffn_gate_inp` [expert, embed] and its experts stacked, one 3-D tensor per
+projection: `ffn_gate_exps` / `ffn_up_exps` [expert, expert_ff, embed] and `ffn_down_exps`
+[expert, embed, expert_ff] (row-major; GGUF ne0 = the contracted axis, ggml's blocks run along
+it), with expert_count, expert_used_count and expert_feed_forward_length. llama.cpp sizes a
+llama-arch expert by feed_forward_length, so an MoE writes the expert width there too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from distillax.models.config import TransformerConfig
+from distillax.quant.config import GGML_WEIGHT_QTYPES
+
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}  # gguf.LlamaFileType
+_TOP_NAMES = {"embedder/embedding": "token_embd.weight", "final_norm/scale": "output_norm.weight",
+              "lm_head": "output.weight"}
+_BLOCK_NAMES = {
+    "attn_norm/scale": "attn_norm.weight", "attn/q": "attn_q.weight", "attn/k": "attn_k.weight",
+    "attn/v": "attn_v.weight", "attn/o": "attn_output.weight", "attn/q_bias": "attn_q.bias",
+    "attn/k_bias": "attn_k.bias", "attn/v_bias": "attn_v.bias",
+    "attn/q_norm/scale": "attn_q_norm.weight", "attn/k_norm/scale": "attn_k_norm.weight",
+    "post_attn_norm/scale": "post_attention_norm.weight", "mlp_norm/scale": "ffn_norm.weight",
+    "mlp/gate": "ffn_gate.weight", "mlp/up": "ffn_up.weight", "mlp/down": "ffn_down.weight",
+    "post_mlp_norm/scale": "post_ffw_norm.weight",
+}
+_EXPERT_NAMES = {"mlp/router": "ffn_gate_inp.weight", "mlp/gate": "ffn_gate_exps.weight",
+                 "mlp/up": "ffn_up_exps.weight", "mlp/down": "ffn_down_exps.weight"}
+
+
+def gguf_name(param: str, config: TransformerConfig) -> str:
+  """llama.cpp's name of one of our parameters ('layers/3/attn/q' -> 'blk.3.attn_q.weight';
+  an MoE's 'layers/3/mlp/gate' -> 'blk.3.ffn_gate_exps.weight')."""
+  if param in _TOP_NAMES:
+    return _TOP_NAMES[param]
+  _, layer, rest = param.split("/", 2)
+  names = {**_BLOCK_NAMES, **_EXPERT_NAMES} if config.num_experts else _BLOCK_NAMES
+  return f"blk.{layer}.{names[rest]}"
+
+
+def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> None:
+  writer.add_context_length(config.max_seq_len)
+  writer.add_embedding_length(config.embed_dim)
+  writer.add_block_count(config.num_layers)
+  writer.add_feed_forward_length(config.expert_mlp_dim if config.num_experts else config.mlp_dim)
+  writer.add_head_count(config.num_heads)
+  writer.add_head_count_kv(config.num_kv_heads)
+  writer.add_key_length(config.head_dim)
+  writer.add_value_length(config.head_dim)
+  writer.add_rope_dimension_count(config.head_dim)
+  writer.add_rope_freq_base(float(config.rope_theta))
+  writer.add_layer_norm_rms_eps(float(config.norm_eps))
+  writer.add_vocab_size(config.vocab_size)
+  writer.add_file_type(FILE_TYPES[quant])
+  if config.num_experts:
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.expert_mlp_dim)
+  if quant in GGML_WEIGHT_QTYPES:
+    writer.add_quantization_version(2)  # ggml's GGML_QNT_VERSION
+  if arch == "gemma2":
+    writer.add_attn_logit_softcapping(float(config.attn_logit_softcap))
+    writer.add_final_logit_softcapping(float(config.final_logit_softcap))
+    writer.add_sliding_window(int(config.sliding_window or config.max_seq_len))
+    writer.add_sliding_window_pattern(2)  # what llama.cpp's gemma2 runs (it reads no pattern)
+
+
+def rope_freq_factors(config: TransformerConfig) -> np.ndarray:
+  """Llama 3.1's RoPE scaling as llama.cpp takes it: one divisor per frequency (rope_freqs),
+  computed as convert_hf_to_gguf.py does."""
+  dim, factor = config.head_dim, config.rope_scaling_factor
+  low, high, old = (config.rope_low_freq_factor, config.rope_high_freq_factor,
+                    config.rope_original_max_len)
+  out = []
+  for i in range(0, dim, 2):
+    wavelen = 2 * math.pi * config.rope_theta ** (i / dim)
+    if wavelen < old / high:
+      out.append(1.0)
+    elif wavelen > old / low:
+      out.append(factor)
+    else:
+      smooth = (old / wavelen - low) / (high - low)
+      out.append(1 / ((1 - smooth) / factor + smooth))
+  return np.asarray(out, np.float32)
