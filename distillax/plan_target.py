@@ -1,7 +1,7 @@
 """`distillax plan --target tpu:v5p-128|gpu:h100x8 ...`: the job's real step compiled by the
 target's own compiler on this CPU host (libtpu for TPU slices, the CUDA plugin for GPUs), and
 what that compiler says of it per device: memory (FITS / DOES NOT FIT the chip), FLOPs,
-collectives by kind, the fused kernels that lowered and the attention each call got.
+collectives by kind, the fused kernels that lowered, and the attention and experts each call got.
 
 Why not the CPU plan alone: XLA:CPU runs bf16 collectives in fp32, forms no reduce-scatter,
 knows nothing of TPU tiling or HBM, and cannot compile a Pallas TPU or cuDNN kernel, so its
@@ -23,7 +23,7 @@ from distillax import partitioning as pt
 from distillax.errors import UserError
 from distillax.framework import targets
 from distillax.framework.hlo import parse_module
-from distillax.models import attention_impl
+from distillax.models import attention_impl, moe_kernels
 from distillax.plan import (DOES_NOT_FIT_EXIT_CODE, fmt, plan_report, print_figures,
                             print_verdict)
 from distillax.trainers import recipe_for
@@ -72,7 +72,7 @@ def _out_of_memory(error: Exception) -> str | None:
 
 def compile_on(config, target: targets.Target, devices: list, model_overrides=None) -> dict:
   """Compiles `config`'s train step for `target`; the plan report, plus the target, the kernels
-  and attention choices, or {'out_of_memory': <compiler's line>} when it does not compile.
+  and the attention and MoE choices, or {'out_of_memory': <compiler's line>} when it does not compile.
   `model_overrides`: the --config.* values the user set (checked against the student's
   source, as every job does)."""
   config = config.copy_and_resolve_references()
@@ -82,7 +82,7 @@ def compile_on(config, target: targets.Target, devices: list, model_overrides=No
     mesh_cfg.dcn_data = target.slices  # data parallel across slices (DCN), the rest inside one
   mesh = pt.create_mesh(mesh_cfg, devices=devices)
   recipe = recipe_for(config, mesh=mesh, model_overrides=model_overrides)
-  with attention_impl.recorded_choices() as choices:
+  with attention_impl.recorded_choices() as choices, moe_kernels.recorded_choices() as experts:
     try:
       engine = recipe.build_engines().main
     except Exception as e:  # noqa: BLE001 - only an out-of-memory compile is a plan's answer
@@ -102,7 +102,8 @@ def compile_on(config, target: targets.Target, devices: list, model_overrides=No
                 memory_bytes_per_device=target.memory_bytes,
                 kernels=fused_kernels(engine.runner.compiled_text()),
                 attention=dict(collections.Counter(f"{impl} ({why})"
-                                                   for _, impl, why in choices)))
+                                                   for _, impl, why in choices)),
+                moe=experts)
   return report
 
 
@@ -117,6 +118,8 @@ def _print_target(report: dict) -> None:
   print(f"  fused kernels in the compiled step: {kernels}")
   for choice, n in report["attention"].items():
     print(f"  attention: {choice}, {n} traced call(s)")
+  for choice, n in report["moe"].items():
+    print(f"  experts: {choice}, {n} traced call(s)")
 
 
 def run_target_plan(config, target_spec: str, *, slices: int | None = None,

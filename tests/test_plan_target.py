@@ -61,6 +61,7 @@ def _default_matmul_precision():
 def _moe():
   c = _tiny(lm)
   c.model.num_experts, c.model.moe_mlp_dim = 4, 64  # ragged_dot experts (model.moe_impl)
+  c.partitioning.strategy = "fsdp_ep"  # one expert per device: the all_to_all exchange
   return c
 
 
@@ -85,6 +86,11 @@ def test_tiny_jobs_compile_for_a_tpu_with_splash(job):
   assert report["peak_bytes_per_device"] <= report["memory_bytes_per_device"]
   if job == "moe":  # the experts' grouped matmuls lower to Mosaic's ragged-dot kernels
     assert any(k.startswith("mosaic:ragged-dot") for k in report["kernels"]), report["kernels"]
+    assert report["moe"] == {"ragged (jax.lax.ragged_dot), experts split 4 ways over data "
+                             "(all_to_all)": 2}, report["moe"]  # two layers, unrolled
+    assert report["collectives"]["all-to-all"]["count"] > 0
+  else:
+    assert report["moe"] == {}, report["moe"]
 
 
 @pytest.mark.parametrize("target_name", ["tpu:v5p-8", "tpu:v6e-4"])

@@ -62,23 +62,34 @@ def tokamax_ragged_dot(lhs_NxD, rhs_ExDxF, group_sizes_E):
   except ImportError:
     raise ConfigError(TOKAMAX_MISSING) from None
   _absl_flags_parsed()
-  platform = compile_platform()
-  implementation = TOKAMAX_IMPLEMENTATIONS.get(platform, ("xla",))
-  record(f"tokamax ragged_dot on {platform}: first of {', '.join(implementation)}")
+  implementation = TOKAMAX_IMPLEMENTATIONS.get(compile_platform(), ("xla",))
   return tokamax.ragged_dot(lhs_NxD, rhs_ExDxF, group_sizes_E, implementation=implementation)
 
 
-def ragged_dot_for(impl: str) -> RaggedDot:
-  return tokamax_ragged_dot if impl == "tokamax" else jax.lax.ragged_dot
+def describe(impl: str) -> str:
+  """What `impl` runs for the step being traced, as plan reports it."""
+  if impl == "tokamax":
+    platform = compile_platform()
+    tried = ", ".join(TOKAMAX_IMPLEMENTATIONS.get(platform, ("xla",)))
+    return f"tokamax (on {platform}: the first of {tried} that takes the call)"
+  return {"ragged": "ragged (jax.lax.ragged_dot)"}.get(impl, impl)
+
+
+def ragged_dot_for(impl: str) -> RaggedDot | None:
+  """None: `grouped_ffn`'s default, jax.lax.ragged_dot."""
+  return tokamax_ragged_dot if impl == "tokamax" else None
 
 
 def grouped_ffn(xs_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,
-                ragged_dot: RaggedDot = jax.lax.ragged_dot, biases=None, up_act=None,
+                ragged_dot: RaggedDot | None = None, biases=None, up_act=None,
                 sorted_experts_N=None):
   """The gated MLP of each expert over its contiguous group of rows (rows past the groups'
   total come out zero): act(gate) * up, or act(gate) * up_act(up) (gpt-oss). `biases`: None or
   (gate_ExF, up_ExF, down_ExD), added to each row by its expert `sorted_experts_N` (rows past
-  the groups take the last expert's: their output is never used)."""
+  the groups take the last expert's: their output is never used). `ragged_dot` None: looked up
+  as `jax.lax.ragged_dot` when called, so QAT's interception of it (quant/intercept.py) sees
+  these matmuls too."""
+  ragged_dot = ragged_dot or jax.lax.ragged_dot
   gate_NxF = ragged_dot(xs_NxD, gate_ExDxF, group_sizes_E)
   up_NxF = ragged_dot(xs_NxD, up_ExDxF, group_sizes_E)
   bias = lambda b_ExX: jnp.take(b_ExX, sorted_experts_N, axis=0, mode="clip")

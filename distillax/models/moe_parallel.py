@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from distillax import partitioning as pt
-from distillax.models.moe_kernels import RaggedDot, grouped_ffn, ragged_dot_for, record
+from distillax.models.moe_kernels import (RaggedDot, describe, grouped_ffn, ragged_dot_for,
+                                          record)
 
 
 def _pack_by_destination(dest_N, n: int, capacity: int):
@@ -69,7 +70,7 @@ def _combine(out_NxD, weights_TxK):
 
 
 def routed_experts(x_TxD, routing, gate_ExDxF, up_ExDxF, down_ExFxD, act, biases=None,
-                   up_act=None, *, ragged_dot: RaggedDot = jax.lax.ragged_dot):
+                   up_act=None, *, ragged_dot: RaggedDot | None = None):
   """The dropless grouped-matmul dispatch with every expert on this device (the signature of
   models/moe.py's dispatches): what `moe_impl='tokamax'` runs when the experts are not split,
   and what each device runs on the rows it received when they are."""
@@ -106,7 +107,7 @@ def _exchange(x_TxD, weights_TxK, experts_TxK, gate, up, down, biases, *, axes, 
 
 
 def exchanged_experts(x_TxD, weights_TxK, experts_TxK, gate_ExDxF, up_ExDxF, down_ExFxD, act,
-                      where: pt.ManualAxes, ragged_dot: RaggedDot = jax.lax.ragged_dot,
+                      where: pt.ManualAxes, ragged_dot: RaggedDot | None = None,
                       biases=None, up_act=None):
   """The routed experts' weighted output (T, D), experts (and their `biases`) split over
   `where` (see the module docstring). Tokens are padded to a multiple of the shard count with
@@ -138,8 +139,9 @@ def run_experts(impl: str, replicated, x_TxD, routing, weights, act, biases=None
   GSPMD program). The dense reference always runs as one GSPMD program."""
   where = None if impl == "dense" else pt.split_over("expert", weights[0].shape[0])
   if where is None:
-    record(f"{impl}, experts not split (one GSPMD program)")
+    record(f"{describe(impl)}, experts not split (one GSPMD program)")
     return replicated(x_TxD, routing, *weights, act, biases, up_act)
-  record(f"{impl}, experts split {where.size} ways over {'+'.join(where.axes)} (all_to_all)")
+  record(f"{describe(impl)}, experts split {where.size} ways over {'+'.join(where.axes)} "
+         f"(all_to_all)")
   return exchanged_experts(x_TxD, routing.weights_TxK, routing.experts_TxK, *weights, act,
                            where, ragged_dot_for(impl), biases, up_act)
