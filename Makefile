@@ -49,13 +49,14 @@ $(VENV)/.demo: pyproject.toml constraints.txt | $(BIN)/python
 # The tests also compile the tiny jobs for a TPU (the aot extra: libtpu) and a GPU (the CUDA
 # plugin of the aot-gpu extra, installed into $(AOT_GPU), off the import path: on a machine
 # without a GPU it logs "Could not find cuda drivers" at every `import jax`; only
-# `plan --target gpu:...` looks there, distillax/cli/target_env.py).
+# `plan --target gpu:...` looks there, distillax/cli/target_env.py), and hold
+# model.moe_impl='tokamax' to 'ragged' (the tokamax extra; tests/models/test_moe_kernels.py).
 AOT_GPU := $(VENV)/aot-gpu
 $(VENV)/.test: pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,hf,edge,aot]' 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,hf,edge,aot,tokamax]' 2>&1 | grep -v "is ignored" || true
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(AOT_GPU) -c constraints.txt \
 	  jax-cuda12-plugin jax-cuda12-pjrt 2>&1 | grep -v "is ignored" || true
-	$(BIN)/python -c "import distillax, jax, pytest, xdist, torch, transformers, gguf, llama_cpp, libtpu"
+	$(BIN)/python -c "import distillax, jax, pytest, xdist, torch, transformers, gguf, llama_cpp, libtpu, tokamax"
 	test -d $(AOT_GPU)/jax_plugins/xla_cuda12
 	touch $@ $(VENV)/.core $(VENV)/.demo
 
