@@ -37,27 +37,70 @@ _MASKED = -1e30  # finite, so a fully masked row can never produce NaNs
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-  """Keys/values of every layer (stacked on a leading layer axis) plus each slot's segment id.
+  """Keys/values of every attention layer (stacked on a leading layer axis) plus each slot's
+  segment id; for Gated DeltaNet layers (Qwen3.5), their conv inputs and recurrent states.
 
   `end_index` is the next slot to write; slots past it are never attended (causality).
+  A hybrid model's k/v stack holds its attention layers only, conv/state its linear layers
+  (in layer order each); other models have no conv/state (None).
   """
 
   k_NxBxSxKxH: jax.Array
   v_NxBxSxKxH: jax.Array
   segment_ids_BxS: jax.Array
   end_index: jax.Array  # int32 scalar
+  conv_NxBxPxC: jax.Array | None = None  # the last linear_conv_kernel - 1 conv inputs
+  state_NxBxHxKxV: jax.Array | None = None  # float32 delta-rule state per value head
 
   @classmethod
   def zeros(cls, config: TransformerConfig, batch: int, length: int, dtype=None) -> "KVCache":
     dtype = jnp.dtype(dtype or config.dtype)
-    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+    linear = config.num_linear_layers
+    shape = (config.num_layers - linear, batch, length, config.num_kv_heads, config.head_dim)
     k = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
     v = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
-    return cls(k, v, jnp.zeros((batch, length), jnp.int32), jnp.zeros((), jnp.int32))
+    conv = state = None
+    if linear:
+      Hk, Hv = config.linear_num_key_heads, config.linear_num_value_heads
+      channels = 2 * Hk * config.linear_key_head_dim + Hv * config.linear_value_head_dim
+      conv = jnp.zeros((linear, batch, config.linear_conv_kernel - 1, channels), dtype)
+      state = constrain(jnp.zeros((linear, batch, Hv, config.linear_key_head_dim,
+                                   config.linear_value_head_dim), jnp.float32),
+                        ("layers", "batch", "heads", None, None))
+    return cls(k, v, jnp.zeros((batch, length), jnp.int32), jnp.zeros((), jnp.int32),
+               conv, state)
 
   @property
   def length(self) -> int:
     return self.segment_ids_BxS.shape[1]
+
+  def layer_caches(self, config: TransformerConfig):
+    """What each layer reads: the stacked (k, v) for a scanned stack, else one entry per
+    layer, (k, v) of an attention layer or (conv, state) of a Gated DeltaNet layer."""
+    if config.scan_layers:
+      return self.k_NxBxSxKxH, self.v_NxBxSxKxH
+    counts, caches = [0, 0], []
+    for i in range(config.num_layers):
+      linear = config.layer_is_linear(i)
+      j = counts[linear]
+      counts[linear] += 1
+      caches.append((self.conv_NxBxPxC[j], self.state_NxBxHxKxV[j]) if linear
+                    else (self.k_NxBxSxKxH[j], self.v_NxBxSxKxH[j]))
+    return caches
+
+  def updated(self, config: TransformerConfig, layer_caches, segment_ids_BxS,
+              end_index) -> "KVCache":
+    """The cache after a call: `layer_caches` as `layer_caches` gives them, written back."""
+    if config.scan_layers:
+      return dataclasses.replace(self, k_NxBxSxKxH=layer_caches[0], v_NxBxSxKxH=layer_caches[1],
+                                 segment_ids_BxS=segment_ids_BxS, end_index=end_index)
+    kinds = [config.layer_is_linear(i) for i in range(config.num_layers)]
+    stack = lambda linear, part, old: (
+        jnp.stack([c[part] for c, lin in zip(layer_caches, kinds) if lin == linear])
+        if linear in kinds else old)
+    return KVCache(stack(False, 0, self.k_NxBxSxKxH), stack(False, 1, self.v_NxBxSxKxH),
+                   segment_ids_BxS, end_index, stack(True, 0, self.conv_NxBxPxC),
+                   stack(True, 1, self.state_NxBxHxKxV))
 
 
 def attention_mask(q_index_BxL, k_index_BxS, q_segment_BxL, k_segment_BxS) -> jax.Array:
@@ -126,6 +169,9 @@ class Attention(nnx.Module):
     head_norm = lambda: (RMSNorm(config, dim=Dh, logical_axes=("head_dim",)) if config.qk_norm
                          else None)
     self.q_norm, self.k_norm = head_norm(), head_norm()
+    # Qwen3.5: the attention output times sigmoid(x @ out_gate), per head and feature.
+    self.out_gate = (normal_param(rngs, (D, H, Dh), D ** -0.5, pd, ("embed", "heads", "head_dim"))
+                     if config.attn_output_gate else None)
     self.config = config
 
   def _project(self, x_BxLxD, weight, bias, norm):
@@ -205,6 +251,9 @@ class Attention(nnx.Module):
         return_probs=return_probs)
     attn_BxLxHxK = constrain(attn_BxLxKxGxH.astype(dt).reshape(B, L, K * G, Dh),
                              ("batch", "length", "heads", "head_dim"))
+    if self.out_gate is not None:
+      gate_BxLxHxK = self._project(x_BxLxD, self.out_gate, None, None)
+      attn_BxLxHxK = attn_BxLxHxK * jax.nn.sigmoid(gate_BxLxHxK.astype(jnp.float32)).astype(dt)
     out_BxLxD = jnp.einsum("BLHK,HKD->BLD", attn_BxLxHxK, self.o[...].astype(dt))
     if self.o_bias is not None:
       out_BxLxD = out_BxLxD + self.o_bias[...].astype(dt)

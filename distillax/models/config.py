@@ -26,6 +26,9 @@ ATTENTION_IMPLS = ("auto", "reference", "blockwise", "cudnn", "splash")
 GLOBAL_WINDOW = 2**30
 # Per-layer attention types, as Hugging Face's `layer_types` names them.
 SLIDING, FULL = "sliding_attention", "full_attention"
+LINEAR = "linear_attention"  # Qwen3.5's Gated DeltaNet layers, in HF's layer_types
+# models/gated_deltanet.py: chunked for training, the token-by-token recurrence as reference.
+LINEAR_ATTENTION_IMPLS = ("chunked", "recurrent")
 
 # What a config field is. Every job that compares two configs (a model loaded from a source, a
 # run started from another, a workdir resumed) reads the kinds from here, never a list of its own.
@@ -90,6 +93,16 @@ class TransformerConfig:
   attn_out_bias: bool = False  # gpt-oss: the o projection adds a bias too
   attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax's sum
   max_seq_len: int = 2048
+  # Qwen3.5 (models/gated_deltanet.py): per layer LINEAR (a Gated DeltaNet linear-attention
+  # layer) or FULL attention, as HF's layer_types names them; None = attention in every layer.
+  token_mixers: tuple[str, ...] | None = None
+  linear_num_key_heads: int = 2  # Gated DeltaNet query/key heads
+  linear_num_value_heads: int = 4  # Gated DeltaNet value heads, a multiple of its key heads
+  linear_key_head_dim: int = 16  # Gated DeltaNet query/key features per head
+  linear_value_head_dim: int = 16  # Gated DeltaNet value features per head
+  linear_conv_kernel: int = 4  # Gated DeltaNet: taps of the causal depthwise conv on q, k, v
+  partial_rotary_factor: float = 1.0  # share of head_dim that RoPE turns (Qwen3.5: 0.25)
+  attn_output_gate: bool = False  # Qwen3.5: attention output times sigmoid(gate projection of x)
   # Mixture of experts (models/moe.py): every layer's MLP becomes num_experts gated experts and a
   # router; 0 = a dense MLP in every layer (the other MoE fields are then unused).
   num_experts: int = 0
@@ -116,6 +129,10 @@ class TransformerConfig:
   # call's assignments, the rest dropped (models/moe.py); None = dropless. A training-time limit,
   # not stored weights, so a student from a source (HF, teacher blocks, a run) may set it.
   moe_capacity_factor: float | None = _compute(None)
+  # chunked (training: chunk-parallel, O(L * chunk) memory) | recurrent (one token at a time,
+  # the reference the tests hold chunked to): how Gated DeltaNet layers run (linear_attention.py).
+  linear_attention_impl: str = _compute("chunked")
+  linear_attention_chunk: int = _compute(64)  # tokens per chunk of the chunked form
 
   def __post_init__(self):
     positive = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -153,6 +170,7 @@ class TransformerConfig:
     if self.sliding_window_pattern < 0:
       raise ConfigError(f"model.sliding_window_pattern={self.sliding_window_pattern} must be >= 0")
     self._check_layer_types()
+    self._check_token_mixers()
     self._check_moe()
     if self.rope_scaling_type not in ROPE_SCALING_TYPES:
       raise ConfigError(f"model.rope_scaling_type={self.rope_scaling_type!r}; choose one of "
@@ -174,6 +192,36 @@ class TransformerConfig:
     if len(types) != self.num_layers or any(t not in (SLIDING, FULL) for t in types):
       raise ConfigError(f"model.layer_types={list(types)} must name {SLIDING!r} or {FULL!r} for "
                         f"each of the model.num_layers={self.num_layers} layers (or be None)")
+
+  def _check_token_mixers(self):
+    if self.token_mixers is not None:
+      mixers = self.token_mixers
+      if (isinstance(mixers, str) or not isinstance(mixers, Sequence) or len(mixers) !=
+          self.num_layers or any(t not in (LINEAR, FULL) for t in mixers)):
+        raise ConfigError(f"model.token_mixers={mixers!r} must name {LINEAR!r} or {FULL!r} for "
+                          f"each of the model.num_layers={self.num_layers} layers (or be None)")
+      object.__setattr__(self, "token_mixers", tuple(mixers))  # JSON gives a list
+    for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_conv_kernel", "linear_attention_chunk"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"model.{name}={value!r} must be a positive integer")
+    if self.linear_num_value_heads % self.linear_num_key_heads:
+      raise ConfigError(f"model.linear_num_value_heads={self.linear_num_value_heads} is not a "
+                        f"multiple of model.linear_num_key_heads={self.linear_num_key_heads}")
+    if self.linear_attention_impl not in LINEAR_ATTENTION_IMPLS:
+      raise ConfigError(f"model.linear_attention_impl={self.linear_attention_impl!r}; choose one "
+                        f"of {', '.join(LINEAR_ATTENTION_IMPLS)}")
+    rot = self.head_dim * self.partial_rotary_factor
+    if not 0 < self.partial_rotary_factor <= 1 or rot != int(rot) or int(rot) % 2:
+      raise ConfigError(f"model.partial_rotary_factor={self.partial_rotary_factor!r} must be in "
+                        f"(0, 1] and turn an even number of the head_dim={self.head_dim} features")
+    if not isinstance(self.attn_output_gate, bool):
+      raise ConfigError(f"model.attn_output_gate={self.attn_output_gate!r} must be True or False")
+    if self.num_linear_layers and self.scan_layers:
+      raise ConfigError("model.scan_layers=True cannot stack the Gated DeltaNet and attention "
+                        "layers of model.token_mixers (their weights differ); use "
+                        "model.scan_layers=False")
 
   def _check_moe(self):
     for name in ("num_experts", "moe_mlp_dim"):
@@ -207,6 +255,19 @@ class TransformerConfig:
   def expert_mlp_dim(self) -> int:
     """Hidden width of each MoE expert."""
     return self.moe_mlp_dim or self.mlp_dim
+
+  @property
+  def rotary_dim(self) -> int:
+    """Features of each query/key head that RoPE turns (the first ones; the rest pass)."""
+    return int(self.head_dim * self.partial_rotary_factor)
+
+  def layer_is_linear(self, layer: int) -> bool:
+    """Whether layer `layer` is a Gated DeltaNet (linear attention) layer."""
+    return self.token_mixers is not None and self.token_mixers[layer] == LINEAR
+
+  @property
+  def num_linear_layers(self) -> int:
+    return sum(self.layer_is_linear(i) for i in range(self.num_layers))
 
   @property
   def jnp_param_dtype(self):
@@ -244,7 +305,8 @@ class TransformerConfig:
     attends as it was trained to (a Gemma 2 block copied from a sliding layer to an odd
     position stays sliding), whatever pattern its new position would give."""
     local = [self.layer_uses_sliding_window(i) for i in layers]
-    return self.replace(**{"num_layers": len(layers),
+    mixers = None if self.token_mixers is None else tuple(self.token_mixers[i] for i in layers)
+    return self.replace(**{"num_layers": len(layers), "token_mixers": mixers,
                            **window_fields(self.sliding_window, local)})
 
   # ---- data round trip -------------------------------------------------------------------

@@ -112,7 +112,7 @@ class MLP(nnx.Module):
 
 def rope_inverse_frequencies(config: TransformerConfig) -> jax.Array:
   """Per-pair inverse frequencies, with Llama 3.1's or YaRN's scaling when configured."""
-  dim = config.head_dim
+  dim = config.rotary_dim  # the head_dim features RoPE turns (Qwen3.5: a quarter)
   inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
   factor = config.rope_scaling_factor
   if factor is None:
@@ -167,6 +167,10 @@ def rope_sin_cos(positions_BxL: jax.Array, config: TransformerConfig):
 
 def apply_rope(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2) -> jax.Array:
   """Rotates the two halves of each head (the 'rotate_half' layout of Llama/Gemma checkpoints)."""
+  rotary = 2 * sin_BxLxK2.shape[-1]
+  if rotary < x_BxLxHxK.shape[-1]:  # partial RoPE (Qwen3.5): the head's first features turn
+    turned = apply_rope(x_BxLxHxK[..., :rotary], sin_BxLxK2, cos_BxLxK2)
+    return jnp.concatenate([turned, x_BxLxHxK[..., rotary:]], axis=-1)
   x = x_BxLxHxK.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
   sin, cos = sin_BxLxK2[:, :, None, :], cos_BxLxK2[:, :, None, :]

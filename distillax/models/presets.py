@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from distillax.errors import ConfigError
-from distillax.models.config import TransformerConfig
+from distillax.models.config import FULL, LINEAR, TransformerConfig
 
 
 def _llama3(**kw) -> TransformerConfig:
@@ -56,6 +56,11 @@ def _qwen3_moe(**kw) -> TransformerConfig:
                 norm_topk_prob=True, tie_embeddings=False, **kw)
 
 
+def _qwen35_mixers(num_layers: int, interval: int = 4) -> tuple[str, ...]:
+  """Qwen3.5's layer types: every `interval`-th layer full attention, the rest Gated DeltaNet."""
+  return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
+
+
 PRESETS: dict[str, TransformerConfig] = {
     # Seconds-fast test shapes: byte vocabulary, GQA (4 query heads over 2 kv heads).
     "tiny": TransformerConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
@@ -79,6 +84,14 @@ PRESETS: dict[str, TransformerConfig] = {
                                   num_kv_heads=2, head_dim=16, mlp_dim=128, num_experts=4,
                                   num_experts_per_tok=2, moe_mlp_dim=32, router="topk_softmax",
                                   max_seq_len=128),
+    # Qwen3.5 at test size: three Gated DeltaNet layers then one gated full-attention layer
+    # (partial RoPE over a quarter of head_dim, q/k norms), (1 + scale) norms.
+    "tiny_qwen35": TransformerConfig(
+        vocab_size=256, embed_dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        mlp_dim=128, norm_scale_plus_one=True, qk_norm=True, attn_output_gate=True,
+        partial_rotary_factor=0.25, rope_theta=10_000_000.0, token_mixers=_qwen35_mixers(4),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel=4, max_seq_len=128),
     # CPU demo pair (byte-level): a ~4.8M teacher and a ~1.5M student that train a few hundred
     # steps on two cores in minutes. Same family and head_dim so every KD strategy applies.
     "demo_teacher": TransformerConfig(vocab_size=256, embed_dim=256, num_layers=6, num_heads=8,

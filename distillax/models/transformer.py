@@ -18,6 +18,7 @@ from flax import nnx
 from distillax.errors import ConfigError
 from distillax.models.attention import Attention, KVCache
 from distillax.models.config import TransformerConfig
+from distillax.models.gated_deltanet import GatedDeltaNet
 from distillax.models.layers import MLP, Embedder, RMSNorm, normal_param, rope_sin_cos, softcap
 from distillax.models.moe import MoE, RouterStats
 from distillax.partitioning import constrain
@@ -58,9 +59,10 @@ class Block(nnx.Module):
   """Pre-norm attention + gated MLP (or mixture of experts), each added to the residual (Gemma 2
   also post-norms)."""
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
     self.attn_norm = RMSNorm(config)
-    self.attn = Attention(config, rngs=rngs)
+    mixer = GatedDeltaNet if config.layer_is_linear(layer) else Attention  # Qwen3.5's hybrid
+    self.attn = mixer(config, rngs=rngs)
     self.mlp_norm = RMSNorm(config)
     self.mlp = MoE(config, rngs=rngs) if config.num_experts else MLP(config, rngs=rngs)
     self.post_attn_norm = RMSNorm(config) if config.use_post_norms else None
@@ -119,7 +121,7 @@ class Transformer(nnx.Module):
     if config.scan_layers:
       self.layers = _stacked_blocks(config, rngs)
     else:
-      self.layers = nnx.List([Block(config, rngs=rngs) for _ in range(config.num_layers)])
+      self.layers = nnx.List([Block(config, rngs=rngs, layer=i) for i in range(config.num_layers)])
     self.final_norm = RMSNorm(config)
     if config.tie_embeddings:
       self.lm_head = None
@@ -191,7 +193,7 @@ class Transformer(nnx.Module):
       ctx["cache_index"] = start
 
     x_BxLxD = embedded_BxLxD = self.embedder(tokens_BxL)
-    cache_kv = None if cache is None else (cache.k_NxBxSxKxH, cache.v_NxBxSxKxH)
+    cache_kv = None if cache is None else cache.layer_caches(cfg)
     run = self._run_scanned if cfg.scan_layers else self._run_unrolled
     x_BxLxD, per_layer_x, new_kv, probs, stats = run(
         x_BxLxD, ctx, cache_kv, return_hidden_states, (return_attention, return_router_logits))
@@ -203,7 +205,7 @@ class Transformer(nnx.Module):
       hidden_states = jnp.concatenate([embedded_BxLxD[None], per_layer_x], axis=0)
     new_cache = None
     if cache is not None:
-      new_cache = KVCache(new_kv[0], new_kv[1], k_segment_BxS, start + L)
+      new_cache = cache.updated(cfg, new_kv, k_segment_BxS, start + L)
     logits = self.logits_from_hidden(final_hidden_BxLxD) if return_logits else None
     return ModelOutput(logits, final_hidden_BxLxD, hidden_states, probs, new_cache, stats,
                        router_logits)
@@ -223,10 +225,10 @@ class Transformer(nnx.Module):
 
   def _run_unrolled(self, x_BxLxD, ctx, cache_kv, want_hidden, wants):
     cfg = self.config
-    xs, ks, vs, probs, stats = [], [], [], [], []
+    xs, caches, probs, stats = [], [], [], []
     for i, block in enumerate(self.layers):
       graphdef, state = nnx.split(block)
-      layer_kv = None if cache_kv is None else (cache_kv[0][i], cache_kv[1][i])
+      layer_kv = None if cache_kv is None else cache_kv[i]
       window = cfg.sliding_window if cfg.layer_uses_sliding_window(i) else None
       x_BxLxD, new_kv, p, st = self._block_fn(graphdef, wants)(state, x_BxLxD, ctx, window,
                                                                layer_kv)
@@ -235,14 +237,12 @@ class Transformer(nnx.Module):
       if wants[0]:
         probs.append(p)
       if new_kv is not None:
-        ks.append(new_kv[0])
-        vs.append(new_kv[1])
+        caches.append(new_kv)
       if st is not None:
         stats.append(st)
     stack = lambda items: jnp.stack(items) if items else None
-    new_kv = (stack(ks), stack(vs)) if cache_kv is not None else None
     stats = jax.tree.map(lambda *a: jnp.stack(a), *stats) if stats else None
-    return x_BxLxD, stack(xs), new_kv, stack(probs), stats
+    return x_BxLxD, stack(xs), caches if cache_kv is not None else None, stack(probs), stats
 
   def _run_scanned(self, x_BxLxD, ctx, cache_kv, want_hidden, wants):
     graphdef, state = nnx.split(self.layers)

@@ -173,6 +173,10 @@ ADDED_LATER: dict[str, Any] = {
     "model.attn_out_bias": False, "model.attention_sinks": False, "model.router_bias": False,
     "model.expert_bias": False,
     "model.swiglu_alpha": 1.702, "model.swiglu_limit": 7.0,
+    "model.linear_num_key_heads": 2, "model.linear_num_value_heads": 4,  # Qwen3.5's fields
+    "model.linear_key_head_dim": 16, "model.linear_value_head_dim": 16,
+    "model.linear_conv_kernel": 4, "model.partial_rotary_factor": 1.0,
+    "model.attn_output_gate": False,
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
     "student.from_teacher.experts": [], "distill.router.weight": 0.0,
 }

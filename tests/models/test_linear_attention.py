@@ -80,7 +80,8 @@ def test_chunked_equals_recurrent_in_values_and_gradients(case):
     grad_fn = jax.jit(jax.grad(lambda *a, form=form: loss(form, *a), argnums=range(6),
                                has_aux=True))
     results[name] = grad_fn(*inputs, state0)
-  (grads_c, (out_c, state_c)), (grads_r, (out_r, state_r)) = results["chunked"], results["recurrent"]
+  (grads_c, (out_c, state_c)) = results["chunked"]
+  (grads_r, (out_r, state_r)) = results["recurrent"]
   np.testing.assert_allclose(out_c, out_r, atol=1e-5)
   np.testing.assert_allclose(state_c, state_r, atol=1e-5)
   for name, gc, gr in zip(("q", "k", "v", "g", "beta", "state0"), grads_c, grads_r):
