@@ -278,27 +278,45 @@ def test_training_from_a_checkpoint_records_its_shape_and_exports_it(tmp_path, c
   assert hf.load(str(out)).config.num_layers == 4
 
 
-def _moe_student(layers, experts):
-  config = distill.get_config("tiny")
-  config.teacher.preset = "tiny_moe"
-  config.student.from_teacher.layers, config.student.from_teacher.experts = layers, experts
-  recipe = recipe_for(config)
-  student, extras = _student(recipe)
-  return recipe, student, extras["teacher"]
+class _Given:
+  """A source holding an already-built model (drawn in numpy: no init to compile)."""
+  kind, field = "hf", "given"
+
+  def __init__(self, model):
+    self.model = model
+
+  def model_config(self):
+    return self.model.config
+
+  def load(self, cfg, mesh, rules, *, seed):
+    return self.model
 
 
 def test_a_student_keeping_teacher_experts_is_the_teacher_sliced_by_hand():
   """All four experts listed: the teacher itself. A subset per layer: the teacher's blocks with
   the kept experts' weights and router columns cut out in numpy, run through the model."""
-  tokens = jnp.asarray(TOKENS % 256, jnp.int32)
-  recipe, student, teacher = _moe_student((0, 1), (0, 1, 2, 3))
-  assert recipe.model_config.num_experts == 4
-  want = np.asarray(forward(teacher, tokens).logits_BxLxV)
-  np.testing.assert_array_equal(np.asarray(forward(student, tokens).logits_BxLxV), want)
-
+  from distillax.models.presets import get_preset
+  from distillax.models.init import abstract_model
+  from distillax.trainers.sources import BlocksSource, place
+  from tests.support.engines import mesh_and_rules
+  from tests.support.models import logits, random_model
   kept = ((3, 0, 2), (1, 2, 3))
-  recipe, student, teacher = _moe_student((1, 0), kept)
+  config = distill.get_config("tiny")  # the config route: the derived student's shape
+  config.teacher.preset = "tiny_moe"
+  config.student.from_teacher.layers, config.student.from_teacher.experts = (1, 0), kept
+  recipe = recipe_for(config)
   assert (recipe.model_config.num_experts, recipe.config.model.num_experts) == (3, 3)
+  assert recipe.sources.student.kept_experts() == kept
+  mesh, rules = mesh_and_rules("fsdp", 8)  # every model placed alike: two compiles in all
+  teacher = random_model(get_preset("tiny_moe"), seed=3, mesh=mesh)
+  tokens = jnp.asarray(TOKENS % 256, jnp.int32)
+
+  def student(layers, experts):
+    source = BlocksSource(_Given(teacher), layers, experts=experts)
+    return source.load(source.model_config(), mesh, rules, seed=0)
+
+  want = np.asarray(logits(teacher, tokens))
+  np.testing.assert_array_equal(np.asarray(logits(student((0, 1), (0, 1, 2, 3)), tokens)), want)
   values = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(teacher)))
   sliced = {k: v for k, v in values.items() if k != "layers"}
   sliced["layers"] = {}
@@ -308,12 +326,10 @@ def test_a_student_keeping_teacher_experts_is_the_teacher_sliced_by_hand():
     sliced["layers"][i] = {**block, "mlp": {"router": mlp["router"][:, list(e)],
                                             **{n: mlp[n][list(e)] for n in ("gate", "up",
                                                                             "down")}}}
-  graphdef, state = nnx.split(nnx.eval_shape(lambda: type(teacher)(recipe.model_config,
-                                                                   rngs=nnx.Rngs(0))))
-  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, sliced))
-  by_hand = nnx.merge(graphdef, state)
-  got = np.asarray(forward(student, tokens).logits_BxLxV)
-  np.testing.assert_allclose(got, np.asarray(forward(by_hand, tokens).logits_BxLxV), atol=2e-5)
+  subset = student((1, 0), kept)
+  by_hand = place(sliced, mesh, rules, abstract_model(subset.config))
+  got = np.asarray(logits(subset, tokens))
+  np.testing.assert_allclose(got, np.asarray(logits(by_hand, tokens)), atol=1e-6)
   assert np.max(np.abs(got - want)) > 1e-3  # fewer experts: another model
 
 
@@ -329,3 +345,14 @@ def test_expert_subsets_the_teacher_cannot_give_fail_in_one_line(capsys, tmp_pat
                    "--config.student.from_teacher.layers=(0,1)",
                    f"--config.student.from_teacher.experts={experts!r}".replace(" ", ""))
   assert code == 2 and len(err) == 1 and says in err[0], err
+
+
+def test_kept_experts_read_one_tuple_for_all_per_student_or_per_teacher_layer():
+  from distillax.models.presets import get_preset
+  from distillax.trainers.sources.experts import kept_experts
+  teacher = get_preset("tiny_moe")  # 2 layers of 4 experts, k = 2
+  assert kept_experts((), (0, 1), teacher) is None
+  assert kept_experts((3, 1), (1, 0), teacher) == ((3, 1), (3, 1))
+  assert kept_experts(((0, 1), (2, 3)), (1, 0), teacher) == ((0, 1), (2, 3))  # per student
+  # expert-load prints one tuple per teacher layer: a one-block student takes its block's.
+  assert kept_experts(((0, 1), (2, 3)), (1,), teacher) == ((2, 3),)

@@ -26,15 +26,20 @@ def _index(x) -> bool:
   return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def kept_experts(experts: Sequence[Any], num_layers: int, teacher: TransformerConfig
+def kept_experts(experts: Sequence[Any], layers: Sequence[int], teacher: TransformerConfig
                  ) -> tuple[tuple[int, ...], ...] | None:
   """Per student layer, the teacher experts it keeps, in student order; None = all of them.
 
-  `experts`: () (all), one tuple of teacher expert indices for every layer, or one tuple per
-  student layer (`num_layers` of them)."""
+  `experts`: () (all), one tuple of teacher expert indices for every layer, one tuple per
+  student layer (block `layers[i]` of the teacher), or, for a student of fewer blocks, one per
+  teacher layer (as `distillax expert-load --keep_top` prints them)."""
   experts = tuple(experts or ())
   if not experts:
     return None
+  num_layers = len(layers)
+  if len(experts) == teacher.num_layers != num_layers and all(
+      isinstance(row, (tuple, list)) for row in experts):
+    experts = tuple(experts[t] for t in layers)
   E, k = teacher.num_experts, teacher.num_experts_per_tok
   if not E:
     raise ConfigError(f"{FIELD}={experts!r} keeps experts, but the teacher is dense "
@@ -47,7 +52,8 @@ def kept_experts(experts: Sequence[Any], num_layers: int, teacher: TransformerCo
   else:
     raise ConfigError(f"{FIELD}={experts!r} must list teacher expert indices (0..{E - 1}) kept "
                       f"in every layer, e.g. (0, 3, 5), or one such tuple per student layer "
-                      f"({num_layers}), e.g. {((0, 1),) * num_layers}")
+                      f"({num_layers}) or teacher layer ({teacher.num_layers}), e.g. "
+                      f"{((0, 1),) * num_layers}")
   for i, row in enumerate(per_layer):
     outside = sorted({e for e in row if e >= E})
     if outside:

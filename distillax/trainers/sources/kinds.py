@@ -220,7 +220,7 @@ class BlocksSource(ModelSource):
 
   def kept_experts(self) -> tuple[tuple[int, ...], ...] | None:
     """Per student layer, the teacher experts it keeps; None = all."""
-    return experts.kept_experts(self.experts, len(self.layers), self.of.model_config())
+    return experts.kept_experts(self.experts, self.layers, self.of.model_config())
 
   def model_config(self):
     whole = self.of.model_config()
