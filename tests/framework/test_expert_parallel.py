@@ -8,12 +8,16 @@ Run with -s to print the README's "EP vs replicated" table."""
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from distillax import partitioning as pt
 from distillax.errors import ConfigError
-from tests.support.engines import packed_batches, run_training
+from distillax.models.init import create_model
+from distillax.models.transformer import with_config
+from tests.support.engines import mesh_and_rules, packed_batches, run_steps, tiny_engine
 from tests.support.models import TINY
 
 # One layer of 4 experts of width 16, top-2: one expert per data group on a (4, 2) mesh.
@@ -24,8 +28,26 @@ EP_PRESETS = ("fsdp_ep", "ep_tp")
 
 
 @pytest.fixture(scope="module")
-def replicated():
-  return run_training("jit", "dp", MESH, BATCHES, model_cfg=MOE)
+def model():
+  """One initialised model for every run (each places a copy by its own rules)."""
+  mesh, rules = mesh_and_rules("dp", *MESH)
+  return create_model(MOE, mesh=mesh, rules=rules, seed=0)
+
+
+def _train(model, backend, strategy, mesh_shape, devices=None, **config_changes):
+  """(losses, final params on the host, engine) of 3 steps from a copy of `model`."""
+  mesh, rules = mesh_and_rules(strategy, *mesh_shape, devices=devices)
+  graphdef, weights = nnx.split(model)
+  copy = nnx.merge(graphdef, jax.tree.map(jnp.copy, weights))
+  copy = with_config(copy, **config_changes) if config_changes else copy
+  engine = tiny_engine(copy, BATCHES[0], mesh, rules, backend, steps=len(BATCHES))
+  state, losses = run_steps(engine, engine.init_state(copy, {}, seed=0), BATCHES)
+  return losses, jax.device_get(engine.runner.fetch_state(state).params), engine
+
+
+@pytest.fixture(scope="module")
+def replicated(model):
+  return _train(model, "jit", "dp", MESH)
 
 
 def _max_param_delta(params, ref_params) -> float:
@@ -33,12 +55,12 @@ def _max_param_delta(params, ref_params) -> float:
              for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params)))
 
 
-def test_every_preset_trains_the_moe_like_replicated(replicated):
+def test_every_preset_trains_the_moe_like_replicated(model, replicated):
   ref_losses, ref_params, _ = replicated
   assert ref_losses[-1] < ref_losses[0]
   rows = []
   for strategy in pt.BUILTIN_PRESETS[1:]:
-    losses, params, engine = run_training("jit", strategy, MESH, BATCHES, model_cfg=MOE)
+    losses, params, engine = _train(model, "jit", strategy, MESH)
     gate_spec = tuple(engine.layout.shardings.params["layers"][0]["mlp"]["gate"].spec)
     exchanges = len(re.findall(r"all-to-all\(", engine.runner.compiled_text()))
     # Experts split over data exactly under the EP presets, which exchange tokens (GSPMD's own
@@ -55,14 +77,14 @@ def test_every_preset_trains_the_moe_like_replicated(replicated):
     print(f"{r[0]:<11} {r[1]:<5} {r[2]:<26} {r[3]:>11}  {r[4]:.1e}     {r[5]:.1e}")
 
 
-def test_data_parallel_backends_give_jits_numbers_or_refuse_in_one_line(replicated):
+def test_data_parallel_backends_give_jits_numbers_or_refuse_in_one_line(model, replicated):
   ref_losses, ref_params, _ = replicated
   # vmap cannot batch ragged_dot (checks.py refuses it for a job); the dense reference runs.
-  for backend, cfg in (("shard_map", MOE), ("pmap", MOE), ("vmap", MOE.replace(moe_impl="dense"))):
-    losses, params, _ = run_training(backend, "dp", (8, 1), BATCHES, model_cfg=cfg)
+  for backend, changes in (("shard_map", {}), ("pmap", {}), ("vmap", {"moe_impl": "dense"})):
+    losses, params, _ = _train(model, backend, "dp", (8, 1), **changes)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=backend)
     assert _max_param_delta(params, ref_params) < 2e-5, backend
-  for backend in ("shard_map", "pmap"):
+  for backend in ("shard_map", "pmap"):  # 4 experts over a data axis of 4
     with pytest.raises(ConfigError, match=f"backend={backend} keeps parameters replicated, but "
                                           f"partitioning.strategy shards them"):
-      run_training(backend, "fsdp_ep", (8, 1), BATCHES, model_cfg=MOE.replace(num_experts=8))
+      _train(model, backend, "fsdp_ep", (4, 1), devices=jax.devices()[:4])
