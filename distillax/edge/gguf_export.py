@@ -55,7 +55,11 @@ QUANTS = ("f32", "f16", "q8_0", "q4_0")
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-                 "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama"}
+                 "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama",
+                 "GptOssForCausalLM": "gpt-oss"}
+_SLIDING = ("gemma2", "gpt-oss")  # the archs whose even layers slide in llama.cpp
+_ROPE_SCALING = {"llama": "llama3", "gpt-oss": "yarn"}  # the scaling each arch reads
+_EXPERT_BIASES = ("mlp/gate_bias", "mlp/up_bias", "mlp/down_bias")
 
 
 # ---- architecture --------------------------------------------------------------------------
@@ -69,15 +73,19 @@ def gguf_architecture(config: TransformerConfig) -> str:
                     f"one with --format hf")
   arch = ARCHITECTURES[hf_arch]
   local = [config.layer_uses_sliding_window(i) for i in range(config.num_layers)]
-  if arch != "gemma2" and any(local) and config.sliding_window < config.max_seq_len:
+  if arch not in _SLIDING and any(local) and config.sliding_window < config.max_seq_len:
     raise UserError(f"llama.cpp's {arch} architecture attends over the whole context; "
                     f"sliding_window={config.sliding_window} < max_seq_len={config.max_seq_len} "
                     f"would run differently there (set sliding_window to None or >= max_seq_len)")
-  if arch != "llama" and config.rope_scaling_factor is not None:
-    raise UserError(f"llama.cpp applies Llama 3.1 RoPE scaling only to the llama architecture, "
+  scaling = None if config.rope_scaling_factor is None else config.rope_scaling_type
+  if scaling not in (None, _ROPE_SCALING.get(arch)):
+    name, only = {"llama3": ("Llama 3.1", "llama"), "yarn": ("YaRN", "gpt-oss")}[scaling]
+    raise UserError(f"llama.cpp applies {name} RoPE scaling only to the {only} architecture, "
                     f"not {arch}; set rope_scaling_factor=None")
   if config.num_experts:
     _check_experts(config, arch)
+  if arch == "gpt-oss":
+    _check_gpt_oss(config)
   if arch == "gemma2":
     _check_gemma2_windows(config)
     if config.attn_logit_softcap is None or config.final_logit_softcap is None:
@@ -103,18 +111,37 @@ def _check_experts(config: TransformerConfig, arch: str) -> None:
                     f"{config.moe_capacity_factor} drops tokens in this model (set it to None)")
 
 
-def _check_gemma2_windows(config: TransformerConfig) -> None:
-  """llama.cpp's gemma2 fixes which layers slide: the even ones (it reads the window size from
-  the file, but no per-layer pattern), so a model whose layers attend otherwise, e.g. a student
-  made of teacher blocks that were all sliding, is refused rather than run differently. A window
-  no shorter than the context makes a layer's type moot."""
+def _check_gpt_oss(config: TransformerConfig) -> None:
+  """What llama.cpp's gpt-oss fixes in code: the clamped SwiGLU's constants, YaRN's attention
+  factor (0.1 ln(factor) + 1) and the even layers sliding."""
+  if (config.swiglu_alpha, config.swiglu_limit) != (1.702, 7.0):
+    raise UserError(f"llama.cpp's gpt-oss clamps its SwiGLU with alpha 1.702 and limit 7.0; "
+                    f"swiglu_alpha={config.swiglu_alpha}, swiglu_limit={config.swiglu_limit} "
+                    f"would run differently there")
+  if config.rope_attention_factor is not None:
+    raise UserError(f"llama.cpp's gpt-oss scales YaRN's cos/sin by 0.1 ln(factor) + 1; "
+                    f"rope_attention_factor={config.rope_attention_factor} would run differently "
+                    f"there (set it to None)")
+  if config.rope_scaling_factor is not None and not config.rope_yarn_truncate:
+    raise UserError("llama.cpp floors and ceils the ends of YaRN's ramp; rope_yarn_truncate="
+                    "False (gpt-oss's own setting) runs differently there (max |logit "
+                    "difference| 1e-3 on a tiny model, 0.11 at q4_0): train the student with "
+                    "--config.model.rope_yarn_truncate=True to deploy it in llama.cpp")
+  _check_gemma2_windows(config, "gpt-oss")
+
+
+def _check_gemma2_windows(config: TransformerConfig, arch: str = "gemma2") -> None:
+  """llama.cpp's gemma2 (and gpt-oss) fix which layers slide: the even ones (it reads the window
+  size from the file, but no per-layer pattern), so a model whose layers attend otherwise, e.g.
+  a student made of teacher blocks that were all sliding, is refused rather than run
+  differently. A window no shorter than the context makes a layer's type moot."""
   if config.sliding_window is None or config.sliding_window >= config.max_seq_len:
     return
   ours = config.local_layers()
   theirs = [i % 2 == 0 for i in range(config.num_layers)]
   if ours != theirs:
     name = lambda local: ["sliding" if x else "full" for x in local]
-    raise UserError(f"llama.cpp's gemma2 runs layers {name(theirs)} (even layers sliding; a GGUF "
+    raise UserError(f"llama.cpp's {arch} runs layers {name(theirs)} (even layers sliding; a GGUF "
                     f"cannot say otherwise) but this model's are {name(ours)} (sliding_window="
                     f"{config.sliding_window}); export it with --format hf, or derive the "
                     f"student from blocks that alternate sliding/full from the first")
@@ -172,8 +199,9 @@ def _rows(x: np.ndarray, layout, name: str) -> np.ndarray:
   """GGUF's row-major [out, in] of a matmul weight (in = its contracted axes, increasing), one
   per group index for stacked experts ([expert, out, in]); the untied embedding as it is
   ([vocab, embed]); norms and biases flattened."""
-  if layout is None:
-    return x if name == "embedder/embedding" else x.reshape(-1)
+  if layout is None:  # gpt-oss's expert biases keep one row per expert
+    keep = name == "embedder/embedding" or name.endswith(_EXPERT_BIASES)
+    return x if keep else x.reshape(-1)
   contract, groups = sorted(layout[0]), sorted(layout[1])
   free = [a for a in range(x.ndim) if a not in contract and a not in groups]
   n_in = int(np.prod([x.shape[a] for a in contract]))
@@ -199,7 +227,7 @@ def gguf_arrays(model: Transformer, layouts: dict[str, tuple]):
       x = (np.float32(1) + x).astype(np.float32)
     if arch == "llama" and name.endswith(("attn/q", "attn/k")):
       x = _rope_interleave(x, config.num_heads if name.endswith("q") else config.num_kv_heads)
-    yield name, gguf_name(name, config), np.ascontiguousarray(x)
+    yield name, gguf_name(name, config, arch), np.ascontiguousarray(x)
   if arch == "llama" and config.rope_scaling_factor is not None:
     yield None, "rope_freqs.weight", rope_freq_factors(config)
 

@@ -31,15 +31,22 @@ _BLOCK_NAMES = {
 }
 _EXPERT_NAMES = {"mlp/router": "ffn_gate_inp.weight", "mlp/gate": "ffn_gate_exps.weight",
                  "mlp/up": "ffn_up_exps.weight", "mlp/down": "ffn_down_exps.weight"}
+# gpt-oss: its pre-MLP norm is llama.cpp's attn_post_norm; sinks, o, router and expert biases.
+_GPT_OSS_NAMES = {"mlp_norm/scale": "post_attention_norm.weight", "attn/sinks": "attn_sinks.weight",
+                  "attn/o_bias": "attn_output.bias", "mlp/router_bias": "ffn_gate_inp.bias",
+                  "mlp/gate_bias": "ffn_gate_exps.bias", "mlp/up_bias": "ffn_up_exps.bias",
+                  "mlp/down_bias": "ffn_down_exps.bias"}
 
 
-def gguf_name(param: str, config: TransformerConfig) -> str:
+def gguf_name(param: str, config: TransformerConfig, arch: str) -> str:
   """llama.cpp's name of one of our parameters ('layers/3/attn/q' -> 'blk.3.attn_q.weight';
   an MoE's 'layers/3/mlp/gate' -> 'blk.3.ffn_gate_exps.weight')."""
   if param in _TOP_NAMES:
     return _TOP_NAMES[param]
   _, layer, rest = param.split("/", 2)
   names = {**_BLOCK_NAMES, **_EXPERT_NAMES} if config.num_experts else _BLOCK_NAMES
+  if arch == "gpt-oss":
+    names = {**names, **_GPT_OSS_NAMES}
   return f"blk.{layer}.{names[rest]}"
 
 
@@ -63,11 +70,26 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
     writer.add_expert_feed_forward_length(config.expert_mlp_dim)
   if quant in GGML_WEIGHT_QTYPES:
     writer.add_quantization_version(2)  # ggml's GGML_QNT_VERSION
+  if arch == "gpt-oss":
+    _add_gpt_oss_hparams(writer, config)
   if arch == "gemma2":
     writer.add_attn_logit_softcapping(float(config.attn_logit_softcap))
     writer.add_final_logit_softcapping(float(config.final_logit_softcap))
     writer.add_sliding_window(int(config.sliding_window or config.max_seq_len))
     writer.add_sliding_window_pattern(2)  # what llama.cpp's gemma2 runs (it reads no pattern)
+
+
+def _add_gpt_oss_hparams(writer, config: TransformerConfig) -> None:
+  """The sliding window (llama.cpp's gpt-oss slides on the even layers) and YaRN: llama.cpp
+  derives the attention factor 0.1 ln(factor) + 1 and the ramp from these keys."""
+  writer.add_sliding_window(int(config.sliding_window or config.max_seq_len))
+  if config.rope_scaling_factor is not None:
+    import gguf  # the edge extra; write_gguf checked it is installed
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(float(config.rope_scaling_factor))
+    writer.add_rope_scaling_orig_ctx_len(int(config.rope_original_max_len))
+    writer.add_rope_scaling_yarn_beta_fast(float(config.rope_yarn_beta_fast))
+    writer.add_rope_scaling_yarn_beta_slow(float(config.rope_yarn_beta_slow))
 
 
 def rope_freq_factors(config: TransformerConfig) -> np.ndarray:
