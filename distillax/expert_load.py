@@ -15,8 +15,7 @@ over each layer's total (each layer's shares sum to 1).
 
 Prints a table (rows: layers, columns: experts, in %) and with --keep_top N the
 `--config.student.from_teacher.experts=...` flag that keeps each layer's N most loaded experts
-(one tuple per teacher layer, in teacher order: a student of all the teacher's blocks takes it
-as printed). --json FILE writes the same as strict JSON. Pruning by load and then distilling is
+(one tuple per teacher layer, which a student of any of the teacher's blocks takes as printed). --json FILE writes the same as strict JSON. Pruning by load and then distilling is
 the recipe NVIDIA used for Nemotron-3-Nano.
 """
 
