@@ -110,19 +110,41 @@ def load(path: str | os.PathLike, *, mesh: Mesh | None = None, rules: RulesLike 
   return nnx.merge(graphdef, abstract_state)
 
 
+class _HostSlice:
+  """A safetensors slice handle of framework 'flax' whose blocks come back as numpy arrays
+  (bfloat16 ones as ml_dtypes.bfloat16), read on the host's CPU device."""
+
+  def __init__(self, handle):
+    self.handle = handle
+
+  def get_shape(self):
+    return self.handle.get_shape()
+
+  def __getitem__(self, index):
+    with jax.default_device(jax.devices("cpu")[0]):
+      return np.asarray(self.handle[index])
+
+
 class _Reader:
   """Slice handles of a checkpoint's tensors, each file opened once; an MXFP4 checkpoint's
   packed experts (`<name>_blocks` + `<name>_scales`) read as their dequantized tensor."""
 
   def __init__(self, path: Path, files: dict[str, Path], stack, packed: bool, config):
     self.path, self.files, self.stack, self.packed, self.config = path, files, stack, packed, config
-    self.handles: dict[Path, Any] = {}
+    self.handles: dict[tuple[Path, str], Any] = {}
+
+  def _open(self, file: Path, framework: str):
+    if (file, framework) not in self.handles:
+      self.handles[file, framework] = self.stack.enter_context(
+          safe_open(str(file), framework=framework))
+    return self.handles[file, framework]
 
   def _stored(self, name: str):
-    file = self.files[name]
-    if file not in self.handles:
-      self.handles[file] = self.stack.enter_context(safe_open(str(file), framework="numpy"))
-    return self.handles[file].get_slice(name)
+    handle = self._open(self.files[name], "numpy").get_slice(name)
+    if handle.get_dtype() != "BF16":
+      return handle
+    # numpy has no bfloat16: read through JAX (ml_dtypes) on the host instead
+    return _HostSlice(self._open(self.files[name], "flax").get_slice(name))
 
   def tensor(self, name: str):
     """(slice handle, file, the stored tensors it reads)."""
