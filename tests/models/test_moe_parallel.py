@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from distillax import partitioning as pt
-from distillax.models import moe, moe_parallel
+from distillax.models import moe, moe_kernels, moe_parallel
 
 D, F = 8, 4
 
@@ -79,22 +79,26 @@ def test_tokens_routed_to_experts_on_other_devices_match_the_replicated_dispatch
   assert len(re.findall(r"all-to-all\(", hlo)) >= 3  # rows out, expert ids out, results back
 
 
-def test_token_count_not_divisible_by_the_shards_is_padded_and_cut():
+@pytest.mark.parametrize("impl", ["ragged", "tokamax"])
+def test_token_count_not_divisible_by_the_shards_is_padded_and_cut(impl):
   mesh = pt.create_mesh({"data": 4, "model": 2})
   rule_set = pt.rules_from_config({"strategy": "fsdp_ep"})
   T, E = 7, 4
   x = jnp.asarray(np.random.default_rng(4).normal(size=(T, D)), jnp.float32)
   routing = moe.route(jnp.asarray(np.random.default_rng(5).normal(size=(T, E)), jnp.float32),
                       2, "topk_softmax", False)
-  gate, up, down = _experts(E, seed=6)
-  want = moe.ragged_experts(x, routing, gate, up, down, jax.nn.silu)
+  weights = _experts(E, seed=6)
+  want = moe.ragged_experts(x, routing, *weights, jax.nn.silu)
 
   @jax.jit
   def exchanged(x):
     with pt.use_rules(mesh, rule_set):
-      return moe_parallel.exchanged_experts(x, routing.weights_TxK, routing.experts_TxK, gate,
-                                            up, down, jax.nn.silu, pt.split_over("expert", E))
-  np.testing.assert_allclose(exchanged(x), want, rtol=1e-5, atol=1e-6)
+      return moe_parallel.run_experts(impl, None, x, routing, weights, jax.nn.silu)
+  with moe_kernels.recorded_choices() as choices:
+    got = exchanged(x)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  (choice,) = choices
+  assert choice.startswith(impl) and choice.endswith("experts split 4 ways over data (all_to_all)")
 
 
 def test_split_over_asks_the_active_rules_only():
