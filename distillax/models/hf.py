@@ -34,7 +34,7 @@ from distillax.framework import jsonio
 from distillax.models.config import TransformerConfig
 from distillax.models import mxfp4
 from distillax.models.hf_config import architecture_of, config_from_hf, config_to_hf
-from distillax.models.hf_names import INTERLEAVED, Source, interleave, key_path, source_of
+from distillax.models.hf_names import Source, join_parts, key_path, source_of
 from distillax.models.hf_tokenizer import make_readable, write_tokenizer_files
 from distillax.models.init import RulesLike, abstract_model, resolve_rules
 from distillax.models.transformer import Transformer
@@ -217,17 +217,20 @@ def _tensor_names_and_bytes(model: Transformer) -> list[tuple[str, int]]:
   """(HF name, bytes) of every tensor `hf_tensors` yields, in the same order, from shapes only."""
   config = model.config
   values = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  out, halves = [], {}
+  out, partial = [], {}  # a shared tensor: (bytes, share) of the parts seen so far
   for path, x in jax.tree_util.tree_flatten_with_path(values)[0]:
     source = source_of(key_path(path), config)
     nbytes = int(np.prod(source.split(x.shape))) * x.dtype.itemsize
     for name in source.names:
-      if source.layout.kind not in INTERLEAVED:
+      if not source.layout.shared:
         out.append((name, nbytes))
-      elif name in halves:  # the second half completes the tensor, as in hf_tensors
-        out.append((name, nbytes + halves.pop(name)))
+        continue
+      _, share, whole = source.layout.parts()
+      seen_bytes, seen_share = partial.pop(name, (0, 0))
+      if seen_share + share == whole:  # the last part completes it, as in hf_tensors
+        out.append((name, seen_bytes + nbytes))
       else:
-        halves[name] = nbytes
+        partial[name] = (seen_bytes + nbytes, seen_share + share)
   return out
 
 
@@ -236,18 +239,21 @@ def hf_tensors(model: Transformer):
   parameters share, gpt-oss's gate_up_proj, when its second half arrives)."""
   config = model.config
   values = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  halves: dict[str, dict[str, np.ndarray]] = {}
+  partial: dict[str, tuple] = {}  # a shared tensor: (its parts so far by key, their share)
   for path, x in jax.tree_util.tree_flatten_with_path(values)[0]:
     source = source_of(key_path(path), config)
     host = _host_array(x)
     parts = host.reshape((-1,) + source.split(host.shape))
     for name, part in zip(source.names, parts):
       part = source.layout.to_hf(part)
-      if source.layout.kind in INTERLEAVED:
-        halves.setdefault(name, {})[source.layout.kind] = part
-        if len(halves[name]) < 2:
+      if source.layout.shared:
+        key, share, whole = source.layout.parts()
+        got, seen_share = partial.pop(name, ({}, 0))
+        got[key] = part
+        if seen_share + share < whole:
+          partial[name] = (got, seen_share + share)
           continue
-        part = interleave(**halves.pop(name))
+        part = join_parts(source.layout, got)
       yield name, np.ascontiguousarray(part)
 
 

@@ -8,7 +8,8 @@ Gemma 2's post norms, soft-caps and alternating sliding window, Qwen 2's q/k/v b
 q/k RMSNorm, Mistral's sliding window on every layer; Qwen3-MoE is Qwen 3 with experts in every
 layer (softmax then top-k, `norm_topk_prob`), Mixtral is Mistral with experts (top-k then
 softmax). gpt-oss adds biases (q/k/v/o, router, experts), attention sinks, the clamped SwiGLU,
-YaRN RoPE and alternating sliding / full layers. Per-layer `layer_types` that follow no pattern
+YaRN RoPE and alternating sliding / full layers. Qwen3.5's dense text decoder mixes Gated
+DeltaNet and gated full-attention layers by `layer_types`, with partial RoPE. Per-layer `layer_types` that follow no pattern
 (a Gemma 2 student made of teacher blocks) are read and, for Gemma 2 and gpt-oss, written as they
 are.
 """
@@ -18,14 +19,15 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from distillax.errors import UserError
-from distillax.models.config import FULL, SLIDING, TransformerConfig, window_fields
+from distillax.models.config import FULL, LINEAR, SLIDING, TransformerConfig, window_fields
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                "gpt_oss": "GptOssForCausalLM"}
+                "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 GPT_OSS = "GptOssForCausalLM"
+QWEN35 = "Qwen3_5ForCausalLM"
 ARCHITECTURES = tuple(_MODEL_TYPES.values())
 _GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM")
 _QWEN_FAMILY = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -134,6 +136,41 @@ def _gpt_oss_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[
               **_window_pattern(hf.get("sliding_window"), types, num_layers, where))
 
 
+def _qwen35_fields(hf: Mapping[str, Any], act, num_layers: int, where: str) -> dict[str, Any]:
+  """Qwen3.5 (dense text decoder): Gated DeltaNet and gated full-attention layers by
+  layer_types (default: every 4th full), partial RoPE, q/k norms, (1 + w) norms."""
+  if (act or "silu") != "silu":
+    raise UserError(f"{where}: hidden_act={act!r} is not supported for {QWEN35} (only silu)")
+  interval = int(hf.get("full_attention_interval", 4))
+  types = list(hf.get("layer_types") or [FULL if (i + 1) % interval == 0 else LINEAR
+                                         for i in range(num_layers)])
+  if len(types) != num_layers or set(types) - {LINEAR, FULL}:
+    raise UserError(f"{where}: layer_types={types} must name {LINEAR!r} or {FULL!r} for each "
+                    f"of num_hidden_layers={num_layers} layers; fix the config.json")
+  rope = dict(hf.get("rope_parameters") or {})
+  partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+  return dict(mlp_activation="swiglu", qk_norm=True, norm_scale_plus_one=True,
+              attn_output_gate=True, partial_rotary_factor=float(partial),
+              token_mixers=tuple(types),
+              linear_num_key_heads=int(hf.get("linear_num_key_heads", 16)),
+              linear_num_value_heads=int(hf.get("linear_num_value_heads", 32)),
+              linear_key_head_dim=int(hf.get("linear_key_head_dim", 128)),
+              linear_value_head_dim=int(hf.get("linear_value_head_dim", 128)),
+              linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)))
+
+
+def _is_qwen35(config: TransformerConfig) -> bool:
+  """Whether Qwen3_5ForCausalLM holds the config: its fixed parts (gated attention with q/k
+  norms, (1 + w) norms, SwiGLU) and nothing of the other families."""
+  return (config.attn_output_gate and config.qk_norm and config.norm_scale_plus_one
+          and config.mlp_activation == "swiglu" and not config.num_experts
+          and not (config.qkv_bias or config.scale_embeddings or config.use_post_norms
+                   or config.attn_logit_softcap or config.final_logit_softcap
+                   or config.query_pre_attn_scalar or config.sliding_window
+                   or config.rope_scaling_factor or config.attention_sinks
+                   or config.attn_out_bias))
+
+
 def _moe_fields(hf: Mapping[str, Any], arch: str, where: str) -> dict[str, Any]:
   """The expert fields of Qwen3-MoE (experts in every layer only) and Mixtral."""
   if arch == "MixtralForCausalLM":
@@ -158,6 +195,8 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
   act = hf.get("hidden_activation") or hf.get("hidden_act")
   if arch == GPT_OSS:  # its experts' activation is fixed by the class (hidden_act is unused)
     return _gpt_oss_fields(hf, num_layers, where)
+  if arch == QWEN35:
+    return _qwen35_fields(hf, act, num_layers, where)
   if arch not in _GEMMA_FAMILY:
     if (act or "silu") != "silu":
       raise UserError(f"{where}: hidden_act={act!r} is not supported for {arch} (only silu)")
@@ -259,7 +298,10 @@ def hf_architecture(config: TransformerConfig) -> str:
                  config.query_pre_attn_scalar)
   qwen_only = (config.qkv_bias, config.qk_norm)
   arch = None
-  if (config.attention_sinks or config.router_bias or config.expert_bias
+  if (config.attn_output_gate or config.token_mixers is not None
+      or config.partial_rotary_factor != 1.0):
+    arch = QWEN35 if _is_qwen35(config) else None
+  elif (config.attention_sinks or config.router_bias or config.expert_bias
       or config.attn_out_bias or config.mlp_activation == "clamped_swiglu"):
     arch = GPT_OSS if _is_gpt_oss(config) else None
   elif config.num_experts and not llama_like:
@@ -288,6 +330,16 @@ def hf_architecture(config: TransformerConfig) -> str:
 def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
   """The config.json keys one architecture adds to the shared ones."""
   window = config.sliding_window if any(config.local_layers()) else None
+  if arch == QWEN35:
+    mixers = config.token_mixers or (FULL,) * config.num_layers
+    return dict(hidden_act="silu", layer_types=list(mixers),
+                rope_parameters={**_rope_to_hf(config),
+                                 "partial_rotary_factor": config.partial_rotary_factor},
+                linear_num_key_heads=config.linear_num_key_heads,
+                linear_num_value_heads=config.linear_num_value_heads,
+                linear_key_head_dim=config.linear_key_head_dim,
+                linear_value_head_dim=config.linear_value_head_dim,
+                linear_conv_kernel_dim=config.linear_conv_kernel)
   if arch == GPT_OSS:
     return dict(hidden_act="silu", attention_bias=config.qkv_bias, sliding_window=window,
                 layer_types=[SLIDING if local else FULL for local in config.local_layers()],

@@ -6,6 +6,9 @@ Qwen3-MoE or Mixtral layer (one tensor per expert, `mlp.experts.{e}.gate_proj.we
 both; its `Source` lists their names in row-major order. gpt-oss stores each layer's experts in
 one tensor, with gate and up interleaved column by column in `gate_up_proj`: two of our
 parameters ('even' and 'odd' layouts) share it, and `interleave` joins them on export.
+Qwen3.5 shares tensors by blocks of rows (`Layout.rows`): a Gated DeltaNet layer's q, k and v
+are one `in_proj_qkv`, and a gated attention layer's q_proj holds each head's query rows then its
+output-gate rows; `join_parts` stacks them back on export.
 """
 
 from __future__ import annotations
@@ -28,8 +31,31 @@ class Layout:
   # | 'flat_heads' (H,K)<-(H*K,) (q/k/v biases) | 'even' / 'odd' (...,F)<-(...,2F): the even or
   # odd columns of a tensor two of ours share (gpt-oss's interleaved gate_up_proj)
   kind: str
+  # A tensor of HF rows shared with other parameters: (groups, offset, size, period) = ours is,
+  # in HF form, rows g * period + offset + [0, size) of every group g (None: the whole tensor).
+  rows: tuple[int, int, int, int] | None = None
 
   def hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
+    shape = self._own_hf_shape(ours)
+    if self.rows is None:
+      return shape
+    groups, _, _, period = self.rows
+    return (groups * period,) + shape[1:]
+
+  def parts(self) -> tuple[object, int, int]:
+    """(this parameter's key among the tensor's parts, its share, the whole): a shared tensor
+    is complete when the shares of the parts that arrived add up to the whole."""
+    if self.kind in INTERLEAVED:
+      return self.kind, 1, 2
+    return self.rows[1], self.rows[2], self.rows[3]
+
+  @property
+  def shared(self) -> bool:
+    return self.kind in INTERLEAVED or self.rows is not None
+
+  def _own_hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
+    if self.kind == "conv":
+      return (ours[1], 1, ours[0])
     if self.kind == "copy":
       return ours
     if self.kind == "T":
@@ -46,6 +72,8 @@ class Layout:
     """x in HF's layout (for 'even' / 'odd': x as is; `interleave` joins the two halves)."""
     if self.kind in ("copy",) + INTERLEAVED:
       return x
+    if self.kind == "conv":
+      return x.T[:, None, :]
     if self.kind == "T":
       return x.T
     if self.kind == "out_heads":
@@ -56,8 +84,12 @@ class Layout:
 
   def read(self, tensor, index: tuple[slice, ...], ours: tuple[int, ...]) -> np.ndarray:
     """The block `ours[index]` read from the HF tensor slice handle (only what it needs)."""
+    if self.rows is not None:
+      tensor = _RowBlock(tensor, self.rows)
     r = [range(*s.indices(n)) for s, n in zip(index, ours)]
     sl = lambda rg: slice(rg.start, rg.stop)
+    if self.kind == "conv":  # ours (K, C) from hf (C, 1, K)
+      return tensor[sl(r[1]), 0:1, sl(r[0])][:, 0, :].T
     if self.kind == "copy":
       return tensor[tuple(sl(x) for x in r)]
     if self.kind == "T":
@@ -76,6 +108,33 @@ class Layout:
     H, K, D = ours  # 'in_heads': ours (H, K, D) from hf (D, H*K)
     cols = tensor[sl(r[2]), r[0].start * K:r[0].stop * K]
     return cols.reshape(len(r[2]), len(r[0]), K)[:, :, sl(r[1])].transpose(1, 2, 0)
+
+
+class _RowBlock:
+  """A slice handle that sees only one parameter's rows of a shared HF tensor (Layout.rows)."""
+
+  def __init__(self, tensor, rows: tuple[int, int, int, int]):
+    self.tensor, self.rows = tensor, rows
+
+  def __getitem__(self, index):
+    index = index if isinstance(index, tuple) else (index,)
+    groups, offset, size, period = self.rows
+    ours = np.arange(groups * size)[index[0]]
+    hf_rows = ours // size * period + offset + ours % size
+    low = int(hf_rows.min()) if len(hf_rows) else 0
+    block = self.tensor[(slice(low, int(hf_rows.max()) + 1 if len(hf_rows) else 0),) + index[1:]]
+    return block[hf_rows - low]
+
+
+def join_parts(layout: Layout, parts: dict) -> np.ndarray:
+  """The HF tensor several parameters share, from their parts in HF form keyed by
+  `Layout.parts()[0]`: gpt-oss's interleaved columns, or Qwen3.5's blocks of rows."""
+  if layout.kind in INTERLEAVED:
+    return interleave(parts["even"], parts["odd"])
+  groups = layout.rows[0]
+  blocks = [parts[k].reshape((groups, -1) + parts[k].shape[1:]) for k in sorted(parts)]
+  joined = np.concatenate(blocks, axis=1)
+  return joined.reshape((-1,) + joined.shape[2:])
 
 
 # Expert weights: ours (expert, in, out) stacked from one HF (out, in) tensor per expert "{e}".
@@ -110,9 +169,31 @@ def _expert_sources(config: TransformerConfig) -> dict[tuple[str, ...], tuple[st
   }
 
 
-def _layer_sources(config: TransformerConfig) -> dict[tuple[str, ...], tuple[str, Layout]]:
+def _gated_deltanet_sources(config: TransformerConfig) -> dict[tuple[str, ...],
+                                                              tuple[str, Layout]]:
+  """A Qwen3.5 linear-attention layer's token mixer (models/gated_deltanet.py)."""
+  key_rows = config.linear_num_key_heads * config.linear_key_head_dim
+  value_rows = config.linear_num_value_heads * config.linear_value_head_dim
+  qkv, total = "linear_attn.in_proj_qkv.weight", 2 * key_rows + value_rows
+  return {
+      ("attn", "q"): (qkv, Layout("out_heads", rows=(1, 0, key_rows, total))),
+      ("attn", "k"): (qkv, Layout("out_heads", rows=(1, key_rows, key_rows, total))),
+      ("attn", "v"): (qkv, Layout("out_heads", rows=(1, 2 * key_rows, value_rows, total))),
+      ("attn", "z"): ("linear_attn.in_proj_z.weight", Layout("out_heads")),
+      ("attn", "b"): ("linear_attn.in_proj_b.weight", Layout("T")),
+      ("attn", "a"): ("linear_attn.in_proj_a.weight", Layout("T")),
+      ("attn", "conv"): ("linear_attn.conv1d.weight", Layout("conv")),
+      ("attn", "dt_bias"): ("linear_attn.dt_bias", Layout("copy")),
+      ("attn", "A_log"): ("linear_attn.A_log", Layout("copy")),
+      ("attn", "norm_scale"): ("linear_attn.norm.weight", Layout("copy")),
+      ("attn", "o"): ("linear_attn.out_proj.weight", Layout("in_heads")),
+  }
+
+
+def _layer_sources(config: TransformerConfig,
+                   layer: int | None = None) -> dict[tuple[str, ...], tuple[str, Layout]]:
   """Block sub-path -> (HF name suffix under model.layers.{i}., layout); a suffix with "{e}"
-  names one tensor per expert."""
+  names one tensor per expert. `layer`: which layer (a hybrid model's layers differ)."""
   mlp_norm = "pre_feedforward_layernorm" if config.use_post_norms else "post_attention_layernorm"
   sources = {
       ("attn_norm", "scale"): ("input_layernorm.weight", Layout("copy")),
@@ -142,6 +223,15 @@ def _layer_sources(config: TransformerConfig) -> dict[tuple[str, ...], tuple[str
   if config.qk_norm:
     sources[("attn", "q_norm", "scale")] = ("self_attn.q_norm.weight", Layout("copy"))
     sources[("attn", "k_norm", "scale")] = ("self_attn.k_norm.weight", Layout("copy"))
+  if config.attn_output_gate:  # Qwen3.5's q_proj: each head's query rows, then its gate rows
+    H, Dh = config.num_heads, config.head_dim
+    sources[("attn", "q")] = ("self_attn.q_proj.weight",
+                              Layout("out_heads", rows=(H, 0, Dh, 2 * Dh)))
+    sources[("attn", "out_gate")] = ("self_attn.q_proj.weight",
+                                     Layout("out_heads", rows=(H, Dh, Dh, 2 * Dh)))
+  if layer is not None and config.layer_is_linear(layer):
+    sources = {k: v for k, v in sources.items() if k[0] != "attn"}
+    sources.update(_gated_deltanet_sources(config))
   return sources
 
 
@@ -171,7 +261,7 @@ def source_of(path: tuple, config: TransformerConfig) -> Source:
   if keys[0] != "layers":
     name, layout = _TOP_SOURCES[keys]
     return Source((name,), layout)
-  sources = _layer_sources(config)
+  sources = _layer_sources(config, None if config.scan_layers else int(keys[1]))
   suffix, layout = sources[keys[1:] if config.scan_layers else keys[2:]]
   layers = range(config.num_layers) if config.scan_layers else [keys[1]]
   experts = range(config.num_experts) if "{e}" in suffix else [0]
