@@ -221,10 +221,10 @@ class QuantSiteParam(nnx.Param):
       lhs, rhs = (xq, rhs) if x_side == 0 else (lhs, xq)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, **kwargs)
 
-  def intercepted_ragged_dot(self, x_MxK, w_GxKxN, group_sizes_G, kwargs):
-    """An expert's grouped matmul: rows rounded per row (a token), tiles along K."""
+  def intercepted_ragged_dot(self, x_MxK, w_GxKxN, group_sizes_G, kwargs, dot):
+    """An expert's grouped matmul `dot`: rows rounded per row (a token), tiles along K."""
     wq = self.quant
     if wq.act_qtype is not None:
       tiled = ((1, wq.tile_size),) if wq.tile_size else ()
       x_MxK = ste_activation(x_MxK, wq.act_qtype, (0,), tiled)
-    return jax.lax.ragged_dot(x_MxK, w_GxKxN, group_sizes_G, **kwargs)
+    return dot(x_MxK, w_GxKxN, group_sizes_G, **kwargs)

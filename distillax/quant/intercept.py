@@ -15,7 +15,8 @@ input (QAT, PTQ) or adds its LoRA path (`lora.LoRAWeight`). A weight notes itsel
 (`note_read`); model code reads a weight before the matmul it feeds, so the oldest pending
 read whose value (or, after a cast, whose shape) is an operand of an intercepted matmul is the
 weight's. Oldest, because a mixture of experts reads gate, up and down (two of one shape) and
-then runs their grouped matmuls (`jax.lax.ragged_dot`, intercepted too) in that order.
+then runs their grouped matmuls (`jax.lax.ragged_dot`, or moe_impl='tokamax''s
+`moe_kernels.tokamax_ragged_dot`, both intercepted) in that order.
 Under expert parallelism (fsdp_ep, ep_tp: models/moe_parallel.py's shard_map exchange) the
 grouped matmuls see each device's experts, not the weights read, so none is handed over: the
 experts are still rounded where read (QAT) and LoRA's merged weights used, but their input rows
@@ -38,6 +39,8 @@ import qwix
 from flax import nnx
 from qwix._src import model as qwix_model
 from qwix._src.utils import flax_util
+
+from distillax.models import moe_kernels
 
 
 QWIX_ATTRS = ("qwix_path", "disable_quant_stats_update", "qwix_rngs")
@@ -102,6 +105,10 @@ def current_module_path() -> str:
 
 # ---- the interceptor ---------------------------------------------------------------------------
 
+# moe_impl='tokamax' groups its matmuls with this function (imported by name into models/moe.py;
+# qwix patches the function's code, so every reference is intercepted).
+_TOKAMAX_RAGGED_DOT = "distillax.models.moe_kernels.tokamax_ragged_dot"
+
 class Interceptor(qwix.QuantizationProvider):
   """Hands each intercepted einsum / dot_general fed by a noting weight to that weight."""
 
@@ -111,7 +118,8 @@ class Interceptor(qwix.QuantizationProvider):
   def get_intercept_map(self):
     return super().get_intercept_map() | {"jax.numpy.einsum": self.einsum,
                                           "jax.lax.dot_general": self.dot_general,
-                                          "jax.lax.ragged_dot": self.ragged_dot}
+                                          "jax.lax.ragged_dot": self.ragged_dot,
+                                          _TOKAMAX_RAGGED_DOT: self.tokamax_ragged_dot}
 
   def process_model_inputs(self, model, model_args, model_kwargs):
     clear_reads()
@@ -137,13 +145,20 @@ class Interceptor(qwix.QuantizationProvider):
 
   def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
                  **kwargs):
-    """A grouped matmul (lhs (M, K) rows, rhs (G, K, N): one matrix per group of rows): the
-    weight is always rhs."""
-    taken = take_read((lhs, rhs), sides=(1,))
     kwargs = dict(precision=precision, preferred_element_type=preferred_element_type, **kwargs)
+    return self.grouped(jax.lax.ragged_dot, lhs, rhs, group_sizes, kwargs)
+
+  def tokamax_ragged_dot(self, lhs, rhs, group_sizes):
+    return self.grouped(moe_kernels.tokamax_ragged_dot, lhs, rhs, group_sizes, {})
+
+  def grouped(self, dot, lhs, rhs, group_sizes, kwargs):
+    """A grouped matmul `dot` (lhs (M, K) rows, rhs (G, K, N): one matrix per group of rows;
+    moe_impl 'ragged' or 'tokamax'): the weight is always rhs, and its owner computes with
+    `dot` too."""
+    taken = take_read((lhs, rhs), sides=(1,))
     if taken is not None and hasattr(taken[0].owner, "intercepted_ragged_dot"):
-      return taken[0].owner.intercepted_ragged_dot(lhs, rhs, group_sizes, kwargs)
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes, **kwargs)
+      return taken[0].owner.intercepted_ragged_dot(lhs, rhs, group_sizes, kwargs, dot)
+    return dot(lhs, rhs, group_sizes, **kwargs)
 
 
 # ---- installing and removing interception ------------------------------------------------------

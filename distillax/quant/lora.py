@@ -205,20 +205,18 @@ class LoRAWeight(nnx.Module):
       return self.base.dequantizer(dtype), self.base.stored()
     return lora_matmul.PlainBase(jnp.dtype(dtype).name), (self.base[...],)
 
-  def intercepted_ragged_dot(self, x_MxK, w_GxKxN, group_sizes_G, kwargs):
-    """An MoE's grouped matmul, y = x @ W_g + (alpha / rank) * (dropout(x) @ A_g) @ B_g for
-    the rows of group g, in three grouped matmuls (autodiff's backward: no gradient for the
+  def intercepted_ragged_dot(self, x_MxK, w_GxKxN, group_sizes_G, kwargs, dot):
+    """An MoE's grouped matmul `dot`, y = x @ W_g + (alpha / rank) * (dropout(x) @ A_g) @ B_g
+    for the rows of group g, in three grouped matmuls (autodiff's backward: no gradient for the
     frozen base, which is not differentiated)."""
     base = self.base_value().astype(w_GxKxN.dtype)
-    y_MxN = jax.lax.ragged_dot(x_MxK, base, group_sizes_G, **kwargs)
+    y_MxN = dot(x_MxK, base, group_sizes_G, **kwargs)
     keep_bits = self._keep_bits(x_MxK)
     if keep_bits is not None:
       keep = keep_mask.unpack_keep_mask(keep_bits, x_MxK.shape[-1])
       x_MxK = jnp.where(keep, x_MxK / (1.0 - self.dropout), jnp.zeros_like(x_MxK))
-    h_MxR = jax.lax.ragged_dot(x_MxK, self.lora_a[...].astype(x_MxK.dtype), group_sizes_G,
-                               **kwargs)
-    delta_MxN = jax.lax.ragged_dot(h_MxR, self.lora_b[...].astype(h_MxR.dtype), group_sizes_G,
-                                   **kwargs)
+    h_MxR = dot(x_MxK, self.lora_a[...].astype(x_MxK.dtype), group_sizes_G, **kwargs)
+    delta_MxN = dot(h_MxR, self.lora_b[...].astype(h_MxR.dtype), group_sizes_G, **kwargs)
     return y_MxN + (self.scaling * delta_MxN).astype(y_MxN.dtype)
 
   def intercepted_dot_general(self, lhs, rhs, dimension_numbers, index, kwargs):

@@ -119,14 +119,12 @@ class _SiteRecorder(intercept.Interceptor):
                                preferred_element_type=preferred_element_type,
                                out_sharding=out_sharding)
 
-  def ragged_dot(self, lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
-                 **kwargs):
+  def grouped(self, dot, lhs, rhs, group_sizes, kwargs):
     """rhs (G, K, N): K contracted with the rows' K, G the group axis."""
     taken = intercept.take_read((lhs, rhs), sides=(1,))
     if taken is not None and isinstance(taken[0].owner, _ProbeParam):
       self._record(taken[0], (((1,), (1,)), ((), (0,))), 1, rhs.ndim)
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=precision,
-                              preferred_element_type=preferred_element_type, **kwargs)
+    return dot(lhs, rhs, group_sizes, **kwargs)
 
 
 def has_wrapped_weights(model: nnx.Module) -> bool:
