@@ -32,7 +32,7 @@ from typing import Any
 from distillax.errors import ConfigError
 
 # Activations whose MLP has a gate matrix next to the up matrix: three matmuls instead of two.
-GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu", "clamped_swiglu")  # the last: gpt-oss
 
 
 def _field(cfg: Any, name: str, default: Any = None) -> Any:

@@ -348,3 +348,5 @@ def test_mixture_of_experts_counts_the_routed_experts_and_the_router():
   assert got["total"] == 192 + 96 + 36 + 36 + 2 * 3 * (72 + 20) + 240
   same_width = dataclasses.replace(moe, moe_mlp_dim=0)  # 0: each expert is mlp_dim wide
   assert flops.forward_flops_breakdown(same_width, 1, 3)["mlp"] == 2 * 3 * (2 * 3 * 4 * 8 + 20)
+  gpt_oss = dataclasses.replace(moe, mlp_activation="clamped_swiglu")  # gated: gate, up, down
+  assert flops.forward_flops_breakdown(gpt_oss, 1, 3)["mlp"] == got["mlp"]
