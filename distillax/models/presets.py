@@ -61,6 +61,19 @@ def _qwen35_mixers(num_layers: int, interval: int = 4) -> tuple[str, ...]:
   return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
 
 
+def _qwen35(**kw) -> TransformerConfig:
+  """Qwen3.5's dense text decoder (config.json's text_config): Gated DeltaNet layers with one
+  gated full-attention layer in four, partial RoPE over a quarter of head_dim 256. Layers stay
+  unrolled (the two kinds of layer have different weights: no scan)."""
+  base = dict(vocab_size=248_320, head_dim=256, mlp_activation="swiglu", norm_eps=1e-6,
+              norm_scale_plus_one=True, qk_norm=True, attn_output_gate=True,
+              partial_rotary_factor=0.25, rope_theta=10_000_000.0, max_seq_len=262_144,
+              linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel=4,
+              param_dtype="bfloat16", dtype="bfloat16")
+  base.update(kw)
+  return TransformerConfig(token_mixers=_qwen35_mixers(base["num_layers"]), **base)
+
+
 PRESETS: dict[str, TransformerConfig] = {
     # Seconds-fast test shapes: byte vocabulary, GQA (4 query heads over 2 kv heads).
     "tiny": TransformerConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
@@ -123,6 +136,12 @@ PRESETS: dict[str, TransformerConfig] = {
                                   mlp_dim=12_288, moe_mlp_dim=1536),
     "gpt-oss-20b": _gpt_oss(num_layers=24, num_experts=32),
     "gpt-oss-120b": _gpt_oss(num_layers=36, num_experts=128),
+    "qwen3.5-0.8b": _qwen35(embed_dim=1024, num_layers=24, num_heads=8, num_kv_heads=2,
+                            mlp_dim=3584, linear_num_key_heads=16, linear_num_value_heads=16,
+                            tie_embeddings=True),
+    "qwen3.5-9b": _qwen35(embed_dim=4096, num_layers=32, num_heads=16, num_kv_heads=4,
+                          mlp_dim=12_288, linear_num_key_heads=16, linear_num_value_heads=32,
+                          tie_embeddings=False),
 }
 
 

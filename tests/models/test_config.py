@@ -93,6 +93,29 @@ def test_gpt_oss_presets_match_their_model_cards(name):
   assert cfg.local_layers()[:4] == [True, False, True, False]
 
 
+# Qwen3.5, by hand from config.json's text_config shapes (D, vocab 248,320, heads of 256, a
+# Gated DeltaNet of Hk key / Hv value heads of 128 and a 4-tap conv over q, k, v):
+# a DeltaNet layer = in_proj_qkv (2 Hk + Hv) 128 D + in_proj_z and out_proj 2 (128 Hv) D
+#   + in_proj_b/a 2 Hv D + conv 4 (2 Hk + Hv) 128 + dt_bias, A_log 2 Hv + norm 128;
+# a full-attention layer = q_proj (with its gate) 2 H 256 D + k/v 2 K 256 D + o H 256 D + q/k
+#   norms 512; every layer: MLP 3 D F + 2 D norms. 0.8B: D 1024, F 3584, H 8, K 2, Hk = Hv = 16:
+# DeltaNet 10,543,264, attention 7,340,544; 18 + 6 layers, tied embedding 254,279,680 + final
+# norm 1024 = 752,393,024 (the card's 0.8B counts the vision tower too). 9B: D 4096, F 12,288,
+# H 16, K 4, Hk 16, Hv 32: DeltaNet 67,403,968, attention 58,720,768; 24 + 8 layers, embedding
+# and unembedding 1,017,118,720 each + 4096 = 8,953,803,264 (8.95B, llama.cpp's text-only count).
+QWEN35 = {"qwen3.5-0.8b": 752_393_024, "qwen3.5-9b": 8_953_803_264}
+
+
+@pytest.mark.parametrize("name", sorted(QWEN35))
+def test_qwen35_presets_count_their_config_json_shapes(name):
+  cfg = get_preset(name)
+  assert param_count(cfg) == QWEN35[name]
+  assert cfg.token_mixers[:4] == ("linear_attention",) * 3 + ("full_attention",)
+  assert (cfg.num_linear_layers, cfg.rotary_dim) == (cfg.num_layers * 3 // 4, 64)
+  from distillax.models.hf_config import config_from_hf, config_to_hf
+  assert config_from_hf(config_to_hf(cfg), dtype="bfloat16") == cfg  # a Qwen3_5ForCausalLM
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny_gemma", "demo_teacher", "demo_student"])
 def test_small_presets(name):
   cfg = get_preset(name)
