@@ -4,9 +4,13 @@ experts, top-8) into a Qwen3-1.7B-shape student, with the teacher's experts over
 The teacher runs inside the step (bf16, frozen) and is never written to a checkpoint; on resume it
 is reloaded from its source. Size the job on a laptop, never materialising a parameter:
   distillax plan --config distillax/configs/distill_moe.py --devices 64 --memory_gb 95
-The Qwen3-235B-A22B teacher shape on 256 devices:
-  distillax plan --config distillax/configs/distill_moe.py --devices 256 \
-      --config.teacher.preset=qwen3-235b-a22b
+The Qwen3-235B-A22B teacher shape on 256 devices: its 128 experts do not divide a data axis of
+256, so one expert per data row of a 128 x 2 mesh, the rest tensor parallel (ep_tp):
+  distillax plan --config distillax/configs/distill_moe.py --devices 256 --memory_gb 95 \
+      --config.teacher.preset=qwen3-235b-a22b --config.train.batch_size=256 \
+      --config.partitioning.strategy=ep_tp --config.mesh.model=2
+Either with the TPU compiler instead (plan --target, the aot extra): --target tpu:v5p-128 for
+the first, --target tpu:v5p-512 for the second.
 Train (on real hardware) with the released teacher, converted by nothing (its config.json,
 safetensors and tokenizer.json as Hugging Face ships them), and chats on local disk:
   distillax train --config distillax/configs/distill_moe.py --workdir runs/moe_kd \
