@@ -196,6 +196,16 @@ def test_mxfp4_packed_checkpoint_loads_dequantized(hf_model, tmp_path):
   assert float(np.max(np.abs(got - torch_logits(reference, TOKENS)))) <= 1e-4
   # the packing is coarse: the dequantized model is not the original one
   assert float(np.max(np.abs(got - torch_logits(hf_model, TOKENS)))) > 1e-3
+  # One expert per device row and half of each one's columns per device: every shard is
+  # dequantized from its own experts' blocks and rows alone, and the whole equals the above.
+  mesh = pt.create_mesh({"data": 4, "model": 2})
+  rules = pt.rules_from_config({"strategy": "tp", "rules": [("expert", "data")],
+                                "replicate_indivisible": True})
+  sharded = hf.load(tmp_path, mesh=mesh, rules=rules)
+  assert sharded.layers[0].mlp.gate.addressable_shards[0].data.shape == (1, 32, 16)
+  for a, b in zip(jax.tree.leaves(nnx.state(ours, nnx.Param)),
+                  jax.tree.leaves(nnx.state(sharded, nnx.Param))):
+    np.testing.assert_array_equal(a, b)
 
   hf_config["quantization_config"] = {"quant_method": "bitsandbytes"}
   (tmp_path / "config.json").write_text(json.dumps(hf_config))
