@@ -5,7 +5,6 @@ write nothing."""
 
 import json
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -52,11 +51,12 @@ def _numpy_counts(workdir, batches: int) -> np.ndarray:
   model = RunSource(str(workdir), "--model", base_of=student_source).load(
       recipe.model_config, recipe.mesh, recipe.rules, seed=0)
   data = recipe.train_iterator()
+  router_logits = nnx.jit(lambda m, batch: m(batch[batch_spec.INPUTS], **losses.model_inputs(
+      batch), return_logits=False, return_router_logits=True).router_logits_NxBxLxE)
   counts = np.zeros((2, 4), np.int64)
   for _ in range(batches):
     batch = {k: jnp.asarray(v) for k, v in next(data).items()}
-    logits = np.asarray(model(batch[batch_spec.INPUTS], **losses.model_inputs(batch),
-                              return_router_logits=True).router_logits_NxBxLxE)
+    logits = np.asarray(router_logits(model, batch))
     real = np.asarray(batch[batch_spec.SEGMENT_IDS]) > 0
     top2 = np.argsort(-logits, axis=-1, kind="stable")[..., :2]  # (N, B, L, 2)
     for layer in range(2):
