@@ -134,7 +134,7 @@ def _yarn_inverse_frequencies(config: TransformerConfig, inv_freq: jax.Array) ->
   """YaRN (gpt-oss): pairs turning more than beta_fast times over the original context keep
   their frequency, pairs turning fewer than beta_slow times are slowed by `factor`, with a
   linear ramp over the pair index between the two (its ends floored/ceiled with truncate)."""
-  dim, theta, old_len = config.head_dim, config.rope_theta, config.rope_original_max_len
+  dim, theta, old_len = config.rotary_dim, config.rope_theta, config.rope_original_max_len
   pair_of = lambda turns: dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
   low, high = pair_of(config.rope_yarn_beta_fast), pair_of(config.rope_yarn_beta_slow)
   if config.rope_yarn_truncate:
