@@ -207,19 +207,25 @@ def test_cpu_plan_collectives_of_a_scanned_model_survive_losing_known_trip_count
 
 def test_gpu_target_compiles_tiny_with_blockwise():
   """The CUDA plugin's deviceless compile for one H100: memory figures and the GPU compiler's
-  own Triton fusions in the compiled step. Runs in a subprocess: the plugin is found at JAX's
-  import (make test installs it in <venv>/aot-gpu, off the default path)."""
+  own Triton fusions in the compiled step; with 4 experts on moe_impl=tokamax, whose Triton
+  ragged_dot kernels lower as Pallas Triton calls (3 grouped matmuls forward, 6 backward, per
+  layer). Runs in a subprocess: the plugin is found at JAX's import (make test installs it in
+  <venv>/aot-gpu, off the default path)."""
   env = dict(os.environ, PYTHONPATH=ROOT)
   env.pop("XLA_FLAGS", None)
   out = subprocess.run(
       [sys.executable, "-m", "distillax", "plan", "--config", LM_TINY, "--target", "gpu:h100x1",
-       "--config.model.attention_impl=blockwise", "--config.model.dtype=bfloat16"],
+       "--config.model.attention_impl=blockwise", "--config.model.dtype=bfloat16",
+       "--config.model.num_experts=4", "--config.model.moe_impl=tokamax"],
       env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
   text = out.stdout
   assert "target gpu:h100x1: 1 h100 devices (1x1x1)" in text
   assert "attention: blockwise (as configured)" in text
   assert "__triton" in text and "FITS in 74.51 GiB (h100) per device" in text
+  assert "__gpu$xla.gpu.triton x18" in text, text  # tokamax's kernels: 2 layers x 9
+  assert ("experts: tokamax (on gpu: the first of triton, xla that takes the call), experts not "
+          "split (one GSPMD program), 2 traced call(s)") in text
   peak = next(line for line in text.splitlines() if "peak per device" in line)
   assert not peak.strip().endswith(" 0 B"), peak
 

@@ -3,12 +3,13 @@
 - 'ragged' uses `jax.lax.ragged_dot`: XLA's own grouped matmul on every platform (the TPU
   compiler lowers it to its Mosaic ragged-dot kernel; XLA:CPU and XLA:GPU loop over groups).
 - 'tokamax' uses `tokamax.ragged_dot` (openxla's Pallas kernel library, the optional `tokamax`
-  extra) and lets tokamax pick, from the device the arrays live on: its Mosaic kernel on a TPU
-  v5 or newer, its Mosaic GPU / Triton kernels on an NVIDIA GPU, and otherwise (CPU, and any
-  compile from a CPU host such as `plan --target`) its XLA path, which is `ragged_dot` with
-  float32 accumulation. tokamax 0.0.12 reads the live device's kind to build its TPU kernel,
-  so a deviceless TPU compile cannot select it (measured: "Unsupported TPU device kind: cpu");
-  there the TPU compiler's own Mosaic ragged-dot runs, as for 'ragged'.
+  extra) with the kernels of the platform the step compiles for (`TOKAMAX_IMPLEMENTATIONS`):
+  its Mosaic kernel on a TPU v5 or newer, its Triton kernel on an NVIDIA GPU, its XLA path
+  (`ragged_dot` with float32 accumulation) elsewhere and wherever a kernel declines the call.
+  tokamax 0.0.12 reads the live device's kind to build its TPU kernel, so a deviceless TPU
+  compile (`plan --target tpu:...` from a CPU host) takes the XLA path, which the TPU compiler
+  lowers to its own Mosaic ragged-dot, as for 'ragged' (measured: "Unsupported TPU device kind:
+  cpu"). Its Triton kernel does compile for a GPU target from a CPU host.
 - 'dense' (the reference) uses no grouped matmul.
 """
 
@@ -41,8 +42,10 @@ def tokamax_installed() -> bool:
 
 
 # tokamax's implementations to try (the first that accepts the call wins), by the platform the
-# step compiles for; elsewhere its XLA path.
-TOKAMAX_IMPLEMENTATIONS = {"tpu": ("mosaic", "xla"), "gpu": ("mosaic", "triton", "xla")}
+# step compiles for; elsewhere its XLA path. GPUs get its Triton kernel, which a deviceless H100
+# compile lowers (tests/test_plan_target.py); its Mosaic GPU kernel (sm90+) declined the tiny
+# MoE's calls there even in bfloat16, so it stays out until a GPU shows where it serves.
+TOKAMAX_IMPLEMENTATIONS = {"tpu": ("mosaic_tpu", "xla"), "gpu": ("triton", "xla")}
 
 
 def _absl_flags_parsed() -> None:
@@ -62,7 +65,14 @@ def tokamax_ragged_dot(lhs_NxD, rhs_ExDxF, group_sizes_E):
   except ImportError:
     raise ConfigError(TOKAMAX_MISSING) from None
   _absl_flags_parsed()
-  implementation = TOKAMAX_IMPLEMENTATIONS.get(compile_platform(), ("xla",))
+  platform = compile_platform()
+  implementation = TOKAMAX_IMPLEMENTATIONS.get(platform, ("xla",))
+  if platform != jax.default_backend():  # "cpu", "gpu" or "tpu"
+    # Compiling for devices this host lacks (plan --target): tokamax's GPU kernels must not ask
+    # the host's devices whether they can run them. Set for the process, not for this call:
+    # the backward pass is traced after it returns. Other platforms' lists ignore the flag.
+    from absl import flags  # pylint: disable=import-outside-toplevel
+    flags.FLAGS.tokamax_cross_compile = True
   return tokamax.ragged_dot(lhs_NxD, rhs_ExDxF, group_sizes_E, implementation=implementation)
 
 
