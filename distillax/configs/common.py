@@ -33,8 +33,9 @@ def model_config(preset: str, **overrides) -> ml_collections.ConfigDict:
       out[key] = config_dict.placeholder(float)
   if out["sliding_window"] is None:
     out["sliding_window"] = config_dict.placeholder(int)
-  if out["layer_types"] is None:
-    out["layer_types"] = config_dict.placeholder(tuple)
+  for key in ("layer_types", "token_mixers"):  # per-layer names (token_mixers: Qwen3.5's)
+    if out[key] is None:
+      out[key] = config_dict.placeholder(tuple)
   return out
 
 

@@ -111,3 +111,13 @@ def test_partial_rope_turns_only_the_leading_features():
 def test_config_refuses_with_the_field_and_value(change, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
     CONFIG.replace(**change)
+
+
+def test_the_command_line_can_name_the_token_mixers():
+  """The model section types token_mixers as a tuple (a None field cannot be overridden by
+  `--config.model.token_mixers=...`)."""
+  from distillax.configs.common import model_config
+  section = model_config("tiny")
+  assert section.get_type("token_mixers") is tuple and section.token_mixers is None
+  section.token_mixers = ("linear_attention", "full_attention")
+  assert get_preset("tiny", token_mixers=section.token_mixers).num_linear_layers == 1
