@@ -136,25 +136,31 @@ def test_capacity_drops_the_assignments_past_each_experts_first_slots_in_token_o
   experts = jnp.asarray([[0, 1], [0, 2], [0, 1], [1, 0], [2, 0]], jnp.int32)
   weights = jnp.asarray([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5], [0.8, 0.2], [0.9, 0.1]])
   routing = moe.Routing(weights, experts, jnp.zeros((5, 5)))
+  mask = jnp.asarray([True, True, False, True, True])
   assert moe.expert_capacity(5, 2, 5, 1.0) == 2 and moe.expert_capacity(5, 2, 5, None) is None
+
+  @jax.jit  # one compile, not one per eager op
+  def run(routing, mask):
+    full, padded = moe.with_capacity(routing, 2, None), moe.with_capacity(routing, 2, mask)
+    stats = moe.router_stats(padded, mask)
+    ratios = moe.objective_terms(jax.tree.map(lambda a: a[None], stats), 4.0, 0.0, 0.0)[2]
+    return (full, padded, moe.router_stats(full, None).dropped, stats.dropped,
+            moe.router_stats(routing, mask).dropped, ratios["expert_tokens_dropped_l0"])
+
+  full, padded, full_dropped, padded_dropped, dropless, ratio = run(routing, mask)
   # All real: expert 0 is chosen by tokens 0..4 and keeps 0, 1; expert 1 by 0, 2, 3 and keeps
   # 0, 2; expert 2 by 1, 4 (both kept). Dropped: (2, e0), (3, e0), (4, e0), (3, e1).
-  full = moe.with_capacity(routing, 2, None)
   assert full.keep_TxK.tolist() == [[True, True], [True, True], [False, True], [False, False],
                                     [True, False]]
   np.testing.assert_allclose(full.weights_TxK, [[0.6, 0.4], [0.7, 0.3], [0.0, 0.5], [0.0, 0.0],
                                                 [0.9, 0.0]])
-  assert float(moe.router_stats(full, None).dropped) == 4.0
+  assert float(full_dropped) == 4.0
   # Token 2 is padding: it takes no slot, so expert 1 keeps token 3; expert 0 still drops 3, 4.
-  mask = jnp.asarray([True, True, False, True, True])
-  padded = moe.with_capacity(routing, 2, mask)
   assert padded.keep_TxK.tolist() == [[True, True], [True, True], [False, False], [True, False],
                                       [True, False]]
-  stats = moe.router_stats(padded, mask)
-  assert float(stats.dropped) == 2.0 and float(moe.router_stats(routing, mask).dropped) == 0.0
+  assert float(padded_dropped) == 2.0 and float(dropless) == 0.0
   # The metric: dropped over the layer's real assignments (8), next to the load ratio.
-  _, _, ratios = moe.objective_terms(jax.tree.map(lambda a: a[None], stats), 4.0, 0.0, 0.0)
-  assert [float(v) for v in ratios["expert_tokens_dropped_l0"]] == [2.0, 8.0]
+  assert [float(v) for v in ratio] == [2.0, 8.0]
 
 
 def test_ragged_with_capacity_equals_dense_with_capacity_and_skips_the_dropped_rows():
@@ -182,9 +188,9 @@ def test_ragged_with_capacity_equals_dense_with_capacity_and_skips_the_dropped_r
   keep = np.asarray(routing.keep_TxK)
   assert int(np.sum(~keep[np.asarray(mask)])) >= 4 and not keep[5].any()
   # A token that lost nothing gets its dropless output; one that lost an expert does not.
-  dropless = moe.ragged_experts(x, moe.route(logits, K, "softmax_topk", True), gate, up, down,
-                                jax.nn.silu)
-  with_cap = moe.ragged_experts(x, routing, gate, up, down, jax.nn.silu)
+  dropless, with_cap = jax.jit(lambda routing: [moe.ragged_experts(
+      x, r, gate, up, down, jax.nn.silu) for r in (
+          moe.route(logits, K, "softmax_topk", True), routing)])(routing)
   whole = keep.all(axis=1)
   np.testing.assert_allclose(with_cap[whole], dropless[whole], rtol=1e-5, atol=1e-6)
   assert not np.allclose(with_cap[~whole], dropless[~whole])
