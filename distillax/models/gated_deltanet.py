@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from distillax.errors import ConfigError
 from distillax.models import linear_attention as la
 from distillax.models.config import TransformerConfig
 from distillax.models.layers import normal_param
@@ -71,8 +72,11 @@ class GatedDeltaNet(nnx.Module):
   def __call__(self, x_BxLxD, *, q_segment_BxL=None, k_segment_BxS=None, cache_kv=None,
                cache_index=None, **unused):
     """(out_BxLxD, new (conv, state) or None, None). Attention's other arguments (RoPE,
-    indices, windows, probabilities) mean nothing here and are ignored."""
-    del unused
+    indices, windows) mean nothing here and are ignored; probabilities there are none."""
+    if unused.get("return_probs"):
+      raise ConfigError("attention probabilities were asked of a model with Gated DeltaNet "
+                        "layers (model.token_mixers), which form none; distil its attention "
+                        "layers' features instead (e.g. feature projection), not attention maps")
     cfg = self.config
     dt = cfg.jnp_dtype
     B, L, _ = x_BxLxD.shape

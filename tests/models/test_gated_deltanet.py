@@ -121,3 +121,8 @@ def test_the_command_line_can_name_the_token_mixers():
   assert section.get_type("token_mixers") is tuple and section.token_mixers is None
   section.token_mixers = ("linear_attention", "full_attention")
   assert get_preset("tiny", token_mixers=section.token_mixers).num_linear_layers == 1
+
+
+def test_attention_probabilities_of_a_hybrid_model_are_refused_in_one_line(model, tokens):
+  with pytest.raises(ConfigError, match="Gated DeltaNet layers"):
+    model(tokens, return_attention=True)
