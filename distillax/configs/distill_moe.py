@@ -11,8 +11,8 @@ The Qwen3-235B-A22B teacher shape on 256 devices: its 128 experts do not divide 
       --config.partitioning.strategy=ep_tp --config.mesh.model=2
 Either with the TPU compiler instead (plan --target, the aot extra): --target tpu:v5p-128 for
 the first, --target tpu:v5p-512 for the second.
-Train (on real hardware) with the released teacher, converted by nothing (its config.json,
-safetensors and tokenizer.json as Hugging Face ships them), and chats on local disk:
+Train (on real hardware) with the released teacher as Hugging Face ships it (config.json,
+safetensors, tokenizer.json; nothing to convert) and chats on local disk:
   distillax train --config distillax/configs/distill_moe.py --workdir runs/moe_kd \
       --config.teacher.hf_path=models/Qwen3-30B-A3B --config.data.source=data/chats.jsonl \
       --config.data.tokenizer=hf:models/Qwen3-30B-A3B
