@@ -18,9 +18,9 @@ weight's. Oldest, because a mixture of experts reads gate, up and down (two of o
 then runs their grouped matmuls (`jax.lax.ragged_dot`, or moe_impl='tokamax''s
 `moe_kernels.tokamax_ragged_dot`, both intercepted) in that order.
 Under expert parallelism (fsdp_ep, ep_tp: models/moe_parallel.py's shard_map exchange) the
-grouped matmuls see each device's experts, not the weights read, so none is handed over: the
-experts are still rounded where read (QAT) and LoRA's merged weights used, but their input rows
-are not rounded (act_qtype) and their adapters take no dropout.
+grouped matmuls see each device's experts, a shard of the weight read along its expert axis:
+QAT rounds their input rows there too (act_qtype); LoRA's adapters are not sharded with them, so
+there the merged weight is used (the same numbers, no adapter dropout).
 
 qwix internals used (pinned qwix 0.1.8): `flax_util.get_current_module_path` and
 `model._apply_interceptors`.
@@ -76,13 +76,26 @@ def clear_reads() -> None:
   _READS.pending = []
 
 
-def take_read(operands: Sequence[Any], sides: Sequence[int] = (1, 0)
-              ) -> tuple[WeightRead, int] | None:
+def _shape(x) -> tuple:
+  return tuple(getattr(x, "shape", ()))
+
+
+def _local_groups(operand, read: WeightRead) -> bool:
+  """Whether `operand` is a shard of the read along its leading (group) axis: one device's
+  experts inside the expert-parallel exchange."""
+  op, full = _shape(operand), _shape(read.value)
+  return (len(op) == len(full) > 1 and op[1:] == full[1:] and 0 < op[0] < full[0]
+          and full[0] % op[0] == 0)
+
+
+def take_read(operands: Sequence[Any], sides: Sequence[int] = (1, 0),
+              local_groups: bool = False) -> tuple[WeightRead, int] | None:
   """The pending read that feeds one of `operands` (tried in `sides` order) and that operand's
   index; it is consumed with every read older than it (reads feed matmuls in order).
 
   The operand is the read value itself or a cast of it (`.astype(compute dtype)`), so identity
-  is tried first (any pending read) and the shape second (the oldest read of that shape).
+  is tried first (any pending read) and the shape second (the oldest read of that shape);
+  with `local_groups` (grouped matmuls) last a shard of a read along its group axis.
   """
   pending = _READS.pending
   if len(operands) != 2:
@@ -91,7 +104,10 @@ def take_read(operands: Sequence[Any], sides: Sequence[int] = (1, 0)
                 if operands[i] is read.value), None)
   if found is None:
     found = next(((j, i) for j, read in enumerate(pending) for i in sides
-                  if tuple(getattr(operands[i], "shape", ())) == tuple(read.value.shape)), None)
+                  if _shape(operands[i]) == _shape(read.value)), None)
+  if found is None and local_groups:
+    found = next(((j, i) for j, read in enumerate(pending) for i in sides
+                  if _local_groups(operands[i], read)), None)
   if found is None:
     return None
   j, i = found
@@ -154,8 +170,8 @@ class Interceptor(qwix.QuantizationProvider):
   def grouped(self, dot, lhs, rhs, group_sizes, kwargs):
     """A grouped matmul `dot` (lhs (M, K) rows, rhs (G, K, N): one matrix per group of rows;
     moe_impl 'ragged' or 'tokamax'): the weight is always rhs, and its owner computes with
-    `dot` too."""
-    taken = take_read((lhs, rhs), sides=(1,))
+    `dot` too. Inside the expert-parallel exchange rhs holds this device's experts only."""
+    taken = take_read((lhs, rhs), sides=(1,), local_groups=True)
     if taken is not None and hasattr(taken[0].owner, "intercepted_ragged_dot"):
       return taken[0].owner.intercepted_ragged_dot(lhs, rhs, group_sizes, kwargs, dot)
     return dot(lhs, rhs, group_sizes, **kwargs)

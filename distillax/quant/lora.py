@@ -208,7 +208,10 @@ class LoRAWeight(nnx.Module):
   def intercepted_ragged_dot(self, x_MxK, w_GxKxN, group_sizes_G, kwargs, dot):
     """An MoE's grouped matmul `dot`, y = x @ W_g + (alpha / rank) * (dropout(x) @ A_g) @ B_g
     for the rows of group g, in three grouped matmuls (autodiff's backward: no gradient for the
-    frozen base, which is not differentiated)."""
+    frozen base, which is not differentiated). Inside the expert-parallel exchange w holds this
+    device's experts (the merged weight read): it is used as is (no adapter dropout there)."""
+    if tuple(w_GxKxN.shape) != self.base_shape[-w_GxKxN.ndim:]:
+      return dot(x_MxK, w_GxKxN, group_sizes_G, **kwargs)
     base = self.base_value().astype(w_GxKxN.dtype)
     y_MxN = dot(x_MxK, base, group_sizes_G, **kwargs)
     keep_bits = self._keep_bits(x_MxK)

@@ -19,7 +19,7 @@ from distillax.quant import (LoRAParam, QuantConfig, QuantSiteParam, apply_lora,
 from distillax.trainers import lm_objective
 from tests.quant.helpers import tokens
 from tests.support.engines import mesh_and_rules, packed_batches, run_steps, tiny_engine
-from tests.support.models import FAN_IN, logits, random_model
+from tests.support.models import FAN_IN, forward, logits, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -99,9 +99,9 @@ def test_reads_feed_matmuls_in_order_when_a_cast_hides_their_identity():
   intercept.clear_reads()
 
 
-def _train(student, batches, **options):
-  """Engine steps (jit, fsdp over 4 x 2 devices); the state before and after."""
-  mesh, rules = mesh_and_rules("fsdp", 4, 2)
+def _train(student, batches, strategy="fsdp", **options):
+  """Engine steps (jit, `strategy` over 4 x 2 devices); the state before and after."""
+  mesh, rules = mesh_and_rules(strategy, 4, 2)
   engine = tiny_engine(student, batches[0], mesh, rules, steps=4, **options)
   state = engine.init_state(student, {}, seed=0)
   before = jax.device_get(state)
@@ -109,10 +109,24 @@ def _train(student, batches, **options):
   return losses, before, jax.device_get(state)
 
 
-def test_a_qat_moe_student_trains_its_experts(model):
+def _mean_token_loss(model, batch) -> float:
+  """Next-token cross-entropy over the batch's loss mask, from one plain jitted forward."""
+  out = forward(model, jnp.asarray(batch["inputs_BxL"]), jnp.asarray(batch["positions_BxL"]),
+                jnp.asarray(batch["segment_ids_BxL"]))
+  logp = jax.nn.log_softmax(np.asarray(out.logits_BxLxV, np.float64), axis=-1)
+  nll = -np.take_along_axis(np.asarray(logp), batch["targets_BxL"][..., None], -1)[..., 0]
+  return float(np.sum(nll * batch["loss_mask_BxL"]) / np.sum(batch["loss_mask_BxL"]))
+
+
+def test_a_qat_moe_student_trains_its_experts_exchanged_over_devices(model):
+  """Under fsdp_ep each device runs its own experts' grouped matmuls inside the exchange: their
+  input rows are rounded there as in one plain forward (the first step's loss is that
+  forward's), and training moves the experts and the router."""
   batch = packed_batches(1, batch=8, seq_len=16, vocab=MOE.vocab_size, seed=3)[0]
   qat = quantize_for_training(model, {"rules": (("layers/(.*/)?mlp", "q4_0", "q8_0", None),)})
-  losses, before, after = _train(qat, [batch] * 3)
+  expected = _mean_token_loss(qat, batch)
+  losses, before, after = _train(qat, [batch] * 3, strategy="fsdp_ep")
+  assert abs(losses[0] - expected) <= 1e-5, (losses[0], expected)
   assert losses[2] < losses[0] - 0.1, losses  # the same batch 3 times (step 0: warm-up lr 0)
   for name in EXPERTS + ("router",):
     w0 = np.asarray(before.params["layers"][0]["mlp"][name])
