@@ -1,7 +1,7 @@
 """Expert parallelism is a rule set: the tiny MoE trains to the numbers of every parameter
 replicated (dp) under every other partitioning preset on 8 devices, the EP ones (fsdp_ep, ep_tp)
-exchanging tokens in their shard_map region; and the data-parallel backends (shard_map, pmap,
-vmap) give jit's numbers or refuse in one line.
+exchanging tokens in their shard_map region; and the data-parallel backends shard_map and pmap
+give jit's numbers or refuse the EP presets in one line.
 
 Run with -s to print the README's "EP vs replicated" table."""
 
@@ -16,7 +16,6 @@ from flax import nnx
 from distillax import partitioning as pt
 from distillax.errors import ConfigError
 from distillax.models.init import create_model
-from distillax.models.transformer import with_config
 from tests.support.engines import mesh_and_rules, packed_batches, run_steps, tiny_engine
 from tests.support.models import TINY
 
@@ -34,12 +33,11 @@ def model():
   return create_model(MOE, mesh=mesh, rules=rules, seed=0)
 
 
-def _train(model, backend, strategy, mesh_shape, devices=None, **config_changes):
+def _train(model, backend, strategy, mesh_shape, devices=None):
   """(losses, final params on the host, engine) of 3 steps from a copy of `model`."""
   mesh, rules = mesh_and_rules(strategy, *mesh_shape, devices=devices)
   graphdef, weights = nnx.split(model)
   copy = nnx.merge(graphdef, jax.tree.map(jnp.copy, weights))
-  copy = with_config(copy, **config_changes) if config_changes else copy
   engine = tiny_engine(copy, BATCHES[0], mesh, rules, backend, steps=len(BATCHES))
   state, losses = run_steps(engine, engine.init_state(copy, {}, seed=0), BATCHES)
   return losses, jax.device_get(engine.runner.fetch_state(state).params), engine
@@ -79,9 +77,9 @@ def test_every_preset_trains_the_moe_like_replicated(model, replicated):
 
 def test_data_parallel_backends_give_jits_numbers_or_refuse_in_one_line(model, replicated):
   ref_losses, ref_params, _ = replicated
-  # vmap cannot batch ragged_dot (checks.py refuses it for a job); the dense reference runs.
-  for backend, changes in (("shard_map", {}), ("pmap", {}), ("vmap", {"moe_impl": "dense"})):
-    losses, params, _ = _train(model, backend, "dp", (8, 1), **changes)
+  # vmap cannot batch ragged_dot: a job says so in one line (tests/trainers/test_lm.py).
+  for backend in ("shard_map", "pmap"):
+    losses, params, _ = _train(model, backend, "dp", (8, 1))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=backend)
     assert _max_param_delta(params, ref_params) < 2e-5, backend
   for backend in ("shard_map", "pmap"):  # 4 experts over a data axis of 4
