@@ -149,7 +149,11 @@ class _Reader:
   def tensor(self, name: str):
     """(slice handle, file, the stored tensors it reads)."""
     pair = mxfp4.packed_names(name)
-    if name not in self.files and self.packed and all(n in self.files for n in pair):
+    if name not in self.files and all(n in self.files for n in pair):
+      if not self.packed:
+        raise UserError(f"{self.path}: {pair[0]!r} and {pair[1]!r} hold {name!r} MXFP4-packed, "
+                        f"but config.json has no quantization_config with quant_method "
+                        f"'{mxfp4.QUANT_METHOD}'; restore it from the released config.json")
       return mxfp4.PackedTensor(*map(self._stored, pair)), self.files[pair[0]], pair
     if name not in self.files:
       cfg = self.config

@@ -216,3 +216,7 @@ def test_mxfp4_packed_checkpoint_loads_dequantized(hf_model, tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(hf_config))
   with pytest.raises(UserError, match="quant_method='bitsandbytes' is not supported"):
     hf.load(tmp_path)
+  del hf_config["quantization_config"]
+  (tmp_path / "config.json").write_text(json.dumps(hf_config))
+  with pytest.raises(UserError, match="down_proj_blocks.*MXFP4-packed.*no quantization_config"):
+    hf.load(tmp_path)
