@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from distillax.errors import ConfigError
 
 MLP_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
-ROPE_SCALING_TYPES = ("llama3", "yarn")
+ROPE_SCALING_TYPES = ("llama3", "yarn", "linear")
+# Which RoPE a layer turns its queries and keys with (TransformerConfig.layer_ropes).
+ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE = 0, 1, 2
 # models/moe.py: how a token's router logits pick and weight its experts, and how they run.
 ROUTERS = ("softmax_topk", "topk_softmax")
 MOE_IMPLS = ("ragged", "dense", "tokamax")
@@ -69,12 +71,17 @@ class TransformerConfig:
   rope_low_freq_factor: float = 1.0
   rope_high_freq_factor: float = 4.0
   rope_original_max_len: int = 8192
-  # With rope_scaling_factor: 'llama3' (Llama 3.1, the low/high_freq fields) | 'yarn' (gpt-oss).
+  # With rope_scaling_factor: 'llama3' (Llama 3.1, the low/high_freq fields) | 'yarn' (gpt-oss)
+  # | 'linear' (Gemma 3's global layers: every frequency divided by the factor).
   rope_scaling_type: str = "llama3"
   rope_yarn_beta_fast: float = 32.0  # yarn: pairs turning more often than this keep their speed
   rope_yarn_beta_slow: float = 1.0  # yarn: pairs turning less often than this are slowed fully
   rope_yarn_truncate: bool = True  # yarn: floor/ceil the ramp's ends (gpt-oss: False)
   rope_attention_factor: float | None = None  # yarn: cos/sin scale; None = 0.1 ln(factor) + 1
+  # Gemma 3: the RoPE base of the sliding-window layers, which turn unscaled (rope_theta and its
+  # scaling are then the global layers'); None = every layer turns as rope_theta says.
+  rope_local_theta: float | None = None
+  rope_free_layers: tuple[int, ...] | None = None  # SmolLM3: layers without RoPE; None = none
   tie_embeddings: bool = False  # output projection = embedding table transposed
   scale_embeddings: bool = False  # Gemma: embeddings multiplied by sqrt(embed_dim)
   attn_logit_softcap: float | None = None  # Gemma 2: cap * tanh(logits / cap) on attention scores
@@ -170,13 +177,15 @@ class TransformerConfig:
     if self.sliding_window_pattern < 0:
       raise ConfigError(f"model.sliding_window_pattern={self.sliding_window_pattern} must be >= 0")
     self._check_layer_types()
+    self._check_rope_free_layers()
     self._check_token_mixers()
     self._check_moe()
     if self.rope_scaling_type not in ROPE_SCALING_TYPES:
       raise ConfigError(f"model.rope_scaling_type={self.rope_scaling_type!r}; choose one of "
                         f"{', '.join(ROPE_SCALING_TYPES)}")
     for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
-                 "rope_scaling_factor", "rope_attention_factor", "swiglu_limit"):
+                 "rope_scaling_factor", "rope_attention_factor", "swiglu_limit",
+                 "rope_local_theta"):
       value = getattr(self, name)
       if value is not None and not value > 0:
         raise ConfigError(f"model.{name}={value!r} must be positive or None")
@@ -192,6 +201,18 @@ class TransformerConfig:
     if len(types) != self.num_layers or any(t not in (SLIDING, FULL) for t in types):
       raise ConfigError(f"model.layer_types={list(types)} must name {SLIDING!r} or {FULL!r} for "
                         f"each of the model.num_layers={self.num_layers} layers (or be None)")
+
+  def _check_rope_free_layers(self):
+    layers = self.rope_free_layers
+    if layers is None:
+      return
+    if (isinstance(layers, str) or not isinstance(layers, Sequence)
+        or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers
+               for i in layers)):
+      raise ConfigError(f"model.rope_free_layers={layers!r} must list layer indices from 0 to "
+                        f"{self.num_layers - 1} (model.num_layers={self.num_layers}), or be None")
+    # One form per model: sorted, distinct, and None for no layer (JSON gives a list).
+    object.__setattr__(self, "rope_free_layers", tuple(sorted(set(layers))) or None)
 
   def _check_token_mixers(self):
     if self.token_mixers is not None:
@@ -300,13 +321,25 @@ class TransformerConfig:
     """Whether each layer attends within the sliding window."""
     return [self.layer_uses_sliding_window(i) for i in range(self.num_layers)]
 
+  def layer_ropes(self) -> tuple[int, ...]:
+    """Per layer, the RoPE its queries and keys turn with: ROPE_NONE for rope_free_layers,
+    ROPE_LOCAL (rope_local_theta, unscaled) for sliding layers when it is set, else
+    ROPE_GLOBAL (rope_theta with its scaling)."""
+    free = self.rope_free_layers or ()
+    return tuple(ROPE_NONE if i in free else ROPE_LOCAL if (
+        self.rope_local_theta is not None and self.layer_uses_sliding_window(i)) else ROPE_GLOBAL
+                 for i in range(self.num_layers))
+
   def select_layers(self, layers: Sequence[int]) -> "TransformerConfig":
     """The config of a model made of this one's blocks `layers` (in that order): each block
     attends as it was trained to (a Gemma 2 block copied from a sliding layer to an odd
-    position stays sliding), whatever pattern its new position would give."""
+    position stays sliding; a Gemma 3 block keeps its RoPE base with its attention type; a
+    SmolLM3 block without RoPE stays without), whatever pattern its new position would give."""
     local = [self.layer_uses_sliding_window(i) for i in layers]
     mixers = None if self.token_mixers is None else tuple(self.token_mixers[i] for i in layers)
+    free = tuple(j for j, i in enumerate(layers) if i in (self.rope_free_layers or ()))
     return self.replace(**{"num_layers": len(layers), "token_mixers": mixers,
+                           "rope_free_layers": free or None,
                            **window_fields(self.sliding_window, local)})
 
   # ---- data round trip -------------------------------------------------------------------

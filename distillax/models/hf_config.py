@@ -23,13 +23,16 @@ from distillax.models.config import FULL, LINEAR, SLIDING, TransformerConfig, wi
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 GPT_OSS = "GptOssForCausalLM"
+GEMMA3 = "Gemma3ForCausalLM"
+SMOLLM3 = "SmolLM3ForCausalLM"
 QWEN35 = "Qwen3_5ForCausalLM"
 ARCHITECTURES = tuple(_MODEL_TYPES.values())
-_GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM")
+_GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", GEMMA3)
 _QWEN_FAMILY = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MISTRAL_FAMILY = ("MistralForCausalLM", "MixtralForCausalLM")
 _QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -60,18 +63,21 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
   legacy = dict(hf.get("rope_scaling") or {})
   theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
   rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
-  scaling = params if params.get("rope_type") in ("llama3", "yarn") else legacy
+  scaling = params if params.get("rope_type") in ("llama3", "yarn", "linear") else legacy
   if rope_type == "default":
     return {"rope_theta": float(theta)}
   if rope_type == "yarn":
     return _yarn(scaling, float(theta), where)
+  if rope_type == "linear":
+    return {"rope_theta": float(theta), "rope_scaling_type": "linear",
+            "rope_scaling_factor": float(scaling["factor"])}
   if rope_type == "llama3":
     return {"rope_theta": float(theta), "rope_scaling_factor": float(scaling["factor"]),
             "rope_low_freq_factor": float(scaling["low_freq_factor"]),
             "rope_high_freq_factor": float(scaling["high_freq_factor"]),
             "rope_original_max_len": int(scaling["original_max_position_embeddings"])}
   raise UserError(f"{where}: unsupported RoPE type {rope_type!r}; supported: default, llama3, "
-                  f"yarn")
+                  f"yarn, linear")
 
 
 def _yarn(scaling: Mapping[str, Any], theta: float, where: str) -> dict[str, Any]:
@@ -120,6 +126,50 @@ def _sliding(hf: Mapping[str, Any], arch: str, num_layers: int, where: str) -> d
   types = hf.get("layer_types") or [  # Gemma 2: local, global, local, ...
       SLIDING if (i + 1) % 2 else FULL for i in range(num_layers)]
   return _window_pattern(window, types, num_layers, where)
+
+
+def _gemma3_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[str, Any]:
+  """Gemma 3: Gemma 2's post norms and query scalar, q/k norms, sliding layers 5:1 (layer_types,
+  else sliding_window_pattern), and a RoPE per kind of layer: the sliding layers' base (10k,
+  unscaled), the global layers' (1M, linear x8 in the 4B and larger checkpoints)."""
+  if hf.get("use_bidirectional_attention"):
+    raise UserError(f"{where}: use_bidirectional_attention=true is not supported (distillax "
+                    f"trains causal decoders); set it to false")
+  pattern = int(hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6)
+  types = hf.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL
+                                    for i in range(num_layers)]
+  ropes = dict(hf.get("rope_parameters") or {})
+  if FULL in ropes or SLIDING in ropes:  # transformers 5: one RoPE per layer type
+    global_rope = {"rope_parameters": ropes.get(FULL) or {}, "rope_theta": 1_000_000.0}
+    local = dict(ropes.get(SLIDING) or {})
+  else:  # transformers 4's keys: rope_theta + rope_scaling (global), rope_local_base_freq
+    global_rope = {"rope_theta": hf.get("rope_theta", 1_000_000.0),
+                   "rope_scaling": hf.get("rope_scaling")}
+    local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+  if local.get("rope_type", "default") != "default":
+    raise UserError(f"{where}: sliding_attention rope_type={local['rope_type']!r} is not "
+                    f"supported; distillax turns Gemma 3's sliding layers with default RoPE")
+  return dict(use_post_norms=True, qk_norm=True,
+              attn_logit_softcap=hf.get("attn_logit_softcapping"),
+              final_logit_softcap=hf.get("final_logit_softcapping"),
+              query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+              **{"rope_scaling_factor": None, **_rope(global_rope, where)},
+              rope_local_theta=float(local.get("rope_theta", 10_000.0)),
+              **_window_pattern(hf.get("sliding_window", 4096), types, num_layers, where))
+
+
+def _smollm3_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[str, Any]:
+  """SmolLM3: Llama with no RoPE in the layers no_rope_layers marks 0 (by default every
+  no_rope_layer_interval-th, the 4th)."""
+  if hf.get("use_sliding_window"):
+    raise UserError(f"{where}: use_sliding_window=true is not supported for {SMOLLM3}; "
+                    f"distillax reads SmolLM3 with full attention in every layer")
+  interval = int(hf.get("no_rope_layer_interval", 4))
+  flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
+  if len(flags) < num_layers:
+    raise UserError(f"{where}: no_rope_layers has {len(flags)} entries for num_hidden_layers="
+                    f"{num_layers}; fix the config.json")
+  return dict(rope_free_layers=tuple(i for i in range(num_layers) if not flags[i]) or None)
 
 
 def _gpt_oss_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[str, Any]:
@@ -204,6 +254,8 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
                                   qk_norm=arch in _QK_NORM)
     if arch in _QWEN_FAMILY or arch in _MISTRAL_FAMILY:
       fields.update(_sliding(hf, arch, num_layers, where))
+    if arch == SMOLLM3:
+      fields.update(_smollm3_fields(hf, num_layers, where))
     fields.update(_moe_fields(hf, arch, where))
     return fields
   if (act or "gelu_pytorch_tanh") not in _TANH_GELU:
@@ -215,6 +267,8 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
                   final_logit_softcap=hf.get("final_logit_softcapping"),
                   query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
                   **_sliding(hf, arch, num_layers, where))
+  if arch == GEMMA3:
+    fields.update(_gemma3_fields(hf, num_layers, where))
   return fields
 
 
@@ -306,12 +360,20 @@ def hf_architecture(config: TransformerConfig) -> str:
     arch = GPT_OSS if _is_gpt_oss(config) else None
   elif config.num_experts and not llama_like:
     arch = None
+  elif gemma_like and config.use_post_norms and config.qk_norm and not config.qkv_bias:
+    arch = GEMMA3  # its sliding layers turn unscaled: they need their own base with scaling
+    arch = arch if config.rope_local_theta or config.rope_scaling_factor is None else None
   elif gemma_like and config.use_post_norms and not any(qwen_only):
     arch = "Gemma2ForCausalLM"
   elif gemma_like and not any(gemma2_only + qwen_only) and config.sliding_window is None:
     arch = "GemmaForCausalLM" if config.rope_scaling_factor is None else None
+  elif llama_like and config.rope_free_layers and not any(gemma2_only):
+    arch = SMOLLM3 if not (any(qwen_only) or config.num_experts or config.sliding_window) else None
   elif llama_like and not any(gemma2_only):
     arch = _swiglu_architecture(config)
+  if (config.rope_local_theta is not None and arch != GEMMA3
+      or config.rope_scaling_type == "linear" and arch in (GPT_OSS, QWEN35)):
+    arch = None  # no other family turns its sliding layers with a base of their own
   if arch is None:
     raise UserError(
         "this model config has no Hugging Face equivalent among "
@@ -321,7 +383,8 @@ def hf_architecture(config: TransformerConfig) -> str:
         f"{config.qkv_bias}, qk_norm={config.qk_norm}, sliding_window={config.sliding_window}, "
         f"num_experts={config.num_experts}, router={config.router!r}, attention_sinks="
         f"{config.attention_sinks}, router_bias={config.router_bias}, expert_bias="
-        f"{config.expert_bias}, attn_out_bias={config.attn_out_bias}, "
+        f"{config.expert_bias}, attn_out_bias={config.attn_out_bias}, rope_local_theta="
+        f"{config.rope_local_theta}, rope_free_layers={config.rope_free_layers}, "
         f"local layers {[i for i, x in enumerate(config.local_layers()) if x]}); use a preset or "
         f"an imported checkpoint of one of these families as the base of the student")
   return arch
@@ -349,17 +412,25 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
                 swiglu_limit=config.swiglu_limit, router_aux_loss_coef=0.0)
   if arch in _GEMMA_FAMILY:
     fields = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
-    if arch == "Gemma2ForCausalLM":
+    if arch in ("Gemma2ForCausalLM", GEMMA3):
       scalar = config.query_pre_attn_scalar or config.head_dim
       fields.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
                     attn_logit_softcapping=config.attn_logit_softcap,
                     final_logit_softcapping=config.final_logit_softcap,
                     sliding_window=config.sliding_window or config.max_seq_len,
                     layer_types=[SLIDING if local else FULL for local in config.local_layers()])
+    if arch == GEMMA3:  # one RoPE per layer type; the sliding layers' is unscaled
+      local = {"rope_type": "default", "rope_theta": config.rope_local_theta or config.rope_theta}
+      fields.update(rope_parameters={FULL: _rope_to_hf(config), SLIDING: local},
+                    rope_local_base_freq=local["rope_theta"])
     return fields
   fields = dict(hidden_act="silu")
   if arch == "LlamaForCausalLM":
     fields.update(mlp_bias=False)
+  elif arch == SMOLLM3:  # no_rope_layers: 1 = RoPE, 0 = none
+    free = config.rope_free_layers or ()
+    fields.update(mlp_bias=False, use_sliding_window=False, layer_types=[FULL] * config.num_layers,
+                  no_rope_layers=[int(i not in free) for i in range(config.num_layers)])
   elif arch in _MISTRAL_FAMILY:
     fields.update(sliding_window=window)
   else:  # Qwen: a window is on every layer (max_window_layers=0) or on none
@@ -372,6 +443,9 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
 def _rope_to_hf(config: TransformerConfig) -> dict[str, Any]:
   if config.rope_scaling_factor is None:
     return {"rope_type": "default", "rope_theta": config.rope_theta}
+  if config.rope_scaling_type == "linear":
+    return {"rope_type": "linear", "rope_theta": config.rope_theta,
+            "factor": config.rope_scaling_factor}
   if config.rope_scaling_type == "yarn":
     rope = {"rope_type": "yarn", "rope_theta": config.rope_theta,
             "factor": config.rope_scaling_factor,

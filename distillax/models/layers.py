@@ -119,6 +119,8 @@ def rope_inverse_frequencies(config: TransformerConfig) -> jax.Array:
     return inv_freq
   if config.rope_scaling_type == "yarn":
     return _yarn_inverse_frequencies(config, inv_freq)
+  if config.rope_scaling_type == "linear":  # Gemma 3's global layers: positions / factor
+    return inv_freq / factor
   low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
   old_len = config.rope_original_max_len
   wavelen = 2 * math.pi / inv_freq
@@ -163,6 +165,20 @@ def rope_sin_cos(positions_BxL: jax.Array, config: TransformerConfig):
   if scale == 1.0:
     return jnp.sin(angles), jnp.cos(angles)
   return jnp.sin(angles) * scale, jnp.cos(angles) * scale
+
+
+def rope_tables(positions_BxL: jax.Array, config: TransformerConfig):
+  """(sin_RxBxLxK2, cos_RxBxLxK2): the sin/cos of each RoPE a layer may turn with, indexed by
+  config.layer_ropes(): the global one, the local one (Gemma 3's sliding layers: base
+  rope_local_theta, unscaled) and none (sin 0, cos 1: the identity, SmolLM3's RoPE-free
+  layers), so a scanned stack picks its layer's with an index."""
+  sin, cos = rope_sin_cos(positions_BxL, config)
+  local = (sin, cos)
+  if config.rope_local_theta is not None:
+    local = rope_sin_cos(positions_BxL, config.replace(rope_theta=config.rope_local_theta,
+                                                       rope_scaling_factor=None))
+  none = (jnp.zeros_like(sin), jnp.ones_like(cos))
+  return jnp.stack([sin, local[0], none[0]]), jnp.stack([cos, local[1], none[1]])
 
 
 def apply_rope(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2) -> jax.Array:

@@ -19,7 +19,8 @@ from distillax.errors import ConfigError
 from distillax.models.attention import Attention, KVCache
 from distillax.models.config import TransformerConfig
 from distillax.models.gated_deltanet import GatedDeltaNet
-from distillax.models.layers import MLP, Embedder, RMSNorm, normal_param, rope_sin_cos, softcap
+from distillax.models.layers import (MLP, Embedder, RMSNorm, normal_param, rope_sin_cos,
+                                     rope_tables, softcap)
 from distillax.models.moe import MoE, RouterStats
 from distillax.partitioning import constrain
 
@@ -183,7 +184,7 @@ class Transformer(nnx.Module):
     if positions_BxL is None:
       positions_BxL = q_index_BxL
     ctx = {
-        "sin_cos": rope_sin_cos(positions_BxL, cfg),
+        **_rope_context(positions_BxL, cfg),
         "q_segment": segment_ids_BxL,
         "k_segment": k_segment_BxS,
         "q_index": q_index_BxL,
@@ -230,7 +231,8 @@ class Transformer(nnx.Module):
       graphdef, state = nnx.split(block)
       layer_kv = None if cache_kv is None else cache_kv[i]
       window = cfg.sliding_window if cfg.layer_uses_sliding_window(i) else None
-      x_BxLxD, new_kv, p, st = self._block_fn(graphdef, wants)(state, x_BxLxD, ctx, window,
+      ctx_i = _layer_rope(ctx, cfg.layer_ropes()[i])
+      x_BxLxD, new_kv, p, st = self._block_fn(graphdef, wants)(state, x_BxLxD, ctx_i, window,
                                                                layer_kv)
       if want_hidden:
         xs.append(x_BxLxD)
@@ -249,14 +251,35 @@ class Transformer(nnx.Module):
     windows = self.config.layer_windows()
     windows = None if windows is None else jnp.asarray(windows, jnp.int32)
     block_fn = self._block_fn(graphdef, wants)
+    ropes = jnp.asarray(self.config.layer_ropes(), jnp.int32) if "rope_tables" in ctx else None
 
     def body(x_BxLxD, layer):
-      layer_state, window, layer_kv = layer
-      x_BxLxD, new_kv, p, st = block_fn(layer_state, x_BxLxD, ctx, window, layer_kv)
+      layer_state, window, layer_kv, rope = layer
+      ctx_i = _layer_rope(ctx, rope)
+      x_BxLxD, new_kv, p, st = block_fn(layer_state, x_BxLxD, ctx_i, window, layer_kv)
       return x_BxLxD, (x_BxLxD if want_hidden else None, new_kv, p, st)
 
-    x_BxLxD, (xs, new_kv, probs, stats) = jax.lax.scan(body, x_BxLxD, (state, windows, cache_kv))
+    x_BxLxD, (xs, new_kv, probs, stats) = jax.lax.scan(body, x_BxLxD,
+                                                       (state, windows, cache_kv, ropes))
     return x_BxLxD, xs, new_kv, probs, stats
+
+
+def _rope_context(positions_BxL, cfg: TransformerConfig) -> dict:
+  """{'sin_cos': ...} when every layer turns the same RoPE; else {'rope_tables': ...}, every
+  RoPE a layer turns (Gemma 3's local and global bases, SmolLM3's none), picked per layer."""
+  if any(cfg.layer_ropes()):
+    return {"rope_tables": rope_tables(positions_BxL, cfg)}
+  return {"sin_cos": rope_sin_cos(positions_BxL, cfg)}
+
+
+def _layer_rope(ctx: dict, rope) -> dict:
+  """ctx with one layer's sin/cos: table `rope` (an int, traced under scan) of
+  ctx['rope_tables'] when the layers turn different RoPE; ctx as is otherwise."""
+  if "rope_tables" not in ctx:
+    return ctx
+  sin_RxBxLxK2, cos_RxBxLxK2 = ctx["rope_tables"]
+  layer_ctx = {k: v for k, v in ctx.items() if k != "rope_tables"}
+  return {**layer_ctx, "sin_cos": (sin_RxBxLxK2[rope], cos_RxBxLxK2[rope])}
 
 
 # ---- layout conversion -------------------------------------------------------------------------
