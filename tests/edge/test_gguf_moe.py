@@ -5,7 +5,8 @@ llama.cpp (the edge extra, f32 KV cache) against distillax's forward at the dens
 tolerances: the plain forward for f32 / f16, the QAT forward (q8_0 / q4_0 experts, q8_0 rows)
 for q8_0 / q4_0. What llama.cpp would compute differently is refused in one line.
 
-Measured here (40 tokens, logit scale ~6.6, reference kernels), max |logit difference|:
+Measured here (40 tokens, logit scale ~6.6, reference kernels), max |logit difference| (q8_0
+by hand; the test holds the others):
   qwen3moe  f32 3.1e-6, f16 7.5e-3, q8_0 1.7e-6 (0.14 vs full precision), q4_0 1.9e-6 (4.6)
   mixtral   f32 3.1e-6, q4_0 1.4e-6 (3.1 vs full precision)
   gpt-oss   f32 3.1e-6, q4_0 1.9e-6 (2.7 vs full precision), with rope_yarn_truncate=True;
@@ -55,7 +56,7 @@ def _llama_cpp(path, generate=False):
 
 
 @pytest.mark.parametrize("arch,quant", [("qwen3moe", "f32"), ("qwen3moe", "f16"),
-                                        ("qwen3moe", "q8_0"), ("qwen3moe", "q4_0"),
+                                        ("qwen3moe", "q4_0"),  # q8_0: same path, by hand
                                         ("mixtral", "f32"), ("mixtral", "q4_0"),
                                         ("gpt-oss", "f32"), ("gpt-oss", "q4_0")])
 def test_llama_cpp_runs_moe_exports_within_the_dense_tolerances(models, tmp_path, arch, quant):
