@@ -28,12 +28,13 @@ def model_config(preset: str, **overrides) -> ml_collections.ConfigDict:
   cfg.setdefault("vocab_size", 0)
   out = ml_collections.ConfigDict(cfg)
   for key in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
-              "rope_scaling_factor", "moe_capacity_factor"):
+              "rope_scaling_factor", "moe_capacity_factor", "rope_local_theta"):
     if out[key] is None:
       out[key] = config_dict.placeholder(float)
   if out["sliding_window"] is None:
     out["sliding_window"] = config_dict.placeholder(int)
-  for key in ("layer_types", "token_mixers"):  # per-layer names (token_mixers: Qwen3.5's)
+  # Per-layer names (token_mixers: Qwen3.5's) and indices (rope_free_layers: SmolLM3's).
+  for key in ("layer_types", "token_mixers", "rope_free_layers"):
     if out[key] is None:
       out[key] = config_dict.placeholder(tuple)
   return out
