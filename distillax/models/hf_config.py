@@ -430,7 +430,10 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
   elif arch == SMOLLM3:  # no_rope_layers: 1 = RoPE, 0 = none
     free = config.rope_free_layers or ()
     fields.update(mlp_bias=False, use_sliding_window=False, layer_types=[FULL] * config.num_layers,
-                  no_rope_layers=[int(i not in free) for i in range(config.num_layers)])
+                  no_rope_layers=[int(i not in free) for i in range(config.num_layers)],
+                  **{k: v if v < config.vocab_size else None  # the class's ids, if they fit
+                     for k, v in (("pad_token_id", 128_004), ("bos_token_id", 128_000),
+                                  ("eos_token_id", 128_001))})
   elif arch in _MISTRAL_FAMILY:
     fields.update(sliding_window=window)
   else:  # Qwen: a window is on every layer (max_window_layers=0) or on none
