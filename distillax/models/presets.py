@@ -29,6 +29,24 @@ def _gemma2(**kw) -> TransformerConfig:
                 query_pre_attn_scalar=256.0, sliding_window=4096, sliding_window_pattern=2, **kw)
 
 
+def _gemma3(**kw) -> TransformerConfig:
+  # Gemma 3 config.json: q/k norms and post norms, no soft-caps, sliding layers 5:1 whose RoPE
+  # base is 10k (unscaled), global layers at 1M (linear x8 from 4B up), vocabulary 262,144.
+  base = dict(vocab_size=262_144, use_post_norms=True, qk_norm=True, sliding_window_pattern=6,
+              rope_theta=1_000_000.0, rope_local_theta=10_000.0)
+  return _gemma(**{**base, **kw})
+
+
+def _smollm3(**kw) -> TransformerConfig:
+  # SmolLM3 config.json: Llama with no RoPE in every 4th layer, RoPE base 5M, 64k context.
+  base = dict(vocab_size=128_256, mlp_activation="swiglu", norm_eps=1e-6, rope_theta=5_000_000.0,
+              head_dim=128, max_seq_len=65_536, tie_embeddings=True, scan_layers=True,
+              param_dtype="bfloat16", dtype="bfloat16")
+  base.update(kw)
+  free = tuple(i for i in range(base["num_layers"]) if (i + 1) % 4 == 0)
+  return TransformerConfig(rope_free_layers=free, **base)
+
+
 def _gpt_oss(**kw) -> TransformerConfig:
   # gpt-oss-20b / 120b config.json: biased q/k/v/o with sinks, sliding (128) then full layers,
   # YaRN x32 over 4096 (truncate off), 4 of E biased experts of width 2880 (clamped SwiGLU).
@@ -86,6 +104,13 @@ PRESETS: dict[str, TransformerConfig] = {
         scale_embeddings=True, attn_logit_softcap=50.0, final_logit_softcap=30.0,
         query_pre_attn_scalar=16.0, sliding_window=8, sliding_window_pattern=2,
         use_post_norms=True, max_seq_len=128),
+    # Every Gemma 3 feature at test size: 5 sliding layers (window 8, RoPE base 10k) then a
+    # global one (1M, linear x8), q/k norms, post norms, a query scalar unlike head_dim.
+    "tiny_gemma3": _gemma3(vocab_size=256, embed_dim=64, num_layers=6, num_heads=4,
+                           num_kv_heads=2, head_dim=16, mlp_dim=128, query_pre_attn_scalar=24.0,
+                           sliding_window=8, rope_scaling_type="linear", rope_scaling_factor=8.0,
+                           max_seq_len=128, scan_layers=False, param_dtype="float32",
+                           dtype="float32"),
     # Every gpt-oss feature at test size: q/k/v/o biases, sinks, sliding then full layers, YaRN,
     # router and expert biases, the clamped SwiGLU; 4 experts of width 32, top-2.
     "tiny_gpt_oss": _gpt_oss(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
@@ -128,6 +153,16 @@ PRESETS: dict[str, TransformerConfig] = {
                          mlp_dim=9216),
     "gemma2-9b": _gemma2(embed_dim=3584, num_layers=42, num_heads=16, num_kv_heads=8,
                          mlp_dim=14_336),
+    "gemma3-1b": _gemma3(embed_dim=1152, num_layers=26, num_heads=4, num_kv_heads=1,
+                         mlp_dim=6912, query_pre_attn_scalar=256.0, sliding_window=512,
+                         max_seq_len=32_768),
+    "gemma3-27b": _gemma3(vocab_size=262_208, embed_dim=5376, num_layers=62, num_heads=32,
+                          num_kv_heads=16, head_dim=128, mlp_dim=21_504,
+                          query_pre_attn_scalar=168.0, sliding_window=1024,
+                          rope_scaling_type="linear", rope_scaling_factor=8.0,
+                          max_seq_len=131_072),
+    "smollm3-3b": _smollm3(embed_dim=2048, num_layers=36, num_heads=16, num_kv_heads=4,
+                           mlp_dim=11_008),
     "qwen3-1.7b": _qwen3(embed_dim=2048, num_layers=28, num_heads=16, num_kv_heads=8,
                          mlp_dim=6144, tie_embeddings=True),
     "qwen3-30b-a3b": _qwen3_moe(embed_dim=2048, num_layers=48, num_heads=32, num_kv_heads=4,

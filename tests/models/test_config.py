@@ -116,7 +116,30 @@ def test_qwen35_presets_count_their_config_json_shapes(name):
   assert config_from_hf(config_to_hf(cfg), dtype="bfloat16") == cfg  # a Qwen3_5ForCausalLM
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_gemma", "demo_teacher", "demo_student"])
+# Gemma 3 and SmolLM3, by hand from config.json's shapes. Gemma 3 layer = q/o 2 H Dh D + k/v
+# 2 K Dh D + q/k norms 2 Dh + MLP 3 D F + 4 D norms; tied embedding V D + final norm D. 1B: D 1152,
+# F 6912, H 4, K 1, Dh 256: 26,842,112 x 26 + 301,989,888 + 1152 = 999,885,952 (the card's
+# 1B). 27B: V 262,208, D 5376, F 21,504, H 32, K 16, Dh 128: 412,898,560 x 62 + 1,409,630,208
+# + 5376 = 27,009,346,304 (the text tower of the card's 27B). SmolLM3 3B: D 2048, F 11,008, H 16,
+# K 4, Dh 128: 78,123,008 x 36 + tied 262,668,288 + 2048 = 3,075,098,624 (the card's 3.08B).
+GEMMA3_SMOLLM3 = {"gemma3-1b": 999_885_952, "gemma3-27b": 27_009_346_304,
+                  "smollm3-3b": 3_075_098_624}
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA3_SMOLLM3))
+def test_gemma3_and_smollm3_presets_count_their_config_json_shapes(name):
+  from distillax.models.hf_config import config_from_hf, config_to_hf
+  cfg = get_preset(name)
+  assert param_count(cfg) == GEMMA3_SMOLLM3[name] == _closed_form(cfg)
+  if name.startswith("gemma3"):  # five sliding layers (base 10k) to a global one (1M)
+    assert cfg.layer_ropes()[:6] == (mc.ROPE_LOCAL,) * 5 + (mc.ROPE_GLOBAL,)
+  else:  # every 4th layer without RoPE
+    assert cfg.rope_free_layers == tuple(range(3, 36, 4))
+  assert config_from_hf(config_to_hf(cfg), dtype="bfloat16", scan_layers=True) == cfg
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_gemma", "tiny_gemma3", "demo_teacher",
+                                  "demo_student"])
 def test_small_presets(name):
   cfg = get_preset(name)
   assert param_count(cfg) == _closed_form(cfg)
