@@ -56,7 +56,7 @@ class KVCache:
   def zeros(cls, config: TransformerConfig, batch: int, length: int, dtype=None) -> "KVCache":
     dtype = jnp.dtype(dtype or config.dtype)
     linear = config.num_linear_layers
-    shape = (config.num_layers - linear, batch, length, config.num_kv_heads, config.head_dim)
+    shape = (config.num_layers - linear - config.num_kv_shared_layers, batch, length, config.num_kv_heads, config.head_dim)
     k = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
     v = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
     conv = state = None
@@ -76,11 +76,15 @@ class KVCache:
 
   def layer_caches(self, config: TransformerConfig):
     """What each layer reads: the stacked (k, v) for a scanned stack, else one entry per
-    layer, (k, v) of an attention layer or (conv, state) of a Gated DeltaNet layer."""
+    layer, (k, v) of an attention layer or (conv, state) of a Gated DeltaNet layer (None for a
+    Gemma 4 layer that shares another's keys/values: it caches nothing)."""
     if config.scan_layers:
       return self.k_NxBxSxKxH, self.v_NxBxSxKxH
     counts, caches = [0, 0], []
     for i in range(config.num_layers):
+      if not config.layer_owns_kv(i):
+        caches.append(None)
+        continue
       linear = config.layer_is_linear(i)
       j = counts[linear]
       counts[linear] += 1
@@ -95,6 +99,8 @@ class KVCache:
       return dataclasses.replace(self, k_NxBxSxKxH=layer_caches[0], v_NxBxSxKxH=layer_caches[1],
                                  segment_ids_BxS=segment_ids_BxS, end_index=end_index)
     kinds = [config.layer_is_linear(i) for i in range(config.num_layers)]
+    kinds, layer_caches = zip(*[(kind, c) for kind, c in zip(kinds, layer_caches)
+                                if c is not None])  # sharing layers cache nothing
     stack = lambda linear, part, old: (
         jnp.stack([c[part] for c, lin in zip(layer_caches, kinds) if lin == linear])
         if linear in kinds else old)
@@ -147,20 +153,23 @@ def reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_index_BxL, k_ind
 class Attention(nnx.Module):
   """Multi-head attention over `num_kv_heads` key/value heads shared by groups of query heads."""
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, owns_kv: bool = True):
+    """owns_kv=False: a Gemma 4 layer that attends another layer's keys/values (no k, v)."""
     D, H, K, Dh = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
     pd = config.jnp_param_dtype
     self.q = normal_param(rngs, (D, H, Dh), D ** -0.5, pd, ("embed", "heads", "head_dim"))
-    self.k = normal_param(rngs, (D, K, Dh), D ** -0.5, pd, ("embed", "kv_heads", "head_dim"))
-    self.v = normal_param(rngs, (D, K, Dh), D ** -0.5, pd, ("embed", "kv_heads", "head_dim"))
+    kv = lambda: (normal_param(rngs, (D, K, Dh), D ** -0.5, pd, ("embed", "kv_heads", "head_dim"))
+                  if owns_kv else None)
+    self.k, self.v = kv(), kv()
     out_std = (H * Dh) ** -0.5 / math.sqrt(2 * config.num_layers)
     self.o = normal_param(rngs, (H, Dh, D), out_std, pd, ("heads", "head_dim", "embed"))
     # Qwen 2: biases on q, k, v (zero at init, so a fresh model starts as its bias-free twin);
     # Qwen 3: RMSNorm of every q and k head over its head_dim features.
     bias = lambda n, axis: (nnx.Param(jnp.zeros((n, Dh), pd), logical_axes=(axis, "head_dim"))
                             if config.qkv_bias else None)
-    self.q_bias, self.k_bias = bias(H, "heads"), bias(K, "kv_heads")
-    self.v_bias = bias(K, "kv_heads")
+    self.q_bias = bias(H, "heads")
+    self.k_bias, self.v_bias = ((bias(K, "kv_heads"), bias(K, "kv_heads")) if owns_kv
+                                else (None, None))
     # gpt-oss: a bias on o (zero at init) and one sink logit per query head.
     self.o_bias = (nnx.Param(jnp.zeros((D,), pd), logical_axes=("embed",))
                    if config.attn_out_bias else None)
@@ -168,7 +177,9 @@ class Attention(nnx.Module):
                   if config.attention_sinks else None)
     head_norm = lambda: (RMSNorm(config, dim=Dh, logical_axes=("head_dim",)) if config.qk_norm
                          else None)
-    self.q_norm, self.k_norm = head_norm(), head_norm()
+    self.q_norm, self.k_norm = head_norm(), head_norm() if owns_kv else None
+    # Gemma 4: values RMS-normed over head_dim without a scale (a function, no parameter).
+    self.value_norm = config.value_norm
     # Qwen3.5: the attention output times sigmoid(x @ out_gate), per head and feature.
     self.out_gate = (normal_param(rngs, (D, H, Dh), D ** -0.5, pd, ("embed", "heads", "head_dim"))
                      if config.attn_output_gate else None)
@@ -183,6 +194,19 @@ class Attention(nnx.Module):
     if norm is not None:
       y_BxLxNxH = norm(y_BxLxNxH)
     return y_BxLxNxH
+
+  def _own_keys_values(self, x_BxLxD, sin_cos):
+    """This call's keys (normed, turned) and values (normed with value_norm)."""
+    k_BxLxKxH = self._project(x_BxLxD, self.k, self.k_bias, self.k_norm)
+    v_BxLxKxH = self._project(x_BxLxD, self.v, self.v_bias, None)
+    if self.value_norm:
+      v = v_BxLxKxH.astype(jnp.float32)
+      v = v * jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1, keepdims=True)
+                            + self.config.norm_eps)
+      v_BxLxKxH = v.astype(v_BxLxKxH.dtype)
+    k_BxLxKxH = constrain(apply_rope(k_BxLxKxH, *sin_cos),
+                          ("batch", "length", "kv_heads", "head_dim"))
+    return k_BxLxKxH, constrain(v_BxLxKxH, ("batch", "length", "kv_heads", "head_dim"))
 
   def _keys_values(self, k_BxLxKxH, v_BxLxKxH, cache_kv, cache_index):
     """(keys, values, new cache or None): this call's, or the cache with them written in."""
@@ -221,33 +245,33 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxLxD, *, sin_cos, q_index_BxL, k_index_BxS, q_segment_BxL=None,
                k_segment_BxS=None, window=None, cache_kv=None, cache_index=None,
-               return_probs: bool = False):
-    """Returns (out_BxLxD, new (k, v) cache slices or None, probs_BxHxLxS or None).
+               return_probs: bool = False, shared_kv=None, return_kv: bool = False):
+    """Returns (out_BxLxD, new (k, v) cache slices or None, probs_BxHxLxS or None), and with
+    return_kv the (k_BxSxKxH, v_BxSxKxH) it attended (Gemma 4's later layers share them).
 
     Without a cache, keys are this call's tokens (S = L). With `cache_kv=(k_BxSxKxH, v_...)`,
     this call's keys/values are written at `cache_index` and the queries attend the whole cache.
-    Segment ids None: one document (no segment masking).
+    With `shared_kv` (another layer's return_kv), this layer computes no keys/values and
+    attends those. Segment ids None: one document (no segment masking).
     """
     cfg = self.config
     dt = cfg.jnp_dtype
     B, L, _ = x_BxLxD.shape
     K, G, Dh = cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
     q_BxLxHxK = self._project(x_BxLxD, self.q, self.q_bias, self.q_norm)
-    k_BxLxKxH = self._project(x_BxLxD, self.k, self.k_bias, self.k_norm)
-    v_BxLxKxH = self._project(x_BxLxD, self.v, self.v_bias, None)
     q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, *sin_cos),
                           ("batch", "length", "heads", "head_dim"))
-    k_BxLxKxH = constrain(apply_rope(k_BxLxKxH, *sin_cos),
-                          ("batch", "length", "kv_heads", "head_dim"))
-    v_BxLxKxH = constrain(v_BxLxKxH, ("batch", "length", "kv_heads", "head_dim"))
-    k_BxSxKxH, v_BxSxKxH, new_cache = self._keys_values(k_BxLxKxH, v_BxLxKxH, cache_kv,
-                                                        cache_index)
+    if shared_kv is not None:
+      (k_BxSxKxH, v_BxSxKxH), new_cache = shared_kv, None
+    else:
+      k_BxSxKxH, v_BxSxKxH, new_cache = self._keys_values(
+          *self._own_keys_values(x_BxLxD, sin_cos), cache_kv, cache_index)
     # Query head h = kv_head * G + g uses kv head h // G (the layout of HF checkpoints).
     q_BxLxKxGxH = q_BxLxHxK.reshape(B, L, K, G, Dh)
     masking = dict(q_index_BxL=q_index_BxL, k_index_BxS=k_index_BxS, q_segment_BxL=q_segment_BxL,
                    k_segment_BxS=k_segment_BxS, window=window)
     attn_BxLxKxGxH, probs_BxKxGxLxS = self._attend(
-        q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking, cached=cache_kv is not None,
+        q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking, cached=cache_index is not None,
         return_probs=return_probs)
     attn_BxLxHxK = constrain(attn_BxLxKxGxH.astype(dt).reshape(B, L, K * G, Dh),
                              ("batch", "length", "heads", "head_dim"))
@@ -261,4 +285,7 @@ class Attention(nnx.Module):
     if return_probs:
       S = probs_BxKxGxLxS.shape[-1]
       probs = probs_BxKxGxLxS.reshape(B, K * G, L, S)
-    return constrain(out_BxLxD, ("batch", "residual_length", "embed")), new_cache, probs
+    out_BxLxD = constrain(out_BxLxD, ("batch", "residual_length", "embed"))
+    if return_kv:
+      return out_BxLxD, new_cache, probs, (k_BxSxKxH, v_BxSxKxH)
+    return out_BxLxD, new_cache, probs

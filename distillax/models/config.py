@@ -110,6 +110,15 @@ class TransformerConfig:
   linear_conv_kernel: int = 4  # Gated DeltaNet: taps of the causal depthwise conv on q, k, v
   partial_rotary_factor: float = 1.0  # share of head_dim that RoPE turns (Qwen3.5: 0.25)
   attn_output_gate: bool = False  # Qwen3.5: attention output times sigmoid(gate projection of x)
+  # Gemma 4 (models/per_layer_inputs.py): width of each layer's extra input from a second token
+  # table and a projection of the embeddings, gated into the residual after the MLP; 0 = off.
+  per_layer_input_dim: int = 0
+  per_layer_input_vocab_size: int = 0  # Gemma 4: rows of that second table; 0 = vocab_size
+  # Gemma 4: the last this-many layers compute no keys/values of their own; each attends with
+  # those of the last earlier layer of its own attention type (sliding / full).
+  num_kv_shared_layers: int = 0
+  value_norm: bool = False  # Gemma 4: RMSNorm without a scale on every value head
+  layer_scalar: bool = False  # Gemma 4: each block's output times a learned per-layer scalar
   # Mixture of experts (models/moe.py): every layer's MLP becomes num_experts gated experts and a
   # router; 0 = a dense MLP in every layer (the other MoE fields are then unused).
   num_experts: int = 0
@@ -180,6 +189,7 @@ class TransformerConfig:
     self._check_rope_free_layers()
     self._check_token_mixers()
     self._check_moe()
+    self._check_gemma4()
     if self.rope_scaling_type not in ROPE_SCALING_TYPES:
       raise ConfigError(f"model.rope_scaling_type={self.rope_scaling_type!r}; choose one of "
                         f"{', '.join(ROPE_SCALING_TYPES)}")
@@ -265,6 +275,30 @@ class TransformerConfig:
     if not isinstance(self.norm_topk_prob, bool):
       raise ConfigError(f"model.norm_topk_prob={self.norm_topk_prob!r} must be True or False")
 
+  def _check_gemma4(self):
+    for name in ("per_layer_input_dim", "per_layer_input_vocab_size", "num_kv_shared_layers"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"model.{name}={value!r} must be a non-negative integer (0 = off)")
+    for name in ("value_norm", "layer_scalar"):
+      if not isinstance(getattr(self, name), bool):
+        raise ConfigError(f"model.{name}={getattr(self, name)!r} must be True or False")
+    shared = self.num_kv_shared_layers
+    if shared and shared >= self.num_layers:
+      raise ConfigError(f"model.num_kv_shared_layers={shared} must leave at least one of the "
+                        f"model.num_layers={self.num_layers} layers computing keys/values")
+    for i in range(self.num_layers - shared, self.num_layers):
+      if self.kv_source_layer(i) is None:
+        kind = SLIDING if self.layer_uses_sliding_window(i) else FULL
+        raise ConfigError(f"model.num_kv_shared_layers={shared}: layer {i} ({kind}) has no "
+                          f"earlier {kind} layer to share keys/values with; lower it")
+    if self.num_linear_layers and shared:
+      raise ConfigError("model.num_kv_shared_layers is for attention-only models; set it to 0 "
+                        "with model.token_mixers")
+    if self.scan_layers and (shared or self.per_layer_input_dim):
+      raise ConfigError("model.scan_layers=True cannot stack Gemma 4's layers (per-layer inputs "
+                        "or key/value sharing make them differ); use model.scan_layers=False")
+
   # ---- derived quantities ----------------------------------------------------------------
 
   @property
@@ -285,6 +319,24 @@ class TransformerConfig:
   def layer_is_linear(self, layer: int) -> bool:
     """Whether layer `layer` is a Gated DeltaNet (linear attention) layer."""
     return self.token_mixers is not None and self.token_mixers[layer] == LINEAR
+
+  def kv_source_layer(self, layer: int) -> int | None:
+    """The layer whose keys/values layer `layer` attends with when it shares them (Gemma 4's
+    last num_kv_shared_layers: the last unshared layer of the same attention type), else None."""
+    first_shared = self.num_layers - self.num_kv_shared_layers
+    if layer < first_shared:
+      return None
+    local = self.layer_uses_sliding_window(layer)
+    same = [i for i in range(first_shared) if self.layer_uses_sliding_window(i) == local]
+    return same[-1] if same else None
+
+  def layer_owns_kv(self, layer: int) -> bool:
+    """Whether layer `layer` computes (and caches) keys/values of its own."""
+    return layer < self.num_layers - self.num_kv_shared_layers
+
+  @property
+  def per_layer_vocab(self) -> int:
+    return self.per_layer_input_vocab_size or self.vocab_size
 
   @property
   def num_linear_layers(self) -> int:
@@ -335,6 +387,10 @@ class TransformerConfig:
     attends as it was trained to (a Gemma 2 block copied from a sliding layer to an odd
     position stays sliding; a Gemma 3 block keeps its RoPE base with its attention type; a
     SmolLM3 block without RoPE stays without), whatever pattern its new position would give."""
+    if self.per_layer_input_dim or self.num_kv_shared_layers:
+      raise ConfigError("a student of teacher blocks cannot be cut from a Gemma 4 teacher yet "
+                        "(its per-layer inputs and shared keys/values span the whole stack); "
+                        "derive it by layer count instead of student.from_teacher.layers")
     local = [self.layer_uses_sliding_window(i) for i in layers]
     mixers = None if self.token_mixers is None else tuple(self.token_mixers[i] for i in layers)
     free = tuple(j for j, i in enumerate(layers) if i in (self.rope_free_layers or ()))

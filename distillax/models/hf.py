@@ -33,7 +33,7 @@ from distillax.errors import UserError
 from distillax.framework import jsonio
 from distillax.models.config import TransformerConfig
 from distillax.models import mxfp4
-from distillax.models.hf_config import architecture_of, config_from_hf, config_to_hf
+from distillax.models.hf_config import MULTIMODAL, architecture_of, config_from_hf, config_to_hf
 from distillax.models.hf_names import Source, join_parts, key_path, source_of
 from distillax.models.hf_tokenizer import make_readable, write_tokenizer_files
 from distillax.models.init import RulesLike, abstract_model, resolve_rules
@@ -77,6 +77,19 @@ def _tensor_files(path: Path) -> dict[str, Path]:
   return names
 
 
+def _text_tower(files: dict[str, Path], hf_config) -> tuple[dict[str, Path], dict[str, str]]:
+  """A multimodal wrapper's text decoder tensors under the names of its text-only class
+  ('model.language_model.x' as 'model.x'; the vision and audio towers left out), with
+  {our name: stored name}; other checkpoints as they are."""
+  if (hf_config.get("architectures") or [None])[0] not in MULTIMODAL:
+    return files, {}
+  prefix = "model.language_model."
+  stored = {"model." + n[len(prefix):]: n for n in files if n.startswith(prefix)}
+  if "lm_head.weight" in files:
+    stored["lm_head.weight"] = "lm_head.weight"
+  return {name: files[n] for name, n in stored.items()}, stored
+
+
 def load(path: str | os.PathLike, *, mesh: Mesh | None = None, rules: RulesLike = None,
          dtype: str | None = None, **config_overrides) -> Transformer:
   """A distillax model from a HF checkpoint directory, placed with the target shardings.
@@ -102,7 +115,8 @@ def load(path: str | os.PathLike, *, mesh: Mesh | None = None, rules: RulesLike 
   plans = [(source_of(key_path(p), config), x) for p, x in flat]
   packed = (hf_config.get("quantization_config") or {}).get("quant_method") == mxfp4.QUANT_METHOD
   with contextlib.ExitStack() as stack:
-    reader = _Reader(path, files, stack, packed, config)
+    files, stored_names = _text_tower(files, hf_config)
+    reader = _Reader(path, files, stack, packed, config, stored_names)
     _check_tensors(plans, reader, hf_config)  # every name and shape before reading a weight
     arrays = [_make_array(source, x, sharding, reader.tensor)
               for (source, x), sharding in zip(plans, treedef.flatten_up_to(shardings))]
@@ -129,8 +143,10 @@ class _Reader:
   """Slice handles of a checkpoint's tensors, each file opened once; an MXFP4 checkpoint's
   packed experts (`<name>_blocks` + `<name>_scales`) read as their dequantized tensor."""
 
-  def __init__(self, path: Path, files: dict[str, Path], stack, packed: bool, config):
+  def __init__(self, path: Path, files: dict[str, Path], stack, packed: bool, config,
+               stored_names: dict[str, str] | None = None):
     self.path, self.files, self.stack, self.packed, self.config = path, files, stack, packed, config
+    self.stored_names = stored_names or {}  # a multimodal wrapper's text tower: its own names
     self.handles: dict[tuple[Path, str], Any] = {}
 
   def _open(self, file: Path, framework: str):
@@ -140,11 +156,12 @@ class _Reader:
     return self.handles[file, framework]
 
   def _stored(self, name: str):
-    handle = self._open(self.files[name], "numpy").get_slice(name)
+    stored = self.stored_names.get(name, name)
+    handle = self._open(self.files[name], "numpy").get_slice(stored)
     if handle.get_dtype() != "BF16":
       return handle
     # numpy has no bfloat16: read through JAX (ml_dtypes) on the host instead
-    return _HostSlice(self._open(self.files[name], "flax").get_slice(name))
+    return _HostSlice(self._open(self.files[name], "flax").get_slice(stored))
 
   def tensor(self, name: str):
     """(slice handle, file, the stored tensors it reads)."""

@@ -20,16 +20,20 @@ from typing import Any, Mapping
 
 from distillax.errors import UserError
 from distillax.models.config import FULL, LINEAR, SLIDING, TransformerConfig, window_fields
+from distillax.models.hf_gemma4 import GEMMA4, gemma4_fields, gemma4_hf_fields, is_gemma4
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+                "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                "gemma4_text": "Gemma4ForCausalLM"}
 GPT_OSS = "GptOssForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
+# Multimodal wrappers whose text decoder distillax reads (text_config; weights under a prefix).
+MULTIMODAL = {"Gemma4ForConditionalGeneration": GEMMA4}
 QWEN35 = "Qwen3_5ForCausalLM"
 ARCHITECTURES = tuple(_MODEL_TYPES.values())
 _GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", GEMMA3)
@@ -44,8 +48,18 @@ def supported_architectures() -> str:
   return ", ".join(f"{arch} ({model_type})" for model_type, arch in _MODEL_TYPES.items())
 
 
+def text_config(hf: Mapping[str, Any]) -> Mapping[str, Any]:
+  """The text decoder's config of a multimodal wrapper's config.json (the config as is
+  otherwise), with the wrapper's text architecture named."""
+  archs = hf.get("architectures") or []
+  if archs and archs[0] in MULTIMODAL and isinstance(hf.get("text_config"), Mapping):
+    return {**hf["text_config"], "architectures": [MULTIMODAL[archs[0]]]}
+  return hf
+
+
 def architecture_of(hf: Mapping[str, Any], where: str) -> str:
   """The HF class of a config dict (`architectures[0]`, else from `model_type`), if supported."""
+  hf = text_config(hf)
   archs = hf.get("architectures") or []
   model_type = hf.get("model_type")
   arch = archs[0] if archs else _MODEL_TYPES.get(str(model_type), "")
@@ -247,6 +261,11 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
     return _gpt_oss_fields(hf, num_layers, where)
   if arch == QWEN35:
     return _qwen35_fields(hf, act, num_layers, where)
+  if arch == GEMMA4:
+    if (act or "gelu_pytorch_tanh") not in _TANH_GELU:
+      raise UserError(f"{where}: hidden activation {act!r} is not supported for {arch} "
+                      f"(only gelu_pytorch_tanh)")
+    return gemma4_fields(hf, num_layers, where)
   if arch not in _GEMMA_FAMILY:
     if (act or "silu") != "silu":
       raise UserError(f"{where}: hidden_act={act!r} is not supported for {arch} (only silu)")
@@ -274,8 +293,10 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
 
 def config_from_hf(hf: Mapping[str, Any], *, where: str = "config.json",
                    dtype: str | None = None, **overrides) -> TransformerConfig:
-  """The TransformerConfig of a HF config dict. `dtype` sets both param and compute dtype."""
+  """The TransformerConfig of a HF config dict (a multimodal wrapper's: its text decoder's).
+  `dtype` sets both param and compute dtype."""
   arch = architecture_of(hf, where)
+  hf = text_config(hf)
   quant = (hf.get("quantization_config") or {}).get("quant_method")
   if quant is not None and not (arch == GPT_OSS and quant == "mxfp4"):
     raise UserError(f"{where}: quantization_config quant_method={quant!r} is not supported; "
@@ -292,7 +313,7 @@ def config_from_hf(hf: Mapping[str, Any], *, where: str = "config.json",
       head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
       mlp_dim=int(hf["intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", arch in _GEMMA_FAMILY)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", arch in _GEMMA_FAMILY + (GEMMA4,))),
       **_rope(hf, where))
   fields.update(_family_fields(hf, arch, fields["num_layers"], where))
   if dtype is not None:
@@ -352,7 +373,10 @@ def hf_architecture(config: TransformerConfig) -> str:
                  config.query_pre_attn_scalar)
   qwen_only = (config.qkv_bias, config.qk_norm)
   arch = None
-  if (config.attn_output_gate or config.token_mixers is not None
+  if (config.value_norm or config.layer_scalar or config.per_layer_input_dim
+      or config.num_kv_shared_layers):
+    arch = GEMMA4 if is_gemma4(config) else None
+  elif (config.attn_output_gate or config.token_mixers is not None
       or config.partial_rotary_factor != 1.0):
     arch = QWEN35 if _is_qwen35(config) else None
   elif (config.attention_sinks or config.router_bias or config.expert_bias
@@ -393,6 +417,8 @@ def hf_architecture(config: TransformerConfig) -> str:
 def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
   """The config.json keys one architecture adds to the shared ones."""
   window = config.sliding_window if any(config.local_layers()) else None
+  if arch == GEMMA4:
+    return gemma4_hf_fields(config)
   if arch == QWEN35:
     mixers = config.token_mixers or (FULL,) * config.num_layers
     return dict(hidden_act="silu", layer_types=list(mixers),

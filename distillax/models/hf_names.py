@@ -232,6 +232,16 @@ def _layer_sources(config: TransformerConfig,
   if layer is not None and config.layer_is_linear(layer):
     sources = {k: v for k, v in sources.items() if k[0] != "attn"}
     sources.update(_gated_deltanet_sources(config))
+  if config.per_layer_input_dim:  # Gemma 4
+    sources[("per_layer", "gate")] = ("per_layer_input_gate.weight", Layout("T"))
+    sources[("per_layer", "projection")] = ("per_layer_projection.weight", Layout("T"))
+    sources[("per_layer", "norm", "scale")] = ("post_per_layer_input_norm.weight",
+                                               Layout("copy"))
+  if config.layer_scalar:
+    sources[("scalar",)] = ("layer_scalar", Layout("copy"))
+  if layer is not None and not config.layer_owns_kv(layer):  # attends an earlier layer's k/v
+    for key in (("attn", "k"), ("attn", "v"), ("attn", "k_norm", "scale")):
+      sources.pop(key, None)
   return sources
 
 
@@ -239,6 +249,11 @@ _TOP_SOURCES = {
     ("embedder", "embedding"): ("model.embed_tokens.weight", Layout("copy")),
     ("final_norm", "scale"): ("model.norm.weight", Layout("copy")),
     ("lm_head",): ("lm_head.weight", Layout("T")),
+    # Gemma 4's per-layer inputs (models/per_layer_inputs.py)
+    ("per_layer_inputs", "embedding"): ("model.embed_tokens_per_layer.weight", Layout("copy")),
+    ("per_layer_inputs", "projection"): ("model.per_layer_model_projection.weight", Layout("T")),
+    ("per_layer_inputs", "norm", "scale"): ("model.per_layer_projection_norm.weight",
+                                            Layout("copy")),
 }
 
 

@@ -22,6 +22,7 @@ from distillax.models.gated_deltanet import GatedDeltaNet
 from distillax.models.layers import (MLP, Embedder, RMSNorm, normal_param, rope_sin_cos,
                                      rope_tables, softcap)
 from distillax.models.moe import MoE, RouterStats
+from distillax.models.per_layer_inputs import PerLayerGate, PerLayerInputs
 from distillax.partitioning import constrain
 
 _REMAT_POLICIES = {
@@ -58,25 +59,39 @@ class ModelOutput:
 
 class Block(nnx.Module):
   """Pre-norm attention + gated MLP (or mixture of experts), each added to the residual (Gemma 2
-  also post-norms)."""
+  also post-norms; Gemma 4 then gates in the layer's own input and scales the output)."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
     self.attn_norm = RMSNorm(config)
-    mixer = GatedDeltaNet if config.layer_is_linear(layer) else Attention  # Qwen3.5's hybrid
-    self.attn = mixer(config, rngs=rngs)
+    if config.layer_is_linear(layer):  # Qwen3.5's hybrid
+      self.attn = GatedDeltaNet(config, rngs=rngs)
+    else:
+      self.attn = Attention(config, rngs=rngs, owns_kv=config.layer_owns_kv(layer))
     self.mlp_norm = RMSNorm(config)
     self.mlp = MoE(config, rngs=rngs) if config.num_experts else MLP(config, rngs=rngs)
     self.post_attn_norm = RMSNorm(config) if config.use_post_norms else None
     self.post_mlp_norm = RMSNorm(config) if config.use_post_norms else None
+    self.per_layer = (PerLayerGate(config, rngs=rngs) if config.per_layer_input_dim else None)
+    self.scalar = (nnx.Param(jnp.ones((1,), config.jnp_param_dtype), logical_axes=(None,))
+                   if config.layer_scalar else None)
+    # Gemma 4: whether later layers attend with this layer's keys/values.
+    self.returns_kv = layer in {config.kv_source_layer(j) for j in range(config.num_layers)}
 
   def __call__(self, x_BxLxD, ctx: dict, window=None, cache_kv=None, return_probs=False,
-               return_router_logits=False):
+               return_router_logits=False, extras=None):
+    """(x, new cache, probs, router stats, the (k, v) it attended if later layers share them).
+    extras (Gemma 4): 'per_layer_input' (B, L, P), 'shared_kv' (an earlier layer's k, v)."""
+    extras = extras or {}
     h = self.attn_norm(x_BxLxD)
-    h, new_cache, probs = self.attn(h, sin_cos=ctx["sin_cos"], q_index_BxL=ctx["q_index"],
-                                    k_index_BxS=ctx["k_index"], q_segment_BxL=ctx["q_segment"],
-                                    k_segment_BxS=ctx["k_segment"],
-                                    window=window, cache_kv=cache_kv,
-                                    cache_index=ctx.get("cache_index"), return_probs=return_probs)
+    kv_args = {"return_kv": True} if self.returns_kv else {}
+    if extras.get("shared_kv") is not None:
+      kv_args["shared_kv"] = extras["shared_kv"]
+    out = self.attn(h, sin_cos=ctx["sin_cos"], q_index_BxL=ctx["q_index"],
+                    k_index_BxS=ctx["k_index"], q_segment_BxL=ctx["q_segment"],
+                    k_segment_BxS=ctx["k_segment"], window=window, cache_kv=cache_kv,
+                    cache_index=ctx.get("cache_index"), return_probs=return_probs, **kv_args)
+    h, new_cache, probs = out[:3]
+    kv = out[3] if len(out) > 3 else None
     if self.post_attn_norm is not None:
       h = self.post_attn_norm(h)
     x_BxLxD = x_BxLxD + h
@@ -88,7 +103,11 @@ class Block(nnx.Module):
     if self.post_mlp_norm is not None:
       h = self.post_mlp_norm(h)
     x_BxLxD = constrain(x_BxLxD + h, ("batch", "residual_length", "embed"))
-    return x_BxLxD, new_cache, probs, stats
+    if self.per_layer is not None:
+      x_BxLxD = self.per_layer(x_BxLxD, extras["per_layer_input"])
+    if self.scalar is not None:
+      x_BxLxD = x_BxLxD * self.scalar[...].astype(x_BxLxD.dtype)
+    return x_BxLxD, new_cache, probs, stats, kv
 
 
 def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
@@ -123,6 +142,8 @@ class Transformer(nnx.Module):
       self.layers = _stacked_blocks(config, rngs)
     else:
       self.layers = nnx.List([Block(config, rngs=rngs, layer=i) for i in range(config.num_layers)])
+    self.per_layer_inputs = (PerLayerInputs(config, rngs=rngs) if config.per_layer_input_dim
+                             else None)
     self.final_norm = RMSNorm(config)
     if config.tie_embeddings:
       self.lm_head = None
@@ -183,17 +204,14 @@ class Transformer(nnx.Module):
                                                    (0, start))
     if positions_BxL is None:
       positions_BxL = q_index_BxL
-    ctx = {
-        **_rope_context(positions_BxL, cfg),
-        "q_segment": segment_ids_BxL,
-        "k_segment": k_segment_BxS,
-        "q_index": q_index_BxL,
-        "k_index": k_index_BxS,
-    }
+    ctx = {**_rope_context(positions_BxL, cfg), "q_segment": segment_ids_BxL,
+           "k_segment": k_segment_BxS, "q_index": q_index_BxL, "k_index": k_index_BxS}
     if start is not None:
       ctx["cache_index"] = start
 
     x_BxLxD = embedded_BxLxD = self.embedder(tokens_BxL)
+    if self.per_layer_inputs is not None:
+      ctx["per_layer_inputs"] = self.per_layer_inputs(tokens_BxL, embedded_BxLxD)
     cache_kv = None if cache is None else cache.layer_caches(cfg)
     run = self._run_scanned if cfg.scan_layers else self._run_unrolled
     x_BxLxD, per_layer_x, new_kv, probs, stats = run(
@@ -215,9 +233,9 @@ class Transformer(nnx.Module):
     """A pure (state, x, ctx, window, cache_kv) -> outputs function of one block, remat-wrapped;
     `wants`: (attention probabilities, router logits)."""
 
-    def apply(state, x_BxLxD, ctx, window, cache_kv):
+    def apply(state, x_BxLxD, ctx, window, cache_kv, extras=None):
       block = nnx.merge(graphdef, state)
-      return block(x_BxLxD, ctx, window, cache_kv, *wants)
+      return block(x_BxLxD, ctx, window, cache_kv, *wants, extras=extras)
 
     if self.config.remat == "none":
       return apply
@@ -227,18 +245,24 @@ class Transformer(nnx.Module):
   def _run_unrolled(self, x_BxLxD, ctx, cache_kv, want_hidden, wants):
     cfg = self.config
     xs, caches, probs, stats = [], [], [], []
+    attended = {}  # Gemma 4: the keys/values of the layers later layers share
     for i, block in enumerate(self.layers):
       graphdef, state = nnx.split(block)
       layer_kv = None if cache_kv is None else cache_kv[i]
       window = cfg.sliding_window if cfg.layer_uses_sliding_window(i) else None
       ctx_i = _layer_rope(ctx, cfg.layer_ropes()[i])
-      x_BxLxD, new_kv, p, st = self._block_fn(graphdef, wants)(state, x_BxLxD, ctx_i, window,
-                                                               layer_kv)
+      extras = {"shared_kv": attended.get(cfg.kv_source_layer(i))}
+      if "per_layer_inputs" in ctx:
+        extras["per_layer_input"] = ctx["per_layer_inputs"][:, :, i]
+      x_BxLxD, new_kv, p, st, kv = self._block_fn(graphdef, wants)(state, x_BxLxD, ctx_i, window,
+                                                                   layer_kv, extras)
+      if kv is not None:
+        attended[i] = kv
       if want_hidden:
         xs.append(x_BxLxD)
       if wants[0]:
         probs.append(p)
-      if new_kv is not None:
+      if cache_kv is not None:
         caches.append(new_kv)
       if st is not None:
         stats.append(st)
@@ -256,7 +280,7 @@ class Transformer(nnx.Module):
     def body(x_BxLxD, layer):
       layer_state, window, layer_kv, rope = layer
       ctx_i = _layer_rope(ctx, rope)
-      x_BxLxD, new_kv, p, st = block_fn(layer_state, x_BxLxD, ctx_i, window, layer_kv)
+      x_BxLxD, new_kv, p, st, _ = block_fn(layer_state, x_BxLxD, ctx_i, window, layer_kv)
       return x_BxLxD, (x_BxLxD if want_hidden else None, new_kv, p, st)
 
     x_BxLxD, (xs, new_kv, probs, stats) = jax.lax.scan(body, x_BxLxD,

@@ -177,6 +177,8 @@ ADDED_LATER: dict[str, Any] = {
     "model.linear_key_head_dim": 16, "model.linear_value_head_dim": 16,
     "model.linear_conv_kernel": 4, "model.partial_rotary_factor": 1.0,
     "model.attn_output_gate": False,
+    "model.per_layer_input_dim": 0, "model.per_layer_input_vocab_size": 0,  # Gemma 4's fields
+    "model.num_kv_shared_layers": 0, "model.value_norm": False, "model.layer_scalar": False,
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
     "student.from_teacher.experts": [], "distill.router.weight": 0.0,
 }

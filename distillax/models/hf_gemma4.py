@@ -1,0 +1,110 @@
+"""Gemma 4's text decoder in Hugging Face `config.json` (Gemma4TextConfig, model_type
+gemma4_text) <-> TransformerConfig.
+
+Gemma 4 is Gemma 2's block (post norms, GeGLU, sqrt(D) embeddings, final soft-cap) with plain
+(w, not 1 + w) norms, q/k norms and scale-free value norms, attention scale 1, a learned scalar
+per layer, per-layer inputs (models/per_layer_inputs.py) and keys/values shared by the last
+`num_kv_shared_layers` layers. What distillax does not read yet is refused in one line, by
+name: a larger head_dim and fewer kv heads on full layers (global_head_dim,
+num_global_key_value_heads), keys reused as values (attention_k_eq_v), a RoPE per layer type
+(the released checkpoints' proportional RoPE on a quarter of the full layers' features), the
+double-wide MLP of sharing layers and the MoE block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from distillax.errors import UserError
+from distillax.models.config import FULL, SLIDING, TransformerConfig, window_fields
+
+GEMMA4 = "Gemma4ForCausalLM"
+# transformers' default rope_parameters for a Gemma 4 config.json that names none.
+_DEFAULT_ROPES = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                  FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                         "rope_theta": 1_000_000.0}}
+
+
+def _rope_theta(rope: Mapping[str, Any]) -> float | None:
+  """One layer type's RoPE base if distillax turns it as transformers does (None otherwise):
+  the default RoPE, or 'proportional' over every feature unscaled (the same)."""
+  kind = rope.get("rope_type", "default")
+  if kind == "default" or (kind == "proportional" and rope.get("factor", 1.0) == 1.0
+                           and rope.get("partial_rotary_factor", 1.0) == 1.0):
+    return float(rope.get("rope_theta", 10_000.0))
+  return None
+
+
+def _refuse_unsupported(hf: Mapping[str, Any], ropes: Mapping[str, Any], where: str) -> None:
+  head_dim = hf.get("head_dim", 256)
+  unsupported = {
+      "attention_k_eq_v": bool(hf.get("attention_k_eq_v")),
+      "global_head_dim": hf.get("global_head_dim", 512) != head_dim,
+      "num_global_key_value_heads": hf.get("num_global_key_value_heads") not in (
+          None, hf.get("num_key_value_heads")),
+      "enable_moe_block": bool(hf.get("enable_moe_block")),
+      "use_double_wide_mlp": bool(hf.get("use_double_wide_mlp"))
+                             and bool(hf.get("num_kv_shared_layers")),
+      "use_bidirectional_attention": hf.get("use_bidirectional_attention") == "all",
+      "rope_parameters": len({_rope_theta(r) for r in ropes.values()} | {-1.0}) != 2
+                         or None in {_rope_theta(r) for r in ropes.values()},
+  }
+  named = [k for k, bad in unsupported.items() if bad]
+  if named:
+    shown = ", ".join(f"{k}={hf.get(k, 'default')!r}" for k in named)
+    raise UserError(f"{where}: Gemma 4 with {shown} is not supported yet; distillax reads Gemma "
+                    f"4 decoders with one head_dim and one RoPE for every layer, separate k/v "
+                    f"projections and dense MLPs")
+
+
+def gemma4_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[str, Any]:
+  """The TransformerConfig switches of a Gemma4TextConfig dict; sliding layers 5:1 by default,
+  the last layer full (transformers forces it)."""
+  ropes = dict(hf.get("rope_parameters") or _DEFAULT_ROPES)
+  _refuse_unsupported(hf, ropes, where)
+  types = list(hf.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL
+                                         for i in range(num_layers)])
+  if len(types) != num_layers or set(types) - {SLIDING, FULL}:
+    raise UserError(f"{where}: layer_types={types} must name {SLIDING!r} or {FULL!r} for each "
+                    f"of num_hidden_layers={num_layers} layers; fix the config.json")
+  types[-1] = FULL
+  vocab = int(hf.get("vocab_size_per_layer_input", 262_144))
+  return dict(mlp_activation="geglu", scale_embeddings=True, use_post_norms=True, qk_norm=True,
+              value_norm=True, layer_scalar=True, query_pre_attn_scalar=1.0,
+              final_logit_softcap=hf.get("final_logit_softcapping"),
+              rope_theta=_rope_theta(next(iter(ropes.values()))),
+              per_layer_input_dim=int(hf.get("hidden_size_per_layer_input", 256) or 0),
+              per_layer_input_vocab_size=0 if vocab == int(hf["vocab_size"]) else vocab,
+              num_kv_shared_layers=int(hf.get("num_kv_shared_layers", 0)),
+              **window_fields(hf.get("sliding_window", 512), [t == SLIDING for t in types]))
+
+
+def is_gemma4(config: TransformerConfig) -> bool:
+  """Whether Gemma4ForCausalLM holds the config: its fixed parts (post norms, q/k and value
+  norms, layer scalars, attention scale 1, plain norms, GeGLU, the last layer full) and
+  nothing of the other families."""
+  return (config.value_norm and config.layer_scalar and config.qk_norm and config.use_post_norms
+          and config.scale_embeddings and config.mlp_activation == "geglu"
+          and config.query_pre_attn_scalar == 1.0 and not config.num_experts
+          and not config.local_layers()[-1]
+          and not (config.norm_scale_plus_one or config.qkv_bias or config.attn_logit_softcap
+                   or config.rope_scaling_factor or config.attention_sinks
+                   or config.attn_out_bias or config.attn_output_gate
+                   or config.token_mixers is not None or config.partial_rotary_factor != 1.0))
+
+
+def gemma4_hf_fields(config: TransformerConfig) -> dict[str, Any]:
+  """The config.json keys Gemma4TextConfig adds to the shared ones (token ids inside the
+  vocabulary: transformers checks them)."""
+  rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+  return dict(hidden_activation="gelu_pytorch_tanh", global_head_dim=config.head_dim,
+              final_logit_softcapping=config.final_logit_softcap,
+              sliding_window=config.sliding_window or config.max_seq_len,
+              layer_types=[SLIDING if local else FULL for local in config.local_layers()],
+              rope_parameters={SLIDING: dict(rope), FULL: dict(rope)},
+              hidden_size_per_layer_input=config.per_layer_input_dim,
+              vocab_size_per_layer_input=config.per_layer_vocab,
+              num_kv_shared_layers=config.num_kv_shared_layers, attention_k_eq_v=False,
+              enable_moe_block=False, use_double_wide_mlp=False, pad_token_id=0,
+              bos_token_id=min(2, config.vocab_size - 1),
+              eos_token_id=min(1, config.vocab_size - 1))

@@ -1,0 +1,157 @@
+"""Gemma 4's text decoder (Gemma4ForCausalLM, and the text tower of a
+Gemma4ForConditionalGeneration checkpoint) against transformers 5.24: the full forward, KV-cached
+decode, packed documents against each document alone, export back with an exact round trip.
+
+A tiny random model built from a config (nothing is downloaded): 5 layers (sliding, full,
+sliding, sliding, full; window 4), per-layer inputs of width 8, the last 2 layers sharing the
+keys/values of layers 2 (sliding) and 1 (full), a final soft-cap, layer scalars drawn away from
+1. One head_dim and one RoPE for every layer (what distillax reads today). transformers does not
+write global_head_dim into config.json, and reads 512 without it: the fixture writes it.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from distillax.errors import UserError  # noqa: E402
+from distillax.models import hf  # noqa: E402
+from distillax.models.attention import KVCache  # noqa: E402
+from distillax.models.hf_config import config_from_hf, config_to_hf  # noqa: E402
+from tests.support.hf import cached_decode_delta, torch_logits  # noqa: E402
+from tests.support.models import Normal, forward, random_model  # noqa: E402
+
+S, F = "sliding_attention", "full_attention"
+ROPE = {"rope_type": "default", "rope_theta": 10_000.0}
+TEXT = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=5,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+            sliding_window=4, layer_types=[S, F, S, S, F], hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=97, num_kv_shared_layers=2, final_logit_softcapping=30.0,
+            rope_parameters={S: ROPE, F: ROPE}, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+            max_position_embeddings=64)
+TOKENS = np.random.default_rng(1).integers(3, 90, size=(2, 11)).astype(np.int64)
+
+
+def _randomize(model):
+  """Weights and norms wider than HF's init, layer scalars 0.5..1.3, so every part shows."""
+  torch.manual_seed(0)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      p.normal_(0.0, 0.3 if "norm" in name else 0.15)
+    scalars = [b for name, b in model.named_buffers() if name.endswith("layer_scalar")]
+    for i, b in enumerate(scalars):
+      b.fill_(0.5 + 0.2 * i)
+  return model.eval()
+
+
+def _save(model, path, text_config_key=None):
+  """save_pretrained, then global_head_dim written into config.json (see the docstring)."""
+  model.save_pretrained(path)
+  config = json.loads((path / "config.json").read_text())
+  (config[text_config_key] if text_config_key else config)["global_head_dim"] = 16
+  (path / "config.json").write_text(json.dumps(config))
+  return path
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+  config = transformers.Gemma4TextConfig(**TEXT, attn_implementation="eager")
+  return _randomize(transformers.Gemma4ForCausalLM(config))
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(hf_model, tmp_path_factory):
+  return _save(hf_model, tmp_path_factory.mktemp("gemma4"))
+
+
+def test_gemma4_import_matches_transformers_full_forward(hf_model, hf_checkpoint):
+  model = hf.load(hf_checkpoint)
+  cfg = model.config
+  assert (cfg.per_layer_input_dim, cfg.num_kv_shared_layers, cfg.final_logit_softcap) == (8, 2,
+                                                                                          30.0)
+  assert [cfg.kv_source_layer(i) for i in range(5)] == [None, None, None, 2, 1]
+  assert model.layers[3].attn.k is None and model.layers[2].attn.k is not None
+  assert KVCache.zeros(cfg, 1, 8).k_NxBxSxKxH.shape[0] == 3  # sharing layers cache nothing
+  want = torch_logits(hf_model, TOKENS)
+  got = np.asarray(forward(model, jnp.asarray(TOKENS, jnp.int32)).logits_BxLxV)
+  delta = float(np.max(np.abs(got - want)))
+  print(f"\ngemma4 full forward: max |dlogit| vs transformers {delta:.1e}")  # README table
+  assert float(np.abs(want).max()) > 1.0 and delta <= 1e-4
+
+
+def test_gemma4_cached_decode_matches_transformers(hf_model, hf_checkpoint):
+  """Prefill 6 tokens, then 5 greedy steps: the sliding window (4) is passed, and the sharing
+  layers read their source layers' cached keys/values."""
+  delta = cached_decode_delta(hf_model, hf.load(hf_checkpoint), TOKENS[:, :6], steps=5)
+  print(f"\ngemma4 cached decode: max |dlogit| vs transformers {delta:.1e}")  # README table
+  assert delta <= 1e-4
+
+
+def test_gemma4_packed_documents_match_each_document_alone_in_transformers(hf_model,
+                                                                           hf_checkpoint):
+  """Row 0 packs a 4-token and a 7-token document (positions restart), row 1 a 6 and a 5."""
+  model = hf.load(hf_checkpoint)
+  cuts = [4, 6]
+  seg = np.array([[1] * c + [2] * (11 - c) for c in cuts], np.int32)
+  pos = np.array([list(range(c)) + list(range(11 - c)) for c in cuts], np.int32)
+  got = np.asarray(forward(model, jnp.asarray(TOKENS, jnp.int32), jnp.asarray(pos),
+                           jnp.asarray(seg)).logits_BxLxV)
+  delta = 0.0
+  for row, cut in enumerate(cuts):
+    for doc in (slice(0, cut), slice(cut, 11)):
+      want = torch_logits(hf_model, TOKENS[row:row + 1, doc])[0]
+      delta = max(delta, float(np.max(np.abs(got[row, doc] - want))))
+  print(f"\ngemma4 packed documents: max |dlogit| vs transformers {delta:.1e}")  # README table
+  assert delta <= 1e-4
+
+
+def test_gemma4_multimodal_checkpoint_loads_its_text_tower(tmp_path):
+  """A Gemma4ForConditionalGeneration with tiny vision and audio towers: its text decoder
+  (weights under model.language_model.) loads and gives the wrapper's logits on text."""
+  text = {**TEXT, "num_hidden_layers": 4, "layer_types": [S, F, S, F], "num_kv_shared_layers": 1}
+  config = transformers.Gemma4Config(
+      text_config=text,
+      vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                         position_embedding_size=64, patch_size=4),
+      audio_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        subsampling_conv_channels=[4, 4], output_proj_dims=16),
+      boi_token_id=90, eoi_token_id=91, image_token_id=92, video_token_id=93, boa_token_id=94,
+      eoa_token_index=95, audio_token_id=96, attn_implementation="eager")
+  wrapper = _randomize(transformers.Gemma4ForConditionalGeneration(config))
+  path = _save(wrapper, tmp_path, "text_config")
+  model = hf.load(path)
+  assert model.config.num_layers == 4 and model.config.num_kv_shared_layers == 1
+  got = np.asarray(forward(model, jnp.asarray(TOKENS, jnp.int32)).logits_BxLxV)
+  delta = float(np.max(np.abs(got - torch_logits(wrapper, TOKENS))))
+  assert delta <= 1e-4
+
+
+def test_gemma4_export_loads_in_transformers_and_round_trips_exactly(hf_checkpoint, tmp_path):
+  ours = random_model(hf.load(hf_checkpoint).config, seed=7, init=Normal(0.15))
+  hf.save(ours, tmp_path)
+  assert config_from_hf(config_to_hf(ours.config)) == ours.config
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path, attn_implementation="eager").eval()
+  assert type(reloaded).__name__ == "Gemma4ForCausalLM"
+  got = np.asarray(forward(ours, jnp.asarray(TOKENS, jnp.int32)).logits_BxLxV)
+  assert float(np.max(np.abs(got - torch_logits(reloaded, TOKENS)))) <= 1e-4
+  back = hf.load(tmp_path)
+  assert back.config == ours.config
+  for a, b in zip(jax.tree.leaves(nnx.state(ours, nnx.Param)),
+                  jax.tree.leaves(nnx.state(back, nnx.Param))):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("key, value", [("attention_k_eq_v", True), ("global_head_dim", 32),
+                                        ("enable_moe_block", True)])
+def test_gemma4_parts_not_read_yet_are_refused_in_one_line(key, value):
+  hf_config = {**TEXT, "architectures": ["Gemma4ForCausalLM"], key: value}
+  with pytest.raises(UserError, match=f"Gemma 4 with {key}={value!r} is not supported yet"):
+    config_from_hf(hf_config)
