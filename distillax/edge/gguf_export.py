@@ -5,11 +5,11 @@
 
 Architectures: what `hf_config.hf_architecture` names, as llama.cpp's llama (Llama, and
 Mistral when no layer's window is shorter than the context; Mixtral, its experts included),
-gemma, gemma2, qwen2, qwen3 and qwen3moe, with llama.cpp's tensor names and `{arch}.*` keys
-(edge/gguf_layout.py). Conventions llama.cpp expects and we follow:
-tensors are row-major [out, in] (GGUF ne0 = in, the axis ggml's blocks run along); Llama's q/k
-rows are permuted from the rotate-half layout to llama.cpp's interleaved RoPE (its other archs
-rotate halves like us); Gemma's norms are stored as 1 + scale (llama.cpp multiplies by the
+gemma, gemma2, gemma3, qwen2, qwen3, qwen3moe and smollm3, with llama.cpp's tensor names and
+`{arch}.*` keys (edge/gguf_layout.py). Conventions llama.cpp expects and we follow:
+tensors are row-major [out, in] (GGUF ne0 = in, the axis ggml's blocks run along); Llama's and
+SmolLM3's q/k rows are permuted from the rotate-half layout to llama.cpp's interleaved RoPE (its
+other archs rotate halves like us); Gemma's norms are stored as 1 + scale (llama.cpp multiplies by the
 stored weight) and its sqrt(embed_dim) embedding scale is applied by llama.cpp itself; tied
 embeddings mean no `output.weight` (llama.cpp reuses token_embd); Llama 3.1 RoPE scaling goes in
 as the `rope_freqs` factors convert_hf_to_gguf.py writes. Features llama.cpp would silently run
@@ -56,9 +56,10 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama",
-                 "GptOssForCausalLM": "gpt-oss"}
+                 "GptOssForCausalLM": "gpt-oss", "Gemma3ForCausalLM": "gemma3",
+                 "SmolLM3ForCausalLM": "smollm3"}
 _SLIDING = ("gemma2", "gpt-oss")  # the archs whose even layers slide in llama.cpp
-_ROPE_SCALING = {"llama": "llama3", "gpt-oss": "yarn"}  # the scaling each arch reads
+_ROPE_SCALING = {"llama": "llama3", "gpt-oss": "yarn", "gemma3": "linear"}  # what each reads
 _EXPERT_BIASES = ("mlp/gate_bias", "mlp/up_bias", "mlp/down_bias")
 
 
@@ -73,19 +74,23 @@ def gguf_architecture(config: TransformerConfig) -> str:
                     f"one with --format hf")
   arch = ARCHITECTURES[hf_arch]
   local = [config.layer_uses_sliding_window(i) for i in range(config.num_layers)]
-  if arch not in _SLIDING and any(local) and config.sliding_window < config.max_seq_len:
+  if (arch not in _SLIDING + ("gemma3",) and any(local)
+      and config.sliding_window < config.max_seq_len):
     raise UserError(f"llama.cpp's {arch} architecture attends over the whole context; "
                     f"sliding_window={config.sliding_window} < max_seq_len={config.max_seq_len} "
                     f"would run differently there (set sliding_window to None or >= max_seq_len)")
   scaling = None if config.rope_scaling_factor is None else config.rope_scaling_type
   if scaling not in (None, _ROPE_SCALING.get(arch)):
-    name, only = {"llama3": ("Llama 3.1", "llama"), "yarn": ("YaRN", "gpt-oss")}[scaling]
+    name, only = {"llama3": ("Llama 3.1", "llama"), "yarn": ("YaRN", "gpt-oss"),
+                  "linear": ("linear", "gemma3")}[scaling]
     raise UserError(f"llama.cpp applies {name} RoPE scaling only to the {only} architecture, "
                     f"not {arch}; set rope_scaling_factor=None")
   if config.num_experts:
     _check_experts(config, arch)
   if arch == "gpt-oss":
     _check_gpt_oss(config)
+  if arch in ("gemma3", "smollm3"):
+    _check_fixed_layer_patterns(config, arch)
   if arch == "gemma2":
     _check_gemma2_windows(config)
     if config.attn_logit_softcap is None or config.final_logit_softcap is None:
@@ -145,6 +150,37 @@ def _check_gemma2_windows(config: TransformerConfig, arch: str = "gemma2") -> No
                     f"cannot say otherwise) but this model's are {name(ours)} (sliding_window="
                     f"{config.sliding_window}); export it with --format hf, or derive the "
                     f"student from blocks that alternate sliding/full from the first")
+
+
+def _check_fixed_layer_patterns(config: TransformerConfig, arch: str) -> None:
+  """What llama.cpp's gemma3 and smollm3 fix in code: gemma3 slides five layers in six with its
+  local RoPE at base 10k unscaled, never soft-caps attention and scales queries by head_dim
+  (by embed / heads at 62 layers, the 27B); smollm3 turns no RoPE in every 4th layer."""
+  n = config.num_layers
+  if arch == "smollm3":
+    every_4th = tuple(i for i in range(n) if (i + 1) % 4 == 0) or None
+    if config.rope_free_layers != every_4th:
+      raise UserError(f"llama.cpp's smollm3 leaves RoPE out of every 4th layer "
+                      f"{list(every_4th or ())}; rope_free_layers={config.rope_free_layers} "
+                      f"would run differently there (export it with --format hf)")
+    return
+  sliding = config.sliding_window is not None and config.sliding_window < config.max_seq_len
+  if sliding and config.local_layers() != [(i + 1) % 6 != 0 for i in range(n)]:
+    raise UserError(f"llama.cpp's gemma3 slides five layers in six (a GGUF cannot say otherwise) "
+                    f"but this model's sliding layers are "
+                    f"{[i for i, x in enumerate(config.local_layers()) if x]}; export it with "
+                    f"--format hf, or derive the student from blocks in that pattern")
+  if sliding and config.rope_local_theta != 10_000.0:
+    raise UserError(f"llama.cpp's gemma3 turns its sliding layers at RoPE base 10000, unscaled; "
+                    f"rope_local_theta={config.rope_local_theta} would run differently there")
+  if config.attn_logit_softcap is not None:
+    raise UserError(f"llama.cpp's gemma3 does not soft-cap attention; attn_logit_softcap="
+                    f"{config.attn_logit_softcap} would run differently there (set it to None)")
+  scale = config.query_pre_attn_scalar or config.head_dim
+  llama_cpp_scale = config.embed_dim // config.num_heads if n == 62 else config.head_dim
+  if scale != llama_cpp_scale:
+    raise UserError(f"llama.cpp's gemma3 scales queries by {llama_cpp_scale}**-0.5 for {n} "
+                    f"layers; query_pre_attn_scalar={scale} would differ")
 
 
 # ---- tensors -------------------------------------------------------------------------------
@@ -225,7 +261,7 @@ def gguf_arrays(model: Transformer, layouts: dict[str, tuple]):
     x = _rows(_host(value).astype(np.float32), layouts.get(name), name)
     if name.endswith("norm/scale") and config.norm_scale_plus_one:
       x = (np.float32(1) + x).astype(np.float32)
-    if arch == "llama" and name.endswith(("attn/q", "attn/k")):
+    if arch in ("llama", "smollm3") and name.endswith(("attn/q", "attn/k")):
       x = _rope_interleave(x, config.num_heads if name.endswith("q") else config.num_kv_heads)
     yield name, gguf_name(name, config, arch), np.ascontiguousarray(x)
   if arch == "llama" and config.rope_scaling_factor is not None:

@@ -72,11 +72,26 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
     writer.add_quantization_version(2)  # ggml's GGML_QNT_VERSION
   if arch == "gpt-oss":
     _add_gpt_oss_hparams(writer, config)
+  if arch == "gemma3":
+    _add_gemma3_hparams(writer, config)
   if arch == "gemma2":
     writer.add_attn_logit_softcapping(float(config.attn_logit_softcap))
     writer.add_final_logit_softcapping(float(config.final_logit_softcap))
     writer.add_sliding_window(int(config.sliding_window or config.max_seq_len))
     writer.add_sliding_window_pattern(2)  # what llama.cpp's gemma2 runs (it reads no pattern)
+
+
+def _add_gemma3_hparams(writer, config: TransformerConfig) -> None:
+  """The window of the sliding layers (llama.cpp slides five in six, their RoPE at 10k), the
+  global layers' linear RoPE scaling and the final soft-cap, when the model has them."""
+  if any(config.local_layers()):
+    writer.add_sliding_window(int(config.sliding_window))
+  if config.final_logit_softcap is not None:
+    writer.add_final_logit_softcapping(float(config.final_logit_softcap))
+  if config.rope_scaling_factor is not None:
+    import gguf  # the edge extra; write_gguf checked it is installed
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(float(config.rope_scaling_factor))
 
 
 def _add_gpt_oss_hparams(writer, config: TransformerConfig) -> None:
