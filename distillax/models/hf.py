@@ -79,14 +79,16 @@ def _tensor_files(path: Path) -> dict[str, Path]:
 
 def _text_tower(files: dict[str, Path], hf_config) -> tuple[dict[str, Path], dict[str, str]]:
   """A multimodal wrapper's text decoder tensors under the names of its text-only class
-  ('model.language_model.x' as 'model.x'; the vision and audio towers left out), with
+  ('model.language_model.x' as 'model.x', or transformers 4's 'language_model.model.x', as
+  Gemma 3 checkpoints are saved; the vision and audio towers and the projector left out), with
   {our name: stored name}; other checkpoints as they are."""
   if (hf_config.get("architectures") or [None])[0] not in MULTIMODAL:
     return files, {}
-  prefix = "model.language_model."
-  stored = {"model." + n[len(prefix):]: n for n in files if n.startswith(prefix)}
-  if "lm_head.weight" in files:
-    stored["lm_head.weight"] = "lm_head.weight"
+  prefixes = ("model.language_model.", "language_model.model.")
+  stored = {"model." + n[len(p):]: n for n in files for p in prefixes if n.startswith(p)}
+  for head in ("lm_head.weight", "language_model.lm_head.weight"):
+    if head in files:
+      stored["lm_head.weight"] = head
   return {name: files[n] for name, n in stored.items()}, stored
 
 

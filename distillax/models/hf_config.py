@@ -33,7 +33,8 @@ GPT_OSS = "GptOssForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 # Multimodal wrappers whose text decoder distillax reads (text_config; weights under a prefix).
-MULTIMODAL = {"Gemma4ForConditionalGeneration": GEMMA4}
+MULTIMODAL = {"Gemma4ForConditionalGeneration": GEMMA4,
+              "Gemma3ForConditionalGeneration": GEMMA3}
 QWEN35 = "Qwen3_5ForCausalLM"
 ARCHITECTURES = tuple(_MODEL_TYPES.values())
 _GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", GEMMA3)

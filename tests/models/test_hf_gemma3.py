@@ -1,7 +1,8 @@
 """Gemma 3 (Gemma3ForCausalLM) against transformers 5.24: the full forward (unrolled and
 scanned), KV-cached decode, packed documents against each document run alone, export back to
-transformers with an exact round trip, and a student of teacher blocks that keeps each block's
-attention type and RoPE base.
+transformers with an exact round trip, a student of teacher blocks that keeps each block's
+attention type and RoPE base, and the text decoder of a Gemma3ForConditionalGeneration
+checkpoint.
 
 A tiny random model built from a config (nothing is downloaded): 6 layers in Gemma 3's 5:1
 pattern (five sliding, window 4, then one global), the global layers' RoPE at base 1e6 with
@@ -149,3 +150,35 @@ def test_a_gemma3_student_of_teacher_blocks_keeps_each_blocks_attention_and_rope
                     if k.startswith(prefix)})
   fresh.load_state_dict(renamed)
   assert float(np.max(np.abs(_logits(student) - torch_logits(fresh, TOKENS)))) <= 1e-4
+
+
+def test_a_gemma3_multimodal_checkpoint_loads_its_text_decoder(tmp_path):
+  """A tiny Gemma3ForConditionalGeneration (a 1-layer SigLIP tower, its projector, an untied
+  head) saved as transformers 5.24 saves it ('language_model.model.*', 'language_model.lm_head',
+  'vision_tower.*', 'multi_modal_projector.*'): distillax reads the text decoder, ignores the rest, and its
+  logits are the wrapper's on text."""
+  text = {k: v for k, v in CONFIG.items() if k != "attn_implementation"}
+  vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                image_size=28, patch_size=14)
+  config = transformers.Gemma3Config(
+      text_config={**text, "num_hidden_layers": 2, "tie_word_embeddings": False},
+      vision_config=vision, mm_tokens_per_image=4, image_token_index=319, boi_token_index=317,
+      eoi_token_index=318, tie_word_embeddings=False)
+  torch.manual_seed(5)
+  wrapper = transformers.Gemma3ForConditionalGeneration(config)
+  with torch.no_grad():
+    for name, p in wrapper.named_parameters():
+      p.normal_(0.0, 0.3 if "norm" in name else 0.1)
+  wrapper.eval().save_pretrained(tmp_path)
+  from safetensors import safe_open
+  with safe_open(str(tmp_path / "model.safetensors"), "np") as f:
+    names = set(f.keys())
+  assert {"language_model.lm_head.weight", "language_model.model.norm.weight",
+          "multi_modal_projector.mm_input_projection_weight"} <= names
+  assert any(n.startswith("vision_tower.") for n in names)
+  model = hf.load(tmp_path)
+  assert (model.config.num_layers, model.config.tie_embeddings) == (2, False)
+  assert model.config.layer_ropes() == (ROPE_LOCAL, ROPE_LOCAL)
+  delta = float(np.max(np.abs(_logits(model) - torch_logits(wrapper, TOKENS))))
+  print(f"\ngemma3 multimodal checkpoint, text decoder: max |dlogit| {delta:.1e}")
+  assert delta <= 1e-4
