@@ -9,8 +9,8 @@ gemma, gemma2, gemma3, qwen2, qwen3, qwen3moe and smollm3, with llama.cpp's tens
 `{arch}.*` keys (edge/gguf_layout.py). Conventions llama.cpp expects and we follow:
 tensors are row-major [out, in] (GGUF ne0 = in, the axis ggml's blocks run along); Llama's and
 SmolLM3's q/k rows are permuted from the rotate-half layout to llama.cpp's interleaved RoPE (its
-other archs rotate halves like us); Gemma's norms are stored as 1 + scale (llama.cpp multiplies by the
-stored weight) and its sqrt(embed_dim) embedding scale is applied by llama.cpp itself; tied
+other archs rotate halves like us); Gemma's norms are stored as 1 + scale (llama.cpp multiplies
+by the stored weight) and its sqrt(embed_dim) embedding scale is applied by llama.cpp itself; tied
 embeddings mean no `output.weight` (llama.cpp reuses token_embd); Llama 3.1 RoPE scaling goes in
 as the `rope_freqs` factors convert_hf_to_gguf.py writes. Features llama.cpp would silently run
 differently (a sliding window on a llama/qwen arch, Gemma 2 without soft-caps, with another
