@@ -1,5 +1,5 @@
 """SmolLM3 (SmolLM3ForCausalLM) against transformers 5.24: the full forward (unrolled and
-scanned), KV-cached decode, and export back to transformers with an exact round trip.
+scanned), KV-cached decode, packed documents against each document run alone, and export back to transformers with an exact round trip.
 
 A tiny random model built from a config (nothing is downloaded): 4 layers, the 4th without RoPE
 (no_rope_layer_interval 4), with the pad/bos/eos ids inside the tiny vocabulary. Weights and
@@ -65,6 +65,23 @@ def test_smollm3_import_matches_transformers_full_forward_unrolled_and_scanned(h
 def test_smollm3_cached_decode_matches_transformers(hf_model, hf_checkpoint):
   delta = cached_decode_delta(hf_model, hf.load(hf_checkpoint[0]), TOKENS[:, :6], steps=5)
   print(f"\nsmollm3 cached decode: max |dlogit| vs transformers {delta:.1e}")  # README table
+  assert delta <= 1e-4
+
+
+def test_smollm3_packed_documents_match_each_document_alone_in_transformers(hf_model,
+                                                                            hf_checkpoint):
+  """Row 0 packs a 4-token and a 7-token document (positions restart), row 1 a 6 and a 5."""
+  cuts = [4, 6]
+  seg = jnp.asarray([[1] * c + [2] * (11 - c) for c in cuts], jnp.int32)
+  pos = jnp.asarray([list(range(c)) + list(range(11 - c)) for c in cuts], jnp.int32)
+  got = np.asarray(forward(hf.load(hf_checkpoint[0]), jnp.asarray(TOKENS, jnp.int32), pos,
+                           seg).logits_BxLxV)
+  delta = 0.0
+  for row, cut in enumerate(cuts):
+    for doc in (slice(0, cut), slice(cut, 11)):
+      want = torch_logits(hf_model, TOKENS[row:row + 1, doc])[0]
+      delta = max(delta, float(np.max(np.abs(got[row, doc] - want))))
+  print(f"\nsmollm3 packed documents: max |dlogit| vs transformers {delta:.1e}")  # README table
   assert delta <= 1e-4
 
 
