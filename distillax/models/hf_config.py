@@ -396,7 +396,7 @@ def hf_architecture(config: TransformerConfig) -> str:
     arch = SMOLLM3 if not (any(qwen_only) or config.num_experts or config.sliding_window) else None
   elif llama_like and not any(gemma2_only):
     arch = _swiglu_architecture(config)
-  if (config.rope_local_theta is not None and arch != GEMMA3
+  if (config.rope_local_theta is not None and arch not in (GEMMA3, GEMMA4)
       or config.rope_scaling_type == "linear" and arch in (GPT_OSS, QWEN35)):
     arch = None  # no other family turns its sliding layers with a base of their own
   if arch is None:

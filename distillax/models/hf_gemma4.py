@@ -6,9 +6,10 @@ Gemma 4 is Gemma 2's block (post norms, GeGLU, sqrt(D) embeddings, final soft-ca
 per layer, per-layer inputs (models/per_layer_inputs.py) and keys/values shared by the last
 `num_kv_shared_layers` layers. What distillax does not read yet is refused in one line, by
 name: a larger head_dim and fewer kv heads on full layers (global_head_dim,
-num_global_key_value_heads), keys reused as values (attention_k_eq_v), a RoPE per layer type
-(the released checkpoints' proportional RoPE on a quarter of the full layers' features), the
-double-wide MLP of sharing layers and the MoE block.
+num_global_key_value_heads), keys reused as values (attention_k_eq_v), RoPE other than the
+default (the released checkpoints' proportional RoPE on a quarter of the full layers'
+features), the double-wide MLP of sharing layers and the MoE block. Each layer type's RoPE base
+is read: full layers' as rope_theta, sliding layers' as rope_local_theta (Gemma 3's field).
 """
 
 from __future__ import annotations
@@ -46,15 +47,14 @@ def _refuse_unsupported(hf: Mapping[str, Any], ropes: Mapping[str, Any], where: 
       "use_double_wide_mlp": bool(hf.get("use_double_wide_mlp"))
                              and bool(hf.get("num_kv_shared_layers")),
       "use_bidirectional_attention": hf.get("use_bidirectional_attention") == "all",
-      "rope_parameters": len({_rope_theta(r) for r in ropes.values()} | {-1.0}) != 2
-                         or None in {_rope_theta(r) for r in ropes.values()},
+      "rope_parameters": None in {_rope_theta(r) for r in ropes.values()},
   }
   named = [k for k, bad in unsupported.items() if bad]
   if named:
     shown = ", ".join(f"{k}={hf.get(k, 'default')!r}" for k in named)
     raise UserError(f"{where}: Gemma 4 with {shown} is not supported yet; distillax reads Gemma "
-                    f"4 decoders with one head_dim and one RoPE for every layer, separate k/v "
-                    f"projections and dense MLPs")
+                    f"4 decoders with one head_dim and default RoPE in every layer, separate "
+                    f"k/v projections and dense MLPs")
 
 
 def gemma4_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[str, Any]:
@@ -69,10 +69,11 @@ def gemma4_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[st
                     f"of num_hidden_layers={num_layers} layers; fix the config.json")
   types[-1] = FULL
   vocab = int(hf.get("vocab_size_per_layer_input", 262_144))
+  theta, local = _rope_theta(ropes.get(FULL) or {}), _rope_theta(ropes.get(SLIDING) or {})
   return dict(mlp_activation="geglu", scale_embeddings=True, use_post_norms=True, qk_norm=True,
               value_norm=True, layer_scalar=True, query_pre_attn_scalar=1.0,
               final_logit_softcap=hf.get("final_logit_softcapping"),
-              rope_theta=_rope_theta(next(iter(ropes.values()))),
+              rope_theta=theta, rope_local_theta=None if local == theta else local,
               per_layer_input_dim=int(hf.get("hidden_size_per_layer_input", 256) or 0),
               per_layer_input_vocab_size=0 if vocab == int(hf["vocab_size"]) else vocab,
               num_kv_shared_layers=int(hf.get("num_kv_shared_layers", 0)),
@@ -88,7 +89,8 @@ def is_gemma4(config: TransformerConfig) -> bool:
           and config.query_pre_attn_scalar == 1.0 and not config.num_experts
           and not config.local_layers()[-1]
           and not (config.norm_scale_plus_one or config.qkv_bias or config.attn_logit_softcap
-                   or config.rope_scaling_factor or config.attention_sinks
+                   or config.rope_scaling_factor or config.rope_free_layers
+                   or config.attention_sinks
                    or config.attn_out_bias or config.attn_output_gate
                    or config.token_mixers is not None or config.partial_rotary_factor != 1.0))
 
@@ -96,12 +98,13 @@ def is_gemma4(config: TransformerConfig) -> bool:
 def gemma4_hf_fields(config: TransformerConfig) -> dict[str, Any]:
   """The config.json keys Gemma4TextConfig adds to the shared ones (token ids inside the
   vocabulary: transformers checks them)."""
-  rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+  local = config.rope_theta if config.rope_local_theta is None else config.rope_local_theta
   return dict(hidden_activation="gelu_pytorch_tanh", global_head_dim=config.head_dim,
               final_logit_softcapping=config.final_logit_softcap,
               sliding_window=config.sliding_window or config.max_seq_len,
               layer_types=[SLIDING if local else FULL for local in config.local_layers()],
-              rope_parameters={SLIDING: dict(rope), FULL: dict(rope)},
+              rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": local},
+                               FULL: {"rope_type": "default", "rope_theta": config.rope_theta}},
               hidden_size_per_layer_input=config.per_layer_input_dim,
               vocab_size_per_layer_input=config.per_layer_vocab,
               num_kv_shared_layers=config.num_kv_shared_layers, attention_k_eq_v=False,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from distillax.errors import ConfigError
-from distillax.models.config import FULL, LINEAR, TransformerConfig
+from distillax.models.config import FULL, LINEAR, SLIDING, TransformerConfig
 
 
 def _llama3(**kw) -> TransformerConfig:
@@ -111,6 +111,18 @@ PRESETS: dict[str, TransformerConfig] = {
                            sliding_window=8, rope_scaling_type="linear", rope_scaling_factor=8.0,
                            max_seq_len=128, scan_layers=False, param_dtype="float32",
                            dtype="float32"),
+    # Every Gemma 4 feature distillax reads, at test size: sliding (window 8, RoPE base 10k) and
+    # full layers (1M; the last one full), per-layer inputs of width 8, the last 2 layers on the
+    # keys/values of layers 2 (sliding) and 1 (full), q/k and value norms, layer scalars,
+    # attention scale 1, final soft-cap.
+    "tiny_gemma4": TransformerConfig(
+        vocab_size=256, embed_dim=64, num_layers=5, num_heads=4, num_kv_heads=2, head_dim=16,
+        mlp_dim=128, mlp_activation="geglu", tie_embeddings=True, scale_embeddings=True,
+        use_post_norms=True, qk_norm=True, value_norm=True, layer_scalar=True,
+        query_pre_attn_scalar=1.0, final_logit_softcap=30.0, sliding_window=8,
+        layer_types=(SLIDING, FULL, SLIDING, SLIDING, FULL), rope_theta=1_000_000.0,
+        rope_local_theta=10_000.0, per_layer_input_dim=8, num_kv_shared_layers=2,
+        max_seq_len=128),
     # Every gpt-oss feature at test size: q/k/v/o biases, sinks, sliding then full layers, YaRN,
     # router and expert biases, the clamped SwiGLU; 4 experts of width 32, top-2.
     "tiny_gpt_oss": _gpt_oss(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,

@@ -5,8 +5,9 @@ decode, packed documents against each document alone, export back with an exact 
 A tiny random model built from a config (nothing is downloaded): 5 layers (sliding, full,
 sliding, sliding, full; window 4), per-layer inputs of width 8, the last 2 layers sharing the
 keys/values of layers 2 (sliding) and 1 (full), a final soft-cap, layer scalars drawn away from
-1. One head_dim and one RoPE for every layer (what distillax reads today). transformers does not
-write global_head_dim into config.json, and reads 512 without it: the fixture writes it.
+1, RoPE base 10k on sliding layers and 100 on full ones. One head_dim for every layer and default
+RoPE (what distillax reads today). transformers does not write global_head_dim into
+config.json, and reads 512 without it: the fixture writes it.
 """
 
 import json
@@ -24,16 +25,19 @@ from distillax.errors import UserError  # noqa: E402
 from distillax.models import hf  # noqa: E402
 from distillax.models.attention import KVCache  # noqa: E402
 from distillax.models.hf_config import config_from_hf, config_to_hf  # noqa: E402
+from distillax.models.init import param_count  # noqa: E402
+from distillax.models.presets import get_preset  # noqa: E402
 from tests.support.hf import cached_decode_delta, torch_logits  # noqa: E402
 from tests.support.models import Normal, forward, random_model  # noqa: E402
 
 S, F = "sliding_attention", "full_attention"
-ROPE = {"rope_type": "default", "rope_theta": 10_000.0}
+ROPES = {S: {"rope_type": "default", "rope_theta": 10_000.0},
+         F: {"rope_type": "default", "rope_theta": 100.0}}
 TEXT = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=5,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
             sliding_window=4, layer_types=[S, F, S, S, F], hidden_size_per_layer_input=8,
             vocab_size_per_layer_input=97, num_kv_shared_layers=2, final_logit_softcapping=30.0,
-            rope_parameters={S: ROPE, F: ROPE}, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+            rope_parameters=ROPES, pad_token_id=0, bos_token_id=2, eos_token_id=1,
             max_position_embeddings=64)
 TOKENS = np.random.default_rng(1).integers(3, 90, size=(2, 11)).astype(np.int64)
 
@@ -75,6 +79,7 @@ def test_gemma4_import_matches_transformers_full_forward(hf_model, hf_checkpoint
   cfg = model.config
   assert (cfg.per_layer_input_dim, cfg.num_kv_shared_layers, cfg.final_logit_softcap) == (8, 2,
                                                                                           30.0)
+  assert (cfg.rope_theta, cfg.rope_local_theta) == (100.0, 10_000.0)
   assert [cfg.kv_source_layer(i) for i in range(5)] == [None, None, None, 2, 1]
   assert model.layers[3].attn.k is None and model.layers[2].attn.k is not None
   assert KVCache.zeros(cfg, 1, 8).k_NxBxSxKxH.shape[0] == 3  # sharing layers cache nothing
@@ -147,6 +152,19 @@ def test_gemma4_export_loads_in_transformers_and_round_trips_exactly(hf_checkpoi
   for a, b in zip(jax.tree.leaves(nnx.state(ours, nnx.Param)),
                   jax.tree.leaves(nnx.state(back, nnx.Param))):
     np.testing.assert_array_equal(a, b)
+
+
+def test_tiny_gemma4_preset_is_a_gemma4_of_transformers_size():
+  """tiny_gemma4 through config.json builds a Gemma4ForCausalLM with our parameters: HF's count
+  plus one per layer (layer_scalar is a buffer there, a parameter here)."""
+  cfg = get_preset("tiny_gemma4")
+  hf_config = config_to_hf(cfg)
+  assert config_from_hf(hf_config) == cfg
+  theirs = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**{
+      k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}))
+  assert [type(layer.self_attn.k_proj).__name__ if hasattr(layer.self_attn, "k_proj") else None
+          for layer in theirs.model.layers] == ["Linear"] * 3 + [None] * 2
+  assert param_count(cfg) == sum(p.numel() for p in theirs.parameters()) + cfg.num_layers
 
 
 @pytest.mark.parametrize("key, value", [("attention_k_eq_v", True), ("global_head_dim", 32),
