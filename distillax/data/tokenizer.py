@@ -183,6 +183,19 @@ class HuggingFaceTokenizer(Tokenizer):
     pad = self._configured("pad_token", config, _HF_PAD)
     self.pad_id = pad if pad is not None else 0
 
+  def unused_specials_from(self, first: int) -> list[str] | None:
+    """The tokens with ids >= `first` when every one is a special added token that neither
+    names bos/eos/pad nor appears in the chat template (Gemma 3's <image_soft_token>, id
+    262,144, a placeholder its processor swaps for image features, one past the 1B's table);
+    None otherwise."""
+    named = {self.bos_id, self.eos_id, self.pad_id}
+    added = self._tok.get_added_tokens_decoder()
+    tokens = [added.get(i) for i in range(first, self.vocab_size)]
+    if any(t is None or not t.special or i in named or t.content in (self.chat_template or "")
+           for i, t in zip(range(first, self.vocab_size), tokens)):
+      return None
+    return [t.content for t in tokens]
+
   def _configured(self, name: str, config: dict, candidates) -> int | None:
     """The id of the token tokenizer_config.json names (None when it says null), else a guess."""
     if name in config and config[name] is None:
@@ -300,9 +313,13 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
   """Raises ConfigError when the model's embedding cannot hold every id the tokenizer emits.
 
   A larger model vocab is fine (padded embeddings are common); a smaller one would index past
-  the embedding table.
+  the embedding table, unless the ids past it are only special tokens that no text or chat
+  template of the model spells (a Hugging Face tokenizer's `unused_specials_from`: Gemma 3's
+  262,145-token tokenizer over the 1B's 262,144 rows; llama.cpp's converter drops that token
+  too).
   """
-  if int(model_vocab_size) < tokenizer.vocab_size:
+  unused = getattr(tokenizer, "unused_specials_from", lambda first: None)
+  if int(model_vocab_size) < tokenizer.vocab_size and not unused(int(model_vocab_size)):
     raise ConfigError(
         f"model vocab_size={model_vocab_size} is smaller than the tokenizer's vocabulary "
         f"({tokenizer!r} emits {tokenizer.vocab_size} ids); set the model's vocab_size to at "
