@@ -30,7 +30,7 @@ from distillax import partitioning as pt
 from distillax.data import batch as batch_spec
 from distillax.errors import UserError
 from distillax.framework import backends, losses
-from distillax.framework.step import make_eval_step
+from distillax.framework.step import EVAL_RATIOS, make_eval_step
 
 # exp() of anything above this overflows a float64.
 MAX_LOG_PERPLEXITY = math.log(1.7976931348623157e308)
@@ -90,12 +90,16 @@ def _means(totals: Mapping[str, Any], prefix: str) -> dict[str, float]:
   `loss` and `perplexity` are always of the next-token cross-entropy (for an objective whose
   loss mixes in other terms, distillation, that is its reported hard-label CE), so the two
   names never hold one figure in one job and another in the next."""
-  host = {k: float(v) for k, v in jax.device_get(totals).items()}
+  host = dict(jax.device_get(totals))
+  ratios = host.pop(EVAL_RATIOS, {})  # the objective's ratios (expert loads): sums over sums
+  host = {k: float(v) for k, v in host.items()}
   tokens, loss_sum = host.pop("tokens"), host.pop("loss_sum")
   ce = loss_and_perplexity(host.get("hard_ce", loss_sum), tokens)
   out = {f"{prefix}objective": loss_sum / tokens}
   out.update({f"{prefix}{k}": v for k, v in ce.items()})
   out.update({f"{prefix}{k}": v / tokens for k, v in host.items()})
+  out.update({f"{prefix}{k}": float(n) / float(d) if float(d) > 0 else 0.0
+              for k, (n, d) in ratios.items()})
   return out
 
 

@@ -146,8 +146,13 @@ def make_train_step(defs: ModelDefs, objective: Objective, tx: optax.GradientTra
   return step
 
 
+# The key of an eval step's ratio parts: {name: (numerator sum, denominator sum)}.
+EVAL_RATIOS = "ratios"
+
+
 def make_eval_step(defs: ModelDefs, objective: Objective, *, axis_name: str | None = None):
-  """(state, batch) -> sums {"loss_sum", "tokens", **metric sums}, for exact eval means."""
+  """(state, batch) -> sums {"loss_sum", "tokens", **metric sums, EVAL_RATIOS: {name:
+  (numerator, denominator)}}, for exact eval means (a ratio's parts add up over batches)."""
 
   def reduce(x):
     return jax.lax.psum(x, axis_name) if axis_name else x
@@ -156,6 +161,7 @@ def make_eval_step(defs: ModelDefs, objective: Objective, *, axis_name: str | No
     student, extras = defs.merge(state.params, state.frozen)
     out = objective(student, extras, batch, jax.random.wrap_key_data(state.rng))
     return {"loss_sum": reduce(out.loss_sum), "tokens": reduce(out.tokens.astype(jnp.float32)),
-            **{k: reduce(v) for k, v in out.sums.items()}}
+            **{k: reduce(v) for k, v in out.sums.items()},
+            EVAL_RATIOS: {k: (reduce(n), reduce(d)) for k, (n, d) in out.ratios.items()}}
 
   return step

@@ -5,6 +5,7 @@ logits."""
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -95,6 +96,25 @@ def test_eval_loss_is_the_next_token_ce_and_eval_objective_the_objective():
   # Next-token training: the objective is the CE.
   plain = evaluation.evaluate(lm_engine, lm_engine.init_state(model, {}, seed=0), batches)
   assert plain["eval_objective"] == plain["eval_loss"]
+
+
+def _objective_with_a_ratio(student, extras, batch, rng):
+  """The LM objective reporting the first row's share of the kept tokens, as a ratio of sums
+  (a mixture of experts reports its expert loads so)."""
+  out = lm_objective(student, extras, batch, rng)
+  first_row = jnp.sum(batch["loss_mask_BxL"][0] > 0).astype(jnp.float32)
+  return ObjectiveOutput(loss_sum=out.loss_sum, tokens=out.tokens, sums=out.sums,
+                         ratios={"first_row_share": (first_row, out.tokens)})
+
+
+def test_eval_ratios_are_sums_over_sums_of_every_batch():
+  model, lm_engine, batches = _uneven_eval()
+  engine = dataclasses.replace(lm_engine, objective=_objective_with_a_ratio, evals={})
+  got = evaluation.evaluate(engine, engine.init_state(model, {}, seed=0), batches)
+  first = [float(np.sum(b["loss_mask_BxL"][0] > 0)) for b in batches]
+  kept = [float(np.sum(b["loss_mask_BxL"] > 0)) for b in batches]
+  assert got["eval_first_row_share"] == pytest.approx(sum(first) / sum(kept), rel=1e-6)
+  assert abs(np.mean(np.divide(first, kept)) - sum(first) / sum(kept)) > 1e-2  # not a mean
 
 
 def test_perplexity_overflow_and_empty_eval():
