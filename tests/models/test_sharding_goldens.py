@@ -7,7 +7,8 @@ paths that moved. Regenerate deliberately with DISTILLAX_UPDATE_GOLDENS=1 and re
 before committing it.
 
 The models cover the features that change the tree: `tiny` (untied output, GQA with 2 kv heads),
-`tiny_gemma` (tied embeddings, post norms), `llama3.2-1b` (a published shape: stacked layers
+`tiny_gemma` (tied embeddings, post norms), `tiny_gemma3` (Gemma 3: q/k norms over head_dim
+and six layers), `llama3.2-1b` (a published shape: stacked layers
 under scan, bfloat16, 128k vocabulary) and `tiny_moe` (stacked experts and a router: where the
 'expert' rules of fsdp_ep / ep_tp place them). tiny's 4 query and 2 kv heads do not divide a model axis
 of 4 or 8; the default rules reject that, so the dumps are made with `replicate_indivisible`
@@ -25,7 +26,7 @@ from distillax.errors import PartitioningError
 from tests.models.sharding import plan, rows_by_path
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "goldens"
-MODELS = ("tiny", "tiny_gemma", "llama3.2-1b", "tiny_moe")
+MODELS = ("tiny", "tiny_gemma", "llama3.2-1b", "tiny_moe", "tiny_gemma3")
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 
 
@@ -156,17 +157,26 @@ def test_dp_replicates_everything_and_only_dp(strategy):
   assert replicated == (strategy == "dp")
 
 
-@pytest.mark.parametrize("preset", MODELS)
+@pytest.mark.parametrize("preset", [m for m in MODELS if m != "tiny_gemma3"])
 @pytest.mark.parametrize("data,model", MESHES)
 def test_fsdp_per_device_bytes_are_total_over_data_size(preset, data, model):
   """Every embed dim of these models divides every data size, so fsdp splits every parameter
-  exactly data ways and nothing over model."""
+  exactly data ways and nothing over model (tiny_gemma3's q/k norms have no embed dim: below)."""
   rows = plan(preset, "fsdp", data, model)
   total = sum(r.bytes_total for r in rows)
   assert sum(r.bytes_per_device for r in rows) == total // data
   for r in rows:
     assert r.bytes_per_device * data == r.bytes_total, r.path
     assert "model" not in r.mesh_spec, r.path
+
+
+def test_gemma3_keeps_its_qk_norms_whole_and_splits_the_rest_under_fsdp():
+  """tiny_gemma3's q/k norm scales are (head_dim 16,), which no rule splits: whole on every
+  device; every other parameter (each has an embed dim) splits 8 ways."""
+  rows = plan("tiny_gemma3", "fsdp", 8, 1)
+  whole = sorted(r.path for r in rows if r.bytes_per_device == r.bytes_total)
+  assert whole == sorted(f"layers/{i}/attn/{n}_norm/scale" for i in range(6) for n in "qk")
+  assert all(r.bytes_per_device * 8 == r.bytes_total for r in rows if r.path not in whole)
 
 
 def test_tiny_moe_expert_parallel_presets_by_hand():
