@@ -117,6 +117,19 @@ def _chunks(a_BxLx, C: int):
   return jnp.moveaxis(a, 2, -1) if a.ndim == 4 else jnp.moveaxis(a, 2, 3)
 
 
+def _unit_lower_inverse(A_xCxC: jax.Array) -> jax.Array:
+  """(I + A)^-1 for strictly lower-triangular A, by doubling: with N = -A (nilpotent),
+  (I - N)^-1 = (I + N)(I + N^2)(I + N^4)...: log2(C) pairs of matmuls, no triangular solve
+  (XLA:CPU runs those through the host LAPACK, whose threads were seen to deadlock)."""
+  C = A_xCxC.shape[-1]
+  power = -A_xCxC
+  inverse = jnp.eye(C, dtype=A_xCxC.dtype) + power
+  for _ in range(max(C - 1, 1).bit_length() - 1):
+    power = power @ power
+    inverse = inverse + inverse @ power
+  return inverse
+
+
 def _within_chunks(q, k, v, g, beta, doc_NxBxC, doc_before_NxB):
   """What each chunk needs from its own tokens, for all chunks at once (O(L * C) per head):
   (values written without S0, their S0 read-out, the masked intra-chunk scores, queries and keys
@@ -132,10 +145,8 @@ def _within_chunks(q, k, v, g, beta, doc_NxBxC, doc_before_NxB):
   k_beta = k * beta[..., None]
   strict_CxC = jnp.tril(jnp.ones((C, C), bool), -1)
   A = jnp.where(strict_CxC, jnp.einsum("NBHiK,NBHjK->NBHij", k_beta, k) * decay_CxC, 0.0)
-  eye = jnp.eye(C, dtype=jnp.float32)
-  solve = lambda rhs: jax.lax.linalg.triangular_solve(
-      jnp.broadcast_to(A + eye, rhs.shape[:-1] + (C,)), rhs, left_side=True, lower=True,
-      unit_diagonal=True)
+  T = _unit_lower_inverse(A)
+  solve = lambda rhs: jnp.einsum("NBHij,NBHjX->NBHiX", T, rhs)
   u_NxBxHxCxV = solve(v * beta[..., None])
   w_state_NxBxHxCxK = solve(k_beta * (jnp.exp(G) * carry)[..., None])
   intra_NxBxHxCxC = jnp.einsum("NBHiK,NBHjK->NBHij", q, k) * decay_CxC
