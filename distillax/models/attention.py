@@ -56,7 +56,11 @@ class KVCache:
   def zeros(cls, config: TransformerConfig, batch: int, length: int, dtype=None) -> "KVCache":
     dtype = jnp.dtype(dtype or config.dtype)
     linear = config.num_linear_layers
-    shape = (config.num_layers - linear - config.num_kv_shared_layers, batch, length, config.num_kv_heads, config.head_dim)
+    owners = [i for i in range(config.num_layers)
+              if config.layer_owns_kv(i) and not config.layer_is_linear(i)]
+    # Gemma 4's wider full layers: one width for all, each layer using its first head_dim.
+    head_dim = max([config.layer_head_dim(i) for i in owners] or [config.head_dim])
+    shape = (len(owners), batch, length, config.num_kv_heads, head_dim)
     k = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
     v = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
     conv = state = None
@@ -153,9 +157,12 @@ def reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_index_BxL, k_ind
 class Attention(nnx.Module):
   """Multi-head attention over `num_kv_heads` key/value heads shared by groups of query heads."""
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, owns_kv: bool = True):
-    """owns_kv=False: a Gemma 4 layer that attends another layer's keys/values (no k, v)."""
-    D, H, K, Dh = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, owns_kv: bool = True,
+               head_dim: int | None = None):
+    """owns_kv=False: a Gemma 4 layer that attends another layer's keys/values (no k, v);
+    head_dim: this layer's, if not config.head_dim (Gemma 4's full layers)."""
+    D, H, K = config.embed_dim, config.num_heads, config.num_kv_heads
+    Dh = self.head_dim = head_dim or config.head_dim
     pd = config.jnp_param_dtype
     self.q = normal_param(rngs, (D, H, Dh), D ** -0.5, pd, ("embed", "heads", "head_dim"))
     kv = lambda: (normal_param(rngs, (D, K, Dh), D ** -0.5, pd, ("embed", "kv_heads", "head_dim"))
@@ -217,7 +224,8 @@ class Attention(nnx.Module):
     start = (0, cache_index, 0, 0)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k_BxLxKxH.astype(k_cache.dtype), start)
     v_cache = jax.lax.dynamic_update_slice(v_cache, v_BxLxKxH.astype(v_cache.dtype), start)
-    return k_cache.astype(dt), v_cache.astype(dt), (k_cache, v_cache)
+    Dh = self.head_dim  # a cache as wide as its widest layer (Gemma 4) holds ours first
+    return k_cache[..., :Dh].astype(dt), v_cache[..., :Dh].astype(dt), (k_cache, v_cache)
 
   def _attend(self, q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking: dict, *, cached: bool,
               return_probs: bool):
@@ -257,7 +265,7 @@ class Attention(nnx.Module):
     cfg = self.config
     dt = cfg.jnp_dtype
     B, L, _ = x_BxLxD.shape
-    K, G, Dh = cfg.num_kv_heads, cfg.num_groups, cfg.head_dim
+    K, G, Dh = cfg.num_kv_heads, cfg.num_groups, self.head_dim
     q_BxLxHxK = self._project(x_BxLxD, self.q, self.q_bias, self.q_norm)
     q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, *sin_cos),
                           ("batch", "length", "heads", "head_dim"))

@@ -119,6 +119,11 @@ class TransformerConfig:
   num_kv_shared_layers: int = 0
   value_norm: bool = False  # Gemma 4: RMSNorm without a scale on every value head
   layer_scalar: bool = False  # Gemma 4: each block's output times a learned per-layer scalar
+  global_head_dim: int = 0  # Gemma 4: head_dim of the full-attention layers; 0 = head_dim
+  # Gemma 4's proportional RoPE on full layers: the first this share of each head's frequency
+  # pairs turn at rope_theta^(-2i/head_dim), the rest stand still; 1 = ordinary RoPE.
+  global_rope_fraction: float = 1.0
+  double_wide_shared_mlp: bool = False  # Gemma 4: layers sharing k/v have MLPs 2 x mlp_dim wide
   # Mixture of experts (models/moe.py): every layer's MLP becomes num_experts gated experts and a
   # router; 0 = a dense MLP in every layer (the other MoE fields are then unused).
   num_experts: int = 0
@@ -280,7 +285,15 @@ class TransformerConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"model.{name}={value!r} must be a non-negative integer (0 = off)")
-    for name in ("value_norm", "layer_scalar"):
+    if not isinstance(self.global_head_dim, int) or self.global_head_dim < 0 or (
+        self.global_head_dim and self.global_head_dim != self.head_dim and self.scan_layers):
+      raise ConfigError(f"model.global_head_dim={self.global_head_dim!r} must be a non-negative "
+                        f"integer (0 = head_dim), and equal head_dim with model.scan_layers=True")
+    frac = self.global_rope_fraction
+    if not 0 < frac <= 1 or int(frac * self.layer_head_dim(self.num_layers - 1)) % 2:
+      raise ConfigError(f"model.global_rope_fraction={frac!r} must be in (0, 1] and turn whole "
+                        f"frequency pairs of the full layers' head_dim")
+    for name in ("value_norm", "layer_scalar", "double_wide_shared_mlp"):
       if not isinstance(getattr(self, name), bool):
         raise ConfigError(f"model.{name}={getattr(self, name)!r} must be True or False")
     shared = self.num_kv_shared_layers
@@ -329,6 +342,17 @@ class TransformerConfig:
     local = self.layer_uses_sliding_window(layer)
     same = [i for i in range(first_shared) if self.layer_uses_sliding_window(i) == local]
     return same[-1] if same else None
+
+  def layer_head_dim(self, layer: int) -> int:
+    """Features per attention head of layer `layer` (Gemma 4's full layers: global_head_dim)."""
+    if self.global_head_dim and not self.layer_uses_sliding_window(layer):
+      return self.global_head_dim
+    return self.head_dim
+
+  def layer_mlp_dim(self, layer: int) -> int:
+    """Hidden width of layer `layer`'s dense MLP (Gemma 4's double-wide sharing layers)."""
+    wide = self.double_wide_shared_mlp and not self.layer_owns_kv(layer)
+    return self.mlp_dim * (2 if wide else 1)
 
   def layer_owns_kv(self, layer: int) -> bool:
     """Whether layer `layer` computes (and caches) keys/values of its own."""

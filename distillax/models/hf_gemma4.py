@@ -3,13 +3,13 @@ gemma4_text) <-> TransformerConfig.
 
 Gemma 4 is Gemma 2's block (post norms, GeGLU, sqrt(D) embeddings, final soft-cap) with plain
 (w, not 1 + w) norms, q/k norms and scale-free value norms, attention scale 1, a learned scalar
-per layer, per-layer inputs (models/per_layer_inputs.py) and keys/values shared by the last
-`num_kv_shared_layers` layers. What distillax does not read yet is refused in one line, by
-name: a larger head_dim and fewer kv heads on full layers (global_head_dim,
-num_global_key_value_heads), keys reused as values (attention_k_eq_v), RoPE other than the
-default (the released checkpoints' proportional RoPE on a quarter of the full layers'
-features), the double-wide MLP of sharing layers and the MoE block. Each layer type's RoPE base
-is read: full layers' as rope_theta, sliding layers' as rope_local_theta (Gemma 3's field).
+per layer, per-layer inputs (models/per_layer_inputs.py), keys/values shared by the last
+`num_kv_shared_layers` layers (twice as wide MLPs there with use_double_wide_mlp), a wider
+head_dim on full layers (global_head_dim) and a RoPE per layer type: sliding layers' default
+RoPE (model.rope_local_theta, Gemma 3's field), full layers' proportional RoPE (rope_theta,
+global_rope_fraction). What distillax does not read yet is refused in one line, by name: keys
+reused as values (attention_k_eq_v, the 26B / 31B checkpoints, with their
+num_global_key_value_heads), the MoE block, bidirectional attention, scaled RoPE.
 """
 
 from __future__ import annotations
@@ -26,35 +26,31 @@ _DEFAULT_ROPES = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
                          "rope_theta": 1_000_000.0}}
 
 
-def _rope_theta(rope: Mapping[str, Any]) -> float | None:
-  """One layer type's RoPE base if distillax turns it as transformers does (None otherwise):
-  the default RoPE, or 'proportional' over every feature unscaled (the same)."""
+def _rope(rope: Mapping[str, Any]) -> tuple[float, float] | None:
+  """One layer type's (RoPE base, share of pairs turning) if distillax turns it as
+  transformers does (None otherwise): the default RoPE, or 'proportional' unscaled."""
   kind = rope.get("rope_type", "default")
-  if kind == "default" or (kind == "proportional" and rope.get("factor", 1.0) == 1.0
-                           and rope.get("partial_rotary_factor", 1.0) == 1.0):
-    return float(rope.get("rope_theta", 10_000.0))
+  if kind == "default" or (kind == "proportional" and rope.get("factor", 1.0) == 1.0):
+    fraction = rope.get("partial_rotary_factor", 1.0) if kind == "proportional" else 1.0
+    return float(rope.get("rope_theta", 10_000.0)), float(fraction)
   return None
 
 
 def _refuse_unsupported(hf: Mapping[str, Any], ropes: Mapping[str, Any], where: str) -> None:
-  head_dim = hf.get("head_dim", 256)
+  local = _rope(ropes.get(SLIDING) or {})
   unsupported = {
       "attention_k_eq_v": bool(hf.get("attention_k_eq_v")),
-      "global_head_dim": hf.get("global_head_dim", 512) != head_dim,
-      "num_global_key_value_heads": hf.get("num_global_key_value_heads") not in (
-          None, hf.get("num_key_value_heads")),
       "enable_moe_block": bool(hf.get("enable_moe_block")),
-      "use_double_wide_mlp": bool(hf.get("use_double_wide_mlp"))
-                             and bool(hf.get("num_kv_shared_layers")),
       "use_bidirectional_attention": hf.get("use_bidirectional_attention") == "all",
-      "rope_parameters": None in {_rope_theta(r) for r in ropes.values()},
+      "rope_parameters": (None in {_rope(r) for r in ropes.values()}
+                          or local is not None and local[1] != 1.0),
   }
   named = [k for k, bad in unsupported.items() if bad]
   if named:
     shown = ", ".join(f"{k}={hf.get(k, 'default')!r}" for k in named)
     raise UserError(f"{where}: Gemma 4 with {shown} is not supported yet; distillax reads Gemma "
-                    f"4 decoders with one head_dim and default RoPE in every layer, separate "
-                    f"k/v projections and dense MLPs")
+                    f"4 decoders with separate k/v projections, dense MLPs, causal attention and "
+                    f"unscaled RoPE (default on sliding layers, proportional on full ones)")
 
 
 def gemma4_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[str, Any]:
@@ -69,14 +65,19 @@ def gemma4_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[st
                     f"of num_hidden_layers={num_layers} layers; fix the config.json")
   types[-1] = FULL
   vocab = int(hf.get("vocab_size_per_layer_input", 262_144))
-  theta, local = _rope_theta(ropes.get(FULL) or {}), _rope_theta(ropes.get(SLIDING) or {})
+  (theta, fraction), (local, _) = _rope(ropes.get(FULL) or {}), _rope(ropes.get(SLIDING) or {})
+  head_dim, global_head_dim = int(hf.get("head_dim", 256)), int(hf.get("global_head_dim", 512))
+  shared = int(hf.get("num_kv_shared_layers", 0))
   return dict(mlp_activation="geglu", scale_embeddings=True, use_post_norms=True, qk_norm=True,
               value_norm=True, layer_scalar=True, query_pre_attn_scalar=1.0,
               final_logit_softcap=hf.get("final_logit_softcapping"),
               rope_theta=theta, rope_local_theta=None if local == theta else local,
+              global_rope_fraction=fraction,
+              global_head_dim=0 if global_head_dim == head_dim else global_head_dim,
+              double_wide_shared_mlp=bool(hf.get("use_double_wide_mlp")) and shared > 0,
               per_layer_input_dim=int(hf.get("hidden_size_per_layer_input", 256) or 0),
               per_layer_input_vocab_size=0 if vocab == int(hf["vocab_size"]) else vocab,
-              num_kv_shared_layers=int(hf.get("num_kv_shared_layers", 0)),
+              num_kv_shared_layers=shared,
               **window_fields(hf.get("sliding_window", 512), [t == SLIDING for t in types]))
 
 
@@ -99,15 +100,21 @@ def gemma4_hf_fields(config: TransformerConfig) -> dict[str, Any]:
   """The config.json keys Gemma4TextConfig adds to the shared ones (token ids inside the
   vocabulary: transformers checks them)."""
   local = config.rope_theta if config.rope_local_theta is None else config.rope_local_theta
-  return dict(hidden_activation="gelu_pytorch_tanh", global_head_dim=config.head_dim,
+  full = {"rope_type": "default", "rope_theta": config.rope_theta}
+  if config.global_rope_fraction != 1.0:
+    full = {"rope_type": "proportional", "rope_theta": config.rope_theta,
+            "partial_rotary_factor": config.global_rope_fraction}
+  return dict(hidden_activation="gelu_pytorch_tanh",
+              global_head_dim=config.global_head_dim or config.head_dim,
               final_logit_softcapping=config.final_logit_softcap,
               sliding_window=config.sliding_window or config.max_seq_len,
               layer_types=[SLIDING if local else FULL for local in config.local_layers()],
               rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": local},
-                               FULL: {"rope_type": "default", "rope_theta": config.rope_theta}},
+                               FULL: full},
               hidden_size_per_layer_input=config.per_layer_input_dim,
               vocab_size_per_layer_input=config.per_layer_vocab,
               num_kv_shared_layers=config.num_kv_shared_layers, attention_k_eq_v=False,
-              enable_moe_block=False, use_double_wide_mlp=False, pad_token_id=0,
+              enable_moe_block=False, use_double_wide_mlp=config.double_wide_shared_mlp,
+              pad_token_id=0,
               bos_token_id=min(2, config.vocab_size - 1),
               eos_token_id=min(1, config.vocab_size - 1))

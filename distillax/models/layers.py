@@ -88,8 +88,9 @@ def activations(config: TransformerConfig):
 class MLP(nnx.Module):
   """Gated feed-forward: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (tanh gelu)."""
 
-  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-    D, F, pd = config.embed_dim, config.mlp_dim, config.jnp_param_dtype
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, dim: int | None = None):
+    """dim: the hidden width, if not config.mlp_dim (Gemma 4's double-wide layers)."""
+    D, F, pd = config.embed_dim, dim or config.mlp_dim, config.jnp_param_dtype
     out_std = F ** -0.5 / math.sqrt(2 * config.num_layers)
     self.gate = normal_param(rngs, (D, F), D ** -0.5, pd, ("embed", "mlp"))
     self.up = normal_param(rngs, (D, F), D ** -0.5, pd, ("embed", "mlp"))
@@ -171,14 +172,33 @@ def rope_tables(positions_BxL: jax.Array, config: TransformerConfig):
   """(sin_RxBxLxK2, cos_RxBxLxK2): the sin/cos of each RoPE a layer may turn with, indexed by
   config.layer_ropes(): the global one, the local one (Gemma 3's sliding layers: base
   rope_local_theta, unscaled) and none (sin 0, cos 1: the identity, SmolLM3's RoPE-free
-  layers), so a scanned stack picks its layer's with an index."""
-  sin, cos = rope_sin_cos(positions_BxL, config)
+  layers), so a scanned stack picks its layer's with an index. Gemma 4's global RoPE is wider
+  (global_head_dim) and proportional; narrower tables are padded with the identity (sin 0,
+  cos 1) and each layer takes the first head_dim // 2 pairs of its own."""
+  sin, cos = _global_sin_cos(positions_BxL, config)
   local = (sin, cos)
   if config.rope_local_theta is not None:
     local = rope_sin_cos(positions_BxL, config.replace(rope_theta=config.rope_local_theta,
                                                        rope_scaling_factor=None))
-  none = (jnp.zeros_like(sin), jnp.ones_like(cos))
-  return jnp.stack([sin, local[0], none[0]]), jnp.stack([cos, local[1], none[1]])
+  width = max(sin.shape[-1], local[0].shape[-1])
+  pad = lambda x, value: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])],
+                                 constant_values=value)
+  sins = [pad(sin, 0.0), pad(local[0], 0.0), jnp.zeros_like(pad(sin, 0.0))]
+  coss = [pad(cos, 1.0), pad(local[1], 1.0), jnp.ones_like(pad(cos, 1.0))]
+  return jnp.stack(sins), jnp.stack(coss)
+
+
+def _global_sin_cos(positions_BxL: jax.Array, config: TransformerConfig):
+  """The global RoPE's (sin, cos); Gemma 4's proportional form over global_head_dim: the first
+  global_rope_fraction of the pairs turn at rope_theta^(-2i/global_head_dim), the rest not."""
+  if not config.global_head_dim and config.global_rope_fraction == 1.0:
+    return rope_sin_cos(positions_BxL, config)
+  dim = config.global_head_dim or config.head_dim
+  pairs = int(config.global_rope_fraction * dim // 2)
+  inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, 2 * pairs, 2, dtype=jnp.float32) / dim))
+  inv_freq = jnp.concatenate([inv_freq, jnp.zeros((dim // 2 - pairs,), jnp.float32)])
+  angles = positions_BxL.astype(jnp.float32)[..., None] * inv_freq
+  return jnp.sin(angles), jnp.cos(angles)
 
 
 def apply_rope(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2) -> jax.Array:

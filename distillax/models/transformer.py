@@ -66,9 +66,11 @@ class Block(nnx.Module):
     if config.layer_is_linear(layer):  # Qwen3.5's hybrid
       self.attn = GatedDeltaNet(config, rngs=rngs)
     else:
-      self.attn = Attention(config, rngs=rngs, owns_kv=config.layer_owns_kv(layer))
+      self.attn = Attention(config, rngs=rngs, owns_kv=config.layer_owns_kv(layer),
+                            head_dim=config.layer_head_dim(layer))
     self.mlp_norm = RMSNorm(config)
-    self.mlp = MoE(config, rngs=rngs) if config.num_experts else MLP(config, rngs=rngs)
+    self.mlp = (MoE(config, rngs=rngs) if config.num_experts
+                else MLP(config, rngs=rngs, dim=config.layer_mlp_dim(layer)))
     self.post_attn_norm = RMSNorm(config) if config.use_post_norms else None
     self.post_mlp_norm = RMSNorm(config) if config.use_post_norms else None
     self.per_layer = (PerLayerGate(config, rngs=rngs) if config.per_layer_input_dim else None)
@@ -250,7 +252,7 @@ class Transformer(nnx.Module):
       graphdef, state = nnx.split(block)
       layer_kv = None if cache_kv is None else cache_kv[i]
       window = cfg.sliding_window if cfg.layer_uses_sliding_window(i) else None
-      ctx_i = _layer_rope(ctx, cfg.layer_ropes()[i])
+      ctx_i = _layer_rope(ctx, cfg.layer_ropes()[i], cfg.layer_head_dim(i) // 2)
       extras = {"shared_kv": attended.get(cfg.kv_source_layer(i))}
       if "per_layer_inputs" in ctx:
         extras["per_layer_input"] = ctx["per_layer_inputs"][:, :, i]
@@ -291,19 +293,21 @@ class Transformer(nnx.Module):
 def _rope_context(positions_BxL, cfg: TransformerConfig) -> dict:
   """{'sin_cos': ...} when every layer turns the same RoPE; else {'rope_tables': ...}, every
   RoPE a layer turns (Gemma 3's local and global bases, SmolLM3's none), picked per layer."""
-  if any(cfg.layer_ropes()):
+  if any(cfg.layer_ropes()) or cfg.global_head_dim or cfg.global_rope_fraction != 1.0:
     return {"rope_tables": rope_tables(positions_BxL, cfg)}
   return {"sin_cos": rope_sin_cos(positions_BxL, cfg)}
 
 
-def _layer_rope(ctx: dict, rope) -> dict:
+def _layer_rope(ctx: dict, rope, pairs: int | None = None) -> dict:
   """ctx with one layer's sin/cos: table `rope` (an int, traced under scan) of
   ctx['rope_tables'] when the layers turn different RoPE; ctx as is otherwise."""
   if "rope_tables" not in ctx:
     return ctx
   sin_RxBxLxK2, cos_RxBxLxK2 = ctx["rope_tables"]
   layer_ctx = {k: v for k, v in ctx.items() if k != "rope_tables"}
-  return {**layer_ctx, "sin_cos": (sin_RxBxLxK2[rope], cos_RxBxLxK2[rope])}
+  pairs = pairs or sin_RxBxLxK2.shape[-1]  # a layer's own width (Gemma 4: head_dim // 2)
+  sin_cos = (sin_RxBxLxK2[rope][..., :pairs], cos_RxBxLxK2[rope][..., :pairs])
+  return {**layer_ctx, "sin_cos": sin_cos}
 
 
 # ---- layout conversion -------------------------------------------------------------------------

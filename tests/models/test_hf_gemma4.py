@@ -4,10 +4,11 @@ decode, packed documents against each document alone, export back with an exact 
 
 A tiny random model built from a config (nothing is downloaded): 5 layers (sliding, full,
 sliding, sliding, full; window 4), per-layer inputs of width 8, the last 2 layers sharing the
-keys/values of layers 2 (sliding) and 1 (full), a final soft-cap, layer scalars drawn away from
-1, RoPE base 10k on sliding layers and 100 on full ones. One head_dim for every layer and default
-RoPE (what distillax reads today). transformers does not write global_head_dim into
-config.json, and reads 512 without it: the fixture writes it.
+keys/values of layers 2 (sliding) and 1 (full) with double-wide MLPs, head_dim 16 on sliding
+layers and 32 on full ones, RoPE base 10k on sliding layers and a proportional RoPE (half the
+pairs turning, base 100) on full ones, a final soft-cap, layer scalars drawn away from 1: the
+released E2B's parts. transformers does not write global_head_dim into config.json, and reads
+512 without it: the fixture writes it.
 """
 
 import json
@@ -32,22 +33,24 @@ from tests.support.models import Normal, forward, random_model  # noqa: E402
 
 S, F = "sliding_attention", "full_attention"
 ROPES = {S: {"rope_type": "default", "rope_theta": 10_000.0},
-         F: {"rope_type": "default", "rope_theta": 100.0}}
+         F: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 100.0}}
+GLOBAL_HEAD_DIM = 32
 TEXT = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=5,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=GLOBAL_HEAD_DIM,
             sliding_window=4, layer_types=[S, F, S, S, F], hidden_size_per_layer_input=8,
             vocab_size_per_layer_input=97, num_kv_shared_layers=2, final_logit_softcapping=30.0,
             rope_parameters=ROPES, pad_token_id=0, bos_token_id=2, eos_token_id=1,
-            max_position_embeddings=64)
+            max_position_embeddings=64, use_double_wide_mlp=True)
 TOKENS = np.random.default_rng(1).integers(3, 90, size=(2, 11)).astype(np.int64)
 
 
 def _randomize(model):
-  """Weights and norms wider than HF's init, layer scalars 0.5..1.3, so every part shows."""
+  """Weights wider than HF's init, norm scales 1 + N(0, 0.1^2), layer scalars 0.5..1.3, so
+  every part shows."""
   torch.manual_seed(0)
   with torch.no_grad():
     for name, p in model.named_parameters():
-      p.normal_(0.0, 0.3 if "norm" in name else 0.15)
+      p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 0.1)
     scalars = [b for name, b in model.named_buffers() if name.endswith("layer_scalar")]
     for i, b in enumerate(scalars):
       b.fill_(0.5 + 0.2 * i)
@@ -58,7 +61,7 @@ def _save(model, path, text_config_key=None):
   """save_pretrained, then global_head_dim written into config.json (see the docstring)."""
   model.save_pretrained(path)
   config = json.loads((path / "config.json").read_text())
-  (config[text_config_key] if text_config_key else config)["global_head_dim"] = 16
+  (config[text_config_key] if text_config_key else config)["global_head_dim"] = GLOBAL_HEAD_DIM
   (path / "config.json").write_text(json.dumps(config))
   return path
 
@@ -79,10 +82,13 @@ def test_gemma4_import_matches_transformers_full_forward(hf_model, hf_checkpoint
   cfg = model.config
   assert (cfg.per_layer_input_dim, cfg.num_kv_shared_layers, cfg.final_logit_softcap) == (8, 2,
                                                                                           30.0)
-  assert (cfg.rope_theta, cfg.rope_local_theta) == (100.0, 10_000.0)
+  assert (cfg.rope_theta, cfg.rope_local_theta, cfg.global_rope_fraction) == (100.0, 10_000.0, 0.5)
+  assert [cfg.layer_head_dim(i) for i in range(5)] == [16, 32, 16, 16, 32]
+  assert [cfg.layer_mlp_dim(i) for i in range(5)] == [48, 48, 48, 96, 96]
   assert [cfg.kv_source_layer(i) for i in range(5)] == [None, None, None, 2, 1]
   assert model.layers[3].attn.k is None and model.layers[2].attn.k is not None
-  assert KVCache.zeros(cfg, 1, 8).k_NxBxSxKxH.shape[0] == 3  # sharing layers cache nothing
+  # sharing layers cache nothing; the cache is as wide as the widest layer
+  assert KVCache.zeros(cfg, 1, 8).k_NxBxSxKxH.shape == (3, 1, 8, 2, 32)
   want = torch_logits(hf_model, TOKENS)
   got = np.asarray(forward(model, jnp.asarray(TOKENS, jnp.int32)).logits_BxLxV)
   delta = float(np.max(np.abs(got - want)))
@@ -167,7 +173,8 @@ def test_tiny_gemma4_preset_is_a_gemma4_of_transformers_size():
   assert param_count(cfg) == sum(p.numel() for p in theirs.parameters()) + cfg.num_layers
 
 
-@pytest.mark.parametrize("key, value", [("attention_k_eq_v", True), ("global_head_dim", 32),
+@pytest.mark.parametrize("key, value", [("attention_k_eq_v", True),
+                                        ("use_bidirectional_attention", "all"),
                                         ("enable_moe_block", True)])
 def test_gemma4_parts_not_read_yet_are_refused_in_one_line(key, value):
   hf_config = {**TEXT, "architectures": ["Gemma4ForCausalLM"], key: value}
