@@ -47,6 +47,21 @@ def _smollm3(**kw) -> TransformerConfig:
   return TransformerConfig(rope_free_layers=free, **base)
 
 
+def _gemma4(**kw) -> TransformerConfig:
+  """Gemma 4's text decoder (config.json's text_config): sliding layers (window 512, head_dim
+  256, RoPE base 10k) and every n-th layer full (head_dim 512, proportional RoPE over a quarter
+  of its pairs at 1M), per-layer inputs of width 256 from a second 262,144-row table, the last
+  num_kv_shared_layers on earlier layers' keys/values, q/k and value norms, soft-cap 30. Layers
+  stay unrolled (their shapes differ: no scan)."""
+  base = dict(vocab_size=262_144, head_dim=256, global_head_dim=512, mlp_activation="geglu",
+              norm_eps=1e-6, tie_embeddings=True, scale_embeddings=True, use_post_norms=True,
+              qk_norm=True, value_norm=True, layer_scalar=True, query_pre_attn_scalar=1.0,
+              final_logit_softcap=30.0, sliding_window=512, rope_theta=1_000_000.0,
+              rope_local_theta=10_000.0, global_rope_fraction=0.25, per_layer_input_dim=256,
+              max_seq_len=131_072, param_dtype="bfloat16", dtype="bfloat16")
+  return TransformerConfig(**{**base, **kw})
+
+
 def _gpt_oss(**kw) -> TransformerConfig:
   # gpt-oss-20b / 120b config.json: biased q/k/v/o with sinks, sliding (128) then full layers,
   # YaRN x32 over 4096 (truncate off), 4 of E biased experts of width 2880 (clamped SwiGLU).
@@ -111,18 +126,15 @@ PRESETS: dict[str, TransformerConfig] = {
                            sliding_window=8, rope_scaling_type="linear", rope_scaling_factor=8.0,
                            max_seq_len=128, scan_layers=False, param_dtype="float32",
                            dtype="float32"),
-    # Every Gemma 4 feature distillax reads, at test size: sliding (window 8, RoPE base 10k) and
-    # full layers (1M; the last one full), per-layer inputs of width 8, the last 2 layers on the
-    # keys/values of layers 2 (sliding) and 1 (full), q/k and value norms, layer scalars,
-    # attention scale 1, final soft-cap.
-    "tiny_gemma4": TransformerConfig(
+    # Every Gemma 4 feature distillax reads, at test size: sliding (window 8, head_dim 16, RoPE
+    # base 10k) and full layers (head_dim 32, proportional RoPE at 1M; the last one full),
+    # per-layer inputs of width 8, the last 2 layers on the keys/values of layers 2 (sliding) and
+    # 1 (full) with double-wide MLPs, q/k and value norms, layer scalars, final soft-cap.
+    "tiny_gemma4": _gemma4(
         vocab_size=256, embed_dim=64, num_layers=5, num_heads=4, num_kv_heads=2, head_dim=16,
-        mlp_dim=128, mlp_activation="geglu", tie_embeddings=True, scale_embeddings=True,
-        use_post_norms=True, qk_norm=True, value_norm=True, layer_scalar=True,
-        query_pre_attn_scalar=1.0, final_logit_softcap=30.0, sliding_window=8,
-        layer_types=(SLIDING, FULL, SLIDING, SLIDING, FULL), rope_theta=1_000_000.0,
-        rope_local_theta=10_000.0, per_layer_input_dim=8, num_kv_shared_layers=2,
-        max_seq_len=128),
+        global_head_dim=32, mlp_dim=128, sliding_window=8, per_layer_input_dim=8,
+        layer_types=(SLIDING, FULL, SLIDING, SLIDING, FULL), num_kv_shared_layers=2,
+        double_wide_shared_mlp=True, max_seq_len=128, param_dtype="float32", dtype="float32"),
     # Every gpt-oss feature at test size: q/k/v/o biases, sinks, sliding then full layers, YaRN,
     # router and expert biases, the clamped SwiGLU; 4 experts of width 32, top-2.
     "tiny_gpt_oss": _gpt_oss(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
@@ -183,6 +195,14 @@ PRESETS: dict[str, TransformerConfig] = {
                                   mlp_dim=12_288, moe_mlp_dim=1536),
     "gpt-oss-20b": _gpt_oss(num_layers=24, num_experts=32),
     "gpt-oss-120b": _gpt_oss(num_layers=36, num_experts=128),
+    # Gemma 4 E2B / E4B text decoders (config.json text_config values: every 5th / 6th layer
+    # full); E2B's 20 sharing layers have double-wide MLPs.
+    "gemma4-e2b": _gemma4(embed_dim=1536, num_layers=35, num_heads=8, num_kv_heads=1,
+                          mlp_dim=6144, sliding_window_pattern=5,
+                          num_kv_shared_layers=20, double_wide_shared_mlp=True),
+    "gemma4-e4b": _gemma4(embed_dim=2560, num_layers=42, num_heads=8, num_kv_heads=2,
+                          mlp_dim=10_240, sliding_window_pattern=6,
+                          num_kv_shared_layers=18),
     "qwen3.5-0.8b": _qwen35(embed_dim=1024, num_layers=24, num_heads=8, num_kv_heads=2,
                             mlp_dim=3584, linear_num_key_heads=16, linear_num_value_heads=16,
                             tie_embeddings=True),

@@ -160,16 +160,21 @@ def test_gemma4_export_loads_in_transformers_and_round_trips_exactly(hf_checkpoi
     np.testing.assert_array_equal(a, b)
 
 
-def test_tiny_gemma4_preset_is_a_gemma4_of_transformers_size():
-  """tiny_gemma4 through config.json builds a Gemma4ForCausalLM with our parameters: HF's count
-  plus one per layer (layer_scalar is a buffer there, a parameter here)."""
-  cfg = get_preset("tiny_gemma4")
+@pytest.mark.parametrize("name", ["tiny_gemma4", "gemma4-e2b", "gemma4-e4b"])
+def test_gemma4_presets_are_the_gemma4_their_config_json_builds(name):
+  """Each preset through config.json and back is itself, and the Gemma4ForCausalLM it builds
+  (on the meta device: no memory) has our parameters: HF's count plus one per layer
+  (layer_scalar is a buffer there, a parameter here). E2B's text decoder: 4,628,569,379
+  (+ the vision and audio towers: the 5.1B of its model card); E4B's 7,463,013,418."""
+  cfg = get_preset(name)
   hf_config = config_to_hf(cfg)
-  assert config_from_hf(hf_config) == cfg
-  theirs = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**{
-      k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}))
-  assert [type(layer.self_attn.k_proj).__name__ if hasattr(layer.self_attn, "k_proj") else None
-          for layer in theirs.model.layers] == ["Linear"] * 3 + [None] * 2
+  assert config_from_hf(hf_config, dtype=cfg.param_dtype) == cfg
+  with torch.device("meta"):
+    theirs = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**{
+        k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")}))
+  first_shared = cfg.num_layers - cfg.num_kv_shared_layers
+  assert [hasattr(layer.self_attn, "k_proj") for layer in theirs.model.layers] == (
+      [True] * first_shared + [False] * cfg.num_kv_shared_layers)
   assert param_count(cfg) == sum(p.numel() for p in theirs.parameters()) + cfg.num_layers
 
 
