@@ -8,8 +8,9 @@ token t (after a reset at a document start, the state before it is zero):
 
 `gated_delta_rule_recurrent` runs that one token at a time (decode, and the reference the tests
 hold the chunked form to). `gated_delta_rule_chunked` is the training form: within a chunk of C
-tokens the C updates are one unit-triangular solve (the "UT transform" of DeltaNet), and a
-`lax.scan` carries the state from chunk to chunk, so memory is O(L * C) per head, not O(L^2).
+tokens the C updates are one unit-triangular system (the "UT transform" of DeltaNet, inverted
+by doubling: matmuls only), and a `lax.scan` carries the state from chunk to chunk, so memory
+is O(L * C) per head, not O(L^2).
 
 Packed documents: a token whose segment id differs from the previous token's starts a new
 document, and both forms (and the conv) then forget everything before it. A state handed in
