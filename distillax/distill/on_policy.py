@@ -29,7 +29,10 @@ Reported (per-token means over the completion tokens, as `ratios` of framework.s
 that are off-policy report 0): reverse_kl (exact KL(student || teacher) at T = 1 over the full
 vocabulary), teacher_nll and student_nll (of the sampled tokens), and per sampled sequence
 completion_length and eos_rate (the share that stopped before max_new_tokens ran out), plus
-on_policy (the share of (micro-)batches that sampled).
+on_policy (the share of (micro-)batches that sampled). An MoE student's router losses
+(moe_aux_loss, router_z_loss, weighted into the loss by `router_loss_weights`) and expert loads
+(expert_load_max_over_mean_l{i}, expert_tokens_dropped_l{i}) come from its scoring forward, as
+in the distill objective.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from distillax.distill.student import unwrap_student
 from distillax.errors import ConfigError
 from distillax.data import batch as batch_spec
 from distillax.framework.step import Objective, ObjectiveOutput
+from distillax.models import moe
 from distillax.models.sampler import GenerationOutput, SamplingConfig, decode, right_align
 
 PROMPT_TOKENS = "prompt_tokens_BxP"
@@ -142,11 +146,17 @@ def scoring_batch(rollout: Rollout, pad_id: int) -> dict[str, jax.Array]:
   T = gen.tokens_BxT.shape[1]
   aligned_NxP, segments_NxP, positions_NxP = right_align(prompt_NxP, jnp.maximum(lengths_N, 1))
   tokens_NxW = jnp.concatenate([aligned_NxP, gen.tokens_BxT], axis=1)
+  # Real inputs: the prompt and the completion up to (not including) its last counted token,
+  # which predicts nothing; what follows a stop token and empty rows get segment 0, so a
+  # mixture of experts' router statistics count real tokens only. Causal attention keeps
+  # every counted position's value whatever the later segments are.
+  slot = jnp.arange(P + T - 1)[None]
+  real = (slot < P - 1 + gen.lengths_B[:, None]) & (lengths_N[:, None] > 0)
   segments_NxW = jnp.concatenate([segments_NxP, jnp.ones((N, T), jnp.int32)], axis=1)
+  segments_NxW = segments_NxW * jnp.pad(real, ((0, 0), (0, 1))).astype(jnp.int32)
   positions_NxW = jnp.concatenate(
       [positions_NxP, jnp.maximum(lengths_N, 1)[:, None] + jnp.arange(T, dtype=jnp.int32)], 1)
-  slot = jnp.arange(P + T - 1)[None]
-  counted = (slot >= P - 1) & (slot < P - 1 + gen.lengths_B[:, None]) & (lengths_N[:, None] > 0)
+  counted = (slot >= P - 1) & real
   sample_logp_NxW = jnp.concatenate([jnp.zeros((N, P - 1)), gen.sample_logprobs_BxT], axis=1)
   del pad_id  # padding after a stop token is the sampler's pad_id already; it is masked
   return {batch_spec.INPUTS: tokens_NxW[:, :-1], batch_spec.TARGETS: tokens_NxW[:, 1:],
@@ -179,14 +189,24 @@ def score_values(leaf: Strategy, logits: TokenLogits) -> dict[str, jax.Array]:
 
 
 def score_rollout(leaf: Strategy, student, extras, batch, *, chunk_size=vocab_chunks.AUTO,
-                  teacher_key: str = TEACHER_KEY) -> ObjectiveOutput:
-  """Teacher and student on a scoring batch: the leaf's loss over the completion tokens."""
+                  teacher_key: str = TEACHER_KEY,
+                  router_loss_weights: tuple[float, float] = (0.0, 0.0)) -> ObjectiveOutput:
+  """Teacher and student on a scoring batch: the leaf's loss over the completion tokens; for a
+  mixture-of-experts student also its router losses (weighted by `router_loss_weights`, per
+  completion token like every term) and expert loads, from the routing of the scoring forward
+  over the real tokens (prompt and completion)."""
   inputs = run_models(leaf, student, extras, batch, chunk_size=chunk_size,
                       teacher_key=teacher_key)
   loss_sum, sums = inputs.loss_and_sums(lambda s, t, tok: score_values(leaf, TokenLogits(s, t, tok)),
                                         {leaf.name: float(leaf.weight)})
   tokens = jnp.sum(inputs.mask_BxL)
   ratios = {k: (sums.pop(k), tokens) for k in TOKEN_METRICS}
+  if inputs.student.router_stats is not None:
+    extra, router_sums, router_ratios = moe.objective_terms(inputs.student.router_stats, tokens,
+                                                            *router_loss_weights)
+    loss_sum = loss_sum + extra
+    sums.update(router_sums)
+    ratios.update(router_ratios)
   return ObjectiveOutput(loss_sum=loss_sum, tokens=tokens, sums=sums, ratios=ratios)
 
 
@@ -205,10 +225,12 @@ def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
                              off_policy: Objective | None = None,
                              chunk_size: int | None = vocab_chunks.AUTO,
                              teacher_key: str = TEACHER_KEY,
-                             sampling_context: Callable | None = None) -> Objective:
+                             sampling_context: Callable | None = None,
+                             router_loss_weights: tuple[float, float] = (0.0, 0.0)) -> Objective:
   """The step objective (see the module doc). `leaf`: GeneralizedJSD or SampledTokenKL;
   `off_policy`: the teacher-forced objective of the (1 - lmbda) share (needed when lmbda < 1);
-  `sampling_context`: a context manager factory sampling runs under (e.g. adapter dropout off)."""
+  `sampling_context`: a context manager factory sampling runs under (e.g. adapter dropout off);
+  `router_loss_weights`: (Switch load-balancing, router z-loss) weights of an MoE student."""
   sampling_context = sampling_context or contextlib.nullcontext
   vocab_chunks.check_chunk_size(chunk_size)
   if settings.lmbda < 1.0 and off_policy is None:
@@ -222,7 +244,8 @@ def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
     with sampling_context():
       rollout = sample_rollout(model, batch, jax.random.fold_in(rng, 1), settings)
     out = score_rollout(leaf, student, extras, scoring_batch(rollout, settings.pad_id),
-                        chunk_size=chunk_size, teacher_key=teacher_key)
+                        chunk_size=chunk_size, teacher_key=teacher_key,
+                        router_loss_weights=router_loss_weights)
     out.ratios.update(completion_stats(rollout, settings.stops))
     return out
 

@@ -27,6 +27,7 @@ from distillax.distill.teacher_cache import CacheInfo, read_teacher_cache
 from distillax.errors import ConfigError, UserError
 from distillax.framework import losses
 from distillax.framework.step import ObjectiveOutput
+from distillax.models import moe
 
 
 def cached_strategy(distill_cfg, info: CacheInfo, vocab_size: int) -> CachedLogitKD:
@@ -63,18 +64,25 @@ def hard_ce_objective(student, extras, batch, rng, *, chunk_size=vocab_chunks.AU
   out = model(tokens_BxL, **losses.model_inputs(batch), return_logits=chunk_size is None)
   inputs = DistillInputs(batch=batch, student=out, student_model=model, chunk_size=chunk_size)
   loss, sums = inputs.loss_and_sums(logit_metric_values, {"hard_ce": 1.0})
-  return ObjectiveOutput(loss_sum=loss, tokens=jnp.sum(inputs.mask_BxL), sums=sums)
+  tokens, ratios = jnp.sum(inputs.mask_BxL), {}
+  if out.router_stats is not None:  # an MoE student's router losses and loads, unweighted
+    _, router_sums, ratios = moe.objective_terms(out.router_stats, tokens, 0.0, 0.0)
+    sums.update(router_sums)
+  return ObjectiveOutput(loss_sum=loss, tokens=tokens, sums=sums, ratios=ratios)
 
 
 def cached_objective(strategy: Strategy, *, chunk_size: int | None = vocab_chunks.AUTO,
-                     metrics: bool = True):
-  """Train batches (with the cached teacher arrays) get the strategy; eval batches from the
-  validation split get hard CE. The branch is on the batch's keys, fixed at trace time.
+                     metrics: bool = True,
+                     router_loss_weights: tuple[float, float] = (0.0, 0.0)):
+  """Train batches (with the cached teacher arrays) get the strategy (and an MoE student's
+  router losses weighted by `router_loss_weights`); eval batches from the validation split get
+  hard CE. The branch is on the batch's keys, fixed at trace time.
 
   The cache's teacher_ce and top-1 come with the batch, so a cached train step reports them
   with metrics=True at the cost of one argmax over the student's logits (the validation split
   has no cache columns: they are reported nowhere else)."""
-  distill = make_distill_objective(strategy, chunk_size=chunk_size, metrics=metrics)
+  distill = make_distill_objective(strategy, chunk_size=chunk_size, metrics=metrics,
+                                   router_loss_weights=router_loss_weights)
 
   def objective(student, extras, batch, rng):
     if TOPK_IDS in batch:

@@ -98,13 +98,18 @@ class DistillRecipe(Recipe):
   def objective(self, *, train: bool = False) -> Objective:
     """Train: the loss terms and hard_ce; eval adds the logit metrics that cost extra passes
     over the vocabulary (teacher_ce, top1_agreement, logit_cosine)."""
-    weights = (0.0, 0.0)
-    if train:
-      weights = tuple(float(self.config.train.get(name, 0.0))
-                      for name in ("moe_aux_loss", "router_z_loss"))
     objective = make_distill_objective(self.strategy(), chunk_size=self.chunk_size(),
-                                       metrics=not train, router_loss_weights=weights)
+                                       metrics=not train,
+                                       router_loss_weights=self.router_loss_weights(train))
     return self.transforms.train_objective(objective) if train else objective
+
+  def router_loss_weights(self, train: bool) -> tuple[float, float]:
+    """(train.moe_aux_loss, train.router_z_loss) in training; eval objectives report the router
+    losses unweighted, so eval_objective stays the distillation loss."""
+    if not train:
+      return (0.0, 0.0)
+    return tuple(float(self.config.train.get(name, 0.0))
+                 for name in ("moe_aux_loss", "router_z_loss"))
 
   def chunk_size(self) -> int | None:
     return chunk_size_from_config(self.config.distill.chunk_size)

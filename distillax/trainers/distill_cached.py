@@ -17,7 +17,7 @@ from distillax.trainers.registry import register
 class CachedDistillRecipe(DistillRecipe):
   """`trainer='distill'` with `teacher.cache_dir` set."""
 
-  router_losses = False  # its objective adds no router losses yet
+  router_losses = True  # an MoE student's, on the cached train batches
 
   data_splits = ("eval",)  # the train batches come from the cache
 
@@ -31,7 +31,8 @@ class CachedDistillRecipe(DistillRecipe):
 
   def objective(self, *, train: bool = False) -> Objective:
     # metrics on in training too: the cache's teacher_ce and top-1 exist on train batches only
-    objective = cached_objective(self.strategy(), chunk_size=self.chunk_size(), metrics=True)
+    objective = cached_objective(self.strategy(), chunk_size=self.chunk_size(), metrics=True,
+                                 router_loss_weights=self.router_loss_weights(train))
     return self.transforms.train_objective(objective) if train else objective
 
   def build(self, *, abstract: bool, quantize: bool = True):

@@ -54,7 +54,7 @@ def settings_from_config(c, tokenizer) -> OnPolicySettings:
 class OnPolicyRecipe(DistillRecipe):
   """The student learns from its own samples, graded token by token by the teacher."""
 
-  router_losses = False  # its objective adds no router losses yet
+  router_losses = True  # an MoE student's, from its forward over its own samples
 
   # The guard watches what on-policy training lowers, the reverse KL on the student's own
   # samples of held-out prompts: its teacher-forced CE on the data may rise as it improves.
@@ -81,13 +81,16 @@ class OnPolicyRecipe(DistillRecipe):
     if not train:
       return super().objective(train=False)
     c = self.config.on_policy
-    off = make_distill_objective(self.strategy(), chunk_size=self.chunk_size(), metrics=False)
+    weights = self.router_loss_weights(train=True)
+    off = make_distill_objective(self.strategy(), chunk_size=self.chunk_size(), metrics=False,
+                                 router_loss_weights=weights)
     leaf = on_policy_strategy(str(c.divergence), beta=float(c.beta),
                               temperature=float(c.temperature))
     # Adapter dropout is for the learner's forward, not for sampling.
     context = (lambda: quant.lora_dropout(None)) if self.transforms.lora is not None else None
     on = make_on_policy_objective(leaf, self.settings, off_policy=off,
-                                  chunk_size=self.chunk_size(), sampling_context=context)
+                                  chunk_size=self.chunk_size(), sampling_context=context,
+                                  router_loss_weights=weights)
     return self.transforms.train_objective(on)  # the wrapper keeps on's rng_per_worker
 
   def batch_shapes(self):

@@ -78,7 +78,8 @@ def check_router_losses(train, model_config: TransformerConfig, job: str, suppor
                         f"(model.num_experts=0); set --config.train.{name}=0")
     if value and not supported:
       raise ConfigError(f"train.{name}={value}: the {job} job's objective adds no router "
-                        f"losses yet (lm, sequence_kd and distill do); set --config.train.{name}=0")
+                        f"losses (lm, sequence_kd, distill, distill_cached and on_policy do); "
+                        f"set --config.train.{name}=0")
 
 
 class Recipe:
@@ -104,8 +105,8 @@ class Recipe:
   # the first is the job's own (the default): the figure its objective lowers. Next-token
   # training lowers the CE, so its perplexity.
   rollback_metrics: tuple[str, ...] = ("eval_perplexity", "eval_loss", "eval_objective")
-  # Whether the objective adds train.moe_aux_loss / train.router_z_loss (lm, sequence_kd,
-  # distill).
+  # Whether the objective adds train.moe_aux_loss / train.router_z_loss (every registered job
+  # does; a new recipe says so once its objective takes them).
   router_losses: bool = False
 
   def __init__(self, config, *, workdir: str | None = None, mesh=None,

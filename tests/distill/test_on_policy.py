@@ -2,6 +2,8 @@
 alone), that padding changes nothing, that no gradient flows through sampling, stop tokens,
 lmbda mixing, and that a QAT student samples from its fake-quantized forward."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,3 +199,66 @@ def test_qat_student_samples_from_its_fake_quantized_forward():
                             enumerate(np.asarray(rollout.generated.lengths_B))])
   np.testing.assert_allclose(sampled, logprobs(qat), atol=2e-4)
   assert np.max(np.abs(sampled - logprobs(model))) > 1e-2
+
+
+MOE_STUDENT = dataclasses.replace(h.STUDENT_CONFIG, num_experts=4, num_experts_per_tok=2,
+                                  moe_mlp_dim=16, router="topk_softmax")
+
+
+def _np_router_terms(logits_TxE: np.ndarray, k: int) -> tuple[float, float, np.ndarray]:
+  """Switch loss, z-loss and per-expert load of one layer's router logits, in float64."""
+  E = logits_TxE.shape[1]
+  chosen_TxK = np.argsort(-logits_TxE, axis=1)[:, :k]
+  load_E = np.bincount(chosen_TxK.reshape(-1), minlength=E).astype(np.float64)
+  probs_TxE = np.exp(h.np_log_softmax(logits_TxE))
+  lse_T = np.log(np.sum(np.exp(logits_TxE), axis=1))
+  aux = E * np.sum(load_E / load_E.sum() * probs_TxE.mean(axis=0))
+  return aux, float(np.mean(lse_T ** 2)), load_E
+
+
+def test_an_moe_students_router_losses_come_from_its_forward_over_its_own_samples(models):
+  """The on-policy objective with router-loss weights (0.5, 0.25) is the objective without them
+  plus 0.5 x the Switch loss + 0.25 x the z-loss per completion token, each as numpy computes
+  it from the router logits of every prompt + completion run alone, over its real tokens only
+  (the prompt and the completion before its last token; not the padding after a stop token)."""
+  _, teacher = models
+  student = random_model(MOE_STUDENT, 7, NORMS_NEAR_ONE)
+  graph, state = nnx.split(student)
+  batch, key = _prompt_batch(), jax.random.key(3)
+  plain = make_on_policy_objective(GeneralizedJSD(), SETTINGS)
+  weighted = make_on_policy_objective(GeneralizedJSD(), SETTINGS, router_loss_weights=(0.5, 0.25))
+
+  @jax.jit
+  def run(state):
+    s = nnx.merge(graph, state)
+    outs = [o(s, {"teacher": teacher}, batch, key) for o in (plain, weighted)]
+    return outs, sample_rollout(s, batch, jax.random.fold_in(key, 1), SETTINGS).generated
+
+  (p, w), gen = jax.device_get(run(state))
+  seqs = [np.concatenate([np.asarray(batch[PROMPT_TOKENS])[n // 2, :LENGTHS[n // 2]],
+                           gen.tokens_BxT[n, :gen.lengths_B[n] - 1]])
+          for n in range(len(LENGTHS) * SETTINGS.num_samples)]
+  # Each sequence alone, left-aligned: causal attention keeps what follows from its tokens.
+  padded = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+  for n, seq in enumerate(seqs):
+    padded[n, :len(seq)] = seq
+  logits_NxBxLxE = np.asarray(jax.jit(lambda t: student(
+      t, return_logits=False, return_router_logits=True).router_logits_NxBxLxE)(padded),
+                              np.float64)
+  per_layer = [np.concatenate([x[n, :len(seq)] for n, seq in enumerate(seqs)])
+               for x in logits_NxBxLxE]
+  count = int(np.sum(gen.lengths_B))
+  terms = [_np_router_terms(logits, 2) for logits in per_layer]
+  aux, z = np.mean([t[0] for t in terms]), np.mean([t[1] for t in terms])
+  assert float(p.tokens) == float(w.tokens) == count
+  for out in (p, w):
+    np.testing.assert_allclose(float(out.sums["moe_aux_loss"]), count * aux, rtol=1e-5)
+    np.testing.assert_allclose(float(out.sums["router_z_loss"]), count * z, rtol=1e-5)
+    for layer, (_, _, load_E) in enumerate(terms):
+      np.testing.assert_allclose([float(x) for x in out.ratios[f"expert_load_max_over_mean_l"
+                                                               f"{layer}"]],
+                                 [load_E.max(), load_E.mean()], rtol=1e-6)
+      assert [float(x) for x in out.ratios[f"expert_tokens_dropped_l{layer}"]] == [
+          0.0, load_E.sum()]
+  np.testing.assert_allclose(float(w.loss_sum), float(p.loss_sum) + count * (0.5 * aux + 0.25 * z),
+                             rtol=1e-5)

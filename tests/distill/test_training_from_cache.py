@@ -19,7 +19,11 @@ from distillax.data import make_train_iterator, restore_iterator_state
 from distillax.distill import LogitKD, read_cache_info, read_teacher_cache
 from distillax.distill.training_from_cache import cached_objective, cached_train_iterator
 from distillax.trainers import lm_objective
+from distillax.trainers import recipe_for
 from tests.distill import helpers as h
+from tests.distill.test_on_policy import MOE_STUDENT
+from tests.support.models import NORMS_NEAR_ONE, random_model
+from tests.trainers.test_on_policy import _moe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "distillax/configs/distill_cached.py") + ":tiny"
@@ -116,6 +120,35 @@ def test_cached_iterator_replays_reshuffles_and_resumes(runs):
   np.testing.assert_array_equal(next(fresh)["inputs_BxL"], second_epoch[:BATCH])
 
 
+def test_an_moe_students_router_losses_enter_the_cached_objective(runs):
+  """The recipe's train objective on a cached batch is its eval objective there (the same
+  distillation terms, router losses unweighted) plus train.moe_aux_loss and
+  train.router_z_loss times the router losses both report (per token)."""
+  from distillax.configs import distill_cached
+  config = _moe(distill_cached.get_config("tiny"), 0.5, 0.25)
+  config.teacher.cache_dir = runs[0]
+  recipe = recipe_for(config)
+  batch = {k: jnp.asarray(v) for k, v in next(recipe.train_iterator()).items()}
+  student, _ = recipe.build(abstract=False)
+  graph, state = nnx.split(student)
+  train, plain = recipe.objective(train=True), recipe.objective(train=False)
+
+  @jax.jit
+  def both(state):
+    model = nnx.merge(graph, state)
+    return train(model, {}, batch, jax.random.key(0)), plain(model, {}, batch, jax.random.key(0))
+
+  got, want = jax.device_get(both(state))
+  assert set(got.sums) == set(want.sums) and {"logit_kd", "moe_aux_loss"} <= set(got.sums)
+  for name in ("logit_kd", "moe_aux_loss", "router_z_loss"):
+    np.testing.assert_allclose(got.sums[name], want.sums[name], rtol=1e-6, err_msg=name)
+  aux, z = float(got.sums["moe_aux_loss"]), float(got.sums["router_z_loss"])
+  assert aux >= float(got.tokens) * (1 - 1e-6) and z > 0  # the Switch loss is >= 1 per token
+  np.testing.assert_allclose(float(got.loss_sum), float(want.loss_sum) + 0.5 * aux + 0.25 * z,
+                             rtol=1e-6)
+  assert float(got.ratios["expert_tokens_dropped_l0"][0]) == 0.0  # dropless
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--config.distill.logit.temperature=1.5"], "temperature"),
     (["--config.distill.attention.weight=1"], "attention"),
@@ -155,3 +188,28 @@ def test_eval_objective_is_the_lm_cross_entropy(chunk):
   np.testing.assert_allclose(float(got.sums["hard_ce"]), float(want.loss_sum), rtol=1e-6)
   assert float(got.tokens) == float(jnp.sum(batch["loss_mask_BxL"]))
   assert set(got.sums) == {"hard_ce"}
+
+
+def test_eval_of_an_moe_student_reports_its_router_losses_and_loads():
+  """Validation batches (no cached arrays): the next-token objective's router losses and
+  expert loads, unweighted (eval_objective stays the CE), as the LM objective reports them."""
+  student = random_model(MOE_STUDENT, 5, NORMS_NEAR_ONE)
+  batch = h.to_jnp(h.make_batch(seed=4))
+  graph, state = nnx.split(student)
+  objective = cached_objective(LogitKD(top_k=4), router_loss_weights=(0.5, 0.25))
+
+  @jax.jit
+  def both(state):
+    model = nnx.merge(graph, state)
+    return objective(model, {}, batch, None), lm_objective(model, {}, batch, None)
+
+  got, want = both(state)
+  np.testing.assert_allclose(float(got.loss_sum), float(want.loss_sum), rtol=1e-6)
+  assert set(got.sums) == {"hard_ce", "moe_aux_loss", "router_z_loss"}
+  for name in ("moe_aux_loss", "router_z_loss"):
+    np.testing.assert_allclose(float(got.sums[name]), float(want.sums[name]), rtol=1e-6)
+  assert sorted(got.ratios) == sorted(want.ratios) == [
+      "expert_load_max_over_mean_l0", "expert_load_max_over_mean_l1", "expert_tokens_dropped_l0",
+      "expert_tokens_dropped_l1"]
+  for name, (n, d) in want.ratios.items():
+    np.testing.assert_allclose([float(x) for x in got.ratios[name]], [float(n), float(d)])

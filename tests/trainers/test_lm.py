@@ -4,14 +4,18 @@ in one line where no router or no objective takes them."""
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
+from distillax.errors import ConfigError
 from distillax.main import main
 from distillax.models import moe
 from distillax.models.presets import get_preset
 from distillax.trainers.lm import lm_objective
+from distillax.trainers.recipe import check_router_losses
+from distillax.trainers.registry import recipe_class
 from tests.support.engines import packed_batches
 from tests.support.models import Normal, random_model
 from tests.test_main import LM, ROOT
@@ -57,9 +61,6 @@ def test_lm_objective_adds_the_weighted_router_losses_and_reports_the_load_per_l
 @pytest.mark.parametrize("config,flags,says", [
     (f"{LM}:tiny", [], "train.moe_aux_loss=0.01 weighs a router loss, but the student is dense "
                        "(model.num_experts=0); set --config.train.moe_aux_loss=0"),
-    (f"{ROOT}/distillax/configs/on_policy.py:tiny", ["--config.model.num_experts=4"],
-     "train.moe_aux_loss=0.01: the on_policy job's objective adds no router losses yet (lm, "
-     "sequence_kd and distill do); set --config.train.moe_aux_loss=0"),
 ])
 def test_router_loss_weights_are_refused_where_nothing_takes_them(capsys, tmp_path, config, flags,
                                                                    says):
@@ -68,6 +69,22 @@ def test_router_loss_weights_are_refused_where_nothing_takes_them(capsys, tmp_pa
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1 and err[0].endswith(says), err
   assert not (tmp_path / "wd").exists()
+
+
+def test_every_registered_job_takes_router_losses_and_a_recipe_that_does_not_says_so():
+  """Every job's objective adds the router losses of an MoE student (the on-policy and cached
+  ones: tests/trainers/test_on_policy.py, tests/distill/test_training_from_cache.py); a recipe
+  whose objective does not refuses the weights in one line."""
+  for kind in ("lm", "sequence_kd", "distill", "on_policy"):
+    assert recipe_class(ml_collections.ConfigDict({"trainer": kind})).router_losses, kind
+  cached = ml_collections.ConfigDict({"trainer": "distill", "teacher": {"cache_dir": "/c"}})
+  assert recipe_class(cached).name == "distill_cached" and recipe_class(cached).router_losses
+  train = ml_collections.ConfigDict({"moe_aux_loss": 0.0, "router_z_loss": 0.01})
+  with pytest.raises(ConfigError) as e:
+    check_router_losses(train, get_preset("tiny_moe"), "custom", supported=False)
+  assert str(e.value) == ("train.router_z_loss=0.01: the custom job's objective adds no router "
+                          "losses (lm, sequence_kd, distill, distill_cached and on_policy do); "
+                          "set --config.train.router_z_loss=0")
 
 
 def test_the_vmap_backend_refuses_ragged_experts_in_one_line(capsys, tmp_path):

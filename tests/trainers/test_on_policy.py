@@ -16,6 +16,7 @@ from distillax.data import default_data_config, make_tokenizer
 from distillax.distill.on_policy import PROMPT_KEYS
 from distillax.trainers import recipe_for
 from tests.data import chat_testing as ct
+from tests.support.engines import recipe_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -32,17 +33,7 @@ def _small(config, **on_policy):
   return config
 
 
-def _steps(config, batches, steps=2):
-  """(per-step metrics, final params) of `steps` steps from the recipe's fresh state."""
-  recipe = recipe_for(config)
-  engine = recipe.build_engines().main
-  student, extras = recipe.build(abstract=False)
-  state = engine.init_state(student, extras, int(config.seed))
-  rows = []
-  for batch in batches[:steps]:
-    state, metrics = engine.runner(state, engine.runner.place_batch(batch))
-    rows.append({k: np.asarray(v) for k, v in jax.device_get(metrics).items()})
-  return rows, jax.device_get(engine.runner.fetch_state(state).params)
+_steps = recipe_steps  # (per-step metrics, final params) from the recipe's fresh state
 
 
 def _batches(config, n=2):
@@ -62,6 +53,36 @@ def test_lmbda_0_is_the_distill_step_bit_for_bit():
     np.testing.assert_array_equal(op_rows[0][k], v, err_msg=k)
   for a, b in zip(jax.tree.leaves(op_params), jax.tree.leaves(kd_params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _moe(config, aux: float, z: float):
+  """`config` with an MoE student (4 experts, top-2) and router-loss weights (aux, z)."""
+  config = config.copy_and_resolve_references()
+  config.model.num_experts, config.model.num_experts_per_tok = 4, 2
+  config.train.moe_aux_loss, config.train.router_z_loss = aux, z
+  return config
+
+
+def assert_router_losses_enter_the_loss(row, terms, w_aux=0.5, w_z=0.25):
+  """A step's logged loss is its objective's weighted terms (`terms`: {logged name: weight})
+  plus the router-loss weights times the logged router losses; the expert loads are logged per
+  layer, nothing dropped (dropless)."""
+  aux, z = float(row["moe_aux_loss"]), float(row["router_z_loss"])
+  assert aux >= 1.0 - 1e-6 and z > 0  # the Switch loss is 1 at best; the z-loss is positive
+  assert float(row["expert_load_max_over_mean_l0"]) >= 1.0
+  assert float(row["expert_tokens_dropped_l0"]) == 0.0
+  want = sum(w * float(row[k]) for k, w in terms.items()) + w_aux * aux + w_z * z
+  np.testing.assert_allclose(float(row["loss"]), want, rtol=1e-5)
+
+
+def test_an_moe_student_trains_on_its_samples_with_its_router_losses():
+  """The objective's router terms with their weights are tests/distill/test_on_policy.py's
+  (against numpy); here the recipe passes train.moe_aux_loss / router_z_loss to them."""
+  config = _moe(_small(op_config.get_config("tiny")), 0.5, 0.25)
+  rows, _ = _steps(config, _batches(config))
+  for row in rows:
+    assert float(row["on_policy"]) == 1.0
+    assert_router_losses_enter_the_loss(row, {"gjsd": 1.0})
 
 
 # (backend, partitioning strategy, mesh model axis)
