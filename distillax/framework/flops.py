@@ -19,6 +19,10 @@ num_kv_heads, head_dim, mlp_dim, mlp_activation; optionally sliding_window,
 sliding_window_pattern and layer_types), so any object with those fields works, e.g.
 `distillax.models.config.TransformerConfig`. tie_embeddings does not change the count.
 
+Qwen3.5's Gated DeltaNet layers (`token_mixers` naming 'linear_attention') count their
+projections and the delta rule's per-token state contractions (`linear_attention` key) instead of
+attention; its full-attention layers add the output gate's projection (`attn_output_gate`).
+
 A mixture of experts (num_experts > 0; num_experts_per_tok k, moe_mlp_dim F, 0 = mlp_dim) counts
 what a dropless grouped matmul does: each token's k experts (k gated MLPs of width F) plus the
 router (embed x num_experts), the active-parameter convention of MoE MFU figures; the dense
@@ -95,24 +99,33 @@ def forward_flops_breakdown(cfg: Any, batch: int, seq_len: int, *,
   """Matmul FLOPs of one forward pass over a [batch, seq_len] block of tokens, by component.
 
   Keys: qkv_proj, out_proj (attention output), attn_scores (Q.K^T), attn_values (P.V), mlp,
-  logits (output projection), total. All layers are included.
+  logits (output projection), linear_attention (Gated DeltaNet layers, when there are some),
+  total. All layers are included.
   """
   n = _shape_numbers(cfg)
   tokens = batch * seq_len
   q_width = n["heads"] * n["head_dim"]
   kv_width = n["kv_heads"] * n["head_dim"]
   layers = n["layers"]
-  pairs = sum(attended_pairs(seq_len, window, causal) for window in layer_windows(cfg))
+  mixers = getattr(cfg, "token_mixers", None) or ("full_attention",) * layers
+  attends = [t != "linear_attention" for t in mixers]  # Qwen3.5: Gated DeltaNet layers do not
+  attention_layers = sum(attends)
+  pairs = sum(attended_pairs(seq_len, window, causal)
+              for window, attend in zip(layer_windows(cfg), attends) if attend)
   attn_product = 2.0 * batch * n["heads"] * n["head_dim"] * pairs  # summed over layers
   mlp_matrices = mlp_matrix_count(getattr(cfg, "mlp_activation", "swiglu"))
+  gate_width = q_width if getattr(cfg, "attn_output_gate", False) else 0  # Qwen3.5's gate
   out = {
-      "qkv_proj": layers * 2.0 * tokens * n["embed"] * (q_width + 2 * kv_width),
-      "out_proj": layers * 2.0 * tokens * q_width * n["embed"],
+      "qkv_proj": attention_layers * 2.0 * tokens * n["embed"] * (q_width + gate_width
+                                                                  + 2 * kv_width),
+      "out_proj": attention_layers * 2.0 * tokens * q_width * n["embed"],
       "attn_scores": attn_product,
       "attn_values": attn_product,
       "mlp": layers * mlp_matrices * 2.0 * tokens * n["embed"] * n["mlp"],
       "logits": 2.0 * tokens * n["embed"] * n["vocab"],
   }
+  if attention_layers < layers:
+    out["linear_attention"] = (layers - attention_layers) * gated_deltanet_flops(cfg, tokens)
   experts = int(getattr(cfg, "num_experts", 0) or 0)
   if experts:
     k = int(_field(cfg, "num_experts_per_tok"))
@@ -120,6 +133,18 @@ def forward_flops_breakdown(cfg: Any, batch: int, seq_len: int, *,
     out["mlp"] = layers * 2.0 * tokens * n["embed"] * (mlp_matrices * k * width + experts)
   out["total"] = sum(out.values())
   return out
+
+
+def gated_deltanet_flops(cfg: Any, tokens: int) -> float:
+  """Matmul FLOPs of one Gated DeltaNet layer over `tokens` tokens: its projections (q, k of
+  the key heads; v, the output gate z, decay and write strength of the value heads; the output)
+  and the delta rule's three (d_k x d_v) contractions per token and value head (read, write,
+  query the state), the recurrence's own work whatever form computes it."""
+  D = int(_field(cfg, "embed_dim"))
+  Hk, Hv = int(_field(cfg, "linear_num_key_heads")), int(_field(cfg, "linear_num_value_heads"))
+  dk, dv = int(_field(cfg, "linear_key_head_dim")), int(_field(cfg, "linear_value_head_dim"))
+  projections = 2.0 * tokens * D * (2 * Hk * dk + 2 * Hv * dv + 2 * Hv + Hv * dv)
+  return projections + 3 * 2.0 * tokens * Hv * dk * dv
 
 
 def forward_flops(cfg: Any, batch: int, seq_len: int, *, causal: bool = True) -> float:

@@ -350,3 +350,21 @@ def test_mixture_of_experts_counts_the_routed_experts_and_the_router():
   assert flops.forward_flops_breakdown(same_width, 1, 3)["mlp"] == 2 * 3 * (2 * 3 * 4 * 8 + 20)
   gpt_oss = dataclasses.replace(moe, mlp_activation="clamped_swiglu")  # gated: gate, up, down
   assert flops.forward_flops_breakdown(gpt_oss, 1, 3)["mlp"] == got["mlp"]
+
+
+def test_gated_deltanet_layers_count_their_projections_and_state_contractions():
+  """tiny_qwen35's shapes by hand: D 64, 4 heads of 16 over 2 kv heads, MLP 128 (SwiGLU), vocab
+  256; three Gated DeltaNet layers (2 key heads, 4 value heads, 16 features each) and one gated
+  attention layer. 1 x 8 tokens."""
+  from distillax.models.presets import get_preset
+  got = flops.forward_flops_breakdown(get_preset("tiny_qwen35"), batch=1, seq_len=8)
+  T = 8
+  # DeltaNet: q, k 2 x 32 wide, v and z 2 x 64, a and b 2 x 4, out 64 -> 64; state 3 x 4 x 16 x 16.
+  deltanet = 2 * T * 64 * (64 + 128 + 8 + 64) + 3 * 2 * T * 4 * 16 * 16
+  assert got["linear_attention"] == 3 * deltanet
+  # The attention layer: q 64 + its gate 64 + k, v 2 x 32; causal scores over 8 x 8 / 2 pairs.
+  assert got["qkv_proj"] == 2 * T * 64 * (64 + 64 + 64)
+  assert got["out_proj"] == 2 * T * 64 * 64
+  assert got["attn_scores"] == got["attn_values"] == 2 * 4 * 16 * 32
+  assert got["mlp"] == 4 * 3 * 2 * T * 64 * 128
+  assert got["total"] == sum(v for k, v in got.items() if k != "total")
