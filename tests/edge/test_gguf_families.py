@@ -6,8 +6,10 @@ What llama.cpp fixes in code and a model would run differently is refused in one
 Measured here (40 tokens, reference kernels), max |logit difference|:
   gemma3   f32 2.1e-4 (logit scale 3.9), q4_0 1.2e-6 (4.1), with llama.cpp's fp16 GELU table
            in distillax's forward (helpers.table_gelu; Gemma 2's f32 is 1.6e-4 the same way)
-  smollm3  f32 4.8e-6 (logit scale 12.3), q4_0 3.8e-6 (by hand: the same block path as the
-           llama q4_0 test, so it stays out of the suite)
+  smollm3  f32 4.8e-6 (logit scale 12.3), q4_0 3.8e-6
+The q4_0 runs were measured by hand (add them to the parametrize list below to rerun them):
+their block path is the one test_llama_cpp's gemma2 and llama q4_0 runs hold, and the gemma3
+one took 4 to 16 s, with the machine's load deciding.
 """
 
 import numpy as np
@@ -33,7 +35,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("arch,quant,tolerance", [
-    ("gemma3", "f32", 1e-3), ("gemma3", "q4_0", 1e-3), ("smollm3", "f32", 1e-4)])
+    ("gemma3", "f32", 1e-3), ("smollm3", "f32", 1e-4)])
 def test_gemma3_and_smollm3_match_llama_cpp(tmp_path, arch, quant, tolerance):
   assert gguf_architecture(CONFIGS[arch]) == arch
   model = random_model(CONFIGS[arch], init=PEAKED)
