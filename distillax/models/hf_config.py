@@ -1,5 +1,5 @@
-"""Hugging Face `config.json` <-> TransformerConfig for Llama, Gemma, Gemma 2, Qwen 2/2.5, Qwen 3,
-Mistral, and the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss.
+"""Hugging Face `config.json` <-> TransformerConfig for Llama, Gemma, Gemma 2, Gemma 3, Qwen
+2/2.5, Qwen 3, Mistral, SmolLM3, and the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss.
 
 Reads both the transformers 5 layout (`rope_parameters`) and the older one (`rope_theta` +
 `rope_scaling`), and writes both so other readers (older transformers, serving stacks) agree.
@@ -9,7 +9,10 @@ q/k RMSNorm, Mistral's sliding window on every layer; Qwen3-MoE is Qwen 3 with e
 layer (softmax then top-k, `norm_topk_prob`), Mixtral is Mistral with experts (top-k then
 softmax). gpt-oss adds biases (q/k/v/o, router, experts), attention sinks, the clamped SwiGLU,
 YaRN RoPE and alternating sliding / full layers. Qwen3.5's dense text decoder mixes Gated
-DeltaNet and gated full-attention layers by `layer_types`, with partial RoPE. Per-layer `layer_types` that follow no pattern
+DeltaNet and gated full-attention layers by `layer_types`, with partial RoPE. Gemma 3 is Gemma
+2 with q/k norms, five sliding layers in six and a RoPE per layer type (`rope_parameters` keyed
+by layer type: the sliding layers' base, the global layers' with linear scaling); SmolLM3 is
+Llama with no RoPE where `no_rope_layers` says 0. Per-layer `layer_types` that follow no pattern
 (a Gemma 2 student made of teacher blocks) are read and, for Gemma 2 and gpt-oss, written as they
 are.
 """
