@@ -28,6 +28,7 @@ from distillax.models.attention import KVCache  # noqa: E402
 from distillax.models.hf_config import config_from_hf, config_to_hf  # noqa: E402
 from distillax.models.init import param_count  # noqa: E402
 from distillax.models.presets import get_preset  # noqa: E402
+from distillax.models.sampler import generate  # noqa: E402
 from tests.support.hf import cached_decode_delta, torch_logits  # noqa: E402
 from tests.support.models import Normal, forward, random_model  # noqa: E402
 
@@ -120,6 +121,22 @@ def test_gemma4_packed_documents_match_each_document_alone_in_transformers(hf_mo
       delta = max(delta, float(np.max(np.abs(got[row, doc] - want))))
   print(f"\ngemma4 packed documents: max |dlogit| vs transformers {delta:.1e}")  # README table
   assert delta <= 1e-4
+
+
+def test_gemma4_sampler_over_left_padded_prompts_matches_greedy_full_forwards(hf_checkpoint):
+  """The sampler's KV cache (sharing layers cache nothing; full layers wider): greedy
+  generation over prompts of 6 and 4 tokens (the shorter padded ahead of it in the cache)
+  equals argmax decoding each prompt alone by full forwards."""
+  model = hf.load(hf_checkpoint)
+  lengths, new = np.array([6, 4]), 3
+  out = generate(model, jnp.asarray(TOKENS[:, :6], jnp.int32), jnp.asarray(lengths),
+                 max_new_tokens=new)
+  seqs, rows = np.array(TOKENS), np.arange(2)
+  for step in range(new):
+    logits = np.asarray(forward(model, jnp.asarray(seqs, jnp.int32)).logits_BxLxV)
+    seqs[rows, lengths + step] = logits[rows, lengths + step - 1].argmax(-1)
+  np.testing.assert_array_equal(out.tokens_BxT, seqs[rows[:, None], lengths[:, None] +
+                                                     np.arange(new)])
 
 
 def test_gemma4_multimodal_checkpoint_loads_its_text_tower(tmp_path):
