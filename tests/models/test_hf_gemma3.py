@@ -155,8 +155,8 @@ def test_a_gemma3_student_of_teacher_blocks_keeps_each_blocks_attention_and_rope
 def test_a_gemma3_multimodal_checkpoint_loads_its_text_decoder(tmp_path):
   """A tiny Gemma3ForConditionalGeneration (a 1-layer SigLIP tower, its projector, an untied
   head) saved as transformers 5.24 saves it ('language_model.model.*', 'language_model.lm_head',
-  'vision_tower.*', 'multi_modal_projector.*'): distillax reads the text decoder, ignores the rest, and its
-  logits are the wrapper's on text."""
+  'vision_tower.*', 'multi_modal_projector.*'): distillax reads the text decoder, ignores the
+  rest, and its logits are the wrapper's on text."""
   text = {k: v for k, v in CONFIG.items() if k != "attn_implementation"}
   vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                 image_size=28, patch_size=14)

@@ -1,5 +1,6 @@
 """SmolLM3 (SmolLM3ForCausalLM) against transformers 5.24: the full forward (unrolled and
-scanned), KV-cached decode, packed documents against each document run alone, and export back to transformers with an exact round trip.
+scanned), KV-cached decode, packed documents against each document run alone, and export back
+to transformers with an exact round trip.
 
 A tiny random model built from a config (nothing is downloaded): 4 layers, the 4th without RoPE
 (no_rope_layer_interval 4), with the pad/bos/eos ids inside the tiny vocabulary. Weights and
