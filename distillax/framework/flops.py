@@ -100,30 +100,42 @@ def forward_flops_breakdown(cfg: Any, batch: int, seq_len: int, *,
 
   Keys: qkv_proj, out_proj (attention output), attn_scores (Q.K^T), attn_values (P.V), mlp,
   logits (output projection), linear_attention (Gated DeltaNet layers, when there are some),
-  total. All layers are included.
+  per_layer_inputs (Gemma 4's, when there are some), total. All layers are included.
   """
   n = _shape_numbers(cfg)
   tokens = batch * seq_len
-  q_width = n["heads"] * n["head_dim"]
-  kv_width = n["kv_heads"] * n["head_dim"]
   layers = n["layers"]
   mixers = getattr(cfg, "token_mixers", None) or ("full_attention",) * layers
   attends = [t != "linear_attention" for t in mixers]  # Qwen3.5: Gated DeltaNet layers do not
   attention_layers = sum(attends)
-  pairs = sum(attended_pairs(seq_len, window, causal)
-              for window, attend in zip(layer_windows(cfg), attends) if attend)
-  attn_product = 2.0 * batch * n["heads"] * n["head_dim"] * pairs  # summed over layers
+  # Gemma 4: full layers of global_head_dim; the last layers share k/v (no projections) and
+  # may have double-wide MLPs.
+  global_dim = int(getattr(cfg, "global_head_dim", 0) or 0)
+  first_shared = layers - int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
+  wide = bool(getattr(cfg, "double_wide_shared_mlp", False))
+  gate = bool(getattr(cfg, "attn_output_gate", False))  # Qwen3.5's output gate
+  qkv = out_proj = attn_product = 0.0
+  for i, (window, attend) in enumerate(zip(layer_windows(cfg), attends)):
+    if not attend:
+      continue
+    q_width = n["heads"] * (global_dim if global_dim and window is None else n["head_dim"])
+    kv_width = n["kv_heads"] * q_width // n["heads"] if i < first_shared else 0
+    qkv += 2.0 * tokens * n["embed"] * (q_width * (2 if gate else 1) + 2 * kv_width)
+    out_proj += 2.0 * tokens * q_width * n["embed"]
+    attn_product += 2.0 * batch * q_width * attended_pairs(seq_len, window, causal)
   mlp_matrices = mlp_matrix_count(getattr(cfg, "mlp_activation", "swiglu"))
-  gate_width = q_width if getattr(cfg, "attn_output_gate", False) else 0  # Qwen3.5's gate
+  mlp_layers = layers + (layers - first_shared if wide else 0)  # a double-wide MLP counts twice
   out = {
-      "qkv_proj": attention_layers * 2.0 * tokens * n["embed"] * (q_width + gate_width
-                                                                  + 2 * kv_width),
-      "out_proj": attention_layers * 2.0 * tokens * q_width * n["embed"],
+      "qkv_proj": qkv,
+      "out_proj": out_proj,
       "attn_scores": attn_product,
       "attn_values": attn_product,
-      "mlp": layers * mlp_matrices * 2.0 * tokens * n["embed"] * n["mlp"],
+      "mlp": mlp_layers * mlp_matrices * 2.0 * tokens * n["embed"] * n["mlp"],
       "logits": 2.0 * tokens * n["embed"] * n["vocab"],
   }
+  per_layer = int(getattr(cfg, "per_layer_input_dim", 0) or 0)
+  if per_layer:  # Gemma 4: the embeddings' projection, then each layer's gate and projection
+    out["per_layer_inputs"] = 3 * layers * 2.0 * tokens * n["embed"] * per_layer
   if attention_layers < layers:
     out["linear_attention"] = (layers - attention_layers) * gated_deltanet_flops(cfg, tokens)
   experts = int(getattr(cfg, "num_experts", 0) or 0)

@@ -196,7 +196,7 @@ def test_forward_matches_xla_cost_analysis(cfg):
   assert analytic <= xla <= 1.05 * analytic, (xla, analytic)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny_gemma"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny_gemma", "tiny_gemma4"])
 def test_the_real_model_matches_xla_cost_analysis(preset):
   # The project's own Transformer computes the full masked score matrix (also for its sliding
   # window layers), so XLA's count is compared with causal=False.
