@@ -285,10 +285,9 @@ class TransformerConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"model.{name}={value!r} must be a non-negative integer (0 = off)")
-    if not isinstance(self.global_head_dim, int) or self.global_head_dim < 0 or (
-        self.global_head_dim and self.global_head_dim != self.head_dim and self.scan_layers):
+    if not isinstance(self.global_head_dim, int) or self.global_head_dim < 0:
       raise ConfigError(f"model.global_head_dim={self.global_head_dim!r} must be a non-negative "
-                        f"integer (0 = head_dim), and equal head_dim with model.scan_layers=True")
+                        f"integer (0 = head_dim)")
     frac = self.global_rope_fraction
     if not 0 < frac <= 1 or int(frac * self.layer_head_dim(self.num_layers - 1)) % 2:
       raise ConfigError(f"model.global_rope_fraction={frac!r} must be in (0, 1] and turn whole "
@@ -308,9 +307,11 @@ class TransformerConfig:
     if self.num_linear_layers and shared:
       raise ConfigError("model.num_kv_shared_layers is for attention-only models; set it to 0 "
                         "with model.token_mixers")
-    if self.scan_layers and (shared or self.per_layer_input_dim):
-      raise ConfigError("model.scan_layers=True cannot stack Gemma 4's layers (per-layer inputs "
-                        "or key/value sharing make them differ); use model.scan_layers=False")
+    if self.scan_layers and (shared or self.per_layer_input_dim
+                             or self.global_head_dim not in (0, self.head_dim)):
+      raise ConfigError("model.scan_layers=True cannot stack Gemma 4's layers (per-layer inputs, "
+                        "key/value sharing or a wider global_head_dim make them differ); use "
+                        "model.scan_layers=False")
 
   # ---- derived quantities ----------------------------------------------------------------
 

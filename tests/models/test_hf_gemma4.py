@@ -12,6 +12,7 @@ released E2B's parts. transformers does not write global_head_dim into config.js
 """
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from distillax.errors import UserError  # noqa: E402
+from distillax.errors import ConfigError, UserError  # noqa: E402
 from distillax.models import hf  # noqa: E402
 from distillax.models.attention import KVCache  # noqa: E402
 from distillax.models.hf_config import config_from_hf, config_to_hf  # noqa: E402
@@ -202,3 +203,19 @@ def test_gemma4_parts_not_read_yet_are_refused_in_one_line(key, value):
   hf_config = {**TEXT, "architectures": ["Gemma4ForCausalLM"], key: value}
   with pytest.raises(UserError, match=f"Gemma 4 with {key}={value!r} is not supported yet"):
     config_from_hf(hf_config)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(scan_layers=True), "model.scan_layers=True cannot stack Gemma 4's layers"),
+    (dict(num_kv_shared_layers=4), "layer 1 (full_attention) has no earlier full_attention layer"),
+    (dict(num_kv_shared_layers=5), "must leave at least one of the model.num_layers=5 layers"),
+    (dict(global_rope_fraction=0.3), "model.global_rope_fraction=0.3 must be in (0, 1]"),
+])
+def test_gemma4_config_refuses_with_the_field_and_value(change, message):
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    get_preset("tiny_gemma4").replace(**change)
+
+
+def test_a_student_of_gemma4_teacher_blocks_is_refused_in_one_line():
+  with pytest.raises(ConfigError, match="cannot be cut from a Gemma 4 teacher yet"):
+    get_preset("tiny_gemma4").select_layers([0, 1])
