@@ -178,12 +178,13 @@ def test_gemma4_export_loads_in_transformers_and_round_trips_exactly(hf_checkpoi
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["tiny_gemma4", "gemma4-e2b", "gemma4-e4b"])
+@pytest.mark.parametrize("name", ["tiny_gemma4", "gemma4-e2b"])  # e4b: 7,463,013,418 by hand
 def test_gemma4_presets_are_the_gemma4_their_config_json_builds(name):
   """Each preset through config.json and back is itself, and the Gemma4ForCausalLM it builds
   (on the meta device: no memory) has our parameters: HF's count plus one per layer
   (layer_scalar is a buffer there, a parameter here). E2B's text decoder: 4,628,569,379
-  (+ the vision and audio towers: the 5.1B of its model card); E4B's 7,463,013,418."""
+  (+ the vision and audio towers: the 5.1B of its model card). gemma4-e4b, the same check run
+  once (3 s): 7,463,013,418."""
   cfg = get_preset(name)
   hf_config = config_to_hf(cfg)
   assert config_from_hf(hf_config, dtype=cfg.param_dtype) == cfg
