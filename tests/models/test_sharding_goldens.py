@@ -8,7 +8,8 @@ before committing it.
 
 The models cover the features that change the tree: `tiny` (untied output, GQA with 2 kv heads),
 `tiny_gemma` (tied embeddings, post norms), `tiny_gemma3` (Gemma 3: q/k norms over head_dim
-and six layers), `llama3.2-1b` (a published shape: stacked layers
+and six layers), `tiny_gemma4` (Gemma 4: per-layer input tables and gates, layer scalars, wider
+full layers, sharing layers without k/v, double-wide MLPs), `llama3.2-1b` (a published shape: stacked layers
 under scan, bfloat16, 128k vocabulary) and `tiny_moe` (stacked experts and a router: where the
 'expert' rules of fsdp_ep / ep_tp place them). tiny's 4 query and 2 kv heads do not divide a model axis
 of 4 or 8; the default rules reject that, so the dumps are made with `replicate_indivisible`
@@ -26,7 +27,7 @@ from distillax.errors import PartitioningError
 from tests.models.sharding import plan, rows_by_path
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "goldens"
-MODELS = ("tiny", "tiny_gemma", "llama3.2-1b", "tiny_moe", "tiny_gemma3")
+MODELS = ("tiny", "tiny_gemma", "llama3.2-1b", "tiny_moe", "tiny_gemma3", "tiny_gemma4")
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 
 
@@ -157,11 +158,12 @@ def test_dp_replicates_everything_and_only_dp(strategy):
   assert replicated == (strategy == "dp")
 
 
-@pytest.mark.parametrize("preset", [m for m in MODELS if m != "tiny_gemma3"])
+@pytest.mark.parametrize("preset", [m for m in MODELS if m not in ("tiny_gemma3", "tiny_gemma4")])
 @pytest.mark.parametrize("data,model", MESHES)
 def test_fsdp_per_device_bytes_are_total_over_data_size(preset, data, model):
   """Every embed dim of these models divides every data size, so fsdp splits every parameter
-  exactly data ways and nothing over model (tiny_gemma3's q/k norms have no embed dim: below)."""
+  exactly data ways and nothing over model (tiny_gemma3's q/k norms have no embed dim: below;
+  nor do tiny_gemma4's per-layer input table and norm, layer scalars: by hand below)."""
   rows = plan(preset, "fsdp", data, model)
   total = sum(r.bytes_total for r in rows)
   assert sum(r.bytes_per_device for r in rows) == total // data
@@ -193,3 +195,19 @@ def test_tiny_moe_expert_parallel_presets_by_hand():
   assert ep_tp["layers/0/mlp/down"].mesh_spec == ("data", "model", None)
   assert ep_tp["layers/0/mlp/router"].mesh_spec == (None, "data")
   assert rows_by_path(plan("tiny", "fsdp_ep", 4, 2)) == rows_by_path(plan("tiny", "fsdp", 4, 2))
+
+
+def test_gemma4_per_layer_parts_by_hand():
+  """fsdp_tp on 4 x 2: the per-layer input table is a vocabulary table (vocab over model), its
+  packed per-layer width has no rule (replicated); the full layer's wider heads split like any;
+  a sharing layer has no k/v; the layer scalar is replicated."""
+  rows = rows_by_path(plan("tiny_gemma4", "fsdp_tp", 4, 2))
+  table = rows["per_layer_inputs/embedding"]  # (vocab 256, 5 layers x 8)
+  assert table.shape == (256, 40) and table.mesh_spec == ("model", None)
+  assert rows["per_layer_inputs/projection"].mesh_spec == ("data", None)
+  assert rows["layers/0/per_layer/gate"].mesh_spec == ("data", None)
+  assert rows["layers/1/attn/q"].shape == (64, 4, 32)  # global_head_dim 32
+  assert rows["layers/1/attn/q"].mesh_spec == ("data", "model", None)
+  assert "layers/3/attn/k" not in rows and "layers/2/attn/k" in rows
+  assert rows["layers/3/mlp/up"].shape == (64, 256)  # double-wide
+  assert rows["layers/0/scalar"].replicated
