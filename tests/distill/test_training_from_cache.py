@@ -23,7 +23,6 @@ from distillax.trainers import recipe_for
 from tests.distill import helpers as h
 from tests.distill.test_on_policy import MOE_STUDENT
 from tests.support.models import NORMS_NEAR_ONE, random_model
-from tests.trainers.test_on_policy import _moe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "distillax/configs/distill_cached.py") + ":tiny"
@@ -125,7 +124,9 @@ def test_an_moe_students_router_losses_enter_the_cached_objective(runs):
   distillation terms, router losses unweighted) plus train.moe_aux_loss and
   train.router_z_loss times the router losses both report (per token)."""
   from distillax.configs import distill_cached
-  config = _moe(distill_cached.get_config("tiny"), 0.5, 0.25)
+  config = distill_cached.get_config("tiny")
+  config.model.num_experts, config.model.num_experts_per_tok = 4, 2
+  config.train.moe_aux_loss, config.train.router_z_loss = 0.5, 0.25
   config.teacher.cache_dir = runs[0]
   recipe = recipe_for(config)
   batch = {k: jnp.asarray(v) for k, v in next(recipe.train_iterator()).items()}

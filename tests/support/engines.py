@@ -114,17 +114,3 @@ def _lm_loss(graphdef, state, batch):
   out = lm_objective(nnx.merge(graphdef, state), {}, batch, None)
   return out.loss_sum / out.tokens
 
-
-def recipe_steps(config, batches, steps: int = 2):
-  """(per-step metrics, final params) of `steps` steps of `config`'s recipe from its fresh
-  state, on host `batches` (as its train iterator yields them)."""
-  from distillax.trainers import recipe_for
-  recipe = recipe_for(config)
-  engine = recipe.build_engines().main
-  student, extras = recipe.build(abstract=False)
-  state = engine.init_state(student, extras, int(config.seed))
-  rows = []
-  for batch in batches[:steps]:
-    state, metrics = engine.runner(state, engine.runner.place_batch(batch))
-    rows.append({k: np.asarray(v) for k, v in jax.device_get(metrics).items()})
-  return rows, jax.device_get(engine.runner.fetch_state(state).params)

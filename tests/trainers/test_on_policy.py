@@ -16,7 +16,6 @@ from distillax.data import default_data_config, make_tokenizer
 from distillax.distill.on_policy import PROMPT_KEYS
 from distillax.trainers import recipe_for
 from tests.data import chat_testing as ct
-from tests.support.engines import recipe_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -33,7 +32,17 @@ def _small(config, **on_policy):
   return config
 
 
-_steps = recipe_steps  # (per-step metrics, final params) from the recipe's fresh state
+def _steps(config, batches, steps=2):
+  """(per-step metrics, final params) of `steps` steps from the recipe's fresh state."""
+  recipe = recipe_for(config)
+  engine = recipe.build_engines().main
+  student, extras = recipe.build(abstract=False)
+  state = engine.init_state(student, extras, int(config.seed))
+  rows = []
+  for batch in batches[:steps]:
+    state, metrics = engine.runner(state, engine.runner.place_batch(batch))
+    rows.append({k: np.asarray(v) for k, v in jax.device_get(metrics).items()})
+  return rows, jax.device_get(engine.runner.fetch_state(state).params)
 
 
 def _batches(config, n=2):
@@ -53,36 +62,6 @@ def test_lmbda_0_is_the_distill_step_bit_for_bit():
     np.testing.assert_array_equal(op_rows[0][k], v, err_msg=k)
   for a, b in zip(jax.tree.leaves(op_params), jax.tree.leaves(kd_params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def _moe(config, aux: float, z: float):
-  """`config` with an MoE student (4 experts, top-2) and router-loss weights (aux, z)."""
-  config = config.copy_and_resolve_references()
-  config.model.num_experts, config.model.num_experts_per_tok = 4, 2
-  config.train.moe_aux_loss, config.train.router_z_loss = aux, z
-  return config
-
-
-def assert_router_losses_enter_the_loss(row, terms, w_aux=0.5, w_z=0.25):
-  """A step's logged loss is its objective's weighted terms (`terms`: {logged name: weight})
-  plus the router-loss weights times the logged router losses; the expert loads are logged per
-  layer, nothing dropped (dropless)."""
-  aux, z = float(row["moe_aux_loss"]), float(row["router_z_loss"])
-  assert aux >= 1.0 - 1e-6 and z > 0  # the Switch loss is 1 at best; the z-loss is positive
-  assert float(row["expert_load_max_over_mean_l0"]) >= 1.0
-  assert float(row["expert_tokens_dropped_l0"]) == 0.0
-  want = sum(w * float(row[k]) for k, w in terms.items()) + w_aux * aux + w_z * z
-  np.testing.assert_allclose(float(row["loss"]), want, rtol=1e-5)
-
-
-def test_an_moe_student_trains_on_its_samples_with_its_router_losses():
-  """The objective's router terms with their weights are tests/distill/test_on_policy.py's
-  (against numpy); here the recipe passes train.moe_aux_loss / router_z_loss to them."""
-  config = _moe(_small(op_config.get_config("tiny")), 0.5, 0.25)
-  rows, _ = _steps(config, _batches(config))
-  for row in rows:
-    assert float(row["on_policy"]) == 1.0
-    assert_router_losses_enter_the_loss(row, {"gjsd": 1.0})
 
 
 # (backend, partitioning strategy, mesh model axis)
@@ -165,12 +144,30 @@ def _rows(workdir):
   return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_cli_q4_0_student_with_overrides_writes_figures_and_samples(tmp_path):
+def _assert_router_losses_enter_the_loss(row, terms, w_aux=0.5, w_z=0.25):
+  """A step's logged loss is its objective's weighted terms (`terms`: {logged name: weight})
+  plus the router-loss weights times the logged router losses; the expert loads are logged per
+  layer, nothing dropped (dropless)."""
+  aux, z = float(row["moe_aux_loss"]), float(row["router_z_loss"])
+  assert aux >= 1.0 - 1e-6 and z > 0  # the Switch loss is 1 at best; the z-loss is positive
+  assert float(row["expert_load_max_over_mean_l0"]) >= 1.0
+  assert float(row["expert_tokens_dropped_l0"]) == 0.0
+  want = sum(w * float(row[k]) for k, w in terms.items()) + w_aux * aux + w_z * z
+  np.testing.assert_allclose(float(row["loss"]), want, rtol=1e-5)
+
+
+def test_cli_q4_0_moe_student_with_overrides_writes_figures_and_samples(tmp_path):
+  """A q4_0 mixture-of-experts student (4 experts, top-2) with router-loss weights, half its
+  steps on its own samples: every step's loss is its branch's term plus the weights times the
+  logged router losses (the objective's router terms against numpy:
+  tests/distill/test_on_policy.py); eval rows carry the router figures too."""
   workdir = tmp_path / "run"
   code = cli.main(["distillax", "train", "--config", f"{CONFIG}:tiny,q4_0", "--workdir",
                    str(workdir), "--config.train.steps=3", "--config.train.eval_every=3",
                    "--config.train.log_every=1", "--config.on_policy.divergence=sampled_kl",
-                   "--config.on_policy.lmbda=0.5", "--config.on_policy.max_new_tokens=8"])
+                   "--config.on_policy.lmbda=0.5", "--config.on_policy.max_new_tokens=8",
+                   "--config.model.num_experts=4", "--config.train.moe_aux_loss=0.5",
+                   "--config.train.router_z_loss=0.25"])
   assert code == 0
   rows = _rows(workdir)
   train = [r for r in rows if "loss" in r]
@@ -178,9 +175,16 @@ def test_cli_q4_0_student_with_overrides_writes_figures_and_samples(tmp_path):
               "sampled_tokens_per_s", "sampling_share"):
     assert all(np.isfinite(r[key]) for r in train), key
   assert all(r["completion_length"] <= 8 for r in train)
+  # Both branches ran (the seed's draws); the one a step did not take reports 0 for its term.
+  assert {r["on_policy"] for r in train} == {0.0, 1.0}
+  kd_weight = float(distill_config.get_config("tiny").distill.logit.weight)
+  for r in train:
+    _assert_router_losses_enter_the_loss(r, {"sampled_kl": 1.0, "logit_kd": kd_weight})
   evals = [r for r in rows if "eval_loss" in r]
   assert evals and all(k in evals[-1] for k in (
-      "eval_on_policy_teacher_nll", "eval_on_policy_reverse_kl", "eval_perplexity"))
+      "eval_on_policy_teacher_nll", "eval_on_policy_reverse_kl", "eval_perplexity",
+      "eval_moe_aux_loss", "eval_router_z_loss", "eval_expert_load_max_over_mean_l0"))
+  assert evals[-1]["eval_expert_tokens_dropped_l0"] == 0.0  # dropless
   samples = [json.loads(line) for line in
              (workdir / "on_policy_samples" / "step_000003.jsonl").read_text().splitlines()]
   assert len(samples) == 4 and all(len(s["completion_ids"]) <= 8 for s in samples)
