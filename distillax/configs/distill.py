@@ -14,7 +14,7 @@ A seconds-long run with a fresh tiny teacher:
 """
 
 from distillax.configs import sections
-from distillax.configs.common import base_config, parse_arg, shrink_for_tiny
+from distillax.configs.common import base_config, model_config, parse_arg, shrink_for_tiny
 
 
 def get_config(arg: str | None = None):
@@ -32,4 +32,23 @@ def get_config(arg: str | None = None):
     shrink_for_tiny(c)
     c.teacher.preset = "tiny"
     c.model.num_layers = 1
+  return c
+
+
+def at_pod_scale(c, student: str, teacher: str, **student_fields):
+  """The real-size job of a family config (distill_moe, distill_gemma3, distill_qwen35): a
+  `teacher` preset frozen in bf16 inside the step into a `student` preset with fp32 master
+  weights, bf16 compute and full remat, at batch 64 x 2048 for 1,000 steps."""
+  c.model = model_config(student, param_dtype="float32", dtype="bfloat16", remat="full",
+                         **student_fields)
+  c.teacher.preset = teacher
+  c.teacher.param_dtype = "bfloat16"
+  c.teacher.dtype = "bfloat16"
+  c.optimizer.learning_rate = 1e-4
+  c.optimizer.warmup_steps = 100
+  c.train.batch_size = 64
+  c.train.seq_len = 2048
+  c.train.steps = 1000
+  c.train.eval_every = 200
+  c.checkpoint.every_steps = 200
   return c

@@ -26,16 +26,4 @@ def get_config(arg: str | None = None):
     c.model = model_config("tiny_gemma3", vocab_size=0, num_layers=2)
     c.teacher.preset = "tiny_gemma3"
     return c
-  c.model = model_config("gemma3-1b", vocab_size=262_208, param_dtype="float32",
-                         dtype="bfloat16", remat="full")
-  c.teacher.preset = "gemma3-27b"
-  c.teacher.param_dtype = "bfloat16"
-  c.teacher.dtype = "bfloat16"
-  c.optimizer.learning_rate = 1e-4
-  c.optimizer.warmup_steps = 100
-  c.train.batch_size = 64
-  c.train.seq_len = 2048
-  c.train.steps = 1000
-  c.train.eval_every = 200
-  c.checkpoint.every_steps = 200
-  return c
+  return distill.at_pod_scale(c, "gemma3-1b", "gemma3-27b", vocab_size=262_208)

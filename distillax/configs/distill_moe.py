@@ -22,7 +22,7 @@ of 4) into a tiny dense student (ep_tp: tensor parallel over a model axis of 2):
 """
 
 from distillax.configs import distill
-from distillax.configs.common import model_config, parse_arg
+from distillax.configs.common import parse_arg
 
 
 def get_config(arg: str | None = None):
@@ -37,15 +37,4 @@ def get_config(arg: str | None = None):
     c.partitioning.strategy = "ep_tp"
     c.mesh.data, c.mesh.model = 4, 2
     return c
-  c.model = model_config("qwen3-1.7b", param_dtype="float32", dtype="bfloat16", remat="full")
-  c.teacher.preset = "qwen3-30b-a3b"
-  c.teacher.param_dtype = "bfloat16"
-  c.teacher.dtype = "bfloat16"
-  c.optimizer.learning_rate = 1e-4
-  c.optimizer.warmup_steps = 100
-  c.train.batch_size = 64
-  c.train.seq_len = 2048
-  c.train.steps = 1000
-  c.train.eval_every = 200
-  c.checkpoint.every_steps = 200
-  return c
+  return distill.at_pod_scale(c, "qwen3-1.7b", "qwen3-30b-a3b")

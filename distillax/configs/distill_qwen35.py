@@ -27,15 +27,4 @@ def get_config(arg: str | None = None):
                            token_mixers=("linear_attention", "full_attention"))
     c.teacher.preset = "tiny_qwen35"
     return c
-  c.model = model_config("qwen3.5-0.8b", param_dtype="float32", dtype="bfloat16", remat="full")
-  c.teacher.preset = "qwen3.5-9b"
-  c.teacher.param_dtype = "bfloat16"
-  c.teacher.dtype = "bfloat16"
-  c.optimizer.learning_rate = 1e-4
-  c.optimizer.warmup_steps = 100
-  c.train.batch_size = 64
-  c.train.seq_len = 2048
-  c.train.steps = 1000
-  c.train.eval_every = 200
-  c.checkpoint.every_steps = 200
-  return c
+  return distill.at_pod_scale(c, "qwen3.5-0.8b", "qwen3.5-9b")
