@@ -97,25 +97,9 @@ def layer_step(s: dict, impl: str):
 
 
 def measure_layer(s: dict) -> dict:
-  rows, calls, results = {}, {}, {}
-  for impl in ("ragged", "dense"):
-    compiled, args = layer_step(s, impl)
-    mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
-    rows[impl] = {"impl": impl, "temp_bytes": int(mem.temp_size_in_bytes),
-                  "argument_bytes": int(mem.argument_size_in_bytes),
-                  "flops": float(cost.get("flops", float("nan")))}
-
-    def call(steps, compiled=compiled, args=args, impl=impl):
-      for _ in range(steps):
-        results[impl] = jax.block_until_ready(compiled(*args))
-    calls[impl] = call
-  times, _ = common.interleaved(calls, reps=s["reps"], steps_per_rep=1, warmup_steps=1)
-  (loss_r, grads_r), (loss_d, grads_d) = results["ragged"], results["dense"]
-  grad_diff = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
-                  for a, b in zip(jax.tree.leaves(grads_r), jax.tree.leaves(grads_d)))
-  loss_diff = abs(float(loss_r) - float(loss_d)) / abs(float(loss_d))
-  for impl, r in rows.items():
-    r.update(step_s=common.median(times[impl]), step_s_all=times[impl], loss=float(results[impl][0]))
+  rows, times, results = common.compiled_side_by_side(
+      {impl: layer_step(s, impl) for impl in ("ragged", "dense")}, reps=s["reps"])
+  loss_diff, grad_diff = common.value_and_grad_gaps(results["ragged"], results["dense"])
   return {"experts": EXPERTS, "top_k": TOP_K, "tokens": s["tokens"], "embed_dim": s["embed_dim"],
           "expert_dim": s["expert_dim"], "rows": list(rows.values()),
           "time_ragged_over_dense": common.paired_ratio(times, "ragged", "dense"),

@@ -205,6 +205,37 @@ def paired_ratio(times: Mapping[str, list[float]], name: str, reference: str) ->
   return median([a / b for a, b in zip(times[name], times[reference])])
 
 
+def compiled_side_by_side(compiled: Mapping[str, tuple[Any, tuple]], *, reps: int):
+  """Rows of compiled variants of one function (name -> (compiled, args)): each one's compiled
+  temporaries, arguments and FLOPs, its median step time over interleaved rounds, its loss (the
+  first output of `value_and_grad`), plus the paired times and the outputs of each, so a script
+  can compare their values. What moe.py and linear_attention.py both measure of a layer."""
+  rows, calls, results = {}, {}, {}
+  for name, (fn, args) in compiled.items():
+    mem, cost = fn.memory_analysis(), fn.cost_analysis()
+    rows[name] = {"impl": name, "temp_bytes": int(mem.temp_size_in_bytes),
+                  "argument_bytes": int(mem.argument_size_in_bytes),
+                  "flops": float(cost.get("flops", float("nan")))}
+
+    def call(steps, fn=fn, args=args, name=name):
+      for _ in range(steps):
+        results[name] = jax.block_until_ready(fn(*args))
+    calls[name] = call
+  times, _ = interleaved(calls, reps=reps, steps_per_rep=1, warmup_steps=1)
+  for name, r in rows.items():
+    r.update(step_s=median(times[name]), step_s_all=times[name], loss=float(results[name][0]))
+  return rows, times, results
+
+
+def value_and_grad_gaps(result, reference) -> tuple[float, float]:
+  """(relative loss gap, largest gradient gap relative to the reference's largest entry) of two
+  `value_and_grad` outputs."""
+  (loss, grads), (loss_ref, grads_ref) = result, reference
+  grad_gap = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-30))
+                 for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)))
+  return abs(float(loss) - float(loss_ref)) / abs(float(loss_ref)), grad_gap
+
+
 # ---- reporting ----------------------------------------------------------------------------
 
 def fmt_bytes(n: float | None) -> str:
