@@ -72,20 +72,13 @@ def _run_job(config, model_dir: str, model_overrides=None):
 def _hf_job(config, model_dir: str, model_overrides=None):
   """(recipe, engine, state, form) of `config`'s job with the checkpoint's weights as the
   student."""
-  from distillax.trainers import recipe_for
-  if config is None:
-    raise UserError(f"--model {model_dir} is a Hugging Face directory: pass the --config to "
-                    f"evaluate it under (its data and objective), e.g. --config "
-                    f"distillax/configs/lm.py --config.data.tokenizer=hf:{model_dir}")
-  cfg = config.copy_and_resolve_references()
-  cfg.train.init_from = model_dir
-  if "student" in cfg:
-    cfg.student.hf_path, cfg.student.from_teacher.layers = "", ()
-  recipe = recipe_for(cfg, model_overrides=model_overrides)
+  from distillax.trainers import hf_checkpoint_recipe
+  recipe = hf_checkpoint_recipe(config, model_dir, model_overrides=model_overrides,
+                                purpose="to evaluate it under (its data and objective)")
   engine = recipe.build_engines(compile_now=False).main
   student, extras = recipe.build(abstract=False)
   form = recipe.transforms.describe(fake_quant=True, lora_merged=False)
-  state = engine.init_state(student, extras, int(cfg.seed))
+  state = engine.init_state(student, extras, int(recipe.config.seed))
   return recipe, engine, state, f"{form} (a Hugging Face checkpoint)"
 
 

@@ -34,17 +34,9 @@ from distillax.framework import jsonio, losses
 
 
 def _hf_recipe(config, model_dir: str, model_overrides):
-  from distillax.trainers import recipe_for
-  if config is None:
-    raise UserError(f"--model {model_dir} is a Hugging Face directory: pass a --config whose "
-                    f"data section names the tokens to route, e.g. --config "
-                    f"distillax/configs/lm.py --config.data.tokenizer=hf:{model_dir}")
-  cfg = config.copy_and_resolve_references()
-  cfg.train.init_from = model_dir
-  if "student" in cfg:
-    cfg.student.hf_path, cfg.student.from_teacher.layers = "", ()
-    cfg.student.from_teacher.experts = ()
-  recipe = recipe_for(cfg, model_overrides=model_overrides)
+  from distillax.trainers import hf_checkpoint_recipe
+  recipe = hf_checkpoint_recipe(config, model_dir, model_overrides=model_overrides,
+                                purpose="whose data section names the tokens to route")
   return recipe, recipe.sources.student, recipe.model_config
 
 

@@ -15,7 +15,7 @@ from distillax.trainers.distill_cached import CachedDistillRecipe
 from distillax.trainers.lm import LMRecipe, lm_objective
 from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 from distillax.trainers.on_policy import OnPolicyRecipe
-from distillax.trainers.registry import recipe_class, recipe_for
+from distillax.trainers.registry import hf_checkpoint_recipe, recipe_class, recipe_for
 from distillax.trainers.sequence_kd import SequenceKDRecipe
 from distillax.trainers.sources import (is_hf_checkpoint, load_run_config, resolve_model_config,
                                         RunSource)
@@ -24,5 +24,6 @@ from distillax.trainers.saved import load_as_trained, load_trained_model, restor
 __all__ = ["CachedDistillRecipe", "DistillRecipe", "Engines", "LMRecipe", "OnPolicyRecipe", "Recipe",
            "RunSource",
            "SequenceKDRecipe", "Trainer", "check_recipe_data", "is_hf_checkpoint", "load_run_config",
-           "load_as_trained", "load_trained_model", "lm_objective", "recipe_class", "recipe_for",
+           "load_as_trained", "load_trained_model", "lm_objective", "hf_checkpoint_recipe",
+           "recipe_class", "recipe_for",
            "resolve_model_config", "restore_run_state", "strategy_from_config"]

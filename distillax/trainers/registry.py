@@ -5,7 +5,7 @@ not import them: no module inside trainers/ imports the package that lists them 
 
 from __future__ import annotations
 
-from distillax.errors import ConfigError
+from distillax.errors import ConfigError, UserError
 
 _RECIPES: dict[str, type] = {}
 
@@ -42,3 +42,18 @@ def recipe_class(config) -> type:
 def recipe_for(config, **kwargs):
   """The recipe that builds `config`'s job (keyword arguments: see `Recipe`)."""
   return recipe_class(config)(config, **kwargs)
+
+
+def hf_checkpoint_recipe(config, model_dir: str, *, purpose: str, model_overrides=None):
+  """The recipe of `config`'s job with the Hugging Face checkpoint `model_dir` as its student
+  (what `eval` and `expert-load` run a checkpoint under): the job's data, the checkpoint's
+  weights, no student of its own. `purpose` completes the error's "pass a --config ...". """
+  if config is None:
+    raise UserError(f"--model {model_dir} is a Hugging Face directory: pass a --config {purpose}, "
+                    f"e.g. --config distillax/configs/lm.py --config.data.tokenizer=hf:{model_dir}")
+  cfg = config.copy_and_resolve_references()
+  cfg.train.init_from = model_dir
+  if "student" in cfg:
+    cfg.student.hf_path, cfg.student.from_teacher.layers = "", ()
+    cfg.student.from_teacher.experts = ()
+  return recipe_for(cfg, model_overrides=model_overrides)
