@@ -28,7 +28,8 @@ from distillax.models import hf  # noqa: E402
 from distillax.models.config import FULL, ROPE_GLOBAL, ROPE_LOCAL, SLIDING  # noqa: E402
 from distillax.models.hf_config import config_from_hf, config_to_hf  # noqa: E402
 from distillax.trainers import recipe_for  # noqa: E402
-from tests.support.hf import cached_decode_delta, saved_with_logits, torch_logits  # noqa: E402
+from tests.support.hf import (cached_decode_delta, packed_documents_delta,  # noqa: E402
+                              saved_with_logits, torch_logits)
 from tests.support.models import Normal, forward, random_model  # noqa: E402
 
 ROPES = {FULL: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
@@ -93,16 +94,7 @@ def test_gemma3_cached_decode_matches_transformers(hf_model, hf_checkpoint):
 def test_gemma3_packed_documents_match_each_document_alone_in_transformers(hf_model,
                                                                            hf_checkpoint):
   """Row 0 packs a 4-token and a 7-token document (positions restart), row 1 a 6 and a 5."""
-  model = hf.load(hf_checkpoint[0])
-  cuts = [4, 6]
-  seg = np.array([[1] * c + [2] * (11 - c) for c in cuts])
-  pos = np.array([list(range(c)) + list(range(11 - c)) for c in cuts])
-  got = _logits(model, TOKENS, pos, seg)
-  delta = 0.0
-  for row, cut in enumerate(cuts):
-    for doc in (slice(0, cut), slice(cut, 11)):
-      want = torch_logits(hf_model, TOKENS[row:row + 1, doc])[0]
-      delta = max(delta, float(np.max(np.abs(got[row, doc] - want))))
+  delta = packed_documents_delta(hf_model, hf.load(hf_checkpoint[0]), TOKENS, cuts=[4, 6])
   print(f"\ngemma3 packed documents: max |dlogit| vs transformers {delta:.1e}")  # README table
   assert delta <= 1e-4
 

@@ -30,7 +30,7 @@ from distillax.models.hf_config import config_from_hf, config_to_hf  # noqa: E40
 from distillax.models.init import param_count  # noqa: E402
 from distillax.models.presets import get_preset  # noqa: E402
 from distillax.models.sampler import generate  # noqa: E402
-from tests.support.hf import cached_decode_delta, torch_logits  # noqa: E402
+from tests.support.hf import cached_decode_delta, packed_documents_delta, torch_logits  # noqa: E402
 from tests.support.models import Normal, forward, random_model  # noqa: E402
 
 S, F = "sliding_attention", "full_attention"
@@ -109,17 +109,7 @@ def test_gemma4_cached_decode_matches_transformers(hf_model, hf_checkpoint):
 def test_gemma4_packed_documents_match_each_document_alone_in_transformers(hf_model,
                                                                            hf_checkpoint):
   """Row 0 packs a 4-token and a 7-token document (positions restart), row 1 a 6 and a 5."""
-  model = hf.load(hf_checkpoint)
-  cuts = [4, 6]
-  seg = np.array([[1] * c + [2] * (11 - c) for c in cuts], np.int32)
-  pos = np.array([list(range(c)) + list(range(11 - c)) for c in cuts], np.int32)
-  got = np.asarray(forward(model, jnp.asarray(TOKENS, jnp.int32), jnp.asarray(pos),
-                           jnp.asarray(seg)).logits_BxLxV)
-  delta = 0.0
-  for row, cut in enumerate(cuts):
-    for doc in (slice(0, cut), slice(cut, 11)):
-      want = torch_logits(hf_model, TOKENS[row:row + 1, doc])[0]
-      delta = max(delta, float(np.max(np.abs(got[row, doc] - want))))
+  delta = packed_documents_delta(hf_model, hf.load(hf_checkpoint), TOKENS, cuts=[4, 6])
   print(f"\ngemma4 packed documents: max |dlogit| vs transformers {delta:.1e}")  # README table
   assert delta <= 1e-4
 

@@ -23,7 +23,8 @@ transformers = pytest.importorskip("transformers")
 from distillax import partitioning as pt  # noqa: E402
 from distillax.models import hf  # noqa: E402
 from distillax.models.hf_config import config_from_hf, config_to_hf  # noqa: E402
-from tests.support.hf import cached_decode_delta, saved_with_logits, torch_logits  # noqa: E402
+from tests.support.hf import (cached_decode_delta, packed_documents_delta,  # noqa: E402
+                              saved_with_logits, torch_logits)
 from tests.support.models import Normal, forward, random_model  # noqa: E402
 
 CONFIG = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
@@ -91,16 +92,7 @@ def test_qwen35_packed_documents_match_each_document_alone_in_transformers(hf_mo
   """Row 0 packs a 4-token and a 7-token document (positions restart), row 1 a 6 and a 5:
   each document's logits are transformers' for that document alone."""
   model = hf.load(hf_checkpoint[0], linear_attention_chunk=4)
-  cuts = [4, 6]
-  seg = np.array([[1] * c + [2] * (11 - c) for c in cuts], np.int32)
-  pos = np.array([list(range(c)) + list(range(11 - c)) for c in cuts], np.int32)
-  got = np.asarray(forward(model, jnp.asarray(TOKENS, jnp.int32), jnp.asarray(pos),
-                           jnp.asarray(seg)).logits_BxLxV)
-  delta = 0.0
-  for row, cut in enumerate(cuts):
-    for doc in (slice(0, cut), slice(cut, 11)):
-      want = torch_logits(hf_model, TOKENS[row:row + 1, doc])[0]
-      delta = max(delta, float(np.max(np.abs(got[row, doc] - want))))
+  delta = packed_documents_delta(hf_model, model, TOKENS, cuts=[4, 6])
   print(f"\nqwen3.5 packed documents: max |dlogit| vs transformers {delta:.1e}")  # README table
   assert delta <= 1e-4
 

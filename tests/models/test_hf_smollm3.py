@@ -20,7 +20,8 @@ transformers = pytest.importorskip("transformers")
 
 from distillax.models import hf  # noqa: E402
 from distillax.models.config import ROPE_GLOBAL, ROPE_NONE  # noqa: E402
-from tests.support.hf import cached_decode_delta, saved_with_logits, torch_logits  # noqa: E402
+from tests.support.hf import (cached_decode_delta, packed_documents_delta,  # noqa: E402
+                              saved_with_logits, torch_logits)
 from tests.support.models import Normal, forward, random_model  # noqa: E402
 
 CONFIG = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
@@ -72,16 +73,7 @@ def test_smollm3_cached_decode_matches_transformers(hf_model, hf_checkpoint):
 def test_smollm3_packed_documents_match_each_document_alone_in_transformers(hf_model,
                                                                             hf_checkpoint):
   """Row 0 packs a 4-token and a 7-token document (positions restart), row 1 a 6 and a 5."""
-  cuts = [4, 6]
-  seg = jnp.asarray([[1] * c + [2] * (11 - c) for c in cuts], jnp.int32)
-  pos = jnp.asarray([list(range(c)) + list(range(11 - c)) for c in cuts], jnp.int32)
-  got = np.asarray(forward(hf.load(hf_checkpoint[0]), jnp.asarray(TOKENS, jnp.int32), pos,
-                           seg).logits_BxLxV)
-  delta = 0.0
-  for row, cut in enumerate(cuts):
-    for doc in (slice(0, cut), slice(cut, 11)):
-      want = torch_logits(hf_model, TOKENS[row:row + 1, doc])[0]
-      delta = max(delta, float(np.max(np.abs(got[row, doc] - want))))
+  delta = packed_documents_delta(hf_model, hf.load(hf_checkpoint[0]), TOKENS, cuts=[4, 6])
   print(f"\nsmollm3 packed documents: max |dlogit| vs transformers {delta:.1e}")  # README table
   assert delta <= 1e-4
 

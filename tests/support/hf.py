@@ -40,3 +40,23 @@ def cached_decode_delta(hf_model, ours, prompt, steps: int) -> float:
     feed = want.argmax(-1)[:, None]
     with torch.no_grad():
       out = hf_model(input_ids=torch.tensor(feed), cache=out.cache, use_cache=True)
+
+
+def packed_documents_delta(hf_model, ours, tokens, cuts) -> float:
+  """Max |Δlogit| between `ours` over packed rows and transformers over each document alone:
+  row i of `tokens` (B, L) holds two documents split at cuts[i] (positions restart, segment ids
+  1 and 2)."""
+  import jax.numpy as jnp
+
+  from tests.support.models import forward
+
+  L = tokens.shape[1]
+  seg = jnp.asarray([[1] * c + [2] * (L - c) for c in cuts], jnp.int32)
+  pos = jnp.asarray([list(range(c)) + list(range(L - c)) for c in cuts], jnp.int32)
+  got = np.asarray(forward(ours, jnp.asarray(tokens, jnp.int32), pos, seg).logits_BxLxV)
+  worst = 0.0
+  for row, cut in enumerate(cuts):
+    for doc in (slice(0, cut), slice(cut, L)):
+      want = torch_logits(hf_model, tokens[row:row + 1, doc])[0]
+      worst = max(worst, float(np.max(np.abs(got[row, doc] - want))))
+  return worst
