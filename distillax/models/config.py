@@ -158,10 +158,7 @@ class TransformerConfig:
   def __post_init__(self):
     positive = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                 "mlp_dim", "max_seq_len")
-    for name in positive:
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"model.{name}={value!r} must be a positive integer")
+    self._check_ints(positive, minimum=1)
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads="
                         f"{self.num_kv_heads}; pick kv heads that divide the query heads")
@@ -237,11 +234,9 @@ class TransformerConfig:
         raise ConfigError(f"model.token_mixers={mixers!r} must name {LINEAR!r} or {FULL!r} for "
                           f"each of the model.num_layers={self.num_layers} layers (or be None)")
       object.__setattr__(self, "token_mixers", tuple(mixers))  # JSON gives a list
-    for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                 "linear_value_head_dim", "linear_conv_kernel", "linear_attention_chunk"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"model.{name}={value!r} must be a positive integer")
+    self._check_ints(("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                      "linear_value_head_dim", "linear_conv_kernel", "linear_attention_chunk"),
+                     minimum=1)
     if self.linear_num_value_heads % self.linear_num_key_heads:
       raise ConfigError(f"model.linear_num_value_heads={self.linear_num_value_heads} is not a "
                         f"multiple of model.linear_num_key_heads={self.linear_num_key_heads}")
@@ -259,11 +254,16 @@ class TransformerConfig:
                         "layers of model.token_mixers (their weights differ); use "
                         "model.scan_layers=False")
 
-  def _check_moe(self):
-    for name in ("num_experts", "moe_mlp_dim"):
+  def _check_ints(self, names, minimum: int):
+    """Integer fields (not bools) of at least `minimum`: 1 for sizes, 0 where 0 means off."""
+    what = "a positive integer" if minimum == 1 else "a non-negative integer (0 = off)"
+    for name in names:
       value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"model.{name}={value!r} must be a non-negative integer (0 = off)")
+      if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"model.{name}={value!r} must be {what}")
+
+  def _check_moe(self):
+    self._check_ints(("num_experts", "moe_mlp_dim"), minimum=0)
     k = self.num_experts_per_tok
     if self.num_experts and (not isinstance(k, int) or isinstance(k, bool)
                              or not 1 <= k <= self.num_experts):
@@ -281,10 +281,8 @@ class TransformerConfig:
       raise ConfigError(f"model.norm_topk_prob={self.norm_topk_prob!r} must be True or False")
 
   def _check_gemma4(self):
-    for name in ("per_layer_input_dim", "per_layer_input_vocab_size", "num_kv_shared_layers"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"model.{name}={value!r} must be a non-negative integer (0 = off)")
+    self._check_ints(("per_layer_input_dim", "per_layer_input_vocab_size",
+                      "num_kv_shared_layers"), minimum=0)
     if not isinstance(self.global_head_dim, int) or self.global_head_dim < 0:
       raise ConfigError(f"model.global_head_dim={self.global_head_dim!r} must be a non-negative "
                         f"integer (0 = head_dim)")
