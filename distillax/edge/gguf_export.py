@@ -3,7 +3,7 @@
   write_gguf(model, "student-q4_0.gguf", quant="q4_0", rules=config.qat.rules,
              tokenizer=make_tokenizer("byte"))
 
-Architectures: what `hf_config.hf_architecture` names, as llama.cpp's llama (Llama, and
+Architectures: what `hf_config_out.hf_architecture` names, as llama.cpp's llama (Llama, and
 Mistral when no layer's window is shorter than the context; Mixtral, its experts included),
 gemma, gemma2, gemma3, qwen2, qwen3, qwen3moe and smollm3, with llama.cpp's tensor names and
 `{arch}.*` keys (edge/gguf_layout.py). Conventions llama.cpp expects and we follow:
@@ -41,7 +41,7 @@ from flax import nnx
 from distillax.data.tokenizer import ByteTokenizer, Tokenizer
 from distillax.errors import UserError
 from distillax.models.config import TransformerConfig
-from distillax.models.hf_config import hf_architecture
+from distillax.models.hf_config_out import hf_architecture
 from distillax.models.transformer import Transformer, with_layer_layout
 from distillax.quant import ggml
 from distillax.quant.config import GGML_WEIGHT_QTYPES, QuantConfig

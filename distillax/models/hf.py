@@ -33,7 +33,8 @@ from distillax.errors import UserError
 from distillax.framework import jsonio
 from distillax.models.config import TransformerConfig
 from distillax.models import mxfp4
-from distillax.models.hf_config import MULTIMODAL, architecture_of, config_from_hf, config_to_hf
+from distillax.models.hf_config import MULTIMODAL, architecture_of, config_from_hf
+from distillax.models.hf_config_out import config_to_hf
 from distillax.models.hf_names import Source, join_parts, key_path, source_of
 from distillax.models.hf_tokenizer import make_readable, write_tokenizer_files
 from distillax.models.init import RulesLike, abstract_model, resolve_rules

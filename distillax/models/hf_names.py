@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 
 from distillax.models.config import TransformerConfig
-from distillax.models.hf_config import hf_architecture
+from distillax.models.hf_config_out import hf_architecture
 
 INTERLEAVED = ("even", "odd")  # the column parity of each layout
 

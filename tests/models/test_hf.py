@@ -19,7 +19,7 @@ from distillax import partitioning as pt  # noqa: E402
 from distillax.errors import UserError  # noqa: E402
 from distillax.models import hf  # noqa: E402
 from distillax.models.presets import get_preset  # noqa: E402
-from distillax.models.hf_config import hf_architecture  # noqa: E402
+from distillax.models.hf_config_out import hf_architecture  # noqa: E402
 from tests.support.models import Normal, forward, param_arrays, random_model  # noqa: E402
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -4,7 +4,8 @@ import pytest
 
 from distillax.errors import UserError
 from distillax.models.presets import get_preset
-from distillax.models.hf_config import config_from_hf, config_to_hf, hf_architecture
+from distillax.models.hf_config import config_from_hf
+from distillax.models.hf_config_out import config_to_hf, hf_architecture
 
 # As published on the Hugging Face hub (older, pre-transformers-5 layout: rope_theta/rope_scaling).
 LLAMA_3_2_1B = {

@@ -26,7 +26,8 @@ from distillax.configs import distill  # noqa: E402
 from distillax.distill import unwrap_student  # noqa: E402
 from distillax.models import hf  # noqa: E402
 from distillax.models.config import FULL, ROPE_GLOBAL, ROPE_LOCAL, SLIDING  # noqa: E402
-from distillax.models.hf_config import config_from_hf, config_to_hf  # noqa: E402
+from distillax.models.hf_config import config_from_hf  # noqa: E402
+from distillax.models.hf_config_out import config_to_hf  # noqa: E402
 from distillax.trainers import recipe_for  # noqa: E402
 from tests.support.hf import (cached_decode_delta, packed_documents_delta,  # noqa: E402
                               saved_with_logits, torch_logits)

@@ -26,7 +26,8 @@ transformers = pytest.importorskip("transformers")
 from distillax.errors import ConfigError, UserError  # noqa: E402
 from distillax.models import hf  # noqa: E402
 from distillax.models.attention import KVCache  # noqa: E402
-from distillax.models.hf_config import config_from_hf, config_to_hf  # noqa: E402
+from distillax.models.hf_config import config_from_hf  # noqa: E402
+from distillax.models.hf_config_out import config_to_hf  # noqa: E402
 from distillax.models.init import param_count  # noqa: E402
 from distillax.models.presets import get_preset  # noqa: E402
 from distillax.models.sampler import generate  # noqa: E402

@@ -22,7 +22,8 @@ transformers = pytest.importorskip("transformers")
 
 from distillax import partitioning as pt  # noqa: E402
 from distillax.models import hf  # noqa: E402
-from distillax.models.hf_config import config_from_hf, config_to_hf  # noqa: E402
+from distillax.models.hf_config import config_from_hf  # noqa: E402
+from distillax.models.hf_config_out import config_to_hf  # noqa: E402
 from tests.support.hf import (cached_decode_delta, packed_documents_delta,  # noqa: E402
                               saved_with_logits, torch_logits)
 from tests.support.models import Normal, forward, random_model  # noqa: E402
