@@ -23,7 +23,7 @@ LATEST_TESTS ?= tests/framework/test_step.py tests/framework/test_backends.py::t
   tests/framework/test_checkpoint.py::test_restore_onto_another_topology \
   tests/trainers/test_base.py::test_sigterm_saves_the_current_step_and_the_next_run_resumes \
   tests/distill/test_objective.py tests/quant/test_qat.py \
-  $(foreach c,lm distill qat_distill lora,'tests/test_main.py::test_every_config_trains_on_tiny_overrides[$(c).py]')
+  $(foreach c,lm distill qat_distill lora,'tests/test_configs.py::test_every_config_trains_on_tiny_overrides[$(c).py]')
 # What test-latest prints and keeps in $(LATEST_VENV)/versions.txt.
 LATEST_SHOWN := jax jaxlib flax optax orbax-checkpoint grain ml-collections clu qwix tensorboardX \
   safetensors tokenizers pyarrow numpy chex
