@@ -13,24 +13,10 @@ from typing import Any, Mapping, Sequence
 import jax.numpy as jnp
 
 from distillax.errors import ConfigError
-
-MLP_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
-ROPE_SCALING_TYPES = ("llama3", "yarn", "linear")
-# Which RoPE a layer turns its queries and keys with (TransformerConfig.layer_ropes).
-ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE = 0, 1, 2
-# models/moe.py: how a token's router logits pick and weight its experts, and how they run.
-ROUTERS = ("softmax_topk", "topk_softmax")
-MOE_IMPLS = ("ragged", "dense", "tokamax")
-REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
-# models/attention_impl.py: auto picks a fused kernel where the platform has one, else blockwise.
-ATTENTION_IMPLS = ("auto", "reference", "blockwise", "cudnn", "splash")
-# A window no sequence reaches: the value a global-attention layer gets in the per-layer windows.
-GLOBAL_WINDOW = 2**30
-# Per-layer attention types, as Hugging Face's `layer_types` names them.
-SLIDING, FULL = "sliding_attention", "full_attention"
-LINEAR = "linear_attention"  # Qwen3.5's Gated DeltaNet layers, in HF's layer_types
-# models/gated_deltanet.py: chunked for training, the token-by-token recurrence as reference.
-LINEAR_ATTENTION_IMPLS = ("chunked", "recurrent")
+from distillax.models.config_checks import (  # noqa: F401 (the choice lists, re-exported)
+    ATTENTION_IMPLS, FULL, GLOBAL_WINDOW, LINEAR, LINEAR_ATTENTION_IMPLS, MLP_ACTIVATIONS,
+    MOE_IMPLS, REMAT_POLICIES, ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE, ROPE_SCALING_TYPES, ROUTERS,
+    SLIDING, check_config)
 
 # What a config field is. Every job that compares two configs (a model loaded from a source, a
 # run started from another, a workdir resumed) reads the kinds from here, never a list of its own.
@@ -156,160 +142,8 @@ class TransformerConfig:
   linear_attention_chunk: int = _compute(64)  # tokens per chunk of the chunked form
 
   def __post_init__(self):
-    positive = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                "mlp_dim", "max_seq_len")
-    self._check_ints(positive, minimum=1)
-    if self.num_heads % self.num_kv_heads:
-      raise ConfigError(f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads="
-                        f"{self.num_kv_heads}; pick kv heads that divide the query heads")
-    if self.mlp_activation not in MLP_ACTIVATIONS:
-      raise ConfigError(f"model.mlp_activation={self.mlp_activation!r}; choose one of "
-                        f"{', '.join(MLP_ACTIVATIONS)}")
-    if self.remat not in REMAT_POLICIES:
-      raise ConfigError(f"model.remat={self.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
-    if self.attention_impl not in ATTENTION_IMPLS:
-      raise ConfigError(f"model.attention_impl={self.attention_impl!r}; choose one of "
-                        f"{', '.join(ATTENTION_IMPLS)}")
-    for name in ("qkv_bias", "qk_norm", "attn_out_bias", "attention_sinks", "router_bias",
-                 "expert_bias", "rope_yarn_truncate"):
-      if not isinstance(getattr(self, name), bool):
-        raise ConfigError(f"model.{name}={getattr(self, name)!r} must be True or False")
-    for name in ("param_dtype", "dtype"):
-      value = getattr(self, name)
-      try:
-        dt = jnp.dtype(value)
-      except TypeError:
-        dt = None
-      if not isinstance(value, str) or dt is None or not jnp.issubdtype(dt, jnp.floating):
-        raise ConfigError(f"model.{name}={value!r} is not a floating dtype name; use e.g. "
-                          f"'float32' or 'bfloat16'")
-    if self.sliding_window is not None and self.sliding_window <= 0:
-      raise ConfigError(f"model.sliding_window={self.sliding_window} must be positive or None")
-    if self.sliding_window_pattern < 0:
-      raise ConfigError(f"model.sliding_window_pattern={self.sliding_window_pattern} must be >= 0")
-    self._check_layer_types()
-    self._check_rope_free_layers()
-    self._check_token_mixers()
-    self._check_moe()
-    self._check_gemma4()
-    if self.rope_scaling_type not in ROPE_SCALING_TYPES:
-      raise ConfigError(f"model.rope_scaling_type={self.rope_scaling_type!r}; choose one of "
-                        f"{', '.join(ROPE_SCALING_TYPES)}")
-    for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
-                 "rope_scaling_factor", "rope_attention_factor", "swiglu_limit",
-                 "rope_local_theta"):
-      value = getattr(self, name)
-      if value is not None and not value > 0:
-        raise ConfigError(f"model.{name}={value!r} must be positive or None")
+    check_config(self)
 
-  def _check_layer_types(self):
-    if self.layer_types is None:
-      return
-    types = self.layer_types
-    if isinstance(types, str) or not isinstance(types, Sequence):
-      raise ConfigError(f"model.layer_types={types!r} must be a list of {SLIDING!r} / {FULL!r}, "
-                        f"one per layer, or None")
-    object.__setattr__(self, "layer_types", tuple(types))  # JSON gives a list
-    if len(types) != self.num_layers or any(t not in (SLIDING, FULL) for t in types):
-      raise ConfigError(f"model.layer_types={list(types)} must name {SLIDING!r} or {FULL!r} for "
-                        f"each of the model.num_layers={self.num_layers} layers (or be None)")
-
-  def _check_rope_free_layers(self):
-    layers = self.rope_free_layers
-    if layers is None:
-      return
-    if (isinstance(layers, str) or not isinstance(layers, Sequence)
-        or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers
-               for i in layers)):
-      raise ConfigError(f"model.rope_free_layers={layers!r} must list layer indices from 0 to "
-                        f"{self.num_layers - 1} (model.num_layers={self.num_layers}), or be None")
-    # One form per model: sorted, distinct, and None for no layer (JSON gives a list).
-    object.__setattr__(self, "rope_free_layers", tuple(sorted(set(layers))) or None)
-
-  def _check_token_mixers(self):
-    if self.token_mixers is not None:
-      mixers = self.token_mixers
-      if (isinstance(mixers, str) or not isinstance(mixers, Sequence) or len(mixers) !=
-          self.num_layers or any(t not in (LINEAR, FULL) for t in mixers)):
-        raise ConfigError(f"model.token_mixers={mixers!r} must name {LINEAR!r} or {FULL!r} for "
-                          f"each of the model.num_layers={self.num_layers} layers (or be None)")
-      object.__setattr__(self, "token_mixers", tuple(mixers))  # JSON gives a list
-    self._check_ints(("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                      "linear_value_head_dim", "linear_conv_kernel", "linear_attention_chunk"),
-                     minimum=1)
-    if self.linear_num_value_heads % self.linear_num_key_heads:
-      raise ConfigError(f"model.linear_num_value_heads={self.linear_num_value_heads} is not a "
-                        f"multiple of model.linear_num_key_heads={self.linear_num_key_heads}")
-    if self.linear_attention_impl not in LINEAR_ATTENTION_IMPLS:
-      raise ConfigError(f"model.linear_attention_impl={self.linear_attention_impl!r}; choose one "
-                        f"of {', '.join(LINEAR_ATTENTION_IMPLS)}")
-    rot = self.head_dim * self.partial_rotary_factor
-    if not 0 < self.partial_rotary_factor <= 1 or rot != int(rot) or int(rot) % 2:
-      raise ConfigError(f"model.partial_rotary_factor={self.partial_rotary_factor!r} must be in "
-                        f"(0, 1] and turn an even number of the head_dim={self.head_dim} features")
-    if not isinstance(self.attn_output_gate, bool):
-      raise ConfigError(f"model.attn_output_gate={self.attn_output_gate!r} must be True or False")
-    if self.num_linear_layers and self.scan_layers:
-      raise ConfigError("model.scan_layers=True cannot stack the Gated DeltaNet and attention "
-                        "layers of model.token_mixers (their weights differ); use "
-                        "model.scan_layers=False")
-
-  def _check_ints(self, names, minimum: int):
-    """Integer fields (not bools) of at least `minimum`: 1 for sizes, 0 where 0 means off."""
-    what = "a positive integer" if minimum == 1 else "a non-negative integer (0 = off)"
-    for name in names:
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"model.{name}={value!r} must be {what}")
-
-  def _check_moe(self):
-    self._check_ints(("num_experts", "moe_mlp_dim"), minimum=0)
-    k = self.num_experts_per_tok
-    if self.num_experts and (not isinstance(k, int) or isinstance(k, bool)
-                             or not 1 <= k <= self.num_experts):
-      raise ConfigError(f"model.num_experts_per_tok={k!r} must be an integer from 1 to "
-                        f"model.num_experts={self.num_experts}")
-    if self.router not in ROUTERS:
-      raise ConfigError(f"model.router={self.router!r}; choose one of {', '.join(ROUTERS)}")
-    if self.moe_impl not in MOE_IMPLS:
-      raise ConfigError(f"model.moe_impl={self.moe_impl!r}; choose one of {', '.join(MOE_IMPLS)}")
-    cf = self.moe_capacity_factor
-    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
-      raise ConfigError(f"model.moe_capacity_factor={cf!r} must be a positive number (e.g. 1.25) "
-                        f"or None (dropless)")
-    if not isinstance(self.norm_topk_prob, bool):
-      raise ConfigError(f"model.norm_topk_prob={self.norm_topk_prob!r} must be True or False")
-
-  def _check_gemma4(self):
-    self._check_ints(("per_layer_input_dim", "per_layer_input_vocab_size",
-                      "num_kv_shared_layers"), minimum=0)
-    if not isinstance(self.global_head_dim, int) or self.global_head_dim < 0:
-      raise ConfigError(f"model.global_head_dim={self.global_head_dim!r} must be a non-negative "
-                        f"integer (0 = head_dim)")
-    frac = self.global_rope_fraction
-    if not 0 < frac <= 1 or int(frac * self.layer_head_dim(self.num_layers - 1)) % 2:
-      raise ConfigError(f"model.global_rope_fraction={frac!r} must be in (0, 1] and turn whole "
-                        f"frequency pairs of the full layers' head_dim")
-    for name in ("value_norm", "layer_scalar", "double_wide_shared_mlp"):
-      if not isinstance(getattr(self, name), bool):
-        raise ConfigError(f"model.{name}={getattr(self, name)!r} must be True or False")
-    shared = self.num_kv_shared_layers
-    if shared and shared >= self.num_layers:
-      raise ConfigError(f"model.num_kv_shared_layers={shared} must leave at least one of the "
-                        f"model.num_layers={self.num_layers} layers computing keys/values")
-    for i in range(self.num_layers - shared, self.num_layers):
-      if self.kv_source_layer(i) is None:
-        kind = SLIDING if self.layer_uses_sliding_window(i) else FULL
-        raise ConfigError(f"model.num_kv_shared_layers={shared}: layer {i} ({kind}) has no "
-                          f"earlier {kind} layer to share keys/values with; lower it")
-    if self.num_linear_layers and shared:
-      raise ConfigError("model.num_kv_shared_layers is for attention-only models; set it to 0 "
-                        "with model.token_mixers")
-    if self.scan_layers and (shared or self.per_layer_input_dim
-                             or self.global_head_dim not in (0, self.head_dim)):
-      raise ConfigError("model.scan_layers=True cannot stack Gemma 4's layers (per-layer inputs, "
-                        "key/value sharing or a wider global_head_dim make them differ); use "
-                        "model.scan_layers=False")
 
   # ---- derived quantities ----------------------------------------------------------------
 

@@ -1,0 +1,190 @@
+"""What a `TransformerConfig` may hold: the choice lists of its string fields and the checks
+`TransformerConfig.__post_init__` runs, kept apart so config.py stays the list of fields.
+
+Nothing here imports config.py (it imports this): the checks read the config they are given.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+
+from distillax.errors import ConfigError
+
+MLP_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
+ROPE_SCALING_TYPES = ("llama3", "yarn", "linear")
+# Which RoPE a layer turns its queries and keys with (TransformerConfig.layer_ropes).
+ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE = 0, 1, 2
+# models/moe.py: how a token's router logits pick and weight its experts, and how they run.
+ROUTERS = ("softmax_topk", "topk_softmax")
+MOE_IMPLS = ("ragged", "dense", "tokamax")
+REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
+# models/attention_impl.py: auto picks a fused kernel where the platform has one, else blockwise.
+ATTENTION_IMPLS = ("auto", "reference", "blockwise", "cudnn", "splash")
+# A window no sequence reaches: the value a global-attention layer gets in the per-layer windows.
+GLOBAL_WINDOW = 2**30
+# Per-layer attention types, as Hugging Face's `layer_types` names them.
+SLIDING, FULL = "sliding_attention", "full_attention"
+LINEAR = "linear_attention"  # Qwen3.5's Gated DeltaNet layers, in HF's layer_types
+# models/gated_deltanet.py: chunked for training, the token-by-token recurrence as reference.
+LINEAR_ATTENTION_IMPLS = ("chunked", "recurrent")
+
+
+def check_config(cfg) -> None:
+  """Raise one ConfigError line for the first field a user set wrong; normalise JSON lists
+  to tuples (the dataclass is frozen, so through object.__setattr__)."""
+  positive = ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "mlp_dim", "max_seq_len")
+  _check_ints(cfg, positive, minimum=1)
+  if cfg.num_heads % cfg.num_kv_heads:
+    raise ConfigError(f"model.num_heads={cfg.num_heads} is not a multiple of model.num_kv_heads="
+                      f"{cfg.num_kv_heads}; pick kv heads that divide the query heads")
+  if cfg.mlp_activation not in MLP_ACTIVATIONS:
+    raise ConfigError(f"model.mlp_activation={cfg.mlp_activation!r}; choose one of "
+                      f"{', '.join(MLP_ACTIVATIONS)}")
+  if cfg.remat not in REMAT_POLICIES:
+    raise ConfigError(f"model.remat={cfg.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
+  if cfg.attention_impl not in ATTENTION_IMPLS:
+    raise ConfigError(f"model.attention_impl={cfg.attention_impl!r}; choose one of "
+                      f"{', '.join(ATTENTION_IMPLS)}")
+  for name in ("qkv_bias", "qk_norm", "attn_out_bias", "attention_sinks", "router_bias",
+               "expert_bias", "rope_yarn_truncate"):
+    if not isinstance(getattr(cfg, name), bool):
+      raise ConfigError(f"model.{name}={getattr(cfg, name)!r} must be True or False")
+  for name in ("param_dtype", "dtype"):
+    value = getattr(cfg, name)
+    try:
+      dt = jnp.dtype(value)
+    except TypeError:
+      dt = None
+    if not isinstance(value, str) or dt is None or not jnp.issubdtype(dt, jnp.floating):
+      raise ConfigError(f"model.{name}={value!r} is not a floating dtype name; use e.g. "
+                        f"'float32' or 'bfloat16'")
+  if cfg.sliding_window is not None and cfg.sliding_window <= 0:
+    raise ConfigError(f"model.sliding_window={cfg.sliding_window} must be positive or None")
+  if cfg.sliding_window_pattern < 0:
+    raise ConfigError(f"model.sliding_window_pattern={cfg.sliding_window_pattern} must be >= 0")
+  _check_layer_types(cfg)
+  _check_rope_free_layers(cfg)
+  _check_token_mixers(cfg)
+  _check_moe(cfg)
+  _check_gemma4(cfg)
+  if cfg.rope_scaling_type not in ROPE_SCALING_TYPES:
+    raise ConfigError(f"model.rope_scaling_type={cfg.rope_scaling_type!r}; choose one of "
+                      f"{', '.join(ROPE_SCALING_TYPES)}")
+  for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
+               "rope_scaling_factor", "rope_attention_factor", "swiglu_limit",
+               "rope_local_theta"):
+    value = getattr(cfg, name)
+    if value is not None and not value > 0:
+      raise ConfigError(f"model.{name}={value!r} must be positive or None")
+
+def _check_layer_types(cfg):
+  if cfg.layer_types is None:
+    return
+  types = cfg.layer_types
+  if isinstance(types, str) or not isinstance(types, Sequence):
+    raise ConfigError(f"model.layer_types={types!r} must be a list of {SLIDING!r} / {FULL!r}, "
+                      f"one per layer, or None")
+  object.__setattr__(cfg, "layer_types", tuple(types))  # JSON gives a list
+  if len(types) != cfg.num_layers or any(t not in (SLIDING, FULL) for t in types):
+    raise ConfigError(f"model.layer_types={list(types)} must name {SLIDING!r} or {FULL!r} for "
+                      f"each of the model.num_layers={cfg.num_layers} layers (or be None)")
+
+def _check_rope_free_layers(cfg):
+  layers = cfg.rope_free_layers
+  if layers is None:
+    return
+  if (isinstance(layers, str) or not isinstance(layers, Sequence)
+      or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < cfg.num_layers
+             for i in layers)):
+    raise ConfigError(f"model.rope_free_layers={layers!r} must list layer indices from 0 to "
+                      f"{cfg.num_layers - 1} (model.num_layers={cfg.num_layers}), or be None")
+  # One form per model: sorted, distinct, and None for no layer (JSON gives a list).
+  object.__setattr__(cfg, "rope_free_layers", tuple(sorted(set(layers))) or None)
+
+def _check_token_mixers(cfg):
+  if cfg.token_mixers is not None:
+    mixers = cfg.token_mixers
+    if (isinstance(mixers, str) or not isinstance(mixers, Sequence) or len(mixers) !=
+        cfg.num_layers or any(t not in (LINEAR, FULL) for t in mixers)):
+      raise ConfigError(f"model.token_mixers={mixers!r} must name {LINEAR!r} or {FULL!r} for "
+                        f"each of the model.num_layers={cfg.num_layers} layers (or be None)")
+    object.__setattr__(cfg, "token_mixers", tuple(mixers))  # JSON gives a list
+  _check_ints(cfg, ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                    "linear_value_head_dim", "linear_conv_kernel", "linear_attention_chunk"),
+                   minimum=1)
+  if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+    raise ConfigError(f"model.linear_num_value_heads={cfg.linear_num_value_heads} is not a "
+                      f"multiple of model.linear_num_key_heads={cfg.linear_num_key_heads}")
+  if cfg.linear_attention_impl not in LINEAR_ATTENTION_IMPLS:
+    raise ConfigError(f"model.linear_attention_impl={cfg.linear_attention_impl!r}; choose one "
+                      f"of {', '.join(LINEAR_ATTENTION_IMPLS)}")
+  rot = cfg.head_dim * cfg.partial_rotary_factor
+  if not 0 < cfg.partial_rotary_factor <= 1 or rot != int(rot) or int(rot) % 2:
+    raise ConfigError(f"model.partial_rotary_factor={cfg.partial_rotary_factor!r} must be in "
+                      f"(0, 1] and turn an even number of the head_dim={cfg.head_dim} features")
+  if not isinstance(cfg.attn_output_gate, bool):
+    raise ConfigError(f"model.attn_output_gate={cfg.attn_output_gate!r} must be True or False")
+  if cfg.num_linear_layers and cfg.scan_layers:
+    raise ConfigError("model.scan_layers=True cannot stack the Gated DeltaNet and attention "
+                      "layers of model.token_mixers (their weights differ); use "
+                      "model.scan_layers=False")
+
+def _check_ints(cfg, names, minimum: int):
+  """Integer fields (not bools) of at least `minimum`: 1 for sizes, 0 where 0 means off."""
+  what = "a positive integer" if minimum == 1 else "a non-negative integer (0 = off)"
+  for name in names:
+    value = getattr(cfg, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+      raise ConfigError(f"model.{name}={value!r} must be {what}")
+
+def _check_moe(cfg):
+  _check_ints(cfg, ("num_experts", "moe_mlp_dim"), minimum=0)
+  k = cfg.num_experts_per_tok
+  if cfg.num_experts and (not isinstance(k, int) or isinstance(k, bool)
+                           or not 1 <= k <= cfg.num_experts):
+    raise ConfigError(f"model.num_experts_per_tok={k!r} must be an integer from 1 to "
+                      f"model.num_experts={cfg.num_experts}")
+  if cfg.router not in ROUTERS:
+    raise ConfigError(f"model.router={cfg.router!r}; choose one of {', '.join(ROUTERS)}")
+  if cfg.moe_impl not in MOE_IMPLS:
+    raise ConfigError(f"model.moe_impl={cfg.moe_impl!r}; choose one of {', '.join(MOE_IMPLS)}")
+  cf = cfg.moe_capacity_factor
+  if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+    raise ConfigError(f"model.moe_capacity_factor={cf!r} must be a positive number (e.g. 1.25) "
+                      f"or None (dropless)")
+  if not isinstance(cfg.norm_topk_prob, bool):
+    raise ConfigError(f"model.norm_topk_prob={cfg.norm_topk_prob!r} must be True or False")
+
+def _check_gemma4(cfg):
+  _check_ints(cfg, ("per_layer_input_dim", "per_layer_input_vocab_size",
+                    "num_kv_shared_layers"), minimum=0)
+  if not isinstance(cfg.global_head_dim, int) or cfg.global_head_dim < 0:
+    raise ConfigError(f"model.global_head_dim={cfg.global_head_dim!r} must be a non-negative "
+                      f"integer (0 = head_dim)")
+  frac = cfg.global_rope_fraction
+  if not 0 < frac <= 1 or int(frac * cfg.layer_head_dim(cfg.num_layers - 1)) % 2:
+    raise ConfigError(f"model.global_rope_fraction={frac!r} must be in (0, 1] and turn whole "
+                      f"frequency pairs of the full layers' head_dim")
+  for name in ("value_norm", "layer_scalar", "double_wide_shared_mlp"):
+    if not isinstance(getattr(cfg, name), bool):
+      raise ConfigError(f"model.{name}={getattr(cfg, name)!r} must be True or False")
+  shared = cfg.num_kv_shared_layers
+  if shared and shared >= cfg.num_layers:
+    raise ConfigError(f"model.num_kv_shared_layers={shared} must leave at least one of the "
+                      f"model.num_layers={cfg.num_layers} layers computing keys/values")
+  for i in range(cfg.num_layers - shared, cfg.num_layers):
+    if cfg.kv_source_layer(i) is None:
+      kind = SLIDING if cfg.layer_uses_sliding_window(i) else FULL
+      raise ConfigError(f"model.num_kv_shared_layers={shared}: layer {i} ({kind}) has no "
+                        f"earlier {kind} layer to share keys/values with; lower it")
+  if cfg.num_linear_layers and shared:
+    raise ConfigError("model.num_kv_shared_layers is for attention-only models; set it to 0 "
+                      "with model.token_mixers")
+  if cfg.scan_layers and (shared or cfg.per_layer_input_dim
+                           or cfg.global_head_dim not in (0, cfg.head_dim)):
+    raise ConfigError("model.scan_layers=True cannot stack Gemma 4's layers (per-layer inputs, "
+                      "key/value sharing or a wider global_head_dim make them differ); use "
+                      "model.scan_layers=False")
