@@ -35,10 +35,11 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
 GPT_OSS = "GptOssForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
+QWEN35 = "Qwen3_5ForCausalLM"
 # Multimodal wrappers whose text decoder distillax reads (text_config; weights under a prefix).
 MULTIMODAL = {"Gemma4ForConditionalGeneration": GEMMA4,
-              "Gemma3ForConditionalGeneration": GEMMA3}
-QWEN35 = "Qwen3_5ForCausalLM"
+              "Gemma3ForConditionalGeneration": GEMMA3,
+              "Qwen3_5ForConditionalGeneration": QWEN35}
 ARCHITECTURES = tuple(MODEL_TYPES.values())
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", GEMMA3)
 _QWEN_FAMILY = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -54,10 +55,13 @@ def supported_architectures() -> str:
 
 def text_config(hf: Mapping[str, Any]) -> Mapping[str, Any]:
   """The text decoder's config of a multimodal wrapper's config.json (the config as is
-  otherwise), with the wrapper's text architecture named."""
+  otherwise), with the wrapper's text architecture named. Whether the head is tied is the
+  wrapper's own tie_word_embeddings when it has one: transformers ties the wrapper's lm_head by
+  it (a tied Qwen3.5 wrapper saved by transformers 5.24 says true there, false in text_config)."""
   archs = hf.get("architectures") or []
   if archs and archs[0] in MULTIMODAL and isinstance(hf.get("text_config"), Mapping):
-    return {**hf["text_config"], "architectures": [MULTIMODAL[archs[0]]]}
+    tie = {k: hf[k] for k in ("tie_word_embeddings",) if k in hf}
+    return {**hf["text_config"], "architectures": [MULTIMODAL[archs[0]]], **tie}
   return hf
 
 

@@ -1,7 +1,8 @@
 """Qwen3.5 (Qwen3_5ForCausalLM, the dense text decoder) against transformers 5.24: the full
 forward (also loaded sharded, each device reading its heads' rows of the shared in_proj_qkv and
-q_proj tensors), KV-cached decode, packed documents against each document run alone, and
-export back to transformers with an exact round trip.
+q_proj tensors), KV-cached decode, packed documents against each document run alone, export
+back to transformers with an exact round trip, and the text decoder of a
+Qwen3_5ForConditionalGeneration checkpoint.
 
 A tiny random model built from a config (nothing is downloaded): 4 layers (three Gated DeltaNet,
 one gated full attention), 2 key heads serving 4 value heads, partial RoPE over a quarter of
@@ -115,3 +116,42 @@ def test_qwen35_export_loads_in_transformers_and_round_trips_exactly(hf_checkpoi
   for a, b in zip(jax.tree.leaves(nnx.state(ours, nnx.Param)),
                   jax.tree.leaves(nnx.state(back, nnx.Param))):
     np.testing.assert_array_equal(a, b)
+
+
+def test_qwen35_multimodal_checkpoint_loads_its_text_decoder(tmp_path):
+  """A Qwen3_5ForConditionalGeneration with a 1-block vision tower, tied at the wrapper's level
+  (config.json: tie_word_embeddings true outside, false in text_config; no lm_head stored), its
+  text decoder under model.language_model., and a multi-token-prediction tensor (mtp.*, as the
+  released checkpoints carry; transformers ignores it): distillax reads the text decoder,
+  ignores the rest, and its logits are the wrapper's on text."""
+  vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                patch_size=4, num_position_embeddings=16)
+  text = {k: v for k, v in CONFIG.items() if k not in ("attn_implementation",
+                                                       "tie_word_embeddings")}
+  config = transformers.Qwen3_5Config(
+      text_config=text, vision_config=vision, image_token_id=92, video_token_id=93,
+      vision_start_token_id=94, vision_end_token_id=95, tie_word_embeddings=True,
+      attn_implementation="eager")
+  torch.manual_seed(3)
+  wrapper = transformers.Qwen3_5ForConditionalGeneration(config)
+  with torch.no_grad():
+    for name, p in wrapper.named_parameters():
+      if not name.endswith(("A_log", "dt_bias")):
+        p.normal_(0.0, 0.3 if "norm" in name else 0.1)
+  wrapper.eval().save_pretrained(tmp_path)
+  written = json.loads((tmp_path / "config.json").read_text())
+  assert (written["tie_word_embeddings"], written["text_config"]["tie_word_embeddings"]) == (
+      True, False)
+  from safetensors.numpy import load_file, save_file
+  tensors = load_file(str(tmp_path / "model.safetensors"))
+  assert "lm_head.weight" not in tensors and any(n.startswith("model.visual.") for n in tensors)
+  tensors["mtp.fc.weight"] = np.ones((32, 64), np.float32)
+  save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+  model = hf.load(tmp_path, linear_attention_chunk=4)
+  assert (model.config.num_layers, model.config.tie_embeddings) == (4, True)
+  assert model.config.token_mixers == ("linear_attention",) * 3 + ("full_attention",)
+  got = np.asarray(forward(model, jnp.asarray(TOKENS, jnp.int32)).logits_BxLxV)
+  want = torch_logits(wrapper, TOKENS)
+  delta = float(np.max(np.abs(got - want)))
+  print(f"\nqwen3.5 multimodal checkpoint, text decoder: max |dlogit| {delta:.1e}")
+  assert float(np.abs(want).max()) > 1.0 and delta <= 1e-4
