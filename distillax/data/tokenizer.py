@@ -183,6 +183,12 @@ class HuggingFaceTokenizer(Tokenizer):
     pad = self._configured("pad_token", config, _HF_PAD)
     self.pad_id = pad if pad is not None else 0
 
+  @property
+  def backend(self):
+    """The `tokenizers.Tokenizer` itself: its vocabulary, pre-tokenizer and decoder, for code
+    that needs more than ids (the byte spelling of every token, data.token_bytes)."""
+    return self._tok
+
   def unused_specials_from(self, first: int) -> list[str] | None:
     """The tokens with ids >= `first` when every one is a special added token that neither
     names bos/eos/pad nor appears in the chat template (Gemma 3's <image_soft_token>, id

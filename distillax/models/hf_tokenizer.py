@@ -20,6 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
+from distillax.data.token_bytes import byte_level_alphabet
 from distillax.data.tokenizer import (ByteTokenizer, HuggingFaceTokenizer, SentencePieceTokenizer,
                                       Tokenizer)
 
@@ -32,26 +33,12 @@ BYTE_SPECIALS = {"<pad>": ByteTokenizer.pad_id, "</s>": ByteTokenizer.eos_id,
                  "<s>": ByteTokenizer.bos_id}
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-  """GPT-2's printable character for each byte: what the ByteLevel pre-tokenizer emits."""
-  printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-               + list(range(ord("®"), ord("ÿ") + 1)))
-  chars, extra = {}, 0
-  for b in range(256):
-    if b in printable:
-      chars[b] = chr(b)
-    else:
-      chars[b] = chr(256 + extra)
-      extra += 1
-  return chars
-
-
 def byte_tokenizer_json() -> str:
   """tokenizer.json of the byte tokenizer: the same ids for every text, decoded the same way."""
   from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models
   from tokenizers import pre_tokenizers, processors
   vocab = dict(BYTE_SPECIALS)
-  vocab.update({char: b + ByteTokenizer.NUM_SPECIALS for b, char in _bytes_to_unicode().items()})
+  vocab.update({char: b + ByteTokenizer.NUM_SPECIALS for b, char in byte_level_alphabet().items()})
   tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
   tok.decoder = decoders.ByteLevel()
