@@ -74,7 +74,8 @@ def _export(config, flags: dict) -> int:
 
 def _cache_teacher(config, flags: dict) -> int:
   from distillax.cache_teacher import run_cache_teacher
-  return run_cache_teacher(config, flags["workdir"], model_overrides=flags["config_overrides"])
+  return run_cache_teacher(config, flags["workdir"], kind=flags["kind"],
+                           model_overrides=flags["config_overrides"])
 
 
 def _demo(config, flags: dict) -> int:

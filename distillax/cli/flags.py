@@ -20,7 +20,8 @@ ABOUT = {
               "safetensors, GGUF for llama.cpp, or the legacy quantized format only distillax "
               "reads)",
     "cache-teacher": "run a distill config's teacher over the data once and store its top-k "
-                     "logits, to distill without a teacher in the step",
+                     "logits (or, --kind hidden, its final hidden states and LM head), to "
+                     "distill without a teacher in the step",
     "demo": "the end-to-end demo: teacher, students from scratch and distilled, PTQ and QAT, "
             "then a report",
     "generate": "continue --prompt (or answer the chat turns of --messages) with the model in "
@@ -37,7 +38,7 @@ COMMAND_FLAGS = {
     "train": ("workdir", "devices") + _DISTRIBUTED,
     "plan": ("devices", "memory_gb", "target", "slices", "nodes", "search"),
     "export": ("workdir", "output", "format", "quant", "devices") + _DISTRIBUTED,
-    "cache-teacher": ("workdir", "devices") + _DISTRIBUTED,
+    "cache-teacher": ("workdir", "kind", "devices") + _DISTRIBUTED,
     "demo": ("workdir", "devices") + _DISTRIBUTED,
     "generate": ("model", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p",
                  "seed", "full_precision", "devices"),
@@ -50,6 +51,8 @@ PATH_FLAGS = ("workdir", "output", "model", "json")
 FLAGS = {
     "workdir": ("string", None, "DIR", "the run's directory (config.json, metrics, checkpoints); "
                                        "export reads it, cache-teacher writes the cache there"),
+    "kind": ("string", None, "KIND", "cache-teacher: topk (default: cache.kind) | hidden (final "
+                                     "hidden states + LM head: exact logits, any strategy)"),
     "devices": ("integer", None, "N", "simulate N CPU devices (plan; training on a CPU host)"),
     "memory_gb": ("float", None, "GIB", "per-device memory to check the plan against (default "
                                         "with --target: the chip's)"),

@@ -32,6 +32,7 @@ from distillax.distill.base import DistillInputs, Strategy
 from distillax.distill.logit_kd import shared_metric_values
 from distillax.distill.logits import TokenLogits
 from distillax.distill.student import unwrap_student
+from distillax.distill.teacher_head import TEACHER_HIDDEN, TeacherHead
 from distillax.errors import ConfigError
 from distillax.framework import losses
 from distillax.framework.step import Objective, ObjectiveOutput
@@ -64,10 +65,24 @@ def run_models(strategy: Strategy, student, extras: Mapping, batch, *, chunk_siz
   kwargs = losses.model_inputs(batch)
   s_out = model(tokens_BxL, **kwargs, **flags)
   t_out = None
-  if teacher is not None:
+  if isinstance(teacher, TeacherHead):  # a hidden-state cache: its states come with the batch
+    t_out = jax.tree.map(jax.lax.stop_gradient, _cached_teacher(teacher, batch, needs, flags))
+  elif teacher is not None:
     t_out = jax.tree.map(jax.lax.stop_gradient, teacher(tokens_BxL, **kwargs, **flags))
   return DistillInputs(batch=batch, student=s_out, teacher=t_out, student_model=model,
                        teacher_model=teacher, projections=projections, chunk_size=chunk_size)
+
+
+def _cached_teacher(head: TeacherHead, batch, needs, flags):
+  """The teacher's output from a hidden-state cache: its logits are the head's."""
+  if needs.hidden_states or needs.attention or needs.router_logits:
+    raise ConfigError("a hidden-state teacher cache holds the final hidden states only; "
+                      "attention, feature and router distillation need the teacher in memory: "
+                      "set their distill.*.weight to 0 or clear teacher.cache_dir")
+  if TEACHER_HIDDEN not in batch:
+    raise ConfigError(f"the teacher is a hidden-state cache's head, but the batch has no "
+                      f"{TEACHER_HIDDEN}; feed batches from read_teacher_cache")
+  return head.output(batch[TEACHER_HIDDEN], return_logits=flags.get("return_logits", True))
 
 
 def _teacher(extras: Mapping, teacher_key: str):

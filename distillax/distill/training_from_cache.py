@@ -2,7 +2,9 @@
 
 The cache (teacher_cache.py) is written by `distillax cache-teacher` (distillax/cache_teacher.py).
 Training from it (`teacher.cache_dir`; the recipe is trainers/distill_cached.py) uses
-`CachedLogitKD` (k and T from the cache); the train batches are the cached rows
+`CachedLogitKD` (k and T from the cache) on a top-k cache, and on a hidden-state cache the
+`distill.logit` section's own LogitKD (any divergence, top-k and temperature) against the cache's
+TeacherHead, which stands in for the teacher (teacher_head.py); the train batches are the cached rows
 (`cached_train_iterator`: a grain dataset, checkpointed and resumed like the normal pipeline) and
 eval runs the normal validation split with hard-label CE, since the cache holds nothing for it
 (`cached_objective` switches on whether a batch carries the cached teacher arrays).
@@ -20,30 +22,37 @@ import numpy as np
 from distillax.data import batch as batch_spec
 from distillax.framework import vocab_chunks
 from distillax.distill.base import DistillInputs, Strategy
-from distillax.distill.logit_kd import TOPK_IDS, CachedLogitKD, logit_metric_values
+from distillax.distill.logit_kd import TOPK_IDS, CachedLogitKD, LogitKD, logit_metric_values
 from distillax.distill.objective import make_distill_objective
 from distillax.distill.student import unwrap_student
 from distillax.distill.teacher_cache import CacheInfo, read_teacher_cache
+from distillax.distill.teacher_head import TEACHER_HIDDEN
 from distillax.errors import ConfigError, UserError
 from distillax.framework import losses
 from distillax.framework.step import ObjectiveOutput
 from distillax.models import moe
 
 
-def cached_strategy(distill_cfg, info: CacheInfo, vocab_size: int) -> CachedLogitKD:
-  """CachedLogitKD from the `distill` section, checked against what the cache can provide."""
+def cached_strategy(distill_cfg, info: CacheInfo, vocab_size: int) -> Strategy:
+  """The logit strategy of the `distill` section, checked against what the cache can provide:
+  CachedLogitKD on a top-k cache, LogitKD (read through the cache's head) on a hidden one."""
   if info.vocab_size != vocab_size:
     raise ConfigError(f"the teacher cache was written for vocabulary {info.vocab_size}, the "
                       f"student has {vocab_size}; set model.vocab_size={info.vocab_size}")
+  holds = "only top-k logits" if info.kind == "topk" else "only final hidden states"
   for section in ("attention", "feature_pooling", "feature_projection", "router"):
     if section in distill_cfg and float(distill_cfg[section].weight) > 0:
       raise ConfigError(f"distill.{section}.weight={distill_cfg[section].weight} needs the teacher "
-                        f"in memory, but teacher.cache_dir holds only top-k logits; set it to 0 or "
+                        f"in memory, but teacher.cache_dir holds {holds}; set it to 0 or "
                         f"clear teacher.cache_dir")
   lc = distill_cfg.logit
   if not float(lc.weight) > 0:
     raise ConfigError("distill.logit.weight must be > 0 when training from a teacher cache (it is "
                       "the only strategy a cache supports)")
+  if info.kind == "hidden":  # exact logits: any divergence, top-k and temperature
+    return LogitKD(temperature=float(lc.temperature), alpha=float(lc.alpha),
+                   divergence=lc.divergence, beta=float(lc.beta), top_k=int(lc.top_k) or None,
+                   weight=float(lc.weight))
   if int(lc.top_k or 0) not in (0, info.top_k):
     raise ConfigError(f"distill.logit.top_k={lc.top_k} differs from the cache's top_k="
                       f"{info.top_k}; set it to {info.top_k} (or 0) or rebuild the cache")
@@ -85,7 +94,7 @@ def cached_objective(strategy: Strategy, *, chunk_size: int | None = vocab_chunk
                                    router_loss_weights=router_loss_weights)
 
   def objective(student, extras, batch, rng):
-    if TOPK_IDS in batch:
+    if TOPK_IDS in batch or TEACHER_HIDDEN in batch:
       return distill(student, extras, batch, rng)
     return hard_ce_objective(student, extras, batch, rng, chunk_size=chunk_size)
 
