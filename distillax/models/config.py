@@ -16,7 +16,7 @@ from distillax.errors import ConfigError
 from distillax.models.config_checks import (  # noqa: F401 (the choice lists, re-exported)
     ATTENTION_IMPLS, FULL, GLOBAL_WINDOW, LINEAR, LINEAR_ATTENTION_IMPLS, MLP_ACTIVATIONS,
     MOE_IMPLS, REMAT_POLICIES, ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE, ROPE_SCALING_TYPES, ROUTERS,
-    SLIDING, check_config)
+    SLIDING, blocks_sharing_kv, check_config)
 
 # What a config field is. Every job that compares two configs (a model loaded from a source, a
 # run started from another, a workdir resumed) reads the kinds from here, never a list of its own.
@@ -243,16 +243,17 @@ class TransformerConfig:
     """The config of a model made of this one's blocks `layers` (in that order): each block
     attends as it was trained to (a Gemma 2 block copied from a sliding layer to an odd
     position stays sliding; a Gemma 3 block keeps its RoPE base with its attention type; a
-    SmolLM3 block without RoPE stays without), whatever pattern its new position would give."""
-    if self.per_layer_input_dim or self.num_kv_shared_layers:
-      raise ConfigError("a student of teacher blocks cannot be cut from a Gemma 4 teacher yet "
-                        "(its per-layer inputs and shared keys/values span the whole stack); "
-                        "derive it by layer count instead of student.from_teacher.layers")
+    SmolLM3 block without RoPE stays without, a Qwen3.5 block keeps its token mixer, a Gemma 4
+    block its head_dim, RoPE and the block whose keys/values it shares), whatever pattern its new
+    position would give. Gemma 4's per-layer input columns follow their blocks in the weights
+    (trainers/sources/kinds.py)."""
     local = [self.layer_uses_sliding_window(i) for i in layers]
     mixers = None if self.token_mixers is None else tuple(self.token_mixers[i] for i in layers)
     free = tuple(j for j, i in enumerate(layers) if i in (self.rope_free_layers or ()))
+    shared = blocks_sharing_kv(self, layers)
     return self.replace(**{"num_layers": len(layers), "token_mixers": mixers,
-                           "rope_free_layers": free or None,
+                           "rope_free_layers": free or None, "num_kv_shared_layers": shared,
+                           "double_wide_shared_mlp": self.double_wide_shared_mlp and shared > 0,
                            **window_fields(self.sliding_window, local)})
 
   # ---- data round trip -------------------------------------------------------------------

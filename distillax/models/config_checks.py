@@ -188,3 +188,36 @@ def _check_gemma4(cfg):
     raise ConfigError("model.scan_layers=True cannot stack Gemma 4's layers (per-layer inputs, "
                       "key/value sharing or a wider global_head_dim make them differ); use "
                       "model.scan_layers=False")
+
+
+def blocks_sharing_kv(cfg, layers: Sequence[int]) -> int:
+  """How many of the teacher blocks `layers` (a student made of `cfg`'s blocks, in that order)
+  attend with an earlier block's keys/values (Gemma 4's num_kv_shared_layers), once each still
+  finds the block it shares with: they come last, and each one's source is the last block of
+  its attention type before them, as the student's own config will derive it. Otherwise one
+  ConfigError line naming why. A Gemma 4 student also ends with a full-attention block, as
+  Gemma4ForCausalLM forces its last layer to be."""
+  named = f"student.from_teacher.layers={tuple(layers)}"
+  local = cfg.layer_uses_sliding_window
+  if layers and (cfg.layer_scalar or cfg.per_layer_input_dim) and local(layers[-1]):
+    raise ConfigError(f"{named} ends with teacher block {layers[-1]}, a {SLIDING} block; a "
+                      f"Gemma 4 model's last layer attends fully (transformers forces it): end "
+                      f"the list with a {FULL} block")
+  first_shared = cfg.num_layers - cfg.num_kv_shared_layers
+  sharing = [j for j, i in enumerate(layers) if i >= first_shared]
+  owning = len(layers) - len(sharing)
+  if sharing != list(range(owning, len(layers))):
+    order = tuple(i for i in layers if i < first_shared) + tuple(layers[j] for j in sharing)
+    raise ConfigError(f"{named}: teacher blocks {[layers[j] for j in sharing]} compute no "
+                      f"keys/values of their own (model.num_kv_shared_layers="
+                      f"{cfg.num_kv_shared_layers}), so they come after every block that "
+                      f"does: list them last, e.g. {order}")
+  for j in sharing:
+    source = cfg.kv_source_layer(layers[j])
+    same = [i for i in layers[:owning] if local(i) == local(layers[j])]
+    if not same or same[-1] != source:
+      kind = SLIDING if local(layers[j]) else FULL
+      raise ConfigError(f"{named}: teacher block {layers[j]} attends with the keys/values of "
+                        f"block {source}, so block {source} must be the last {kind} block "
+                        f"before the sharing ones; add it there or leave block {layers[j]} out")
+  return len(sharing)

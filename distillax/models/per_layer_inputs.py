@@ -64,3 +64,13 @@ class PerLayerGate(nnx.Module):
     h_BxLxP = jax.nn.gelu(h_BxLxP, approximate=True) * input_BxLxP.astype(dt)
     h_BxLxD = jnp.einsum("BLP,PD->BLD", h_BxLxP, self.projection[...].astype(dt))
     return constrain(x_BxLxD + self.norm(h_BxLxD), ("batch", "residual_length", "embed"))
+
+
+def select_layer_columns(values: dict, layers, per_layer_dim: int) -> dict:
+  """A PerLayerInputs' arrays (a pure dict) for a model made of blocks `layers` of this one,
+  in that order: each block keeps its own P columns of the second table and of the projection
+  (the shared norm over P stays), so a copied block gets the input it was trained with."""
+  P = per_layer_dim
+  columns = jnp.asarray([i * P + p for i in layers for p in range(P)], jnp.int32)
+  return {**values, "embedding": jnp.take(values["embedding"], columns, axis=1),
+          "projection": jnp.take(values["projection"], columns, axis=1)}

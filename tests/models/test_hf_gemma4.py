@@ -1,6 +1,7 @@
 """Gemma 4's text decoder (Gemma4ForCausalLM, and the text tower of a
 Gemma4ForConditionalGeneration checkpoint) against transformers 5.24: the full forward, KV-cached
-decode, packed documents against each document alone, export back with an exact round trip.
+decode, packed documents against each document alone, export back with an exact round trip, and
+students of teacher blocks (kept as transformers runs those blocks, or refused in one line).
 
 A tiny random model built from a config (nothing is downloaded): 5 layers (sliding, full,
 sliding, sliding, full; window 4), per-layer inputs of width 8, the last 2 layers sharing the
@@ -23,15 +24,19 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from distillax import partitioning as pt  # noqa: E402
 from distillax.errors import ConfigError, UserError  # noqa: E402
 from distillax.models import hf  # noqa: E402
 from distillax.models.attention import KVCache  # noqa: E402
+from distillax.models.config import ROPE_GLOBAL, ROPE_LOCAL  # noqa: E402
 from distillax.models.hf_config import config_from_hf  # noqa: E402
 from distillax.models.hf_config_out import config_to_hf  # noqa: E402
 from distillax.models.init import param_count  # noqa: E402
 from distillax.models.presets import get_preset  # noqa: E402
 from distillax.models.sampler import generate  # noqa: E402
-from tests.support.hf import cached_decode_delta, packed_documents_delta, torch_logits  # noqa: E402
+from distillax.trainers.sources.kinds import BlocksSource, HFSource  # noqa: E402
+from tests.support.hf import (blocks_state, cached_decode_delta,  # noqa: E402
+                              packed_documents_delta, torch_logits)
 from tests.support.models import Normal, forward, random_model  # noqa: E402
 
 S, F = "sliding_attention", "full_attention"
@@ -208,6 +213,47 @@ def test_gemma4_config_refuses_with_the_field_and_value(change, message):
     get_preset("tiny_gemma4").replace(**change)
 
 
-def test_a_student_of_gemma4_teacher_blocks_is_refused_in_one_line():
-  with pytest.raises(ConfigError, match="cannot be cut from a Gemma 4 teacher yet"):
-    get_preset("tiny_gemma4").select_layers([0, 1])
+def test_a_gemma4_student_of_teacher_blocks_keeps_each_blocks_parts(hf_model, hf_checkpoint):
+  """Blocks (2, 1, 4), loaded sharded: a sliding block (head_dim 16, base 10k), a full one
+  (head_dim 32, proportional RoPE) and the full sharing block 4, which attends with block 1's
+  keys/values and keeps its double-wide MLP; each keeps its columns of the per-layer inputs.
+  Its logits are those of transformers' Gemma 4 of layer_types [sliding, full, full] with one
+  sharing layer and the teacher's weights of those blocks."""
+  layers = (2, 1, 4)
+  source = BlocksSource(HFSource(str(hf_checkpoint), "teacher.hf_path"), layers)
+  cfg = source.model_config()
+  assert cfg.local_layers() == [True, False, False]
+  assert cfg.layer_ropes() == (ROPE_LOCAL, ROPE_GLOBAL, ROPE_GLOBAL)
+  assert [cfg.layer_head_dim(i) for i in range(3)] == [16, 32, 32]
+  assert [cfg.kv_source_layer(i) for i in range(3)] == [None, None, 1]
+  assert [cfg.layer_mlp_dim(i) for i in range(3)] == [48, 48, 96]
+  student = source.load(cfg, pt.create_mesh({"data": 8, "model": 1}),
+                        pt.rules_from_config({"strategy": "fsdp"}), seed=0)
+  P = TEXT["hidden_size_per_layer_input"]
+  columns = [t * P + p for t in layers for p in range(P)]
+  state = blocks_state(hf_model, layers)
+  state["model.embed_tokens_per_layer.weight"] = state[
+      "model.embed_tokens_per_layer.weight"][:, columns]
+  state["model.per_layer_model_projection.weight"] = state[
+      "model.per_layer_model_projection.weight"][columns]
+  picked = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**{
+      **TEXT, "num_hidden_layers": 3, "layer_types": [S, F, F], "num_kv_shared_layers": 1},
+      attn_implementation="eager"))
+  picked.load_state_dict(state)
+  got = np.asarray(forward(student, jnp.asarray(TOKENS, jnp.int32)).logits_BxLxV)
+  assert float(np.max(np.abs(got - torch_logits(picked.eval(), TOKENS)))) <= 1e-4
+
+
+@pytest.mark.parametrize("layers, message", [
+    ((0, 3, 4), "teacher block 3 attends with the keys/values of block 2, so block 2 must be "
+                "the last sliding_attention block before the sharing ones"),
+    ((4, 1), "teacher blocks [4] compute no keys/values of their own "
+             "(model.num_kv_shared_layers=2), so they come after every block that does: list "
+             "them last, e.g. (1, 4)"),
+    ((1, 2), "ends with teacher block 2, a sliding_attention block"),
+])
+def test_a_gemma4_student_of_blocks_that_cannot_share_as_taught_is_refused(layers, message):
+  teacher = config_from_hf({**TEXT, "architectures": ["Gemma4ForCausalLM"]})
+  with pytest.raises(ConfigError, match=re.escape(f"student.from_teacher.layers={layers}")
+                     + ".*" + re.escape(message)):
+    teacher.select_layers(layers)

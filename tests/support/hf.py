@@ -60,3 +60,15 @@ def packed_documents_delta(hf_model, ours, tokens, cuts) -> float:
       want = torch_logits(hf_model, tokens[row:row + 1, doc])[0]
       worst = max(worst, float(np.max(np.abs(got[row, doc] - want))))
   return worst
+
+
+def blocks_state(model, layers) -> dict:
+  """A transformers model's state dict with only blocks `layers`, renumbered 0.. in that order
+  (embeddings, final norm and head as they are): the weights of the model those blocks make."""
+  state = model.state_dict()
+  out = {k: v for k, v in state.items() if not k.startswith("model.layers.")}
+  for i, t in enumerate(layers):
+    prefix = f"model.layers.{t}."
+    out.update({f"model.layers.{i}." + k[len(prefix):]: v for k, v in state.items()
+                if k.startswith(prefix)})
+  return out

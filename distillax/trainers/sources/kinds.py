@@ -30,6 +30,7 @@ from distillax.models import hf
 from distillax.models.config import COMPUTE, STORAGE, TransformerConfig, fields_of_kind
 from distillax.models.presets import config_from_dict, get_preset
 from distillax.models.init import abstract_model, create_model
+from distillax.models.per_layer_inputs import select_layer_columns
 from distillax.models.transformer import layer_params
 from distillax.trainers.sources import experts, files
 
@@ -237,6 +238,9 @@ class BlocksSource(ModelSource):
     kept = self.kept_experts() or [None] * len(self.layers)
     picked = [experts.slice_layer(per_layer[i], e) for i, e in zip(self.layers, kept)]
     values = {k: v for k, v in nnx.to_pure_dict(nnx.state(whole)).items() if k != "layers"}
+    if cfg.per_layer_input_dim:  # Gemma 4: each block's columns of the per-layer inputs
+      values["per_layer_inputs"] = select_layer_columns(values["per_layer_inputs"], self.layers,
+                                                        cfg.per_layer_input_dim)
     values["layers"] = (jax.tree.map(lambda *a: jnp.stack(a), *picked) if cfg.scan_layers
                         else dict(enumerate(picked)))
     return place(values, mesh, rules, abstract_model(cfg))
