@@ -174,7 +174,9 @@ def cache_section() -> ml_collections.ConfigDict:
   """Read by `distillax cache-teacher`."""
   c = ml_collections.ConfigDict()
   c.num_batches = 100  # train batches (train.batch_size x train.seq_len) the teacher runs over
+  c.kind = "topk"  # topk (its top-k log-probs at one T) | hidden (final hidden states + LM head)
   c.top_k = 32  # teacher tokens kept per position (the rest is one bucket of missing mass)
+  c.dtype = "bfloat16"  # kind=hidden: stored hidden states, bfloat16 | float32 (exact logits)
   c.dir = ""  # where the cache goes ('' = --workdir)
   c.rows_per_file = 4096  # rows per ArrayRecord file
   return c
