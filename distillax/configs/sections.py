@@ -181,9 +181,7 @@ def cache_section() -> ml_collections.ConfigDict:
   c.rows_per_file = 4096  # rows per ArrayRecord file
   return c
 
-  c.kind = "topk"  # topk (its top-k log-probs at one T) | hidden (final hidden states + LM head)
 
-  c.dtype = "bfloat16"  # kind=hidden: stored hidden states, bfloat16 | float32 (exact logits)
 def sequence_kd_section() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.num_prompts = 256  # train documents whose beginnings become prompts
