@@ -34,6 +34,7 @@ from flax import nnx
 
 from distillax import partitioning as pt
 from distillax.errors import ConfigError
+from distillax.framework import token_loss_impl
 
 AUTO = -1  # chunk_size: sized per device from the vocabulary, the batch and the rules
 CHUNK_BUDGET_BYTES = 128 * 2**20  # fp32 logits of one model for one chunk, on one device
@@ -130,6 +131,7 @@ def whole_sums(values_fn: ValuesFn, weights: Mapping[str, float], tokens, mask_B
       _flat(teacher_logits_BxLxV))
   values = values_fn(_flat(student_logits_BxLxV), t, {k: _flat(v) for k, v in tokens.items()})
   sums = masked_sums(values, _flat(mask_BxL))
+  token_loss_impl.record("unchunked (whole logits)")
   return weighted_loss(sums, weights), jax.tree.map(jax.lax.stop_gradient, sums)
 
 
@@ -179,6 +181,8 @@ def vocab_chunk_sums(values_fn: ValuesFn, weights: Mapping[str, float],
   vocab = jax.eval_shape(student.logits_fn, student.params,
                          student_hidden_BxLxD[:, :1]).shape[-1]
   n = math.ceil(L / chunk_len(chunk_size, B, L, vocab))
+  token_loss_impl.record(f"chunked (vocabulary-chunk engine, {n} chunk(s) of {math.ceil(L / n)} "
+                         f"positions x {B} rows)")
   chunks = {"tokens": {k: _to_chunks(v, n) for k, v in tokens.items()},
             "mask": _to_chunks(mask_BxL, n)}
   if teacher is not None:

@@ -158,6 +158,15 @@ class Transformer(nnx.Module):
 
   def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
     """Float32 logits (soft-capped if configured) from final hidden states, any leading shape."""
+  def output_weight_DxV(self) -> jax.Array:
+    """The output layer as one (D, V) matrix in the compute dtype (the tied embedding
+    transposed): what a fused projection-and-loss kernel takes instead of `logits_from_hidden`
+    (which also applies the soft-cap)."""
+    dt = self.config.jnp_dtype
+    if self.lm_head is None:
+      return self.embedder.embedding[...].astype(dt).T
+    return self.lm_head[...].astype(dt)
+
     dt = self.config.jnp_dtype
     h_xD = h_xD.astype(dt)
     if self.lm_head is None:

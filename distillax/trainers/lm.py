@@ -7,10 +7,11 @@ import functools
 from typing import Mapping
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from distillax.data import batch as batch_spec
-from distillax.framework import losses
+from distillax.framework import losses, token_loss_impl
 from distillax.framework.step import Objective, ObjectiveOutput
 from distillax.models import moe
 from distillax.trainers.recipe import Recipe
@@ -18,14 +19,22 @@ from distillax.trainers.registry import register
 
 
 def lm_objective(student: nnx.Module, extras: Mapping[str, nnx.Module], batch, rng: jax.Array,
-                 *, moe_aux_loss: float = 0.0, router_z_loss: float = 0.0) -> ObjectiveOutput:
+                 *, moe_aux_loss: float = 0.0, router_z_loss: float = 0.0,
+                 loss_impl: str = "chunked") -> ObjectiveOutput:
   """Cross-entropy on every target the loss mask keeps (padding and document edges excluded);
-  for a mixture of experts also the weighted router losses and the expert-load metrics."""
+  for a mixture of experts also the weighted router losses and the expert-load metrics.
+  loss_impl: 'chunked' (also sums the argmax accuracy) or 'tokamax' (the loss only)."""
   del extras, rng
   out = student(batch[batch_spec.INPUTS], **losses.model_inputs(batch), return_logits=False)
-  loss_sum, correct, tokens = losses.model_cross_entropy_sums(  # never all (B, L, V) logits
-      student, out.final_hidden_BxLxD, batch[batch_spec.TARGETS], batch[batch_spec.LOSS_MASK])
-  sums, ratios = {"accuracy": correct}, {}
+  targets_BxL, mask_BxL = batch[batch_spec.TARGETS], batch[batch_spec.LOSS_MASK]
+  sums, ratios = {}, {}
+  if loss_impl == "tokamax":
+    loss_sum = token_loss_impl.cross_entropy_sum(out.final_hidden_BxLxD, targets_BxL, mask_BxL,
+                                                 student.output_weight_DxV())
+    tokens = jnp.sum(mask_BxL.astype(jnp.float32))
+  else:
+    loss_sum, sums["accuracy"], tokens = losses.model_cross_entropy_sums(  # never (B, L, V)
+        student, out.final_hidden_BxLxD, targets_BxL, mask_BxL)
   if out.router_stats is not None:
     extra, router_sums, ratios = moe.objective_terms(out.router_stats, tokens, moe_aux_loss,
                                                      router_z_loss)
@@ -39,13 +48,15 @@ class LMRecipe(Recipe):
   with the config's LoRA / QAT transforms)."""
 
   router_losses = True
+  tokamax_loss = True
 
   def objective(self, *, train: bool = False) -> Objective:
     if not train:
       return lm_objective
     weights = {name: float(self.config.train.get(name, 0.0))
                for name in ("moe_aux_loss", "router_z_loss")}
-    objective = lm_objective
-    if any(weights.values()):
-      objective = functools.partial(lm_objective, **weights)
+    options = {k: v for k, v in weights.items() if v}
+    if self.config.train.get("loss_impl", "chunked") != "chunked":
+      options["loss_impl"] = self.config.train.loss_impl
+    objective = functools.partial(lm_objective, **options) if options else lm_objective
     return self.transforms.train_objective(objective)

@@ -28,6 +28,7 @@ from distillax.framework import flops
 from distillax.framework.engine import Engine, build_engine
 from distillax.framework.state import Reloaded
 from distillax.framework.step import Objective
+from distillax.framework.token_loss_impl import check_loss_impl
 from distillax.models.config import TransformerConfig
 from distillax.models.init import abstract_model
 from distillax.trainers import sources as src
@@ -82,6 +83,18 @@ def check_router_losses(train, model_config: TransformerConfig, job: str, suppor
                         f"set --config.train.{name}=0")
 
 
+def _tokamax_refuses(config, model_config: TransformerConfig) -> str | None:
+  """Why tokamax's loss, which reads the output layer's weight as a plain (D, V) matrix, would
+  not compute this student's logits."""
+  if model_config.final_logit_softcap:
+    return f"model.final_logit_softcap={model_config.final_logit_softcap} soft-caps the logits"
+  if config.get("qat") and config.qat.rules:
+    return "qat.rules fake-quantize the student (tokamax would read unquantized weights)"
+  if config.get("lora") and config.lora.module_regex:
+    return "lora.module_regex adapts the student (tokamax would read the base weights only)"
+  return None
+
+
 class Recipe:
   """The base every recipe specialises (lm.py's LMRecipe is the plainest): one student, no
   frozen extras, the packed train and validation data; a subclass names the objective.
@@ -108,6 +121,8 @@ class Recipe:
   # Whether the objective adds train.moe_aux_loss / train.router_z_loss (every registered job
   # does; a new recipe says so once its objective takes them).
   router_losses: bool = False
+  # Whether the training objective is the next-token CE that train.loss_impl='tokamax' can run.
+  tokamax_loss: bool = False
 
   def __init__(self, config, *, workdir: str | None = None, mesh=None,
                rules: pt.RuleSet | None = None, model_overrides: Mapping | None = None):
@@ -128,6 +143,8 @@ class Recipe:
           self.sources, student=dataclasses.replace(self.sources.student, cfg=self.model_config))
     src.check_run_shape(self.sources.student, self.model_config)
     check_router_losses(config.train, self.model_config, self.name, self.router_losses)
+    check_loss_impl(config.train.get("loss_impl", "chunked"), self.name, self.tokamax_loss,
+                    _tokamax_refuses(config, self.model_config))
     # Checked with the data before training, or before compiling (checks.model_conflicts).
     self.batch_size, self.seq_len = int(config.train.batch_size), int(config.train.seq_len)
     self.transforms = StudentTransforms.from_config(config)

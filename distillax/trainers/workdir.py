@@ -182,6 +182,7 @@ ADDED_LATER: dict[str, Any] = {
     "model.global_head_dim": 0, "model.global_rope_fraction": 1.0,
     "model.double_wide_shared_mlp": False,
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
+    "train.loss_impl": "chunked",
     "student.from_teacher.experts": [], "distill.router.weight": 0.0,
 }
 
