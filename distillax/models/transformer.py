@@ -156,8 +156,6 @@ class Transformer(nnx.Module):
 
   # ---- output projection -------------------------------------------------------------------
 
-  def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
-    """Float32 logits (soft-capped if configured) from final hidden states, any leading shape."""
   def output_weight_DxV(self) -> jax.Array:
     """The output layer as one (D, V) matrix in the compute dtype (the tied embedding
     transposed): what a fused projection-and-loss kernel takes instead of `logits_from_hidden`
@@ -167,6 +165,8 @@ class Transformer(nnx.Module):
       return self.embedder.embedding[...].astype(dt).T
     return self.lm_head[...].astype(dt)
 
+  def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
+    """Float32 logits (soft-capped if configured) from final hidden states, any leading shape."""
     dt = self.config.jnp_dtype
     h_xD = h_xD.astype(dt)
     if self.lm_head is None:
