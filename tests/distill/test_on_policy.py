@@ -3,6 +3,7 @@ alone), that padding changes nothing, that no gradient flows through sampling, s
 lmbda mixing, and that a QAT student samples from its fake-quantized forward."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +61,34 @@ def _value_and_grad(objective, student, teacher, batch, key):
   return _COMPILED[objective, graph](state, batch, key)
 
 
+_ALONE_WIDTH = int(LENGTHS.max()) + SETTINGS.max_new_tokens
+
+
+@jax.jit
+def _forward_logits(graph_and_state, seq_1xW):
+  return nnx.merge(*graph_and_state)(seq_1xW).logits_BxLxV
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _jitted_rollout(graph_and_state, batch, key, settings):
+  return sample_rollout(nnx.merge(*graph_and_state), batch, key, settings)
+
+
+def _rollout(model, batch, key, settings):
+  """`sample_rollout` compiled once per settings (eagerly, its decode loop ran op by op)."""
+  return _jitted_rollout(nnx.split(model), batch, key, settings)
+
+
+def _logits_alone(model, seq):
+  """The logits of one sequence run alone (batch of one, no other row), as float64. It is
+  right-padded to one width so a single compile serves every length: under causal attention
+  the pad after the sequence changes none of its positions' logits."""
+  padded = np.zeros((1, _ALONE_WIDTH), np.int32)
+  padded[0, :len(seq)] = seq
+  logits = _forward_logits(nnx.split(model), jnp.asarray(padded))
+  return np.asarray(logits[0, :len(seq)], np.float64)
+
+
 @pytest.mark.parametrize("leaf", [GeneralizedJSD(beta=0.3, temperature=1.5), SampledTokenKL()])
 def test_loss_is_over_completion_tokens_of_each_sequence_run_alone(models, leaf):
   """The reference runs every prompt + completion alone, unpadded, and sums the divergence
@@ -69,15 +98,14 @@ def test_loss_is_over_completion_tokens_of_each_sequence_run_alone(models, leaf)
   key = jax.random.key(4)
   objective = make_on_policy_objective(leaf, SETTINGS, chunk_size=5)
   (loss, out), _ = _value_and_grad(objective, student, teacher, batch, key)
-  rollout = sample_rollout(student, batch, jax.random.fold_in(key, 1), SETTINGS)
+  rollout = _rollout(student, batch, jax.random.fold_in(key, 1), SETTINGS)
   gen = jax.device_get(rollout.generated)
   want, count = 0.0, 0
   for n in range(len(LENGTHS) * SETTINGS.num_samples):
     prompt = np.asarray(batch[PROMPT_TOKENS])[n // 2, :LENGTHS[n // 2]]
     completion = gen.tokens_BxT[n, :gen.lengths_B[n]]
-    seq = jnp.asarray(np.concatenate([prompt, completion])[None])
-    s = np.asarray(student(seq).logits_BxLxV[0], np.float64)
-    t = np.asarray(teacher(seq).logits_BxLxV[0], np.float64)
+    seq = np.concatenate([prompt, completion])
+    s, t = _logits_alone(student, seq), _logits_alone(teacher, seq)
     rows = slice(len(prompt) - 1, len(prompt) - 1 + len(completion))
     if isinstance(leaf, GeneralizedJSD):
       p = np.exp(h.np_log_softmax(t[rows] / leaf.temperature))
@@ -110,14 +138,14 @@ def test_no_gradient_flows_through_sampling(models):
   batch, key = _prompt_batch(), jax.random.key(2)
   graph, state = nnx.split(student)
   # The sampler's log-probabilities depend on the weights, but carry no gradient to them.
-  logprob_grad = jax.grad(lambda st: jnp.sum(sample_rollout(
-      nnx.merge(graph, st), batch, key, SETTINGS).generated.logprobs_BxT))(state)
+  logprob_grad = jax.jit(jax.grad(lambda st: jnp.sum(sample_rollout(
+      nnx.merge(graph, st), batch, key, SETTINGS).generated.logprobs_BxT)))(state)
   assert all(float(jnp.max(jnp.abs(g))) == 0.0 for g in jax.tree.leaves(logprob_grad))
   # The objective's gradient is that of scoring the same samples given as constants.
   leaf = SampledTokenKL()
   objective = make_on_policy_objective(leaf, SETTINGS)
   (_, _), grad = _value_and_grad(objective, student, teacher, batch, key)
-  rollout = jax.device_get(sample_rollout(student, batch, jax.random.fold_in(key, 1), SETTINGS))
+  rollout = jax.device_get(_rollout(student, batch, jax.random.fold_in(key, 1), SETTINGS))
   fixed = scoring_batch(jax.tree.map(jnp.asarray, rollout), SETTINGS.pad_id)
   want = jax.jit(jax.grad(lambda st: score_rollout(leaf, nnx.merge(graph, st),
                                                    {"teacher": teacher}, fixed).loss_sum))(state)
@@ -136,7 +164,7 @@ def test_rows_stop_at_eos_or_end_of_turn(models):
   batch = _prompt_batch()
   objective = make_on_policy_objective(GeneralizedJSD(), settings)
   (_, out), _ = _value_and_grad(objective, student, teacher, batch, jax.random.key(0))
-  gen = jax.device_get(sample_rollout(student, batch, jax.random.fold_in(jax.random.key(0), 1),
+  gen = jax.device_get(_rollout(student, batch, jax.random.fold_in(jax.random.key(0), 1),
                                       settings).generated)
   stops = {3, 7, 11, 20}
   ended = 0
