@@ -14,6 +14,7 @@ Special tokens are spelled by their text ("</s>"), so two tokenizers that spell 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 
@@ -70,8 +71,14 @@ def _hf_byte_strings(tokenizer: HuggingFaceTokenizer) -> list[bytes | None]:
   return out
 
 
-def token_byte_strings(tokenizer: Tokenizer) -> list[bytes | None]:
-  """The byte string of every id in [0, vocab_size) (None for an id that spells nothing)."""
+@functools.lru_cache(maxsize=8)
+def token_byte_strings(tokenizer: Tokenizer) -> tuple[bytes | None, ...]:
+  """The byte string of every id in [0, vocab_size) (None for an id that spells nothing); kept
+  per tokenizer object, as spelling a 262k vocabulary takes a fraction of a second."""
+  return tuple(_byte_strings(tokenizer))
+
+
+def _byte_strings(tokenizer: Tokenizer) -> list[bytes | None]:
   if isinstance(tokenizer, ByteTokenizer):
     return [BYTE_SPECIALS[i].encode() if i in BYTE_SPECIALS else bytes([i - tokenizer.NUM_SPECIALS])
             for i in range(tokenizer.vocab_size)]
@@ -112,16 +119,14 @@ def byte_offsets(text: str, char_offsets_Nx2: np.ndarray, piece_bytes_N: np.ndar
                    np.where(in_run_N, laid_end_N, end_N)], axis=-1)
 
 
-def encode_with_byte_offsets(tokenizer: Tokenizer, text: str,
-                             byte_strings: list[bytes | None] | None = None):
-  """(int32 ids [N], int64 UTF-8 byte offsets [N, 2]) of `text`; `byte_strings`: the
-  tokenizer's `token_byte_strings`, when the caller keeps them (they are built once)."""
+def encode_with_byte_offsets(tokenizer: Tokenizer, text: str):
+  """(int32 ids [N], int64 UTF-8 byte offsets [N, 2]) of `text`."""
   if isinstance(tokenizer, ByteTokenizer):
     ids = tokenizer.encode_array(text)
     starts = np.arange(len(ids), dtype=np.int64)
     return ids, np.stack([starts, starts + 1], axis=-1)
   ids, char_offsets = tokenizer.encode_with_offsets(text)
-  byte_strings = byte_strings if byte_strings is not None else token_byte_strings(tokenizer)
+  byte_strings = token_byte_strings(tokenizer)
   piece_bytes = np.fromiter((len(byte_strings[i] or b"") for i in ids), np.int64, len(ids))
   return ids, byte_offsets(text, char_offsets, piece_bytes)
 
