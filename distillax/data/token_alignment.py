@@ -147,7 +147,7 @@ def alignment_targets(alignment: Alignment, student_ids_N, teacher_ids_M,
   scored = np.ones(G, bool)
   for group, mask in ((s_group, student_mask_N), (t_group, None)):
     blocked = np.zeros(len(group), bool)
-    blocked[0] = len(group) > 0          # the first token is predicted by nothing
+    blocked[:1] = True                   # the first token is predicted by nothing
     if mask is not None:
       blocked |= ~np.asarray(mask, bool)
     scored[group[blocked & (group >= 0)]] = False

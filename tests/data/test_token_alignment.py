@@ -151,3 +151,11 @@ def test_alignment_targets_shift_and_kinds():
                              student_mask_N=[1, 0, 1, 1])
   assert masked["group_kind_G"].tolist() == [SKIP, SKIP, SPAN, EXACT]
   assert masked["teacher_group_M"].tolist() == [-1, 2, 2, 3, -1]
+  # An empty text: <s> </s> on both sides pair off; nothing on either side: no groups.
+  empty = _groups([(0, 0), (0, 0)], [(0, 0), (0, 0)])
+  assert empty.groups() == [((0,), (0,)), ((1,), (1,))]
+  assert alignment_targets(empty, [1, 2], [1, 2], np.arange(3))["group_kind_G"].tolist() == [
+      SKIP, EXACT]
+  nothing = align_spans(np.zeros((0, 2)), np.zeros((0, 2)))
+  assert nothing.num_groups == 0
+  assert alignment_targets(nothing, [], [], np.arange(3))["group_kind_G"].tolist() == []
