@@ -53,10 +53,10 @@ $(VENV)/.demo: pyproject.toml constraints.txt | $(BIN)/python
 # model.moe_impl='tokamax' to 'ragged' (the tokamax extra; tests/models/test_moe_kernels.py).
 AOT_GPU := $(VENV)/aot-gpu
 $(VENV)/.test: pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,hf,edge,aot,tokamax]' 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,hf,edge,aot,tokamax,eval]' 2>&1 | grep -v "is ignored" || true
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(AOT_GPU) -c constraints.txt \
 	  jax-cuda12-plugin jax-cuda12-pjrt 2>&1 | grep -v "is ignored" || true
-	$(BIN)/python -c "import distillax, jax, pytest, xdist, torch, transformers, gguf, llama_cpp, libtpu, tokamax"
+	$(BIN)/python -c "import distillax, jax, pytest, xdist, torch, transformers, gguf, llama_cpp, libtpu, tokamax, lm_eval, sacrebleu, rouge_score, accelerate"
 	test -d $(AOT_GPU)/jax_plugins/xla_cuda12
 	touch $@ $(VENV)/.core $(VENV)/.demo
 
