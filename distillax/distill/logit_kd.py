@@ -124,6 +124,10 @@ class CachedLogitKD(LogitStrategy):
 
   @classmethod
   def from_cache_info(cls, info, **kwargs) -> "CachedLogitKD":
+    if getattr(info, "kind", "topk") != "topk":
+      raise ConfigError(f"CachedLogitKD reads a top-k cache, this one holds kind={info.kind!r}; "
+                        f"use LogitKD with the cache's TeacherHead as the teacher "
+                        f"(teacher_head.load_head)")
     return cls(temperature=info.temperature, **kwargs)
 
   reads_teacher = False  # the teacher's top-k is in the batch

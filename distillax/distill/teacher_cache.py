@@ -231,8 +231,8 @@ def _sync(name: str) -> None:
 def read_cache_info(directory: str) -> CacheInfo:
   path = os.path.join(directory, CACHE_INFO)
   if not os.path.isdir(directory):
-    raise UserError(f"the teacher cache directory {directory} does not exist; write it with "
-                    f"distillax cache-teacher or fix teacher.cache_dir")
+    raise UserError(f"teacher.cache_dir={directory} does not exist; write the cache there "
+                    f"with distillax cache-teacher, or fix the path")
   try:
     with open(path) as f:
       raw = json.load(f)

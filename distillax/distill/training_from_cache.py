@@ -1,13 +1,14 @@
-"""Training from an offline teacher cache: no teacher in memory, its top-k from disk.
+"""Training from an offline teacher cache: no teacher in memory, its outputs from disk.
 
 The cache (teacher_cache.py) is written by `distillax cache-teacher` (distillax/cache_teacher.py).
 Training from it (`teacher.cache_dir`; the recipe is trainers/distill_cached.py) uses
 `CachedLogitKD` (k and T from the cache) on a top-k cache, and on a hidden-state cache the
-`distill.logit` section's own LogitKD (any divergence, top-k and temperature) against the cache's
-TeacherHead, which stands in for the teacher (teacher_head.py); the train batches are the cached rows
-(`cached_train_iterator`: a grain dataset, checkpointed and resumed like the normal pipeline) and
-eval runs the normal validation split with hard-label CE, since the cache holds nothing for it
-(`cached_objective` switches on whether a batch carries the cached teacher arrays).
+`distill.logit` section's own LogitKD (any divergence, top-k and temperature) against the
+cache's TeacherHead, which stands in for the teacher (teacher_head.py); the train batches are
+the cached rows (`cached_train_iterator`: a grain dataset, checkpointed and resumed like the
+normal pipeline) and eval runs the normal validation split with hard-label CE, since the cache
+holds nothing for it (`cached_objective` switches on whether a batch carries the cached teacher
+arrays).
 """
 
 from __future__ import annotations

@@ -35,6 +35,10 @@ class CachedDistillRecipe(DistillRecipe):
     self.cache_dir = str(self.config.teacher.cache_dir)
     self.cache_info = read_cache_info(self.cache_dir)
     self.hidden = self.cache_info.kind == "hidden"
+    if self.config.get("cache") and self.config.cache.kind == "hidden" and not self.hidden:
+      raise ConfigError(f"cache.kind='hidden', but teacher.cache_dir={self.cache_dir} holds a "
+                        f"{self.cache_info.kind} cache; write a hidden-state cache with "
+                        f"distillax cache-teacher --kind hidden, or drop --config.cache.kind")
     if self.hidden:
       self._check_configured_teacher()
 
