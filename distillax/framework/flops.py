@@ -111,6 +111,9 @@ def forward_flops_breakdown(cfg: Any, batch: int, seq_len: int, *,
   # Gemma 4: full layers of global_head_dim; the last layers share k/v (no projections) and
   # may have double-wide MLPs.
   global_dim = int(getattr(cfg, "global_head_dim", 0) or 0)
+  # Gemma 4 31B: full layers of global_num_kv_heads whose keys are their values (one projection)
+  global_kv = int(getattr(cfg, "global_num_kv_heads", 0) or 0)
+  keys_as_values = bool(getattr(cfg, "attention_k_eq_v", False))
   first_shared = layers - int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
   wide = bool(getattr(cfg, "double_wide_shared_mlp", False))
   gate = bool(getattr(cfg, "attn_output_gate", False))  # Qwen3.5's output gate
@@ -119,8 +122,10 @@ def forward_flops_breakdown(cfg: Any, batch: int, seq_len: int, *,
     if not attend:
       continue
     q_width = n["heads"] * (global_dim if global_dim and window is None else n["head_dim"])
-    kv_width = n["kv_heads"] * q_width // n["heads"] if i < first_shared else 0
-    qkv += 2.0 * tokens * n["embed"] * (q_width * (2 if gate else 1) + 2 * kv_width)
+    kv_heads = global_kv if global_kv and window is None else n["kv_heads"]
+    kv_width = kv_heads * q_width // n["heads"] if i < first_shared else 0
+    kv_projections = 1 if keys_as_values and window is None else 2
+    qkv += 2.0 * tokens * n["embed"] * (q_width * (2 if gate else 1) + kv_projections * kv_width)
     out_proj += 2.0 * tokens * q_width * n["embed"]
     attn_product += 2.0 * batch * q_width * attended_pairs(seq_len, window, causal)
   mlp_matrices = mlp_matrix_count(getattr(cfg, "mlp_activation", "swiglu"))

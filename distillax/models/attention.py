@@ -58,9 +58,11 @@ class KVCache:
     linear = config.num_linear_layers
     owners = [i for i in range(config.num_layers)
               if config.layer_owns_kv(i) and not config.layer_is_linear(i)]
-    # Gemma 4's wider full layers: one width for all, each layer using its first head_dim.
+    # Gemma 4's wider full layers: one width for all, each layer using its first heads and
+    # features.
     head_dim = max([config.layer_head_dim(i) for i in owners] or [config.head_dim])
-    shape = (len(owners), batch, length, config.num_kv_heads, head_dim)
+    kv_heads = max([config.layer_num_kv_heads(i) for i in owners] or [config.num_kv_heads])
+    shape = (len(owners), batch, length, kv_heads, head_dim)
     k = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
     v = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
     conv = state = None
@@ -158,16 +160,19 @@ class Attention(nnx.Module):
   """Multi-head attention over `num_kv_heads` key/value heads shared by groups of query heads."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, owns_kv: bool = True,
-               head_dim: int | None = None):
+               head_dim: int | None = None, num_kv_heads: int | None = None,
+               keys_as_values: bool = False):
     """owns_kv=False: a Gemma 4 layer that attends another layer's keys/values (no k, v);
-    head_dim: this layer's, if not config.head_dim (Gemma 4's full layers)."""
-    D, H, K = config.embed_dim, config.num_heads, config.num_kv_heads
+    head_dim, num_kv_heads: this layer's, if not config's (Gemma 4's full layers);
+    keys_as_values: its values are its keys before k_norm and RoPE (no v; Gemma 4 31B)."""
+    D, H = config.embed_dim, config.num_heads
+    K = self.num_kv_heads = num_kv_heads or config.num_kv_heads
     Dh = self.head_dim = head_dim or config.head_dim
     pd = config.jnp_param_dtype
     self.q = normal_param(rngs, (D, H, Dh), D ** -0.5, pd, ("embed", "heads", "head_dim"))
     kv = lambda: (normal_param(rngs, (D, K, Dh), D ** -0.5, pd, ("embed", "kv_heads", "head_dim"))
                   if owns_kv else None)
-    self.k, self.v = kv(), kv()
+    self.k, self.v = kv(), None if keys_as_values else kv()
     out_std = (H * Dh) ** -0.5 / math.sqrt(2 * config.num_layers)
     self.o = normal_param(rngs, (H, Dh, D), out_std, pd, ("heads", "head_dim", "embed"))
     # Qwen 2: biases on q, k, v (zero at init, so a fresh model starts as its bias-free twin);
@@ -203,9 +208,13 @@ class Attention(nnx.Module):
     return y_BxLxNxH
 
   def _own_keys_values(self, x_BxLxD, sin_cos):
-    """This call's keys (normed, turned) and values (normed with value_norm)."""
-    k_BxLxKxH = self._project(x_BxLxD, self.k, self.k_bias, self.k_norm)
-    v_BxLxKxH = self._project(x_BxLxD, self.v, self.v_bias, None)
+    """This call's keys (normed, turned) and values (normed with value_norm; without a v
+    projection, the keys before their norm and RoPE)."""
+    k_BxLxKxH = self._project(x_BxLxD, self.k, self.k_bias, None)
+    v_BxLxKxH = (k_BxLxKxH if self.v is None
+                 else self._project(x_BxLxD, self.v, self.v_bias, None))
+    if self.k_norm is not None:
+      k_BxLxKxH = self.k_norm(k_BxLxKxH)
     if self.value_norm:
       v = v_BxLxKxH.astype(jnp.float32)
       v = v * jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1, keepdims=True)
@@ -224,8 +233,10 @@ class Attention(nnx.Module):
     start = (0, cache_index, 0, 0)
     k_cache = jax.lax.dynamic_update_slice(k_cache, k_BxLxKxH.astype(k_cache.dtype), start)
     v_cache = jax.lax.dynamic_update_slice(v_cache, v_BxLxKxH.astype(v_cache.dtype), start)
-    Dh = self.head_dim  # a cache as wide as its widest layer (Gemma 4) holds ours first
-    return k_cache[..., :Dh].astype(dt), v_cache[..., :Dh].astype(dt), (k_cache, v_cache)
+    # A cache as wide as its widest layer (Gemma 4) holds ours first, heads and features.
+    K, Dh = self.num_kv_heads, self.head_dim
+    return (k_cache[..., :K, :Dh].astype(dt), v_cache[..., :K, :Dh].astype(dt),
+            (k_cache, v_cache))
 
   def _attend(self, q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking: dict, *, cached: bool,
               return_probs: bool):
@@ -265,7 +276,8 @@ class Attention(nnx.Module):
     cfg = self.config
     dt = cfg.jnp_dtype
     B, L, _ = x_BxLxD.shape
-    K, G, Dh = cfg.num_kv_heads, cfg.num_groups, self.head_dim
+    K, Dh = self.num_kv_heads, self.head_dim
+    G = cfg.num_heads // K
     q_BxLxHxK = self._project(x_BxLxD, self.q, self.q_bias, self.q_norm)
     q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, *sin_cos),
                           ("batch", "length", "heads", "head_dim"))

@@ -110,6 +110,10 @@ class TransformerConfig:
   # pairs turn at rope_theta^(-2i/head_dim), the rest stand still; 1 = ordinary RoPE.
   global_rope_fraction: float = 1.0
   double_wide_shared_mlp: bool = False  # Gemma 4: layers sharing k/v have MLPs 2 x mlp_dim wide
+  # Gemma 4 31B (HF attention_k_eq_v): full-attention layers have no v projection; their values
+  # are their keys before k_norm and RoPE (then value-normed).
+  attention_k_eq_v: bool = False
+  global_num_kv_heads: int = 0  # Gemma 4: k/v heads of the full-attention layers; 0 = num_kv_heads
   # Mixture of experts (models/moe.py): every layer's MLP becomes num_experts gated experts and a
   # router; 0 = a dense MLP in every layer (the other MoE fields are then unused).
   num_experts: int = 0
@@ -181,6 +185,16 @@ class TransformerConfig:
     if self.global_head_dim and not self.layer_uses_sliding_window(layer):
       return self.global_head_dim
     return self.head_dim
+
+  def layer_num_kv_heads(self, layer: int) -> int:
+    """Key/value heads of layer `layer` (Gemma 4 31B's full layers: global_num_kv_heads)."""
+    if self.global_num_kv_heads and not self.layer_uses_sliding_window(layer):
+      return self.global_num_kv_heads
+    return self.num_kv_heads
+
+  def layer_keys_are_values(self, layer: int) -> bool:
+    """Whether layer `layer` attends with its keys as values (no v projection of its own)."""
+    return self.attention_k_eq_v and not self.layer_uses_sliding_window(layer)
 
   def layer_mlp_dim(self, layer: int) -> int:
     """Hidden width of layer `layer`'s dense MLP (Gemma 4's double-wide sharing layers)."""

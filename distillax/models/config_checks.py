@@ -160,7 +160,11 @@ def _check_moe(cfg):
 
 def _check_gemma4(cfg):
   _check_ints(cfg, ("per_layer_input_dim", "per_layer_input_vocab_size",
-                    "num_kv_shared_layers"), minimum=0)
+                    "num_kv_shared_layers", "global_num_kv_heads"), minimum=0)
+  if cfg.global_num_kv_heads and cfg.num_heads % cfg.global_num_kv_heads:
+    raise ConfigError(f"model.num_heads={cfg.num_heads} is not a multiple of "
+                      f"model.global_num_kv_heads={cfg.global_num_kv_heads}; pick kv heads that "
+                      f"divide the query heads")
   if not isinstance(cfg.global_head_dim, int) or cfg.global_head_dim < 0:
     raise ConfigError(f"model.global_head_dim={cfg.global_head_dim!r} must be a non-negative "
                       f"integer (0 = head_dim)")
@@ -168,7 +172,7 @@ def _check_gemma4(cfg):
   if not 0 < frac <= 1 or int(frac * cfg.layer_head_dim(cfg.num_layers - 1)) % 2:
     raise ConfigError(f"model.global_rope_fraction={frac!r} must be in (0, 1] and turn whole "
                       f"frequency pairs of the full layers' head_dim")
-  for name in ("value_norm", "layer_scalar", "double_wide_shared_mlp"):
+  for name in ("value_norm", "layer_scalar", "double_wide_shared_mlp", "attention_k_eq_v"):
     if not isinstance(getattr(cfg, name), bool):
       raise ConfigError(f"model.{name}={getattr(cfg, name)!r} must be True or False")
   shared = cfg.num_kv_shared_layers
@@ -183,11 +187,12 @@ def _check_gemma4(cfg):
   if cfg.num_linear_layers and shared:
     raise ConfigError("model.num_kv_shared_layers is for attention-only models; set it to 0 "
                       "with model.token_mixers")
-  if cfg.scan_layers and (shared or cfg.per_layer_input_dim
-                           or cfg.global_head_dim not in (0, cfg.head_dim)):
+  if cfg.scan_layers and (shared or cfg.per_layer_input_dim or cfg.attention_k_eq_v
+                           or cfg.global_head_dim not in (0, cfg.head_dim)
+                           or cfg.global_num_kv_heads not in (0, cfg.num_kv_heads)):
     raise ConfigError("model.scan_layers=True cannot stack Gemma 4's layers (per-layer inputs, "
-                      "key/value sharing or a wider global_head_dim make them differ); use "
-                      "model.scan_layers=False")
+                      "key/value sharing, keys as values or a wider global_head_dim / "
+                      "global_num_kv_heads make them differ); use model.scan_layers=False")
 
 
 def blocks_sharing_kv(cfg, layers: Sequence[int]) -> int:

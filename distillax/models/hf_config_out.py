@@ -78,7 +78,7 @@ def hf_architecture(config: TransformerConfig) -> str:
   qwen_only = (config.qkv_bias, config.qk_norm)
   arch = None
   if (config.value_norm or config.layer_scalar or config.per_layer_input_dim
-      or config.num_kv_shared_layers):
+      or config.num_kv_shared_layers or config.attention_k_eq_v or config.global_num_kv_heads):
     arch = GEMMA4 if is_gemma4(config) else None
   elif (config.attn_output_gate or config.token_mixers is not None
       or config.partial_rotary_factor != 1.0):

@@ -7,9 +7,10 @@ per layer, per-layer inputs (models/per_layer_inputs.py), keys/values shared by 
 `num_kv_shared_layers` layers (twice as wide MLPs there with use_double_wide_mlp), a wider
 head_dim on full layers (global_head_dim) and a RoPE per layer type: sliding layers' default
 RoPE (model.rope_local_theta, Gemma 3's field), full layers' proportional RoPE (rope_theta,
-global_rope_fraction). What distillax does not read yet is refused in one line, by name: keys
-reused as values (attention_k_eq_v, the 26B / 31B checkpoints, with their
-num_global_key_value_heads), the MoE block, bidirectional attention, scaled RoPE.
+global_rope_fraction). The 31B's full layers reuse their keys as values (attention_k_eq_v: no
+v_proj; model.attention_k_eq_v) over fewer key/value heads (num_global_key_value_heads;
+model.global_num_kv_heads). What distillax does not read yet is refused in one line, by name: the
+MoE block (the 26B), bidirectional attention, scaled RoPE.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ def _rope(rope: Mapping[str, Any]) -> tuple[float, float] | None:
 def _refuse_unsupported(hf: Mapping[str, Any], ropes: Mapping[str, Any], where: str) -> None:
   local = _rope(ropes.get(SLIDING) or {})
   unsupported = {
-      "attention_k_eq_v": bool(hf.get("attention_k_eq_v")),
       "enable_moe_block": bool(hf.get("enable_moe_block")),
       "use_bidirectional_attention": hf.get("use_bidirectional_attention") == "all",
       "rope_parameters": (None in {_rope(r) for r in ropes.values()}
@@ -49,8 +49,32 @@ def _refuse_unsupported(hf: Mapping[str, Any], ropes: Mapping[str, Any], where: 
   if named:
     shown = ", ".join(f"{k}={hf.get(k, 'default')!r}" for k in named)
     raise UserError(f"{where}: Gemma 4 with {shown} is not supported yet; distillax reads Gemma "
-                    f"4 decoders with separate k/v projections, dense MLPs, causal attention and "
-                    f"unscaled RoPE (default on sliding layers, proportional on full ones)")
+                    f"4 decoders with dense MLPs, causal attention and unscaled RoPE (default on "
+                    f"sliding layers, proportional on full ones)")
+
+
+def _full_layer_shape(hf: Mapping[str, Any], types: list[str], kv_heads: int,
+                      where: str) -> tuple[int, int]:
+  """(head_dim, key/value heads) of the full layers as transformers 5.24 builds them: from
+  per_layer_config when config.json has it (transformers writes it on save), else from
+  global_head_dim (512 by default) and, only with attention_k_eq_v, num_global_key_value_heads
+  (the released config.json files' keys)."""
+  per_layer = hf.get("per_layer_config")
+  if per_layer is None:
+    heads = int(hf.get("num_global_key_value_heads") or kv_heads)
+    return (int(hf.get("global_head_dim", 512)),
+            heads if hf.get("attention_k_eq_v") else kv_heads)
+  entries = [dict(per_layer.get(str(i)) or per_layer.get(i) or {}) for i in range(len(types))]
+  full = {(int(e.get("head_dim", hf.get("head_dim", 256))),
+           int(e.get("num_key_value_heads", kv_heads)))
+          for e, kind in zip(entries, types) if kind == FULL}
+  odd = [i for i, (e, kind) in enumerate(zip(entries, types))
+         if (kind == SLIDING and e) or set(e) - {"head_dim", "num_key_value_heads"}]
+  if len(full) != 1 or odd:
+    raise UserError(f"{where}: per_layer_config={per_layer} gives layers of one type different "
+                    f"shapes (or a sliding layer one of its own); distillax reads Gemma 4 with "
+                    f"one head_dim and num_key_value_heads for all full_attention layers")
+  return full.pop()
 
 
 def gemma4_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[str, Any]:
@@ -66,8 +90,11 @@ def gemma4_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[st
   types[-1] = FULL
   vocab = int(hf.get("vocab_size_per_layer_input", 262_144))
   (theta, fraction), (local, _) = _rope(ropes.get(FULL) or {}), _rope(ropes.get(SLIDING) or {})
-  head_dim, global_head_dim = int(hf.get("head_dim", 256)), int(hf.get("global_head_dim", 512))
+  head_dim = int(hf.get("head_dim", 256))
+  kv_heads = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+  global_head_dim, global_kv_heads = _full_layer_shape(hf, types, kv_heads, where)
   shared = int(hf.get("num_kv_shared_layers", 0))
+  keys_as_values = bool(hf.get("attention_k_eq_v"))
   return dict(mlp_activation="geglu", scale_embeddings=True, use_post_norms=True, qk_norm=True,
               value_norm=True, layer_scalar=True, query_pre_attn_scalar=1.0,
               final_logit_softcap=hf.get("final_logit_softcapping"),
@@ -77,7 +104,8 @@ def gemma4_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[st
               double_wide_shared_mlp=bool(hf.get("use_double_wide_mlp")) and shared > 0,
               per_layer_input_dim=int(hf.get("hidden_size_per_layer_input", 256) or 0),
               per_layer_input_vocab_size=0 if vocab == int(hf["vocab_size"]) else vocab,
-              num_kv_shared_layers=shared,
+              num_kv_shared_layers=shared, attention_k_eq_v=keys_as_values,
+              global_num_kv_heads=0 if global_kv_heads == kv_heads else global_kv_heads,
               **window_fields(hf.get("sliding_window", 512), [t == SLIDING for t in types]))
 
 
@@ -89,6 +117,8 @@ def is_gemma4(config: TransformerConfig) -> bool:
           and config.scale_embeddings and config.mlp_activation == "geglu"
           and config.query_pre_attn_scalar == 1.0 and not config.num_experts
           and not config.local_layers()[-1]
+          # transformers reads num_global_key_value_heads only with attention_k_eq_v
+          and (config.attention_k_eq_v or not config.global_num_kv_heads)
           and not (config.norm_scale_plus_one or config.qkv_bias or config.attn_logit_softcap
                    or config.rope_scaling_factor or config.rope_free_layers
                    or config.attention_sinks
@@ -113,7 +143,10 @@ def gemma4_hf_fields(config: TransformerConfig) -> dict[str, Any]:
                                FULL: full},
               hidden_size_per_layer_input=config.per_layer_input_dim,
               vocab_size_per_layer_input=config.per_layer_vocab,
-              num_kv_shared_layers=config.num_kv_shared_layers, attention_k_eq_v=False,
+              num_kv_shared_layers=config.num_kv_shared_layers,
+              attention_k_eq_v=config.attention_k_eq_v,
+              **({"num_global_key_value_heads": config.global_num_kv_heads}
+                 if config.global_num_kv_heads else {}),
               enable_moe_block=False, use_double_wide_mlp=config.double_wide_shared_mlp,
               pad_token_id=0,
               bos_token_id=min(2, config.vocab_size - 1),

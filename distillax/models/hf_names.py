@@ -242,6 +242,8 @@ def _layer_sources(config: TransformerConfig,
   if layer is not None and not config.layer_owns_kv(layer):  # attends an earlier layer's k/v
     for key in (("attn", "k"), ("attn", "v"), ("attn", "k_norm", "scale")):
       sources.pop(key, None)
+  if layer is not None and config.layer_keys_are_values(layer):  # Gemma 4 31B: no v_proj
+    sources.pop(("attn", "v"), None)
   return sources
 
 

@@ -67,7 +67,9 @@ class Block(nnx.Module):
       self.attn = GatedDeltaNet(config, rngs=rngs)
     else:
       self.attn = Attention(config, rngs=rngs, owns_kv=config.layer_owns_kv(layer),
-                            head_dim=config.layer_head_dim(layer))
+                            head_dim=config.layer_head_dim(layer),
+                            num_kv_heads=config.layer_num_kv_heads(layer),
+                            keys_as_values=config.layer_keys_are_values(layer))
     self.mlp_norm = RMSNorm(config)
     self.mlp = (MoE(config, rngs=rngs) if config.num_experts
                 else MLP(config, rngs=rngs, dim=config.layer_mlp_dim(layer)))

@@ -180,7 +180,8 @@ ADDED_LATER: dict[str, Any] = {
     "model.per_layer_input_dim": 0, "model.per_layer_input_vocab_size": 0,  # Gemma 4's fields
     "model.num_kv_shared_layers": 0, "model.value_norm": False, "model.layer_scalar": False,
     "model.global_head_dim": 0, "model.global_rope_fraction": 1.0,
-    "model.double_wide_shared_mlp": False,
+    "model.double_wide_shared_mlp": False, "model.attention_k_eq_v": False,
+    "model.global_num_kv_heads": 0,
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
     "train.loss_impl": "chunked",
     "student.from_teacher.experts": [], "distill.router.weight": 0.0,

@@ -8,8 +8,9 @@ sliding, sliding, full; window 4), per-layer inputs of width 8, the last 2 layer
 keys/values of layers 2 (sliding) and 1 (full) with double-wide MLPs, head_dim 16 on sliding
 layers and 32 on full ones, RoPE base 10k on sliding layers and a proportional RoPE (half the
 pairs turning, base 100) on full ones, a final soft-cap, layer scalars drawn away from 1: the
-released E2B's parts. transformers does not write global_head_dim into config.json, and reads
-512 without it: the fixture writes it.
+released E2B's parts. transformers writes the full layers' head_dim only into per_layer_config
+(which distillax reads first), not as global_head_dim, the key of the released config.json
+files: the fixture writes that too.
 """
 
 import json
@@ -174,6 +175,34 @@ def test_gemma4_export_loads_in_transformers_and_round_trips_exactly(hf_checkpoi
     np.testing.assert_array_equal(a, b)
 
 
+def test_gemma4_keys_as_values_import_decode_and_export_match_transformers(tmp_path):
+  """The 31B's full layers (attention_k_eq_v: no v_proj, values = keys before k_norm and RoPE)
+  over 1 key/value head against the sliding layers' 2 (num_global_key_value_heads), the last
+  layer sharing them: 3 layers (sliding, full, full). Read from the per_layer_config
+  transformers writes; the full forward, a cached decode (the cache as wide as the widest
+  layer in heads and features) and the export back match transformers."""
+  text = {**TEXT, "num_hidden_layers": 3, "layer_types": [S, F, F], "num_kv_shared_layers": 1,
+          "attention_k_eq_v": True, "num_global_key_value_heads": 1}
+  theirs = _randomize(transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(
+      **text, attn_implementation="eager")))
+  assert theirs.model.layers[1].self_attn.v_proj is None
+  theirs.save_pretrained(tmp_path / "in")
+  model = hf.load(tmp_path / "in")
+  cfg = model.config
+  assert (cfg.attention_k_eq_v, cfg.global_num_kv_heads, cfg.global_head_dim) == (True, 1, 32)
+  assert model.layers[1].attn.v is None and model.layers[0].attn.v is not None
+  assert model.layers[1].attn.k.shape == (32, 1, 32)
+  got = np.asarray(forward(model, jnp.asarray(TOKENS, jnp.int32)).logits_BxLxV)
+  assert float(np.max(np.abs(got - torch_logits(theirs, TOKENS)))) <= 1e-4
+  assert cached_decode_delta(theirs, model, TOKENS[:, :6], steps=3) <= 1e-4
+  hf.save(model, tmp_path / "out")
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path / "out", attn_implementation="eager").eval()
+  assert reloaded.model.layers[1].self_attn.k_proj.weight.shape == (32, 32)
+  assert float(np.max(np.abs(got - torch_logits(reloaded, TOKENS)))) <= 1e-4
+  assert hf.load(tmp_path / "out").config == cfg
+
+
 @pytest.mark.parametrize("name", ["tiny_gemma4", "gemma4-e2b"])  # e4b: 7,463,013,418 by hand
 def test_gemma4_presets_are_the_gemma4_their_config_json_builds(name):
   """Each preset through config.json and back is itself, and the Gemma4ForCausalLM it builds
@@ -193,8 +222,7 @@ def test_gemma4_presets_are_the_gemma4_their_config_json_builds(name):
   assert param_count(cfg) == sum(p.numel() for p in theirs.parameters()) + cfg.num_layers
 
 
-@pytest.mark.parametrize("key, value", [("attention_k_eq_v", True),
-                                        ("use_bidirectional_attention", "all"),
+@pytest.mark.parametrize("key, value", [("use_bidirectional_attention", "all"),
                                         ("enable_moe_block", True)])
 def test_gemma4_parts_not_read_yet_are_refused_in_one_line(key, value):
   hf_config = {**TEXT, "architectures": ["Gemma4ForCausalLM"], key: value}
