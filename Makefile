@@ -28,7 +28,7 @@ LATEST_TESTS ?= tests/framework/test_step.py tests/framework/test_backends.py::t
 LATEST_SHOWN := jax jaxlib flax optax orbax-checkpoint grain ml-collections clu qwix tensorboardX \
   safetensors tokenizers pyarrow numpy chex
 
-.PHONY: demo test test-latest accelerator-wheels venv clean
+.PHONY: demo test docs test-latest accelerator-wheels venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,15 +53,25 @@ $(VENV)/.demo: pyproject.toml constraints.txt | $(BIN)/python
 # model.moe_impl='tokamax' to 'ragged' (the tokamax extra; tests/models/test_moe_kernels.py).
 AOT_GPU := $(VENV)/aot-gpu
 $(VENV)/.test: pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,hf,edge,aot,tokamax,eval]' 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,hf,edge,aot,tokamax,eval,docs]' 2>&1 | grep -v "is ignored" || true
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(AOT_GPU) -c constraints.txt \
 	  jax-cuda12-plugin jax-cuda12-pjrt 2>&1 | grep -v "is ignored" || true
-	$(BIN)/python -c "import distillax, jax, pytest, xdist, torch, transformers, gguf, llama_cpp, libtpu, tokamax, lm_eval, sacrebleu, rouge_score, accelerate"
+	$(BIN)/python -c "import distillax, jax, pytest, xdist, torch, transformers, gguf, llama_cpp, libtpu, tokamax, lm_eval, sacrebleu, rouge_score, accelerate, mkdocs, material, mkdocstrings_handlers.python"
 	test -d $(AOT_GPU)/jax_plugins/xla_cuda12
-	touch $@ $(VENV)/.core $(VENV)/.demo
+	touch $@ $(VENV)/.core $(VENV)/.demo $(VENV)/.docs
 
 demo: $(VENV)/.demo
 	$(BIN)/distillax demo --config distillax/configs/demo.py --workdir $(WORKDIR) --devices 8
+
+# The documentation site, strictly (a broken link or reference fails), into site/. The config and
+# CLI references and the benchmark pages are generated from the code and results at build time.
+$(VENV)/.docs: pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[docs]' 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -c "import distillax, mkdocs, material, mkdocstrings_handlers.python"
+	touch $@ $(VENV)/.core
+
+docs: $(VENV)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS)
@@ -83,4 +93,4 @@ accelerator-wheels:
 	scripts/accelerator_wheels.sh .whl
 
 clean:
-	rm -rf $(VENV) $(LATEST_VENV) runs
+	rm -rf $(VENV) $(LATEST_VENV) runs site
