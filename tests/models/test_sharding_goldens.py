@@ -9,7 +9,9 @@ before committing it.
 The models cover the features that change the tree: `tiny` (untied output, GQA with 2 kv heads),
 `tiny_gemma` (tied embeddings, post norms), `tiny_gemma3` (Gemma 3: q/k norms over head_dim
 and six layers), `tiny_gemma4` (Gemma 4: per-layer input tables and gates, layer scalars, wider
-full layers, sharing layers without k/v, double-wide MLPs), `llama3.2-1b` (a published shape: stacked layers
+full layers, sharing layers without k/v, double-wide MLPs), `tiny_qwen35` (Qwen3.5: Gated
+DeltaNet layers over key and value heads, with a conv, decay and norm of their own, and a gated
+full-attention layer), `llama3.2-1b` (a published shape: stacked layers
 under scan, bfloat16, 128k vocabulary) and `tiny_moe` (stacked experts and a router: where the
 'expert' rules of fsdp_ep / ep_tp place them). tiny's 4 query and 2 kv heads do not divide a model axis
 of 4 or 8; the default rules reject that, so the dumps are made with `replicate_indivisible`
@@ -27,7 +29,8 @@ from distillax.errors import PartitioningError
 from tests.models.sharding import plan, rows_by_path
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "goldens"
-MODELS = ("tiny", "tiny_gemma", "llama3.2-1b", "tiny_moe", "tiny_gemma3", "tiny_gemma4")
+MODELS = ("tiny", "tiny_gemma", "llama3.2-1b", "tiny_moe", "tiny_gemma3", "tiny_gemma4",
+          "tiny_qwen35")
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 
 
@@ -158,12 +161,14 @@ def test_dp_replicates_everything_and_only_dp(strategy):
   assert replicated == (strategy == "dp")
 
 
-@pytest.mark.parametrize("preset", [m for m in MODELS if m not in ("tiny_gemma3", "tiny_gemma4")])
+@pytest.mark.parametrize("preset", [m for m in MODELS
+                                    if m not in ("tiny_gemma3", "tiny_gemma4", "tiny_qwen35")])
 @pytest.mark.parametrize("data,model", MESHES)
 def test_fsdp_per_device_bytes_are_total_over_data_size(preset, data, model):
   """Every embed dim of these models divides every data size, so fsdp splits every parameter
   exactly data ways and nothing over model (tiny_gemma3's q/k norms have no embed dim: below;
-  nor do tiny_gemma4's per-layer input table and norm, layer scalars: by hand below)."""
+  nor do tiny_gemma4's per-layer input table and norm, layer scalars, or tiny_qwen35's conv,
+  decay and norms: by hand below)."""
   rows = plan(preset, "fsdp", data, model)
   total = sum(r.bytes_total for r in rows)
   assert sum(r.bytes_per_device for r in rows) == total // data
@@ -211,3 +216,31 @@ def test_gemma4_per_layer_parts_by_hand():
   assert "layers/3/attn/k" not in rows and "layers/2/attn/k" in rows
   assert rows["layers/3/mlp/up"].shape == (64, 256)  # double-wide
   assert rows["layers/0/scalar"].replicated
+
+
+def test_qwen35_gated_deltanet_parts_by_hand():
+  """fsdp_tp on 4 x 2: a Gated DeltaNet layer's q/k (2 key heads), v/z (4 value heads) and its
+  a/b/decay/dt_bias (per value head) split their heads over model and embed over data; its conv
+  (4 taps x 128 channels: q, k and v of every head packed) and its output norm over head_dim
+  have no rule and stay whole; the gated full layer's output gate splits like its queries.
+  Under fsdp on 8 those whole parts are all that is not split 8 ways."""
+  rows = rows_by_path(plan("tiny_qwen35", "fsdp_tp", 4, 2))
+  q = rows["layers/0/attn/q"]  # (embed 64, key heads 2, 16) f32
+  assert q.mesh_spec == ("data", "model", None) and q.bytes_per_device == 64 * 2 * 16 * 4 // 8
+  assert rows["layers/0/attn/v"].shape == (64, 4, 16)
+  assert rows["layers/0/attn/z"].mesh_spec == ("data", "model", None)
+  assert rows["layers/0/attn/a"].mesh_spec == ("data", "model")
+  assert rows["layers/0/attn/A_log"].mesh_spec == ("model",)
+  assert rows["layers/0/attn/A_log"].bytes_per_device == 4 * 4 // 2
+  conv = rows["layers/2/attn/conv"]
+  assert conv.shape == (4, 2 * 2 * 16 + 4 * 16) and conv.replicated
+  assert rows["layers/0/attn/o"].mesh_spec == ("model", None, "data")
+  assert rows["layers/3/attn/out_gate"].mesh_spec == rows["layers/3/attn/q"].mesh_spec == (
+      "data", "model", None)
+  assert rows["layers/3/attn/k"].logical == ("embed", "kv_heads", "head_dim")
+  fsdp = plan("tiny_qwen35", "fsdp", 8, 1)
+  whole = sorted(r.path for r in fsdp if r.bytes_per_device == r.bytes_total)
+  assert whole == sorted([f"layers/{i}/attn/{n}" for i in range(3)
+                          for n in ("A_log", "conv", "dt_bias", "norm_scale")]
+                         + ["layers/3/attn/k_norm/scale", "layers/3/attn/q_norm/scale"])
+  assert all(r.bytes_per_device * 8 == r.bytes_total for r in fsdp if r.path not in whole)
