@@ -8,7 +8,8 @@ compiler from this CPU host (what `distillax plan --target T` reports: libtpu fo
 CUDA plugin for GPUs). Per device, each side's compiler gives the peak memory (arguments +
 temporaries + outputs - aliased), the collectives by kind (count and buffer bytes per step,
 trip counts applied), the FLOPs of its matmuls (trip counts applied) and its compile time; the
-target side adds the fused kernels that lowered and the attention each call got.
+target side adds the fused kernels that lowered, the attention and experts each layer got
+(`by_layer`) and how the token losses ran (`loss`).
 
 Rows (full run):
   - Llama 3.1 8B next-token training on tpu:v5p-128 (64 chips, v5p:4x4x4) at 8 x 2048,
@@ -130,6 +131,7 @@ def child(row: dict, side: str) -> dict:
         return {"out_of_memory": report["out_of_memory"],
                 "seconds": time.perf_counter() - start}
       out = dict(_figures(report), kernels=report["kernels"], attention=report["attention"],
+                 by_layer=report["by_layer"], moe=report["moe"], loss=report["loss"],
                  memory_bytes_per_device=report["memory_bytes_per_device"])
   except Exception as e:  # noqa: BLE001 - a row that cannot compile reports why
     return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:400],

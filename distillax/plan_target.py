@@ -1,7 +1,8 @@
 """`distillax plan --target tpu:v5p-128|gpu:h100x8 ...`: the job's real step compiled by the
 target's own compiler on this CPU host (libtpu for TPU slices, the CUDA plugin for GPUs), and
 what that compiler says of it per device: memory (FITS / DOES NOT FIT the chip), FLOPs,
-collectives by kind, the fused kernels that lowered, and the attention and experts each call got.
+collectives by kind, the fused kernels that lowered, the attention and experts each layer got,
+and the implementation of the token losses.
 
 Why not the CPU plan alone: XLA:CPU runs bf16 collectives in fp32, forms no reduce-scatter,
 knows nothing of TPU tiling or HBM, and cannot compile a Pallas TPU or cuDNN kernel, so its
@@ -21,9 +22,9 @@ import re
 
 from distillax import partitioning as pt
 from distillax.errors import UserError
-from distillax.framework import targets
+from distillax.framework import targets, token_loss_impl
 from distillax.framework.hlo import parse_module
-from distillax.models import attention_impl, moe_kernels
+from distillax.models import attention_impl, layer_scope, moe_kernels
 from distillax.plan import (DOES_NOT_FIT_EXIT_CODE, fmt, plan_report, print_figures,
                             print_verdict)
 from distillax.trainers import recipe_for
@@ -82,7 +83,9 @@ def compile_on(config, target: targets.Target, devices: list, model_overrides=No
     mesh_cfg.dcn_data = target.slices  # data parallel across slices (DCN), the rest inside one
   mesh = pt.create_mesh(mesh_cfg, devices=devices)
   recipe = recipe_for(config, mesh=mesh, model_overrides=model_overrides)
-  with attention_impl.recorded_choices() as choices, moe_kernels.recorded_choices() as experts:
+  with attention_impl.recorded_choices() as choices, moe_kernels.recorded_choices() as experts, \
+      token_loss_impl.recorded_choices() as token_losses, \
+      layer_scope.recorded_by_layer() as by_layer:
     try:
       engine = recipe.build_engines().main
     except Exception as e:  # noqa: BLE001 - only an out-of-memory compile is a plan's answer
@@ -103,7 +106,7 @@ def compile_on(config, target: targets.Target, devices: list, model_overrides=No
                 kernels=fused_kernels(engine.runner.compiled_text()),
                 attention=dict(collections.Counter(f"{impl} ({why})"
                                                    for _, impl, why in choices)),
-                moe=experts)
+                moe=experts, loss=token_losses, by_layer=by_layer)
   return report
 
 
@@ -120,6 +123,10 @@ def _print_target(report: dict) -> None:
     print(f"  attention: {choice}, {n} traced call(s)")
   for choice, n in report["moe"].items():
     print(f"  experts: {choice}, {n} traced call(s)")
+  for layers, choices in report["by_layer"].items():
+    print(f"  {layers}: " + "; ".join(f"{kind} {choice}" for kind, choice in choices.items()))
+  for choice, n in report["loss"].items():
+    print(f"  token loss: {choice}, {n} traced call(s)")
 
 
 def run_target_plan(config, target_spec: str, *, slices: int | None = None,

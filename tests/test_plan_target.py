@@ -62,18 +62,32 @@ def _moe():
   c = _tiny(lm)
   c.model.num_experts, c.model.moe_mlp_dim = 4, 64  # ragged_dot experts (model.moe_impl)
   c.partitioning.strategy = "fsdp_ep"  # one expert per device: the all_to_all exchange
+  c.train.loss_impl = "tokamax"  # tokamax's Mosaic CE kernel, each device's rows
   return c
 
 
 TINY_JOBS = {"lm": lambda: _tiny(lm), "distill": lambda: _tiny(distill),
              "on_policy": _on_policy, "qat_q4_0": _qat_q4_0, "lora": lambda: _tiny(lora),
              "moe": _moe}
+_SPLASH = {"attention": "splash"}
+# What each layer ran: the teacher (tiny: 2 layers) and the student (1 layer) of the distill
+# jobs apart; the on-policy student also samples, its prefill blockwise, its decode steps
+# against the KV cache the reference.
+BY_LAYER = {"lm": {"layers 0-1 of 2": _SPLASH}, "qat_q4_0": {"layers 0-1 of 2": _SPLASH},
+            "lora": {"layers 0-1 of 2": _SPLASH},
+            "distill": {"layer 0 of 1": _SPLASH, "layers 0-1 of 2": _SPLASH},
+            "on_policy": {"layer 0 of 1": {"attention": "blockwise + reference + splash"},
+                          "layers 0-1 of 2": _SPLASH},
+            "moe": {"layers 0-1 of 2": {"attention": "splash", "experts": (
+                "ragged (jax.lax.ragged_dot), experts split 4 ways over data (all_to_all)")}}}
 
 
 @pytest.mark.parametrize("job", sorted(TINY_JOBS))
 def test_tiny_jobs_compile_for_a_tpu_with_splash(job):
   """`auto` attention on a TPU target resolves to splash (the target's platform, not the host's
-  'cpu'), and Mosaic lowers it: the kernels are in the compiled step."""
+  'cpu'), and Mosaic lowers it: the kernels are in the compiled step. The report says what
+  each layer of each model ran, and how the token losses ran (the MoE job with
+  train.loss_impl=tokamax: tokamax's Mosaic cross-entropy kernels, from this CPU host)."""
   target, devices = _devices("tpu:v5e-4")
   report = compile_on(TINY_JOBS[job](), target, devices)
   assert report["devices"] == 4 and report["mesh"] == "4x1"
@@ -84,6 +98,17 @@ def test_tiny_jobs_compile_for_a_tpu_with_splash(job):
   assert any("fwd" in k for k in splash) and any("dkv" in k for k in splash), report["kernels"]
   assert any(choice.startswith("splash (") for choice in report["attention"]), report
   assert report["peak_bytes_per_device"] <= report["memory_bytes_per_device"]
+  assert report["by_layer"] == BY_LAYER[job], report["by_layer"]
+  (loss, n), = report["loss"].items()  # the student's token losses: one traced call
+  if job == "moe":  # train.loss_impl=tokamax: its Mosaic kernel, forward and backward
+    assert (loss, n) == ("tokamax linear_softmax_cross_entropy_loss (mosaic_tpu, each "
+                         "device's rows)", 1)
+    assert {"mosaic:linear_softmax_cross_entropy_loss_fwd_pallas_mosaic_tpu",
+            "mosaic:linear_softmax_cross_entropy_loss_bwd_pallas_mosaic_tpu"} <= set(
+                report["kernels"]), report["kernels"]
+  else:
+    assert loss.startswith("chunked (vocabulary-chunk engine, 1 chunk(s) of 128 positions")
+    assert not any("cross_entropy" in k for k in report["kernels"]), report["kernels"]
   if job == "moe":  # the experts' grouped matmuls lower to Mosaic's ragged-dot kernels
     assert any(k.startswith("mosaic:ragged-dot") for k in report["kernels"]), report["kernels"]
     assert report["moe"] == {"ragged (jax.lax.ragged_dot), experts split 4 ways over data "
@@ -109,6 +134,8 @@ def test_cli_tpu_target_prints_the_compilers_figures(capsys):
   assert "target tpu:v5e-4: 4 v5e devices (v5e:2x2), 16.0 GiB each" in out
   assert "plan: 4 devices, mesh 4x1" in out  # the mesh's devices, not the host's one
   assert "mosaic:splash_mqa_fwd" in out and "FITS in 16.00 GiB (v5e) per device" in out
+  assert "\n  layers 0-1 of 2: attention splash\n" in out
+  assert "\n  token loss: chunked (vocabulary-chunk engine, " in out
   # The TPU compiler's FSDP gradient reduction is an all-reduce-scatter fusion: a reduce-scatter.
   assert "reduce-scatter x" in out
 
@@ -209,14 +236,16 @@ def test_gpu_target_compiles_tiny_with_blockwise():
   """The CUDA plugin's deviceless compile for one H100: memory figures and the GPU compiler's
   own Triton fusions in the compiled step; with 4 experts on moe_impl=tokamax, whose Triton
   ragged_dot kernels lower as Pallas Triton calls (3 grouped matmuls forward, 6 backward, per
-  layer). Runs in a subprocess: the plugin is found at JAX's import (make test installs it in
+  layer), and train.loss_impl=tokamax, whose cross-entropy takes its XLA path (the same 18
+  Triton calls: it adds none). Runs in a subprocess: the plugin is found at JAX's import (make test installs it in
   <venv>/aot-gpu, off the default path)."""
   env = dict(os.environ, PYTHONPATH=ROOT)
   env.pop("XLA_FLAGS", None)
   out = subprocess.run(
       [sys.executable, "-m", "distillax", "plan", "--config", LM_TINY, "--target", "gpu:h100x1",
        "--config.model.attention_impl=blockwise", "--config.model.dtype=bfloat16",
-       "--config.model.num_experts=4", "--config.model.moe_impl=tokamax"],
+       "--config.model.num_experts=4", "--config.model.moe_impl=tokamax",
+       "--config.train.loss_impl=tokamax"],
       env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
   text = out.stdout
@@ -226,6 +255,11 @@ def test_gpu_target_compiles_tiny_with_blockwise():
   assert "__gpu$xla.gpu.triton x18" in text, text  # tokamax's kernels: 2 layers x 9
   assert ("experts: tokamax (on gpu: the first of triton, xla that takes the call), experts not "
           "split (one GSPMD program), 2 traced call(s)") in text
+  assert ("\n  layers 0-1 of 2: attention blockwise; experts tokamax (on gpu: the first of "
+          "triton, xla that takes the call), experts not split (one GSPMD program)\n") in text
+  # tokamax 0.0.12's cross-entropy has no GPU kernel: its XLA path, no kernel of its own
+  assert ("token loss: tokamax linear_softmax_cross_entropy_loss (xla, whole logits), 1 traced "
+          "call(s)") in text
   peak = next(line for line in text.splitlines() if "peak per device" in line)
   assert not peak.strip().endswith(" 0 B"), peak
 

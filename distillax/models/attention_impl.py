@@ -25,6 +25,7 @@ import logging
 import jax
 
 from distillax.errors import ConfigError
+from distillax.models import layer_scope
 from distillax.models.config import ATTENTION_IMPLS as IMPLEMENTATIONS
 from distillax.partitioning import active_rules
 
@@ -159,8 +160,9 @@ def resolve(requested: str, needs: AttentionNeeds) -> str:
   impl, why = choose(requested, compile_platform(), needs)
   key = (requested, impl, why)
   record = _RECORD.get()
-  if record is not None:
+  if record is not None and layer_scope.recording():
     record.append(key)
+  layer_scope.record("attention", impl)
   if key not in _logged:
     _logged.add(key)
     _log.info("attention: model.attention_impl=%r runs %s (%s)", requested, impl, why)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from distillax.errors import ConfigError
+from distillax.models import layer_scope
 from distillax.models.attention_impl import compile_platform
 
 RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -119,8 +120,9 @@ _RECORD: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
 
 def record(choice: str) -> None:
   found = _RECORD.get()
-  if found is not None:
+  if found is not None and layer_scope.recording():
     found.append(choice)
+  layer_scope.record("experts", choice)
 
 
 @contextlib.contextmanager

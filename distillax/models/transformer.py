@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distillax.errors import ConfigError
+from distillax.models import layer_scope
 from distillax.models.attention import Attention, KVCache
 from distillax.models.config import TransformerConfig
 from distillax.models.gated_deltanet import GatedDeltaNet
@@ -267,8 +268,9 @@ class Transformer(nnx.Module):
       extras = {"shared_kv": attended.get(cfg.kv_source_layer(i))}
       if "per_layer_inputs" in ctx:
         extras["per_layer_input"] = ctx["per_layer_inputs"][:, :, i]
-      x_BxLxD, new_kv, p, st, kv = self._block_fn(graphdef, wants)(state, x_BxLxD, ctx_i, window,
-                                                                   layer_kv, extras)
+      with layer_scope.serving((i,), cfg.num_layers):  # plan's per-layer kernel report
+        x_BxLxD, new_kv, p, st, kv = self._block_fn(graphdef, wants)(
+            state, x_BxLxD, ctx_i, window, layer_kv, extras)
       if kv is not None:
         attended[i] = kv
       if want_hidden:
@@ -296,8 +298,9 @@ class Transformer(nnx.Module):
       x_BxLxD, new_kv, p, st, _ = block_fn(layer_state, x_BxLxD, ctx_i, window, layer_kv)
       return x_BxLxD, (x_BxLxD if want_hidden else None, new_kv, p, st)
 
-    x_BxLxD, (xs, new_kv, probs, stats) = jax.lax.scan(body, x_BxLxD,
-                                                       (state, windows, cache_kv, ropes))
+    with layer_scope.serving(range(self.config.num_layers), self.config.num_layers):
+      x_BxLxD, (xs, new_kv, probs, stats) = jax.lax.scan(body, x_BxLxD,
+                                                         (state, windows, cache_kv, ropes))
     return x_BxLxD, xs, new_kv, probs, stats
 
 

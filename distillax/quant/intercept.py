@@ -40,7 +40,7 @@ from flax import nnx
 from qwix._src import model as qwix_model
 from qwix._src.utils import flax_util
 
-from distillax.models import moe_kernels
+from distillax.models import layer_scope, moe_kernels
 
 
 QWIX_ATTRS = ("qwix_path", "disable_quant_stats_update", "qwix_rngs")
@@ -193,7 +193,8 @@ def install(model: nnx.Module, provider: qwix.QuantizationProvider,
   differs. Nothing is computed: qwix's initialising call is skipped (no static scales).
   """
   tokens = jnp.zeros((1, 1), jnp.int32) if sample_tokens is None else sample_tokens
-  quantized = qwix.quantize_model(model, provider, tokens, skip_nnx_init=True)
+  with layer_scope.unrecorded():  # qwix's probe trace: no part of any step
+    quantized = qwix.quantize_model(model, provider, tokens, skip_nnx_init=True)
   cls, base = type(quantized), unintercepted_type(quantized)
   if hasattr(base, "logits_from_hidden"):
     cls.logits_from_hidden = qwix_model._apply_interceptors(  # pylint: disable=protected-access

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distillax.errors import ConfigError, UserError
+from distillax.models import layer_scope
 from distillax.quant import intercept
 from distillax.quant.fakequant import WeightQuant
 from distillax.quant.graph import get_path, path_name, set_path
@@ -156,7 +157,8 @@ def find_matmul_sites(model: nnx.Module, sample_tokens: jax.Array | None = None
     out = nnx.merge(graphdef, s)(t)
     return getattr(out, "logits_BxLxV", out)
 
-  jax.eval_shape(forward, state, tokens)
+  with layer_scope.unrecorded():  # a probe, no part of any step
+    jax.eval_shape(forward, state, tokens)
   intercept.clear_reads()
 
   sites, seen = [], {}
