@@ -123,6 +123,9 @@ def teacher_section() -> ml_collections.ConfigDict:
   # its forward, output layer included, in bf16 (fp32 accumulation and fp32 logits).
   c.dtype = ""
   c.cache_dir = ""  # an offline teacher cache (distillax cache-teacher): train without a teacher
+  # The teacher's tokenizer when it differs from the student's (distill.objective=
+  # 'cross_tokenizer'): 'byte' | 'hf:<tokenizer.json or its folder>'; '' = data.tokenizer
+  c.tokenizer = ""
   return c
 
 
@@ -151,6 +154,17 @@ def distill_section() -> ml_collections.ConfigDict:
   # Chunked, no logit array of the whole batch exists and the student's logit gradient is
   # formed in the same pass as the loss (framework/vocab_chunks.py, shared with next-token CE).
   c.chunk_size = -1
+  # strategies (the weighted strategies below; teacher and student share one tokenizer) |
+  # cross_tokenizer (a teacher of teacher.tokenizer: the two tokenizations of each text aligned
+  # by bytes; the `cross_tokenizer` sub-section below)
+  c.objective = "strategies"
+  c.cross_tokenizer = ml_collections.ConfigDict()
+  c.cross_tokenizer.temperature = 2.0  # softmax temperature of both models
+  c.cross_tokenizer.alpha = 0.7  # share of the soft terms; 1 - alpha goes to hard-label CE
+  c.cross_tokenizer.exact_weight = 1.0  # KL over the shared vocabulary, one-to-one groups
+  c.cross_tokenizer.span_weight = 1.0  # Bernoulli KL of span probabilities, groups that differ
+  c.cross_tokenizer.uld_weight = 1.0  # ULD (sorted-probability L1) on those groups
+  c.cross_tokenizer.teacher_seq_len = 0  # teacher tokens per row; 0 = train.seq_len
   c.logit = ml_collections.ConfigDict()
   c.logit.weight = 1.0  # weight of LogitKD in the total loss (0 = off)
   c.logit.temperature = 2.0  # softmax temperature of both models

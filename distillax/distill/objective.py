@@ -54,7 +54,8 @@ def run_models(strategy: Strategy, student, extras: Mapping, batch, *, chunk_siz
     vs, vt = model.config.vocab_size, teacher.config.vocab_size
     if vs != vt:
       raise ConfigError(f"student vocabulary ({vs}) and teacher vocabulary ({vt}) differ; logit "
-                        f"distillation needs one shared tokenizer")
+                        f"distillation needs one shared tokenizer, or a cross-tokenizer "
+                        f"objective (--config.distill.objective=cross_tokenizer)")
   tokens_BxL = batch[batch_spec.INPUTS]
   vocab_chunks.check_chunk_size(chunk_size)
   flags = dict(return_hidden_states=needs.hidden_states, return_attention=needs.attention)

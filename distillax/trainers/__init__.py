@@ -4,7 +4,8 @@
     summary = Trainer(recipe_for(config), workdir).run()
 
 `recipe_for` picks the recipe by the config's `trainer` field: lm (lm.py), distill
-(distill.py; with `teacher.cache_dir`, distill_cached.py), sequence_kd (sequence_kd.py),
+(distill.py; with `teacher.cache_dir`, distill_cached.py; with
+distill.objective='cross_tokenizer', distill_cross_tokenizer.py), sequence_kd (sequence_kd.py),
 on_policy (on_policy.py). Importing this package registers them all. Every model's weights
 come from `sources` (one room).
 """
@@ -12,6 +13,7 @@ come from `sources` (one room).
 from distillax.trainers.base import Trainer
 from distillax.trainers.distill import DistillRecipe, strategy_from_config
 from distillax.trainers.distill_cached import CachedDistillRecipe
+from distillax.trainers.distill_cross_tokenizer import CrossTokenizerDistillRecipe
 from distillax.trainers.lm import LMRecipe, lm_objective
 from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 from distillax.trainers.on_policy import OnPolicyRecipe
@@ -21,7 +23,7 @@ from distillax.trainers.sources import (is_hf_checkpoint, load_run_config, resol
                                         RunSource)
 from distillax.trainers.saved import load_as_trained, load_trained_model, restore_run_state
 
-__all__ = ["CachedDistillRecipe", "DistillRecipe", "Engines", "LMRecipe", "OnPolicyRecipe", "Recipe",
+__all__ = ["CachedDistillRecipe", "CrossTokenizerDistillRecipe", "DistillRecipe", "Engines", "LMRecipe", "OnPolicyRecipe", "Recipe",
            "RunSource",
            "SequenceKDRecipe", "Trainer", "check_recipe_data", "is_hf_checkpoint", "load_run_config",
            "load_as_trained", "load_trained_model", "lm_objective", "hf_checkpoint_recipe",

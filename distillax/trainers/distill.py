@@ -88,8 +88,12 @@ class DistillRecipe(Recipe):
 
   def __init__(self, config, **kwargs):
     super().__init__(config, **kwargs)
-    self.teacher_source, self.teacher_model_config = src.job_teacher(
-        config, self.sources, self.model_config.vocab_size)
+    self.teacher_source, self.teacher_model_config = self.step_teacher()
+
+  def step_teacher(self):
+    """(source, model config) of the teacher run in the step; a preset teacher takes the
+    student's vocabulary."""
+    return src.job_teacher(self.config, self.sources, self.model_config.vocab_size)
 
   def strategy(self) -> Strategy:
     return strategy_from_config(self.config.distill, self.model_config, self.teacher_model_config,

@@ -8,6 +8,9 @@ from __future__ import annotations
 from distillax.errors import ConfigError, UserError
 
 _RECIPES: dict[str, type] = {}
+# Recipes a distill job gets from its fields, not from `trainer`.
+_CHOSEN_BY_FIELDS = ("distill_cached", "distill_cross_tokenizer")
+DISTILL_OBJECTIVES = ("strategies", "cross_tokenizer")
 
 
 def register(name: str):
@@ -21,12 +24,28 @@ def register(name: str):
 
 def recipe_kind(config) -> str:
   """The registered name for a job config: its `trainer` field, except that a distillation job
-  with a teacher cache is the cached-distillation recipe (no teacher in the step)."""
+  with a teacher cache is the cached-distillation recipe (no teacher in the step), and one with
+  distill.objective='cross_tokenizer' the cross-tokenizer recipe."""
   if "job" in config and config.job == "demo":
     raise ConfigError("this is the demo's config; run it with `distillax demo --config "
                       "distillax/configs/demo.py --workdir runs/demo --devices 8`")
   kind = str(config.get("trainer", ""))
-  if kind == "distill" and "teacher" in config and config.teacher.get("cache_dir"):
+  objective = config.distill.get("objective", "strategies") if config.get("distill") else None
+  if objective is not None and objective not in DISTILL_OBJECTIVES:
+    raise ConfigError(f"distill.objective={objective!r} is not one of {DISTILL_OBJECTIVES}; "
+                      f"e.g. --config.distill.objective=cross_tokenizer")
+  cached = "teacher" in config and config.teacher.get("cache_dir")
+  if objective == "cross_tokenizer" and kind != "distill":
+    raise ConfigError(f"distill.objective='cross_tokenizer' is built for trainer='distill' "
+                      f"(off-policy) only, not trainer={kind!r} yet; use "
+                      f"--config.distill.objective=strategies")
+  if kind == "distill" and objective == "cross_tokenizer":
+    if cached:
+      raise ConfigError("distill.objective='cross_tokenizer' runs the teacher on its own tokens "
+                        "in the step, but teacher.cache_dir is set; clear "
+                        "--config.teacher.cache_dir")
+    return "distill_cross_tokenizer"
+  if kind == "distill" and cached:
     return "distill_cached"
   return kind
 
@@ -34,7 +53,7 @@ def recipe_kind(config) -> str:
 def recipe_class(config) -> type:
   kind = recipe_kind(config)
   if kind not in _RECIPES:
-    names = ", ".join(sorted(k for k in _RECIPES if k != "distill_cached"))
+    names = ", ".join(sorted(k for k in _RECIPES if k not in _CHOSEN_BY_FIELDS))
     raise ConfigError(f"trainer={kind!r} is unknown; use one of {names}")
   return _RECIPES[kind]
 

@@ -153,12 +153,13 @@ def resolve_student(config, sources: JobSources, model_overrides: Mapping | None
   """`config` with the model section its student source implies (the same object when there
   is nothing to change); the tokenizers of data, student and teacher checked to be one, and
   the `--config.*` values the user set (`model_overrides`) against the source."""
-  vocabulary.check_tokenizers([sources.teacher, sources.student], config.data.tokenizer)
+  vocabulary.check_job_tokenizers(config, sources)
   source = sources.student
   if source.kind == "fresh":
     return config
   cfg: TransformerConfig = source.model_config()
-  if sources.teacher is not None and source.kind == "hf" and sources.teacher.kind != "fresh":
+  if sources.teacher is not None and source.kind == "hf" and sources.teacher.kind != "fresh" \
+      and not vocabulary.is_cross_tokenizer(config):
     vocabulary.check_vocab_sizes(source, cfg.vocab_size, sources.teacher,
                                  sources.teacher.model_config().vocab_size)
   want = cfg.to_dict()

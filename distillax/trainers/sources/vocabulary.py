@@ -40,39 +40,69 @@ def _byte_vocab() -> tuple[tuple[str, int], ...]:
   return tuple(sorted(vocab.items()))
 
 
-def _tokenizer_files(sources, data_tokenizer: str) -> list[tuple[str, str]]:
+def _tokenizer_files(sources, data_tokenizer: str, field: str) -> list[tuple[str, str]]:
   """(setting, tokenizer.json) of every tokenizer the job names: teacher, student, data."""
   out = [(s.named(), f) for s in sources if s is not None and (f := s.tokenizer_file())]
   data_file = files.hf_tokenizer_file(data_tokenizer)
   if data_file and not os.path.isfile(data_file):
     make_tokenizer(data_tokenizer)  # raises the one line naming data.tokenizer
   if data_file:
-    out.append((f"data.tokenizer={data_tokenizer}", data_file))
+    out.append((f"{field}={data_tokenizer}", data_file))
   return out
 
 
-def check_tokenizers(sources, data_tokenizer: str) -> None:
+CROSS_FIX = ("or distil across tokenizers: --config.distill.objective=cross_tokenizer "
+             "--config.teacher.tokenizer=<the teacher's>")
+
+
+def is_cross_tokenizer(config) -> bool:
+  """Whether the job's teacher may have a tokenizer of its own (distill.objective)."""
+  return bool(config.get("distill")) and config.distill.get("objective") == "cross_tokenizer"
+
+
+def teacher_tokenizer_spec(config, teacher_source) -> str:
+  """The teacher's tokenizer in a cross-tokenizer job: teacher.tokenizer, else the teacher
+  checkpoint's own tokenizer.json, else data.tokenizer."""
+  given = str(config.teacher.get("tokenizer", "") or "")
+  if given:
+    return given
+  own = teacher_source.tokenizer_file() if teacher_source is not None else None
+  return f"hf:{own}" if own else str(config.data.tokenizer)
+
+
+def check_job_tokenizers(config, sources) -> None:
+  """One tokenizer for data, student and teacher; in a cross-tokenizer job, one for data and
+  student and one for the teacher (its source's tokenizer.json against teacher.tokenizer)."""
+  if not is_cross_tokenizer(config):
+    check_tokenizers([sources.teacher, sources.student], config.data.tokenizer)
+    return
+  check_tokenizers([sources.student], config.data.tokenizer)
+  if sources.teacher is not None:
+    check_tokenizers([sources.teacher], teacher_tokenizer_spec(config, sources.teacher),
+                     field="teacher.tokenizer")
+
+
+def check_tokenizers(sources, data_tokenizer: str, field: str = "data.tokenizer") -> None:
   """Refuses a job whose data and model sources (`sources`: teacher first, then student; None
-  entries skipped) have different tokenizers."""
-  named = _tokenizer_files(sources, str(data_tokenizer))
+  entries skipped) have different tokenizers (`field`: the setting that names the data's)."""
+  named = _tokenizer_files(sources, str(data_tokenizer), field)
   vocabs = [(name, _vocab(file)) for name, file in named]
   if vocabs and str(data_tokenizer) == "byte":
-    vocabs.append(("data.tokenizer='byte'", dict(_byte_vocab())))
+    vocabs.append((f"{field}='byte'", dict(_byte_vocab())))
   if not vocabs:
     return
   first, vocab = vocabs[0]
   for name, theirs in vocabs[1:]:
     if theirs == vocab:
       continue
-    if name == "data.tokenizer='byte'":
-      raise ConfigError(f"data.tokenizer='byte' but {first} comes with its own tokenizer "
-                        f"({named[0][1]}); tokenize the data with it: "
-                        f"--config.data.tokenizer=hf:{named[0][1]}")
+    if name == f"{field}='byte'":
+      raise ConfigError(f"{field}='byte' but {first} comes with its own tokenizer "
+                        f"({named[0][1]}); use it: --config.{field}=hf:{named[0][1]}")
     token = next(t for t in sorted(set(vocab) | set(theirs)) if vocab.get(t) != theirs.get(t))
     raise ConfigError(f"{first} and {name} are different tokenizers ({len(vocab)} vs "
                       f"{len(theirs)} tokens; {token!r} is id {vocab.get(token)} vs "
                       f"{theirs.get(token)}); distillation needs one tokenizer on both sides: "
-                      f"use a student and data of the teacher's tokenizer")
+                      f"use a student and data of the teacher's tokenizer, {CROSS_FIX}")
 
 
 def check_vocab_sizes(student_source, student_vocab: int, teacher_source, teacher_vocab: int,

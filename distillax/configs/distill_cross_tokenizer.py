@@ -1,0 +1,31 @@
+"""Cross-tokenizer distillation: a teacher whose tokenizer differs from the student's.
+
+Each text is cut by both tokenizers in the data pipeline and the two cuts are aligned by their
+bytes: tokens that match one to one are compared by KL over the shared vocabulary, spans cut
+differently by the probability of the span (GOLD) and ULD. One document window per row (rows
+are not packed); text records only for now. Teacher from an earlier lm.py run with its own
+tokenizer, the student on another:
+  distillax train --config distillax/configs/distill_cross_tokenizer.py --workdir runs/xkd \
+      --config.teacher.workdir=runs/teacher --config.teacher.tokenizer=hf:tok_teacher \
+      --config.data.tokenizer=hf:tok_student
+The weights of the three terms, the temperature and alpha are distill.cross_tokenizer.*.
+A seconds-long run: a fresh tiny teacher on a 1024-id BPE, the student on a 512-id BPE, both
+trained on the embedded corpus (data/corpus_bpe.py; cached after the first run):
+  distillax train --config distillax/configs/distill_cross_tokenizer.py:tiny --workdir runs/xkd_tiny
+"""
+
+from distillax.configs import distill
+from distillax.configs.common import parse_arg
+from distillax.data.corpus_bpe import corpus_bpe
+
+
+def get_config(arg: str | None = None):
+  args = parse_arg(arg, tiny=False)
+  c = distill.get_config("tiny" if args.tiny else None)
+  del c["cache"]  # no teacher cache: the teacher runs on its own tokens in the step
+  c.distill.objective = "cross_tokenizer"
+  c.data.tokenizer = f"hf:{corpus_bpe(512)}"
+  c.teacher.tokenizer = f"hf:{corpus_bpe(1024)}"
+  if args.tiny:
+    c.model.vocab_size = 0  # the student's tokenizer's (512)
+  return c
