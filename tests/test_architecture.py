@@ -17,7 +17,8 @@ PACKAGE = os.path.join(ROOT, "distillax")
 FLOORS = (("errors",), ("partitioning", "data"), ("framework", "models"), ("distill", "quant"),
           ("edge",), ("trainers",), ("configs", "demo", "plan", "plan_target", "export",
                                      "cache_teacher", "launch_local", "main", "__main__", "cli",
-                                     "generate", "evaluate", "expert_load"))
+                                     "generate", "evaluate", "expert_load", "eval_harness",
+                                     "eval_lm_tasks"))
 
 
 def _modules() -> dict[str, str]:

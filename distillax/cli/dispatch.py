@@ -92,6 +92,14 @@ def _generate(config, flags: dict) -> int:
 
 
 def _eval(config, flags: dict) -> int:
+  if flags["tasks"] is not None:
+    from distillax.eval_lm_tasks import run_eval_tasks
+    return run_eval_tasks(config, flags["model"], flags["tasks"], num_fewshot=flags["num_fewshot"],
+                          limit=flags["limit"], output=flags["output"])
+  for name in ("num_fewshot", "limit", "output"):
+    if flags[name] is not None:
+      from distillax.errors import UserError
+      raise UserError(f"--{name} sets how --tasks run; add --tasks, e.g. --tasks distillax_code_mc")
   from distillax.evaluate import run_eval
   return run_eval(config, flags["model"], model_overrides=flags["config_overrides"])
 

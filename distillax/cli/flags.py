@@ -27,7 +27,8 @@ ABOUT = {
     "generate": "continue --prompt (or answer the chat turns of --messages) with the model in "
                 "--model (a run's workdir, a Hugging Face directory or an export) and print it",
     "eval": "print the exact eval loss and perplexity of --model (a run, or a Hugging Face "
-            "directory with a --config naming the data) on its validation split",
+            "directory with a --config naming the data) on its validation split; with --tasks, "
+            "lm-evaluation-harness tasks' metrics (the eval extra)",
     "expert-load": "print each mixture-of-experts layer's share of routed tokens per expert on "
                    "the job's train data, for --model or the --config's teacher; --keep_top N "
                    "prints the student.from_teacher.experts that keeps the N most loaded",
@@ -42,7 +43,7 @@ COMMAND_FLAGS = {
     "demo": ("workdir", "devices") + _DISTRIBUTED,
     "generate": ("model", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p",
                  "seed", "full_precision", "devices"),
-    "eval": ("model", "devices") + _DISTRIBUTED,
+    "eval": ("model", "tasks", "num_fewshot", "limit", "output", "devices") + _DISTRIBUTED,
     "expert-load": ("model", "json", "keep_top", "batches", "devices"),
 }
 # Flags that name a directory: made absolute (from the current directory) before a job sees them.
@@ -64,7 +65,12 @@ FLAGS = {
     "nodes": ("integer", None, "N", "--target gpu:...: N nodes of that many GPUs"),
     "search": ("bool", False, "", "--target: find the largest per-device batch, then the "
                                   "cheapest model.remat, that fit"),
-    "output": ("string", None, "DIR", "new or empty directory to write the exported model to"),
+    "output": ("string", None, "DIR", "export: new or empty directory to write the exported "
+                                      "model to; eval --tasks: a JSON file for the metrics"),
+    "tasks": ("string", None, "T1,T2", "eval: lm-eval tasks (names, or task YAML files over "
+                                       "local data), e.g. distillax_code_mc"),
+    "num_fewshot": ("integer", None, "N", "eval --tasks: few-shot examples per prompt"),
+    "limit": ("integer", None, "N", "eval --tasks: documents per task at most"),
     "format": ("string", "hf", "FORMAT", "hf (safetensors) | gguf (llama.cpp) | quantized "
                                          "(legacy: only distillax reads it)"),
     "quant": ("string", None, "TYPE", "--format gguf: f32 (default) | f16 | q8_0 | q4_0 (q8_0/q4_0 "
