@@ -17,6 +17,7 @@ from distillax.distill.teacher_head import (HEAD_FILE, TEACHER_HIDDEN, fingerpri
                                             load_head)
 from distillax.errors import UserError
 from tests.distill import helpers as h
+from tests.support.models import NORMS_NEAR_ONE, random_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BF16_RTOL = 2e-2  # a bfloat16 cache rounds each hidden state to 8 mantissa bits
@@ -113,7 +114,7 @@ def test_cache_contents_head_and_fingerprint(caches):
                                   r32[TEACHER_HIDDEN].astype(jax.numpy.bfloat16))
   assert info.head_fingerprint == fingerprint(head_of(teacher))
   assert infos["bfloat16"].head_fingerprint == info.head_fingerprint
-  other = h.make_models(8)[1]
+  other = random_model(h.TEACHER_CONFIG, 108, NORMS_NEAR_ONE)
   assert fingerprint(head_of(other)) != info.head_fingerprint
   with pytest.raises(UserError, match="altered"):
     load_head(str(root / "float32"), fingerprint(head_of(other)))
@@ -182,7 +183,6 @@ def _train_error(tmp_path, capsys, *overrides):
 def test_a_mismatched_cache_is_one_clear_error(two_process_cache, tmp_path, capsys):
   import shutil
   from distillax.models import hf
-  from tests.support.models import random_model
   cache, _, teacher = two_process_cache
   at = f"--config.teacher.cache_dir={cache}"
   missing = _train_error(tmp_path, capsys, f"--config.teacher.cache_dir={tmp_path / 'nope'}")
