@@ -32,14 +32,22 @@ class CrossTokenizerDistillRecipe(DistillRecipe):
 
   router_losses = False  # the cross-tokenizer objective adds none yet
 
+  def __init__(self, config, **kwargs):
+    super().__init__(config, **kwargs)
+    rows.check_text_layout(str(self.config.data.layout))
+
   def step_teacher(self):
     spec = vocabulary.teacher_tokenizer_spec(self.config, self.sources.teacher)
     try:
       self.teacher_tokenizer = make_tokenizer(spec)
     except UserError as e:
       raise type(e)(f"teacher.tokenizer={spec!r}: {e}") from None
-    for tokenizer in (self.tokenizer, self.teacher_tokenizer):
-      token_byte_strings(tokenizer)  # one without byte spellings is refused in one line
+    for field, tokenizer in ((f"data.tokenizer={self.config.data.tokenizer!r}", self.tokenizer),
+                             (f"teacher.tokenizer={spec!r}", self.teacher_tokenizer)):
+      try:
+        token_byte_strings(tokenizer)  # the byte spelling of every id, which alignment needs
+      except ConfigError as e:
+        raise ConfigError(f"{field}: {e}") from None
     teacher = self.sources.step_teacher
     if teacher is None:
       raise ConfigError("distill.objective='cross_tokenizer' needs a teacher model; name "
