@@ -1,4 +1,5 @@
-"""The README's Python API script runs as printed there (a user copies it into a file)."""
+"""The documentation's Python API walkthrough (docs/python-api.md) runs as printed there (a user
+copies it into a file)."""
 
 import math
 import os
@@ -10,9 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _python_api_script() -> str:
-  readme = open(os.path.join(ROOT, "README.md")).read()
-  section = readme[readme.index("## Python API"):]
-  return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+  page = open(os.path.join(ROOT, "docs", "python-api.md")).read()
+  return re.search(r"```python\n(.*?)```", page, re.S).group(1)
 
 
 def test_python_api_script_distils_a_few_steps(tmp_path):

@@ -1,6 +1,7 @@
 """The walkthrough "Distil your own Hugging Face model" (distillax/configs/distill_hf.py's
-docstring, also in README.md), run as a user runs it: its commands verbatim, from a directory
-holding models/teacher and data/chats.jsonl, every path relative to it, shrunk to `:tiny`.
+docstring, also in docs/guides/distil-hf.md: tests/test_docs.py checks the page prints these
+commands), run as a user runs it: its commands verbatim, from a directory holding
+models/teacher and data/chats.jsonl, every path relative to it, shrunk to `:tiny`.
 
 The teacher is a random Qwen2 built and saved by transformers; its tokenizer is a byte-level BPE
 trained here on the embedded corpus and saved with a ChatML template (tests/data/chat_testing.py);

@@ -177,8 +177,9 @@ def distill_section() -> ml_collections.ConfigDict:
                      ("feature_projection", "cosine")):
     s = ml_collections.ConfigDict()
     s.weight = 0.0  # weight of this strategy in the total loss (0 = off)
-    s.layer_map = "auto"  # "s:t,..." student->teacher blocks (attention) or hidden states
-    # (features; 0 = embeddings); auto maps each student layer to the same relative depth
+    # "s:t,..." student->teacher blocks (attention) or hidden states (features; 0 =
+    # embeddings); auto maps each student layer to the same relative depth
+    s.layer_map = "auto"
     s.loss = loss  # kl | mse (attention); cosine | mse (features)
     c[name] = s
   # RouterKD: each MoE student router's softmax imitates its teacher layer's (KL per token,

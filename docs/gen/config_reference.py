@@ -1,0 +1,92 @@
+"""The config reference page: every field of every config section, its default and the comment
+written beside it, and every TransformerConfig field with its kind. Generated at build time from
+the code, so the page cannot fall behind it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from distillax.configs import common, sections
+from distillax.data import pipeline
+from distillax.framework import optim
+from distillax.models import config as model_config
+from docs.gen.source_comments import field_comments, lookup
+
+# (section, function that builds it). "" is the top level of every job config.
+SECTIONS = (
+    ("", common.base_config), ("mesh", sections.mesh_section),
+    ("partitioning", sections.partitioning_section),
+    ("optimizer", optim.default_optimizer_config), ("data", pipeline.default_data_config),
+    ("train", sections.train_section), ("checkpoint", sections.checkpoint_section),
+    ("qat", sections.qat_section), ("lora", sections.lora_section),
+    ("profile", sections.profile_section), ("runtime", sections.runtime_section),
+    ("teacher", sections.teacher_section), ("student", sections.student_section),
+    ("distill", sections.distill_section), ("cache", sections.cache_section),
+    ("sequence_kd", sections.sequence_kd_section))
+
+
+def flatten(cfg: ml_collections.ConfigDict, prefix: str = "") -> dict[str, object]:
+  """Dotted path -> default value, sub-sections walked."""
+  out = {}
+  for key in sorted(cfg.keys()):
+    value = cfg[key]
+    if isinstance(value, ml_collections.ConfigDict):
+      out.update(flatten(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def section_fields(name: str, build) -> dict[str, object]:
+  """The section's own fields (the top level leaves the sections out)."""
+  fields = flatten(build())
+  if not name:
+    fields = {k: v for k, v in fields.items() if "." not in k}
+  return fields
+
+
+def _cell(text: str) -> str:
+  return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _value(value) -> str:
+  return f"`{_cell(repr(value))}`"
+
+
+def render() -> str:
+  lines = ["# Config reference", "",
+           "Every field of a job config, with its default and what it does, generated from "
+           "the code when the site is built. Override any of them on the command line with "
+           "`--config.SECTION.FIELD=VALUE`; the value is type-checked against the default.",
+           "", "Which sections a job has depends on its config file "
+           "(`distillax/configs/*.py`): every job has the top level and `mesh` to `runtime`; "
+           "distillation jobs add `teacher`, `student` and `distill`; `cache-teacher` reads "
+           "`cache` and sequence-level KD `sequence_kd`.", ""]
+  for name, build in SECTIONS:
+    comments = field_comments(build)
+    lines += [f"## `{name or 'top level'}`", "", "| field | default | what it is |",
+              "|---|---|---|"]
+    for key, value in section_fields(name, build).items():
+      dotted = f"{name}.{key}" if name else key
+      lines.append(f"| `{dotted}` | {_value(value)} | {_cell(lookup(comments, key))} |")
+    lines.append("")
+  lines += model_section()
+  return "\n".join(lines) + "\n"
+
+
+def model_section() -> list[str]:
+  comments = field_comments(model_config.TransformerConfig)
+  lines = ["## `model`", "",
+           "The `model` section holds every `TransformerConfig` field "
+           "(`distillax/models/config.py`); a config's preset fills them. The kind says what "
+           "changing a field changes: `shape` is another model (a run started from another "
+           "refuses it), `storage` how its arrays are stored, `compute` only how the forward "
+           "computes (the same function).", "",
+           "| field | kind | default | what it is |", "|---|---|---|---|"]
+  for f in dataclasses.fields(model_config.TransformerConfig):
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    lines.append(f"| `model.{f.name}` | {model_config.field_kind(f.name)} | {_value(default)} | "
+                 f"{_cell(comments.get(f.name, ''))} |")
+  return lines + [""]
