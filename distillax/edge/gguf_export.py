@@ -5,18 +5,19 @@
 
 Architectures: what `hf_config_out.hf_architecture` names, as llama.cpp's llama (Llama, and
 Mistral when no layer's window is shorter than the context; Mixtral, its experts included),
-gemma, gemma2, gemma3, qwen2, qwen3, qwen3moe and smollm3, with llama.cpp's tensor names and
-`{arch}.*` keys (edge/gguf_layout.py). Conventions llama.cpp expects and we follow:
-tensors are row-major [out, in] (GGUF ne0 = in, the axis ggml's blocks run along); Llama's and
-SmolLM3's q/k rows are permuted from the rotate-half layout to llama.cpp's interleaved RoPE (its
-other archs rotate halves like us); Gemma's norms are stored as 1 + scale (llama.cpp multiplies
-by the stored weight) and its sqrt(embed_dim) embedding scale is applied by llama.cpp itself; tied
-embeddings mean no `output.weight` (llama.cpp reuses token_embd); Llama 3.1 RoPE scaling goes in
-as the `rope_freqs` factors convert_hf_to_gguf.py writes. Features llama.cpp would silently run
+gemma, gemma2, gemma3, gemma4, qwen2, qwen3, qwen3moe, qwen35, gpt-oss and smollm3, with
+llama.cpp's tensor names and `{arch}.*` keys (edge/gguf_layout.py; gemma4's and qwen35's own:
+edge/gguf_gemma4_qwen35.py). Conventions llama.cpp expects and we follow: tensors are row-major
+[out, in] (GGUF ne0 = in, the axis ggml's blocks run along); Llama's and SmolLM3's q/k rows are
+permuted from the rotate-half layout to llama.cpp's interleaved RoPE (others rotate halves);
+(1 + scale) norms (Gemma 1-3, Qwen3.5) are stored as 1 + scale (llama.cpp multiplies by the
+stored weight); Gemma's sqrt(embed_dim) embedding scale is llama.cpp's own; tied embeddings: no
+`output.weight` (llama.cpp reuses token_embd); Llama 3.1 RoPE scaling goes in as the
+`rope_freqs` factors convert_hf_to_gguf.py writes. Features llama.cpp would silently run
 differently (a sliding window on a llama/qwen arch, Gemma 2 without soft-caps, with another
 query scale or with sliding layers other than the even ones, the only pattern llama.cpp's gemma2
-runs, an MoE that drops tokens for capacity or a Qwen3-MoE without norm_topk_prob) are
-refused with a UserError.
+runs, an MoE that drops tokens for capacity, a Qwen3-MoE without norm_topk_prob, a Gemma 4 whose
+sharing layers read other keys/values than llama.cpp's rule gives) are refused with a UserError.
 
 Types (`quant`): f32 writes every tensor as float32; f16 writes matrices as float16 (norms and
 biases stay f32, as llama.cpp's converter does); q8_0 / q4_0 quantize the matmul weights the
@@ -46,6 +47,8 @@ from distillax.models.transformer import Transformer, with_layer_layout
 from distillax.quant import ggml
 from distillax.quant.config import GGML_WEIGHT_QTYPES, QuantConfig
 from distillax.quant.graph import flat_pure_dict
+from distillax.edge.gguf_gemma4_qwen35 import (check_gemma4, check_qwen35, check_qwen35_blocks,
+                                                gemma4_rope_freqs, qwen35_tensors)
 from distillax.edge.gguf_layout import add_hparams, gguf_name, rope_freq_factors
 from distillax.edge.gguf_vocab import vocab_of
 from distillax.quant.qat import full_precision, weight_quants
@@ -57,10 +60,12 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
                  "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama",
                  "GptOssForCausalLM": "gpt-oss", "Gemma3ForCausalLM": "gemma3",
-                 "SmolLM3ForCausalLM": "smollm3"}
+                 "SmolLM3ForCausalLM": "smollm3", "Gemma4ForCausalLM": "gemma4",
+                 "Qwen3_5ForCausalLM": "qwen35"}
 _SLIDING = ("gemma2", "gpt-oss")  # the archs whose even layers slide in llama.cpp
 _ROPE_SCALING = {"llama": "llama3", "gpt-oss": "yarn", "gemma3": "linear"}  # what each reads
 _EXPERT_BIASES = ("mlp/gate_bias", "mlp/up_bias", "mlp/down_bias")
+_TABLES = ("embedder/embedding", "per_layer_inputs/embedding")  # [vocab, width] as stored
 
 
 # ---- architecture --------------------------------------------------------------------------
@@ -74,7 +79,7 @@ def gguf_architecture(config: TransformerConfig) -> str:
                     f"one with --format hf")
   arch = ARCHITECTURES[hf_arch]
   local = [config.layer_uses_sliding_window(i) for i in range(config.num_layers)]
-  if (arch not in _SLIDING + ("gemma3",) and any(local)
+  if (arch not in _SLIDING + ("gemma3", "gemma4") and any(local)
       and config.sliding_window < config.max_seq_len):
     raise UserError(f"llama.cpp's {arch} architecture attends over the whole context; "
                     f"sliding_window={config.sliding_window} < max_seq_len={config.max_seq_len} "
@@ -91,6 +96,10 @@ def gguf_architecture(config: TransformerConfig) -> str:
     _check_gpt_oss(config)
   if arch in ("gemma3", "smollm3"):
     _check_fixed_layer_patterns(config, arch)
+  if arch == "gemma4":
+    check_gemma4(config)
+  if arch == "qwen35":
+    check_qwen35(config)
   if arch == "gemma2":
     _check_gemma2_windows(config)
     if config.attn_logit_softcap is None or config.final_logit_softcap is None:
@@ -236,7 +245,7 @@ def _rows(x: np.ndarray, layout, name: str) -> np.ndarray:
   per group index for stacked experts ([expert, out, in]); the untied embedding as it is
   ([vocab, embed]); norms and biases flattened."""
   if layout is None:  # gpt-oss's expert biases keep one row per expert
-    keep = name == "embedder/embedding" or name.endswith(_EXPERT_BIASES)
+    keep = name in _TABLES or name.endswith(_EXPERT_BIASES)
     return x if keep else x.reshape(-1)
   contract, groups = sorted(layout[0]), sorted(layout[1])
   free = [a for a in range(x.ndim) if a not in contract and a not in groups]
@@ -252,20 +261,31 @@ def _rope_interleave(rows: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def gguf_arrays(model: Transformer, layouts: dict[str, tuple]):
-  """Yields (param name, GGUF name, float32 array as llama.cpp reads it) for every parameter
-  of an unrolled model, before any quantization."""
+  """Yields (the params a tensor is made of: one, Qwen3.5's merged ones or none, GGUF name, float32
+  array as llama.cpp reads it) for every tensor of an unrolled model, before quantization."""
   config = model.config
   arch = gguf_architecture(config)
-  params = flat_pure_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  params = {name: _host(value).astype(np.float32) for name, value
+            in flat_pure_dict(nnx.to_pure_dict(nnx.state(model, nnx.Param))).items()}
+  rows = {}  # name: its rows, as llama.cpp reads them
   for name, value in params.items():
-    x = _rows(_host(value).astype(np.float32), layouts.get(name), name)
+    x = _rows(value, layouts.get(name), name)
     if name.endswith("norm/scale") and config.norm_scale_plus_one:
       x = (np.float32(1) + x).astype(np.float32)
     if arch in ("llama", "smollm3") and name.endswith(("attn/q", "attn/k")):
       x = _rope_interleave(x, config.num_heads if name.endswith("q") else config.num_kv_heads)
-    yield name, gguf_name(name, config, arch), np.ascontiguousarray(x)
+    rows[name] = x
+  tensors = [((name,), name, x) for name, x in rows.items()]
+  if arch == "qwen35":
+    merged = [t for i in range(config.num_layers) for t in qwen35_tensors(i, rows, params, config)]
+    taken = {source for sources, _, _ in merged for source in sources}
+    tensors = [t for t in tensors if t[1] not in taken] + merged
+  for sources, name, x in tensors:
+    yield sources, gguf_name(name, config, arch), np.ascontiguousarray(x)
   if arch == "llama" and config.rope_scaling_factor is not None:
-    yield None, "rope_freqs.weight", rope_freq_factors(config)
+    yield (), "rope_freqs.weight", rope_freq_factors(config)
+  if arch == "gemma4":
+    yield (), "rope_freqs.weight", gemma4_rope_freqs(config)
 
 
 def _host(x: jax.Array) -> np.ndarray:
@@ -284,6 +304,14 @@ def encode_tensor(rows: np.ndarray, ggml_type: str) -> np.ndarray:
     return rows.astype(np.float16)
   codes, scales = ggml.quantize(jnp.asarray(rows), ggml_type, (rows.ndim - 1,))
   return ggml.pack_blocks(np.asarray(codes), np.asarray(scales), ggml_type)
+
+
+def _one_type(sources: tuple[str, ...], gguf_tensor: str, types: dict[str, str]) -> str:
+  kinds = sorted({types.get(name, "f32") for name in sources} or {"f32"})
+  if len(kinds) > 1:
+    raise UserError(f"llama.cpp stores {', '.join(sources)} as one tensor, {gguf_tensor}, but "
+                    f"the quant rules give them {kinds}; give them one type in the rules")
+  return kinds[0]
 
 
 # ---- the file ------------------------------------------------------------------------------
@@ -320,13 +348,15 @@ def write_gguf(model: nnx.Module, path: str | os.PathLike, *, quant: str = "f32"
   arch = gguf_architecture(config)
   vocab = vocab_of(tokenizer or ByteTokenizer(), config.vocab_size)
   layouts, types = tensor_types(model, quant, rules)
+  if arch == "qwen35":
+    check_qwen35_blocks(config, types)
   model = with_layer_layout(model, False)
   writer = gguf.GGUFWriter(os.fspath(path), arch)
   add_hparams(writer, config, arch, quant)
   vocab.write(writer, add_bos)
   stored = {}
-  for name, gguf_tensor, rows in gguf_arrays(model, layouts):
-    ggml_type = types.get(name, "f32")
+  for sources, gguf_tensor, rows in gguf_arrays(model, layouts):
+    ggml_type = _one_type(sources, gguf_tensor, types)
     data = encode_tensor(rows, ggml_type)
     raw = None if ggml_type in ("f32", "f16") else gguf.GGMLQuantizationType[ggml_type.upper()]
     writer.add_tensor(gguf_tensor, data, raw_shape=data.shape if raw else None, raw_dtype=raw)

@@ -14,12 +14,17 @@ import math
 
 import numpy as np
 
+from distillax.edge.gguf_gemma4_qwen35 import add_gemma4_hparams, add_qwen35_hparams
 from distillax.models.config import TransformerConfig
 from distillax.quant.config import GGML_WEIGHT_QTYPES
 
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7}  # gguf.LlamaFileType
 _TOP_NAMES = {"embedder/embedding": "token_embd.weight", "final_norm/scale": "output_norm.weight",
-              "lm_head": "output.weight"}
+              "lm_head": "output.weight",
+              # Gemma 4's per-layer inputs: the second table, the embeddings' projection, its norm
+              "per_layer_inputs/embedding": "per_layer_token_embd.weight",
+              "per_layer_inputs/projection": "per_layer_model_proj.weight",
+              "per_layer_inputs/norm/scale": "per_layer_proj_norm.weight"}
 _BLOCK_NAMES = {
     "attn_norm/scale": "attn_norm.weight", "attn/q": "attn_q.weight", "attn/k": "attn_k.weight",
     "attn/v": "attn_v.weight", "attn/o": "attn_output.weight", "attn/q_bias": "attn_q.bias",
@@ -28,6 +33,9 @@ _BLOCK_NAMES = {
     "post_attn_norm/scale": "post_attention_norm.weight", "mlp_norm/scale": "ffn_norm.weight",
     "mlp/gate": "ffn_gate.weight", "mlp/up": "ffn_up.weight", "mlp/down": "ffn_down.weight",
     "post_mlp_norm/scale": "post_ffw_norm.weight",
+    # Gemma 4: each block's gate and projection of its per-layer input, their norm, its scalar.
+    "per_layer/gate": "inp_gate.weight", "per_layer/projection": "proj.weight",
+    "per_layer/norm/scale": "post_norm.weight", "scalar": "layer_output_scale.weight",
 }
 _EXPERT_NAMES = {"mlp/router": "ffn_gate_inp.weight", "mlp/gate": "ffn_gate_exps.weight",
                  "mlp/up": "ffn_up_exps.weight", "mlp/down": "ffn_down_exps.weight"}
@@ -36,6 +44,14 @@ _GPT_OSS_NAMES = {"mlp_norm/scale": "post_attention_norm.weight", "attn/sinks": 
                   "attn/o_bias": "attn_output.bias", "mlp/router_bias": "ffn_gate_inp.bias",
                   "mlp/gate_bias": "ffn_gate_exps.bias", "mlp/up_bias": "ffn_up_exps.bias",
                   "mlp/down_bias": "ffn_down_exps.bias"}
+# Qwen3.5: the pre-MLP norm is llama.cpp's post_attention_norm; a Gated DeltaNet layer's tensors
+# (attn/qkv: its q, k and v as one, made by gguf_gemma4_qwen35.qwen35_tensors).
+_QWEN35_NAMES = {"mlp_norm/scale": "post_attention_norm.weight"}
+_LINEAR_NAMES = {"attn/qkv": "attn_qkv.weight", "attn/z": "attn_gate.weight",
+                 "attn/b": "ssm_beta.weight", "attn/a": "ssm_alpha.weight",
+                 "attn/conv": "ssm_conv1d.weight", "attn/dt_bias": "ssm_dt.bias",
+                 "attn/A_log": "ssm_a", "attn/norm_scale": "ssm_norm.weight",
+                 "attn/o": "ssm_out.weight"}
 
 
 def gguf_name(param: str, config: TransformerConfig, arch: str) -> str:
@@ -47,6 +63,9 @@ def gguf_name(param: str, config: TransformerConfig, arch: str) -> str:
   names = {**_BLOCK_NAMES, **_EXPERT_NAMES} if config.num_experts else _BLOCK_NAMES
   if arch == "gpt-oss":
     names = {**names, **_GPT_OSS_NAMES}
+  if arch == "qwen35":
+    names = {**names, **_QWEN35_NAMES, **(_LINEAR_NAMES if config.layer_is_linear(int(layer))
+                                          else {})}
   return f"blk.{layer}.{names[rest]}"
 
 
@@ -54,12 +73,16 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
   writer.add_context_length(config.max_seq_len)
   writer.add_embedding_length(config.embed_dim)
   writer.add_block_count(config.num_layers)
-  writer.add_feed_forward_length(config.expert_mlp_dim if config.num_experts else config.mlp_dim)
+  writer.add_feed_forward_length(_feed_forward_length(config))
   writer.add_head_count(config.num_heads)
-  writer.add_head_count_kv(config.num_kv_heads)
-  writer.add_key_length(config.head_dim)
-  writer.add_value_length(config.head_dim)
-  writer.add_rope_dimension_count(config.head_dim)
+  kv_heads = [config.layer_num_kv_heads(i) for i in range(config.num_layers)]
+  writer.add_head_count_kv(kv_heads if len(set(kv_heads)) > 1 else config.num_kv_heads)
+  # Gemma 4: the full layers' (the sliding ones' are gemma4's *_swa keys); Qwen3.5: its partial
+  # RoPE turns rotary_dim features.
+  head_dim = (config.global_head_dim or config.head_dim) if arch == "gemma4" else config.head_dim
+  writer.add_key_length(head_dim)
+  writer.add_value_length(head_dim)
+  writer.add_rope_dimension_count(config.rotary_dim if arch == "qwen35" else head_dim)
   writer.add_rope_freq_base(float(config.rope_theta))
   writer.add_layer_norm_rms_eps(float(config.norm_eps))
   writer.add_vocab_size(config.vocab_size)
@@ -74,11 +97,23 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
     _add_gpt_oss_hparams(writer, config)
   if arch == "gemma3":
     _add_gemma3_hparams(writer, config)
+  if arch == "gemma4":
+    add_gemma4_hparams(writer, config)
+  if arch == "qwen35":
+    add_qwen35_hparams(writer, config)
   if arch == "gemma2":
     writer.add_attn_logit_softcapping(float(config.attn_logit_softcap))
     writer.add_final_logit_softcapping(float(config.final_logit_softcap))
     writer.add_sliding_window(int(config.sliding_window or config.max_seq_len))
     writer.add_sliding_window_pattern(2)  # what llama.cpp's gemma2 runs (it reads no pattern)
+
+
+def _feed_forward_length(config: TransformerConfig) -> int | list[int]:
+  """The MLP width: an MoE's expert width; one per layer when they differ (Gemma 4)."""
+  if config.num_experts:
+    return config.expert_mlp_dim
+  widths = [config.layer_mlp_dim(i) for i in range(config.num_layers)]
+  return widths if len(set(widths)) > 1 else config.mlp_dim
 
 
 def _add_gemma3_hparams(writer, config: TransformerConfig) -> None:

@@ -83,7 +83,7 @@ class Peaked:
   def __call__(self, config, leaves, rng):
     values = {}
     for name, x in leaves:
-      if name.endswith("norm/scale"):
+      if name.endswith(("norm/scale", "/scalar")):  # Gemma 4's layer scalars start at 1 too
         values[name] = (0.0 if config.norm_scale_plus_one else 1.0) + 0.1 * rng.normal(
             size=x.shape)
       elif name.endswith("_bias"):
