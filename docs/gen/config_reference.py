@@ -5,6 +5,7 @@ the code, so the page cannot fall behind it."""
 from __future__ import annotations
 
 import dataclasses
+import html
 
 import ml_collections
 
@@ -52,7 +53,12 @@ def _cell(text: str) -> str:
 
 
 def _value(value) -> str:
-  return f"`{_cell(repr(value))}`"
+  """The default as code. A `|` in a table cell's code span would show its escaping backslash,
+  so such values are written as HTML code with the pipe as an entity."""
+  text = repr(value)
+  if "|" in text:
+    return "<code>" + html.escape(text).replace("|", "&#124;") + "</code>"
+  return f"`{_cell(text)}`"
 
 
 def render() -> str:
