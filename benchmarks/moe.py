@@ -11,7 +11,7 @@ runs three `ragged_dot` grouped matmuls; `moe_impl='dense'` runs every expert on
 masks. XLA:CPU has no grouped-matmul kernel: it computes a `ragged_dot` of N rows and E groups
 as N x E dense rows and masks, so on CPU the ragged path does k times the dense path's matmul
 work (N = T*k rows against every expert; XLA's FLOP count shows it). The TPU compiler lowers
-it to Mosaic's ragged-dot kernels (README, plan --target); this script measures what runs here.
+it to Mosaic's ragged-dot kernels (docs/guides/plan-target.md); this script measures what runs here.
 Both must give the same loss and gradients (checked). Reported: step time (median of interleaved
 rounds, and the median of per-round ratios) and the compiled temporaries
 (`memory_analysis().temp_size_in_bytes`).

@@ -2,7 +2,7 @@
 run (finished or stopped) resumes it, and the learning-rate schedule, which decays over
 `train.steps`, is recomputed over the new length. The resumed steps then follow a schedule the
 earlier ones did not: the rate jumps back up from where the old decay had taken it. That is the
-documented behaviour (README, "Resume and extend a run"); this line makes it visible at start.
+documented behaviour (docs/guides/running-jobs.md); this line makes it visible at start.
 Imported only when `train` runs (it reads the workdir through trainers/, which imports JAX).
 """
 
