@@ -105,7 +105,8 @@ def test_config_reference_lists_every_field_with_its_default_and_comment(site):
     kind = rows[f"model.{field.name}"].split(" | ")[0]
     assert kind == field.metadata.get("kind", "shape"), field.name
   assert rows["train.steps"].startswith("`200` | optimizer steps")  # sections.py, by hand
-  assert rows["distill.attention.loss"].startswith("`'kl'` | kl \\| mse (attention)")  # a loop-built one
+  # a field of a sub-section built in a loop
+  assert rows["distill.attention.loss"].startswith("`'kl'` | kl \\| mse (attention)")
 
 
 def test_cli_reference_lists_every_command_and_flag(site):
