@@ -124,7 +124,8 @@ def teacher_section() -> ml_collections.ConfigDict:
   c.dtype = ""
   c.cache_dir = ""  # an offline teacher cache (distillax cache-teacher): train without a teacher
   # The teacher's tokenizer when it differs from the student's (distill.objective=
-  # 'cross_tokenizer'): 'byte' | 'hf:<tokenizer.json or its folder>'; '' = data.tokenizer
+  # 'cross_tokenizer'): 'byte' | 'hf:<tokenizer.json or its folder>'; '' = the teacher
+  # checkpoint's tokenizer.json, else data.tokenizer
   c.tokenizer = ""
   return c
 
