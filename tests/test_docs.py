@@ -33,6 +33,10 @@ PAGES = sorted(p for p in DOCS.rglob("*.md"))
 # Guide -> the config modules whose docstring commands it must print, all of them.
 GUIDE_COMMANDS = {
     "guides/distil-hf.md": ["distillax/configs/distill_hf.py"],
+    "guides/distillation.md": ["distillax/configs/distill.py",
+                               "distillax/configs/distill_features.py",
+                               "distillax/configs/sequence_kd.py"],
+    "guides/on-policy.md": ["distillax/configs/on_policy.py"],
     "guides/lora.md": ["distillax/configs/lora.py", "distillax/configs/qlora.py"],
     "guides/teacher-caches.md": ["distillax/configs/distill_cached.py"],
 }
