@@ -3,10 +3,12 @@ their refusals, their `{arch}.*` keys and the tensors they store differently fro
 
 Gemma 4 (gemma4). Per-layer keys: sliding_window_pattern (one bool per layer), the full layers'
 key/value length and RoPE dims (global_head_dim) with `*_swa` ones for the sliding layers, one
-feed_forward_length per layer when the sharing layers' MLPs are double wide. The full layers'
-proportional RoPE is ggml's ordinary RoPE over global_head_dim with `rope_freqs` factors: 1 for
-the pairs that turn, 1e30 for those that stand still (ggml divides a pair's frequency by its
-factor), as convert_hf_to_gguf.py writes them. Norms are stored as they are (Gemma 4's are
+feed_forward_length per layer when the sharing layers' MLPs are double wide, one head_count_kv
+per layer with global_num_kv_heads; full layers whose keys are their values (attention_k_eq_v)
+have no attn_v, which llama.cpp reads as exactly that. The full layers' proportional RoPE is
+ggml's ordinary RoPE over global_head_dim with `rope_freqs` factors: 1 for the pairs that turn,
+1e30 for those that stand still (ggml divides a pair's frequency by its factor), as
+convert_hf_to_gguf.py writes them. Norms are stored as they are (Gemma 4's are
 plain), the layer scalar as `layer_output_scale`. llama.cpp fixes in code which earlier layer a
 key/value-sharing layer reads: the last unshared layer for a full one, the one before it for a
 sliding one (n_layer_kv_from_start - 1 or - 2); distillax's choice (the last unshared layer of
@@ -19,7 +21,9 @@ conv's channel order), z as attn_gate, b / a as ssm_beta / ssm_alpha, the conv a
 ssm_norm and o as ssm_out. Value heads are stored in llama.cpp's tiled order: ggml repeats the
 key heads [k0, k1, k0, k1, ...] where distillax (and Hugging Face) give value head h key head
 h // (Hv / Hk), so every value-head axis is permuted (h = kh * r + j -> j * Hk + kh), as the
-converter's V-head reorder does. Positions turn by interleaved M-RoPE, every section fed the one
+converter's V-head reorder does; a q8_0 / q4_0 ssm_out whose heads do not fill whole blocks of 32
+is refused, as that reorder would regroup its blocks. Which layers are linear: the
+attention.recurrent_layers flags. Positions turn by interleaved M-RoPE, every section fed the one
 text position; the sections are split so that every turning pair reads one of them.
 """
 
