@@ -4,22 +4,20 @@ their shapes differ; the engine is built exactly as for every other recipe (so L
 eval objectives and QAT apply here too).
 
 A hidden-state cache (cache.kind='hidden') brings the teacher's LM head: it is the one frozen
-extra (`extras['teacher']`, a TeacherHead, reloaded from the cache on resume), and the step
-rebuilds the teacher's exact logits from it and the cached hidden states.
+extra (`extras['teacher']`, a TeacherHead from sources/cache_head.py, reloaded from the cache on
+resume), and the step rebuilds the teacher's exact logits from it and the cached hidden states.
 """
 
 from __future__ import annotations
 
 from distillax.distill import TEACHER, read_cache_info
-from distillax.distill.teacher_head import (abstract_head, fingerprint, head_of, load_head,
-                                            read_head_config)
 from distillax.distill.training_from_cache import (cached_batch_shapes, cached_objective,
                                                    cached_strategy, cached_train_iterator)
 from distillax.errors import ConfigError
 from distillax.framework.step import Objective
-from distillax.trainers import sources as src
 from distillax.trainers.distill import DistillRecipe
 from distillax.trainers.registry import register
+from distillax.trainers.sources.cache_head import CacheHeadSource
 
 
 @register("distill_cached")
@@ -39,21 +37,12 @@ class CachedDistillRecipe(DistillRecipe):
       raise ConfigError(f"cache.kind='hidden', but teacher.cache_dir={self.cache_dir} holds a "
                         f"{self.cache_info.kind} cache; write a hidden-state cache with "
                         f"distillax cache-teacher --kind hidden, or drop --config.cache.kind")
+    self.head_source = None
     if self.hidden:
-      self._check_configured_teacher()
-
-  def _check_configured_teacher(self) -> None:
-    """A teacher named beside a hidden-state cache (teacher.workdir or hf_path) must be the
-    one the cache was written from: the fingerprints of their LM heads agree."""
-    teacher = self.sources.teacher
-    if teacher is None or teacher.kind not in ("run", "hf"):
-      return
-    cfg = src.teacher_model_config(self.config.teacher, teacher, self.model_config.vocab_size)
-    model = teacher.load(cfg, self.mesh, self.rules, seed=int(self.config.seed))
-    if fingerprint(head_of(model)) != self.cache_info.head_fingerprint:
-      raise ConfigError(f"the teacher cache {self.cache_dir} was written by another teacher than "
-                        f"{teacher.named()} (their LM head fingerprints differ); rewrite the cache "
-                        f"with this teacher or clear --config.{teacher.field}")
+      self.head_source = CacheHeadSource(self.cache_dir, self.cache_info.head_fingerprint)
+      self.head_source.check_teacher(self.config.teacher, self.sources.teacher,
+                                     self.model_config.vocab_size, self.mesh, self.rules,
+                                     seed=int(self.config.seed))
 
   def strategy(self):
     return cached_strategy(self.config.distill, self.cache_info, self.model_config.vocab_size)
@@ -67,11 +56,9 @@ class CachedDistillRecipe(DistillRecipe):
   def build(self, *, abstract: bool, quantize: bool = True):
     student = self.build_student(abstract=abstract, quantize=quantize)
     extras = {}
-    if self.hidden and abstract:
-      extras[TEACHER] = abstract_head(read_head_config(self.cache_dir))
-    elif self.hidden:
-      head = load_head(self.cache_dir, self.cache_info.head_fingerprint)
-      extras[TEACHER] = src.place(head, self.mesh, self.rules)
+    if self.head_source is not None:
+      extras[TEACHER] = (self.head_source.abstract() if abstract
+                         else self.head_source.load(self.mesh, self.rules))
     return self.wrap_student(student, abstract=abstract), extras
 
   def batch_shapes(self):
