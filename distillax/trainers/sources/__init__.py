@@ -7,7 +7,8 @@
 kinds.py: the sources (fresh, preset, Hugging Face directory, earlier run, blocks of another);
 select.py: which one a config names; runs.py: an earlier run's student restored alone;
 experts.py: the experts a student of teacher blocks keeps (student.from_teacher.experts);
-vocabulary.py: the one-tokenizer check; files.py: what a source is on disk.
+vocabulary.py: the one-tokenizer check; files.py: what a source is on disk; cache_head.py: the
+LM head of a hidden-state teacher cache.
 """
 
 from distillax.trainers.sources.files import (hf_tokenizer_file, is_hf_checkpoint,
