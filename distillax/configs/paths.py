@@ -34,10 +34,11 @@ def _relative_inputs(config):
     value = config[section][field]
     if value and value not in NOT_PATHS.get((section, field), ()):
       yield f"{section}.{field}", str(value), str(value)
-  spec = str(config.data.tokenizer) if "data" in config and "tokenizer" in config.data else ""
-  kind, sep, path = spec.partition(":")
-  if sep and kind in TOKENIZER_KINDS and path:
-    yield "data.tokenizer", spec, path
+  for section in ("data", "teacher"):
+    spec = str(config[section].get("tokenizer") or "") if section in config else ""
+    kind, sep, path = spec.partition(":")
+    if sep and kind in TOKENIZER_KINDS and path:
+      yield f"{section}.tokenizer", spec, path
 
 
 def check_relative_inputs(config) -> None:

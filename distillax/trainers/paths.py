@@ -48,8 +48,9 @@ def _changes(config) -> dict[tuple[str, str], str]:
       value = config[section][field]
       if value and value not in NOT_PATHS.get((section, field), ()):
         out[(section, field)] = absolute(value)
-  if "data" in config and "tokenizer" in config.data:
-    out[("data", "tokenizer")] = absolute_tokenizer(config.data.tokenizer)
+  for section in ("data", "teacher"):  # teacher.tokenizer: a cross-tokenizer teacher's
+    if section in config and config[section].get("tokenizer"):
+      out[(section, "tokenizer")] = absolute_tokenizer(config[section].tokenizer)
   return {k: v for k, v in out.items() if v != config[k[0]][k[1]]}
 
 

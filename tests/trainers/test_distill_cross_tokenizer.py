@@ -75,3 +75,16 @@ def test_refusals_are_one_line(override, named, tmp_path, capsys):
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and not workdir.exists()
   assert len(err) == 1 and named in err[0], err
+
+
+def test_teacher_tokenizer_path_is_relative_to_the_current_directory(tmp_path, monkeypatch):
+  from distillax.configs.paths import resolve_job_config
+  from distillax.errors import UserError
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "tok").mkdir()
+  c = distill_cross_tokenizer.get_config("tiny")
+  c.teacher.tokenizer = "hf:tok"
+  assert resolve_job_config(c, "train").teacher.tokenizer == f"hf:{tmp_path / 'tok'}"
+  c.teacher.tokenizer = "hf:missing/tokenizer.json"
+  with pytest.raises(UserError, match=r"^teacher.tokenizer='hf:missing/tokenizer.json' is rel"):
+    resolve_job_config(c, "train")
