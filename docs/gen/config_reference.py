@@ -15,17 +15,15 @@ from distillax.framework import optim
 from distillax.models import config as model_config
 from docs.gen.source_comments import field_comments, lookup
 
-# (section, function that builds it). "" is the top level of every job config.
-SECTIONS = (
-    ("", common.base_config), ("mesh", sections.mesh_section),
-    ("partitioning", sections.partitioning_section),
-    ("optimizer", optim.default_optimizer_config), ("data", pipeline.default_data_config),
-    ("train", sections.train_section), ("checkpoint", sections.checkpoint_section),
-    ("qat", sections.qat_section), ("lora", sections.lora_section),
-    ("profile", sections.profile_section), ("runtime", sections.runtime_section),
-    ("teacher", sections.teacher_section), ("student", sections.student_section),
-    ("distill", sections.distill_section), ("cache", sections.cache_section),
-    ("sequence_kd", sections.sequence_kd_section))
+# (section, function that builds it): the top level ("") and the sections that live with their
+# code first, then every section of configs/sections.py, so a new section shows up by itself.
+_FIRST = (("", common.base_config), ("mesh", sections.mesh_section),
+          ("partitioning", sections.partitioning_section),
+          ("optimizer", optim.default_optimizer_config), ("data", pipeline.default_data_config),
+          ("train", sections.train_section), ("checkpoint", sections.checkpoint_section))
+SECTIONS = _FIRST + tuple(
+    (name.removesuffix("_section"), getattr(sections, name)) for name in sections.__all__
+    if name.removesuffix("_section") not in {n for n, _ in _FIRST})
 
 
 def flatten(cfg: ml_collections.ConfigDict, prefix: str = "") -> dict[str, object]:
