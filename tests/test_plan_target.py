@@ -264,6 +264,23 @@ def test_gpu_target_compiles_tiny_with_blockwise():
   assert not peak.strip().endswith(" 0 B"), peak
 
 
+def test_gpu_target_lowers_tokamax_mosaic_gpu_attention():
+  """attention_impl=tokamax on an H100 target: tokamax's Mosaic GPU flash attention lowers
+  (sm90, read from the target's device, not the host's CPU) to mosaic_gpu custom calls, three
+  per layer (forward, and its two backward kernels), one layer here."""
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(
+      [sys.executable, "-m", "distillax", "plan", "--config", LM_TINY, "--target", "gpu:h100x1",
+       "--config.model.attention_impl=tokamax", "--config.model.dtype=bfloat16",
+       "--config.model.num_layers=1"], env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  assert "mosaic_gpu_v2 x3" in out.stdout, out.stdout
+  assert "\n  layer 0 of 1: attention tokamax\n" in out.stdout
+  assert ("attention: tokamax (as configured: Mosaic GPU flash attention), 1 traced call(s)"
+          in out.stdout)
+
+
 def test_gpu_target_without_cudnn_says_so_in_one_line():
   """`auto` attention in bf16 is cuDNN on a GPU target, whose lowering needs NVIDIA's cuDNN
   wheel (not installed by make test): one line naming the wheel and the blockwise fallback."""

@@ -22,7 +22,6 @@ import collections
 import contextlib
 import contextvars
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from distillax import partitioning as pt
 from distillax.errors import ConfigError
+from distillax.models import tokamax_support
 from distillax.models.attention_impl import compile_platform
 
 LOSS_IMPLS = ("chunked", "tokamax")
@@ -78,66 +78,26 @@ def check_loss_impl(value, job: str, supported: bool, why_not: str | None = None
   if why_not:
     raise ConfigError(f"train.loss_impl='tokamax' cannot take this output layer: {why_not}; set "
                       f"--config.train.loss_impl=chunked")
-  try:
-    import tokamax  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-  except ImportError:
-    raise ConfigError(TOKAMAX_MISSING) from None
-
-
-def _tokamax():
-  try:
-    import tokamax  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    raise ConfigError(TOKAMAX_MISSING) from None
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  if not flags.FLAGS.is_parsed():  # tokamax reads absl flags (see models/moe_kernels.py)
-    flags.FLAGS(sys.argv[:1] or ["distillax"])
-  return tokamax
+  if not tokamax_support.tokamax_installed():
+    raise ConfigError(TOKAMAX_MISSING)
 
 
 def _local_loss(x_bxlxD, labels_bxl, keep_bxl, weight_DxV, implementation: str,
                 row_block: int, device):
   """This device's loss sum over its rows: masked rows are zero (log V each, subtracted),
-  rows padded with zeros to a multiple of `row_block`."""
+  rows padded with zeros to a multiple of `row_block`. device: see tokamax_support.traced_on."""
+  tokamax = tokamax_support.import_tokamax(TOKAMAX_MISSING)
   D, V = weight_DxV.shape
   x_NxD = x_bxlxD.reshape(-1, D)
   labels_N = labels_bxl.reshape(-1)
   pad = -x_NxD.shape[0] % row_block
   x_NxD = jnp.pad(x_NxD, ((0, pad), (0, 0)))
   labels_N = jnp.pad(labels_N, (0, pad))
-  loss = _on_device(device, implementation)(x_NxD, labels_N, weight_DxV)
+  loss_fn = lambda x, w: tokamax.linear_softmax_cross_entropy_loss(
+      x, labels_N, w, implementation=implementation)
+  loss = tokamax_support.traced_on(device, loss_fn)(x_NxD, weight_DxV)
   zero_rows = x_NxD.shape[0] - jnp.sum(keep_bxl.astype(jnp.float32))
   return loss - zero_rows * jnp.float32(math.log(V))
-
-
-def _on_device(device, implementation: str):
-  """tokamax's loss, traced forward and backward with `device` as JAX's default device:
-  tokamax asks the default device whether its kernel runs there, and what TPU it is, and a
-  deviceless compile's host device is a CPU. None: the default device as it is."""
-  tokamax = _tokamax()
-  where = (lambda: jax.default_device(device)) if device is not None else contextlib.nullcontext
-
-  def loss_and_vjp(x_NxD, labels_N, weight_DxV):
-    with where():
-      return jax.vjp(lambda x, w: tokamax.linear_softmax_cross_entropy_loss(
-          x, labels_N, w, implementation=implementation), x_NxD, weight_DxV)
-
-  @jax.custom_vjp
-  def loss(x_NxD, labels_N, weight_DxV):
-    return loss_and_vjp(x_NxD, labels_N, weight_DxV)[0]
-
-  def fwd(x_NxD, labels_N, weight_DxV):
-    value, vjp = loss_and_vjp(x_NxD, labels_N, weight_DxV)
-    return value, (vjp, labels_N)
-
-  def bwd(residuals, g):
-    vjp, labels_N = residuals
-    with where():
-      g_x, g_w = vjp(g)
-    return g_x, jnp.zeros(labels_N.shape, jax.dtypes.float0), g_w
-
-  loss.defvjp(fwd, bwd)
-  return loss
 
 
 def _row_axes(batch: int, length: int, width: int):
@@ -172,7 +132,7 @@ def cross_entropy_sum(hidden_BxLxD: jax.Array, targets_BxL: jax.Array, mask_BxL:
                        None)
   record(f"tokamax linear_softmax_cross_entropy_loss ({implementation}, each device's rows)")
   mesh, batch_axes, length_axes = _row_axes(*hidden_BxLxD.shape)
-  device = mesh.devices.flat[0] if implementation == "mosaic_tpu" else None
+  device = tokamax_support.target_device() if implementation == "mosaic_tpu" else None
   rows = P(batch_axes, length_axes)
   row_axes = pt.axes_tuple(batch_axes) + pt.axes_tuple(length_axes)
   local = lambda x, y, k, w: _local_loss(x, y, k, w, implementation, row_block, device)[None]

@@ -27,6 +27,7 @@ from distillax.models import attention_impl
 from distillax.models.config import TransformerConfig
 from distillax.models.attention_blockwise import blockwise_attention
 from distillax.models.attention_fused import cudnn_attention, splash_attention
+from distillax.models.attention_tokamax import tokamax_attention
 from distillax.models.layers import RMSNorm, apply_rope, normal_param
 from distillax.models.layers import softcap as _softcap
 from distillax.partitioning import constrain
@@ -257,7 +258,8 @@ class Attention(nnx.Module):
     if impl == "blockwise":  # without a cache, indices are positions 0..L-1: skip the pairs
       return blockwise_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common,
                                  causal_offset=None if cached else 0, sinks_KxG=sinks_KxG), None
-    fused = {"cudnn": cudnn_attention, "splash": splash_attention}[impl]
+    fused = {"cudnn": cudnn_attention, "splash": splash_attention,
+             "tokamax": tokamax_attention}[impl]
     windows = tuple(sorted(set(cfg.layer_windows() or (None,)), key=lambda w: w or 0))
     masking = {k: v for k, v in masking.items() if k not in ("q_index_BxL", "k_index_BxS")}
     return fused(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, windows=windows, **common), None

@@ -23,7 +23,7 @@ from distillax.models.config import GLOBAL_WINDOW
 from distillax.partitioning import active_rules
 
 
-def _over_windows(run, window, windows: tuple[int | None, ...], length: int):
+def over_windows(run, window, windows: tuple[int | None, ...], length: int):
   """run(static_window or None) with `window` (None, an int or traced) among `windows`."""
   as_static = lambda w: None if w is None or w >= min(length, GLOBAL_WINDOW) else int(w)
   if window is None or isinstance(window, int):
@@ -59,7 +59,7 @@ def cudnn_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_BxL=None, k_
                                         is_causal=True, local_window_size=local,
                                         implementation=implementation)
 
-  return _over_windows(run, window, windows, L).reshape(B, L, K, G, H)
+  return over_windows(run, window, windows, L).reshape(B, L, K, G, H)
 
 
 def _splash_kernel(length: int, groups: int, window, softcap, interpret: bool):
@@ -93,7 +93,7 @@ def _splash_local(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, qs_BxL, ks_BxS, window, win
     per_row = jax.vmap(per_head, in_axes=(0, 0, 0, None))
     return jax.vmap(per_row)(q_BxKxGxLxH, k_BxKxSxH, v_BxKxSxH, sa.SegmentIds(qs_BxL, ks_BxS))
 
-  out_BxKxGxLxH = _over_windows(run, window, windows, L)
+  out_BxKxGxLxH = over_windows(run, window, windows, L)
   return jnp.einsum("BKGLH->BLKGH", out_BxKxGxLxH)
 
 

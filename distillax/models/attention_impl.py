@@ -9,6 +9,8 @@ decided in one pure function, so models never look at the platform themselves.
   kernel. Not yet run on a real device: splash is checked against the reference in Pallas
   interpret mode on CPU and lowered by the TPU compiler (`plan --target`); cuDNN is lowered by
   the CUDA plugin's compiler given the cuDNN wheel.
+- `tokamax` (attention_tokamax.py): tokamax's Mosaic GPU flash attention on a GPU, its XLA path
+  on CPU (the tests' check); refused on a TPU (splash is the TPU's).
 - `auto`: a fused kernel where the platform has one that supports what the call needs, blockwise
   otherwise; the reference when probabilities are asked for. Decode steps against a KV cache
   (one query per row) use the reference: their scores are (B, H, 1, S), small; a cache prefill
@@ -76,6 +78,33 @@ def splash_unsupported(needs: AttentionNeeds) -> str | None:
   return None
 
 
+def tokamax_unsupported(needs: AttentionNeeds) -> str | None:
+  """Why tokamax's flash attention (Mosaic GPU) cannot serve `needs`."""
+  if needs.sinks:
+    return "tokamax's flash attention has no attention sinks"
+  if needs.dtype not in ("bfloat16", "float16"):
+    return f"tokamax's Mosaic GPU attention runs in bfloat16/float16, not {needs.dtype}"
+  return None
+
+
+def _tokamax(platform: str, needs: AttentionNeeds) -> tuple[str, str]:
+  """'tokamax' asked for: its Mosaic GPU kernel on a GPU; its XLA path on CPU (tests); none on
+  a TPU, which has splash."""
+  if platform == "tpu":
+    raise ConfigError("model.attention_impl='tokamax' runs tokamax's GPU kernel; on a TPU use "
+                      "'splash' or 'auto'")
+  if platform != "gpu":
+    if needs.sinks:
+      raise ConfigError(f"model.attention_impl='tokamax' cannot run this model: "
+                        f"{tokamax_unsupported(needs)}; use 'auto' or 'blockwise'")
+    return "tokamax", f"tokamax's XLA path: platform {platform!r} has no tokamax kernel"
+  why = tokamax_unsupported(needs)
+  if why:
+    raise ConfigError(f"model.attention_impl='tokamax' cannot run this model: {why}; use "
+                      f"'auto' or 'blockwise'")
+  return "tokamax", "as configured: Mosaic GPU flash attention"
+
+
 _UNSUPPORTED = {"cudnn": cudnn_unsupported, "splash": splash_unsupported}
 
 
@@ -109,6 +138,8 @@ def choose(requested: str, platform: str, needs: AttentionNeeds) -> tuple[str, s
     return "blockwise", "KV-cache prefill: the fused kernels assume queries and keys start together"
   if requested in ("reference", "blockwise"):
     return requested, "as configured"
+  if requested == "tokamax":
+    return _tokamax(platform, needs)
   if requested in _FUSED_PLATFORM:
     return _explicit_fused(requested, platform, needs)
   for kernel, kernel_platform in _FUSED_PLATFORM.items():

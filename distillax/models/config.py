@@ -131,7 +131,8 @@ class TransformerConfig:
   # 'none' | 'full' | 'save_dots' | 'save_dots_no_batch'. On XLA:CPU it saves memory only with
   # scan_layers=True (unrolled, XLA schedules the recomputation early; benchmarks/peft.py).
   remat: str = _compute("none")
-  # auto | reference | blockwise | cudnn | splash: how attention runs (models/attention_impl.py).
+  # auto | reference | blockwise | cudnn | splash | tokamax: how attention runs
+  # (models/attention_impl.py; tokamax: its Mosaic GPU flash kernel, the tokamax extra).
   attention_impl: str = _compute("auto")
   # ragged (dropless grouped matmul, the default) | dense (every expert on every token; the
   # reference the tests hold ragged to) | tokamax (tokamax's grouped matmul: moe_kernels.py).

@@ -21,7 +21,7 @@ ROUTERS = ("softmax_topk", "topk_softmax")
 MOE_IMPLS = ("ragged", "dense", "tokamax")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 # models/attention_impl.py: auto picks a fused kernel where the platform has one, else blockwise.
-ATTENTION_IMPLS = ("auto", "reference", "blockwise", "cudnn", "splash")
+ATTENTION_IMPLS = ("auto", "reference", "blockwise", "cudnn", "splash", "tokamax")
 # A window no sequence reaches: the value a global-attention layer gets in the per-layer windows.
 GLOBAL_WINDOW = 2**30
 # Per-layer attention types, as Hugging Face's `layer_types` names them.

@@ -18,14 +18,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
-import sys
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from distillax.errors import ConfigError
-from distillax.models import layer_scope
+from distillax.models import layer_scope, tokamax_support
 from distillax.models.attention_impl import compile_platform
 
 RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -35,11 +33,7 @@ TOKAMAX_MISSING = ("model.moe_impl='tokamax' needs the tokamax package (pip inst
 
 
 def tokamax_installed() -> bool:
-  try:
-    import tokamax  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
-  except ImportError:
-    return False
-  return True
+  return tokamax_support.tokamax_installed()
 
 
 # tokamax's implementations to try (the first that accepts the call wins), by the platform the
@@ -49,23 +43,10 @@ def tokamax_installed() -> bool:
 TOKAMAX_IMPLEMENTATIONS = {"tpu": ("mosaic_tpu", "xla"), "gpu": ("triton", "xla")}
 
 
-def _absl_flags_parsed() -> None:
-  """tokamax reads its options from absl flags, and parses sys.argv for them when nobody has:
-  a pytest or a script's own command line then fails ("Unknown command line flag 'q'"). Parse
-  an empty one instead (every flag keeps its default); the CLI has parsed them already."""
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS(sys.argv[:1] or ["distillax"])
-
-
 def tokamax_ragged_dot(lhs_NxD, rhs_ExDxF, group_sizes_E):
   """tokamax's ragged_dot with the kernels of the platform the step compiles for (module
   docstring); its XLA path elsewhere."""
-  try:
-    import tokamax  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    raise ConfigError(TOKAMAX_MISSING) from None
-  _absl_flags_parsed()
+  tokamax = tokamax_support.import_tokamax(TOKAMAX_MISSING)
   platform = compile_platform()
   implementation = TOKAMAX_IMPLEMENTATIONS.get(platform, ("xla",))
   if platform != jax.default_backend():  # "cpu", "gpu" or "tpu"

@@ -20,7 +20,7 @@ from distillax.data.sources import resolve_files
 from distillax.data.survey import check_data
 from distillax.errors import ConfigError, UserError
 from distillax.framework import optim
-from distillax.models import moe_kernels
+from distillax.models import attention_tokamax, moe_kernels
 
 # (section, field, smallest allowed value, an example of a good value). Checked when a recipe is
 # made, so a value no run can use fails in one line naming it, not steps later in what it breaks
@@ -122,10 +122,17 @@ def model_conflicts(recipe) -> list[str]:
 
 
 def _tokamax_conflicts(recipe) -> list[str]:
-  """moe_impl='tokamax' without the optional package: named before anything compiles."""
-  models = (recipe.model_config, recipe.teacher_model_config)
-  wanted = any(mc is not None and mc.num_experts and mc.moe_impl == "tokamax" for mc in models)
-  return [moe_kernels.TOKAMAX_MISSING] if wanted and not moe_kernels.tokamax_installed() else []
+  """moe_impl='tokamax' or attention_impl='tokamax' without the optional package: named before
+  anything compiles."""
+  if moe_kernels.tokamax_installed():
+    return []
+  models = [mc for mc in (recipe.model_config, recipe.teacher_model_config) if mc is not None]
+  out = []
+  if any(mc.num_experts and mc.moe_impl == "tokamax" for mc in models):
+    out.append(moe_kernels.TOKAMAX_MISSING)
+  if any(mc.attention_impl == "tokamax" for mc in models):
+    out.append(attention_tokamax.TOKAMAX_MISSING)
+  return out
 
 
 def _vmap_moe_conflicts(recipe) -> list[str]:
