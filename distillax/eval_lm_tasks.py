@@ -138,6 +138,7 @@ def run_eval_tasks(config, model_dir: str | None, tasks: str, **options) -> int:
   except ImportError:
     raise UserError(f"--tasks {_NEEDS}") from None
   loaded = load_model_dir(model_dir, config)
+  loaded.command = "eval"
   metrics = run_tasks(loaded, tasks, **options)
   if jax.process_index() == 0:
     print(json.dumps(metrics, sort_keys=True, allow_nan=False), flush=True)

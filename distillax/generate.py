@@ -47,6 +47,7 @@ class LoadedModel:
   stop_ids: tuple[int, ...]
   add_bos: bool = True
   full_precision: bool = False  # a QAT run's plain weights instead of its fake-quant forward
+  command: str = "generate"  # the command named in the line saying what was loaded
 
   @functools.cached_property
   def model(self):
@@ -59,7 +60,8 @@ class LoadedModel:
     else:
       model, form = load_as_trained(self.model_dir, mesh, rules,
                                     full_precision=self.full_precision)
-    print(f"distillax generate: {self.model_dir} loaded as {form}", file=sys.stderr, flush=True)
+    print(f"distillax {self.command}: {self.model_dir} loaded as {form}", file=sys.stderr,
+          flush=True)
     return model
 
 
