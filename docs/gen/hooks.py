@@ -25,6 +25,16 @@ def generated_pages() -> dict[str, str]:
   return pages
 
 
+def on_config(config):
+  """Lists every results page under the nav's Benchmarks entry, one per results file."""
+  for entry in config["nav"] or []:
+    if isinstance(entry, dict) and "Benchmarks" in entry:
+      entry["Benchmarks"] += [{name.removeprefix("benchmarks/").removesuffix(".md"): name}
+                              for name in sorted(results_pages.benchmark_pages())
+                              if name != "benchmarks/index.md"]
+  return config
+
+
 def on_files(files, config):
   for path, text in generated_pages().items():
     files.append(File.generated(config, path, content=text))
