@@ -92,14 +92,20 @@ def _generate(config, flags: dict) -> int:
 
 
 def _eval(config, flags: dict) -> int:
+  """The exact eval loss; with --tasks, lm-eval tasks; with --against, fidelity to a twin."""
+  from distillax.errors import UserError
+  if flags["against"] is not None and flags["tasks"] is not None:
+    raise UserError("--against and --tasks are two evaluations; run them one at a time")
   if flags["tasks"] is not None:
     from distillax.eval_lm_tasks import run_eval_tasks
     return run_eval_tasks(config, flags["model"], flags["tasks"], num_fewshot=flags["num_fewshot"],
                           limit=flags["limit"], output=flags["output"])
   for name in ("num_fewshot", "limit", "output"):
     if flags[name] is not None:
-      from distillax.errors import UserError
       raise UserError(f"--{name} sets how --tasks run; add --tasks, e.g. --tasks distillax_code_mc")
+  if flags["against"] is not None:
+    from distillax.eval_against import run_eval_against
+    return run_eval_against(config, flags["model"], flags["against"])
   from distillax.evaluate import run_eval
   return run_eval(config, flags["model"], model_overrides=flags["config_overrides"])
 

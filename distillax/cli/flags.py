@@ -28,7 +28,8 @@ ABOUT = {
                 "--model (a run's workdir, a Hugging Face directory or an export) and print it",
     "eval": "print the exact eval loss and perplexity of --model (a run, or a Hugging Face "
             "directory with a --config naming the data) on its validation split; with --tasks, "
-            "lm-evaluation-harness tasks' metrics (the eval extra)",
+            "lm-evaluation-harness tasks' metrics (the eval extra); with --against, how far "
+            "it moved from its full-precision twin",
     "expert-load": "print each mixture-of-experts layer's share of routed tokens per expert on "
                    "the job's train data, for --model or the --config's teacher; --keep_top N "
                    "prints the student.from_teacher.experts that keeps the N most loaded",
@@ -43,11 +44,12 @@ COMMAND_FLAGS = {
     "demo": ("workdir", "devices") + _DISTRIBUTED,
     "generate": ("model", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p",
                  "seed", "full_precision", "devices"),
-    "eval": ("model", "tasks", "num_fewshot", "limit", "output", "devices") + _DISTRIBUTED,
+    "eval": ("model", "tasks", "num_fewshot", "limit", "output", "against", "devices")
+            + _DISTRIBUTED,
     "expert-load": ("model", "json", "keep_top", "batches", "devices"),
 }
 # Flags that name a directory: made absolute (from the current directory) before a job sees them.
-PATH_FLAGS = ("workdir", "output", "model", "json")
+PATH_FLAGS = ("workdir", "output", "model", "json", "against")
 # name -> (absl flag kind, default, placeholder in --help, help)
 FLAGS = {
     "workdir": ("string", None, "DIR", "the run's directory (config.json, metrics, checkpoints); "
@@ -71,6 +73,10 @@ FLAGS = {
                                        "local data), e.g. distillax_code_mc"),
     "num_fewshot": ("integer", None, "N", "eval --tasks: few-shot examples per prompt"),
     "limit": ("integer", None, "N", "eval --tasks: documents per task at most"),
+    "against": ("string", None, "DIR", "eval: the full-precision twin (a run or a Hugging Face "
+                                       "directory) to compare --model's next-token "
+                                       "distributions with: KL, top-1 / top-p agreement, "
+                                       "perplexity ratio"),
     "format": ("string", "hf", "FORMAT", "hf (safetensors) | gguf (llama.cpp) | quantized "
                                          "(legacy: only distillax reads it)"),
     "quant": ("string", None, "TYPE", "--format gguf: f32 (default) | f16 | q8_0 | q4_0 (q8_0/q4_0 "
