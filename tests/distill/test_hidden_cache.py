@@ -20,7 +20,9 @@ from tests.distill import helpers as h
 from tests.support.models import NORMS_NEAR_ONE, random_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BF16_RTOL = 2e-2  # a bfloat16 cache rounds each hidden state to 8 mantissa bits
+# A bfloat16 cache rounds each hidden state to 8 mantissa bits; measured here the losses move by
+# 1e-7 (top-k) to 1.5e-4 (reverse KL) relative.
+BF16_RTOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -92,10 +94,12 @@ def test_fp32_cache_equals_the_live_teacher(steps, name):
 
 
 def test_bf16_cache_is_close_to_the_live_teacher(steps):
+  moved = []
   for name in STRATEGIES:
     live, loss = (float(steps[0][name][k][0]) for k in ("live", "bfloat16"))
     np.testing.assert_allclose(loss, live, rtol=BF16_RTOL, err_msg=name)
-    assert loss != live, name  # the rounding is there, and bounded
+    moved.append(abs(loss - live) / abs(live))
+  assert max(moved) > 1e-6  # the rounding is there (and bounded above)
 
 
 def test_cache_contents_head_and_fingerprint(caches):
