@@ -98,7 +98,9 @@ def gemma4_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[st
   return dict(mlp_activation="geglu", scale_embeddings=True, use_post_norms=True, qk_norm=True,
               value_norm=True, layer_scalar=True, query_pre_attn_scalar=1.0,
               final_logit_softcap=hf.get("final_logit_softcapping"),
-              rope_theta=theta, rope_local_theta=None if local == theta else local,
+              # Always set, even when the two bases are equal: the sliding layers turn a plain RoPE
+              # over head_dim, never a slice of the full layers' proportional or wider one.
+              rope_theta=theta, rope_local_theta=local,
               global_rope_fraction=fraction,
               global_head_dim=0 if global_head_dim == head_dim else global_head_dim,
               double_wide_shared_mlp=bool(hf.get("use_double_wide_mlp")) and shared > 0,
@@ -119,6 +121,9 @@ def is_gemma4(config: TransformerConfig) -> bool:
           and not config.local_layers()[-1]
           # transformers reads num_global_key_value_heads only with attention_k_eq_v
           and (config.attention_k_eq_v or not config.global_num_kv_heads)
+          # sliding layers on a slice of a proportional or wider global RoPE: not HF's model
+          and (config.rope_local_theta is not None or (
+              config.global_rope_fraction == 1.0 and config.global_head_dim in (0, config.head_dim)))
           and not (config.norm_scale_plus_one or config.qkv_bias or config.attn_logit_softcap
                    or config.rope_scaling_factor or config.rope_free_layers
                    or config.attention_sinks

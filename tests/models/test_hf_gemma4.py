@@ -32,6 +32,7 @@ from distillax.models.attention import KVCache  # noqa: E402
 from distillax.models.config import ROPE_GLOBAL, ROPE_LOCAL  # noqa: E402
 from distillax.models.hf_config import config_from_hf  # noqa: E402
 from distillax.models.hf_config_out import config_to_hf  # noqa: E402
+from distillax.models.hf_gemma4 import is_gemma4  # noqa: E402
 from distillax.models.init import param_count  # noqa: E402
 from distillax.models.presets import get_preset  # noqa: E402
 from distillax.models.sampler import generate  # noqa: E402
@@ -286,3 +287,19 @@ def test_a_gemma4_student_of_blocks_that_cannot_share_as_taught_is_refused(layer
   with pytest.raises(ConfigError, match=re.escape(f"student.from_teacher.layers={layers}")
                      + ".*" + re.escape(message)):
     teacher.select_layers(layers)
+
+
+def test_gemma4_with_equal_rope_bases_keeps_a_plain_rope_on_sliding_layers(tmp_path):
+  """Sliding and full layers on one base (100): the sliding layers still turn every pair of
+  their head_dim (a default RoPE), not the first pairs of the full layers' proportional one
+  (imported as one RoPE, this model's logits were 1.7 off)."""
+  text = dict(TEXT, rope_parameters={S: {"rope_type": "default", "rope_theta": 100.0},
+                                     F: ROPES[F]})
+  config = transformers.Gemma4TextConfig(**text, attn_implementation="eager")
+  hf_model = _randomize(transformers.Gemma4ForCausalLM(config))
+  model = hf.load(_save(hf_model, tmp_path))
+  assert (model.config.rope_theta, model.config.rope_local_theta) == (100.0, 100.0)
+  got = np.asarray(forward(model, jnp.asarray(TOKENS, jnp.int32)).logits_BxLxV)
+  assert float(np.max(np.abs(got - torch_logits(hf_model, TOKENS)))) <= 1e-4
+  # Without the sliding layers' own base the model is not Gemma4ForCausalLM's: not exported.
+  assert not is_gemma4(model.config.replace(rope_local_theta=None))
