@@ -198,6 +198,12 @@ def test_a_mismatched_cache_is_one_clear_error(two_process_cache, tmp_path, caps
   (topk / "cache_info.json").write_text(json.dumps({**info, "kind": "topk"}))
   assert "holds a topk cache" in _train_error(tmp_path, capsys, f"--config.teacher.cache_dir="
                                               f"{topk}", "--config.cache.kind=hidden")
+  from distillax import main as cli
+  assert cli.main(["distillax", "cache-teacher", "--config", CONFIG, "--workdir",
+                   str(tmp_path / "w"), "--kind", "logits"]) == 2
+  errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("distillax")]
+  assert len(errors) == 1 and "cache.kind='logits'" in errors[0], errors
+  assert not (tmp_path / "w").exists()
   # A teacher named beside the cache must be the one that wrote it: its own weights pass,
   # another model of the same shape is refused.
   hf.save(teacher, tmp_path / "same")
