@@ -18,7 +18,8 @@ FLOORS = (("errors",), ("partitioning", "data"), ("framework", "models"), ("dist
           ("edge",), ("trainers",), ("configs", "demo", "plan", "plan_target", "export",
                                      "cache_teacher", "launch_local", "main", "__main__", "cli",
                                      "generate", "evaluate", "expert_load", "eval_harness",
-                                     "eval_lm_tasks", "eval_against"))
+                                     "eval_lm_tasks", "eval_against",
+                                     "eval_generate"))
 
 
 def _modules() -> dict[str, str]:

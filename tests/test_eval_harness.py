@@ -14,6 +14,7 @@ from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
+from distillax.eval_generate import greedy_completions
 from distillax.eval_harness import DistillaxLM
 from distillax.eval_lm_tasks import LOCAL_TASKS
 from distillax.generate import load_model_dir
@@ -91,6 +92,22 @@ def test_greedy_generations_equal_hflm(backends):
   got = ours.generate_until(requests)
   assert got == hflm.generate_until(requests)
   assert any(got)
+
+
+def test_generate_scores_greedy_completions_as_hflm_decodes_them(backends, tmp_path, capsys):
+  """`eval --generate`'s completions (to EOS, no stop string) are HFLM's, scored as given."""
+  folder, ours, hflm = backends
+  docs = _snippets(4)
+  prompts = [d["context"] for d in docs]
+  want = hflm.generate_until([Instance("generate_until", {}, (p, {
+      "until": [], "do_sample": False, "max_gen_toks": 8}), i) for i, p in enumerate(prompts)])
+  assert greedy_completions(ours, prompts, 8) == want
+  data = tmp_path / "pairs.jsonl"
+  data.write_text('{"prompt": "x"}\n')
+  line = _error_line(capsys, ["--model", folder, "--generate", str(data)])
+  assert 'line 1 needs string "prompt" and "completion" fields' in line
+  line = _error_line(capsys, ["--model", folder, "--generate", str(data), "--tasks", "x"])
+  assert "--tasks and --generate are separate evaluations; run one at a time" in line
 
 
 def test_eval_tasks_print_hflms_task_metrics(backends, tmp_path, capsys, monkeypatch):

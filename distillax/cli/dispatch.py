@@ -92,10 +92,12 @@ def _generate(config, flags: dict) -> int:
 
 
 def _eval(config, flags: dict) -> int:
-  """The exact eval loss; with --tasks, lm-eval tasks; with --against, fidelity to a twin."""
+  """The exact eval loss; with --tasks, lm-eval tasks; with --generate, BLEU / chrF / ROUGE-L
+  of greedy completions; with --against, fidelity to a full-precision twin."""
   from distillax.errors import UserError
-  if flags["against"] is not None and flags["tasks"] is not None:
-    raise UserError("--against and --tasks are two evaluations; run them one at a time")
+  chosen = [f"--{k}" for k in ("tasks", "against", "generate") if flags[k] is not None]
+  if len(chosen) > 1:
+    raise UserError(f"{' and '.join(chosen)} are separate evaluations; run one at a time")
   if flags["tasks"] is not None:
     from distillax.eval_lm_tasks import run_eval_tasks
     return run_eval_tasks(config, flags["model"], flags["tasks"], num_fewshot=flags["num_fewshot"],
@@ -103,6 +105,10 @@ def _eval(config, flags: dict) -> int:
   for name in ("num_fewshot", "limit", "output"):
     if flags[name] is not None:
       raise UserError(f"--{name} sets how --tasks run; add --tasks, e.g. --tasks distillax_code_mc")
+  if flags["generate"] is not None:
+    from distillax.eval_generate import run_eval_generate
+    return run_eval_generate(config, flags["model"], flags["generate"],
+                             max_new_tokens=flags["max_new_tokens"])
   if flags["against"] is not None:
     from distillax.eval_against import run_eval_against
     return run_eval_against(config, flags["model"], flags["against"])

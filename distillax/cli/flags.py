@@ -44,12 +44,12 @@ COMMAND_FLAGS = {
     "demo": ("workdir", "devices") + _DISTRIBUTED,
     "generate": ("model", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p",
                  "seed", "full_precision", "devices"),
-    "eval": ("model", "tasks", "num_fewshot", "limit", "output", "against", "devices")
-            + _DISTRIBUTED,
+    "eval": ("model", "tasks", "num_fewshot", "limit", "output", "against", "generate",
+             "max_new_tokens", "devices") + _DISTRIBUTED,
     "expert-load": ("model", "json", "keep_top", "batches", "devices"),
 }
 # Flags that name a directory: made absolute (from the current directory) before a job sees them.
-PATH_FLAGS = ("workdir", "output", "model", "json", "against")
+PATH_FLAGS = ("workdir", "output", "model", "json", "against", "generate")
 # name -> (absl flag kind, default, placeholder in --help, help)
 FLAGS = {
     "workdir": ("string", None, "DIR", "the run's directory (config.json, metrics, checkpoints); "
@@ -73,6 +73,9 @@ FLAGS = {
                                        "local data), e.g. distillax_code_mc"),
     "num_fewshot": ("integer", None, "N", "eval --tasks: few-shot examples per prompt"),
     "limit": ("integer", None, "N", "eval --tasks: documents per task at most"),
+    "generate": ("string", None, "FILE", "eval: a JSONL of prompt/completion records; prints "
+                                         "BLEU, chrF and ROUGE-L of the model's greedy "
+                                         "completions against them"),
     "against": ("string", None, "DIR", "eval: the full-precision twin (a run or a Hugging Face "
                                        "directory) to compare --model's next-token "
                                        "distributions with: KL, top-1 / top-p agreement, "
