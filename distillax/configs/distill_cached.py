@@ -11,7 +11,8 @@ distillax/configs/lm.py with the demo_teacher model:
 Without teacher.cache_dir the same config distils online with LogitKD(top_k=cache.top_k), the
 loss the cache reproduces. With `--kind hidden` (cache.kind) cache-teacher stores the teacher's
 final hidden states (cache.dtype) and its LM head instead: training from that cache computes the
-teacher's exact logits, so any distill.logit settings work (top_k=0 for the full vocabulary). A seconds-long pair with a fresh tiny teacher:
+teacher's exact logits, so any distill.logit settings work (top_k=0 for the full vocabulary).
+A seconds-long pair with a fresh tiny teacher:
   distillax cache-teacher --config distillax/configs/distill_cached.py:tiny \
       --workdir runs/cache_tiny
   distillax train --config distillax/configs/distill_cached.py:tiny --workdir runs/kd_cached_tiny \
