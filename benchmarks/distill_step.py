@@ -109,8 +109,8 @@ def main() -> int:
   args = subproc.parse_args(subproc.base_parser(__doc__.splitlines()[0]))
 
   res = run(args.quick)
-  print(f"\ndemo_student <- demo_teacher (8 layers), batch {res['batch']} x {res['seq_len']}, top-k "
-        f"{res['top_k']}, {res['devices']} {res['machine']['platform']} device(s)")
+  print(f"\ndemo_student <- demo_teacher (8 layers), batch {res['batch']} x {res['seq_len']}, "
+        f"top-k {res['top_k']}, {res['devices']} {res['machine']['platform']} device(s)")
   print(common.format_table(res["rows"], [
       ("teacher", lambda r: r["mode"]), ("step ms", lambda r: common.fmt_ms(r["step_s"])),
       ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
