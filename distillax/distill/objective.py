@@ -33,6 +33,7 @@ from distillax.framework import vocab_chunks
 from distillax.distill.base import DistillInputs, Strategy
 from distillax.distill.logit_kd import shared_metric_values
 from distillax.distill.logits import TokenLogits
+from distillax.distill.multi_teacher import TeacherMix, teacher_set
 from distillax.distill.student import unwrap_student
 from distillax.distill.teacher_head import TEACHER_HIDDEN, TeacherHead
 from distillax.errors import ConfigError
@@ -98,7 +99,8 @@ def _teacher(extras: Mapping, teacher_key: str):
 
 def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab_chunks.AUTO,
                            teacher_key: str = TEACHER, metrics: bool = True,
-                           router_loss_weights: tuple[float, float] = (0.0, 0.0)) -> Objective:
+                           router_loss_weights: tuple[float, float] = (0.0, 0.0),
+                           teachers: TeacherMix | None = None) -> Objective:
   """The step objective of `strategy`.
 
   chunk_size: tokens per logit chunk; vocab_chunks.AUTO (default) picks it from the vocabulary and
@@ -108,6 +110,8 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
     hard_ce only (train objectives).
   router_loss_weights: (Switch load-balancing, router z-loss) weights for a mixture-of-experts
     student, whose router losses and expert loads are reported whatever the weights.
+  teachers: several teachers (multi_teacher.py), passed as extras under `teachers.keys` and
+    folded into one teacher per token (mixture or routing); logit strategies only.
   """
   if not isinstance(strategy, Strategy):
     raise ConfigError(f"make_distill_objective needs a distillation strategy, got {strategy!r}")
@@ -116,8 +120,14 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
   token_leaves = [(w, leaf) for w, leaf in leaves if leaf.needs.logits]
   other_leaves = [(w, leaf) for w, leaf in leaves if not leaf.needs.logits]
   weights = {leaf.name: w for w, leaf in token_leaves}
+  if teachers is not None and other_leaves:
+    raise ConfigError(f"several teachers combine their logits only; "
+                      f"{', '.join(leaf.name for _, leaf in other_leaves)} need one teacher's "
+                      f"layers: set their distill.*.weight to 0")
 
   def per_token(s_logits_NxV, t_logits_NxV, tokens):
+    if teachers is not None and t_logits_NxV is not None:
+      t_logits_NxV = teachers.combine(t_logits_NxV, tokens)
     logits = TokenLogits(s_logits_NxV, t_logits_NxV, tokens)
     values = shared_metric_values(logits, extra=metrics)
     for _, leaf in token_leaves:
@@ -126,6 +136,8 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
 
   def objective(student, extras, batch, rng) -> ObjectiveOutput:
     del rng
+    if teachers is not None:
+      extras = {**extras, teacher_key: teacher_set(extras, teachers)}
     inputs = run_models(strategy, student, extras, batch, chunk_size=chunk_size,
                         teacher_key=teacher_key)
     loss_sum, sums = inputs.loss_and_sums(per_token, weights)

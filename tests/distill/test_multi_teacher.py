@@ -1,0 +1,95 @@
+"""Several teachers (multi_teacher.py): mixture and routing against single-teacher KD and numpy."""
+
+import jax
+import numpy as np
+import pytest
+
+from distillax.distill import LogitKD, make_distill_objective
+from distillax.distill.multi_teacher import TEACHER_INDEX, TeacherMix
+from distillax.errors import ConfigError
+from tests.distill import helpers as h
+from tests.support.models import NORMS_NEAR_ONE, random_model
+
+KD = LogitKD(temperature=2.0, alpha=0.7)
+CHUNK = 4  # tokens per vocabulary chunk: the chunked path, where teachers are combined per chunk
+SINGLE = make_distill_objective(KD, chunk_size=CHUNK, metrics=False)
+_COMPILED = {}
+
+
+def objective_of(mode=None, weights=()):
+  if mode is None:
+    return SINGLE
+  mix = TeacherMix(("a", "b"), mode, weights, temperature=KD.temperature)
+  return make_distill_objective(KD, chunk_size=CHUNK, metrics=False, teachers=mix)
+
+
+@pytest.fixture(scope="module")
+def models():
+  student, teacher = h.make_models(0)
+  other = random_model(h.TEACHER_CONFIG, 321, NORMS_NEAR_ONE)
+  return student, teacher, other
+
+
+def run(objective, student, extras, batch):
+  """One jit per objective (reused across calls of the same shapes)."""
+  fn = _COMPILED.setdefault(id(objective), jax.jit(lambda s, e, b: objective(s, e, b, None)))
+  out = fn(student, extras, h.to_jnp(batch))
+  return float(out.loss_sum), {k: float(v) for k, v in out.sums.items()}
+
+
+def routed_batch(index_per_row):
+  batch = h.make_batch()
+  B, L = batch["loss_mask_BxL"].shape
+  batch[TEACHER_INDEX] = np.repeat(np.asarray(index_per_row, np.int32)[:, None], L, axis=1)
+  return batch
+
+
+def test_identical_teachers_equal_one_teacher(models):
+  student, teacher, _ = models
+  batch = routed_batch([1, 0])
+  single = run(SINGLE, student, {"teacher": teacher}, batch)
+  extras = {"teacher:a": teacher, "teacher:b": teacher}
+  for mode in ("mixture", "routing"):
+    loss, sums = run(objective_of(mode, (1.0, 3.0)), student, extras, batch)
+    np.testing.assert_allclose(loss, single[0], rtol=1e-6, err_msg=mode)
+    for k in single[1]:
+      np.testing.assert_allclose(sums[k], single[1][k], rtol=1e-6, err_msg=f"{mode} {k}")
+
+
+def test_routing_sends_each_row_to_its_teacher(models):
+  """Routed KD of rows [teacher b, teacher a] = row 0 alone with b + row 1 alone with a."""
+  student, teacher_a, teacher_b = models
+  batch = routed_batch([1, 0])
+  routed, _ = run(objective_of("routing"), student,
+                  {"teacher:a": teacher_a, "teacher:b": teacher_b}, batch)
+  single = SINGLE
+  row = lambda i: {k: v[i:i + 1] for k, v in batch.items()}
+  alone = (run(single, student, {"teacher": teacher_b}, row(0))[0]
+           + run(single, student, {"teacher": teacher_a}, row(1))[0])
+  np.testing.assert_allclose(routed, alone, rtol=1e-6)
+  other_way, _ = run(single, student, {"teacher": teacher_a}, row(0))
+  assert abs(other_way - run(single, student, {"teacher": teacher_b}, row(0))[0]) > 1e-3
+
+
+def test_mixture_of_two_teachers_matches_numpy(models):
+  """The KD target is w_a softmax(t_a / T) + w_b softmax(t_b / T), in float64."""
+  student, teacher_a, teacher_b = models
+  batch = h.make_batch()
+  _, sums = run(objective_of("mixture", (1.0, 3.0)), student,
+                {"teacher:a": teacher_a, "teacher:b": teacher_b}, batch)
+  forward = jax.jit(lambda m, b: m(b["inputs_BxL"], positions_BxL=b["positions_BxL"],
+                                   segment_ids_BxL=b["segment_ids_BxL"]).logits_BxLxV)
+  logits = lambda m: h.f64(forward(m, h.to_jnp(batch))).reshape(-1, h.VOCAB)
+  T = KD.temperature
+  p = (0.25 * np.exp(h.np_log_softmax(logits(teacher_a) / T))
+       + 0.75 * np.exp(h.np_log_softmax(logits(teacher_b) / T)))
+  q = np.exp(h.np_log_softmax(logits(student) / T))
+  keep = batch["loss_mask_BxL"].reshape(-1) > 0
+  np.testing.assert_allclose(sums["logit_kd_divergence"], h.np_kl(p, q)[keep].sum(), rtol=1e-5)
+
+
+def test_weights_and_names_refused():
+  with pytest.raises(ConfigError, match="sum to a positive number"):
+    TeacherMix(("a", "b"), "mixture", (0.0, 0.0))
+  with pytest.raises(ConfigError, match="'c', which is not one of"):
+    TeacherMix(("a", "b"), "routing").index_of("c", "data.teacher_routes")
