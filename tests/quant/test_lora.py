@@ -78,21 +78,24 @@ def test_lora_trains_only_adapters_which_shard_like_their_weights(mesh_model):
 
 
 def test_qlora_base_stays_bit_identical(mesh_model):
-  qlora = apply_lora(mesh_model, module_regex=r"layers/.*", rank=4, base_qtype="nf4",
+  # The output layer too: the loss engine differentiates the float leaves it reads, the nf4
+  # base's scales among them, which stay frozen.
+  qlora = apply_lora(mesh_model, module_regex=r"layers/.*|lm_head", rank=4, base_qtype="nf4",
                      base_tile_size=8)
-  # Before training the QLoRA model is the nf4 model (B = 0), computed independently by PTQ.
+  # Before training the QLoRA model is the nf4 model (B = 0), computed independently by PTQ
+  # (lm_head's module path is the root's, "").
   toks = tokens(2, 8, TINY1.vocab_size)
   ptq = quantize_post_training(mesh_model, QuantConfig.simple("nf4", None, 8,
-                                                              module_path="layers/.*"))
+                                                              module_path="layers/.*|"))
   np.testing.assert_allclose(logits(qlora, toks), logits(ptq, toks), rtol=1e-5, atol=1e-5)
   codes = [v for _, v in nnx.iter_graph(qlora) if isinstance(v, QuantizedValue)]
-  assert len(codes) == 2 * 7 and {str(v.get_raw_value().dtype) for v in codes} >= {"uint8"}
+  assert len(codes) == 2 * 8 and {str(v.get_raw_value().dtype) for v in codes} >= {"uint8"}
   q_base = qlora.layers[0].attn.q.base  # nf4 codes two per byte: half the bytes of int8
   assert q_base.qvalue.get_raw_value().shape == (64, 8, 4) and q_base.shape == (64, 8, 8)
   _, before, after = _train(qlora)
   frozen_before, frozen_after = _flat(before.frozen), _flat(after.frozen)
   base_keys = [k for k in frozen_before if "['base']" in k]
-  assert len(base_keys) == 2 * 7  # qvalue + scale of the layer's 7 weights
+  assert len(base_keys) == 2 * 8  # qvalue + scale of the layer's 7 weights and lm_head
   for k in frozen_before:
     np.testing.assert_array_equal(frozen_before[k], frozen_after[k], err_msg=k)
   assert all(not np.array_equal(v, _flat(after.params)[k])
