@@ -83,12 +83,14 @@ class DistillaxLM(TemplateLM):
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
     """(sum of the continuation's log-probabilities, whether every continuation token was the
     model's greedy choice) per (key, context ids, continuation ids)."""
-    rows = [(list(ctx) + list(cont))[-(self.max_length + 1):] for _, ctx, cont in requests]
-    scored = self.scorer(rows)
-    out = []
-    for (_, _, cont), (logprob_T, argmax_T) in zip(requests, scored):
-      n = len(cont)
-      out.append((float(logprob_T[-n:].sum()), bool(argmax_T[-n:].all())))
+    # An empty continuation (a choice of no tokens) has log-likelihood 0: nothing to score.
+    scored = [i for i, (_, _, cont) in enumerate(requests) if cont]
+    rows = [(list(requests[i][1]) + list(requests[i][2]))[-(self.max_length + 1):]
+            for i in scored]
+    out = [(0.0, True)] * len(requests)
+    for i, (logprob_T, argmax_T) in zip(scored, self.scorer(rows) if rows else []):
+      n = len(requests[i][2])
+      out[i] = (float(logprob_T[-n:].sum()), bool(argmax_T[-n:].all()))
     return out
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
