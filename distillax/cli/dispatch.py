@@ -98,6 +98,10 @@ def _eval(config, flags: dict) -> int:
   chosen = [f"--{k}" for k in ("tasks", "against", "generate") if flags[k] is not None]
   if len(chosen) > 1:
     raise UserError(f"{' and '.join(chosen)} are separate evaluations; run one at a time")
+  if chosen:
+    import jax
+    if jax.process_count() > 1:
+      raise UserError(f"eval {chosen[0]} runs in one process; launch it without --num_processes")
   if flags["tasks"] is not None:
     from distillax.eval_lm_tasks import run_eval_tasks
     return run_eval_tasks(config, flags["model"], flags["tasks"], num_fewshot=flags["num_fewshot"],
