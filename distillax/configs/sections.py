@@ -130,6 +130,26 @@ def teacher_section() -> ml_collections.ConfigDict:
   return c
 
 
+def teachers_entry(name: str, weight: float = 1.0, **fields) -> ml_collections.ConfigDict:
+  """One entry of a `teachers` list (configs/distill_multi_teacher.py): a teacher section (its
+  source: workdir / hf_path / preset, and dtype overrides) plus a name and a weight."""
+  c = teacher_section()
+  c.name = name  # what routing rules, metrics and the workdir's teachers.json call it
+  c.weight = float(weight)  # its share of the mixture (distill.teachers_mode='mixture')
+  c.update(fields)
+  return c
+
+
+def multi_teacher_distill_section() -> ml_collections.ConfigDict:
+  """The distill section of a several-teacher job: the strategies' fields and how the
+  teachers become one KD target."""
+  c = distill_section()
+  # mixture: the target is sum_i w_i softmax(t_i / T) over `teachers` (weights normalised);
+  # routing: each record's KD term reads only the teacher its batch's teacher index names
+  c.teachers_mode = "mixture"
+  return c
+
+
 def student_section() -> ml_collections.ConfigDict:
   """Where the student's first weights come from, besides fresh ones and `train.init_from`. A
   student from either source has that source's shape (the `model` section keeps only how it

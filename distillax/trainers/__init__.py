@@ -14,6 +14,7 @@ from distillax.trainers.base import Trainer
 from distillax.trainers.distill import DistillRecipe, strategy_from_config
 from distillax.trainers.distill_cached import CachedDistillRecipe
 from distillax.trainers.distill_cross_tokenizer import CrossTokenizerDistillRecipe
+from distillax.trainers.distill_multi_teacher import MultiTeacherDistillRecipe
 from distillax.trainers.lm import LMRecipe, lm_objective
 from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 from distillax.trainers.on_policy import OnPolicyRecipe
@@ -23,7 +24,7 @@ from distillax.trainers.sources import (is_hf_checkpoint, load_run_config, resol
                                         RunSource)
 from distillax.trainers.saved import load_as_trained, load_trained_model, restore_run_state
 
-__all__ = ["CachedDistillRecipe", "CrossTokenizerDistillRecipe", "DistillRecipe", "Engines", "LMRecipe", "OnPolicyRecipe", "Recipe",
+__all__ = ["CachedDistillRecipe", "CrossTokenizerDistillRecipe", "DistillRecipe", "Engines", "MultiTeacherDistillRecipe", "LMRecipe", "OnPolicyRecipe", "Recipe",
            "RunSource",
            "SequenceKDRecipe", "Trainer", "check_recipe_data", "is_hf_checkpoint", "load_run_config",
            "load_as_trained", "load_trained_model", "lm_objective", "hf_checkpoint_recipe",

@@ -38,6 +38,9 @@ def reloaded_sources(recipe, layout) -> dict:
     out["student"] = recipe.sources.student
   if recipe.teacher_source is not None and layout.reloaded.extras:
     out["teacher"] = recipe.teacher_source
+  for key, source in getattr(recipe, "teacher_sources", {}).items():  # several teachers
+    if key in layout.reloaded.extras:
+      out[key] = source
   return out
 
 

@@ -1,0 +1,66 @@
+"""The sources of a job's several teachers (the `teachers` list), read once, in list order.
+
+Each entry is a teacher section (workdir / hf_path / preset, dtype overrides) plus its `name`
+and `weight`; its source is named by the entry's index in error lines (`teachers[1].hf_path`).
+Fresh preset teachers each draw from their own seed stream (PRESET_SEED_OFFSET + index), so two
+entries of one preset are two different teachers. A teacher cache (`cache_dir`) may not stand
+in here yet: the several-teacher step runs every teacher itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from distillax.errors import ConfigError
+from distillax.models.config import TransformerConfig
+from distillax.trainers.sources.kinds import HFSource, ModelSource, RunSource, preset_source
+from distillax.trainers.sources.select import (PRESET_SEED_OFFSET, student_source,
+                                               teacher_model_config)
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedTeacher:
+  """One entry of `teachers`: its name, weight, source and model as the step runs it."""
+
+  name: str
+  weight: float
+  source: ModelSource
+  model_config: TransformerConfig
+
+  def manifest(self) -> dict:
+    """What the workdir's teacher manifest records of it."""
+    return {"name": self.name, "weight": self.weight, "source": self.source.named(),
+            "fingerprint": self.source.fingerprint()}
+
+
+def _entry_source(entry, index: int, vocab_size: int) -> ModelSource:
+  field = f"teachers[{index}]"
+  if entry.get("cache_dir"):
+    raise ConfigError(f"{field}.cache_dir={entry.cache_dir!r}: several teachers run in the "
+                      f"step; clear it and name {field}.workdir, hf_path or preset")
+  if entry.workdir:
+    return RunSource(entry.workdir, f"{field}.workdir", base_of=student_source)
+  if entry.hf_path:
+    return HFSource(entry.hf_path, f"{field}.hf_path")
+  return preset_source(entry.preset, vocab_size, f"{field}.preset", PRESET_SEED_OFFSET + index)
+
+
+def job_teachers(config, student: ModelSource, student_vocab: int) -> tuple[NamedTeacher, ...]:
+  """The `teachers` of `config`, each checked against the student's vocabulary."""
+  if "teacher" in config:
+    raise ConfigError("this config has both a `teacher` section and a `teachers` list; a job "
+                      "distils from one or the other: drop `teacher` (or use configs/distill.py)")
+  entries = list(config.get("teachers") or ())
+  if not entries:
+    raise ConfigError("`teachers` is empty; name at least one teacher, e.g. "
+                      "configs/distill_multi_teacher.py")
+  out = []
+  for i, entry in enumerate(entries):
+    name = str(entry.get("name") or "")
+    if not name or name in {t.name for t in out}:
+      raise ConfigError(f"teachers[{i}].name={name!r} must be a distinct non-empty name "
+                        f"(routing rules and the manifest name teachers by it)")
+    source = _entry_source(entry, i, student_vocab)
+    cfg = teacher_model_config(entry, source, student_vocab, student)
+    out.append(NamedTeacher(name, float(entry.weight), source, cfg))
+  return tuple(out)
