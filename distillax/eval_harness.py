@@ -45,7 +45,8 @@ class DistillaxLM(TemplateLM):
   @property
   def scorer(self) -> TokenScorer:
     if self._scorer is None:
-      self._scorer = TokenScorer(self.loaded.model, batch_size=self.batch_size)
+      self._scorer = TokenScorer(self.loaded.model, batch_size=self.batch_size,
+                                 mesh=self.loaded.placement[0])
     return self._scorer
 
   @property

@@ -50,10 +50,16 @@ class LoadedModel:
   command: str = "generate"  # the command named in the line saying what was loaded
 
   @functools.cached_property
+  def placement(self):
+    """(mesh, rules) the weights are placed on: --config's mesh and partitioning, else fsdp
+    over every device."""
+    return _placement(self.config)
+
+  @functools.cached_property
   def model(self):
     from distillax.models import hf
     from distillax.trainers import is_hf_checkpoint, load_as_trained
-    mesh, rules = _placement(self.config)
+    mesh, rules = self.placement
     if is_hf_checkpoint(self.model_dir):
       model = hf.load(self.model_dir, mesh=mesh, rules=rules)
       form = "full precision (a Hugging Face checkpoint)"

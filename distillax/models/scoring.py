@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from distillax.errors import UserError
 
@@ -59,10 +61,17 @@ class TokenScorer:
   """Scores token rows with one model: row r's result holds, for t = 1 .. len(r) - 1, the
   log-probability of r[t] after r[:t], and whether r[t] was the model's top choice there."""
 
-  def __init__(self, model, *, batch_size: int = 8, min_len: int = 32, chunk_len: int = 128):
+  def __init__(self, model, *, batch_size: int = 8, min_len: int = 32, chunk_len: int = 128,
+               mesh: Mesh | None = None):
     if batch_size < 1:
       raise UserError(f"batch_size={batch_size} must be at least 1")
     self.graphdef, self.state = nnx.split(model)
+    # Rows split over the mesh's data axis when they divide evenly (data parallel over the
+    # weights' own placement), else every device sees the whole batch.
+    self.sharding = None
+    if mesh is not None:
+      rows = "data" if batch_size % mesh.shape.get("data", 1) == 0 else None
+      self.sharding = NamedSharding(mesh, P(rows, None))
     self.max_len = int(model.config.max_seq_len)
     self.batch_size, self.min_len, self.chunk_len = batch_size, min_len, chunk_len
     self.compiled_shapes: set[tuple[int, int]] = set()
@@ -84,9 +93,10 @@ class TokenScorer:
         n = len(rows[i]) - 1
         inputs_BxL[b, :n], targets_BxL[b, :n] = rows[i][:-1], rows[i][1:]
       self.compiled_shapes.add((self.batch_size, L))
+      inputs_BxL, targets_BxL = (jax.device_put(x, self.sharding) if self.sharding is not None
+                                 else jnp.asarray(x) for x in (inputs_BxL, targets_BxL))
       logprob_BxL, argmax_BxL = jax.device_get(_compiled_scores(
-          self.graphdef, self.state, jnp.asarray(inputs_BxL), jnp.asarray(targets_BxL),
-          math.gcd(self.chunk_len, L)))
+          self.graphdef, self.state, inputs_BxL, targets_BxL, math.gcd(self.chunk_len, L)))
       for b, i in enumerate(picked):
         n = len(rows[i]) - 1
         out[i] = (np.asarray(logprob_BxL[b, :n], np.float64), np.asarray(argmax_BxL[b, :n]))
