@@ -154,6 +154,18 @@ def test_eval_tasks_errors_are_one_line_and_write_nothing(backends, tmp_path, ca
   line = _error_line(capsys, ["--model", folder, "--tasks", str(task), "--output", str(output)])
   assert "a task's data could not be loaded" in line and "local JSON file" in line, line
   assert not output.exists()
+  # An unknown name, judged against the local tasks only (indexing lm-eval's ~15k built-in
+  # tasks takes 20-40 s here; the message is the same).
+  import lm_eval.tasks
+  index = lm_eval.tasks.TaskManager.__init__
+  monkeypatch.setattr(lm_eval.tasks.TaskManager, "__init__",
+                      lambda self, **kw: index(self, **dict(kw, include_defaults=False)))
+  line = _error_line(capsys, ["--model", folder, "--tasks", "distillax_code_mc,nosuch",
+                              "--output", str(output)])
+  assert line.startswith("distillax eval: error: --tasks=nosuch: no such lm-eval task; the "
+                         "local ones are distillax_code_gen, distillax_code_mc"), line
+  assert not output.exists()
+  monkeypatch.undo()
   line = _error_line(capsys, ["--model", folder, "--limit", "3"])
   assert "--limit sets how --tasks run; add --tasks" in line
   monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # the eval extra missing
