@@ -18,6 +18,7 @@ import numpy as np
 from distillax import partitioning as pt
 from distillax.errors import UserError
 from distillax.framework.hlo import collective_stats, matmul_flops
+from distillax.framework.state import STUDENT
 from distillax.trainers import Recipe, recipe_for
 
 fmt = pt.shard.format_bytes
@@ -55,6 +56,9 @@ def plan_report(recipe: Recipe, engine) -> dict:
       "gradient_reduction": runner.gradient_reduction,
       "params_total_bytes": params[0], "params_bytes_per_device": params[1],
       "frozen_total_bytes": frozen[0], "frozen_bytes_per_device": frozen[1],
+      # Each frozen extra model (a teacher; several teachers one by one): (total, per device).
+      "frozen_models": {name: _tree_bytes(a.frozen[name], sh.frozen[name])
+                        for name in a.frozen if name != STUDENT},
       "optimizer_total_bytes": opt[0], "optimizer_bytes_per_device": opt[1],
       # One checkpoint step's arrays: what the run changes; the frozen models that came from a
       # source (teacher, LoRA base) are reloaded from it on resume, never written.
@@ -112,6 +116,8 @@ def print_figures(recipe: Recipe, r: dict) -> None:
   if r["frozen_total_bytes"]:
     print(f"  frozen         {fmt(r['frozen_total_bytes']):>12} total, "
           f"{fmt(r['frozen_bytes_per_device']):>12} per device")
+    for name, (total, per_device) in r["frozen_models"].items():
+      print(f"    {name:<12} {fmt(total):>12} total, {fmt(per_device):>12} per device")
   print(f"  optimizer      {fmt(r['optimizer_total_bytes']):>12} total, "
         f"{fmt(r['optimizer_bytes_per_device']):>12} per device")
   reloaded = (f" (+{fmt(r['reloaded_bytes'])} of frozen models reloaded from their sources, not "
