@@ -84,12 +84,13 @@ def _windows(s_spans, t_spans, s_room: int, t_room: int):
   cuts = np.intersect1d(s_end, t_end)
   i0 = j0 = 0
   while i0 < len(s_spans) - 1:
-    start = int(s_spans[i0, 0])
-    s_count = np.searchsorted(s_end, cuts, side="right") - i0
-    t_count = np.searchsorted(t_end, cuts, side="right") - j0
-    fits = (cuts >= start) & (s_count >= 2) & (s_count <= s_room) & (t_count <= t_room)
+    start, reach = int(s_spans[i0, 0]), int(s_end[min(i0 + s_room, len(s_spans)) - 1])
+    near = cuts[np.searchsorted(cuts, start):np.searchsorted(cuts, reach, side="right")]
+    s_count = np.searchsorted(s_end, near, side="right") - i0
+    t_count = np.searchsorted(t_end, near, side="right") - j0
+    fits = (s_count >= 2) & (s_count <= s_room) & (t_count <= t_room)
     if fits.any():
-      cut = int(cuts[np.flatnonzero(fits)[-1]])
+      cut = int(near[np.flatnonzero(fits)[-1]])
       i1, j1 = i0 + int(s_count[fits][-1]), j0 + int(t_count[fits][-1])
     else:  # one group longer than a row: cut at the student's edge
       i1 = min(i0 + s_room, len(s_spans))
