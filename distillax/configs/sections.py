@@ -147,6 +147,9 @@ def multi_teacher_distill_section() -> ml_collections.ConfigDict:
   # mixture: the target is sum_i w_i softmax(t_i / T) over `teachers` (weights normalised);
   # routing: each record's KD term reads only the teacher its batch's teacher index names
   c.teachers_mode = "mixture"
+  # routing: (data source, teacher name) pairs, e.g. (('math/*.jsonl', 'a'), ('code', 'b')):
+  # each batch takes equal rows from every source's own pipeline, taught by its teacher
+  c.routes = ()
   return c
 
 

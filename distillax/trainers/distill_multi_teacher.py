@@ -15,14 +15,17 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 
 from distillax.distill import make_distill_objective
-from distillax.distill.multi_teacher import TeacherMix, teacher_key
+from distillax.distill.multi_teacher import TEACHER_INDEX, TeacherMix, teacher_key
 from distillax.framework import flops
 from distillax.framework.step import Objective
 from distillax.models.init import abstract_model
 from distillax.trainers.distill import DistillRecipe
 from distillax.trainers.registry import register
+from distillax.trainers.routed_data import (parse_routes, routed_eval_iterator,
+                                            routed_train_iterator)
 from distillax.trainers.sources.teachers import job_teachers
 
 MANIFEST = "teachers.json"  # in the workdir: the teachers a run distils from
@@ -40,6 +43,9 @@ class MultiTeacherDistillRecipe(DistillRecipe):
                           str(self.config.distill.teachers_mode),
                           tuple(t.weight for t in self.teachers),
                           temperature=float(self.config.distill.logit.temperature))
+    self.routes = None
+    if self.mix.mode == "routing":
+      self.routes = parse_routes(self.config.distill.get("routes", ()), self.mix)
     return None, self.teachers[0].model_config
 
   @property
@@ -70,6 +76,27 @@ class MultiTeacherDistillRecipe(DistillRecipe):
     return student, {teacher_key(t.name): t.source.load(t.model_config, self.mesh, self.rules,
                                                         seed=seed)
                      for t in self.teachers}
+
+  def batch_shapes(self):
+    shapes = dict(super().batch_shapes())
+    if self.routes is not None:
+      shapes[TEACHER_INDEX] = jax.ShapeDtypeStruct((self.batch_size, self.seq_len), jnp.int32)
+    return shapes
+
+  def train_iterator(self):
+    if self.routes is None:
+      return super().train_iterator()
+    c = self.config
+    return routed_train_iterator(c.data, self.routes, global_batch_size=self.batch_size,
+                                 seq_len=self.seq_len, seed=int(c.seed), tokenizer=self.tokenizer)
+
+  def eval_iterator(self):
+    if self.routes is None:
+      return super().eval_iterator()
+    c = self.config
+    return routed_eval_iterator(c.data, self.routes, global_batch_size=self.batch_size,
+                                seq_len=self.seq_len, num_batches=int(c.train.eval_batches),
+                                tokenizer=self.tokenizer)
 
   def load_teacher(self):
     return self.build(abstract=False)[1]
