@@ -26,7 +26,7 @@ from distillax.trainers.distill import DistillRecipe
 from distillax.trainers.registry import register
 from distillax.trainers.routed_data import (parse_routes, routed_eval_iterator,
                                             routed_train_iterator)
-from distillax.trainers.sources.teachers import job_teachers
+from distillax.trainers.sources.teachers import absolute_teacher_paths, job_teachers
 
 MANIFEST = "teachers.json"  # in the workdir: the teachers a run distils from
 
@@ -34,6 +34,9 @@ MANIFEST = "teachers.json"  # in the workdir: the teachers a run distils from
 @register("distill_multi_teacher")
 class MultiTeacherDistillRecipe(DistillRecipe):
   """`trainer='distill_multi_teacher'`: LogitKD against several teachers at once."""
+
+  def __init__(self, config, **kwargs):
+    super().__init__(absolute_teacher_paths(config), **kwargs)
 
   def step_teacher(self):
     """The first teacher stands for `teacher_model_config` (the strategy's shapes); all of them

@@ -9,6 +9,7 @@ from distillax.configs import distill_multi_teacher, sections
 from distillax.errors import UserError
 from distillax.trainers import recipe_for
 from distillax.trainers.distill_multi_teacher import MANIFEST
+from distillax.trainers.sources.teachers import absolute_teacher_paths
 
 
 def tiny(**distill):
@@ -49,3 +50,14 @@ def test_refusals_are_one_line():
     with pytest.raises(UserError, match=match) as e:
       recipe_for(config)
     assert "\n" not in str(e.value)
+
+
+def test_teacher_paths_and_routes_are_made_absolute(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  c = tiny(teachers_mode="routing", routes=(("data/a", "a"), ("stdlib", "b")))
+  c.teachers[0].workdir = "runs/teacher_a"
+  out = absolute_teacher_paths(c)
+  assert out.teachers[0].workdir == str(tmp_path / "runs" / "teacher_a")
+  assert out.teachers[1].workdir == "" and c.teachers[0].workdir == "runs/teacher_a"
+  assert out.distill.routes == ((str(tmp_path / "data" / "a"), "a"), ("stdlib", "b"))
+  assert absolute_teacher_paths(out) is out

@@ -13,9 +13,35 @@ import dataclasses
 
 from distillax.errors import ConfigError
 from distillax.models.config import TransformerConfig
+from distillax.trainers.paths import absolute
 from distillax.trainers.sources.kinds import HFSource, ModelSource, RunSource, preset_source
 from distillax.trainers.sources.select import (PRESET_SEED_OFFSET, student_source,
                                                teacher_model_config)
+
+
+ENTRY_PATHS = ("workdir", "hf_path", "cache_dir")  # the path fields of a `teachers` entry
+
+
+def absolute_teacher_paths(config):
+  """`config` with its teachers' paths and routing sources absolute (from the current
+  directory, as trainers/paths.py makes every section's), so config.json records where they
+  pointed; the same object when there is nothing to change."""
+  entries = list(config.get("teachers") or ())
+  routes = tuple(config.distill.get("routes", ()) or ()) if "distill" in config else ()
+  new_routes = tuple((absolute(str(r[0])) if r[0] != "stdlib" else r[0], *r[1:])
+                     if isinstance(r, (tuple, list)) and r else r for r in routes)
+  if all(entry.get(k) == absolute(entry.get(k)) for entry in entries for k in ENTRY_PATHS
+         if k in entry) and new_routes == routes:
+    return config
+  out = config.copy_and_resolve_references()
+  out.teachers = [entry.copy_and_resolve_references() for entry in entries]  # not shared
+  for entry in out.teachers:
+    for k in ENTRY_PATHS:
+      if k in entry:
+        entry[k] = absolute(entry[k])
+  if routes:
+    out.distill.routes = new_routes
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
