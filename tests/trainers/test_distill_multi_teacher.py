@@ -61,3 +61,6 @@ def test_teacher_paths_and_routes_are_made_absolute(tmp_path, monkeypatch):
   assert out.teachers[1].workdir == "" and c.teachers[0].workdir == "runs/teacher_a"
   assert out.distill.routes == ((str(tmp_path / "data" / "a"), "a"), ("stdlib", "b"))
   assert absolute_teacher_paths(out) is out
+  # A config read back from a run's config.json holds the entries as dicts.
+  c.teachers = [c.teachers[0].to_dict(), c.teachers[1].to_dict()]
+  assert absolute_teacher_paths(c).teachers[0].workdir == out.teachers[0].workdir

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_collections
+
 from distillax.errors import ConfigError
 from distillax.models.config import TransformerConfig
 from distillax.trainers.paths import absolute
@@ -23,18 +25,20 @@ ENTRY_PATHS = ("workdir", "hf_path", "cache_dir")  # the path fields of a `teach
 
 
 def absolute_teacher_paths(config):
-  """`config` with its teachers' paths and routing sources absolute (from the current
+  """`config` with its teachers (ConfigDicts) with their paths and routing sources absolute (from the current
   directory, as trainers/paths.py makes every section's), so config.json records where they
   pointed; the same object when there is nothing to change."""
   entries = list(config.get("teachers") or ())
   routes = tuple(config.distill.get("routes", ()) or ()) if "distill" in config else ()
   new_routes = tuple((absolute(str(r[0])) if r[0] != "stdlib" else r[0], *r[1:])
                      if isinstance(r, (tuple, list)) and r else r for r in routes)
-  if all(entry.get(k) == absolute(entry.get(k)) for entry in entries for k in ENTRY_PATHS
-         if k in entry) and new_routes == routes:
+  if all(isinstance(entry, ml_collections.ConfigDict) for entry in entries) and all(
+      entry.get(k) == absolute(entry.get(k)) for entry in entries for k in ENTRY_PATHS
+      if k in entry) and new_routes == routes:
     return config
   out = config.copy_and_resolve_references()
-  out.teachers = [entry.copy_and_resolve_references() for entry in entries]  # not shared
+  # Entries as ConfigDicts of their own (a config read back from config.json holds dicts).
+  out.teachers = [ml_collections.ConfigDict(dict(entry)) for entry in entries]
   for entry in out.teachers:
     for k in ENTRY_PATHS:
       if k in entry:
