@@ -37,6 +37,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # set by the xdist controller
   _cache_dir = tempfile.mkdtemp(prefix="distillax-test-xla-cache-")
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
   atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+# Files jobs cache outside their workdir (data/corpus_bpe.py's tokenizers) go to a directory of
+# this session too, not the user's ~/.cache: every test session trains them anew, as CI does.
+if "DISTILLAX_CACHE" not in os.environ:
+  _distillax_cache = tempfile.mkdtemp(prefix="distillax-test-cache-")
+  os.environ["DISTILLAX_CACHE"] = _distillax_cache
+  atexit.register(shutil.rmtree, _distillax_cache, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 _CHEAP_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
