@@ -64,8 +64,8 @@ def _run_job(config, model_dir: str, model_overrides=None):
   recipe = run_recipe(model_dir, config)
   engine, state = restore_onto(recipe, recipe.build_engines(compile_now=False), model_dir)
   step = int(jax.device_get(engine.runner.fetch_state(state).step))
-  form = recipe.transforms.describe(fake_quant=recipe.transforms.fake_quant_at(step),
-                                    lora_merged=False)
+  form = recipe.transforms.at_step(step).describe(
+      fake_quant=recipe.transforms.fake_quant_at(step), lora_merged=False)
   return recipe, engine, state, f"{form}; checkpoint step {step}"
 
 

@@ -127,14 +127,21 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str,
   if fmt == "gguf":  # llama.cpp: the run's tokenizer in the file, q8_0/q4_0 by qat.rules
     from distillax.trainers import load_run_config
     add_bos = bool(load_run_config(workdir, "--workdir").data.get("add_bos", True))
-    line = export_run(model, output, gguf_quant, config.get("qat", {}).get("rules"),
+    line = export_run(model, output, gguf_quant, _final_rules(config),
                       _run_tokenizer(workdir)[0], add_bos)
     if primary:
       print(f"distillax export: {line}")
     return 0
-  rules = tuple(config.get("qat", {}).get("rules") or quant.INT4_INT8_RULES)
+  rules = tuple(_final_rules(config) or quant.INT4_INT8_RULES)
   quant.export_quantized(model, {"rules": rules}, output)
   if primary:
     print(f"distillax export: wrote {output}; "
           f"{quant.format_size_report(quant.size_report(output))}")
   return 0
+
+
+def _final_rules(config) -> tuple:
+  """The QAT rules of the form a run ends in: qat.rules, or qat.schedule's last stage's."""
+  from distillax import quant
+  qat = config.get("qat")
+  return quant.QuantConfig.from_config(qat).rules if qat else ()

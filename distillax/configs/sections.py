@@ -83,6 +83,7 @@ def qat_section() -> ml_collections.ConfigDict:
   # Empty = no quantization-aware training.
   c.rules = ()
   c.start_step = 0  # full-precision steps before fake quantization starts
+  c.schedule = ()  # progressive QAT: ((step, rules), ...) stages, fp before the first; () = off
   return c
 
 

@@ -84,15 +84,27 @@ INT4_INT8_RULES = (("", None, None, None), (".*", "int4", "int8", None))
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:
-  """Ordered rules (first match wins) and the step at which fake quantization starts."""
+  """Ordered rules (first match wins) and the step at which fake quantization starts; or, for
+  progressive QAT, a schedule of (first step, rules) stages (full precision before the first).
+
+  Under a schedule `rules` are the last stage's (the form the run ends in, which export writes)
+  and `start_step` the first stage's step. Fake quantization keeps no state of its own (weights
+  are rounded where they are read, scales computed from them), so every stage has the same
+  state tree and a stage switch swaps compiled steps only, like the delayed start.
+  """
 
   rules: tuple[QuantRule, ...] = ()
   start_step: int = 0  # full-precision steps before the trainer swaps to the fake-quant model
+  schedule: tuple[tuple[int, tuple[QuantRule, ...]], ...] = ()  # progressive stages; () = off
 
   def __post_init__(self):
     if not isinstance(self.start_step, int) or self.start_step < 0:
       raise ConfigError(f"qat.start_step={self.start_step!r} must be a non-negative integer")
     object.__setattr__(self, "rules", tuple(self.rules))
+    object.__setattr__(self, "schedule", tuple((s, tuple(r)) for s, r in self.schedule))
+    if self.schedule:
+      object.__setattr__(self, "rules", self.schedule[-1][1])
+      object.__setattr__(self, "start_step", self.schedule[0][0])
 
   def rule_for(self, module_path: str) -> QuantRule | None:
     """The first rule matching `module_path`, or None."""
@@ -101,21 +113,50 @@ class QuantConfig:
         return rule
     return None
 
+  def stages(self) -> tuple[tuple[int, "QuantConfig"], ...]:
+    """((first step, that stage's rules as a one-stage QuantConfig), ...) in step order."""
+    if not self.schedule:
+      return ((self.start_step, QuantConfig(self.rules)),)
+    return tuple((step, QuantConfig(rules)) for step, rules in self.schedule)
+
+  def stage_at(self, step: int) -> "QuantConfig | None":
+    """The rules the forward at `step` fake-quantizes with; None before fake quantization."""
+    current = None
+    for first, stage in self.stages():
+      if step >= first:
+        current = stage
+    return current
+
   def to_dict(self) -> dict[str, Any]:
+    if self.schedule:
+      return {"rules": [], "start_step": 0,
+              "schedule": [[s, [r.to_dict() for r in rules]] for s, rules in self.schedule]}
     return {"rules": [r.to_dict() for r in self.rules], "start_step": self.start_step}
 
   @classmethod
   def from_config(cls, cfg: Mapping[str, Any] | "QuantConfig") -> "QuantConfig":
-    """From a ConfigDict/dict with `rules` (dicts or 4-tuples) and optional `start_step`."""
+    """From a ConfigDict/dict with `rules` (dicts or 4-tuples), optional `start_step` and
+    optional `schedule` ((step, rules) pairs)."""
     if isinstance(cfg, QuantConfig):
       return cfg
     if isinstance(cfg, ml_collections.ConfigDict):
       cfg = cfg.to_dict()
-    unknown = sorted(set(cfg) - {"rules", "start_step"})
+    unknown = sorted(set(cfg) - {"rules", "start_step", "schedule"})
     if unknown:
-      raise ConfigError(f"unknown qat config field(s) {unknown}; known: rules, start_step")
-    return cls(rules=tuple(_rule(r, i) for i, r in enumerate(cfg.get("rules") or ())),
-               start_step=int(cfg.get("start_step", 0)))
+      raise ConfigError(f"unknown qat config field(s) {unknown}; known: rules, start_step, "
+                        f"schedule")
+    rules = tuple(_rule(r, f"qat.rules[{i}]") for i, r in enumerate(cfg.get("rules") or ()))
+    start_step = int(cfg.get("start_step", 0))
+    schedule = _schedule(cfg.get("schedule") or ())
+    if schedule and rules:
+      raise ConfigError("qat.rules and qat.schedule are both set; put every stage's rules in "
+                        "qat.schedule (the last stage is the deployed form) and set "
+                        "--config.qat.rules=()")
+    if schedule and start_step:
+      raise ConfigError(f"qat.start_step={start_step} and qat.schedule are both set; the first "
+                        f"stage's step is where fake quantization starts: set "
+                        f"--config.qat.start_step=0")
+    return cls(rules=rules, start_step=start_step, schedule=schedule)
 
   @classmethod
   def simple(cls, weight_qtype: str, act_qtype: str | None = None, tile_size: int | None = None,
@@ -124,7 +165,36 @@ class QuantConfig:
     return cls((QuantRule(module_path, weight_qtype, act_qtype, tile_size),), start_step)
 
 
-def _rule(value: Any, index: int) -> QuantRule:
+def _schedule(value: Any) -> tuple[tuple[int, tuple[QuantRule, ...]], ...]:
+  """qat.schedule's stages, each a (step, rules) pair or a {"step", "rules"} dict, checked:
+  non-negative steps in increasing order, each stage with at least one valid rule."""
+  if isinstance(value, str) or not isinstance(value, Sequence):
+    raise ConfigError(f"qat.schedule={value!r}; give a list of (step, rules) stages")
+  stages = []
+  for i, stage in enumerate(value):
+    where = f"qat.schedule[{i}]"
+    if isinstance(stage, ml_collections.ConfigDict):
+      stage = stage.to_dict()
+    if isinstance(stage, Mapping) and set(stage) == {"step", "rules"}:
+      stage = (stage["step"], stage["rules"])
+    if isinstance(stage, str) or not isinstance(stage, Sequence) or len(stage) != 2:
+      raise ConfigError(f"{where}={stage!r}; give a (step, rules) pair, e.g. "
+                        f"(100, (('.*', 'int8', None, None),))")
+    step, rules = stage
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+      raise ConfigError(f"{where} step={step!r} must be a non-negative integer")
+    if stages and step <= stages[-1][0]:
+      raise ConfigError(f"{where} step={step} is not after qat.schedule[{i - 1}] "
+                        f"step={stages[-1][0]}; list the stages in increasing step order")
+    if isinstance(rules, str) or not isinstance(rules, Sequence) or not rules:
+      raise ConfigError(f"{where} rules={rules!r}; give at least one (module_path, "
+                        f"weight_qtype, act_qtype, tile_size) rule (the steps before the "
+                        f"first stage are the full-precision ones)")
+    stages.append((step, tuple(_rule(r, f"{where}.rules[{j}]") for j, r in enumerate(rules))))
+  return tuple(stages)
+
+
+def _rule(value: Any, where: str) -> QuantRule:
   if isinstance(value, QuantRule):
     return value
   if isinstance(value, ml_collections.ConfigDict):
@@ -133,10 +203,10 @@ def _rule(value: Any, index: int) -> QuantRule:
     fields = {f.name for f in dataclasses.fields(QuantRule)}
     unknown = sorted(set(value) - fields)
     if unknown:
-      raise ConfigError(f"qat.rules[{index}] has unknown field(s) {unknown}; known: "
+      raise ConfigError(f"{where} has unknown field(s) {unknown}; known: "
                         f"{', '.join(sorted(fields))}")
     return QuantRule(**value)
   if isinstance(value, Sequence) and not isinstance(value, str) and 1 <= len(value) <= 4:
     return QuantRule(*value)
-  raise ConfigError(f"qat.rules[{index}]={value!r}; give a dict or a (module_path, weight_qtype, "
+  raise ConfigError(f"{where}={value!r}; give a dict or a (module_path, weight_qtype, "
                     f"act_qtype, tile_size) tuple")

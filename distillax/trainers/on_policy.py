@@ -124,6 +124,7 @@ class OnPolicyRecipe(DistillRecipe):
     engines.main = self._on_policy_engine(engines.main)
     if engines.before_start is not None:
       engines.before_start = self._on_policy_engine(engines.before_start)
+    engines.middle = tuple((first, self._on_policy_engine(e)) for first, e in engines.middle)
     return engines
 
   def _on_policy_engine(self, engine):

@@ -42,15 +42,23 @@ from distillax.trainers.transforms import StudentTransforms
 @dataclasses.dataclass
 class Engines:
   """The compiled step(s) of a run: with a delayed QAT start, a full-precision engine serves the
-  steps before `start_step` (same state tree, so switching touches nothing)."""
+  steps before `start_step`; under a qat.schedule, `middle` holds the stages before the last,
+  each from its first step, and `main` (the last stage) serves from `main_step`. Every engine
+  has the same state tree, so switching touches nothing (optimizer state, data position)."""
 
   main: Engine
   before_start: Engine | None = None
   start_step: int = 0
+  middle: tuple[tuple[int, Engine], ...] = ()  # qat.schedule's earlier stages: (first step, engine)
+  main_step: int = 0  # first step of `main` under a qat.schedule
 
   def at(self, step: int) -> Engine:
     if self.before_start is not None and step < self.start_step:
       return self.before_start
+    if step < self.main_step:
+      for first, engine in reversed(self.middle):
+        if step >= first:
+          return engine
     return self.main
 
 
@@ -88,7 +96,7 @@ def _tokamax_refuses(config, model_config: TransformerConfig) -> str | None:
   not compute this student's logits."""
   if model_config.final_logit_softcap:
     return f"model.final_logit_softcap={model_config.final_logit_softcap} soft-caps the logits"
-  if config.get("qat") and config.qat.rules:
+  if config.get("qat") and (config.qat.rules or config.qat.get("schedule")):
     return "qat.rules fake-quantize the student (tokamax would read unquantized weights)"
   if config.get("lora") and config.lora.module_regex:
     return "lora.module_regex adapts the student (tokamax would read the base weights only)"
@@ -201,9 +209,15 @@ class Recipe:
     check_model_conflicts(self)
     lr = float(self.config.optimizer.learning_rate if learning_rate is None else learning_rate)
     start = self.transforms.qat_start_step
-    return Engines(self._engine(lr, compile_now=compile_now),
-                   self._engine(lr, quantize=False, compile_now=compile_now) if start > 0
-                   else None, start)
+    engines = Engines(self._engine(lr, compile_now=compile_now),
+                      self._engine(lr, quantize=False, compile_now=compile_now) if start > 0
+                      else None, start)
+    qat = self.transforms.qat
+    if qat is not None and qat.schedule:
+      *earlier, (engines.main_step, _) = qat.stages()
+      engines.middle = tuple((first, self._engine(lr, compile_now=compile_now, stage=first))
+                             for first, _ in earlier)
+    return engines
 
   def step_flops(self) -> float:
     """Model FLOPs of one train step (forward + backward, a frozen teacher's forward)."""
@@ -211,11 +225,18 @@ class Recipe:
                                   teacher_cfg=self.teacher_model_config)["total"]
 
   def _engine(self, learning_rate: float, quantize: bool = True,
-              compile_now: bool = True) -> Engine:
+              compile_now: bool = True, stage: int | None = None) -> Engine:
+    """`stage`: the first step of a qat.schedule stage whose rules the student takes (every
+    recipe's `build` reads self.transforms, so they are swapped for that one build)."""
     c = self.config
     optimizer_cfg = c.optimizer.copy_and_resolve_references()
     optimizer_cfg.learning_rate = learning_rate
-    student, extras = self.build(abstract=True, quantize=quantize)
+    transforms = self.transforms
+    self.transforms = transforms if stage is None else transforms.at_step(stage)
+    try:
+      student, extras = self.build(abstract=True, quantize=quantize)
+    finally:
+      self.transforms = transforms
     return build_engine(student, extras, self.objective(train=True), optimizer_cfg,
                         int(c.train.steps), self.mesh, self.rules, c.backend, self.batch_shapes(),
                         accum_steps=int(c.train.accum_steps), trainable=self.trainable(),

@@ -136,8 +136,9 @@ def load_as_trained(workdir: str, mesh, rules, *, full_precision: bool = False
   under QAT (from qat.start_step on), which its GGUF export reproduces in llama.cpp; the plain
   weights with `full_precision`. LoRA is merged either way."""
   model = load_trained_model(workdir, mesh, rules)
-  transforms = StudentTransforms.from_config(load_run_config(workdir, "--model"))
   step = int((newest_meta(os.path.abspath(workdir)) or {}).get("step") or 0)
+  # The rules of that step's qat.schedule stage (the last stage's once the run finished).
+  transforms = StudentTransforms.from_config(load_run_config(workdir, "--model")).at_step(step)
   fake_quant = transforms.fake_quant_at(step) and not full_precision
   if fake_quant:
     model = quant.quantize_for_training(model, transforms.qat)

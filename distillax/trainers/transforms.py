@@ -16,7 +16,7 @@ from distillax.framework.step import Objective
 @dataclasses.dataclass(frozen=True)
 class StudentTransforms:
   lora: Any = None  # the `lora` section when module_regex is set, else None
-  qat: quant.QuantConfig | None = None  # the parsed `qat` section when it has rules
+  qat: quant.QuantConfig | None = None  # the parsed `qat` section when it has rules/a schedule
   seed: int = 0
 
   @classmethod
@@ -24,9 +24,10 @@ class StudentTransforms:
     lora = config.get("lora")
     qat = config.get("qat")
     qat_cfg = None
-    if qat and qat.rules:
+    if qat and (qat.rules or qat.get("schedule")):  # a run from before qat.schedule has none
       qat_cfg = quant.QuantConfig.from_config({"rules": list(qat.rules),
-                                               "start_step": int(qat.start_step)})
+                                               "start_step": int(qat.start_step),
+                                               "schedule": list(qat.get("schedule") or ())})
     return cls(lora=lora if lora and lora.module_regex else None, qat=qat_cfg,
                seed=int(config.seed))
 
@@ -65,6 +66,12 @@ class StudentTransforms:
   def fake_quant_at(self, step: int) -> bool:
     """Whether the run's forward at `step` is fake-quantized (QAT rules, started by then)."""
     return self.qat is not None and step >= self.qat.start_step
+
+  def at_step(self, step: int) -> "StudentTransforms":
+    """These transforms with the QAT rules of `step`'s stage (qat.schedule); unchanged
+    without a schedule or before its first stage."""
+    stage = self.qat.stage_at(step) if self.qat is not None and self.qat.schedule else None
+    return self if stage is None else dataclasses.replace(self, qat=stage)
 
   def describe(self, *, fake_quant: bool, lora_merged: bool) -> str:
     """The form a loaded student computes in, in words (`distillax generate`, `eval` and

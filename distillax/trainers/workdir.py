@@ -185,6 +185,7 @@ ADDED_LATER: dict[str, Any] = {
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
     "train.loss_impl": "chunked",
     "student.from_teacher.experts": [], "distill.router.weight": 0.0,
+    "qat.schedule": [],
 }
 
 
