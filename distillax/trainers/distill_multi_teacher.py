@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from distillax.distill import make_distill_objective
 from distillax.distill.multi_teacher import TEACHER_INDEX, TeacherMix, teacher_key
+from distillax.errors import ConfigError
 from distillax.framework import flops
 from distillax.framework.step import Objective
 from distillax.models.init import abstract_model
@@ -102,7 +103,9 @@ class MultiTeacherDistillRecipe(DistillRecipe):
                                 tokenizer=self.tokenizer)
 
   def load_teacher(self):
-    return self.build(abstract=False)[1]
+    """One teacher alone (what cache-teacher writes a cache of): not this job's to choose."""
+    raise ConfigError("a teacher cache holds one teacher; write each teacher's with "
+                      "configs/distill.py and --config.teacher.workdir (or hf_path) naming it")
 
   def write_manifest(self) -> None:
     """`teachers.json`: name, weight, source and fingerprint of each teacher, in index order
