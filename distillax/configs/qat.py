@@ -6,6 +6,11 @@ distillax/configs/qat_distill.py (the same `qat` section on the distill trainer)
       --config.train.init_from=runs/lm
   distillax train --config distillax/configs/qat.py:tiny --workdir runs/qat_tiny
 Other types: --config.qat.rules="(('.*', 'int8', None, None),)" or nf4 / float8_e4m3fn weights.
+Progressive QAT, fp until step 100, int8 until 200, then q4_0 weights / q8_0 activations (each
+stage a (first step, rules) pair; the last stage is the form eval and export use):
+  distillax train --config distillax/configs/qat.py --workdir runs/qat_progressive \
+      --config.qat.rules="()" --config.qat.schedule="((100, (('.*', 'int8', None, None),)), \
+      (200, (('', None, None, None), ('.*', 'q4_0', 'q8_0', None))))"
 """
 
 from distillax.configs.common import base_config, parse_arg, shrink_for_tiny
