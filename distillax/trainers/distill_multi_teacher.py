@@ -50,6 +50,10 @@ class MultiTeacherDistillRecipe(DistillRecipe):
     self.routes = None
     if self.mix.mode == "routing":
       self.routes = parse_routes(self.config.distill.get("routes", ()), self.mix)
+      if self.config.data.eval_source:
+        raise ConfigError(f"data.eval_source={self.config.data.eval_source!r}: routing evaluates "
+                          f"each distill.routes source's own validation split (its teacher "
+                          f"known); clear data.eval_source")
     return None, self.teachers[0].model_config
 
   @property

@@ -41,6 +41,9 @@ def test_refusals_are_one_line():
            (tiny(teachers_mode="routing", routes=(("stdlib", "c"),)),
             "names teacher 'c', which is not one of `teachers` \\(a, b\\)"),
            (tiny(teachers_mode="routing"), "needs distill.routes")]
+  elsewhere = tiny(teachers_mode="routing", routes=(("stdlib", "a"),))
+  elsewhere.data.eval_source = __file__
+  cases.append((elsewhere, "routing evaluates each distill.routes source's own validation"))
   zero = tiny()
   for entry in zero.teachers:
     entry.weight = 0.0
