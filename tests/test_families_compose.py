@@ -179,8 +179,10 @@ def test_backends_and_the_most_sharded_preset_train_every_family_like_replicated
       np.testing.assert_allclose(losses[name], ref_losses[name], rtol=1e-5,
                                  err_msg=f"{what} {name}")
       assert _max_delta(params[name], ref_params[name]) < 2e-5, (what, name)
-  moved = _max_delta(ref_params, nnx.to_pure_dict(nnx.state(families, nnx.Param)))
-  assert moved > 1e-2  # the step changed the parameters it is compared on
+  # The step moved each family's parameters (by 0.03 to 0.1; the runs differ by < 5e-7).
+  start = nnx.to_pure_dict(nnx.state(families, nnx.Param))
+  for name in families.names:
+    assert _max_delta(ref_params[name], start[name]) > 1e-2, name
 
 
 def _trains_qat_or_adapters(path, value) -> bool:
@@ -238,11 +240,12 @@ def test_every_family_trains_under_q4_0_qat_lora_and_qlora(models):
   for name in adapted.names:
     assert not any(isinstance(v, (LoRAParam, QuantizedValue))
                    for _, v in nnx.iter_graph(getattr(merged, name)))
-    # Logits of about 1: the last-bit difference of W + s A B against the adapter's own
-    # matmul reaches up to 8e-5 in a few of them; the DeltaNet's chunked delta rule (a
-    # triangular solve per chunk) turns it into ~1e-4 (its chunked and recurrent forms also
-    # agree to 1e-4: tests/models/test_gated_deltanet.py).
-    atol = 3e-4 if name.endswith("qwen35") else 1e-4
+    # Logits of about 1 (the trained adapters move them by about 1 in tiny_gemma3 and
+    # tiny_gemma4, measured), so a merge error shows in whole units; the last-bit difference of
+    # W + s A B against the adapter's own matmul reaches up to 8e-5 in a few of them; the
+    # DeltaNet's chunked delta rule (a triangular solve per chunk) turns it into ~1.4e-4 (its
+    # chunked and recurrent forms also agree to 1e-4 only: tests/models/test_gated_deltanet.py).
+    atol = 5e-4 if name.endswith("qwen35") else 2e-4
     np.testing.assert_allclose(got[name], want[name], atol=atol, err_msg=name)
 
 
