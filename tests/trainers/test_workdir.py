@@ -105,12 +105,13 @@ def test_a_workdir_of_an_older_distillax_takes_its_identity_from_config_json(run
 
 
 def test_a_field_newer_than_the_run_left_unset_is_the_same_job(run_copy, capsys):
-  """A job.json written before model.layer_types and train.loss_impl existed: this config
-  leaves them None and 'chunked', what the run trains, so the run is the same job; set, it is
-  another."""
+  """A job.json written before model.layer_types, train.loss_impl and qat.schedule existed:
+  this config leaves them None, 'chunked' and empty, what the run trains, so the run is the
+  same job; set, it is another."""
   job = json.loads((run_copy / JOB_FILE).read_text())
   assert job["identity"].pop("model.layer_types") is None
   assert job["identity"].pop("train.loss_impl") == "chunked"
+  assert job["identity"].pop("qat.schedule") == []
   (run_copy / JOB_FILE).write_text(json.dumps(job))
   assert _train(run_copy, *LM_TINY) == 0
   assert "already finished at step 6" in capsys.readouterr().out
