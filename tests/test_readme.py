@@ -27,3 +27,28 @@ def test_python_api_script_distils_a_few_steps(tmp_path):
   assert [int(s) for s, _, _ in steps] == [1, 2, 3], out.stdout
   assert all(math.isfinite(float(l)) and float(k) > 0 for _, l, k in steps)
   assert "'eval_logit_kd'" in out.stdout and "'eval_feature_pooling'" in out.stdout
+
+
+def test_readme_is_a_landing_page_whose_commands_run(monkeypatch):
+  """The README stays short (the rest lives in docs/), its two set-up commands are Makefile
+  targets, its examples parse as the CLI parses them (tests/test_docstring_commands.py runs
+  them), and its links to docs/ pages resolve."""
+  from pathlib import Path
+
+  from distillax.main import _parse
+  from tests.test_docs import TESTED, _page_commands
+
+  root = Path(ROOT)
+  text = (root / "README.md").read_text()
+  assert len(text.splitlines()) <= 200
+  makefile = (root / "Makefile").read_text()
+  for target in ("demo", "test", "docs"):
+    assert f"make {target}" in text and re.search(rf"^{target}:", makefile, re.M), target
+  commands = _page_commands(root / "README.md")
+  assert len(commands) >= 5 and any(tuple(argv) in TESTED for argv in commands)
+  monkeypatch.chdir(ROOT)
+  for argv in commands:
+    config, _ = _parse(argv[1], argv)
+    assert config is not None or argv[1] in ("generate", "eval", "export"), argv
+  links = re.findall(r"\]\((docs/[^)#]+)\)", text)
+  assert links and all((root / link).exists() for link in links), links
