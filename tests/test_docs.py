@@ -111,6 +111,9 @@ def test_config_reference_lists_every_field_with_its_default_and_comment(site):
   assert rows["train.steps"].startswith("`200` | optimizer steps")  # sections.py, by hand
   # a field of a sub-section built in a loop
   assert rows["distill.attention.loss"].startswith("`'kl'` | kl \\| mse (attention)")
+  # a job of several teachers: its own distill fields and the teachers list's entries
+  for dotted in ("distill.teachers_mode", "distill.routes", "teachers[i].weight"):
+    assert f"<code>{dotted}</code>" in page, dotted
 
 
 def test_cli_reference_lists_every_command_and_flag(site):

@@ -24,6 +24,13 @@ _FIRST = (("", common.base_config), ("mesh", sections.mesh_section),
 SECTIONS = _FIRST + tuple(
     (name.removesuffix("_section"), getattr(sections, name)) for name in sections.__all__
     if name.removesuffix("_section") not in {n for n, _ in _FIRST})
+# Sections a job of several teachers (trainer='distill_multi_teacher') has instead: (heading,
+# dotted prefix, the function whose source holds the comments, its arguments, the one-teacher
+# section); only the fields the one-teacher sections lack are listed.
+VARIANTS = (("distill, with several teachers", "distill",
+             sections.multi_teacher_distill_section, (), sections.distill_section),
+            ("teachers[i], each entry of the teachers list", "teachers[i]",
+             sections.teachers_entry, ("<name>",), sections.teacher_section))
 
 
 def flatten(cfg: ml_collections.ConfigDict, prefix: str = "") -> dict[str, object]:
@@ -75,6 +82,13 @@ def render() -> str:
     for key, value in section_fields(name, build).items():
       dotted = f"{name}.{key}" if name else key
       lines.append(f"| `{dotted}` | {_value(value)} | {_cell(lookup(comments, key))} |")
+    lines.append("")
+  for heading, prefix, build, args, base in VARIANTS:
+    comments, known = field_comments(build), flatten(base())
+    lines += [f"## {heading}", "", "| field | default | what it is |", "|---|---|---|"]
+    for key, value in flatten(build(*args)).items():
+      if key not in known:
+        lines.append(f"| `{prefix}.{key}` | {_value(value)} | {_cell(lookup(comments, key))} |")
     lines.append("")
   lines += model_section()
   return "\n".join(lines) + "\n"
