@@ -18,9 +18,6 @@ after; their gradient is zero.
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import contextvars
 import math
 
 import jax
@@ -29,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from distillax import partitioning as pt
 from distillax.errors import ConfigError
-from distillax.models import tokamax_support
+from distillax.models import layer_scope, tokamax_support
 from distillax.models.attention_impl import compile_platform
 
 LOSS_IMPLS = ("chunked", "tokamax")
@@ -39,28 +36,17 @@ TOKAMAX_MISSING = ("train.loss_impl='tokamax' needs the tokamax package (pip ins
 # padded with zero rows to a multiple of it.
 TPU_ROW_BLOCK = 1024
 
-_RECORD: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
-    "distillax_loss_choices", default=None)
+_COUNTER = layer_scope.ChoiceCounter("distillax_loss_choices")
 
 
 def record(choice: str) -> None:
-  found = _RECORD.get()
-  if found is not None:
-    found.append(choice)
+  _COUNTER.add(choice)
 
 
-@contextlib.contextmanager
 def recorded_choices():
   """Counts of how the token losses traced inside ran: what `plan` reports beside the attention
   and MoE choices."""
-  found: list[str] = []
-  counts: dict[str, int] = {}
-  token = _RECORD.set(found)
-  try:
-    yield counts
-  finally:
-    _RECORD.reset(token)
-    counts.update(collections.Counter(found))
+  return _COUNTER.counted()
 
 
 def check_loss_impl(value, job: str, supported: bool, why_not: str | None = None) -> None:

@@ -5,6 +5,7 @@ per layer what ran ("layers 0-3 of 4: attention splash; experts tokamax")."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 from typing import Iterable
@@ -50,6 +51,33 @@ def record(kind: str, choice: str) -> None:
   found, scope = _RECORD.get(), _SCOPE.get()
   if found is not None and scope is not None and recording():
     found.append((kind, choice, scope))
+
+
+class ChoiceCounter:
+  """How many traced calls made each kernel choice inside `counted()` (probes of model
+  transforms left out): the MoE and token-loss figures `plan` prints beside the attention
+  choices, one counter per kind of call."""
+
+  def __init__(self, name: str):
+    self._found: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+        name, default=None)
+
+  def add(self, choice: str) -> None:
+    found = self._found.get()
+    if found is not None and recording():
+      found.append(choice)
+
+  @contextlib.contextmanager
+  def counted(self):
+    """Yields a dict filled on exit: {choice: traced calls}."""
+    found: list[str] = []
+    counts: dict[str, int] = {}
+    token = self._found.set(found)
+    try:
+      yield counts
+    finally:
+      self._found.reset(token)
+      counts.update(collections.Counter(found))
 
 
 def ranges(layers: Iterable[int]) -> str:

@@ -15,9 +15,6 @@
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import contextvars
 from typing import Callable
 
 import jax
@@ -95,26 +92,15 @@ def grouped_ffn(xs_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,
 
 # ---- what ran: one entry per traced MoE call (a scanned layer stack is traced once) ----------
 
-_RECORD: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
-    "distillax_moe_choices", default=None)
+_COUNTER = layer_scope.ChoiceCounter("distillax_moe_choices")
 
 
 def record(choice: str) -> None:
-  found = _RECORD.get()
-  if found is not None and layer_scope.recording():
-    found.append(choice)
+  _COUNTER.add(choice)
   layer_scope.record("experts", choice)
 
 
-@contextlib.contextmanager
 def recorded_choices():
   """Counts of how the MoE calls traced inside ran ('ragged, experts over data (all_to_all)',
   ...): what `plan` reports beside the attention choices."""
-  found: list[str] = []
-  counts: dict[str, int] = {}
-  token = _RECORD.set(found)
-  try:
-    yield counts
-  finally:
-    _RECORD.reset(token)
-    counts.update(collections.Counter(found))
+  return _COUNTER.counted()
