@@ -121,9 +121,6 @@ def is_gemma4(config: TransformerConfig) -> bool:
           and not config.local_layers()[-1]
           # transformers reads num_global_key_value_heads only with attention_k_eq_v
           and (config.attention_k_eq_v or not config.global_num_kv_heads)
-          # sliding layers on a slice of a proportional or wider global RoPE: not HF's model
-          and (config.rope_local_theta is not None or (
-              config.global_rope_fraction == 1.0 and config.global_head_dim in (0, config.head_dim)))
           and not (config.norm_scale_plus_one or config.qkv_bias or config.attn_logit_softcap
                    or config.rope_scaling_factor or config.rope_free_layers
                    or config.attention_sinks
@@ -134,6 +131,13 @@ def is_gemma4(config: TransformerConfig) -> bool:
 def gemma4_hf_fields(config: TransformerConfig) -> dict[str, Any]:
   """The config.json keys Gemma4TextConfig adds to the shared ones (token ids inside the
   vocabulary: transformers checks them)."""
+  if config.rope_local_theta is None and (config.global_rope_fraction != 1.0
+                                          or config.global_head_dim not in (0, config.head_dim)):
+    raise UserError(f"Gemma4ForCausalLM turns sliding layers with an ordinary RoPE over "
+                    f"head_dim={config.head_dim}, but with model.rope_local_theta=None this "
+                    f"model's turn with the full layers' (global_head_dim="
+                    f"{config.global_head_dim}, global_rope_fraction="
+                    f"{config.global_rope_fraction}); set model.rope_local_theta")
   local = config.rope_theta if config.rope_local_theta is None else config.rope_local_theta
   full = {"rope_type": "default", "rope_theta": config.rope_theta}
   if config.global_rope_fraction != 1.0:

@@ -32,7 +32,6 @@ from distillax.models.attention import KVCache  # noqa: E402
 from distillax.models.config import ROPE_GLOBAL, ROPE_LOCAL  # noqa: E402
 from distillax.models.hf_config import config_from_hf  # noqa: E402
 from distillax.models.hf_config_out import config_to_hf  # noqa: E402
-from distillax.models.hf_gemma4 import is_gemma4  # noqa: E402
 from distillax.models.init import param_count  # noqa: E402
 from distillax.models.presets import get_preset  # noqa: E402
 from distillax.models.sampler import generate  # noqa: E402
@@ -302,4 +301,5 @@ def test_gemma4_with_equal_rope_bases_keeps_a_plain_rope_on_sliding_layers(tmp_p
   got = np.asarray(forward(model, jnp.asarray(TOKENS, jnp.int32)).logits_BxLxV)
   assert float(np.max(np.abs(got - torch_logits(hf_model, TOKENS)))) <= 1e-4
   # Without the sliding layers' own base the model is not Gemma4ForCausalLM's: not exported.
-  assert not is_gemma4(model.config.replace(rope_local_theta=None))
+  with pytest.raises(UserError, match="set model.rope_local_theta"):
+    config_to_hf(model.config.replace(rope_local_theta=None))
