@@ -54,9 +54,10 @@ BATCH = packed_batches(1, batch=8, seq_len=16, vocab=VOCAB, seed=2)[0]
 MESH = (4, 2)
 Q4_0_RULES = {"rules": [("", None, None, None), (".*", "q4_0", "q8_0", None)]}
 LORA_REGEX = r"layers/(.*/)?(attn|mlp)/.*"  # distillax/configs/lora.py's
-# QLoRA's nf4 base is LoRA's sites with another base; the Llama-shaped Gemma 3 and SmolLM3 add
-# no site of their own to tests/quant's QLoRA runs, the DeltaNet and per-layer inputs do.
-QLORA_FAMILIES = ("gemma4", "qwen35")
+# The families LoRA and QLoRA adapt here: Gemma 3's and SmolLM3's adapted sites are Llama's
+# attention and MLP (tests/quant's LoRA and QLoRA runs); the DeltaNet, Qwen3.5's output gate
+# and Gemma 4's per-layer inputs and shared-KV layers are sites of their own.
+ADAPTED_FAMILIES = ("gemma4", "qwen35")
 
 
 class Families(nnx.Module):
@@ -203,7 +204,7 @@ def _all_logits(families, tokens_BxL):
 def test_every_family_trains_under_q4_0_qat_lora_and_qlora(models):
   """One step program trains each family three ways at once: q4_0 weights / q8_0 activations
   (QAT: its first loss is the loss of the same weights rounded once, PTQ), LoRA and QLoRA
-  (nf4 base; QLORA_FAMILIES) adapters on the shipped module_regex, on one device (the
+  (nf4 base) adapters (ADAPTED_FAMILIES) on the shipped module_regex, on one device (the
   families' sharding is the test above's). Every loss falls over 3 steps, and the merged
   export of the trained adapters computes the adapted model's logits."""
   qat = {name: quantize_for_training(_copy(m), Q4_0_RULES) for name, m in models.items()}
@@ -215,10 +216,10 @@ def test_every_family_trains_under_q4_0_qat_lora_and_qlora(models):
            for name, m in qat.items()}
   assert sites == {"gemma3": 7, "gemma4": 9 + 9 + 7 + 1, "qwen35": 10 + 8, "smollm3": 7}
   lora = {name: apply_lora(_copy(m), module_regex=LORA_REGEX, rank=4, dropout=0.0)
-          for name, m in models.items()}
+          for name, m in models.items() if name in ADAPTED_FAMILIES}
   qlora = {name: apply_lora(_copy(m), module_regex=LORA_REGEX, rank=4, dropout=0.0,
                             base_qtype="nf4", base_tile_size=16) for name, m in models.items()
-           if name in QLORA_FAMILIES}
+           if name in ADAPTED_FAMILIES}
   families = Families({f"{kind}_{name}": m for kind, group in
                        (("qat", qat), ("lora", lora), ("qlora", qlora))
                        for name, m in group.items()})
