@@ -35,6 +35,25 @@ def over_windows(run, window, windows: tuple[int | None, ...], length: int):
   return jax.lax.switch(index, [lambda w=w: run(as_static(w)) for w in windows])
 
 
+def per_device(local, kernel: str, q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, q_segment_BxL,
+               k_segment_BxS, window):
+  """`local(q, k, v, q_segment, k_segment, window)` on each device's shard: a kernel the
+  compiler cannot partition (Pallas, Mosaic) runs under the active rules inside a shard_map
+  over the batch and kv-head axes, and as is without rules. `kernel` names it in rule errors."""
+  window = None if window is None else jnp.asarray(window, jnp.int32)
+  active = active_rules()
+  if active is None:
+    return local(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, q_segment_BxL, k_segment_BxS, window)
+  resolve = lambda logical, x: active.rules.resolve(logical, x.shape, active.mesh, kernel)
+  q_spec = resolve(("batch", None, "kv_heads", None, None), q_BxLxKxGxH)
+  kv_spec = resolve(("batch", None, "kv_heads", None), k_BxSxKxH)
+  seg_spec = None if q_segment_BxL is None else resolve(("batch", None), q_segment_BxL)
+  window_spec = None if window is None else jax.sharding.PartitionSpec()
+  sharded = jax.shard_map(local, mesh=active.mesh, check_vma=False, out_specs=q_spec,
+                          in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec, window_spec))
+  return sharded(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, q_segment_BxL, k_segment_BxS, window)
+
+
 def cudnn_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_BxL=None, k_segment_BxS=None,
                     window=None, windows=(None,), scale: float, softcap=None,
                     implementation: str = "cudnn"):
@@ -108,15 +127,5 @@ def splash_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_BxL=None, k
     q_segment_BxL = k_segment_BxS = jnp.ones((B, L), jnp.int32)
   local = lambda q, k, v, qs, ks, w: _splash_local(q, k, v, qs, ks, w, windows, scale, softcap,
                                                    interpret)
-  window = None if window is None else jnp.asarray(window, jnp.int32)
-  active = active_rules()
-  if active is None:
-    return local(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, q_segment_BxL, k_segment_BxS, window)
-  resolve = lambda logical, x: active.rules.resolve(logical, x.shape, active.mesh, "splash")
-  q_spec = resolve(("batch", None, "kv_heads", None, None), q_BxLxKxGxH)
-  kv_spec = resolve(("batch", None, "kv_heads", None), k_BxSxKxH)
-  seg_spec = resolve(("batch", None), q_segment_BxL)
-  window_spec = None if window is None else jax.sharding.PartitionSpec()
-  sharded = jax.shard_map(local, mesh=active.mesh, check_vma=False, out_specs=q_spec,
-                          in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec, window_spec))
-  return sharded(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, q_segment_BxL, k_segment_BxS, window)
+  return per_device(local, "splash", q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, q_segment_BxL,
+                    k_segment_BxS, window)

@@ -13,13 +13,9 @@ is not partitioned by the compiler.
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-
 from distillax.models import tokamax_support
-from distillax.models.attention_fused import over_windows
+from distillax.models.attention_fused import over_windows, per_device
 from distillax.models.attention_impl import compile_platform
-from distillax.partitioning import active_rules
 
 TOKAMAX_MISSING = ("model.attention_impl='tokamax' needs the tokamax package (pip install "
                    "'distillax[tokamax]'); or set --config.model.attention_impl=auto")
@@ -52,15 +48,5 @@ def tokamax_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_BxL=None,
   device = tokamax_support.target_device()
   local = lambda q, k, v, qs, ks, w: _local(q, k, v, qs, ks, w, windows, scale, softcap,
                                             implementation, device)
-  window = None if window is None else jnp.asarray(window, jnp.int32)
-  active = active_rules()
-  if active is None:
-    return local(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, q_segment_BxL, k_segment_BxS, window)
-  resolve = lambda logical, x: active.rules.resolve(logical, x.shape, active.mesh, "tokamax")
-  q_spec = resolve(("batch", None, "kv_heads", None, None), q_BxLxKxGxH)
-  kv_spec = resolve(("batch", None, "kv_heads", None), k_BxSxKxH)
-  seg_spec = None if q_segment_BxL is None else resolve(("batch", None), q_segment_BxL)
-  window_spec = None if window is None else jax.sharding.PartitionSpec()
-  sharded = jax.shard_map(local, mesh=active.mesh, check_vma=False, out_specs=q_spec,
-                          in_specs=(q_spec, kv_spec, kv_spec, seg_spec, seg_spec, window_spec))
-  return sharded(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, q_segment_BxL, k_segment_BxS, window)
+  return per_device(local, "tokamax", q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, q_segment_BxL,
+                    k_segment_BxS, window)
