@@ -40,14 +40,9 @@ def check_config(cfg) -> None:
   if cfg.num_heads % cfg.num_kv_heads:
     raise ConfigError(f"model.num_heads={cfg.num_heads} is not a multiple of model.num_kv_heads="
                       f"{cfg.num_kv_heads}; pick kv heads that divide the query heads")
-  if cfg.mlp_activation not in MLP_ACTIVATIONS:
-    raise ConfigError(f"model.mlp_activation={cfg.mlp_activation!r}; choose one of "
-                      f"{', '.join(MLP_ACTIVATIONS)}")
-  if cfg.remat not in REMAT_POLICIES:
-    raise ConfigError(f"model.remat={cfg.remat!r}; choose one of {', '.join(REMAT_POLICIES)}")
-  if cfg.attention_impl not in ATTENTION_IMPLS:
-    raise ConfigError(f"model.attention_impl={cfg.attention_impl!r}; choose one of "
-                      f"{', '.join(ATTENTION_IMPLS)}")
+  _check_choice(cfg, "mlp_activation", MLP_ACTIVATIONS)
+  _check_choice(cfg, "remat", REMAT_POLICIES)
+  _check_choice(cfg, "attention_impl", ATTENTION_IMPLS)
   for name in ("qkv_bias", "qk_norm", "attn_out_bias", "attention_sinks", "router_bias",
                "expert_bias", "rope_yarn_truncate"):
     if not isinstance(getattr(cfg, name), bool):
@@ -70,9 +65,7 @@ def check_config(cfg) -> None:
   _check_token_mixers(cfg)
   _check_moe(cfg)
   _check_gemma4(cfg)
-  if cfg.rope_scaling_type not in ROPE_SCALING_TYPES:
-    raise ConfigError(f"model.rope_scaling_type={cfg.rope_scaling_type!r}; choose one of "
-                      f"{', '.join(ROPE_SCALING_TYPES)}")
+  _check_choice(cfg, "rope_scaling_type", ROPE_SCALING_TYPES)
   for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
                "rope_scaling_factor", "rope_attention_factor", "swiglu_limit",
                "rope_local_theta"):
@@ -118,9 +111,7 @@ def _check_token_mixers(cfg):
   if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
     raise ConfigError(f"model.linear_num_value_heads={cfg.linear_num_value_heads} is not a "
                       f"multiple of model.linear_num_key_heads={cfg.linear_num_key_heads}")
-  if cfg.linear_attention_impl not in LINEAR_ATTENTION_IMPLS:
-    raise ConfigError(f"model.linear_attention_impl={cfg.linear_attention_impl!r}; choose one "
-                      f"of {', '.join(LINEAR_ATTENTION_IMPLS)}")
+  _check_choice(cfg, "linear_attention_impl", LINEAR_ATTENTION_IMPLS)
   rot = cfg.head_dim * cfg.partial_rotary_factor
   if not 0 < cfg.partial_rotary_factor <= 1 or rot != int(rot) or int(rot) % 2:
     raise ConfigError(f"model.partial_rotary_factor={cfg.partial_rotary_factor!r} must be in "
@@ -140,6 +131,13 @@ def _check_ints(cfg, names, minimum: int):
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
       raise ConfigError(f"model.{name}={value!r} must be {what}")
 
+
+def _check_choice(cfg, name: str, choices) -> None:
+  value = getattr(cfg, name)
+  if value not in choices:
+    raise ConfigError(f"model.{name}={value!r}; choose one of {', '.join(choices)}")
+
+
 def _check_moe(cfg):
   _check_ints(cfg, ("num_experts", "moe_mlp_dim"), minimum=0)
   k = cfg.num_experts_per_tok
@@ -147,10 +145,8 @@ def _check_moe(cfg):
                            or not 1 <= k <= cfg.num_experts):
     raise ConfigError(f"model.num_experts_per_tok={k!r} must be an integer from 1 to "
                       f"model.num_experts={cfg.num_experts}")
-  if cfg.router not in ROUTERS:
-    raise ConfigError(f"model.router={cfg.router!r}; choose one of {', '.join(ROUTERS)}")
-  if cfg.moe_impl not in MOE_IMPLS:
-    raise ConfigError(f"model.moe_impl={cfg.moe_impl!r}; choose one of {', '.join(MOE_IMPLS)}")
+  _check_choice(cfg, "router", ROUTERS)
+  _check_choice(cfg, "moe_impl", MOE_IMPLS)
   cf = cfg.moe_capacity_factor
   if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
     raise ConfigError(f"model.moe_capacity_factor={cf!r} must be a positive number (e.g. 1.25) "
