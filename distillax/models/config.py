@@ -119,7 +119,12 @@ class TransformerConfig:
   num_experts: int = 0
   num_experts_per_tok: int = 2  # experts each token is routed to (k)
   moe_mlp_dim: int = 0  # hidden width of each expert; 0 = mlp_dim
-  router: str = "softmax_topk"  # 'softmax_topk' (Qwen3-MoE) | 'topk_softmax' (Mixtral, gpt-oss)
+  # 'softmax_topk' (Qwen3-MoE) | 'topk_softmax' (Mixtral, gpt-oss) | 'gemma4' (softmax_topk
+  # renormalised over a scale-free-normed, learned-scaled input, times a learned per-expert scale)
+  router: str = "softmax_topk"
+  # Gemma 4 26B (models/moe_gemma4.py): a dense MLP beside the experts, each branch with its own
+  # norms, the router reading the residual stream itself; goes with router='gemma4'.
+  moe_dense_mlp: bool = False
   norm_topk_prob: bool = False  # softmax_topk only: rescale the k kept probabilities to sum to 1
   router_bias: bool = False  # gpt-oss: the router adds a learned bias per expert to its logits
   expert_bias: bool = False  # gpt-oss: every expert's gate, up and down projections add biases

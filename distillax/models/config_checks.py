@@ -17,7 +17,7 @@ ROPE_SCALING_TYPES = ("llama3", "yarn", "linear")
 # Which RoPE a layer turns its queries and keys with (TransformerConfig.layer_ropes).
 ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE = 0, 1, 2
 # models/moe.py: how a token's router logits pick and weight its experts, and how they run.
-ROUTERS = ("softmax_topk", "topk_softmax")
+ROUTERS = ("softmax_topk", "topk_softmax", "gemma4")
 MOE_IMPLS = ("ragged", "dense", "tokamax")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 # models/attention_impl.py: auto picks a fused kernel where the platform has one, else blockwise.
@@ -151,6 +151,12 @@ def _check_moe(cfg):
   if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
     raise ConfigError(f"model.moe_capacity_factor={cf!r} must be a positive number (e.g. 1.25) "
                       f"or None (dropless)")
+  if cfg.moe_dense_mlp not in (True, False) or (cfg.router == "gemma4") != (
+      cfg.moe_dense_mlp is True) or cfg.moe_dense_mlp and not cfg.num_experts:
+    raise ConfigError(f"model.moe_dense_mlp={cfg.moe_dense_mlp!r} with model.router="
+                      f"{cfg.router!r}, model.num_experts={cfg.num_experts}: Gemma 4's MoE block "
+                      f"is router='gemma4' with moe_dense_mlp=True and num_experts > 0; set all "
+                      f"three or neither of the first two")
   if not isinstance(cfg.norm_topk_prob, bool):
     raise ConfigError(f"model.norm_topk_prob={cfg.norm_topk_prob!r} must be True or False")
 

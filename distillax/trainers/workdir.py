@@ -183,6 +183,7 @@ ADDED_LATER: dict[str, Any] = {
     "model.double_wide_shared_mlp": False, "model.attention_k_eq_v": False,
     "model.global_num_kv_heads": 0,
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
+    "model.moe_dense_mlp": False,  # Gemma 4 26B's MoE block
     "train.loss_impl": "chunked",
     "student.from_teacher.experts": [], "distill.router.weight": 0.0,
     "qat.schedule": [],
