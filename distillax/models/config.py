@@ -128,6 +128,10 @@ class TransformerConfig:
   norm_topk_prob: bool = False  # softmax_topk only: rescale the k kept probabilities to sum to 1
   router_bias: bool = False  # gpt-oss: the router adds a learned bias per expert to its logits
   expert_bias: bool = False  # gpt-oss: every expert's gate, up and down projections add biases
+  # Qwen3.5-MoE (models/moe_shared.py): a dense gated MLP this wide beside the routed experts of
+  # every MoE layer, its output added to theirs; 0 = none.
+  shared_expert_mlp_dim: int = 0
+  shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x @ w), w (embed, 1)
   swiglu_alpha: float = 1.702  # mlp_activation 'clamped_swiglu': gate * sigmoid(alpha * gate)
   swiglu_limit: float = 7.0  # 'clamped_swiglu': gate clamped above, up both sides, at this
   param_dtype: str = _storage("float32")

@@ -159,6 +159,22 @@ def _check_moe(cfg):
                       f"three or neither of the first two")
   if not isinstance(cfg.norm_topk_prob, bool):
     raise ConfigError(f"model.norm_topk_prob={cfg.norm_topk_prob!r} must be True or False")
+  _check_shared_expert(cfg)
+
+
+def _check_shared_expert(cfg):
+  _check_ints(cfg, ("shared_expert_mlp_dim",), minimum=0)
+  if cfg.shared_expert_mlp_dim and not cfg.num_experts:
+    raise ConfigError(f"model.shared_expert_mlp_dim={cfg.shared_expert_mlp_dim} sits beside "
+                      f"routed experts, but model.num_experts=0; set num_experts, or "
+                      f"shared_expert_mlp_dim=0 (a dense model's MLP width is mlp_dim)")
+  if not isinstance(cfg.shared_expert_gate, bool):
+    raise ConfigError(f"model.shared_expert_gate={cfg.shared_expert_gate!r} must be True or "
+                      f"False")
+  if cfg.shared_expert_gate and not cfg.shared_expert_mlp_dim:
+    raise ConfigError("model.shared_expert_gate=True gates a shared expert, but "
+                      "model.shared_expert_mlp_dim=0; set its width or shared_expert_gate=False")
+
 
 def _check_gemma4(cfg):
   _check_ints(cfg, ("per_layer_input_dim", "per_layer_input_vocab_size",

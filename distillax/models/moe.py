@@ -42,6 +42,7 @@ from distillax.models.config import TransformerConfig
 from distillax.models.layers import activations, normal_param
 from distillax.models.moe_kernels import tokamax_ragged_dot
 from distillax.models.moe_parallel import routed_experts, run_experts
+from distillax.models.moe_shared import SharedExpert
 from distillax.partitioning import constrain
 
 
@@ -228,6 +229,9 @@ class MoE(nnx.Module):
     self.gate_bias, self.up_bias, self.down_bias = (
         (zeros((E, F), ("expert", "mlp")), zeros((E, F), ("expert", "mlp")),
          zeros((E, D), ("expert", "embed"))) if config.expert_bias else (None, None, None))
+    # Qwen3.5-MoE: a dense gated MLP beside the experts (models/moe_shared.py).
+    self.shared_expert = (SharedExpert(config, rngs=rngs) if config.shared_expert_mlp_dim
+                          else None)
     self.act, self.up_act = activations(config)
     self.k = config.num_experts_per_tok
     self.router_kind = config.router
@@ -265,7 +269,10 @@ class MoE(nnx.Module):
     # Experts the rules split (fsdp_ep, ep_tp) exchange tokens in a shard_map region.
     out_TxD = run_experts(self.impl, _DISPATCH[self.impl], x_TxD, routing, weights, self.act,
                           biases, self.up_act)
-    out_BxLxD = constrain(out_TxD.reshape(B, L, D), ("batch", "residual_length", "embed"))
+    out_BxLxD = out_TxD.reshape(B, L, D)
+    if self.shared_expert is not None:
+      out_BxLxD = out_BxLxD + self.shared_expert(x_BxLxD.astype(dt))
+    out_BxLxD = constrain(out_BxLxD, ("batch", "residual_length", "embed"))
     stats = router_stats(routing, mask_T)
     if return_router_logits:
       logits_TxE = self.routing(jax.lax.stop_gradient(x_TxD)).logits_TxE
