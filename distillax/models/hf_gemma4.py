@@ -9,8 +9,9 @@ head_dim on full layers (global_head_dim) and a RoPE per layer type: sliding lay
 RoPE (model.rope_local_theta, Gemma 3's field), full layers' proportional RoPE (rope_theta,
 global_rope_fraction). The 31B's full layers reuse their keys as values (attention_k_eq_v: no
 v_proj; model.attention_k_eq_v) over fewer key/value heads (num_global_key_value_heads;
-model.global_num_kv_heads). What distillax does not read yet is refused in one line, by name: the
-MoE block (the 26B), bidirectional attention, scaled RoPE.
+model.global_num_kv_heads). The 26B-A4B's MoE block (enable_moe_block: a dense MLP beside 128
+routed experts, models/moe_gemma4.py) is model.router='gemma4' with model.moe_dense_mlp. What
+distillax does not read yet is refused in one line, by name: bidirectional attention, scaled RoPE.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ def _rope(rope: Mapping[str, Any]) -> tuple[float, float] | None:
 def _refuse_unsupported(hf: Mapping[str, Any], ropes: Mapping[str, Any], where: str) -> None:
   local = _rope(ropes.get(SLIDING) or {})
   unsupported = {
-      "enable_moe_block": bool(hf.get("enable_moe_block")),
       "use_bidirectional_attention": hf.get("use_bidirectional_attention") == "all",
       "rope_parameters": (None in {_rope(r) for r in ropes.values()}
                           or local is not None and local[1] != 1.0),
@@ -95,6 +95,9 @@ def gemma4_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[st
   global_head_dim, global_kv_heads = _full_layer_shape(hf, types, kv_heads, where)
   shared = int(hf.get("num_kv_shared_layers", 0))
   keys_as_values = bool(hf.get("attention_k_eq_v"))
+  moe = (dict(num_experts=int(hf["num_experts"]), num_experts_per_tok=int(hf["top_k_experts"]),
+             moe_mlp_dim=int(hf["moe_intermediate_size"]), router="gemma4", moe_dense_mlp=True)
+         if hf.get("enable_moe_block") else {})
   return dict(mlp_activation="geglu", scale_embeddings=True, use_post_norms=True, qk_norm=True,
               value_norm=True, layer_scalar=True, query_pre_attn_scalar=1.0,
               final_logit_softcap=hf.get("final_logit_softcapping"),
@@ -108,7 +111,7 @@ def gemma4_fields(hf: Mapping[str, Any], num_layers: int, where: str) -> dict[st
               per_layer_input_vocab_size=0 if vocab == int(hf["vocab_size"]) else vocab,
               num_kv_shared_layers=shared, attention_k_eq_v=keys_as_values,
               global_num_kv_heads=0 if global_kv_heads == kv_heads else global_kv_heads,
-              **window_fields(hf.get("sliding_window", 512), [t == SLIDING for t in types]))
+              **moe, **window_fields(hf.get("sliding_window", 512), [t == SLIDING for t in types]))
 
 
 def is_gemma4(config: TransformerConfig) -> bool:
@@ -117,13 +120,14 @@ def is_gemma4(config: TransformerConfig) -> bool:
   nothing of the other families."""
   return (config.value_norm and config.layer_scalar and config.qk_norm and config.use_post_norms
           and config.scale_embeddings and config.mlp_activation == "geglu"
-          and config.query_pre_attn_scalar == 1.0 and not config.num_experts
+          and config.query_pre_attn_scalar == 1.0
+          and config.moe_dense_mlp == bool(config.num_experts)  # its MoE block, or none
           and not config.local_layers()[-1]
           # transformers reads num_global_key_value_heads only with attention_k_eq_v
           and (config.attention_k_eq_v or not config.global_num_kv_heads)
           and not (config.norm_scale_plus_one or config.qkv_bias or config.attn_logit_softcap
                    or config.rope_scaling_factor or config.rope_free_layers
-                   or config.attention_sinks
+                   or config.attention_sinks or config.router_bias or config.expert_bias
                    or config.attn_out_bias or config.attn_output_gate
                    or config.token_mixers is not None or config.partial_rotary_factor != 1.0))
 
@@ -156,7 +160,10 @@ def gemma4_hf_fields(config: TransformerConfig) -> dict[str, Any]:
               attention_k_eq_v=config.attention_k_eq_v,
               **({"num_global_key_value_heads": config.global_num_kv_heads}
                  if config.global_num_kv_heads else {}),
-              enable_moe_block=False, use_double_wide_mlp=config.double_wide_shared_mlp,
+              enable_moe_block=config.moe_dense_mlp,
+              **(dict(num_experts=config.num_experts, top_k_experts=config.num_experts_per_tok,
+                      moe_intermediate_size=config.expert_mlp_dim) if config.moe_dense_mlp else {}),
+              use_double_wide_mlp=config.double_wide_shared_mlp,
               pad_token_id=0,
               bos_token_id=min(2, config.vocab_size - 1),
               eos_token_id=min(1, config.vocab_size - 1))

@@ -8,7 +8,10 @@ one tensor, with gate and up interleaved column by column in `gate_up_proj`: two
 parameters ('even' and 'odd' layouts) share it, and `interleave` joins them on export.
 Qwen3.5 shares tensors by blocks of rows (`Layout.rows`): a Gated DeltaNet layer's q, k and v
 are one `in_proj_qkv`, and a gated attention layer's q_proj holds each head's query rows then its
-output-gate rows; `join_parts` stacks them back on export.
+output-gate rows; `join_parts` stacks them back on export. Gemma 4's MoE block keeps each layer's
+experts stacked (expert, out, in): gate and up as the first and second halves of the rows of
+`experts.gate_up_proj` ('first_half' / 'second_half'), down as `experts.down_proj`
+('experts_T').
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from distillax.models.config import TransformerConfig
 from distillax.models.hf_config_out import hf_architecture
 
 INTERLEAVED = ("even", "odd")  # the column parity of each layout
+HALVES = ("first_half", "second_half")  # ours (E, in, F) <- rows [h*F, (h+1)*F) of HF (E, 2F, in)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +34,8 @@ class Layout:
   # 'copy' | 'T' | 'out_heads' (D,H,K)<-(H*K,D) | 'in_heads' (H,K,D)<-(D,H*K)
   # | 'flat_heads' (H,K)<-(H*K,) (q/k/v biases) | 'even' / 'odd' (...,F)<-(...,2F): the even or
   # odd columns of a tensor two of ours share (gpt-oss's interleaved gate_up_proj)
+  # | 'experts_T' (E,A,B)<-(E,B,A) | 'first_half' / 'second_half' (E,A,F)<-(E,2F,A): the first or
+  # second F rows per expert, transposed (Gemma 4's gate_up_proj)
   kind: str
   # A tensor of HF rows shared with other parameters: (groups, offset, size, period) = ours is,
   # in HF form, rows g * period + offset + [0, size) of every group g (None: the whole tensor).
@@ -45,13 +51,13 @@ class Layout:
   def parts(self) -> tuple[object, int, int]:
     """(this parameter's key among the tensor's parts, its share, the whole): a shared tensor
     is complete when the shares of the parts that arrived add up to the whole."""
-    if self.kind in INTERLEAVED:
+    if self.kind in INTERLEAVED + HALVES:
       return self.kind, 1, 2
     return self.rows[1], self.rows[2], self.rows[3]
 
   @property
   def shared(self) -> bool:
-    return self.kind in INTERLEAVED or self.rows is not None
+    return self.kind in INTERLEAVED + HALVES or self.rows is not None
 
   def _own_hf_shape(self, ours: tuple[int, ...]) -> tuple[int, ...]:
     if self.kind == "conv":
@@ -66,6 +72,10 @@ class Layout:
       return (ours[0] * ours[1],)
     if self.kind in INTERLEAVED:
       return ours[:-1] + (2 * ours[-1],)
+    if self.kind == "experts_T":
+      return (ours[0], ours[2], ours[1])
+    if self.kind in HALVES:
+      return (ours[0], 2 * ours[2], ours[1])
     return (ours[2], ours[0] * ours[1])
 
   def to_hf(self, x: np.ndarray) -> np.ndarray:
@@ -76,6 +86,8 @@ class Layout:
       return x.T[:, None, :]
     if self.kind == "T":
       return x.T
+    if self.kind in ("experts_T",) + HALVES:  # (for a half: `join_parts` stacks the two)
+      return x.transpose(0, 2, 1)
     if self.kind == "out_heads":
       return x.reshape(x.shape[0], -1).T
     if self.kind == "flat_heads":
@@ -94,6 +106,10 @@ class Layout:
       return tensor[tuple(sl(x) for x in r)]
     if self.kind == "T":
       return tensor[sl(r[1]), sl(r[0])].T
+    if self.kind in ("experts_T",) + HALVES:  # ours (E, A, B) from hf (E, B, A) or (E, 2B, A)
+      offset = HALVES.index(self.kind) * ours[2] if self.kind in HALVES else 0
+      rows = slice(offset + r[2].start, offset + r[2].stop)
+      return tensor[sl(r[0]), rows, sl(r[1])].transpose(0, 2, 1)
     if self.kind == "out_heads":  # ours (D, H, K) from hf (H*K, D)
       D, H, K = ours
       rows = tensor[r[1].start * K:r[1].stop * K, sl(r[0])]
@@ -131,6 +147,8 @@ def join_parts(layout: Layout, parts: dict) -> np.ndarray:
   `Layout.parts()[0]`: gpt-oss's interleaved columns, or Qwen3.5's blocks of rows."""
   if layout.kind in INTERLEAVED:
     return interleave(parts["even"], parts["odd"])
+  if layout.kind in HALVES:
+    return np.concatenate([parts[h] for h in HALVES], axis=1)
   groups = layout.rows[0]
   blocks = [parts[k].reshape((groups, -1) + parts[k].shape[1:]) for k in sorted(parts)]
   joined = np.concatenate(blocks, axis=1)
@@ -141,6 +159,14 @@ def join_parts(layout: Layout, parts: dict) -> np.ndarray:
 _EXPERT_NAMES = {  # architecture -> (module, router, gate, up, down)
     "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
     "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+    "Qwen3_5MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+}
+# Qwen3.5-MoE's shared expert (models/moe_shared.py) and its output gate, (1, embed) in HF.
+_SHARED_EXPERT_SOURCES = {
+    ("mlp", "shared_expert", "gate"): ("mlp.shared_expert.gate_proj.weight", Layout("T")),
+    ("mlp", "shared_expert", "up"): ("mlp.shared_expert.up_proj.weight", Layout("T")),
+    ("mlp", "shared_expert", "down"): ("mlp.shared_expert.down_proj.weight", Layout("T")),
+    ("mlp", "shared_expert", "output_gate"): ("mlp.shared_expert_gate.weight", Layout("T")),
 }
 # gpt-oss keeps each layer's experts stacked in one tensor per kind, stored (expert, in, out),
 # gate and up interleaved column by column in gate_up_proj, and biases everywhere.
@@ -156,7 +182,28 @@ _GPT_OSS_SOURCES = {
 }
 
 
+# Gemma 4's MoE block (models/moe_gemma4.py): the experts and their router, the dense MLP beside
+# them and the two branches' own norms.
+_GEMMA4_MOE_SOURCES = {
+    ("mlp", "router"): ("router.proj.weight", Layout("T")),
+    ("mlp", "router_scale"): ("router.scale", Layout("copy")),
+    ("mlp", "expert_scale"): ("router.per_expert_scale", Layout("copy")),
+    ("mlp", "gate"): ("experts.gate_up_proj", Layout("first_half")),
+    ("mlp", "up"): ("experts.gate_up_proj", Layout("second_half")),
+    ("mlp", "down"): ("experts.down_proj", Layout("experts_T")),
+    ("mlp", "dense", "gate"): ("mlp.gate_proj.weight", Layout("T")),
+    ("mlp", "dense", "up"): ("mlp.up_proj.weight", Layout("T")),
+    ("mlp", "dense", "down"): ("mlp.down_proj.weight", Layout("T")),
+    ("mlp", "dense_post_norm", "scale"): ("post_feedforward_layernorm_1.weight", Layout("copy")),
+    ("mlp", "experts_pre_norm", "scale"): ("pre_feedforward_layernorm_2.weight", Layout("copy")),
+    ("mlp", "experts_post_norm", "scale"): ("post_feedforward_layernorm_2.weight",
+                                            Layout("copy")),
+}
+
+
 def _expert_sources(config: TransformerConfig) -> dict[tuple[str, ...], tuple[str, Layout]]:
+  if config.moe_dense_mlp:
+    return dict(_GEMMA4_MOE_SOURCES)
   arch = hf_architecture(config)
   if arch == "GptOssForCausalLM":
     return dict(_GPT_OSS_SOURCES)
@@ -210,6 +257,8 @@ def _layer_sources(config: TransformerConfig,
     for key in ("gate", "up", "down"):
       del sources[("mlp", key)]
     sources.update(_expert_sources(config))
+    if config.shared_expert_mlp_dim:
+      sources.update(_SHARED_EXPERT_SOURCES)
   if config.use_post_norms:
     sources[("post_attn_norm", "scale")] = ("post_attention_layernorm.weight", Layout("copy"))
     sources[("post_mlp_norm", "scale")] = ("post_feedforward_layernorm.weight", Layout("copy"))

@@ -250,15 +250,18 @@ class MoE(nnx.Module):
     return route(logits_TxE, self.k, self.router_kind, self.norm_topk_prob)
 
   def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
-               return_router_logits: bool = False) -> tuple[jax.Array, RouterStats]:
+               return_router_logits: bool = False,
+               router_x_BxLxD: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
     """The experts' output and this layer's RouterStats over the tokens whose segment id is
     not 0 (all tokens without segment ids); with `return_router_logits`, the stats also hold
     every token's router logits, computed from the router's input behind stop_gradient (a loss
-    on them trains the router alone, not the layers below it)."""
+    on them trains the router alone, not the layers below it). router_x_BxLxD: the router's
+    input when it is not the experts' (Gemma 4 routes by the residual stream itself)."""
     dt = self.dtype
     B, L, D = x_BxLxD.shape
     x_TxD = x_BxLxD.astype(dt).reshape(B * L, D)
-    routing = self.routing(x_TxD)
+    router_x_TxD = x_TxD if router_x_BxLxD is None else router_x_BxLxD.astype(dt).reshape(-1, D)
+    routing = self.routing(router_x_TxD)
     mask_T = None if segment_ids_BxL is None else (segment_ids_BxL > 0).reshape(B * L)
     capacity = expert_capacity(B * L, self.k, self.router.shape[-1], self.capacity_factor)
     if capacity is not None:
@@ -275,6 +278,6 @@ class MoE(nnx.Module):
     out_BxLxD = constrain(out_BxLxD, ("batch", "residual_length", "embed"))
     stats = router_stats(routing, mask_T)
     if return_router_logits:
-      logits_TxE = self.routing(jax.lax.stop_gradient(x_TxD)).logits_TxE
+      logits_TxE = self.routing(jax.lax.stop_gradient(router_x_TxD)).logits_TxE
       stats = dataclasses.replace(stats, logits_BxLxE=logits_TxE.reshape(B, L, -1))
     return out_BxLxD, stats

@@ -23,6 +23,7 @@ from distillax.models.gated_deltanet import GatedDeltaNet
 from distillax.models.layers import (MLP, Embedder, RMSNorm, normal_param, rope_sin_cos,
                                      rope_tables, softcap)
 from distillax.models.moe import MoE, RouterStats
+from distillax.models.moe_gemma4 import Gemma4MoE
 from distillax.models.per_layer_inputs import PerLayerGate, PerLayerInputs
 from distillax.partitioning import constrain
 
@@ -72,8 +73,11 @@ class Block(nnx.Module):
                             num_kv_heads=config.layer_num_kv_heads(layer),
                             keys_as_values=config.layer_keys_are_values(layer))
     self.mlp_norm = RMSNorm(config)
-    self.mlp = (MoE(config, rngs=rngs) if config.num_experts
-                else MLP(config, rngs=rngs, dim=config.layer_mlp_dim(layer)))
+    if config.moe_dense_mlp:  # Gemma 4 26B: a dense MLP beside the experts
+      self.mlp = Gemma4MoE(config, rngs=rngs, dense_dim=config.layer_mlp_dim(layer))
+    else:
+      self.mlp = (MoE(config, rngs=rngs) if config.num_experts
+                  else MLP(config, rngs=rngs, dim=config.layer_mlp_dim(layer)))
     self.post_attn_norm = RMSNorm(config) if config.use_post_norms else None
     self.post_mlp_norm = RMSNorm(config) if config.use_post_norms else None
     self.per_layer = (PerLayerGate(config, rngs=rngs) if config.per_layer_input_dim else None)
@@ -101,7 +105,10 @@ class Block(nnx.Module):
       h = self.post_attn_norm(h)
     x_BxLxD = x_BxLxD + h
     stats = None
-    if isinstance(self.mlp, MoE):
+    if isinstance(self.mlp, Gemma4MoE):  # its router and experts read x itself too
+      h, stats = self.mlp(self.mlp_norm(x_BxLxD), x_BxLxD, ctx["q_segment"],
+                          return_router_logits)
+    elif isinstance(self.mlp, MoE):
       h, stats = self.mlp(self.mlp_norm(x_BxLxD), ctx["q_segment"], return_router_logits)
     else:
       h = self.mlp(self.mlp_norm(x_BxLxD))
