@@ -19,7 +19,8 @@ Gradient. One custom VJP: each chunk's gradient of the weighted loss with respec
 student's hidden states and to the output-layer parameters is formed inside the forward scan
 while the chunk's logits are at hand; the backward pass only scales them by the loss's cotangent.
 Neither model's logits are computed twice, and only the parameters the output layer reads (found
-from its jaxpr) carry a gradient accumulator, not the whole model.
+from its jaxpr) and the caller differentiates carry a gradient accumulator, not the whole model
+nor a frozen base.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import custom_derivatives
 
 from distillax import partitioning as pt
 from distillax.errors import ConfigError
@@ -211,7 +213,10 @@ def vocab_chunk_sums(values_fn: ValuesFn, weights: Mapping[str, float],
 
 
 def _fused(chunk_value, weights, diff, h_chunks, rest, t_params, chunks):
-  """(loss, sums) with a VJP formed chunk by chunk in the forward pass."""
+  """(loss, sums) with a VJP formed chunk by chunk in the forward pass, for the leaves the
+  caller differentiates only: a frozen output layer (a LoRA or QLoRA base, a tied embedding
+  that does not train) reads its weights but carries no gradient accumulator and costs no
+  weight-sized matmul per chunk."""
   diff_dtypes, h_dtype = [p.dtype for p in diff], h_chunks.dtype
 
   @jax.custom_vjp
@@ -220,17 +225,37 @@ def _fused(chunk_value, weights, diff, h_chunks, rest, t_params, chunks):
     return weighted_loss(sums, weights), sums
 
   def fwd(diff, h_chunks, rest, t_params, chunks):
-    sums, grads = _scan(chunk_value, True, diff, h_chunks, rest, t_params, chunks)
-    return (weighted_loss(sums, weights), sums), grads
+    perturbed = tuple(p.perturbed for p in diff)
+    diff, h_chunks, rest, t_params, chunks = custom_derivatives.custom_vjp_primal_tree_values(
+        (diff, h_chunks, rest, t_params, chunks))
+    trained = [x for x, p in zip(diff, perturbed) if p]
+    frozen = [x for x, p in zip(diff, perturbed) if not p]
 
-  def bwd(grads, cotangents):
-    g_diff, g_h = grads
+    def trained_value(trained, h_BxCxD, rest_and_frozen, t_params, chunk):
+      rest, frozen = rest_and_frozen
+      return chunk_value(_interleave(perturbed, trained, frozen), h_BxCxD, rest, t_params, chunk)
+
+    sums, grads = _scan(trained_value, True, trained, h_chunks, (rest, frozen), t_params, chunks)
+    return (weighted_loss(sums, weights), sums), (perturbed, grads)
+
+  def bwd(res, cotangents):
+    perturbed, (g_trained, g_h) = res
     ct = cotangents[0]  # the sums are metrics: no cotangent
-    return ([(ct * g).astype(dt) for g, dt in zip(g_diff, diff_dtypes)],
-            (ct * g_h).astype(h_dtype), None, None, None)
+    if isinstance(ct, custom_derivatives.SymbolicZero):
+      ct = jnp.zeros(ct.shape, ct.dtype)
+    g_trained = iter(g_trained)
+    g_diff = [(ct * next(g_trained)).astype(dt) if p else None
+              for p, dt in zip(perturbed, diff_dtypes)]
+    return g_diff, (ct * g_h).astype(h_dtype), None, None, None
 
-  fused.defvjp(fwd, bwd)
+  fused.defvjp(fwd, bwd, symbolic_zeros=True)
   return fused(diff, h_chunks, rest, t_params, chunks)
+
+
+def _interleave(perturbed, trained, frozen):
+  """The output layer's differentiable leaves in their order, from the two lists."""
+  trained, frozen = iter(trained), iter(frozen)
+  return [next(trained) if p else next(frozen) for p in perturbed]
 
 
 def _scan(chunk_value, with_grad: bool, diff, h_chunks, rest, t_params, chunks):

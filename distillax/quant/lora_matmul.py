@@ -154,11 +154,8 @@ def adapted_matmul(m: AdaptedMatmul, x, base_arrays, lora_a, lora_b, keep_bits):
 
 def _adapted_fwd(m, x, base_arrays, lora_a, lora_b, keep_bits):
   # A plain base trained along with the adapters (trainable=nnx.Param) gets its gradient;
-  # the frozen base of LoRA and QLoRA (the usual case) costs no weight-sized matmul. A QLoRA
-  # base is frozen even when differentiated: the vocabulary-chunk engine differentiates every
-  # float leaf the output layer reads, the base's scales too (codes never train).
-  base_trains = isinstance(m.base, PlainBase) and any(
-      p.perturbed for p in jax.tree.leaves(base_arrays))
+  # the frozen base of LoRA and QLoRA (the usual case) costs no weight-sized matmul.
+  base_trains = any(p.perturbed for p in jax.tree.leaves(base_arrays))
   values = custom_derivatives.custom_vjp_primal_tree_values
   x, base_arrays, lora_a, lora_b, keep_bits = values((x, base_arrays, lora_a, lora_b, keep_bits))
   y, h = m.forward(x, base_arrays, lora_a, lora_b, keep_bits)

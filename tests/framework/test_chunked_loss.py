@@ -95,3 +95,44 @@ def test_auto_chunk_len_budgets_one_devices_share_of_the_logits():
   assert vocab_chunks.auto_chunk_len(2, 10, 256) == 10  # capped at the sequence
   # An explicit size is tokens per chunk: 3 rows of 40 tokens take 13 positions per chunk.
   assert vocab_chunks.chunk_len(40, 3, 100, 256) == 13 and vocab_chunks.chunk_len(2, 3, 9, 8) == 1
+
+
+def test_a_frozen_output_layer_carries_no_gradient_accumulator():
+  """Only the leaves the caller differentiates get a gradient: with the LM head frozen (as under
+  LoRA), the engine's scan carries no head-sized accumulator, and the other parameters' gradients
+  equal the unchunked loss's."""
+  model = random_model(get_preset("tiny"), seed=1)
+  batch = _batch()
+  graphdef, state = nnx.split(model)
+  pure = nnx.to_pure_dict(state)
+  head = pure.pop("lm_head")
+
+  def per_token(loss_fn):
+    def f(rest, head):
+      s = nnx.State(dict(rest, lm_head=head))
+      loss, _, tokens = loss_fn(nnx.merge(graphdef, s), batch)
+      return loss / tokens
+    return f
+
+  chunked = jax.grad(per_token(_chunked(3)))
+  got, want = jax.jit(chunked)(pure, head), jax.jit(jax.grad(per_token(_unchunked)))(pure, head)
+  for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves(got)):
+    np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+  def scan_carries(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "scan":
+        carry = eqn.params["num_consts"], eqn.params["num_carry"]
+        yield from (v.aval.shape for v in eqn.invars[carry[0]:carry[0] + carry[1]])
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, tuple) else (value,):
+          sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's own jaxpr
+          if hasattr(sub, "eqns"):
+            yield from scan_carries(sub)
+
+  carried = list(scan_carries(jax.make_jaxpr(chunked)(pure, head).jaxpr))
+  assert carried, "the engine's scan was not found"
+  assert head.shape not in carried
+  # The same program differentiating the head does carry its accumulator (the check can fail).
+  both = jax.grad(per_token(_chunked(3)), argnums=(0, 1))
+  assert head.shape in list(scan_carries(jax.make_jaxpr(both)(pure, head).jaxpr))
