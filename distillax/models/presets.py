@@ -135,6 +135,15 @@ PRESETS: dict[str, TransformerConfig] = {
         global_head_dim=32, mlp_dim=128, sliding_window=8, per_layer_input_dim=8,
         layer_types=(SLIDING, FULL, SLIDING, SLIDING, FULL), num_kv_shared_layers=2,
         double_wide_shared_mlp=True, max_seq_len=128, param_dtype="float32", dtype="float32"),
+    # Gemma 4 26B-A4B's parts at test size: 4 experts of width 32 (top-2) beside a dense MLP of
+    # width 48 in each of 3 layers (sliding, sliding, full), full layers on 1 key/value head whose
+    # keys are their values; no per-layer inputs or key/value sharing (as the 26B).
+    "tiny_gemma4_moe": _gemma4(
+        vocab_size=256, embed_dim=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+        global_head_dim=32, mlp_dim=48, sliding_window=8, per_layer_input_dim=0,
+        sliding_window_pattern=3, attention_k_eq_v=True, global_num_kv_heads=1,
+        num_experts=4, num_experts_per_tok=2, moe_mlp_dim=32, router="gemma4",
+        moe_dense_mlp=True, max_seq_len=128, param_dtype="float32", dtype="float32"),
     # Every gpt-oss feature at test size: q/k/v/o biases, sinks, sliding then full layers, YaRN,
     # router and expert biases, the clamped SwiGLU; 4 experts of width 32, top-2.
     "tiny_gpt_oss": _gpt_oss(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
@@ -154,6 +163,16 @@ PRESETS: dict[str, TransformerConfig] = {
         partial_rotary_factor=0.25, rope_theta=10_000_000.0, token_mixers=_qwen35_mixers(4),
         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
         linear_value_head_dim=16, linear_conv_kernel=4, max_seq_len=128),
+    # Qwen3.5-MoE at test size: tiny_qwen35's layers with 4 experts of width 32 (top-2,
+    # renormalised) beside a sigmoid-gated shared expert of width 48 in every layer.
+    "tiny_qwen35_moe": TransformerConfig(
+        vocab_size=256, embed_dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        mlp_dim=32, norm_scale_plus_one=True, qk_norm=True, attn_output_gate=True,
+        partial_rotary_factor=0.25, rope_theta=10_000_000.0, token_mixers=_qwen35_mixers(4),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel=4, max_seq_len=128, num_experts=4,
+        num_experts_per_tok=2, moe_mlp_dim=32, norm_topk_prob=True, shared_expert_mlp_dim=48,
+        shared_expert_gate=True),
     # CPU demo pair (byte-level): a ~4.8M teacher and a ~1.5M student that train a few hundred
     # steps on two cores in minutes. Same family and head_dim so every KD strategy applies.
     "demo_teacher": TransformerConfig(vocab_size=256, embed_dim=256, num_layers=6, num_heads=8,
@@ -203,6 +222,15 @@ PRESETS: dict[str, TransformerConfig] = {
     "gemma4-e4b": _gemma4(embed_dim=2560, num_layers=42, num_heads=8, num_kv_heads=2,
                           mlp_dim=10_240, sliding_window_pattern=6,
                           num_kv_shared_layers=18),
+    # Gemma 4 26B-A4B's text decoder (its config.json's text_config, as quoted by several public
+    # loaders' tests): 30 layers 5 sliding : 1 full (window 1024), 8 of 128 experts of width 704
+    # beside a dense MLP of 2112, full layers on 2 key/value heads whose keys are their values.
+    "gemma4-26b-a4b": _gemma4(embed_dim=2816, num_layers=30, num_heads=16, num_kv_heads=8,
+                              mlp_dim=2112, sliding_window=1024, sliding_window_pattern=6,
+                              per_layer_input_dim=0, attention_k_eq_v=True,
+                              global_num_kv_heads=2, num_experts=128, num_experts_per_tok=8,
+                              moe_mlp_dim=704, router="gemma4", moe_dense_mlp=True,
+                              max_seq_len=262_144),
     "qwen3.5-0.8b": _qwen35(embed_dim=1024, num_layers=24, num_heads=8, num_kv_heads=2,
                             mlp_dim=3584, linear_num_key_heads=16, linear_num_value_heads=16,
                             tie_embeddings=True),

@@ -11,6 +11,11 @@ pairs turning, base 100) on full ones, a final soft-cap, layer scalars drawn awa
 released E2B's parts. transformers writes the full layers' head_dim only into per_layer_config
 (which distillax reads first), not as global_head_dim, the key of the released config.json
 files: the fixture writes that too.
+
+The MoE variant (the 26B-A4B's enable_moe_block: a dense MLP beside routed experts, each with its
+own norms) runs in a 3-layer model of the same parts (sliding, full, full; the last sharing the
+full layer's keys/values) with 4 experts of width 24, top-2: parity, its export, and the
+multimodal wrapper's text tower, which is this MoE variant.
 """
 
 import json
@@ -35,6 +40,7 @@ from distillax.models.hf_config_out import config_to_hf  # noqa: E402
 from distillax.models.init import param_count  # noqa: E402
 from distillax.models.presets import get_preset  # noqa: E402
 from distillax.models.sampler import generate  # noqa: E402
+from distillax.models.transformer import with_config  # noqa: E402
 from distillax.trainers.sources.kinds import BlocksSource, HFSource  # noqa: E402
 from tests.support.hf import (blocks_state, cached_decode_delta,  # noqa: E402
                               packed_documents_delta, torch_logits)
@@ -50,6 +56,9 @@ TEXT = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_laye
             vocab_size_per_layer_input=97, num_kv_shared_layers=2, final_logit_softcapping=30.0,
             rope_parameters=ROPES, pad_token_id=0, bos_token_id=2, eos_token_id=1,
             max_position_embeddings=64, use_double_wide_mlp=True)
+MOE_TEXT = {**TEXT, "num_hidden_layers": 3, "layer_types": [S, F, F], "num_kv_shared_layers": 1,
+            "enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+            "moe_intermediate_size": 24}
 TOKENS = np.random.default_rng(1).integers(3, 90, size=(2, 11)).astype(np.int64)
 
 
@@ -140,7 +149,7 @@ def test_gemma4_sampler_over_left_padded_prompts_matches_greedy_full_forwards(hf
 def test_gemma4_multimodal_checkpoint_loads_its_text_tower(tmp_path):
   """A Gemma4ForConditionalGeneration with tiny vision and audio towers: its text decoder
   (weights under model.language_model.) loads and gives the wrapper's logits on text."""
-  text = {**TEXT, "num_hidden_layers": 4, "layer_types": [S, F, S, F], "num_kv_shared_layers": 1}
+  text = {**MOE_TEXT, "num_hidden_layers": 4, "layer_types": [S, F, S, F]}
   config = transformers.Gemma4Config(
       text_config=text,
       vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -154,6 +163,7 @@ def test_gemma4_multimodal_checkpoint_loads_its_text_tower(tmp_path):
   path = _save(wrapper, tmp_path, "text_config")
   model = hf.load(path)
   assert model.config.num_layers == 4 and model.config.num_kv_shared_layers == 1
+  assert model.config.moe_dense_mlp and model.config.num_experts == 4
   got = np.asarray(forward(model, jnp.asarray(TOKENS, jnp.int32)).logits_BxLxV)
   delta = float(np.max(np.abs(got - torch_logits(wrapper, TOKENS))))
   assert delta <= 1e-4
@@ -204,7 +214,8 @@ def test_gemma4_keys_as_values_import_decode_and_export_match_transformers(tmp_p
   assert hf.load(tmp_path / "out").config == cfg
 
 
-@pytest.mark.parametrize("name", ["tiny_gemma4", "gemma4-e2b"])  # e4b: 7,463,013,418 by hand
+# e4b: 7,463,013,418 and 26b-a4b: 25,233,141,790 (its model card's 25.2B), each run once
+@pytest.mark.parametrize("name", ["tiny_gemma4", "gemma4-e2b", "tiny_gemma4_moe"])
 def test_gemma4_presets_are_the_gemma4_their_config_json_builds(name):
   """Each preset through config.json and back is itself, and the Gemma4ForCausalLM it builds
   (on the meta device: no memory) has our parameters: HF's count plus one per layer
@@ -223,8 +234,7 @@ def test_gemma4_presets_are_the_gemma4_their_config_json_builds(name):
   assert param_count(cfg) == sum(p.numel() for p in theirs.parameters()) + cfg.num_layers
 
 
-@pytest.mark.parametrize("key, value", [("use_bidirectional_attention", "all"),
-                                        ("enable_moe_block", True)])
+@pytest.mark.parametrize("key, value", [("use_bidirectional_attention", "all")])
 def test_gemma4_parts_not_read_yet_are_refused_in_one_line(key, value):
   hf_config = {**TEXT, "architectures": ["Gemma4ForCausalLM"], key: value}
   with pytest.raises(UserError, match=f"Gemma 4 with {key}={value!r} is not supported yet"):
@@ -303,3 +313,47 @@ def test_gemma4_with_equal_rope_bases_keeps_a_plain_rope_on_sliding_layers(tmp_p
   # Without the sliding layers' own base the model is not Gemma4ForCausalLM's: not exported.
   with pytest.raises(UserError, match="set model.rope_local_theta"):
     config_to_hf(model.config.replace(rope_local_theta=None))
+
+
+@pytest.fixture(scope="module")
+def hf_moe_model():
+  config = transformers.Gemma4TextConfig(**MOE_TEXT, attn_implementation="eager")
+  return _randomize(transformers.Gemma4ForCausalLM(config))
+
+
+def test_gemma4_moe_import_matches_transformers_forward_decode_and_packed(hf_moe_model,
+                                                                          tmp_path):
+  """The router (its scale and per-expert scales drawn at random), the experts' gate_up_proj
+  halves and the dense branch with its norms: the full forward, a cached prefill of 6 and 5
+  decode steps, and packed documents match transformers; the reference and tokamax dispatch
+  give the ragged one's logits."""
+  model = hf.load(_save(hf_moe_model, tmp_path))
+  cfg = model.config
+  assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.expert_mlp_dim, cfg.router,
+          cfg.moe_dense_mlp) == (4, 2, 24, "gemma4", True)
+  tokens = jnp.asarray(TOKENS, jnp.int32)
+  got = np.asarray(forward(model, tokens).logits_BxLxV)
+  want = torch_logits(hf_moe_model, TOKENS)
+  deltas = {"full forward": float(np.max(np.abs(got - want))),
+            "cached decode": cached_decode_delta(hf_moe_model, model, TOKENS[:, :6], steps=5),
+            "packed documents": packed_documents_delta(hf_moe_model, model, TOKENS, cuts=[4, 6])}
+  print("\n" + "; ".join(f"gemma4 moe {k}: max |dlogit| {v:.1e}" for k, v in deltas.items()))
+  assert float(np.abs(want).max()) > 1.0 and max(deltas.values()) <= 1e-4
+  for impl in ("dense", "tokamax"):
+    other = np.asarray(forward(with_config(model, moe_impl=impl), tokens).logits_BxLxV)
+    np.testing.assert_allclose(other, got, atol=1e-5, rtol=1e-5)
+
+
+def test_gemma4_moe_export_loads_in_transformers_and_round_trips_exactly(tmp_path):
+  ours = random_model(get_preset("tiny_gemma4_moe", vocab_size=97), seed=3, init=Normal(0.15))
+  hf.save(ours, tmp_path)
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path, attn_implementation="eager").eval()
+  assert reloaded.model.layers[0].experts.gate_up_proj.shape == (4, 64, 64)
+  got = np.asarray(forward(ours, jnp.asarray(TOKENS, jnp.int32)).logits_BxLxV)
+  assert float(np.max(np.abs(got - torch_logits(reloaded, TOKENS)))) <= 1e-4
+  back = hf.load(tmp_path)
+  assert back.config == ours.config
+  for a, b in zip(jax.tree.leaves(nnx.state(ours, nnx.Param)),
+                  jax.tree.leaves(nnx.state(back, nnx.Param)), strict=True):
+    np.testing.assert_array_equal(a, b)
