@@ -51,6 +51,7 @@ def base_config(model_preset: str = "tiny") -> ml_collections.ConfigDict:
   c.optimizer = default_optimizer_config()
   c.data = default_data_config()
   c.train = sections.train_section()
+  c.eval = sections.eval_section()
   c.checkpoint = sections.checkpoint_section()
   c.qat = sections.qat_section()
   c.lora = sections.lora_section()

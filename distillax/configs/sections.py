@@ -43,14 +43,16 @@ def train_section() -> ml_collections.ConfigDict:
   c.log_every = 10  # steps between metric rows
   c.eval_every = 50  # steps between evals (0 = only at the end)
   c.eval_batches = 8  # batches per eval
-  # The eval figure the rollback guard watches (lower is better); None = the one the job's
-  # objective lowers: eval_perplexity (lm, sequence_kd), eval_objective (distillation),
-  # eval_on_policy_reverse_kl (on_policy). Also eval_loss (next-token CE) and, on-policy,
-  # eval_on_policy_teacher_nll.
+  # The eval figure the rollback guard and early stop watch, in its own direction
+  # (framework/eval_rules.py); None = the one the job's objective lowers: eval_perplexity (lm,
+  # sequence_kd), eval_objective (distillation), eval_on_policy_reverse_kl (on_policy). Also
+  # eval_loss (next-token CE), eval_accuracy (lm, sequence_kd), eval_on_policy_teacher_nll
+  # (on_policy) and, with eval.generate, eval_bleu, eval_chrf, eval_rouge_l (higher is better).
   c.rollback_metric = config_dict.placeholder(str)
-  c.rollback_threshold = 0.05  # roll back when that figure rises this share over its best
+  c.rollback_threshold = 0.05  # roll back when that figure worsens this share of its best
   c.rollback_lr_factor = 0.5  # learning-rate scale after a rollback
   c.max_rollbacks = 2  # rollbacks allowed before the run fails
+  c.early_stop_evals = 0  # evals without improvement of rollback_metric before stopping; 0 = off
   c.progress = True  # progress bar with ETA on the console
   # workdir of an earlier run whose final weights start this one, or a Hugging Face checkpoint
   # directory (the student then has its shape, as with student.hf_path)
@@ -63,6 +65,17 @@ def train_section() -> ml_collections.ConfigDict:
   # on TPU, its XLA path elsewhere; no train accuracy). Distillation terms, a distill job's
   # hard-label CE and every eval keep the chunked engine: tokamax's loss is CE only.
   c.loss_impl = "chunked"
+  return c
+
+
+def eval_section() -> ml_collections.ConfigDict:
+  """What each in-training eval measures besides the validation loss."""
+  c = ml_collections.ConfigDict()
+  # A held-out prompt/completion JSONL whose prompts are greedily completed at each eval and
+  # scored against its completions (eval_bleu, eval_chrf, eval_rouge_l; the eval extra);
+  # '' = off
+  c.generate = ""
+  c.max_new_tokens = 32  # tokens each completion may take (fewer when it emits EOS)
   return c
 
 
@@ -243,7 +256,7 @@ def sequence_kd_section() -> ml_collections.ConfigDict:
   return c
 
 
-__all__ = ["cache_section", "checkpoint_section", "distill_section",
+__all__ = ["cache_section", "checkpoint_section", "distill_section", "eval_section",
            "lora_section", "mesh_section", "partitioning_section", "profile_section",
            "qat_section", "runtime_section", "sequence_kd_section", "student_section",
            "teacher_section", "train_section"]

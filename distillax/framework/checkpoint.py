@@ -69,7 +69,7 @@ __all__ = ["Checkpointer", "CorruptCheckpointError"]
 @dataclasses.dataclass
 class _Retention:
   """orbax PreservationPolicy: the last `keep_last` valid steps, the `keep_best` valid steps with
-  the lowest metric, and every step known to be corrupt (evidence is never deleted)."""
+  the lowest (sign-adjusted) metric, and every step known to be corrupt (evidence is never deleted)."""
 
   keep_last: int | None
   keep_best: int
@@ -109,7 +109,7 @@ class Checkpointer:
 
   def __init__(self, directory: str | epath.PathLike, *, every_steps: int,
                keep_last: int | None = 3, keep_best: int = 0, best_metric: str = "eval_loss",
-               async_save: bool = True, primary_host: int = 0):
+               async_save: bool = True, primary_host: int = 0, higher_is_better: bool = False):
     if int(every_steps) < 0:
       raise ConfigError(f"checkpoint.every_steps={every_steps} must be >= 0 (0: only forced saves, "
                         f"e.g. at preemption and at the end)")
@@ -123,6 +123,8 @@ class Checkpointer:
     self.keep_last = None if keep_last is None else int(keep_last)
     self.keep_best = int(keep_best)
     self.best_metric = best_metric
+    # Steps are ranked by the metric times this sign, lowest first (a BLEU ranks by -BLEU).
+    self._sign = -1.0 if higher_is_better else 1.0
     self.primary_host = primary_host
     self._metric_by_step: dict[int, float] = {}
     self._invalid_steps: set[int] = set()
@@ -152,8 +154,8 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   def best_step(self) -> int | None:
-    """The step with the lowest `best_metric` (not known to be corrupt); the latest if none has
-    the metric; None when there are no steps."""
+    """The step with the best `best_metric` (lowest, or highest when higher_is_better; not known
+    to be corrupt); the latest if none has the metric; None when there are no steps."""
     steps = [s for s in self.all_steps() if s not in self._invalid_steps]
     scored = sorted((self._metric_by_step[s], s) for s in steps if s in self._metric_by_step)
     return scored[0][1] if scored else (steps[-1] if steps else None)
@@ -177,8 +179,8 @@ class Checkpointer:
     Without `force`, saves only when `should_save(step)`. With async saving this returns once the
     arrays are copied off the devices (the state may then be donated or updated); the write
     finishes in the background; `wait()` blocks until it is committed. `metrics` (JSON numbers)
-    rank steps for `keep_best` by `best_metric`, lower is better; `extra` is any small JSON the
-    caller wants back at restore.
+    rank steps for `keep_best` by `best_metric` (lower is better unless higher_is_better);
+    `extra` is any small JSON the caller wants back at restore.
     """
     step = int(step)
     if not force and not self.should_save(step):
@@ -344,7 +346,7 @@ class Checkpointer:
   def _remember_metric(self, step: int, metrics: Mapping[str, float]) -> None:
     value = metrics.get(self.best_metric)
     if value is not None and math.isfinite(value):
-      self._metric_by_step[step] = value
+      self._metric_by_step[step] = self._sign * value
 
   def _load_metric(self, step: int) -> None:
     """Reads a step's metric from its metadata JSON; an unreadable one ranks as no metric."""

@@ -54,6 +54,15 @@ class Engine:
     return jax.device_put(self.runner.fetch_state(state), self.layout.shardings)
 
 
+def with_extra_eval(engine: Engine, fn: Callable[[Engine, Any], dict[str, float]]) -> Engine:
+  """`engine` whose evals also report `fn`'s figures, after those of its own extra_eval (an
+  on-policy engine's held-out samples and the generation eval's scores side by side)."""
+  before = engine.extra_eval
+  if before is None:
+    return dataclasses.replace(engine, extra_eval=fn)
+  return dataclasses.replace(engine, extra_eval=lambda e, s: {**before(e, s), **fn(e, s)})
+
+
 GRADIENT_REDUCTIONS = ("auto", "per_step", "per_use")
 
 

@@ -4,8 +4,10 @@ It runs whatever a recipe builds and knows nothing of distillation or quantizati
 user relies on to trust a run lives here once: a workdir that belongs to one job (workdir.py),
 exact resume from the newest valid checkpoint (state, data position, RNG and the open metrics
 window), a checkpoint on SIGTERM or Ctrl-C, metrics one step late so logging never stalls the
-device, and rollback to the best checkpoint when the eval figure the job lowers
-(`train.rollback_metric`) jumps or the loss stops being finite. Throughput counts train steps
+device, rollback to the best checkpoint when the watched eval figure (`train.rollback_metric`,
+lower or higher is better: framework/eval_rules.py) worsens past its threshold or the loss stops
+being finite, and an early stop when that figure has not improved for `train.early_stop_evals`
+evals (the run then counts as finished). Throughput counts train steps
 only: eval, checkpoint saves and rollbacks are paused out of it. A rollback marks the abandoned
 rows of metrics.jsonl (framework/writers.py) and writes a row of its own.
 """
@@ -25,6 +27,7 @@ from distillax.data import iterator_state_json, restore_iterator_state
 from distillax.errors import UserError
 from distillax.framework import runtime
 from distillax.framework.checkpoint import Checkpointer
+from distillax.framework.eval_rules import HIGHER, ROLLBACK, STOP, EvalGuard
 from distillax.framework.evaluation import evaluate
 from distillax.framework.metrics import MetricLogger
 from distillax.framework.preemption import PreemptionGuard
@@ -44,24 +47,30 @@ class _Run:
   state: Any
   step: int
   train_it: Any
-  metric: str  # the eval figure the rollback guard watches (Recipe.rollback_metric)
+  guard: EvalGuard  # rollback and early stop on train.rollback_metric (framework/eval_rules.py)
   rollbacks: int = 0
-  best: float | None = None  # best value of `metric` so far
   last_eval: dict = dataclasses.field(default_factory=dict)
   eval_step: int | None = None  # the step last_eval is of
   window: dict | None = None  # the open metrics window the restored checkpoint carried
   data_state: Any = None  # the data position a rollback restored
+  early_stopped: bool = False  # train.early_stop_evals ended the run before train.steps
+
+  @property
+  def metric(self) -> str:
+    return self.guard.metric
 
   @property
   def meta(self) -> dict:
-    return {"rollbacks": self.rollbacks, "rollback_metric": self.metric, "best": self.best}
+    return {"rollbacks": self.rollbacks, "rollback_metric": self.metric,
+            "best": self.guard.best, "stale_evals": self.guard.stale}
 
-  def best_from(self, extra: dict) -> float | None:
-    """The best value a checkpoint's metadata holds for this run's metric (None when it was
-    kept for another; checkpoints from before train.rollback_metric kept eval perplexity)."""
+  def resume_guard(self, extra: dict) -> None:
+    """The guard's best and stale count from a checkpoint's metadata (none when it was kept for
+    another figure; checkpoints from before train.rollback_metric kept eval perplexity)."""
     metric = extra.get("rollback_metric", "eval_perplexity")
-    best = extra.get("best", extra.get("best_eval_perplexity"))
-    return best if metric == self.metric else None
+    if metric == self.metric:
+      self.guard.best = extra.get("best", extra.get("best_eval_perplexity"))
+      self.guard.stale = int(extra.get("stale_evals", 0))
 
 
 @dataclasses.dataclass
@@ -109,8 +118,11 @@ class Trainer:
     self.fingerprints = check_sources_unchanged(self.workdir, self.recipe,
                                                 self.engines.main.layout)
     prepare_workdir(workdir_state, c, primary=self.primary)
-    ckpt = open_checkpointer(self.workdir, c.checkpoint, self.recipe.rollback_metric)
-    run = self._start(ckpt, train_it)
+    guard = EvalGuard(self.recipe.rollback_metric, float(c.train.rollback_threshold),
+                      int(c.train.get("early_stop_evals", 0)))
+    ckpt = open_checkpointer(self.workdir, c.checkpoint, guard.metric,
+                             higher_is_better=guard.direction == HIGHER)
+    run = self._start(ckpt, train_it, guard)
     tools = _Tools(
         MetricLogger(create_writers(self.workdir, is_primary=self.primary, resume_step=run.step,
                                     console=not c.train.progress),
@@ -128,8 +140,10 @@ class Trainer:
     finally:
       tools.close(run.state, ckpt, finished=run.step >= int(c.train.steps))
     summary = {"step": run.step, "total_steps": int(c.train.steps),
-               "finished": run.step >= int(c.train.steps), "rollbacks": run.rollbacks,
-               **(tools.logger.latest or {}), **run.last_eval}
+               "finished": run.step >= int(c.train.steps) or run.early_stopped,
+               "rollbacks": run.rollbacks, **(tools.logger.latest or {}), **run.last_eval}
+    if run.early_stopped:
+      summary["early_stopped"] = True
     if self.primary:
       write_summary(self.workdir, summary)
     return summary
@@ -148,25 +162,31 @@ class Trainer:
       bad_loss = loss is not None and not math.isfinite(loss)
       if bad_loss or (eval_every and run.step % eval_every == 0) or run.step == total:
         tools.logger.pause(block_on=run.state)  # eval and rollback are not step time
-        rolled_back = self._eval_point(run, ckpt, tools, loss if bad_loss else None)
+        verdict = self._eval_point(run, ckpt, tools, loss if bad_loss else None)
         tools.logger.resume()
-        if rolled_back:
+        if verdict == ROLLBACK:
           tools.logger.restore_window(run.window)
           continue  # rolled back: run.step is the restored step
-      if ckpt.should_save(run.step) or run.step == total:
+        run.early_stopped = verdict == STOP and run.step < total
+      if ckpt.should_save(run.step) or run.step == total or run.early_stopped:
         tools.logger.pause(block_on=run.state)
         # Only this step's own eval ranks its checkpoint (the best one is where rollback goes).
         self._save(run, ckpt, tools,
                    metrics=run.last_eval if run.eval_step == run.step else None)
         tools.logger.resume()
+      if run.early_stopped:
+        logging.warning("early stop at step %d: %s has not improved on %.4g for %d evals "
+                        "(train.early_stop_evals)", run.step, run.metric, run.guard.best,
+                        run.guard.stale)
+        break
       if tools.guard.should_stop(run.step):
         logging.warning("stop requested: saving step %d of %d and stopping", run.step, total)
         self._save(run, ckpt, tools)
         break
 
-  def _eval_point(self, run: _Run, ckpt: Checkpointer, tools: _Tools, bad_loss) -> bool:
-    """Evaluates (unless the loss is already not finite) and rolls back when the run diverged;
-    True when it rolled back."""
+  def _eval_point(self, run: _Run, ckpt: Checkpointer, tools: _Tools, bad_loss) -> str:
+    """Evaluates (unless the loss is already not finite) and judges the watched figure: rolls
+    back when the run diverged; the guard's verdict (eval_rules CONTINUE, ROLLBACK or STOP)."""
     tools.logger.flush()
     run.last_eval = {} if bad_loss is not None else self._evaluate(run.state, run.step)
     run.eval_step = run.step
@@ -178,19 +198,18 @@ class Trainer:
                            f"{run.last_eval['eval_loss']:.4f}"
                            + (f", {run.metric} {run.last_eval[run.metric]:.4g}"
                               if run.metric not in ("eval_objective", "eval_loss") else ""))
-    value = run.last_eval.get(run.metric, math.inf)
-    threshold = float(self.config.train.rollback_threshold)
-    limit = math.inf if run.best is None else run.best + threshold * abs(run.best)
-    if bad_loss is not None or not math.isfinite(value) or value > limit:
+    value = run.last_eval.get(run.metric, math.nan)
+    best = run.guard.best
+    verdict = ROLLBACK if bad_loss is not None else run.guard.judge(value)
+    if verdict == ROLLBACK:
       reason = (f"train loss {bad_loss}" if bad_loss is not None
-                else f"{run.metric} {value:.4g} vs best {run.best:.4g}" if run.best is not None
-                else f"{run.metric} {value}")
+                else f"{run.metric} {value:.4g} vs best {best:.4g}"
+                if best is not None and math.isfinite(value) else f"{run.metric} {value}")
       self._rollback(ckpt, run, tools, reason,
                      diverged=bad_loss is not None or not math.isfinite(value))
+      run.guard.rolled_back()
       tools.progress.count = run.step
-      return True
-    run.best = value if run.best is None else min(run.best, value)
-    return False
+    return verdict
 
   def _evaluate(self, state, step: int) -> dict[str, float]:
     return evaluate(self.engines.at(step), state, self.recipe.eval_iterator())
@@ -208,7 +227,7 @@ class Trainer:
 
   # ---- set-up -------------------------------------------------------------------------------
 
-  def _start(self, ckpt: Checkpointer, train_it) -> _Run:
+  def _start(self, ckpt: Checkpointer, train_it, guard: EvalGuard) -> _Run:
     """A fresh state, or the newest valid checkpoint's (with its data position and the
     learning rate of its rollbacks)."""
     engine = self.engines.main
@@ -219,17 +238,16 @@ class Trainer:
       check_fingerprints(restored[2], self.fingerprints, self.workdir)
     student, extras = self.recipe.build(abstract=False)
     if restored is None:
-      return _Run(engine.init_state(student, extras, int(self.config.seed)), 0, train_it,
-                  self.recipe.rollback_metric)
+      return _Run(engine.init_state(student, extras, int(self.config.seed)), 0, train_it, guard)
     stored, data_state, meta = restored
     logging.info("resuming from step %d (frozen models reloaded from their sources)",
                  int(meta.get("step", -1)))
     extra = dict(meta.get("extra") or {})
     state = engine.restored_state(stored, student, extras)
     step = int(jax.device_get(self.engines.main.runner.fetch_state(state).step))
-    run = _Run(state, step, train_it, self.recipe.rollback_metric,
-               rollbacks=int(extra.get("rollbacks", 0)), window=extra.get("metrics_window"))
-    run.best = run.best_from(extra)
+    run = _Run(state, step, train_it, guard, rollbacks=int(extra.get("rollbacks", 0)),
+               window=extra.get("metrics_window"))
+    run.resume_guard(extra)
     if run.rollbacks:
       self.engines = self.recipe.build_engines(self._scaled_lr(run.rollbacks))
     if data_state is not None:
@@ -249,7 +267,7 @@ class Trainer:
     if run.rollbacks >= int(c.train.max_rollbacks):
       lr = self._scaled_lr(run.rollbacks)
       advice = (f"lower optimizer.learning_rate (the last try ran at {lr:.3g})" if diverged else
-                f"{run.metric} rose more than train.rollback_threshold="
+                f"{run.metric} worsened more than train.rollback_threshold="
                 f"{float(c.train.rollback_threshold):g} over its best: lower "
                 f"optimizer.learning_rate (the last try ran at {lr:.3g}), or raise "
                 f"train.rollback_threshold if that figure is noisy")

@@ -29,7 +29,8 @@ _LIMITS = (("train", "steps", 1, 200), ("train", "batch_size", 1, 16),
            ("train", "seq_len", 1, 128), ("train", "accum_steps", 1, 1),
            ("train", "log_every", 1, 10), ("train", "eval_every", 0, 50),
            ("train", "eval_batches", 1, 8), ("train", "rollback_threshold", 0, 0.05),
-           ("train", "max_rollbacks", 0, 2), ("checkpoint", "every_steps", 0, 100),
+           ("train", "max_rollbacks", 0, 2), ("train", "early_stop_evals", 0, 3),
+           ("checkpoint", "every_steps", 0, 100),
            ("checkpoint", "keep", 1, 2), ("checkpoint", "keep_best", 0, 1))
 
 # (section, field, test, what it must be, a good value) of fractional fields. The on_policy ones

@@ -49,6 +49,8 @@ class LMRecipe(Recipe):
 
   router_losses = True
   tokamax_loss = True
+  # Its eval objective (lm_objective, chunked) also reports the argmax accuracy.
+  rollback_metrics = ("eval_perplexity", "eval_loss", "eval_objective", "eval_accuracy")
 
   def objective(self, *, train: bool = False) -> Objective:
     if not train:

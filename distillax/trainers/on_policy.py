@@ -13,8 +13,6 @@ watches, and writes a few completions to <workdir>/on_policy_samples/.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 from absl import logging
 
@@ -27,6 +25,7 @@ from distillax.distill.on_policy_losses import on_policy_strategy
 from distillax.distill.sequence_kd import stop_ids, take_prompt_records
 from distillax.errors import ConfigError, UserError
 from distillax.framework import flops
+from distillax.framework.engine import with_extra_eval
 from distillax.framework.step import Objective
 from distillax.trainers.distill import DistillRecipe
 from distillax.trainers.on_policy_parts import OnPolicyIterator, SamplingClock, write_samples
@@ -132,7 +131,7 @@ class OnPolicyRecipe(DistillRecipe):
       engine.runner = SamplingClock(engine, self.settings,
                                     int(self.config.train.log_every)).runner()
     # The one evaluation route adds the on-policy figures (and writes the samples).
-    return dataclasses.replace(engine, extra_eval=self._eval_fn())
+    return with_extra_eval(engine, self._eval_fn())
 
   def _eval_fn(self):
     """(engine, state) -> the on-policy figure on held-out prompts; writes the samples."""

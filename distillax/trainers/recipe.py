@@ -24,8 +24,8 @@ from flax import nnx
 from distillax import partitioning as pt
 from distillax.data import batch_shapes, make_eval_iterator, make_tokenizer, make_train_iterator
 from distillax.errors import ConfigError
-from distillax.framework import flops
-from distillax.framework.engine import Engine, build_engine
+from distillax.framework import eval_rules, flops
+from distillax.framework.engine import Engine, build_engine, with_extra_eval
 from distillax.framework.state import Reloaded
 from distillax.framework.step import Objective
 from distillax.framework.token_loss_impl import check_loss_impl
@@ -35,6 +35,7 @@ from distillax.trainers import sources as src
 # The checks, imported here too: what a job's config may hold is asked of the recipe.
 from distillax.trainers.checks import (check_data_paths, check_model_conflicts,
                                        check_recipe_data, check_run_sections)
+from distillax.trainers.generation_eval import GENERATION_FIGURES, GenerationEval
 from distillax.trainers.paths import absolute_paths
 from distillax.trainers.transforms import StudentTransforms
 
@@ -52,6 +53,13 @@ class Engines:
   middle: tuple[tuple[int, Engine], ...] = ()  # qat.schedule's earlier stages: (first step, engine)
   main_step: int = 0  # first step of `main` under a qat.schedule
 
+  def add_extra_eval(self, fn) -> None:
+    """Every engine's evals also report `fn(engine, state)`'s figures."""
+    self.main = with_extra_eval(self.main, fn)
+    if self.before_start is not None:
+      self.before_start = with_extra_eval(self.before_start, fn)
+    self.middle = tuple((first, with_extra_eval(e, fn)) for first, e in self.middle)
+
   def at(self, step: int) -> Engine:
     if self.before_start is not None and step < self.start_step:
       return self.before_start
@@ -63,16 +71,20 @@ class Engines:
 
 
 def rollback_metric(config, choices: tuple[str, ...], job: str) -> str:
-  """train.rollback_metric, None resolved to the job's own figure (the first of `choices`); one
-  the job's eval does not report (or one that is not lower-is-better) fails when the recipe is
-  made, not at the first eval."""
+  """train.rollback_metric, None resolved to the job's own figure (the first of `choices`); a
+  figure of unknown direction (framework/eval_rules.py), or one the job's eval does not report,
+  fails when the recipe is made, not at the first eval."""
   name = config.train.get("rollback_metric")
   if name is None:
     return choices[0]
   if name not in choices:
-    raise ConfigError(f"train.rollback_metric={name!r} is not an eval figure the {job} job's "
-                      f"rollback guard can watch; use one of {', '.join(choices)}, e.g. "
-                      f"--config.train.rollback_metric={choices[0]}")
+    raise ConfigError(f"train.rollback_metric={name!r} is not an eval figure the {job} job "
+                      f"reports; use one of {', '.join(choices)}, e.g. "
+                      f"--config.train.rollback_metric={choices[0]}"
+                      + ("" if name not in GENERATION_FIGURES else
+                         f" (or set eval.generate to a held-out prompt/completion JSONL for "
+                         f"{name})"))
+  eval_rules.direction_of(name)  # a figure of unknown direction cannot be judged
   return name
 
 
@@ -122,9 +134,10 @@ class Recipe:
   student_path: tuple[str, ...] = ()
   # The splits of `data` the job trains or evaluates on, which must each have a token to train.
   data_splits: tuple[str, ...] = ("train", "eval")
-  # The eval figures the rollback guard may watch (train.rollback_metric), each lower-is-better;
-  # the first is the job's own (the default): the figure its objective lowers. Next-token
-  # training lowers the CE, so its perplexity.
+  # The eval figures the rollback guard may watch (train.rollback_metric), each with a direction
+  # in framework/eval_rules.py; the first is the job's own (the default): the figure its
+  # objective lowers. Next-token training lowers the CE, so its perplexity. eval.generate adds
+  # generation_eval.GENERATION_FIGURES.
   rollback_metrics: tuple[str, ...] = ("eval_perplexity", "eval_loss", "eval_objective")
   # Whether the objective adds train.moe_aux_loss / train.router_z_loss (every registered job
   # does; a new recipe says so once its objective takes them).
@@ -156,7 +169,10 @@ class Recipe:
     # Checked with the data before training, or before compiling (checks.model_conflicts).
     self.batch_size, self.seq_len = int(config.train.batch_size), int(config.train.seq_len)
     self.transforms = StudentTransforms.from_config(config)
-    self.rollback_metric = rollback_metric(config, self.rollback_metrics, self.name)
+    # eval.generate: each eval also scores greedy completions of held-out prompts.
+    self.generation_eval = GenerationEval.from_config(config, self.tokenizer, self.student_path)
+    figures = self.rollback_metrics + (GENERATION_FIGURES if self.generation_eval else ())
+    self.rollback_metric = rollback_metric(config, figures, self.name)
 
   # ---- what the job builds (subclasses override these) ----------------------------------------
 
@@ -217,6 +233,8 @@ class Recipe:
       *earlier, (engines.main_step, _) = qat.stages()
       engines.middle = tuple((first, self._engine(lr, compile_now=compile_now, stage=first))
                              for first, _ in earlier)
+    if self.generation_eval is not None:
+      engines.add_extra_eval(self.generation_eval)
     return engines
 
   def step_flops(self) -> float:

@@ -49,6 +49,7 @@ NOT_JOB_IDENTITY: dict[str, str] = {
     "runtime.": "how the processes find each other, not what they compute",
     "sequence_kd.output": "where the teacher samples are written",
     "cache.": "read by `distillax cache-teacher` only, never by training",
+    "eval.": "what each eval also measures (held-out generations), not what trains",
     # The model fields declared as how the forward computes (models/config.py's field kinds).
     **{f"model.{name}": "how the forward computes: the same model, tested equal"
        for name in fields_of_kind(COMPUTE)},
@@ -182,12 +183,13 @@ ADDED_LATER: dict[str, Any] = {
     "model.global_head_dim": 0, "model.global_rope_fraction": 1.0,
     "model.double_wide_shared_mlp": False, "model.attention_k_eq_v": False,
     "model.global_num_kv_heads": 0,
-    "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
     "model.moe_dense_mlp": False,  # Gemma 4 26B's MoE block
     "model.shared_expert_mlp_dim": 0, "model.shared_expert_gate": False,  # Qwen3.5-MoE's
+    "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
     "train.loss_impl": "chunked",
     "student.from_teacher.experts": [], "distill.router.weight": 0.0,
     "qat.schedule": [],
+    "train.early_stop_evals": 0,
 }
 
 
@@ -227,8 +229,10 @@ def check_workdir(workdir: str, config, *, owner: str | None = None) -> WorkdirS
   if error is not None:
     raise error
   summary = read_summary(workdir)
+  # An early stop (train.early_stop_evals) finishes the job before train.steps.
   finished = bool(summary and summary.get("finished")
-                  and int(summary.get("step") or 0) >= int(config.train.steps))
+                  and (int(summary.get("step") or 0) >= int(config.train.steps)
+                       or summary.get("early_stopped")))
   return WorkdirState(workdir, has_job_file, summary=summary, finished=finished,
                       changes=_model_changes(workdir, config))
 
@@ -249,14 +253,16 @@ def _model_changes(workdir: str, config) -> tuple[str, ...]:
                if _not_identity(k) is not None and there.get(k, _ABSENT) != here.get(k, _ABSENT))
 
 
-def open_checkpointer(workdir: str, checkpoint_cfg, best_metric: str) -> Checkpointer:
+def open_checkpointer(workdir: str, checkpoint_cfg, best_metric: str, *,
+                      higher_is_better: bool = False) -> Checkpointer:
   """The run's checkpoint manager (`checkpoint` section); keeps the best by `best_metric` too
-  (the rollback guard's figure: a rollback goes back to the best step by it)."""
+  (the rollback guard's figure, in its direction: a rollback goes back to the best step by it)."""
   c = checkpoint_cfg
   try:
     return Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), every_steps=int(c.every_steps),
                         keep_last=int(c.keep), keep_best=int(c.keep_best),
-                        best_metric=best_metric, async_save=bool(c.async_save))
+                        best_metric=best_metric, async_save=bool(c.async_save),
+                        higher_is_better=higher_is_better)
   except OSError as e:
     raise _not_writable(workdir, e) from None
 

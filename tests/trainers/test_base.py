@@ -25,7 +25,7 @@ import pytest
 
 from distillax.configs import lm as lm_config
 from distillax.configs import on_policy as op_config
-from distillax.errors import UserError
+from distillax.errors import ConfigError, UserError
 from distillax.framework.preemption import STOPPED_EXIT_CODE
 from distillax.framework.throughput import Throughput
 from distillax.trainers import LMRecipe, Trainer, recipe_for
@@ -338,3 +338,43 @@ def test_on_policy_guard_watches_the_reverse_kl_not_the_next_token_perplexity(tm
   assert "train.rollback_threshold=0.05" in message and "train.max_rollbacks" in message
   evals = [r for r in _rows(tmp_path) if "eval_perplexity" in r]
   assert [r["step"] for r in evals] == [2, 4, 6]
+
+
+class ScriptedAccuracy(Trainer):
+  """The loop with eval accuracies given in the order evals happen."""
+
+  def __init__(self, recipe, workdir, accuracies):
+    super().__init__(recipe, workdir)
+    self.accuracies = list(accuracies)
+
+  def _evaluate(self, state, step):
+    return {"eval_objective": 1.5, "eval_loss": 1.5, "eval_perplexity": math.exp(1.5),
+            "eval_tokens": 64.0, "eval_accuracy": self.accuracies.pop(0)}
+
+
+def test_a_higher_is_better_figure_rolls_back_to_its_highest_step_then_stops_early(tmp_path):
+  """train.rollback_metric=eval_accuracy (higher is better): a drop past the threshold (step 6)
+  rolls back to the step of the highest accuracy (4; a loss-like ranking would pick 2), and two
+  evals without a new best (steps 6 and 8 again) stop the run early, as finished."""
+  config = lm_config.get_config("tiny")
+  config.train.steps, config.train.eval_every, config.train.log_every = 10, 2, 2
+  config.train.rollback_metric, config.train.early_stop_evals = "eval_accuracy", 2
+  config.checkpoint.every_steps, config.checkpoint.async_save = 2, False
+  recipe = LMRecipe(config)
+  summary = ScriptedAccuracy(recipe, str(tmp_path), [0.30, 0.40, 0.30, 0.39, 0.395]).run()
+  assert {k: summary[k] for k in ("step", "finished", "early_stopped", "rollbacks")} == {
+      "step": 8, "finished": True, "early_stopped": True, "rollbacks": 1}
+  rows = _rows(tmp_path)
+  marker = next(r for r in rows if "rolled_back_to" in r)
+  assert (marker["step"], marker["rolled_back_to"]) == (6, 4)
+  assert [r["step"] for r in rows if "eval_accuracy" in r] == [2, 4, 6, 6, 8]
+  # The same job again is finished: nothing trains.
+  again = ScriptedAccuracy(LMRecipe(config), str(tmp_path), []).run()
+  assert again["already_finished"] and again["step"] == 8
+  config.train.rollback_metric = "eval_bleu"  # needs eval.generate
+  with pytest.raises(ConfigError) as e:
+    LMRecipe(config)
+  assert str(e.value).startswith("train.rollback_metric='eval_bleu' is not an eval figure the "
+                                 "lm job reports; use one of eval_perplexity, eval_loss, "
+                                 "eval_objective, eval_accuracy"), str(e.value)
+  assert "set eval.generate to a held-out prompt/completion JSONL" in str(e.value)
