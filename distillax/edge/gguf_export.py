@@ -48,7 +48,8 @@ from distillax.quant import ggml
 from distillax.quant.config import GGML_WEIGHT_QTYPES, QuantConfig
 from distillax.quant.graph import flat_pure_dict
 from distillax.edge.gguf_gemma4_qwen35 import (check_gemma4, check_qwen35, check_qwen35_blocks,
-                                                gemma4_rope_freqs, qwen35_tensors)
+                                                gemma4_moe_tensors, gemma4_rope_freqs,
+                                                qwen35_tensors)
 from distillax.edge.gguf_layout import add_hparams, gguf_name, rope_freq_factors
 from distillax.edge.gguf_vocab import vocab_of
 from distillax.quant.qat import full_precision, weight_quants
@@ -276,6 +277,10 @@ def gguf_arrays(model: Transformer, layouts: dict[str, tuple]):
       x = _rope_interleave(x, config.num_heads if name.endswith("q") else config.num_kv_heads)
     rows[name] = x
   tensors = [((name,), name, x) for name, x in rows.items()]
+  if config.moe_dense_mlp:
+    merged = [t for i in range(config.num_layers) for t in gemma4_moe_tensors(i, rows)]
+    taken = {source for sources, _, _ in merged for source in sources}
+    tensors = [t for t in tensors if t[1] not in taken] + merged
   if arch == "qwen35":
     merged = [t for i in range(config.num_layers) for t in qwen35_tensors(i, rows, params, config)]
     taken = {source for sources, _, _ in merged for source in sources}

@@ -12,7 +12,8 @@ convert_hf_to_gguf.py writes them. Norms are stored as they are (Gemma 4's are
 plain), the layer scalar as `layer_output_scale`. llama.cpp fixes in code which earlier layer a
 key/value-sharing layer reads: the last unshared layer for a full one, the one before it for a
 sliding one (n_layer_kv_from_start - 1 or - 2); distillax's choice (the last unshared layer of
-the same type) must agree, or the export is refused.
+the same type) must agree, or the export is refused. The MoE block's experts store gate and up
+as one ffn_gate_up_exps, gate rows first (`gemma4_moe_tensors`).
 
 Qwen3.5 (qwen35). A full-attention layer's queries and output gate are one projection (attn_q,
 per head [query rows, gate rows]). A Gated DeltaNet layer stores q, k and v as one attn_qkv (the
@@ -169,6 +170,14 @@ def qwen35_tensors(layer: int, rows: dict[str, np.ndarray], params: dict[str, np
           ((p + "A_log",), p + "A_log", heads(-np.exp(rows[p + "A_log"]), 0, 1)),
           ((p + "norm_scale",), p + "norm_scale", rows[p + "norm_scale"]),
           ((p + "o",), p + "o", heads(rows[p + "o"], 1))]
+
+
+def gemma4_moe_tensors(layer: int, rows: dict[str, np.ndarray]
+                       ) -> list[tuple[tuple[str, ...], str, np.ndarray]]:
+  """A Gemma 4 MoE layer's experts' gate and up rows as one [expert, 2 x expert_ff, embed]."""
+  p = f"layers/{layer}/mlp/"
+  merged = np.concatenate([rows[p + "gate"], rows[p + "up"]], axis=1)
+  return [((p + "gate", p + "up"), p + "gate_up", merged)]
 
 
 def check_qwen35_blocks(config: TransformerConfig, types: dict[str, str]) -> None:

@@ -5,7 +5,12 @@ layer's router as `ffn_gate_inp` [expert, embed] and its experts stacked, one 3-
 projection: `ffn_gate_exps` / `ffn_up_exps` [expert, expert_ff, embed] and `ffn_down_exps`
 [expert, embed, expert_ff] (row-major; GGUF ne0 = the contracted axis, ggml's blocks run along
 it), with expert_count, expert_used_count and expert_feed_forward_length. llama.cpp sizes a
-llama-arch expert by feed_forward_length, so an MoE writes the expert width there too.
+llama-arch expert by feed_forward_length, so an MoE writes the expert width there too. Gemma 4's
+MoE block (gemma4) stores gate and up as one `ffn_gate_up_exps` [expert, 2 x expert_ff, embed]
+(gate rows first, made by gguf_gemma4_qwen35.gemma4_moe_tensors), the router's input scale as
+`ffn_gate_inp.scale`, the per-expert scales as `ffn_down_exps.scale`, the dense MLP beside the
+experts as the plain ffn_* tensors (feed_forward_length is its width) and the branches' norms as
+post_ffw_norm_1, pre_ffw_norm_2 and post_ffw_norm_2.
 """
 
 from __future__ import annotations
@@ -44,6 +49,15 @@ _GPT_OSS_NAMES = {"mlp_norm/scale": "post_attention_norm.weight", "attn/sinks": 
                   "attn/o_bias": "attn_output.bias", "mlp/router_bias": "ffn_gate_inp.bias",
                   "mlp/gate_bias": "ffn_gate_exps.bias", "mlp/up_bias": "ffn_up_exps.bias",
                   "mlp/down_bias": "ffn_down_exps.bias"}
+# Gemma 4's MoE block (models/moe_gemma4.py); mlp/gate_up: its experts' gate and up as one.
+_GEMMA4_MOE_NAMES = {"mlp/router_scale": "ffn_gate_inp.scale",
+                     "mlp/expert_scale": "ffn_down_exps.scale",
+                     "mlp/gate_up": "ffn_gate_up_exps.weight",
+                     "mlp/dense/gate": "ffn_gate.weight", "mlp/dense/up": "ffn_up.weight",
+                     "mlp/dense/down": "ffn_down.weight",
+                     "mlp/dense_post_norm/scale": "post_ffw_norm_1.weight",
+                     "mlp/experts_pre_norm/scale": "pre_ffw_norm_2.weight",
+                     "mlp/experts_post_norm/scale": "post_ffw_norm_2.weight"}
 # Qwen3.5: the pre-MLP norm is llama.cpp's post_attention_norm; a Gated DeltaNet layer's tensors
 # (attn/qkv: its q, k and v as one, made by gguf_gemma4_qwen35.qwen35_tensors).
 _QWEN35_NAMES = {"mlp_norm/scale": "post_attention_norm.weight"}
@@ -63,6 +77,8 @@ def gguf_name(param: str, config: TransformerConfig, arch: str) -> str:
   names = {**_BLOCK_NAMES, **_EXPERT_NAMES} if config.num_experts else _BLOCK_NAMES
   if arch == "gpt-oss":
     names = {**names, **_GPT_OSS_NAMES}
+  if config.moe_dense_mlp:
+    names = {**names, **_GEMMA4_MOE_NAMES}
   if arch == "qwen35":
     names = {**names, **_QWEN35_NAMES, **(_LINEAR_NAMES if config.layer_is_linear(int(layer))
                                           else {})}
@@ -110,7 +126,7 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
 
 def _feed_forward_length(config: TransformerConfig) -> int | list[int]:
   """The MLP width: an MoE's expert width; one per layer when they differ (Gemma 4)."""
-  if config.num_experts:
+  if config.num_experts and not config.moe_dense_mlp:  # Gemma 4's: its dense MLP's
     return config.expert_mlp_dim
   widths = [config.layer_mlp_dim(i) for i in range(config.num_layers)]
   return widths if len(set(widths)) > 1 else config.mlp_dim

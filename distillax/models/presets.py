@@ -136,11 +136,11 @@ PRESETS: dict[str, TransformerConfig] = {
         layer_types=(SLIDING, FULL, SLIDING, SLIDING, FULL), num_kv_shared_layers=2,
         double_wide_shared_mlp=True, max_seq_len=128, param_dtype="float32", dtype="float32"),
     # Gemma 4 26B-A4B's parts at test size: 4 experts of width 32 (top-2) beside a dense MLP of
-    # width 48 in each of 3 layers (sliding, sliding, full), full layers on 1 key/value head whose
+    # width 64 in each of 3 layers (sliding, sliding, full), full layers on 1 key/value head whose
     # keys are their values; no per-layer inputs or key/value sharing (as the 26B).
     "tiny_gemma4_moe": _gemma4(
         vocab_size=256, embed_dim=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
-        global_head_dim=32, mlp_dim=48, sliding_window=8, per_layer_input_dim=0,
+        global_head_dim=32, mlp_dim=64, sliding_window=8, per_layer_input_dim=0,
         sliding_window_pattern=3, attention_k_eq_v=True, global_num_kv_heads=1,
         num_experts=4, num_experts_per_tok=2, moe_mlp_dim=32, router="gemma4",
         moe_dense_mlp=True, max_seq_len=128, param_dtype="float32", dtype="float32"),
