@@ -47,6 +47,16 @@ def on_policy_section() -> ml_collections.ConfigDict:
   return c
 
 
+def shrink_on_policy_for_tiny(c) -> None:
+  """The seconds-long shape of an on-policy job (`:tiny`)."""
+  c.train.batch_size = 8
+  c.on_policy.prompt_len = 8
+  c.on_policy.max_new_tokens = 16
+  c.on_policy.num_samples = 2
+  c.on_policy.num_prompts = 64
+  c.on_policy.eval_prompts = 8
+
+
 def get_config(arg: str | None = None):
   # The distillation config (teacher, student, the `distill` loss of the lmbda < 1 share and of
   # the validation loss, optimizer defaults, tiny shrink) with the on-policy section.
@@ -56,12 +66,7 @@ def get_config(arg: str | None = None):
   del c["cache"]
   c.on_policy = on_policy_section()
   if args.tiny:
-    c.train.batch_size = 8
-    c.on_policy.prompt_len = 8
-    c.on_policy.max_new_tokens = 16
-    c.on_policy.num_samples = 2
-    c.on_policy.num_prompts = 64
-    c.on_policy.eval_prompts = 8
+    shrink_on_policy_for_tiny(c)
   if args.q4_0:
     c.qat.rules = Q4_0_RULES  # every matmul's inputs must be a multiple of 32 (q4_0 blocks)
   return c

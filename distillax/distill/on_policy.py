@@ -24,6 +24,12 @@ The batch (trainers/on_policy.py builds it) carries the packed keys of the disti
   prompt_tokens_BxP  int32  prompts, right-padded with pad_id
   prompt_lengths_B   int32  each prompt's real length (>= 1; 0 marks a row that counts nothing)
   row_ids_B          int32  the row's index in the global batch
+  prompt_teacher_B   int32  several teachers routed (multi_teacher.py): each prompt's teacher,
+                            which grades every token of that prompt's completions
+
+Several teachers (`teachers`: a TeacherMix, their models under its keys in the extras) score a
+rollout side by side: mixture grades each token by sum_i w_i softmax(t_i / T), routing by the
+prompt's own teacher only (TEACHER_INDEX of the scoring batch, from prompt_teacher_B).
 
 Reported (per-token means over the completion tokens, as `ratios` of framework.step, so steps
 that are off-policy report 0): reverse_kl (exact KL(student || teacher) at T = 1 over the full
@@ -49,6 +55,7 @@ from distillax.framework import vocab_chunks
 from distillax.distill.base import Strategy
 from distillax.distill.divergences import kl
 from distillax.distill.logits import STUDENT, TEACHER, TokenLogits
+from distillax.distill.multi_teacher import TEACHER_INDEX, TeacherMix, teacher_set
 from distillax.distill.objective import TEACHER as TEACHER_KEY, run_models
 from distillax.distill.on_policy_losses import SAMPLE_LOGPROBS
 from distillax.distill.student import unwrap_student
@@ -61,6 +68,7 @@ from distillax.models.sampler import GenerationOutput, SamplingConfig, decode, r
 PROMPT_TOKENS = "prompt_tokens_BxP"
 PROMPT_LENGTHS = "prompt_lengths_B"
 ROW_IDS = "row_ids_B"
+PROMPT_TEACHER = "prompt_teacher_B"  # routing: the index of each prompt's teacher
 PROMPT_KEYS = (PROMPT_TOKENS, PROMPT_LENGTHS, ROW_IDS)
 # What each on-policy (micro-)batch reports as ratios, whatever its branch.
 TOKEN_METRICS = ("reverse_kl", "teacher_nll", "student_nll")
@@ -166,6 +174,17 @@ def scoring_batch(rollout: Rollout, pad_id: int) -> dict[str, jax.Array]:
           SAMPLE_LOGPROBS: sample_logp_NxW.astype(jnp.float32)}
 
 
+def route_scoring_batch(scoring: dict, batch: Mapping[str, jax.Array],
+                        num_samples: int) -> dict:
+  """`scoring` with TEACHER_INDEX (every token of a completion: its prompt's teacher) when the
+  batch routes its prompts (PROMPT_TEACHER); unchanged otherwise."""
+  if PROMPT_TEACHER not in batch:
+    return scoring
+  index_N = jnp.repeat(batch[PROMPT_TEACHER].astype(jnp.int32), int(num_samples), axis=0)
+  shape = scoring[batch_spec.INPUTS].shape
+  return {**scoring, TEACHER_INDEX: jnp.broadcast_to(index_N[:, None], shape)}
+
+
 def completion_stats(rollout: Rollout, stops: tuple[int, ...]) -> dict[str, tuple]:
   """Per-sequence ratios: mean completion length and the share that ended on a stop token."""
   gen, real_N = rollout.generated, (rollout.prompt_lengths_N > 0).astype(jnp.float32)
@@ -190,15 +209,22 @@ def score_values(leaf: Strategy, logits: TokenLogits) -> dict[str, jax.Array]:
 
 def score_rollout(leaf: Strategy, student, extras, batch, *, chunk_size=vocab_chunks.AUTO,
                   teacher_key: str = TEACHER_KEY,
-                  router_loss_weights: tuple[float, float] = (0.0, 0.0)) -> ObjectiveOutput:
+                  router_loss_weights: tuple[float, float] = (0.0, 0.0),
+                  teachers: TeacherMix | None = None) -> ObjectiveOutput:
   """Teacher and student on a scoring batch: the leaf's loss over the completion tokens; for a
   mixture-of-experts student also its router losses (weighted by `router_loss_weights`, per
   completion token like every term) and expert loads, from the routing of the scoring forward
-  over the real tokens (prompt and completion)."""
+  over the real tokens (prompt and completion). `teachers`: the teacher at `teacher_key` is a
+  TeacherSet, whose side-by-side logits `teachers.combine` folds into one per chunk."""
   inputs = run_models(leaf, student, extras, batch, chunk_size=chunk_size,
                       teacher_key=teacher_key)
-  loss_sum, sums = inputs.loss_and_sums(lambda s, t, tok: score_values(leaf, TokenLogits(s, t, tok)),
-                                        {leaf.name: float(leaf.weight)})
+
+  def values(s, t, tok):
+    if teachers is not None:
+      t = teachers.combine(t, tok)
+    return score_values(leaf, TokenLogits(s, t, tok))
+
+  loss_sum, sums = inputs.loss_and_sums(values, {leaf.name: float(leaf.weight)})
   tokens = jnp.sum(inputs.mask_BxL)
   ratios = {k: (sums.pop(k), tokens) for k in TOKEN_METRICS}
   if inputs.student.router_stats is not None:
@@ -226,11 +252,14 @@ def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
                              chunk_size: int | None = vocab_chunks.AUTO,
                              teacher_key: str = TEACHER_KEY,
                              sampling_context: Callable | None = None,
-                             router_loss_weights: tuple[float, float] = (0.0, 0.0)) -> Objective:
+                             router_loss_weights: tuple[float, float] = (0.0, 0.0),
+                             teachers: TeacherMix | None = None) -> Objective:
   """The step objective (see the module doc). `leaf`: GeneralizedJSD or SampledTokenKL;
   `off_policy`: the teacher-forced objective of the (1 - lmbda) share (needed when lmbda < 1);
   `sampling_context`: a context manager factory sampling runs under (e.g. adapter dropout off);
-  `router_loss_weights`: (Switch load-balancing, router z-loss) weights of an MoE student."""
+  `router_loss_weights`: (Switch load-balancing, router z-loss) weights of an MoE student;
+  `teachers`: several teachers (their extras under `teachers.keys`), mixed or routed per prompt
+  at the leaf's temperature."""
   sampling_context = sampling_context or contextlib.nullcontext
   vocab_chunks.check_chunk_size(chunk_size)
   if settings.lmbda < 1.0 and off_policy is None:
@@ -238,14 +267,20 @@ def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
                       f"completions, which needs the off-policy (distill) objective")
   if settings.lmbda == 0.0:
     return off_policy
+  if teachers is not None:  # the mixture is the teacher the leaf reads, at the leaf's temperature
+    teachers = dataclasses.replace(teachers, temperature=float(leaf.temperature))
 
   def on_policy(student, extras, batch, rng) -> ObjectiveOutput:
     model, _ = unwrap_student(student)
     with sampling_context():
       rollout = sample_rollout(model, batch, jax.random.fold_in(rng, 1), settings)
-    out = score_rollout(leaf, student, extras, scoring_batch(rollout, settings.pad_id),
-                        chunk_size=chunk_size, teacher_key=teacher_key,
-                        router_loss_weights=router_loss_weights)
+    scoring = route_scoring_batch(scoring_batch(rollout, settings.pad_id), batch,
+                                  settings.num_samples)
+    if teachers is not None:
+      extras = {**extras, teacher_key: teacher_set(extras, teachers)}
+    out = score_rollout(leaf, student, extras, scoring, chunk_size=chunk_size,
+                        teacher_key=teacher_key, router_loss_weights=router_loss_weights,
+                        teachers=teachers)
     out.ratios.update(completion_stats(rollout, settings.stops))
     return out
 
@@ -265,6 +300,6 @@ def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
   return Objective(objective, rng_per_worker=False)
 
 
-__all__ = ["OnPolicySettings", "PROMPT_KEYS", "PROMPT_LENGTHS", "PROMPT_TOKENS", "ROW_IDS",
-           "Rollout", "completion_stats", "frozen_copy", "make_on_policy_objective", "row_keys",
-           "sample_rollout", "score_rollout", "scoring_batch"]
+__all__ = ["OnPolicySettings", "PROMPT_KEYS", "PROMPT_LENGTHS", "PROMPT_TEACHER", "PROMPT_TOKENS",
+           "ROW_IDS", "Rollout", "completion_stats", "frozen_copy", "make_on_policy_objective",
+           "route_scoring_batch", "row_keys", "sample_rollout", "score_rollout", "scoring_batch"]

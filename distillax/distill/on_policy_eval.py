@@ -28,9 +28,11 @@ from flax import nnx
 
 from distillax import partitioning as pt
 from distillax.framework import vocab_chunks
-from distillax.distill.on_policy import (PROMPT_LENGTHS, PROMPT_TOKENS, ROW_IDS,
-                                         OnPolicySettings, completion_stats, sample_rollout,
-                                         score_rollout, scoring_batch)
+from distillax.distill.multi_teacher import TeacherMix
+from distillax.distill.on_policy import (PROMPT_LENGTHS, PROMPT_TEACHER, PROMPT_TOKENS, ROW_IDS,
+                                         OnPolicySettings, completion_stats,
+                                         route_scoring_batch, sample_rollout, score_rollout,
+                                         scoring_batch)
 from distillax.distill.on_policy_losses import GeneralizedJSD
 from distillax.distill.student import unwrap_student
 from distillax.framework.backends import global_batch_placer
@@ -60,23 +62,26 @@ class OnPolicyEval:
 
 
 class OnPolicyEvaluator:
-  """`evaluate_on_policy` compiled once per model structure and prompt shape (keep one)."""
+  """`evaluate_on_policy` compiled once per model structure and prompt shape (keep one).
+  `teachers`: the teacher is a TeacherSet of several, mixed (at T = 1) or routed per prompt."""
 
   def __init__(self, settings: OnPolicySettings, *, mesh=None, rules=None,
-               chunk_size: int | None = vocab_chunks.AUTO):
+               chunk_size: int | None = vocab_chunks.AUTO, teachers: TeacherMix | None = None):
     self.settings = dataclasses.replace(settings, num_samples=1)
     self.mesh, self.rules, self.chunk_size = mesh, rules, chunk_size
+    self.teachers = None if teachers is None else dataclasses.replace(teachers, temperature=1.0)
     self._compiled = {}
 
   def _program(self, s_graph, t_graph):
-    settings, chunk_size = self.settings, self.chunk_size
+    settings, chunk_size, teachers = self.settings, self.chunk_size, self.teachers
     leaf = GeneralizedJSD(beta=1.0, temperature=1.0, name="on_policy_reverse_kl")
 
     def run(s_state, t_state, batch, key):
       student, teacher = nnx.merge(s_graph, s_state), nnx.merge(t_graph, t_state)
       rollout = sample_rollout(unwrap_student(student)[0], batch, key, settings)
-      out = score_rollout(leaf, student, {"teacher": teacher},
-                          scoring_batch(rollout, settings.pad_id), chunk_size=chunk_size)
+      scoring = route_scoring_batch(scoring_batch(rollout, settings.pad_id), batch, 1)
+      out = score_rollout(leaf, student, {"teacher": teacher}, scoring, chunk_size=chunk_size,
+                          teachers=teachers)
       ratios = {**out.ratios, **completion_stats(rollout, settings.stops)}
       return ratios, rollout.generated.tokens_BxT, rollout.generated.lengths_B, out.tokens
 
@@ -89,7 +94,9 @@ class OnPolicyEvaluator:
         return run(*args)
     return jax.jit(with_rules)
 
-  def __call__(self, student, teacher, prompts, *, seed: int = 0) -> OnPolicyEval:
+  def __call__(self, student, teacher, prompts, *, seed: int = 0,
+               prompt_teachers=None) -> OnPolicyEval:
+    """`prompt_teachers`: routing, the teacher index of each prompt."""
     s_graph, s_state = nnx.split(student)
     t_graph, t_state = nnx.split(teacher)
     key = (s_graph, t_graph)
@@ -101,6 +108,9 @@ class OnPolicyEvaluator:
       rows = -(-rows // data) * data
     width = max(len(p) for p in prompts)
     batch = prompt_arrays(prompts, width, self.settings.pad_id, rows)
+    if prompt_teachers is not None:
+      batch[PROMPT_TEACHER] = np.zeros((rows,), np.int32)
+      batch[PROMPT_TEACHER][:len(prompts)] = prompt_teachers
     if self.mesh is not None:
       batch = global_batch_placer(self.mesh, self.rules)(batch)
     ratios, tokens, lengths, count = jax.device_get(

@@ -85,6 +85,7 @@ class DistillRecipe(Recipe):
   # The guard watches the distillation objective (its next-token CE is a part of it at most).
   rollback_metrics = ("eval_objective", "eval_loss", "eval_perplexity")
   router_losses = True  # an MoE student's, next to the distillation terms
+  mix = None  # several teachers' TeacherMix (distill_multi_teacher.py); None: one teacher
 
   def __init__(self, config, **kwargs):
     super().__init__(config, **kwargs)

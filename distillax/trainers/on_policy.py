@@ -82,14 +82,14 @@ class OnPolicyRecipe(DistillRecipe):
     c = self.config.on_policy
     weights = self.router_loss_weights(train=True)
     off = make_distill_objective(self.strategy(), chunk_size=self.chunk_size(), metrics=False,
-                                 router_loss_weights=weights)
+                                 router_loss_weights=weights, teachers=self.mix)
     leaf = on_policy_strategy(str(c.divergence), beta=float(c.beta),
                               temperature=float(c.temperature))
     # Adapter dropout is for the learner's forward, not for sampling.
     context = (lambda: quant.lora_dropout(None)) if self.transforms.lora is not None else None
     on = make_on_policy_objective(leaf, self.settings, off_policy=off,
                                   chunk_size=self.chunk_size(), sampling_context=context,
-                                  router_loss_weights=weights)
+                                  router_loss_weights=weights, teachers=self.mix)
     return self.transforms.train_objective(on)  # the wrapper keeps on's rng_per_worker
 
   def batch_shapes(self):
@@ -111,6 +111,14 @@ class OnPolicyRecipe(DistillRecipe):
     except UserError as e:
       raise UserError(f"on_policy: {str(e).replace('sequence_kd.', 'on_policy.')}") from None
     return [r.tokens for r in records]
+
+  def eval_teacher(self, extras):
+    """The teacher model the held-out prompts are graded by."""
+    return extras[TEACHER]
+
+  def prompt_teachers(self, split: str):
+    """Routing: the teacher index of each of `prompts(split)`; None: one teacher grades all."""
+    del split
 
   def train_iterator(self):
     return OnPolicyIterator(super().train_iterator(), self.prompts("train"),
@@ -136,7 +144,7 @@ class OnPolicyRecipe(DistillRecipe):
   def _eval_fn(self):
     """(engine, state) -> the on-policy figure on held-out prompts; writes the samples."""
     evaluator = OnPolicyEvaluator(self.settings, mesh=self.mesh, rules=self.rules,
-                                  chunk_size=self.chunk_size())
+                                  chunk_size=self.chunk_size(), teachers=self.mix)
     prompts, c = None, self.config.on_policy
 
     def run(engine, state):
@@ -144,7 +152,8 @@ class OnPolicyRecipe(DistillRecipe):
       prompts = self.prompts("eval") if prompts is None else prompts
       gstate = engine.global_state(state)
       student, extras = engine.layout.defs.merge(gstate.params, gstate.frozen)
-      result = evaluator(student, extras[TEACHER], prompts, seed=int(c.eval_seed))
+      result = evaluator(student, self.eval_teacher(extras), prompts, seed=int(c.eval_seed),
+                         prompt_teachers=self.prompt_teachers("eval"))
       if self.workdir and jax.process_index() == 0 and int(c.samples_to_write) > 0:
         records = [{"prompt": self.tokenizer.decode(p), "completion": self.tokenizer.decode(s),
                     "prompt_ids": p, "completion_ids": s}

@@ -66,7 +66,7 @@ class RoutedIterator:
       it.set_state(state[str(n)])
 
 
-def _data_of(data_cfg, source: str):
+def route_data(data_cfg, source: str):
   """The data section of one route: its source, evaluated on its own validation split."""
   out = data_cfg.copy_and_resolve_references()
   out.source = source
@@ -77,7 +77,7 @@ def _data_of(data_cfg, source: str):
 def routed_train_iterator(data_cfg, routes, *, global_batch_size: int, seq_len: int, seed: int,
                           tokenizer) -> RoutedIterator:
   rows = rows_per_route(global_batch_size, routes)
-  return RoutedIterator([make_train_iterator(_data_of(data_cfg, s), global_batch_size=rows,
+  return RoutedIterator([make_train_iterator(route_data(data_cfg, s), global_batch_size=rows,
                                              seq_len=seq_len, seed=seed, tokenizer=tokenizer)
                          for s, _ in routes], [i for _, i in routes])
 
@@ -85,7 +85,7 @@ def routed_train_iterator(data_cfg, routes, *, global_batch_size: int, seq_len: 
 def routed_eval_iterator(data_cfg, routes, *, global_batch_size: int, seq_len: int,
                          num_batches: int, tokenizer) -> RoutedIterator:
   rows = rows_per_route(global_batch_size, routes)
-  return RoutedIterator([make_eval_iterator(_data_of(data_cfg, s), global_batch_size=rows,
+  return RoutedIterator([make_eval_iterator(route_data(data_cfg, s), global_batch_size=rows,
                                             seq_len=seq_len, num_batches=num_batches,
                                             tokenizer=tokenizer)
                          for s, _ in routes], [i for _, i in routes])
