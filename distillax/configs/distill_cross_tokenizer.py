@@ -12,15 +12,22 @@ The weights of the three terms, the temperature and alpha are distill.cross_toke
 A seconds-long run: a fresh tiny teacher on a 1024-id BPE, the student on a 512-id BPE, both
 trained on the embedded corpus (data/corpus_bpe.py; cached after the first run):
   distillax train --config distillax/configs/distill_cross_tokenizer.py:tiny --workdir runs/xkd_tiny
+On-policy: the student samples completions of the data's prompts, the host cuts their text with
+the teacher's tokenizer and aligns the two cuts, and the same three terms train the student on
+its own samples (the `on_policy` section: prompts and sampling; lmbda must be 1; its
+divergence, beta and temperature are not read: the loss is distill.cross_tokenizer.*):
+  distillax train --config distillax/configs/distill_cross_tokenizer.py:tiny,on_policy \
+      --workdir runs/xop_tiny
 """
 
 from distillax.configs import distill
 from distillax.configs.common import parse_arg
+from distillax.configs.on_policy import on_policy_section
 from distillax.data.corpus_bpe import corpus_bpe
 
 
 def get_config(arg: str | None = None):
-  args = parse_arg(arg, tiny=False)
+  args = parse_arg(arg, tiny=False, on_policy=False)
   c = distill.get_config("tiny" if args.tiny else None)
   del c["cache"]  # no teacher cache: the teacher runs on its own tokens in the step
   c.distill.objective = "cross_tokenizer"
@@ -28,4 +35,11 @@ def get_config(arg: str | None = None):
   c.teacher.tokenizer = f"hf:{corpus_bpe(1024)}"
   if args.tiny:
     c.model.vocab_size = 0  # the student's tokenizer's (512)
+  if args.on_policy:
+    c.trainer = "on_policy"
+    c.on_policy = on_policy_section()
+    if args.tiny:
+      c.train.batch_size = 8
+      c.on_policy.prompt_len, c.on_policy.max_new_tokens = 8, 16
+      c.on_policy.num_samples, c.on_policy.num_prompts = 2, 64
   return c

@@ -6,7 +6,8 @@
 `recipe_for` picks the recipe by the config's `trainer` field: lm (lm.py), distill
 (distill.py; with `teacher.cache_dir`, distill_cached.py; with
 distill.objective='cross_tokenizer', distill_cross_tokenizer.py), sequence_kd (sequence_kd.py),
-on_policy (on_policy.py), distill_multi_teacher and on_policy_multi_teacher (several
+on_policy (on_policy.py; with distill.objective='cross_tokenizer',
+on_policy_cross_tokenizer.py), distill_multi_teacher and on_policy_multi_teacher (several
 teachers). Importing this package registers them all. Every model's weights
 come from `sources` (one room).
 """
@@ -19,6 +20,7 @@ from distillax.trainers.distill_multi_teacher import MultiTeacherDistillRecipe
 from distillax.trainers.lm import LMRecipe, lm_objective
 from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 from distillax.trainers.on_policy import OnPolicyRecipe
+from distillax.trainers.on_policy_cross_tokenizer import CrossTokenizerOnPolicyRecipe
 from distillax.trainers.on_policy_multi_teacher import MultiTeacherOnPolicyRecipe
 from distillax.trainers.registry import hf_checkpoint_recipe, recipe_class, recipe_for
 from distillax.trainers.sequence_kd import SequenceKDRecipe
@@ -26,7 +28,7 @@ from distillax.trainers.sources import (is_hf_checkpoint, load_run_config, resol
                                         RunSource)
 from distillax.trainers.saved import load_as_trained, load_trained_model, restore_run_state
 
-__all__ = ["CachedDistillRecipe", "CrossTokenizerDistillRecipe", "DistillRecipe", "Engines", "MultiTeacherDistillRecipe", "MultiTeacherOnPolicyRecipe", "LMRecipe", "OnPolicyRecipe", "Recipe",
+__all__ = ["CachedDistillRecipe", "CrossTokenizerDistillRecipe", "CrossTokenizerOnPolicyRecipe", "DistillRecipe", "Engines", "MultiTeacherDistillRecipe", "MultiTeacherOnPolicyRecipe", "LMRecipe", "OnPolicyRecipe", "Recipe",
            "RunSource",
            "SequenceKDRecipe", "Trainer", "check_recipe_data", "is_hf_checkpoint", "load_run_config",
            "load_as_trained", "load_trained_model", "lm_objective", "hf_checkpoint_recipe",

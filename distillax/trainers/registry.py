@@ -9,7 +9,7 @@ from distillax.errors import ConfigError, UserError
 
 _RECIPES: dict[str, type] = {}
 # Recipes a distill job gets from its fields, not from `trainer`.
-_CHOSEN_BY_FIELDS = ("distill_cached", "distill_cross_tokenizer")
+_CHOSEN_BY_FIELDS = ("distill_cached", "distill_cross_tokenizer", "on_policy_cross_tokenizer")
 DISTILL_OBJECTIVES = ("strategies", "cross_tokenizer")
 
 
@@ -25,7 +25,8 @@ def register(name: str):
 def recipe_kind(config) -> str:
   """The registered name for a job config: its `trainer` field, except that a distillation job
   with a teacher cache is the cached-distillation recipe (no teacher in the step), and one with
-  distill.objective='cross_tokenizer' the cross-tokenizer recipe."""
+  distill.objective='cross_tokenizer' the cross-tokenizer recipe (off-policy, or on-policy with
+  trainer='on_policy')."""
   if "job" in config and config.job == "demo":
     raise ConfigError("this is the demo's config; run it with `distillax demo --config "
                       "distillax/configs/demo.py --workdir runs/demo --devices 8`")
@@ -35,16 +36,20 @@ def recipe_kind(config) -> str:
     raise ConfigError(f"distill.objective={objective!r} is not one of {DISTILL_OBJECTIVES}; "
                       f"e.g. --config.distill.objective=cross_tokenizer")
   cached = "teacher" in config and config.teacher.get("cache_dir")
-  if objective == "cross_tokenizer" and kind != "distill":
+  if objective == "cross_tokenizer" and kind not in ("distill", "on_policy"):
     raise ConfigError(f"distill.objective='cross_tokenizer' is built for trainer='distill' "
-                      f"(off-policy) only, not trainer={kind!r} yet; use "
-                      f"--config.distill.objective=strategies")
-  if kind == "distill" and objective == "cross_tokenizer":
+                      f"(off-policy) and trainer='on_policy' only, not trainer={kind!r} yet; "
+                      f"use --config.distill.objective=strategies")
+  if objective == "cross_tokenizer":
     if cached:
       raise ConfigError("distill.objective='cross_tokenizer' runs the teacher on its own tokens "
                         "in the step, but teacher.cache_dir is set; clear "
                         "--config.teacher.cache_dir")
-    return "distill_cross_tokenizer"
+    if kind == "on_policy" and "on_policy" not in config:
+      raise ConfigError("trainer='on_policy' with distill.objective='cross_tokenizer' needs the "
+                        "on_policy section; use distillax/configs/distill_cross_tokenizer.py:"
+                        "on_policy")
+    return f"{kind}_cross_tokenizer"
   if kind == "distill" and cached:
     return "distill_cached"
   return kind
