@@ -13,37 +13,12 @@ object: bleu, chrf, rouge_l and the number of records.
 from __future__ import annotations
 
 import json
-import os
 
 import jax
 
+from distillax.data.prompt_pairs import read_prompt_pairs
 from distillax.errors import UserError
 from distillax.framework.text_metrics import generation_scores
-
-
-def read_pairs(path: str) -> tuple[list[str], list[str]]:
-  """(prompts, reference completions) of a prompt/completion JSONL file."""
-  if not path or not os.path.isfile(path):
-    raise UserError(f"--generate={path}: no such file; give a JSONL of {{\"prompt\", "
-                    f"\"completion\"}} records")
-  prompts, references = [], []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except ValueError as e:
-        raise UserError(f"--generate: {path} line {number} is not JSON ({e})") from None
-      if not (isinstance(record, dict) and isinstance(record.get("prompt"), str)
-              and isinstance(record.get("completion"), str)):
-        raise UserError(f"--generate: {path} line {number} needs string \"prompt\" and "
-                        f"\"completion\" fields")
-      prompts.append(record["prompt"])
-      references.append(record["completion"])
-  if not prompts:
-    raise UserError(f"--generate: {path} holds no records")
-  return prompts, references
 
 
 def greedy_completions(lm, prompts: list[str], max_new_tokens: int) -> list[str]:
@@ -59,7 +34,7 @@ def run_eval_generate(config, model_dir: str | None, data: str, *, max_new_token
   from distillax.generate import load_model_dir
   if max_new_tokens is None or max_new_tokens < 1:
     raise UserError(f"--max_new_tokens={max_new_tokens} must be at least 1")
-  prompts, references = read_pairs(data)
+  prompts, references = read_prompt_pairs(data)
   try:
     from distillax.eval_harness import DistillaxLM
   except ImportError:

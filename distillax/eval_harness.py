@@ -20,14 +20,14 @@ else EOS), as in lm-eval.
 
 from __future__ import annotations
 
-import numpy as np
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.models.utils import postprocess_generated_text
 
 from distillax.errors import UserError
-from distillax.models.scoring import TokenScorer, length_bucket
+from distillax.models.completions import complete_batch
+from distillax.models.scoring import TokenScorer
 
 
 class DistillaxLM(TemplateLM):
@@ -128,27 +128,14 @@ class DistillaxLM(TemplateLM):
   def _generate(self, contexts: list[str], kwargs: dict) -> list[str]:
     until = handle_stop_sequences(kwargs.pop("until", None), eos=None)
     steps = int(kwargs.pop("max_gen_toks"))
-    room = self.max_length - steps
-    if room < 1:
+    if self.max_length - steps < 1:
       raise UserError(f"a task asks for max_gen_toks={steps} new tokens, the model's "
                       f"max_seq_len is {self.max_length}: no room is left for the context")
-    prompts = [self.tok_encode(c)[-room:] for c in contexts]
-    width = length_bucket(max(len(p) for p in prompts), 16, room)
-    prompt_BxP = np.zeros((self.batch_size, width), np.int32)
-    lengths_B = np.ones((self.batch_size,), np.int32)
-    for b, ids in enumerate(prompts):
-      prompt_BxP[b, :len(ids)], lengths_B[b] = ids, len(ids)
     temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
-    stops = self.loaded.stop_ids
-    result = self.sampler(prompt_BxP, lengths_B, max_new_tokens=steps, temperature=temperature,
+    rows = complete_batch(self.sampler, [self.tok_encode(c) for c in contexts],
+                          batch_size=self.batch_size, max_new_tokens=steps,
+                          pad_id=self.tok.pad_id, stop_ids=tuple(self.loaded.stop_ids),
+                          vocab_limit=self.tok.vocab_size, temperature=temperature,
                           top_p=kwargs.get("top_p"), top_k=kwargs.get("top_k"),
-                          eos_id=stops[0] if stops else None, pad_id=self.tok.pad_id,
-                          seed=int(kwargs.get("seed", 0) or 0),
-                          vocab_limit=self.tok.vocab_size)
-    tokens_BxT = np.asarray(result.tokens_BxT)
-    texts = []
-    for b in range(len(prompts)):
-      ids = tokens_BxT[b].tolist()
-      ids = ids[:next((t for t, i in enumerate(ids) if i in stops), len(ids))]
-      texts.append(postprocess_generated_text(self.tok.decode(ids), until, None))
-    return texts
+                          seed=int(kwargs.get("seed", 0) or 0))
+    return [postprocess_generated_text(self.tok.decode(ids), until, None) for ids in rows]

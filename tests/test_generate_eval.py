@@ -11,6 +11,9 @@ import pytest
 from distillax import partitioning as pt
 from distillax.data import ByteTokenizer, make_tokenizer
 from distillax.data.chat import template_for
+from distillax.eval_generate import greedy_completions
+from distillax.eval_harness import DistillaxLM
+from distillax.evaluate import restore_onto, run_recipe
 from distillax.generate import generate_tokens, load_model_dir
 from distillax.main import main
 from distillax.models import hf
@@ -24,16 +27,53 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LM = f"{ROOT}/distillax/configs/lm.py:tiny"
 
 
+# Held-out prompt/completion records the run's evals complete (eval.generate).
+HELD_OUT = [{"prompt": "def main(", "completion": "):\n    return 0\n"},
+            {"prompt": "import ", "completion": "os\nimport sys\n"},
+            {"prompt": "for i in range(", "completion": "10):\n    print(i)\n"}]
+GENERATE_TOKENS = 6
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-  """A finished lm.py:tiny run and its `distillax export`."""
+  """A finished lm.py:tiny run whose evals also score greedy completions of HELD_OUT, and its
+  `distillax export`."""
   root = tmp_path_factory.mktemp("generate_eval")
-  workdir, export = root / "run", root / "hf"
+  workdir, export, held_out = root / "run", root / "hf", root / "held_out.jsonl"
+  held_out.write_text("".join(json.dumps(r) + "\n" for r in HELD_OUT))
   assert main(["distillax", "train", "--config", LM, "--workdir", str(workdir),
-               "--config.train.steps=4", "--config.train.eval_every=2"]) == 0
+               "--config.train.steps=4", "--config.train.eval_every=2",
+               f"--config.eval.generate={held_out}",
+               f"--config.eval.max_new_tokens={GENERATE_TOKENS}"]) == 0
   assert main(["distillax", "export", "--config", LM, "--workdir", str(workdir), "--output",
                str(export)]) == 0
   return str(workdir), str(export)
+
+
+def test_logged_generation_figures_are_eval_generates(run, capsys):
+  """The run's last eval (step 4: metrics.jsonl, summary.json) scored its greedy completions of
+  the held-out file as `distillax eval --generate` scores that checkpoint's."""
+  workdir, _ = run
+  held_out = os.path.join(os.path.dirname(workdir), "held_out.jsonl")
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl")) if l.strip()]
+  logged = {r["step"]: r for r in rows if "eval_bleu" in r}
+  assert sorted(logged) == [2, 4] and "eval_loss" in logged[4]
+  capsys.readouterr()
+  assert main(["distillax", "eval", "--model", workdir, "--generate", held_out,
+               "--max_new_tokens", str(GENERATE_TOKENS)]) == 0
+  got = _json_line(capsys)
+  assert got["records"] == len(HELD_OUT)
+  for name in ("bleu", "chrf", "rouge_l"):
+    assert logged[4][f"eval_{name}"] == got[name], name
+  # A model trained 4 steps scores ~0, so the texts themselves are compared: the trainer's
+  # decode of the checkpoint (on the run's mesh) and the command's (lm-eval adapter).
+  recipe = run_recipe(workdir)
+  engine, state = restore_onto(recipe, recipe.build_engines(compile_now=False), workdir)
+  texts = recipe.generation_eval.completions(engine, state)
+  prompts = [r["prompt"] for r in HELD_OUT]
+  assert texts == greedy_completions(DistillaxLM(load_model_dir(workdir)), prompts,
+                                     GENERATE_TOKENS)
+  assert all(texts), texts
 
 
 def _json_line(capsys) -> dict:

@@ -71,6 +71,10 @@ class GenerationEval:
     return held[1]
 
   def __call__(self, engine, state) -> dict[str, float]:
+    return generation_scores(self.completions(engine, state), self.references)
+
+  def completions(self, engine, state) -> list[str]:
+    """The student's greedy completion of each held-out prompt, as text."""
     gstate = engine.global_state(state)
     model, _ = engine.layout.defs.merge(gstate.params, gstate.frozen)
     for name in self.student_path:  # the plain student inside a distillation wrapper
@@ -81,4 +85,4 @@ class GenerationEval:
                              max_new_tokens=self.max_new_tokens,
                              pad_id=int(self.tokenizer.pad_id), stop_ids=self.stop_ids,
                              vocab_limit=self.tokenizer.vocab_size)
-    return generation_scores([self.tokenizer.decode(i) for i in ids], self.references)
+    return [self.tokenizer.decode(i) for i in ids]
