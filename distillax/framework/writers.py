@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Callable, Iterable, Mapping, Protocol
 
 import jax
@@ -138,6 +139,25 @@ def read_jsonl(path: str) -> list[dict]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def _import_tensorboardx():
+  """tensorboardX, imported with torch hidden when nothing has imported torch yet.
+
+  Why: tensorboardX's writer imports torch whenever it is installed (the test and Hugging Face
+  extras install it), only to accept torch tensors as values, which we never log; that import
+  alone costs about 2 s of CPU at the start of every run. Deferred: only process 0 pays for the
+  import. Afterwards torch imports as usual.
+  """
+  hide = "torch" not in sys.modules
+  if hide:
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this entry is None
+  try:
+    import tensorboardX  # pylint: disable=import-outside-toplevel
+  finally:
+    if hide and sys.modules.get("torch", 0) is None:
+      del sys.modules["torch"]
+  return tensorboardX
+
+
 class TensorBoardWriter:
   """Scalars into TensorBoard event files via tensorboardX (no TensorFlow needed).
 
@@ -145,7 +165,7 @@ class TensorBoardWriter:
   """
 
   def __init__(self, logdir: str, *, resume_step: int | None = None, flush_secs: int = 10):
-    import tensorboardX  # deferred: only process 0 pays for the import
+    tensorboardX = _import_tensorboardx()
     os.makedirs(logdir, exist_ok=True)
     self.logdir = logdir
     # purge_step hides events at or after it that a crashed earlier run wrote into this logdir.

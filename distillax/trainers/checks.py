@@ -124,16 +124,15 @@ def model_conflicts(recipe) -> list[str]:
 
 def _tokamax_conflicts(recipe) -> list[str]:
   """moe_impl='tokamax' or attention_impl='tokamax' without the optional package: named before
-  anything compiles."""
-  if moe_kernels.tokamax_installed():
-    return []
+  anything compiles. Whether it is installed is asked only then: the question imports tokamax
+  (about 1.5 s of CPU), which a job that does not use it should not pay at every start."""
   models = [mc for mc in (recipe.model_config, recipe.teacher_model_config) if mc is not None]
   out = []
   if any(mc.num_experts and mc.moe_impl == "tokamax" for mc in models):
     out.append(moe_kernels.TOKAMAX_MISSING)
   if any(mc.attention_impl == "tokamax" for mc in models):
     out.append(attention_tokamax.TOKAMAX_MISSING)
-  return out
+  return out if out and not moe_kernels.tokamax_installed() else []
 
 
 def _vmap_moe_conflicts(recipe) -> list[str]:
