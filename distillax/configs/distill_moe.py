@@ -19,15 +19,21 @@ safetensors, tokenizer.json; nothing to convert) and chats on local disk:
 A seconds-long run on 8 devices: a fresh tiny MoE teacher (4 experts, top-2, over a data axis
 of 4) into a tiny dense student (ep_tp: tensor parallel over a model axis of 2):
   distillax train --config distillax/configs/distill_moe.py:tiny --workdir runs/moe_kd_tiny
+Gemma 4 (`:gemma4`): the 26B-A4B-shape teacher (8 of 128 experts beside a dense MLP per layer)
+into the dense E2B-shape student (one 262,144-token vocabulary), and its tiny run (tiny_gemma4_moe
+into tiny_gemma4):
+  distillax plan --config distillax/configs/distill_moe.py:gemma4 --devices 64 --memory_gb 95
+  distillax train --config distillax/configs/distill_moe.py:tiny,gemma4 --workdir runs/g4_kd_tiny
 """
 
 from distillax.configs import distill
-from distillax.configs.common import parse_arg
+from distillax.configs.common import model_config, parse_arg
 
 
 def get_config(arg: str | None = None):
   # distill.py's LogitKD (T=2, alpha=0.7), AdamW + clipping + warmup/cosine and its `:tiny`.
-  tiny = parse_arg(arg, tiny=False).tiny
+  args = parse_arg(arg, tiny=False, gemma4=False)
+  tiny = args.tiny
   c = distill.get_config("tiny" if tiny else None)
   c.partitioning.strategy = "fsdp_ep"  # experts over data (whole), everything else fsdp
   if tiny:
@@ -36,5 +42,11 @@ def get_config(arg: str | None = None):
     c.teacher.preset = "tiny_moe"
     c.partitioning.strategy = "ep_tp"
     c.mesh.data, c.mesh.model = 4, 2
+    if args.gemma4:
+      c.teacher.preset = "tiny_gemma4_moe"
+      c.model = model_config("tiny_gemma4", vocab_size=0)
+      c.partitioning.replicate_indivisible = True  # the full layers' one key/value head
     return c
+  if args.gemma4:
+    return distill.at_pod_scale(c, "gemma4-e2b", "gemma4-26b-a4b")
   return distill.at_pod_scale(c, "qwen3-1.7b", "qwen3-30b-a3b")

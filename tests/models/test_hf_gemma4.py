@@ -321,13 +321,18 @@ def hf_moe_model():
   return _randomize(transformers.Gemma4ForCausalLM(config))
 
 
+@pytest.fixture(scope="module")
+def hf_moe_checkpoint(hf_moe_model, tmp_path_factory):
+  return _save(hf_moe_model, tmp_path_factory.mktemp("gemma4_moe"))
+
+
 def test_gemma4_moe_import_matches_transformers_forward_decode_and_packed(hf_moe_model,
-                                                                          tmp_path):
+                                                                          hf_moe_checkpoint):
   """The router (its scale and per-expert scales drawn at random), the experts' gate_up_proj
   halves and the dense branch with its norms: the full forward, a cached prefill of 6 and 5
   decode steps, and packed documents match transformers; the reference and tokamax dispatch
   give the ragged one's logits."""
-  model = hf.load(_save(hf_moe_model, tmp_path))
+  model = hf.load(hf_moe_checkpoint)
   cfg = model.config
   assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.expert_mlp_dim, cfg.router,
           cfg.moe_dense_mlp) == (4, 2, 24, "gemma4", True)
@@ -357,3 +362,29 @@ def test_gemma4_moe_export_loads_in_transformers_and_round_trips_exactly(tmp_pat
   for a, b in zip(jax.tree.leaves(nnx.state(ours, nnx.Param)),
                   jax.tree.leaves(nnx.state(back, nnx.Param)), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_student_of_gemma4_moe_blocks_is_the_moe_model_of_those_blocks(hf_moe_model,
+                                                                       hf_moe_checkpoint):
+  """Blocks (0, 1) of the MoE teacher (a sliding then a full MoE block), loaded sharded with
+  the experts over data (fsdp_ep): each keeps its router, experts, dense branch and per-layer
+  input columns; the logits are those of transformers' Gemma 4 MoE of those blocks."""
+  layers = (0, 1)
+  source = BlocksSource(HFSource(str(hf_moe_checkpoint), "teacher.hf_path"), layers)
+  cfg = source.model_config()
+  assert cfg.local_layers() == [True, False] and cfg.moe_dense_mlp and cfg.num_experts == 4
+  student = source.load(cfg, pt.create_mesh({"data": 4, "model": 2}),
+                        pt.rules_from_config({"strategy": "fsdp_ep"}), seed=0)
+  P = MOE_TEXT["hidden_size_per_layer_input"]
+  columns = [t * P + p for t in layers for p in range(P)]
+  state = blocks_state(hf_moe_model, layers)
+  state["model.embed_tokens_per_layer.weight"] = state[
+      "model.embed_tokens_per_layer.weight"][:, columns]
+  state["model.per_layer_model_projection.weight"] = state[
+      "model.per_layer_model_projection.weight"][columns]
+  picked = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**{
+      **MOE_TEXT, "num_hidden_layers": 2, "layer_types": [S, F], "num_kv_shared_layers": 0},
+      attn_implementation="eager"))
+  picked.load_state_dict(state)
+  got = np.asarray(forward(student, jnp.asarray(TOKENS, jnp.int32)).logits_BxLxV)
+  assert float(np.max(np.abs(got - torch_logits(picked.eval(), TOKENS)))) <= 1e-4
