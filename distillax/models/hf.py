@@ -1,5 +1,6 @@
 """Hugging Face safetensors checkpoints in and out (Llama, Gemma, Gemma 2, Qwen 2/3, Mistral,
-Qwen3-MoE, Mixtral, gpt-oss; gpt-oss's MXFP4-packed experts are dequantized on load).
+Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5 and its MoE, Gemma 3/4, SmolLM3; gpt-oss's MXFP4-packed
+experts are dequantized on load, Qwen3(.5)-MoE experts are read per expert or fused).
 
 `load` checks every tensor name and shape against config.json before reading any weights, then
 builds each parameter with `jax.make_array_from_callback`: every device's shard is read straight
@@ -35,7 +36,8 @@ from distillax.models.config import TransformerConfig
 from distillax.models import mxfp4
 from distillax.models.hf_config import MULTIMODAL, architecture_of, config_from_hf
 from distillax.models.hf_config_out import config_to_hf
-from distillax.models.hf_names import Source, join_parts, key_path, source_of
+from distillax.models.hf_names import (Source, fused_experts_stored, join_parts, key_path,
+                                       source_of)
 from distillax.models.hf_tokenizer import make_readable, write_tokenizer_files
 from distillax.models.init import RulesLike, abstract_model, resolve_rules
 from distillax.models.transformer import Transformer
@@ -115,10 +117,11 @@ def load(path: str | os.PathLike, *, mesh: Mesh | None = None, rules: RulesLike 
     shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
 
   flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-  plans = [(source_of(key_path(p), config), x) for p, x in flat]
   packed = (hf_config.get("quantization_config") or {}).get("quant_method") == mxfp4.QUANT_METHOD
   with contextlib.ExitStack() as stack:
     files, stored_names = _text_tower(files, hf_config)
+    fused = fused_experts_stored(files, config)
+    plans = [(source_of(key_path(p), config, fused), x) for p, x in flat]
     reader = _Reader(path, files, stack, packed, config, stored_names)
     _check_tensors(plans, reader, hf_config)  # every name and shape before reading a weight
     arrays = [_make_array(source, x, sharding, reader.tensor)

@@ -1,5 +1,6 @@
 """Hugging Face `config.json` -> TransformerConfig for Llama, Gemma, Gemma 2, Gemma 3, Qwen
-2/2.5, Qwen 3, Mistral, SmolLM3, and the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss.
+2/2.5, Qwen 3, Mistral, SmolLM3, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss and
+Qwen3.5-MoE.
 
 Reads both the transformers 5 layout (`rope_parameters`) and the older one (`rope_theta` +
 `rope_scaling`), and writes both so other readers (older transformers, serving stacks) agree.
@@ -9,7 +10,8 @@ q/k RMSNorm, Mistral's sliding window on every layer; Qwen3-MoE is Qwen 3 with e
 layer (softmax then top-k, `norm_topk_prob`), Mixtral is Mistral with experts (top-k then
 softmax). gpt-oss adds biases (q/k/v/o, router, experts), attention sinks, the clamped SwiGLU,
 YaRN RoPE and alternating sliding / full layers. Qwen3.5's dense text decoder mixes Gated
-DeltaNet and gated full-attention layers by `layer_types`, with partial RoPE. Gemma 3 is Gemma
+DeltaNet and gated full-attention layers by `layer_types`, with partial RoPE; Qwen3.5-MoE adds
+experts to every layer beside a sigmoid-gated shared expert. Gemma 3 is Gemma
 2 with q/k norms, five sliding layers in six and a RoPE per layer type (`rope_parameters` keyed
 by layer type: the sliding layers' base, the global layers' with linear scaling); SmolLM3 is
 Llama with no RoPE where `no_rope_layers` says 0. Per-layer `layer_types` that follow no pattern
@@ -31,15 +33,17 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-                "gemma4_text": "Gemma4ForCausalLM"}
+                "gemma4_text": "Gemma4ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 GPT_OSS = "GptOssForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
 QWEN35 = "Qwen3_5ForCausalLM"
+QWEN35_MOE = "Qwen3_5MoeForCausalLM"
 # Multimodal wrappers whose text decoder distillax reads (text_config; weights under a prefix).
 MULTIMODAL = {"Gemma4ForConditionalGeneration": GEMMA4,
               "Gemma3ForConditionalGeneration": GEMMA3,
-              "Qwen3_5ForConditionalGeneration": QWEN35}
+              "Qwen3_5ForConditionalGeneration": QWEN35,
+              "Qwen3_5MoeForConditionalGeneration": QWEN35_MOE}
 ARCHITECTURES = tuple(MODEL_TYPES.values())
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", GEMMA3)
 _QWEN_FAMILY = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -231,6 +235,17 @@ def _qwen35_fields(hf: Mapping[str, Any], act, num_layers: int, where: str) -> d
               linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)))
 
 
+def _qwen35_moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """Qwen3.5-MoE: Qwen3.5 with experts in every layer (softmax, top-k renormalised: the class
+  fixes norm_topk_prob) beside a shared expert whose output a sigmoid gate scales."""
+  return dict(num_experts=int(hf.get("num_experts", 256)),
+              num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
+              moe_mlp_dim=int(hf.get("moe_intermediate_size", 512)), router="softmax_topk",
+              norm_topk_prob=True,
+              shared_expert_mlp_dim=int(hf.get("shared_expert_intermediate_size", 512)),
+              shared_expert_gate=True)
+
+
 def _moe_fields(hf: Mapping[str, Any], arch: str, where: str) -> dict[str, Any]:
   """The expert fields of Qwen3-MoE (experts in every layer only) and Mixtral."""
   if arch == "MixtralForCausalLM":
@@ -255,8 +270,9 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
   act = hf.get("hidden_activation") or hf.get("hidden_act")
   if arch == GPT_OSS:  # its experts' activation is fixed by the class (hidden_act is unused)
     return _gpt_oss_fields(hf, num_layers, where)
-  if arch == QWEN35:
-    return _qwen35_fields(hf, act, num_layers, where)
+  if arch in (QWEN35, QWEN35_MOE):
+    fields = _qwen35_fields(hf, act, num_layers, where)
+    return {**fields, **(_qwen35_moe_fields(hf) if arch == QWEN35_MOE else {})}
   if arch == GEMMA4:
     if (act or "gelu_pytorch_tanh") not in _TANH_GELU:
       raise UserError(f"{where}: hidden activation {act!r} is not supported for {arch} "
@@ -307,7 +323,8 @@ def config_from_hf(hf: Mapping[str, Any], *, where: str = "config.json",
       num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
       num_kv_heads=int(hf.get("num_key_value_heads") or heads),
       head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-      mlp_dim=int(hf["intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      # Qwen3.5-MoE has no dense MLP width (mlp_dim is then unused)
+      mlp_dim=int(hf.get("intermediate_size") or hf["moe_intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       max_seq_len=int(hf.get("max_position_embeddings", 2048)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA_FAMILY + (GEMMA4,))),
       **_rope(hf, where))

@@ -10,20 +10,29 @@ from typing import Any
 from distillax.errors import UserError
 from distillax.models.config import FULL, SLIDING, TransformerConfig
 from distillax.models.hf_config import (ARCHITECTURES, GEMMA3, GEMMA_FAMILY, GPT_OSS,
-                                        MISTRAL_FAMILY, MODEL_TYPES, QWEN35, SMOLLM3)
+                                        MISTRAL_FAMILY, MODEL_TYPES, QWEN35, QWEN35_MOE,
+                                        SMOLLM3)
 from distillax.models.hf_gemma4 import GEMMA4, gemma4_hf_fields, is_gemma4
 
 
-def _is_qwen35(config: TransformerConfig) -> bool:
-  """Whether Qwen3_5ForCausalLM holds the config: its fixed parts (gated attention with q/k
-  norms, (1 + w) norms, SwiGLU) and nothing of the other families."""
-  return (config.attn_output_gate and config.qk_norm and config.norm_scale_plus_one
-          and config.mlp_activation == "swiglu" and not config.num_experts
-          and not (config.qkv_bias or config.scale_embeddings or config.use_post_norms
-                   or config.attn_logit_softcap or config.final_logit_softcap
-                   or config.query_pre_attn_scalar or config.sliding_window
-                   or config.rope_scaling_factor or config.attention_sinks
-                   or config.attn_out_bias))
+def _qwen35_architecture(config: TransformerConfig) -> str | None:
+  """Qwen3_5ForCausalLM, or Qwen3_5MoeForCausalLM with experts (softmax, top-k renormalised,
+  beside a sigmoid-gated shared expert), for a config with their fixed parts (gated attention
+  with q/k norms, (1 + w) norms, SwiGLU) and nothing of the other families; else None."""
+  fixed = (config.attn_output_gate and config.qk_norm and config.norm_scale_plus_one
+           and config.mlp_activation == "swiglu")
+  others = (config.qkv_bias or config.scale_embeddings or config.use_post_norms
+            or config.attn_logit_softcap or config.final_logit_softcap
+            or config.query_pre_attn_scalar or config.sliding_window
+            or config.rope_scaling_factor or config.attention_sinks or config.attn_out_bias
+            or config.router_bias or config.expert_bias)
+  if not fixed or others:
+    return None
+  if not config.num_experts:
+    return QWEN35
+  moe = (config.router == "softmax_topk" and config.norm_topk_prob
+         and config.shared_expert_mlp_dim and config.shared_expert_gate)
+  return QWEN35_MOE if moe else None
 
 
 def _moe_architecture(config: TransformerConfig, every_or_no_layer_local: bool) -> str | None:
@@ -82,7 +91,7 @@ def hf_architecture(config: TransformerConfig) -> str:
     arch = GEMMA4 if is_gemma4(config) else None
   elif (config.attn_output_gate or config.token_mixers is not None
       or config.partial_rotary_factor != 1.0):
-    arch = QWEN35 if _is_qwen35(config) else None
+    arch = _qwen35_architecture(config)
   elif (config.attention_sinks or config.router_bias or config.expert_bias
       or config.attn_out_bias or config.mlp_activation == "clamped_swiglu"):
     arch = GPT_OSS if _is_gpt_oss(config) else None
@@ -100,8 +109,10 @@ def hf_architecture(config: TransformerConfig) -> str:
   elif llama_like and not any(gemma2_only):
     arch = _swiglu_architecture(config)
   if (config.rope_local_theta is not None and arch not in (GEMMA3, GEMMA4)
-      or config.rope_scaling_type == "linear" and arch in (GPT_OSS, QWEN35)):
-    arch = None  # no other family turns its sliding layers with a base of their own
+      or config.rope_scaling_type == "linear" and arch in (GPT_OSS, QWEN35, QWEN35_MOE)
+      or config.shared_expert_mlp_dim and arch != QWEN35_MOE):
+    arch = None  # no other family turns its sliding layers with a base of their own, or has a
+    # shared expert
   if arch is None:
     raise UserError(
         "this model config has no Hugging Face equivalent among "
@@ -109,7 +120,8 @@ def hf_architecture(config: TransformerConfig) -> str:
         f"norm_scale_plus_one={config.norm_scale_plus_one}, scale_embeddings="
         f"{config.scale_embeddings}, use_post_norms={config.use_post_norms}, qkv_bias="
         f"{config.qkv_bias}, qk_norm={config.qk_norm}, sliding_window={config.sliding_window}, "
-        f"num_experts={config.num_experts}, router={config.router!r}, attention_sinks="
+        f"num_experts={config.num_experts}, shared_expert_mlp_dim="
+        f"{config.shared_expert_mlp_dim}, router={config.router!r}, attention_sinks="
         f"{config.attention_sinks}, router_bias={config.router_bias}, expert_bias="
         f"{config.expert_bias}, attn_out_bias={config.attn_out_bias}, rope_local_theta="
         f"{config.rope_local_theta}, rope_free_layers={config.rope_free_layers}, "
@@ -123,9 +135,13 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
   window = config.sliding_window if any(config.local_layers()) else None
   if arch == GEMMA4:
     return gemma4_hf_fields(config)
-  if arch == QWEN35:
+  if arch in (QWEN35, QWEN35_MOE):
     mixers = config.token_mixers or (FULL,) * config.num_layers
-    return dict(hidden_act="silu", layer_types=list(mixers),
+    moe = {} if arch == QWEN35 else dict(
+        num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+        moe_intermediate_size=config.expert_mlp_dim,
+        shared_expert_intermediate_size=config.shared_expert_mlp_dim)
+    return dict(hidden_act="silu", **moe, layer_types=list(mixers),
                 rope_parameters={**_rope_to_hf(config),
                                  "partial_rotary_factor": config.partial_rotary_factor},
                 linear_num_key_heads=config.linear_num_key_heads,

@@ -161,6 +161,16 @@ _EXPERT_NAMES = {  # architecture -> (module, router, gate, up, down)
     "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "Qwen3_5MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
 }
+# Qwen3-MoE's and Qwen3.5-MoE's experts as transformers 5 holds them in memory (its
+# save_pretrained writes them per expert, as above; a checkpoint may store them this way):
+# gate and up as the row halves of one (expert, 2 * out, in) tensor per layer, down (expert,
+# out, in).
+_FUSED_EXPERT_ARCHS = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM")
+_FUSED_EXPERT_SOURCES = {
+    ("mlp", "gate"): ("mlp.experts.gate_up_proj", Layout("first_half")),
+    ("mlp", "up"): ("mlp.experts.gate_up_proj", Layout("second_half")),
+    ("mlp", "down"): ("mlp.experts.down_proj", Layout("experts_T")),
+}
 # Qwen3.5-MoE's shared expert (models/moe_shared.py) and its output gate, (1, embed) in HF.
 _SHARED_EXPERT_SOURCES = {
     ("mlp", "shared_expert", "gate"): ("mlp.shared_expert.gate_proj.weight", Layout("T")),
@@ -322,12 +332,21 @@ class Source:
     return tuple(shape[len(self.lead):])
 
 
-def source_of(path: tuple, config: TransformerConfig) -> Source:
+def fused_experts_stored(names, config: TransformerConfig) -> bool:
+  """Whether a checkpoint with tensors `names` stores a Qwen3(.5)-MoE's experts fused."""
+  return (config.num_experts > 0 and hf_architecture(config) in _FUSED_EXPERT_ARCHS
+          and any(name.endswith(".mlp.experts.gate_up_proj") for name in names))
+
+
+def source_of(path: tuple, config: TransformerConfig, fused_experts: bool = False) -> Source:
+  """fused_experts: read the experts from transformers' fused tensors (fused_experts_stored)."""
   keys = tuple(str(k) for k in path)
   if keys[0] != "layers":
     name, layout = _TOP_SOURCES[keys]
     return Source((name,), layout)
   sources = _layer_sources(config, None if config.scan_layers else int(keys[1]))
+  if fused_experts:
+    sources.update(_FUSED_EXPERT_SOURCES)
   suffix, layout = sources[keys[1:] if config.scan_layers else keys[2:]]
   layers = range(config.num_layers) if config.scan_layers else [keys[1]]
   experts = range(config.num_experts) if "{e}" in suffix else [0]
