@@ -244,3 +244,19 @@ def test_qwen35_gated_deltanet_parts_by_hand():
                           for n in ("A_log", "conv", "dt_bias", "norm_scale")]
                          + ["layers/3/attn/k_norm/scale", "layers/3/attn/q_norm/scale"])
   assert all(r.bytes_per_device * 8 == r.bytes_total for r in fsdp if r.path not in whole)
+
+
+def test_tiny_gemma4_moe_places_its_router_scales_and_dense_branch_by_hand():
+  """Gemma 4's MoE block under the expert-parallel and tensor-parallel rules: its per-expert
+  scales go with the experts (over data under fsdp_ep), the router's input scale and the
+  branches' norms with embed, the dense MLP beside the experts like any MLP."""
+  ep = rows_by_path(plan("tiny_gemma4_moe", "fsdp_ep", 4, 2))
+  assert ep["layers/0/mlp/gate"].mesh_spec == ("data", None, None)  # (expert, embed, mlp)
+  assert ep["layers/0/mlp/expert_scale"].mesh_spec == ("data",)  # (expert,)
+  assert ep["layers/0/mlp/router_scale"].mesh_spec == ("data",)  # (embed,)
+  assert ep["layers/0/mlp/dense/gate"].mesh_spec == ("data", None)  # (embed, mlp)
+  assert ep["layers/0/mlp/experts_pre_norm/scale"].mesh_spec == ("data",)
+  tp = rows_by_path(plan("tiny_gemma4_moe", "tp", 8, 1))
+  assert tp["layers/0/mlp/up"].mesh_spec == (None, None, "model")
+  assert tp["layers/0/mlp/dense/down"].mesh_spec == ("model", None)
+  assert tp["layers/0/mlp/expert_scale"].mesh_spec == (None,)
