@@ -11,6 +11,7 @@ import pytest
 from distillax import partitioning as pt
 from distillax.data import ByteTokenizer, make_tokenizer
 from distillax.data.chat import template_for
+from distillax.edge.gguf_completions import greedy_texts
 from distillax.eval_generate import greedy_completions
 from distillax.eval_harness import DistillaxLM
 from distillax.evaluate import restore_onto, run_recipe
@@ -74,6 +75,26 @@ def test_logged_generation_figures_are_eval_generates(run, capsys):
   assert texts == greedy_completions(DistillaxLM(load_model_dir(workdir)), prompts,
                                      GENERATE_TOKENS)
   assert all(texts), texts
+  # The run's f32 GGUF, decoded by llama.cpp itself: the same completions, the same scores.
+  folder = os.path.join(os.path.dirname(workdir), "gguf")
+  assert main(["distillax", "export", "--config", LM, "--workdir", workdir, "--output", folder,
+               "--format", "gguf"]) == 0
+  gguf = os.path.join(folder, "model-f32.gguf")
+  assert greedy_texts(gguf, prompts, GENERATE_TOKENS) == texts
+  capsys.readouterr()
+  assert main(["distillax", "eval", "--model", gguf, "--generate", held_out,
+               "--max_new_tokens", str(GENERATE_TOKENS)]) == 0
+  out = capsys.readouterr()
+  assert json.loads(out.out.strip().splitlines()[-1]) == got
+  assert f"distillax eval: {gguf} decoded by llama.cpp (reference kernels, f32 KV cache)" in out.err
+  # A file that is not prompt/completion records: one line, before llama.cpp loads anything.
+  bad = os.path.join(folder, "bad.jsonl")
+  with open(bad, "w") as f:
+    f.write('{"text": "def main(): pass"}\n')
+  assert main(["distillax", "eval", "--model", gguf, "--generate", bad]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [f'distillax eval: error: --generate: {bad} line 1 needs string "prompt" and '
+                 f'"completion" fields'], err
 
 
 def _json_line(capsys) -> dict:

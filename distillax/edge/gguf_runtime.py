@@ -134,16 +134,19 @@ def logits(llm, ids: Sequence[int]) -> np.ndarray:
 
 
 def greedy(llm, prompt: Sequence[int], max_new_tokens: int,
-           vocab_limit: int | None = None) -> list[int]:
+           vocab_limit: int | None = None, stop_id: int | None = None) -> list[int]:
   """Greedy continuation in llama.cpp: the prompt once, then one token per decode step.
   vocab_limit: the tokenizer's size, as distillax's sampler takes it (the argmax over ids below
-  it: a padded vocabulary's extra rows are never picked); None: llama.cpp's raw argmax."""
+  it: a padded vocabulary's extra rows are never picked); None: llama.cpp's raw argmax.
+  stop_id: decoding ends once it is picked (it is the last id returned)."""
   llm.reset()
   llm.eval([int(i) for i in prompt])
   out = []
   for _ in range(max_new_tokens):
     token = int(np.argmax(llm.scores[llm.n_tokens - 1][:vocab_limit]))
     out.append(token)
+    if token == stop_id or len(out) == max_new_tokens:
+      break
     llm.eval([token])
   return out
 
