@@ -2,6 +2,7 @@
 
   distillax eval --model runs/qat --against runs/fp
   distillax eval --model out/q_hf --against out/fp_hf --config distillax/configs/lm.py
+  distillax eval --model out/q4/model-q4_0.gguf --against runs/fp
 
 Both models read the same eval tokens (the --model run's eval batches, as `distillax eval`
 takes them: its own config.json, or --config's data section; a Hugging Face directory needs
@@ -10,12 +11,15 @@ KL(P_against || P_model) mean, p99 and max, same-top-1, top-p agreement (the mod
 inside the twin's 0.9 nucleus), the perplexity ratio and each side's mean NLL. --model runs in
 the form it trained (a QAT run's fake-quant forward, LoRA merged); --against in its plain
 weights (a QAT run's full-precision weights). The two must have the same model shape.
+A .gguf --model is run by llama.cpp itself on --against's eval tokens (each packed document from
+position 0; reference kernels, f32 KV cache): the deployed file's distance from its twin.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import sys
 
 import jax
 import numpy as np
@@ -84,7 +88,10 @@ def fidelity_against(config, model_dir: str, against: str) -> dict[str, float]:
       values.setdefault(key, []).append(np.asarray(value))
     masks.append(np.asarray(batch[LOSS_MASK]).reshape(-1) > 0)
   mask = np.concatenate(masks)
-  joined = {k: np.concatenate(v) for k, v in values.items()}
+  return _summary({k: np.concatenate(v) for k, v in values.items()}, mask)
+
+
+def _summary(joined: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, float]:
   out = fidelity.kl_summary(joined["kl"], mask)
   out["same_top1"] = fidelity.share(joined["top1"], mask)
   out[f"in_top_p{TOP_P:g}"] = fidelity.share(joined["top_p"], mask)
@@ -96,9 +103,58 @@ def fidelity_against(config, model_dir: str, against: str) -> dict[str, float]:
   return out
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graph, state, batch):
+  return nnx.merge(graph, state)(batch[INPUTS], positions_BxL=batch[POSITIONS],
+                                 segment_ids_BxL=batch[SEGMENT_IDS]).logits_BxLxV
+
+
+def gguf_fidelity_against(config, gguf: str, against: str) -> dict[str, float]:
+  """The fidelity figures of a GGUF file run by llama.cpp against the run (or Hugging Face
+  directory) `against`, over `against`'s eval tokens: each packed document is evaluated by
+  llama.cpp alone from position 0, as distillax's segment-masked forward sees it."""
+  from distillax.edge import gguf_completions, measurements
+  from distillax.generate import load_model_dir
+  batches = list(_eval_batches(config, against))
+  twin = load_model_dir(against, config, full_precision=True)
+  twin.command = "eval"
+
+  def check(dims):
+    for name, theirs in dims.items():
+      mine = getattr(twin.model.config, name)
+      if mine != theirs:
+        raise UserError(f"--against {against} has model.{name}={mine!r}, --model {gguf} "
+                        f"{theirs!r}: compare a GGUF file with the full-precision run it was "
+                        f"exported from (the same shape)")
+  segs = measurements.segments(batches)
+  if jax.process_index() == 0:
+    print(f"distillax eval: {gguf} run by {gguf_completions.describe().rsplit(', ', 1)[0]}",
+          file=sys.stderr, flush=True)
+  quant = gguf_completions.segment_logits(gguf, [s[3] for s in segs], check)
+  graph, state = nnx.split(twin.model)
+  full = [np.asarray(jax.device_get(_logits(graph, state, {k: jax.numpy.asarray(v)
+                                                            for k, v in b.items()})))
+          for b in batches]
+  fp_NxV = np.concatenate([full[b][row, first:first + len(ids)]
+                           for b, row, first, ids, _, _ in segs])
+  quant_NxV = np.concatenate(quant)
+  targets_N = np.concatenate([s[4] for s in segs]).astype(np.int32)
+  mask = np.concatenate([s[5] for s in segs]) > 0
+  joined = {"kl": fidelity.per_token_kl(fp_NxV, quant_NxV),
+            "top1": fidelity.same_top1(fp_NxV, quant_NxV),
+            "top_p": fidelity.in_top_p(fp_NxV, quant_NxV, TOP_P),
+            "nll_model": fidelity.target_nll(quant_NxV, targets_N),
+            "nll_against": fidelity.target_nll(fp_NxV, targets_N)}
+  return _summary({k: np.asarray(jax.device_get(v)) for k, v in joined.items()}, mask)
+
+
 def run_eval_against(config, model_dir: str | None, against: str) -> int:
   """Prints the figures as one JSON object; 0."""
-  figures = fidelity_against(config, model_dir, against)
+  from distillax.edge.gguf_completions import is_gguf
+  if is_gguf(model_dir):
+    figures = gguf_fidelity_against(config, model_dir, against)
+  else:
+    figures = fidelity_against(config, model_dir, against)
   if jax.process_index() == 0:
     print(json.dumps(figures, sort_keys=True, allow_nan=False), flush=True)
   return 0

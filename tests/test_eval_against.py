@@ -76,3 +76,29 @@ def test_against_a_twin_of_another_shape_is_one_line(twins, capsys):
   line = capsys.readouterr().err.strip().splitlines()[-1]
   assert f"--against {root / 'smaller'} has model.num_layers=1" in line
   assert "its own full-precision twin" in line
+
+
+def test_against_on_a_gguf_file_is_llama_cpps_and_refuses_another_shape(twins, capsys, tmp_path):
+  """`--model FILE.gguf` runs the file in llama.cpp: an f32 GGUF of `other` gives the figures
+  distillax's own forward of `other` gives (llama.cpp's f32 logits differ by ~4e-6), and a twin
+  of another shape is one line, exit 2."""
+  from distillax.edge.gguf_export import write_gguf
+  root, models = twins
+  gguf = str(tmp_path / "other.gguf")
+  write_gguf(models["other"], gguf)
+  want = _figures(capsys, ["--model", str(root / "other"), "--against", str(root / "fp")])
+  capsys.readouterr()
+  assert main(["distillax", "eval", "--model", gguf, "--against", str(root / "fp")]
+              + ONE_BATCH) == 0
+  out = capsys.readouterr()
+  got = json.loads(out.out.strip().splitlines()[-1])
+  assert f"distillax eval: {gguf} run by llama.cpp (reference kernels, f32 KV cache)" in out.err
+  assert got["tokens"] == want["tokens"] and got["same_top1"] == want["same_top1"]
+  for key in ("kl_mean", "kl_p99", "kl_max", "perplexity_ratio", "nll_model", "nll_against"):
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-3, err_msg=key)
+  assert got["kl_mean"] > 0.01  # another model: the comparison has something to find
+  assert main(["distillax", "eval", "--model", gguf, "--against", str(root / "smaller")]
+              + ONE_BATCH) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith(f"distillax eval: error: --against {root / 'smaller'} has "
+                            f"model.num_layers=1, --model {gguf} 2: compare a GGUF file"), err

@@ -1,4 +1,5 @@
-"""Greedy completions of text prompts decoded by llama.cpp itself from a GGUF file.
+"""What `distillax eval` asks of a GGUF file in llama.cpp itself: greedy completions of text
+prompts, and the logits of the eval tokens.
 
 `distillax eval --model student.gguf --generate held_out.jsonl` scores what the deployed file
 writes: each prompt is tokenized by llama.cpp from the file's own vocabulary (BOS as the file
@@ -6,6 +7,10 @@ asks), continued greedily by llama.cpp's incremental decode (KV cache) for up to
 max_new_tokens tokens or to the file's EOS, and detokenized by llama.cpp. As distillax's sampler
 does, the argmax never picks the file's unused rows (a vocabulary padded past the tokenizer's
 ids), so an f32 export completes every prompt as the run it came from does.
+
+`segment_logits` gives llama.cpp's logits over each packed eval document from position 0
+(edge/measurements.segments), for `eval --model FILE.gguf --against RUN`; `shape` names the
+file's dimensions for the same-shape check.
 
 The judge's settings run by default: llama.cpp's portable CPU kernels ("reference", forced on
 every CPU) and a float32 KV cache (see gguf_runtime); `describe` names them for the line the
@@ -63,5 +68,29 @@ def greedy_texts(path: str, prompts: Sequence[str], max_new_tokens: int) -> list
       out = out[:out.index(eos)] if eos in out else out
       texts.append(llm.detokenize(out).decode("utf-8", errors="replace"))
     return texts
+  finally:
+    llm.close()
+
+
+def shape(llm) -> dict[str, int]:
+  """The file's model dimensions by distillax's field names (model.vocab_size, ...)."""
+  import llama_cpp
+  model = llm.model
+  return {"vocab_size": int(llm.n_vocab()), "embed_dim": llama_cpp.llama_model_n_embd(model),
+          "num_layers": llama_cpp.llama_model_n_layer(model),
+          "num_heads": llama_cpp.llama_model_n_head(model),
+          "num_kv_heads": llama_cpp.llama_model_n_head_kv(model)}
+
+
+def segment_logits(path: str, inputs: Sequence[Sequence[int]], check=None) -> list:
+  """llama.cpp's float32 logits (len, vocab) of each id sequence, each evaluated from position
+  0; `check(shape(llm))` runs once the file is loaded, before any is evaluated."""
+  if not os.path.isfile(path):
+    raise UserError(f"--model {path}: no such GGUF file")
+  llm = gguf_runtime.load(path, kernels=KERNELS, exact_cache=EXACT_CACHE)
+  try:
+    if check is not None:
+      check(shape(llm))
+    return [gguf_runtime.logits(llm, ids) for ids in inputs]
   finally:
     llm.close()
