@@ -367,10 +367,14 @@ def test_gemma4_moe_export_loads_in_transformers_and_round_trips_exactly(tmp_pat
 def test_a_student_of_gemma4_moe_blocks_is_the_moe_model_of_those_blocks(hf_moe_model,
                                                                        hf_moe_checkpoint):
   """Blocks (0, 1) of the MoE teacher (a sliding then a full MoE block), loaded sharded with
-  the experts over data (fsdp_ep): each keeps its router, experts, dense branch and per-layer
-  input columns; the logits are those of transformers' Gemma 4 MoE of those blocks."""
+  the experts over data (fsdp_ep), keeping all four experts in reverse order
+  (student.from_teacher.experts: router columns and per-expert scales follow them, the router's
+  input scale and the dense branch stay whole): each keeps its router, experts, dense branch
+  and per-layer input columns; the logits are those of transformers' Gemma 4 MoE of those
+  blocks."""
   layers = (0, 1)
-  source = BlocksSource(HFSource(str(hf_moe_checkpoint), "teacher.hf_path"), layers)
+  source = BlocksSource(HFSource(str(hf_moe_checkpoint), "teacher.hf_path"), layers,
+                        experts=(3, 2, 1, 0))
   cfg = source.model_config()
   assert cfg.local_layers() == [True, False] and cfg.moe_dense_mlp and cfg.num_experts == 4
   student = source.load(cfg, pt.create_mesh({"data": 4, "model": 2}),

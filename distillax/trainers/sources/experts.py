@@ -82,10 +82,12 @@ def with_kept_experts(cfg: TransformerConfig, kept) -> TransformerConfig:
 def slice_layer(values: dict, kept_layer: Sequence[int] | None) -> dict:
   """One block's parameter values with its experts cut to `kept_layer` (in that order): the
   router's expert columns (its last axis) and every other MoE array's leading expert axis; a
-  module beside the experts (Qwen3.5-MoE's shared expert) is kept whole."""
+  module beside the experts (Qwen3.5-MoE's shared expert, Gemma 4's dense MLP and norms) and
+  Gemma 4's router input scale are kept whole."""
   if kept_layer is None:
     return values
   index = jnp.asarray(kept_layer, jnp.int32)
   cut = lambda name, v: jnp.take(v, index, axis=v.ndim - 1 if name == "router" else 0)
-  mlp = {name: v if isinstance(v, dict) else cut(name, v) for name, v in values["mlp"].items()}
+  whole = lambda name, v: isinstance(v, dict) or name == "router_scale"  # (Gemma 4's: embed)
+  mlp = {name: v if whole(name, v) else cut(name, v) for name, v in values["mlp"].items()}
   return {**values, "mlp": mlp}
