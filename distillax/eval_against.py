@@ -151,6 +151,9 @@ def gguf_fidelity_against(config, gguf: str, against: str) -> dict[str, float]:
 def run_eval_against(config, model_dir: str | None, against: str) -> int:
   """Prints the figures as one JSON object; 0."""
   from distillax.edge.gguf_completions import is_gguf
+  if is_gguf(against):
+    raise UserError(f"--against {against} is a GGUF file; compare against the full-precision "
+                    f"run or Hugging Face directory, and pass the GGUF as --model")
   if is_gguf(model_dir):
     figures = gguf_fidelity_against(config, model_dir, against)
   else:

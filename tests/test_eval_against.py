@@ -102,3 +102,11 @@ def test_against_on_a_gguf_file_is_llama_cpps_and_refuses_another_shape(twins, c
   err = capsys.readouterr().err.strip().splitlines()
   assert err[-1].startswith(f"distillax eval: error: --against {root / 'smaller'} has "
                             f"model.num_layers=1, --model {gguf} 2: compare a GGUF file"), err
+  # What eval cannot do with a GGUF file: one line each, before anything loads.
+  for argv, fragment in (([], "is a GGUF file, which eval runs in llama.cpp with --generate"),
+                         (["--tasks", "distillax_code_mc"], "for --tasks or the eval loss"),
+                         (["--against", gguf], "is a GGUF file; compare against the full-")):
+    model = str(root / "fp") if "--against" in argv else gguf
+    assert main(["distillax", "eval", "--model", model, *argv]) == 2, argv
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("distillax eval: error: ") and fragment in err[0], err

@@ -102,6 +102,11 @@ def _eval(config, flags: dict) -> int:
     import jax
     if jax.process_count() > 1:
       raise UserError(f"eval {chosen[0]} runs in one process; launch it without --num_processes")
+  if str(flags["model"] or "").endswith(".gguf") and flags["generate"] is None and (
+      flags["against"] is None):
+    raise UserError(f"--model {flags['model']} is a GGUF file, which eval runs in llama.cpp with "
+                    f"--generate FILE or --against RUN; for --tasks or the eval loss give the run "
+                    f"or Hugging Face directory it was exported from")
   if flags["tasks"] is not None:
     from distillax.eval_lm_tasks import run_eval_tasks
     return run_eval_tasks(config, flags["model"], flags["tasks"], num_fewshot=flags["num_fewshot"],
