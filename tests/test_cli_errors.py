@@ -154,3 +154,19 @@ def test_extending_a_finished_run_says_the_schedule_is_recomputed(capsys, tmp_pa
           "(warmup_cosine) recomputed over 3 steps: at step 2 the rate is 0.000165, where the "
           "2-step schedule had 3e-05") in notes[0]
   assert json.loads((extended / "summary.json").read_text())["step"] == 3
+
+
+def test_a_generation_eval_file_that_is_not_prompt_completion_records_is_one_line(capsys,
+                                                                                 tmp_path):
+  """eval.generate is read when the job is made: a missing file, a record without the fields
+  or no room to generate fail in one line naming the field, before the workdir exists."""
+  missing = tmp_path / "none.jsonl"
+  line = _refused(capsys, tmp_path, "--config", f"{LM}:tiny", f"--config.eval.generate={missing}")
+  assert f"eval.generate={missing}: no such file" in line, line
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "def f(", "answer": "x)"}\n')
+  line = _refused(capsys, tmp_path, "--config", f"{LM}:tiny", f"--config.eval.generate={bad}")
+  assert f'eval.generate: {bad} line 1 needs string "prompt" and "completion" fields' in line
+  line = _refused(capsys, tmp_path, "--config", f"{LM}:tiny", f"--config.eval.generate={bad}",
+                  "--config.eval.max_new_tokens=0")
+  assert "eval.max_new_tokens=0 must be at least 1" in line, line
