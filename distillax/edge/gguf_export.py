@@ -5,7 +5,7 @@
 
 Architectures: what `hf_config_out.hf_architecture` names, as llama.cpp's llama (Llama, and
 Mistral when no layer's window is shorter than the context; Mixtral, its experts included),
-gemma, gemma2, gemma3, gemma4, qwen2, qwen3, qwen3moe, qwen35, gpt-oss and smollm3, with
+gemma, gemma2, gemma3, gemma4, qwen2, qwen3, qwen3moe, qwen35(moe), gpt-oss and smollm3, with
 llama.cpp's tensor names and `{arch}.*` keys (edge/gguf_layout.py; gemma4's and qwen35's own:
 edge/gguf_gemma4_qwen35.py). Conventions llama.cpp expects and we follow: tensors are row-major
 [out, in] (GGUF ne0 = in, the axis ggml's blocks run along); Llama's and SmolLM3's q/k rows are
@@ -47,9 +47,9 @@ from distillax.models.transformer import Transformer, with_layer_layout
 from distillax.quant import ggml
 from distillax.quant.config import GGML_WEIGHT_QTYPES, QuantConfig
 from distillax.quant.graph import flat_pure_dict
-from distillax.edge.gguf_gemma4_qwen35 import (check_gemma4, check_qwen35, check_qwen35_blocks,
-                                                gemma4_moe_tensors, gemma4_rope_freqs,
-                                                qwen35_tensors)
+from distillax.edge.gguf_gemma4_qwen35 import (QWEN35_ARCHS, check_gemma4, check_qwen35,
+                                                check_qwen35_blocks, gemma4_moe_tensors,
+                                                gemma4_rope_freqs, qwen35_tensors)
 from distillax.edge.gguf_layout import add_hparams, gguf_name, rope_freq_factors
 from distillax.edge.gguf_vocab import vocab_of
 from distillax.quant.qat import full_precision, weight_quants
@@ -62,7 +62,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama",
                  "GptOssForCausalLM": "gpt-oss", "Gemma3ForCausalLM": "gemma3",
                  "SmolLM3ForCausalLM": "smollm3", "Gemma4ForCausalLM": "gemma4",
-                 "Qwen3_5ForCausalLM": "qwen35"}
+                 "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe"}
 _SLIDING = ("gemma2", "gpt-oss")  # the archs whose even layers slide in llama.cpp
 _ROPE_SCALING = {"llama": "llama3", "gpt-oss": "yarn", "gemma3": "linear"}  # what each reads
 _EXPERT_BIASES = ("mlp/gate_bias", "mlp/up_bias", "mlp/down_bias")
@@ -99,7 +99,7 @@ def gguf_architecture(config: TransformerConfig) -> str:
     _check_fixed_layer_patterns(config, arch)
   if arch == "gemma4":
     check_gemma4(config)
-  if arch == "qwen35":
+  if arch in QWEN35_ARCHS:
     check_qwen35(config)
   if arch == "gemma2":
     _check_gemma2_windows(config)
@@ -281,7 +281,7 @@ def gguf_arrays(model: Transformer, layouts: dict[str, tuple]):
     merged = [t for i in range(config.num_layers) for t in gemma4_moe_tensors(i, rows)]
     taken = {source for sources, _, _ in merged for source in sources}
     tensors = [t for t in tensors if t[1] not in taken] + merged
-  if arch == "qwen35":
+  if arch in QWEN35_ARCHS:
     merged = [t for i in range(config.num_layers) for t in qwen35_tensors(i, rows, params, config)]
     taken = {source for sources, _, _ in merged for source in sources}
     tensors = [t for t in tensors if t[1] not in taken] + merged
@@ -353,7 +353,7 @@ def write_gguf(model: nnx.Module, path: str | os.PathLike, *, quant: str = "f32"
   arch = gguf_architecture(config)
   vocab = vocab_of(tokenizer or ByteTokenizer(), config.vocab_size)
   layouts, types = tensor_types(model, quant, rules)
-  if arch == "qwen35":
+  if arch in QWEN35_ARCHS:
     check_qwen35_blocks(config, types)
   model = with_layer_layout(model, False)
   writer = gguf.GGUFWriter(os.fspath(path), arch)

@@ -26,6 +26,11 @@ converter's V-head reorder does; a q8_0 / q4_0 ssm_out whose heads do not fill w
 is refused, as that reorder would regroup its blocks. Which layers are linear: the
 attention.recurrent_layers flags. Positions turn by interleaved M-RoPE, every section fed the one
 text position; the sections are split so that every turning pair reads one of them.
+
+Qwen3.5-MoE (qwen35moe) is qwen35 with stacked experts in every layer (gguf_layout's ffn_*_exps)
+beside the shared expert: ffn_gate_shexp / ffn_up_shexp / ffn_down_shexp, its output gate as the
+vector ffn_gate_inp_shexp [embed] (always f32, as the router), its width in
+expert_shared_feed_forward_length.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from distillax.errors import UserError
 from distillax.models.config import TransformerConfig
 
 STILL = 1e30  # a rope_freqs factor that stops a pair turning (convert_hf_to_gguf.py's value)
+QWEN35_ARCHS = ("qwen35", "qwen35moe")  # llama.cpp's Qwen3.5 and Qwen3.5-MoE
 
 
 # ---- refusals ----------------------------------------------------------------------------
@@ -132,6 +138,8 @@ def add_qwen35_hparams(writer, config: TransformerConfig) -> None:
       writer.add_full_attention_interval(interval)
       break
   writer.add_rope_dimension_sections(mrope_sections(config.rotary_dim // 2))
+  if config.shared_expert_mlp_dim:
+    writer.add_expert_shared_feed_forward_length(config.shared_expert_mlp_dim)
 
 
 # ---- tensors -----------------------------------------------------------------------------
@@ -148,7 +156,15 @@ def qwen35_tensors(layer: int, rows: dict[str, np.ndarray], params: dict[str, np
                    config: TransformerConfig) -> list[tuple[tuple[str, ...], str, np.ndarray]]:
   """One layer's merged / reordered tensors: (the parameters each is made of, the pseudo
   parameter name gguf_layout names it by, the array as llama.cpp reads it). `rows`: each
-  parameter as gguf_export lays matrices out ([out, in]); `params`: as stored."""
+  parameter as gguf_export lays matrices out ([out, in]); `params`: as stored. A shared
+  expert's output gate [1, embed] is stored as the vector llama.cpp reads."""
+  gate = f"layers/{layer}/mlp/shared_expert/output_gate"
+  shared = [((gate,), gate, rows[gate].reshape(-1))] if gate in rows else []
+  return _mixer_tensors(layer, rows, params, config) + shared
+
+
+def _mixer_tensors(layer: int, rows: dict[str, np.ndarray], params: dict[str, np.ndarray],
+                   config: TransformerConfig) -> list[tuple[tuple[str, ...], str, np.ndarray]]:
   p = f"layers/{layer}/attn/"
   if not config.layer_is_linear(layer):
     H, Dh = config.num_heads, config.head_dim

@@ -19,7 +19,8 @@ import math
 
 import numpy as np
 
-from distillax.edge.gguf_gemma4_qwen35 import add_gemma4_hparams, add_qwen35_hparams
+from distillax.edge.gguf_gemma4_qwen35 import (QWEN35_ARCHS, add_gemma4_hparams,
+                                                add_qwen35_hparams)
 from distillax.models.config import TransformerConfig
 from distillax.quant.config import GGML_WEIGHT_QTYPES
 
@@ -60,7 +61,12 @@ _GEMMA4_MOE_NAMES = {"mlp/router_scale": "ffn_gate_inp.scale",
                      "mlp/experts_post_norm/scale": "post_ffw_norm_2.weight"}
 # Qwen3.5: the pre-MLP norm is llama.cpp's post_attention_norm; a Gated DeltaNet layer's tensors
 # (attn/qkv: its q, k and v as one, made by gguf_gemma4_qwen35.qwen35_tensors).
-_QWEN35_NAMES = {"mlp_norm/scale": "post_attention_norm.weight"}
+_QWEN35_NAMES = {"mlp_norm/scale": "post_attention_norm.weight",
+                 # Qwen3.5-MoE's shared expert (models/moe_shared.py) and its output gate
+                 "mlp/shared_expert/gate": "ffn_gate_shexp.weight",
+                 "mlp/shared_expert/up": "ffn_up_shexp.weight",
+                 "mlp/shared_expert/down": "ffn_down_shexp.weight",
+                 "mlp/shared_expert/output_gate": "ffn_gate_inp_shexp.weight"}
 _LINEAR_NAMES = {"attn/qkv": "attn_qkv.weight", "attn/z": "attn_gate.weight",
                  "attn/b": "ssm_beta.weight", "attn/a": "ssm_alpha.weight",
                  "attn/conv": "ssm_conv1d.weight", "attn/dt_bias": "ssm_dt.bias",
@@ -79,7 +85,7 @@ def gguf_name(param: str, config: TransformerConfig, arch: str) -> str:
     names = {**names, **_GPT_OSS_NAMES}
   if config.moe_dense_mlp:
     names = {**names, **_GEMMA4_MOE_NAMES}
-  if arch == "qwen35":
+  if arch in QWEN35_ARCHS:
     names = {**names, **_QWEN35_NAMES, **(_LINEAR_NAMES if config.layer_is_linear(int(layer))
                                           else {})}
   return f"blk.{layer}.{names[rest]}"
@@ -98,7 +104,7 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
   head_dim = (config.global_head_dim or config.head_dim) if arch == "gemma4" else config.head_dim
   writer.add_key_length(head_dim)
   writer.add_value_length(head_dim)
-  writer.add_rope_dimension_count(config.rotary_dim if arch == "qwen35" else head_dim)
+  writer.add_rope_dimension_count(config.rotary_dim if arch in QWEN35_ARCHS else head_dim)
   writer.add_rope_freq_base(float(config.rope_theta))
   writer.add_layer_norm_rms_eps(float(config.norm_eps))
   writer.add_vocab_size(config.vocab_size)
@@ -115,7 +121,7 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
     _add_gemma3_hparams(writer, config)
   if arch == "gemma4":
     add_gemma4_hparams(writer, config)
-  if arch == "qwen35":
+  if arch in QWEN35_ARCHS:
     add_qwen35_hparams(writer, config)
   if arch == "gemma2":
     writer.add_attn_logit_softcapping(float(config.attn_logit_softcap))

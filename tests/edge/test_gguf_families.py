@@ -1,8 +1,8 @@
-"""Gemma 3, Gemma 4, Qwen3.5 and SmolLM3 students as GGUF (llama.cpp's gemma3, gemma4, qwen35 and
-smollm3), run in llama.cpp (the edge extra, f32 KV cache, every kernel path this CPU can force)
-against distillax's forward at the dense exports' tolerances: the plain forward for f32, the QAT
-forward (q4_0 weights, q8_0 rows) for q4_0. What llama.cpp fixes in code and a model would run
-differently is refused in one line.
+"""Gemma 3, Gemma 4, Qwen3.5 (and its MoE) and SmolLM3 students as GGUF (llama.cpp's gemma3,
+gemma4, qwen35, qwen35moe and smollm3), run in llama.cpp (the edge extra, f32 KV cache, every
+kernel path this CPU can force) against distillax's forward at the dense exports' tolerances:
+the plain forward for f32, the QAT forward (q4_0 weights, q8_0 rows) for q4_0. What llama.cpp
+fixes in code and a model would run differently is refused in one line.
 
 Measured here (40 tokens, reference kernels), max |logit difference|:
   gemma3   f32 2.1e-4 (logit scale 3.9), q4_0 1.2e-6 (4.1), with llama.cpp's fp16 GELU table
@@ -20,6 +20,10 @@ Measured here (40 tokens, reference kernels), max |logit difference|:
            linear_value_head_dim = 32 (at 16, a value head is half a q4_0 block and llama.cpp's
            value-head order regroups ssm_out's blocks: refused below). Without that reorder the
            f32 export differs by 0.23.
+  qwen35moe f32 4.3e-6 (logit scale 6.6); q4_0 with linear head dims 32 and a shared expert
+           64 wide (whole q4_0 blocks): 1.4e-6 (5.8) at seed 1; at seed 0 1.4e-6 at 39 of the
+           40 positions and 0.024 at one, where no router is near a tie (the 2nd and 3rd expert
+           probabilities differ by >= 5e-3 in every layer): a rounding flip, as gemma4's.
   smollm3  f32 4.8e-6 (logit scale 12.3), q4_0 3.8e-6
   gemma4 MoE (tiny_gemma4_moe: experts beside a dense MLP, keys as values) f32 6.8e-4 (logit
            scale 4.1); q4_0 median 1.2e-7 at seeds 0 and 1, with 0.025 and 0.040 at 2 and 4 of
@@ -61,6 +65,9 @@ CONFIGS = {
     # Qwen3.5: three Gated DeltaNet layers (2 key heads, 4 value heads: llama.cpp's tiled value
     # heads matter) then one gated attention layer turning a quarter of head_dim (M-RoPE).
     "qwen35": get_preset("tiny_qwen35", vocab_size=VOCAB),
+    # Qwen3.5-MoE: those layers with 4 experts of width 32 (top-2, renormalised) beside a shared
+    # expert of width 48 whose output a sigmoid gate scales.
+    "qwen35moe": get_preset("tiny_qwen35_moe", vocab_size=VOCAB),
     # SmolLM3's every-4th RoPE-free layer, at theta 50 so RoPE turns far within 40 tokens.
     "smollm3": get_preset("tiny", vocab_size=VOCAB, num_layers=4, rope_free_layers=(3,),
                           rope_theta=50.0),
@@ -69,7 +76,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("arch,quant,tolerance", [
     ("gemma3", "f32", 1e-3), ("gemma4", "f32", 5e-3), ("gemma4_moe", "f32", 5e-3),
-    ("qwen35", "f32", 1e-4), ("smollm3", "f32", 1e-4)])
+    ("qwen35", "f32", 1e-4), ("qwen35moe", "f32", 1e-4), ("smollm3", "f32", 1e-4)])
 def test_newer_families_match_llama_cpp(tmp_path, arch, quant, tolerance):
   assert gguf_architecture(CONFIGS[arch]) == arch.split("_")[0]
   model = random_model(CONFIGS[arch], init=PEAKED)
