@@ -18,6 +18,11 @@ from those hidden states) are the teachers' concatenated along the vocabulary ax
 
 Only logit strategies are defined for several teachers: attention and feature maps of different
 teachers do not add up to one target.
+
+One of the teachers may be a hidden-state cache (teacher_head.py): its TeacherHead stands in
+the set where the teacher model would, its final hidden states are the batch's TEACHER_HIDDEN
+(the cache's rows are the batch), and its logits per chunk are the head's, as for a live
+teacher.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from distillax.distill.teacher_head import TEACHER_HIDDEN, TeacherHead
 from distillax.errors import ConfigError
 from distillax.models.transformer import ModelOutput
 
@@ -98,7 +104,8 @@ class TeacherMix:
 
 class TeacherSet(nnx.Module):
   """Teachers of one vocabulary side by side: a stand-in for one teacher model whose output
-  layer maps the concatenated hidden states to the concatenated logits."""
+  layer maps the concatenated hidden states to the concatenated logits. A member may be a
+  hidden-state cache's TeacherHead, whose hidden states the call's `cached_hidden_BxLxD` are."""
 
   def __init__(self, teachers: Sequence[nnx.Module]):
     vocabs = {t.config.vocab_size for t in teachers}
@@ -106,11 +113,22 @@ class TeacherSet(nnx.Module):
       raise ConfigError(f"the teachers' vocabularies differ ({sorted(vocabs)}); several "
                         f"teachers must share the student's tokenizer")
     self.teachers = nnx.List(list(teachers))
-    self.config = teachers[0].config  # what run_models reads: the shared vocabulary
+    # What run_models reads (the shared vocabulary): a live teacher's config where there is one.
+    live = [t for t in teachers if not isinstance(t, TeacherHead)]
+    self.config = (live or list(teachers))[0].config
     self.dims = tuple(t.config.embed_dim for t in teachers)
 
-  def __call__(self, tokens_BxL, **kwargs) -> ModelOutput:
-    outs = [t(tokens_BxL, **kwargs) for t in self.teachers]
+  def __call__(self, tokens_BxL, *, cached_hidden_BxLxD=None, **kwargs) -> ModelOutput:
+    outs = []
+    for t in self.teachers:
+      if not isinstance(t, TeacherHead):
+        outs.append(t(tokens_BxL, **kwargs))
+      elif cached_hidden_BxLxD is None:
+        raise ConfigError(f"a teacher is a hidden-state cache, but the batch has no "
+                          f"{TEACHER_HIDDEN}; train on the cache's rows")
+      else:
+        outs.append(t.output(cached_hidden_BxLxD,
+                             return_logits=kwargs.get("return_logits", True)))
     logits = None
     if outs[0].logits_BxLxV is not None:
       logits = jnp.concatenate([o.logits_BxLxV.astype(jnp.float32) for o in outs], axis=-1)

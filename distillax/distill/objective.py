@@ -33,7 +33,7 @@ from distillax.framework import vocab_chunks
 from distillax.distill.base import DistillInputs, Strategy
 from distillax.distill.logit_kd import shared_metric_values
 from distillax.distill.logits import TokenLogits
-from distillax.distill.multi_teacher import TeacherMix, teacher_set
+from distillax.distill.multi_teacher import TeacherMix, TeacherSet, teacher_set
 from distillax.distill.student import unwrap_student
 from distillax.distill.teacher_head import TEACHER_HIDDEN, TeacherHead
 from distillax.errors import ConfigError
@@ -71,6 +71,9 @@ def run_models(strategy: Strategy, student, extras: Mapping, batch, *, chunk_siz
   t_out = None
   if isinstance(teacher, TeacherHead):  # a hidden-state cache: its states come with the batch
     t_out = jax.tree.map(jax.lax.stop_gradient, _cached_teacher(teacher, batch, needs, flags))
+  elif isinstance(teacher, TeacherSet):  # several; one may be a cache, whose states come along
+    t_out = jax.tree.map(jax.lax.stop_gradient, teacher(
+        tokens_BxL, cached_hidden_BxLxD=batch.get(TEACHER_HIDDEN), **kwargs, **flags))
   elif teacher is not None:
     t_out = jax.tree.map(jax.lax.stop_gradient, teacher(tokens_BxL, **kwargs, **flags))
   return DistillInputs(batch=batch, student=s_out, teacher=t_out, student_model=model,

@@ -18,7 +18,7 @@ import numpy as np
 from distillax.distill.multi_teacher import teacher_set
 from distillax.distill.on_policy import PROMPT_TEACHER
 from distillax.distill.sequence_kd import take_prompt_records
-from distillax.errors import UserError
+from distillax.errors import ConfigError, UserError
 from distillax.framework import flops
 from distillax.trainers.distill_multi_teacher import MultiTeacherDistillRecipe
 from distillax.trainers.on_policy import OnPolicyRecipe
@@ -49,6 +49,10 @@ class MultiTeacherOnPolicyRecipe(OnPolicyRecipe, MultiTeacherDistillRecipe):
   def __init__(self, config, **kwargs):
     self._routed_prompts = {}
     super().__init__(config, **kwargs)
+    if self.cache is not None:
+      raise ConfigError(f"{self.cache.source.named()}: on-policy teachers grade the student's "
+                        f"own samples, which no cache holds; name that teacher's workdir or "
+                        f"hf_path instead")
 
   def eval_teacher(self, extras):
     return teacher_set(extras, self.mix)

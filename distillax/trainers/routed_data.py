@@ -6,6 +6,8 @@ pipeline (the `data` section with `source` replaced; its train and validation sp
 data.validation_fraction)
 and carries, per token, the index of that source's teacher (TEACHER_INDEX), which the
 routing objective reads. The position is each source's iterator state, together: resumable.
+A route whose teacher is a hidden-state cache takes its rows from the cache, which holds them
+with the teacher's states (`train_iterator_with_cache`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import numpy as np
 from distillax.data import batch as batch_spec
 from distillax.data import make_eval_iterator, make_train_iterator
 from distillax.distill.multi_teacher import TEACHER_INDEX, TeacherMix
+from distillax.distill.teacher_head import TEACHER_HIDDEN
+from distillax.distill.training_from_cache import cached_train_iterator
 from distillax.errors import ConfigError
 
 
@@ -66,6 +70,29 @@ class RoutedIterator:
       it.set_state(state[str(n)])
 
 
+class WithZeros:
+  """An iterator's batches with one more key of zeros (rows, length, *shape): what a route
+  whose teacher needs nothing from the batch fills another teacher's cached column with."""
+
+  def __init__(self, iterator, key: str, shape, dtype):
+    self.iterator, self.key, self.shape, self.dtype = iterator, key, tuple(shape), dtype
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = dict(next(self.iterator))
+    rows_x_length = batch[batch_spec.INPUTS].shape
+    batch[self.key] = np.zeros(rows_x_length + self.shape, self.dtype)
+    return batch
+
+  def get_state(self):
+    return self.iterator.get_state()
+
+  def set_state(self, state) -> None:
+    self.iterator.set_state(state)
+
+
 def route_data(data_cfg, source: str):
   """The data section of one route: its source, evaluated on its own validation split."""
   out = data_cfg.copy_and_resolve_references()
@@ -89,3 +116,23 @@ def routed_eval_iterator(data_cfg, routes, *, global_batch_size: int, seq_len: i
                                             seq_len=seq_len, num_batches=num_batches,
                                             tokenizer=tokenizer)
                          for s, _ in routes], [i for _, i in routes])
+
+
+def train_iterator_with_cache(data_cfg, routes, cache_dir: str, cache_index: int, hidden, *,
+                              global_batch_size: int, seq_len: int, seed: int, tokenizer):
+  """Train batches when the teacher of index `cache_index` is a hidden-state cache: its rows
+  (routes None, a mixture: every row; routing: the rows of the route naming that teacher), with
+  zero TEACHER_HIDDEN (`hidden`: its global shape and dtype) on the other routes' rows, whose
+  KD reads their own teachers only."""
+  if routes is None:
+    return cached_train_iterator(cache_dir, global_batch_size=global_batch_size,
+                                 seq_len=seq_len, seed=seed)
+  rows = rows_per_route(global_batch_size, routes)
+  iterators = [
+      cached_train_iterator(cache_dir, global_batch_size=rows, seq_len=seq_len, seed=seed)
+      if index == cache_index else
+      WithZeros(make_train_iterator(route_data(data_cfg, source), global_batch_size=rows,
+                                    seq_len=seq_len, seed=seed, tokenizer=tokenizer),
+                TEACHER_HIDDEN, hidden.shape[2:], hidden.dtype)
+      for source, index in routes]
+  return RoutedIterator(iterators, [index for _, index in routes])

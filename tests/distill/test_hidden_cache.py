@@ -215,3 +215,57 @@ def test_a_mismatched_cache_is_one_clear_error(two_process_cache, tmp_path, caps
   assert recipe_for(config).hidden
   message = _train_error(tmp_path, capsys, at, f"--config.teacher.hf_path={tmp_path / 'other'}")
   assert "fingerprints differ" in message and "teacher.hf_path" in message
+
+
+MULTI = os.path.join(ROOT, "distillax/configs/distill_multi_teacher.py") + ":tiny"
+
+
+def _multi_error(tmp_path, capsys, *overrides, config=MULTI):
+  """The one `distillax train` error line of a several-teacher job (exit 2, nothing written)."""
+  from distillax import main as cli
+  rc = cli.main(["distillax", "train", "--config", config, "--workdir", str(tmp_path / "w"),
+                 *overrides])
+  errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("distillax train")]
+  assert rc == 2 and len(errors) == 1, errors
+  assert not (tmp_path / "w").exists()
+  return errors[0]
+
+
+def test_a_cache_stands_in_for_one_of_several_teachers(two_process_cache, tmp_path, capsys):
+  """teachers[0] from the cache beside live teacher b: its head is its frozen extra, its rows
+  the train batches (mixture: all of them; routing: its route's, the other route's rows get
+  zero states); the teacher, the cache or the route that is wrong is one line each."""
+  from distillax.configs import distill_multi_teacher
+  from distillax.distill.multi_teacher import TEACHER_INDEX
+  from distillax.models import hf
+  from distillax.trainers import recipe_for
+  cache, _, teacher = two_process_cache
+  rows = read_teacher_cache(str(cache))
+  cached = {k: np.stack([rows[i][k] for i in range(8)]) for k in (TEACHER_HIDDEN, "inputs_BxL")}
+  config = distill_multi_teacher.get_config("tiny")
+  config.teachers[0].cache_dir = str(cache)
+  recipe = recipe_for(config)
+  assert recipe.batch_shapes()[TEACHER_HIDDEN].shape == cached[TEACHER_HIDDEN].shape
+  batch = next(recipe.train_iterator())
+  for key, value in cached.items():
+    np.testing.assert_array_equal(batch[key], value, err_msg=key)
+  assert recipe.teacher_sources["teacher:a"].fingerprint()["head"] == fingerprint(head_of(teacher))
+  config.distill.teachers_mode, config.distill.routes = "routing", (("stdlib", "b"),
+                                                                    ("stdlib", "a"))
+  batch = next(recipe_for(config).train_iterator())
+  np.testing.assert_array_equal(batch[TEACHER_INDEX][:, 0], [1] * 4 + [0] * 4)
+  assert not batch[TEACHER_HIDDEN][:4].any()
+  np.testing.assert_array_equal(batch[TEACHER_HIDDEN][4:], cached[TEACHER_HIDDEN][:4])
+
+  at = f"--config.teachers[0].cache_dir={cache}"
+  hf.save(random_model(teacher.config, 3), tmp_path / "other")
+  for overrides, want in [
+      ((f"--config.teachers[0].cache_dir={tmp_path / 'gone'}",),
+       "teachers[0].cache_dir=" + str(tmp_path / "gone") + " does not exist"),
+      ((at, f"--config.teachers[0].hf_path={tmp_path / 'other'}"), "fingerprints differ"),
+      ((f"--config.teachers[1].hf_path={tmp_path / 'gone'}",), "teachers[1].hf_path"),
+      (("--config.distill.teachers_mode=routing", "--config.distill.routes=(('stdlib', 'c'),)"),
+       "names teacher 'c', which is not one of `teachers` (a, b)"),
+      ((at, f"--config.teachers[1].cache_dir={cache}"), "at most one cache")]:
+    assert want in _multi_error(tmp_path, capsys, *overrides), overrides
+  assert "no cache holds" in _multi_error(tmp_path, capsys, at, config=MULTI + ",on_policy")

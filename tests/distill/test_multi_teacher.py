@@ -8,6 +8,8 @@ import pytest
 
 from distillax.distill import LogitKD, make_distill_objective
 from distillax.distill.multi_teacher import TEACHER_INDEX, TeacherMix
+from distillax.distill.teacher_cache import read_teacher_cache, write_teacher_cache
+from distillax.distill.teacher_head import TEACHER_HIDDEN, load_head
 from distillax.errors import ConfigError
 from tests.distill import helpers as h
 from tests.support.models import NORMS_NEAR_ONE, random_model
@@ -97,3 +99,23 @@ def test_weights_and_names_refused():
     TeacherMix(("a", "b"), "mixture", (0.0, 0.0))
   with pytest.raises(ConfigError, match="'c', which is not one of"):
     TeacherMix(("a", "b"), "routing").index_of("c", "data.teacher_routes")
+
+
+def test_a_hidden_state_cache_stands_in_for_a_teacher(models, tmp_path):
+  """Teacher a from its fp32 hidden-state cache (written and read back in the cache's format,
+  its head loaded and fingerprint-checked) + live teacher b = live a + live b."""
+  student, teacher_a, teacher_b = models
+  batch = routed_batch([1, 0])
+  info = write_teacher_cache(teacher_a, [batch], str(tmp_path), kind="hidden",
+                             hidden_dtype="float32")
+  rows = read_teacher_cache(str(tmp_path))
+  batch[TEACHER_HIDDEN] = np.stack([rows[i][TEACHER_HIDDEN] for i in range(len(rows))])
+  np.testing.assert_array_equal(np.stack([rows[i]["inputs_BxL"] for i in range(len(rows))]),
+                                batch["inputs_BxL"])
+  head = load_head(str(tmp_path), info.head_fingerprint)
+  objective = objective_of("mixture", (1.0, 3.0))
+  live = run(objective, student, {"teacher:a": teacher_a, "teacher:b": teacher_b}, batch)
+  cached = run(objective, student, {"teacher:a": head, "teacher:b": teacher_b}, batch)
+  np.testing.assert_allclose(cached[0], live[0], rtol=1e-5)
+  for k in live[1]:
+    np.testing.assert_allclose(cached[1][k], live[1][k], rtol=1e-5, err_msg=k)

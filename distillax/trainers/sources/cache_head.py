@@ -22,12 +22,20 @@ from distillax.trainers.sources.select import teacher_model_config
 
 @dataclasses.dataclass(frozen=True)
 class CacheHeadSource:
-  """The head saved in `cache_dir`, whose cache_info.json records `want_fingerprint`."""
+  """The head saved in `cache_dir`, whose cache_info.json records `want_fingerprint`; `field`
+  is the setting that names the cache (a `teachers` entry's own)."""
 
   cache_dir: str
   want_fingerprint: str
+  field: str = "teacher.cache_dir"
   kind = "cache"
-  field = "teacher.cache_dir"
+
+  def named(self) -> str:
+    return f"{self.field}={self.cache_dir}"
+
+  def fingerprint(self) -> dict:
+    """What a save records of it (several teachers): the head's fingerprint the cache names."""
+    return {"kind": self.kind, "source": self.named(), "head": self.want_fingerprint}
 
   def abstract(self) -> nnx.Module:
     return abstract_head(read_head_config(self.cache_dir))
@@ -44,7 +52,7 @@ class CacheHeadSource:
     cfg = teacher_model_config(teacher_section, teacher, vocab_size)
     model = teacher.load(cfg, mesh, rules, seed=seed)
     if fingerprint(head_of(model)) != self.want_fingerprint:
-      raise ConfigError(f"the teacher cache {self.cache_dir} was written by another teacher than "
+      raise ConfigError(f"the teacher cache {self.named()} was written by another teacher than "
                         f"{teacher.named()} (their LM head fingerprints differ); rewrite the cache "
                         f"with this teacher or clear --config.{teacher.field}")
 

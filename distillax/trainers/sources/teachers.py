@@ -3,19 +3,24 @@
 Each entry is a teacher section (workdir / hf_path / preset, dtype overrides) plus its `name`
 and `weight`; its source is named by the entry's index in error lines (`teachers[1].hf_path`).
 Fresh preset teachers each draw from their own seed stream (PRESET_SEED_OFFSET + index), so two
-entries of one preset are two different teachers. A teacher cache (`cache_dir`) may not stand
-in here yet: the several-teacher step runs every teacher itself.
+entries of one preset are two different teachers. One entry may be a hidden-state teacher cache
+(`cache_dir`, written by `distillax cache-teacher --kind hidden`): its source is the cache's LM
+head (cache_head.py), its model config None; a workdir or hf_path named beside it is the teacher
+the cache must come from (their head fingerprints are compared when the recipe loads it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import ml_collections
 
+from distillax.distill.teacher_cache import read_cache_info
 from distillax.errors import ConfigError
 from distillax.models.config import TransformerConfig
 from distillax.trainers.paths import absolute
+from distillax.trainers.sources.cache_head import CacheHeadSource
 from distillax.trainers.sources.kinds import HFSource, ModelSource, RunSource, preset_source
 from distillax.trainers.sources.select import (PRESET_SEED_OFFSET, student_source,
                                                teacher_model_config)
@@ -50,12 +55,18 @@ def absolute_teacher_paths(config):
 
 @dataclasses.dataclass(frozen=True)
 class NamedTeacher:
-  """One entry of `teachers`: its name, weight, source and model as the step runs it."""
+  """One entry of `teachers`: its name, weight, source and model as the step runs it (a cache:
+  model_config None, and `writer` the teacher the entry says wrote it, or None)."""
 
   name: str
   weight: float
-  source: ModelSource
-  model_config: TransformerConfig
+  source: ModelSource | CacheHeadSource
+  model_config: TransformerConfig | None
+  writer: ModelSource | None = None
+
+  @property
+  def cached(self) -> bool:
+    return isinstance(self.source, CacheHeadSource)
 
   def manifest(self) -> dict:
     """What the workdir's teacher manifest records of it."""
@@ -63,11 +74,25 @@ class NamedTeacher:
             "fingerprint": self.source.fingerprint()}
 
 
+def _cache_source(entry, index: int, vocab_size: int) -> CacheHeadSource:
+  """A hidden-state cache standing in for the teacher `entry` names."""
+  field = f"teachers[{index}].cache_dir"
+  if not os.path.isdir(entry.cache_dir):
+    raise ConfigError(f"{field}={entry.cache_dir} does not exist; write the cache there with "
+                      f"distillax cache-teacher --kind hidden, or fix the path")
+  info = read_cache_info(entry.cache_dir)
+  if info.kind != "hidden":
+    raise ConfigError(f"{field}={entry.cache_dir} holds a {info.kind} cache; a teacher among "
+                      f"several needs its exact logits: write a hidden-state cache with "
+                      f"distillax cache-teacher --kind hidden")
+  if info.vocab_size != vocab_size:
+    raise ConfigError(f"{field}={entry.cache_dir} was written for vocabulary {info.vocab_size}, "
+                      f"the student has {vocab_size}; set model.vocab_size={info.vocab_size}")
+  return CacheHeadSource(entry.cache_dir, info.head_fingerprint, field)
+
+
 def _entry_source(entry, index: int, vocab_size: int) -> ModelSource:
   field = f"teachers[{index}]"
-  if entry.get("cache_dir"):
-    raise ConfigError(f"{field}.cache_dir={entry.cache_dir!r}: several teachers run in the "
-                      f"step; clear it and name {field}.workdir, hf_path or preset")
   if entry.workdir:
     return RunSource(entry.workdir, f"{field}.workdir", base_of=student_source)
   if entry.hf_path:
@@ -90,7 +115,17 @@ def job_teachers(config, student: ModelSource, student_vocab: int) -> tuple[Name
     if not name or name in {t.name for t in out}:
       raise ConfigError(f"teachers[{i}].name={name!r} must be a distinct non-empty name "
                         f"(routing rules and the manifest name teachers by it)")
+    if entry.get("cache_dir"):
+      writer = _entry_source(entry, i, student_vocab) if entry.workdir or entry.hf_path else None
+      out.append(NamedTeacher(name, float(entry.weight), _cache_source(entry, i, student_vocab),
+                              None, writer))
+      continue
     source = _entry_source(entry, i, student_vocab)
     cfg = teacher_model_config(entry, source, student_vocab, student)
     out.append(NamedTeacher(name, float(entry.weight), source, cfg))
+  caches = [f"teachers[{i}].cache_dir" for i, t in enumerate(out) if t.cached]
+  if len(caches) > 1 or len(caches) == len(out):
+    raise ConfigError(f"{', '.join(caches)} set: several teachers take at most one cache (its "
+                      f"rows are the train batches) beside live teachers; clear the others (one "
+                      f"teacher from a cache alone: configs/distill_cached.py)")
   return tuple(out)
