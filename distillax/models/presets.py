@@ -237,8 +237,9 @@ PRESETS: dict[str, TransformerConfig] = {
     "qwen3.5-9b": _qwen35(embed_dim=4096, num_layers=32, num_heads=16, num_kv_heads=4,
                           mlp_dim=12_288, linear_num_key_heads=16, linear_num_value_heads=32,
                           tie_embeddings=False),
-    # Qwen3.5-35B-A3B's text decoder (transformers' Qwen3_5MoeTextConfig defaults): 8 of 256
-    # experts of width 512 beside a gated shared expert of width 512 in each of 40 layers.
+    # Qwen3.5-35B-A3B's text decoder (the shape of transformers' Qwen3_5MoeTextConfig defaults;
+    # RoPE base and context as the dense Qwen3.5's): 8 of 256 experts of width 512 beside a
+    # gated shared expert of width 512 in each of 40 layers.
     "qwen3.5-35b-a3b": _qwen35(embed_dim=2048, num_layers=40, num_heads=16, num_kv_heads=2,
                                mlp_dim=512, linear_num_key_heads=16, linear_num_value_heads=32,
                                tie_embeddings=False, num_experts=256, num_experts_per_tok=8,

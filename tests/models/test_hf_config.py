@@ -186,6 +186,14 @@ def test_qwen_and_mistral_features_without_hf_class_are_refused():
   assert hf_architecture(alternating.replace(sliding_window_pattern=0)) == "MistralForCausalLM"
   assert hf_architecture(get_preset("tiny", qkv_bias=True)) == "Qwen2ForCausalLM"
   assert hf_architecture(get_preset("tiny", qk_norm=True)) == "Qwen3ForCausalLM"
+  # A shared expert is Qwen3.5-MoE's alone, and that class always gates it.
+  qwen3_moe = get_preset("tiny", qk_norm=True, num_experts=4, norm_topk_prob=True)
+  assert hf_architecture(qwen3_moe) == "Qwen3MoeForCausalLM"
+  with pytest.raises(UserError, match="no Hugging Face equivalent.*shared_expert_mlp_dim=16"):
+    hf_architecture(qwen3_moe.replace(shared_expert_mlp_dim=16))
+  assert hf_architecture(get_preset("tiny_qwen35_moe")) == "Qwen3_5MoeForCausalLM"
+  with pytest.raises(UserError, match="no Hugging Face equivalent.*shared_expert_mlp_dim=48"):
+    hf_architecture(get_preset("tiny_qwen35_moe", shared_expert_gate=False))
   with pytest.raises(UserError, match="qk_norm"):
     get_preset("tiny", qk_norm="yes")
 

@@ -28,6 +28,7 @@ from distillax import partitioning as pt  # noqa: E402
 from distillax.models import hf  # noqa: E402
 from distillax.models.hf_config import config_from_hf  # noqa: E402
 from distillax.models.hf_config_out import config_to_hf  # noqa: E402
+from distillax.models.presets import get_preset  # noqa: E402
 from distillax.models.transformer import layer_params  # noqa: E402
 from distillax.trainers.sources.kinds import BlocksSource, HFSource  # noqa: E402
 from tests.support.hf import (cached_decode_delta, packed_documents_delta,  # noqa: E402
@@ -101,6 +102,10 @@ def test_qwen35_moe_export_is_transformers_own_file_and_fused_wrapper_reads_the_
           written["moe_intermediate_size"], written["num_experts"]) == (
               "qwen3_5_moe_text", 40, 24, 4)
   assert config_from_hf(config_to_hf(ours.config), linear_attention_chunk=4) == ours.config
+  # The preset's shape is transformers' default (Qwen3.5-35B-A3B's); its RoPE base and context
+  # are the dense Qwen3.5 presets'.
+  default = config_from_hf(transformers.Qwen3_5MoeTextConfig().to_dict(), dtype="bfloat16")
+  assert default.replace(rope_theta=1e7, max_seq_len=262_144) == get_preset("qwen3.5-35b-a3b")
   read = transformers.AutoConfig.from_pretrained(tmp_path / "export")
   assert (type(read).__name__, read.shared_expert_intermediate_size) == (
       "Qwen3_5MoeTextConfig", 40)

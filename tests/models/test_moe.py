@@ -85,10 +85,12 @@ def test_router_rules_and_ties_pick_the_lower_expert_index():
 
 
 def test_moe_model_ragged_equals_dense_and_scanned_layers_stack_the_experts():
+  """With Qwen3.5-MoE's gated shared expert beside the experts (a dense path in both)."""
   config = get_preset("tiny", num_experts=4, num_experts_per_tok=2, moe_mlp_dim=24,
-                      norm_topk_prob=True)
+                      norm_topk_prob=True, shared_expert_mlp_dim=16, shared_expert_gate=True)
   model = random_model(config)
   assert model.layers[0].mlp.gate[...].shape == (4, 64, 24)
+  assert model.layers[1].mlp.shared_expert.output_gate[...].shape == (64, 1)
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 256, size=(2, 9)), jnp.int32)
   ragged = forward(model, tokens).logits_BxLxV
   dense = forward(with_config(model, moe_impl="dense", scan_layers=True), tokens).logits_BxLxV
@@ -103,6 +105,8 @@ def test_moe_model_ragged_equals_dense_and_scanned_layers_stack_the_experts():
     ("moe_impl", "megablox", "model.moe_impl='megablox'; choose one of ragged, dense"),
     ("router", "sigmoid", "model.router='sigmoid'; choose one of softmax_topk, topk_softmax"),
     ("num_experts", -1, "model.num_experts=-1 must be a non-negative integer"),
+    ("shared_expert_gate", True, "model.shared_expert_gate=True gates a shared expert, but "
+                                 "model.shared_expert_mlp_dim=0"),
 ])
 def test_moe_config_errors_name_the_field_and_the_choices(field, value, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

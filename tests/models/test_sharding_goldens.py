@@ -260,3 +260,21 @@ def test_tiny_gemma4_moe_places_its_router_scales_and_dense_branch_by_hand():
   assert tp["layers/0/mlp/up"].mesh_spec == (None, None, "model")
   assert tp["layers/0/mlp/dense/down"].mesh_spec == ("model", None)
   assert tp["layers/0/mlp/expert_scale"].mesh_spec == (None,)
+
+
+def test_tiny_qwen35_moe_places_its_shared_expert_like_a_dense_mlp_by_hand():
+  """Qwen3.5-MoE's shared expert beside the experts: under fsdp_ep and fsdp_tp its gate, up and
+  down take the specs the dense Qwen3.5's MLP takes, while the experts go over data under
+  fsdp_ep; its (embed, 1) output gate splits embed only."""
+  for strategy in ("fsdp_ep", "fsdp_tp"):
+    dense = rows_by_path(plan("tiny_qwen35", strategy, 4, 2))
+    rows = rows_by_path(plan("tiny_qwen35_moe", strategy, 4, 2))
+    for part in ("gate", "up", "down"):
+      assert (rows[f"layers/0/mlp/shared_expert/{part}"].mesh_spec
+              == dense[f"layers/0/mlp/{part}"].mesh_spec), (strategy, part)
+    assert rows["layers/3/mlp/shared_expert/output_gate"].mesh_spec == ("data", None)
+  assert dense["layers/0/mlp/gate"].mesh_spec == ("data", "model")  # fsdp_tp: (embed, mlp)
+  assert rows["layers/0/mlp/shared_expert/gate"].mesh_spec == ("data", "model")
+  ep = rows_by_path(plan("tiny_qwen35_moe", "fsdp_ep", 4, 2))
+  assert ep["layers/0/mlp/gate"].mesh_spec == ("data", None, None)  # (expert, embed, mlp)
+  assert ep["layers/0/mlp/shared_expert/gate"].mesh_spec == ("data", None)
