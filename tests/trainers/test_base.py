@@ -14,6 +14,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,9 +45,9 @@ STOPPED_LINE = re.compile(rf"distillax train: stopped at step (\d+) of {STEPS}; 
 
 
 def _env():
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  return env
+  """The session's environment (tests/conftest.py): its 8 devices, cheap XLA compiles and
+  compile cache, which every run here shares: they all compile the same programs."""
+  return dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 
 
 def _train(workdir, extra=(), wait=True, args=ARGS, timeout=600):
@@ -155,7 +156,7 @@ def test_sigkill_at_a_random_step_then_resume_matches(uninterrupted, tmp_path):
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_path):
   workdir = tmp_path / "corrupt"
-  _train(workdir)
+  shutil.copytree(uninterrupted, workdir)  # a finished run of this job, as a rerun would leave
   latest = workdir / "checkpoints" / str(STEPS)
   data_files = sorted((latest / "state" / "d").iterdir())
   data_files[0].write_bytes(data_files[0].read_bytes()[:10])  # truncate the array data
