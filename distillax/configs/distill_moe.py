@@ -24,6 +24,11 @@ into the dense E2B-shape student (one 262,144-token vocabulary), and its tiny ru
 into tiny_gemma4):
   distillax plan --config distillax/configs/distill_moe.py:gemma4 --devices 64 --memory_gb 95
   distillax train --config distillax/configs/distill_moe.py:tiny,gemma4 --workdir runs/g4_kd_tiny
+Qwen3.5 (`:qwen35`): the 35B-A3B-shape teacher (8 of 256 experts beside a gated shared expert
+per layer, Gated DeltaNet and gated attention layers) into the dense 0.8B-shape student (one
+248,320-token vocabulary), and its tiny run (tiny_qwen35_moe into a 2-layer tiny_qwen35):
+  distillax plan --config distillax/configs/distill_moe.py:qwen35 --devices 64 --memory_gb 95
+  distillax train --config distillax/configs/distill_moe.py:tiny,qwen35 --workdir runs/q35_kd_tiny
 """
 
 from distillax.configs import distill
@@ -32,7 +37,7 @@ from distillax.configs.common import model_config, parse_arg
 
 def get_config(arg: str | None = None):
   # distill.py's LogitKD (T=2, alpha=0.7), AdamW + clipping + warmup/cosine and its `:tiny`.
-  args = parse_arg(arg, tiny=False, gemma4=False)
+  args = parse_arg(arg, tiny=False, gemma4=False, qwen35=False)
   tiny = args.tiny
   c = distill.get_config("tiny" if tiny else None)
   c.partitioning.strategy = "fsdp_ep"  # experts over data (whole), everything else fsdp
@@ -46,7 +51,13 @@ def get_config(arg: str | None = None):
       c.teacher.preset = "tiny_gemma4_moe"
       c.model = model_config("tiny_gemma4", vocab_size=0)
       c.partitioning.replicate_indivisible = True  # the full layers' one key/value head
+    if args.qwen35:
+      c.teacher.preset = "tiny_qwen35_moe"
+      c.model = model_config("tiny_qwen35", vocab_size=0, num_layers=2,
+                             token_mixers=("linear_attention", "full_attention"))
     return c
   if args.gemma4:
     return distill.at_pod_scale(c, "gemma4-e2b", "gemma4-26b-a4b")
+  if args.qwen35:
+    return distill.at_pod_scale(c, "qwen3.5-0.8b", "qwen3.5-35b-a3b")
   return distill.at_pod_scale(c, "qwen3-1.7b", "qwen3-30b-a3b")
