@@ -11,10 +11,11 @@ with the three terms of distill.cross_tokenizer summed over the groups of the ba
 over the student's trained tokens; the step divides by the student's token count, so with one
 tokenizer on both sides (every group one-to-one and exact) this is LogitKD's forward KL.
 
-Memory: both models' logits are whole ([B, L, Vs] and [B, M, Vt] fp32; the vocabulary-chunk
-engine is not used here), and ULD sorts one merged distribution per group over the larger
-vocabulary ([B * (L + 1), max(Vs, Vt)]): about two more logit arrays. Fine at the sizes this
-runs today; long rows of a 262k vocabulary need ULD over a top-k, not built yet.
+Memory: with a chunk_size (distill.chunk_size; the recipes pass theirs) the terms go through
+the vocabulary-chunk engine (distill.cross_tokenizer_chunked): neither model's [tokens, V]
+logits exist whole, at the price of making each model's logits three times. chunk_size=None
+holds both whole ([B, L, Vs] and [B, M, Vt] fp32) and ULD's merged distributions ([B * (L + 1),
+max(Vs, Vt)]); the two agree (tests/distill/test_cross_tokenizer_chunked.py).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ import numpy as np
 from distillax.data import batch as batch_spec
 from distillax.data import cross_tokenizer_rows as rows
 from distillax.distill.objective import TEACHER
-from distillax.distill.cross_tokenizer import (AlignedTargets, cross_tokenizer_loss,
-                                               cross_tokenizer_terms)
+from distillax.data.token_alignment import EXACT, SPAN
+from distillax.distill.cross_tokenizer import AlignedTargets, cross_tokenizer_terms
+from distillax.distill.cross_tokenizer_chunked import chunked_terms
 from distillax.distill.student import unwrap_student
 from distillax.errors import ConfigError
-from distillax.framework import losses
+from distillax.framework import losses, vocab_chunks
+from distillax.framework.vocab_chunks import OutputLayer
 from distillax.framework.step import ObjectiveOutput
 
 
@@ -39,18 +42,45 @@ def _teacher_inputs(batch) -> dict:
           "segment_ids_BxL": batch[rows.TEACHER_SEGMENT_IDS]}
 
 
+def _whole(model, teacher, batch, aligned, mask_BxL, ids, T, weights):
+  """Both models' logits whole ([B, L, Vs] and [B, M, Vt] fp32; distill.cross_tokenizer)."""
+  s_logits = model(batch[batch_spec.INPUTS], **losses.model_inputs(batch)).logits_BxLxV
+  t_out = teacher(batch[rows.TEACHER_INPUTS], **_teacher_inputs(batch))
+  t_logits = jax.lax.stop_gradient(t_out.logits_BxLxV)
+  terms = cross_tokenizer_terms(s_logits, t_logits, aligned, *map(jnp.asarray, ids), T)
+  hard_ce, _, _ = losses.cross_entropy_sums(s_logits, batch[batch_spec.TARGETS], mask_BxL)
+  sums = {"exact_kl": terms.exact_kl, "span_kl": terms.span_kl, "uld": terms.uld,
+          "hard_ce": hard_ce}
+  return sum(weights[k] * sums[k] for k in weights), sums
+
+
+def _chunked(model, teacher, batch, aligned, mask_BxL, ids, T, weights, chunk_size):
+  """Through the vocabulary-chunk engine (distill.cross_tokenizer_chunked)."""
+  s_hidden = model(batch[batch_spec.INPUTS], **losses.model_inputs(batch),
+                   return_logits=False).final_hidden_BxLxD
+  t_hidden = teacher(batch[rows.TEACHER_INPUTS], **_teacher_inputs(batch),
+                     return_logits=False).final_hidden_BxLxD
+  return chunked_terms(OutputLayer.of_model(model), s_hidden, OutputLayer.of_model(teacher),
+                       t_hidden, aligned, mask_BxL, *map(jnp.asarray, ids), temperature=T,
+                       weights=weights, chunk_size=chunk_size)
+
+
 def make_cross_tokenizer_objective(student_ids_S: np.ndarray, teacher_ids_S: np.ndarray, *,
                                    temperature: float = 2.0, alpha: float = 0.7,
                                    exact_weight: float = 1.0, span_weight: float = 1.0,
-                                   uld_weight: float = 1.0, teacher_key: str = TEACHER):
+                                   uld_weight: float = 1.0, teacher_key: str = TEACHER,
+                                   chunk_size: int | None = None):
   """The step objective (student, extras, batch, rng) -> ObjectiveOutput; student_ids_S /
   teacher_ids_S: the shared vocabulary's id pairs (data.token_bytes.shared_vocab)."""
   if not temperature > 0 or not 0.0 <= alpha <= 1.0:
     raise ConfigError(f"distill.cross_tokenizer.temperature={temperature} must be > 0 and "
                       f"alpha={alpha} in [0, 1]")
-  student_ids_S = np.asarray(student_ids_S, np.int32)
-  teacher_ids_S = np.asarray(teacher_ids_S, np.int32)
+  vocab_chunks.check_chunk_size(chunk_size)
+  ids = (np.asarray(student_ids_S, np.int32), np.asarray(teacher_ids_S, np.int32))
   T = float(temperature)
+  soft = float(alpha) * T ** 2
+  weights = {"exact_kl": soft * exact_weight, "span_kl": soft * span_weight,
+             "uld": soft * uld_weight, "hard_ce": 1.0 - float(alpha)}
 
   def objective(student, extras, batch, rng) -> ObjectiveOutput:
     del rng
@@ -58,22 +88,21 @@ def make_cross_tokenizer_objective(student_ids_S: np.ndarray, teacher_ids_S: np.
       raise ConfigError(f"the cross-tokenizer objective needs a teacher named {teacher_key!r} "
                         f"among the frozen extras ({sorted(extras)})")
     model, _ = unwrap_student(student)
-    s_logits = model(batch[batch_spec.INPUTS], **losses.model_inputs(batch)).logits_BxLxV
-    t_out = extras[teacher_key](batch[rows.TEACHER_INPUTS], **_teacher_inputs(batch))
-    t_logits = jax.lax.stop_gradient(t_out.logits_BxLxV)
     aligned = AlignedTargets(batch[batch_spec.TARGETS], batch[rows.TEACHER_TARGETS],
                              batch[rows.STUDENT_GROUP], batch[rows.TEACHER_GROUP],
                              batch[rows.GROUP_KIND])
-    terms = cross_tokenizer_terms(s_logits, t_logits, aligned, jnp.asarray(student_ids_S),
-                                  jnp.asarray(teacher_ids_S), T)
-    soft = cross_tokenizer_loss(terms, exact_weight=exact_weight, span_weight=span_weight,
-                                uld_weight=uld_weight)
     mask_BxL = batch[batch_spec.LOSS_MASK].astype(jnp.float32)
-    hard_ce, _, tokens = losses.cross_entropy_sums(s_logits, batch[batch_spec.TARGETS], mask_BxL)
-    loss_sum = alpha * T ** 2 * soft + (1.0 - alpha) * hard_ce
-    sums = {"exact_kl": terms.exact_kl, "span_kl": terms.span_kl, "uld": terms.uld,
-            "hard_ce": hard_ce}
-    ratios = {"exact_group_share": (terms.exact_groups, terms.exact_groups + terms.span_groups)}
+    if chunk_size is not None:
+      loss_sum, sums = _chunked(model, extras[teacher_key], batch, aligned, mask_BxL, ids, T,
+                                weights, chunk_size)
+    else:
+      loss_sum, sums = _whole(model, extras[teacher_key], batch, aligned, mask_BxL, ids, T,
+                              weights)
+    kinds = batch[rows.GROUP_KIND]
+    exact_groups = jnp.sum(kinds == EXACT).astype(jnp.float32)
+    span_groups = jnp.sum(kinds == SPAN).astype(jnp.float32)
+    ratios = {"exact_group_share": (exact_groups, exact_groups + span_groups)}
+    tokens = jnp.sum(mask_BxL)
     return ObjectiveOutput(loss_sum=loss_sum, tokens=tokens, sums=sums, ratios=ratios)
 
   return objective

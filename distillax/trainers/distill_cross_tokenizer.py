@@ -84,7 +84,7 @@ class CrossTokenizerDistillRecipe(DistillRecipe):
     objective = make_cross_tokenizer_objective(
         *self.shared_ids, temperature=float(c.temperature), alpha=float(c.alpha),
         exact_weight=float(c.exact_weight), span_weight=float(c.span_weight),
-        uld_weight=float(c.uld_weight))
+        uld_weight=float(c.uld_weight), chunk_size=self.chunk_size())
     return self.transforms.train_objective(objective) if train else objective
 
   def strategy(self):

@@ -9,9 +9,8 @@ the student's own completions (distill.cross_tokenizer_on_policy; the runner tha
 between the two programs: trainers/on_policy_host_step.py). Eval reports the cross-tokenizer
 loss on the validation rows, as the off-policy job does.
 
-Not built yet: lmbda < 1 (mixing in the data's rows), the on-policy eval figures (reverse KL on
-held-out prompts needs one vocabulary), and the sampling_s / host_alignment_s split under time
-limits other than the step's own.
+Not built yet: lmbda < 1 (mixing in the data's rows) and on-policy eval figures (the reverse KL
+of held-out completions needs one vocabulary).
 """
 
 from __future__ import annotations
