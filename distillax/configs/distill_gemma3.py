@@ -2,8 +2,9 @@
 in six with their own RoPE per layer kind (models/config.py: rope_local_theta), the teacher
 frozen in bf16 inside the step, the student fsdp with fp32 master weights.
 
-The student takes the teacher's 262,208-row table (the 27B pads 64 rows past the 1B's
-262,144): distillation needs one vocabulary size on both sides. Size the job on a laptop:
+The student keeps the 1B's own 262,144-row table; the 27B's pads 64 rows past it (262,208),
+ids no tokenizer emits, which distillation cuts from the teacher's logits chunk by chunk.
+Size the job on a laptop:
   distillax plan --config distillax/configs/distill_gemma3.py --devices 64 --memory_gb 95
 Train (on real hardware) with the released teacher as Hugging Face ships it (a multimodal
 Gemma3ForConditionalGeneration checkpoint: its text decoder is read) and chats on local disk:
@@ -26,4 +27,4 @@ def get_config(arg: str | None = None):
     c.model = model_config("tiny_gemma3", vocab_size=0, num_layers=2)
     c.teacher.preset = "tiny_gemma3"
     return c
-  return distill.at_pod_scale(c, "gemma3-1b", "gemma3-27b", vocab_size=262_208)
+  return distill.at_pod_scale(c, "gemma3-1b", "gemma3-27b")

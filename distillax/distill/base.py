@@ -93,12 +93,16 @@ class DistillInputs:
     tokens, mask_BxL = self._tokens(), self.batch[batch_spec.LOSS_MASK]
     if self.chunk_size is None:
       t_logits = None if self.teacher is None else self.teacher.logits_BxLxV
+      if t_logits is not None:  # a padded teacher: its rows past the student's are cut
+        t_logits = t_logits[..., :self.student.logits_BxLxV.shape[-1]]
       return vocab_chunks.whole_sums(fn, weights, tokens, mask_BxL, self.student.logits_BxLxV,
                                      t_logits)
     self._check_chunk_inputs()
     teacher = t_hidden = None
     if self.teacher is not None:
-      teacher = vocab_chunks.OutputLayer.of_model(self.teacher_model)
+      teacher = student_vocab_layer(vocab_chunks.OutputLayer.of_model(self.teacher_model),
+                                    self.teacher_model.config.vocab_size,
+                                    self.student_model.config.vocab_size)
       t_hidden = self.teacher.final_hidden_BxLxD
     return vocab_chunks.vocab_chunk_sums(
         fn, weights, tokens, mask_BxL, vocab_chunks.OutputLayer.of_model(self.student_model),
@@ -108,6 +112,17 @@ class DistillInputs:
     if self.student_model is None or (self.teacher is not None and self.teacher_model is None):
       raise ConfigError("chunked logit losses need the student and teacher models "
                         "(DistillInputs.student_model / teacher_model) to compute logits")
+
+
+def student_vocab_layer(layer: vocab_chunks.OutputLayer, teacher_vocab: int, student_vocab: int
+                        ) -> vocab_chunks.OutputLayer:
+  """The teacher's output layer cut to the student's vocabulary, chunk by chunk: a padded
+  teacher table (Gemma 3 27B's 262,208 rows over the 1B's 262,144) holds rows past the
+  student's that no tokenizer id reaches; they leave every distribution."""
+  if teacher_vocab == student_vocab:
+    return layer
+  return vocab_chunks.OutputLayer(lambda params, h: layer.logits_fn(params, h)[..., :student_vocab],
+                                  layer.params)
 
 
 class Strategy:

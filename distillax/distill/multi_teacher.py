@@ -105,17 +105,22 @@ class TeacherMix:
 class TeacherSet(nnx.Module):
   """Teachers of one vocabulary side by side: a stand-in for one teacher model whose output
   layer maps the concatenated hidden states to the concatenated logits. A member may be a
-  hidden-state cache's TeacherHead, whose hidden states the call's `cached_hidden_BxLxD` are."""
+  hidden-state cache's TeacherHead, whose hidden states the call's `cached_hidden_BxLxD` are.
+  Each teacher's logits are cut to `vocab_size` (the student's; default the narrowest
+  teacher's), so a teacher whose table is padded past it stands beside one that is not."""
 
-  def __init__(self, teachers: Sequence[nnx.Module]):
-    vocabs = {t.config.vocab_size for t in teachers}
-    if len(vocabs) != 1:
-      raise ConfigError(f"the teachers' vocabularies differ ({sorted(vocabs)}); several "
-                        f"teachers must share the student's tokenizer")
+  def __init__(self, teachers: Sequence[nnx.Module], vocab_size: int | None = None):
+    vocabs = [t.config.vocab_size for t in teachers]
+    self.vocab_size = int(vocab_size or min(vocabs))
+    if min(vocabs) < self.vocab_size:
+      raise ConfigError(f"the teachers' vocabularies ({vocabs}) are narrower than the "
+                        f"student's {self.vocab_size}; several teachers must share the "
+                        f"student's tokenizer")
     self.teachers = nnx.List(list(teachers))
     # What run_models reads (the shared vocabulary): a live teacher's config where there is one.
     live = [t for t in teachers if not isinstance(t, TeacherHead)]
-    self.config = (live or list(teachers))[0].config
+    self.config = dataclasses.replace((live or list(teachers))[0].config,
+                                      vocab_size=self.vocab_size)
     self.dims = tuple(t.config.embed_dim for t in teachers)
 
   def __call__(self, tokens_BxL, *, cached_hidden_BxLxD=None, **kwargs) -> ModelOutput:
@@ -131,7 +136,8 @@ class TeacherSet(nnx.Module):
                              return_logits=kwargs.get("return_logits", True)))
     logits = None
     if outs[0].logits_BxLxV is not None:
-      logits = jnp.concatenate([o.logits_BxLxV.astype(jnp.float32) for o in outs], axis=-1)
+      logits = jnp.concatenate([o.logits_BxLxV[..., :self.vocab_size].astype(jnp.float32)
+                                for o in outs], axis=-1)
     hidden = jnp.concatenate([o.final_hidden_BxLxD.astype(jnp.float32) for o in outs], axis=-1)
     return ModelOutput(logits_BxLxV=logits, final_hidden_BxLxD=hidden)
 
@@ -141,14 +147,15 @@ class TeacherSet(nnx.Module):
     for teacher, dim in zip(self.teachers, self.dims):
       h = h_NxD[..., start:start + dim]
       start += dim
-      out.append(teacher.logits_from_hidden(h).astype(jnp.float32))
+      out.append(teacher.logits_from_hidden(h)[..., :self.vocab_size].astype(jnp.float32))
     return jnp.concatenate(out, axis=-1)
 
 
-def teacher_set(extras: Mapping, mix: TeacherMix) -> TeacherSet:
-  """The TeacherSet of `mix`'s teachers from the frozen extras, in index order."""
+def teacher_set(extras: Mapping, mix: TeacherMix, vocab_size: int | None = None) -> TeacherSet:
+  """The TeacherSet of `mix`'s teachers from the frozen extras, in index order, each cut to
+  `vocab_size` (the student's)."""
   missing = [k for k in mix.keys if k not in extras]
   if missing:
     raise ConfigError(f"teachers {missing} were not passed as frozen models (extras: "
                       f"{sorted(extras)}); load every teacher of the `teachers` list")
-  return TeacherSet([extras[k] for k in mix.keys])
+  return TeacherSet([extras[k] for k in mix.keys], vocab_size)

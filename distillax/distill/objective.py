@@ -53,12 +53,13 @@ def run_models(strategy: Strategy, student, extras: Mapping, batch, *, chunk_siz
   needs = strategy.needs
   model, projections = unwrap_student(student)
   teacher = _teacher(extras, teacher_key) if needs.teacher else None
-  if teacher is not None:
+  if teacher is not None:  # a teacher table padded past the student's is cut (base.py)
     vs, vt = model.config.vocab_size, teacher.config.vocab_size
-    if vs != vt:
-      raise ConfigError(f"student vocabulary ({vs}) and teacher vocabulary ({vt}) differ; logit "
-                        f"distillation needs one shared tokenizer, or a cross-tokenizer "
-                        f"objective (--config.distill.objective=cross_tokenizer)")
+    if vs > vt:
+      raise ConfigError(f"student vocabulary ({vs}) is wider than the teacher's ({vt}); logit "
+                        f"distillation needs one shared tokenizer (a teacher table may only be "
+                        f"padded past the student's), or a cross-tokenizer objective "
+                        f"(--config.distill.objective=cross_tokenizer)")
   tokens_BxL = batch[batch_spec.INPUTS]
   vocab_chunks.check_chunk_size(chunk_size)
   flags = dict(return_hidden_states=needs.hidden_states, return_attention=needs.attention)
@@ -140,7 +141,8 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
   def objective(student, extras, batch, rng) -> ObjectiveOutput:
     del rng
     if teachers is not None:
-      extras = {**extras, teacher_key: teacher_set(extras, teachers)}
+      vocab = unwrap_student(student)[0].config.vocab_size
+      extras = {**extras, teacher_key: teacher_set(extras, teachers, vocab)}
     inputs = run_models(strategy, student, extras, batch, chunk_size=chunk_size,
                         teacher_key=teacher_key)
     loss_sum, sums = inputs.loss_and_sums(per_token, weights)

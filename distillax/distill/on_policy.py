@@ -277,7 +277,7 @@ def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
     scoring = route_scoring_batch(scoring_batch(rollout, settings.pad_id), batch,
                                   settings.num_samples)
     if teachers is not None:
-      extras = {**extras, teacher_key: teacher_set(extras, teachers)}
+      extras = {**extras, teacher_key: teacher_set(extras, teachers, model.config.vocab_size)}
     out = score_rollout(leaf, student, extras, scoring, chunk_size=chunk_size,
                         teacher_key=teacher_key, router_loss_weights=router_loss_weights,
                         teachers=teachers)

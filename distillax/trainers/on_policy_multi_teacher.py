@@ -55,7 +55,7 @@ class MultiTeacherOnPolicyRecipe(OnPolicyRecipe, MultiTeacherDistillRecipe):
                         f"hf_path instead")
 
   def eval_teacher(self, extras):
-    return teacher_set(extras, self.mix)
+    return teacher_set(extras, self.mix, self.model_config.vocab_size)
 
   def _routed(self, split: str):
     """(prompts, teacher indices) of `split`, one route's prompt after another's in turn."""

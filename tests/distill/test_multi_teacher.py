@@ -3,8 +3,10 @@
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from distillax.distill import LogitKD, make_distill_objective
 from distillax.distill.multi_teacher import TEACHER_INDEX, TeacherMix
@@ -119,3 +121,53 @@ def test_a_hidden_state_cache_stands_in_for_a_teacher(models, tmp_path):
   np.testing.assert_allclose(cached[0], live[0], rtol=1e-5)
   for k in live[1]:
     np.testing.assert_allclose(cached[1][k], live[1][k], rtol=1e-5, err_msg=k)
+
+
+def padded_teacher(model, pad=16, seed=9):
+  """`model` with its vocabulary padded by `pad` rows of large random weights: its logits at the
+  first V ids are the model's, those past them arbitrary."""
+  big = random_model(model.config.replace(vocab_size=model.config.vocab_size + pad), seed)
+  graph, state = nnx.split(big)
+  rng = np.random.default_rng(seed)
+
+  def fill(padded, value):
+    value = np.asarray(value)
+    if value.shape == padded.shape:
+      return jnp.asarray(value)
+    axis = next(i for i, (a, b) in enumerate(zip(value.shape, padded.shape)) if a != b)
+    extra = list(value.shape)
+    extra[axis] = pad
+    return jnp.asarray(np.concatenate([value, 5 * rng.standard_normal(extra)], axis), value.dtype)
+
+  pure = jax.tree.map(fill, nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.split(model)[1]))
+  nnx.replace_by_pure_dict(state, pure)
+  return nnx.merge(graph, state)
+
+
+def test_a_teacher_padded_past_the_students_vocabulary_is_cut_to_it(models):
+  """Gemma 3 27B's 262,208-row table over the 1B's 262,144: the padded teacher's extra logits
+  (arbitrary here) leave the KD loss and its gradient as the unpadded teacher's, alone and as
+  one of several teachers (each teacher is cut, not their side-by-side logits)."""
+  student, teacher_a, teacher_b = models
+  padded = padded_teacher(teacher_a)
+  batch = routed_batch([1, 0])
+  graph, state = nnx.split(student)
+  loss_fn = jax.jit(jax.value_and_grad(
+      lambda state, extras: SINGLE(nnx.merge(graph, state), extras, h.to_jnp(batch),
+                                   None).loss_sum))
+  want, want_grad = loss_fn(state, {"teacher": teacher_a})
+  got, grad = loss_fn(state, {"teacher": padded})
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(want_grad), jax.tree.leaves(grad)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-9)
+  mixture = objective_of("mixture", (1.0, 3.0))
+  want = run(mixture, student, {"teacher:a": teacher_a, "teacher:b": teacher_b}, batch)
+  got = run(mixture, student, {"teacher:a": padded, "teacher:b": teacher_b}, batch)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  tokens = jnp.asarray(batch["inputs_BxL"])
+  extra = np.asarray(padded(tokens).logits_BxLxV)[..., h.VOCAB:]
+  assert np.abs(extra).max() > 1.0  # the cut rows would move the loss
+  narrow = random_model(h.TEACHER_CONFIG.replace(vocab_size=h.VOCAB - 8), 5)
+  with pytest.raises(ConfigError, match=f"student vocabulary \\({h.VOCAB}\\) is wider than the "
+                                        f"teacher's \\({h.VOCAB - 8}\\)"):
+    SINGLE(student, {"teacher": narrow}, h.to_jnp(batch), None)

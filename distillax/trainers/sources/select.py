@@ -24,6 +24,7 @@ from typing import Mapping
 from distillax.data import make_tokenizer, padded_vocab_size
 from distillax.errors import ConfigError
 from distillax.models.config import COMPUTE, TransformerConfig, fields_of_kind
+from distillax.models.presets import PRESETS, get_preset
 from distillax.trainers.sources import files, vocabulary
 from distillax.trainers.sources.kinds import (RUN_FIELDS, BlocksSource, FreshSource, HFSource,
                                               ModelSource, RunSource, preset_source)
@@ -34,6 +35,10 @@ from distillax.trainers.sources.kinds import (RUN_FIELDS, BlocksSource, FreshSou
 COMPUTE_FIELDS = fields_of_kind(COMPUTE)
 # Fresh preset teachers draw from their own seed stream, apart from the student's.
 PRESET_SEED_OFFSET = 1000
+# A preset teacher takes the student's vocabulary, unless its own table is that vocabulary
+# padded by at most this many rows (Gemma 3 27B: 262,208 rows over the 1B's 262,144), which
+# distillation cuts away (distill/base.py): plans then size the teacher as it ships.
+MAX_PADDING_ROWS = 1024
 
 def _vocab_of(config) -> int:
   """The model vocabulary the data's tokenizer implies (model.vocab_size, else padded)."""
@@ -49,6 +54,9 @@ def teacher_source(teacher, vocab_size: int) -> ModelSource | None:
     return RunSource(teacher.workdir, "teacher.workdir", base_of=student_source)
   if teacher.hf_path:
     return HFSource(teacher.hf_path, "teacher.hf_path")
+  own = get_preset(teacher.preset).vocab_size if teacher.preset in PRESETS else 0
+  if vocab_size < own <= vocab_size + MAX_PADDING_ROWS:  # a padded table keeps its rows
+    vocab_size = own
   return preset_source(teacher.preset, vocab_size, "teacher.preset", PRESET_SEED_OFFSET)
 
 
