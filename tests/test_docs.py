@@ -40,6 +40,7 @@ GUIDE_COMMANDS = {
     "guides/lora.md": ["distillax/configs/lora.py", "distillax/configs/qlora.py"],
     "guides/teacher-caches.md": ["distillax/configs/distill_cached.py"],
     "guides/multi-teacher.md": ["distillax/configs/distill_multi_teacher.py"],
+    "guides/cross-tokenizer.md": ["distillax/configs/distill_cross_tokenizer.py"],
 }
 # Every guide prints at least one command that the docstring tests run or parse.
 TESTED = {tuple(argv) for _, argv in ALL}
