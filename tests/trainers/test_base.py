@@ -353,22 +353,21 @@ class ScriptedAccuracy(Trainer):
             "eval_tokens": 64.0, "eval_accuracy": self.accuracies.pop(0)}
 
 
-def test_a_higher_is_better_figure_rolls_back_to_its_highest_step_then_stops_early(tmp_path):
-  """train.rollback_metric=eval_accuracy (higher is better): a drop past the threshold (step 6)
-  rolls back to the step of the highest accuracy (4; a loss-like ranking would pick 2), and two
-  evals without a new best (steps 6 and 8 again) stop the run early, as finished."""
+def test_a_higher_is_better_figure_keeps_its_highest_step_and_stops_early(tmp_path):
+  """train.rollback_metric=eval_accuracy (higher is better): the best checkpoint kept is the
+  step of the highest accuracy (4; a loss-like ranking would keep 2), and two evals without a
+  new best (steps 6 and 8) stop the run early, as finished. (The rollback rule in either
+  direction: tests/framework/test_eval_rules.py; the loop's rollback: the tests above.)"""
   config = lm_config.get_config("tiny")
   config.train.steps, config.train.eval_every, config.train.log_every = 10, 2, 2
   config.train.rollback_metric, config.train.early_stop_evals = "eval_accuracy", 2
   config.checkpoint.every_steps, config.checkpoint.async_save = 2, False
-  recipe = LMRecipe(config)
-  summary = ScriptedAccuracy(recipe, str(tmp_path), [0.30, 0.40, 0.30, 0.39, 0.395]).run()
-  assert {k: summary[k] for k in ("step", "finished", "early_stopped", "rollbacks")} == {
-      "step": 8, "finished": True, "early_stopped": True, "rollbacks": 1}
-  rows = _rows(tmp_path)
-  marker = next(r for r in rows if "rolled_back_to" in r)
-  assert (marker["step"], marker["rolled_back_to"]) == (6, 4)
-  assert [r["step"] for r in rows if "eval_accuracy" in r] == [2, 4, 6, 6, 8]
+  config.checkpoint.keep, config.checkpoint.keep_best = 1, 1
+  summary = ScriptedAccuracy(LMRecipe(config), str(tmp_path), [0.30, 0.40, 0.39, 0.395]).run()
+  assert {k: summary[k] for k in ("step", "finished", "early_stopped", "eval_accuracy")} == {
+      "step": 8, "finished": True, "early_stopped": True, "eval_accuracy": 0.395}
+  assert [r["step"] for r in _rows(tmp_path) if "eval_accuracy" in r] == [2, 4, 6, 8]
+  assert _checkpoint_steps(tmp_path) == [4, 8]
   # The same job again is finished: nothing trains.
   again = ScriptedAccuracy(LMRecipe(config), str(tmp_path), []).run()
   assert again["already_finished"] and again["step"] == 8

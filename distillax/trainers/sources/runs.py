@@ -28,14 +28,16 @@ def as_loaded(cfg: ml_collections.ConfigDict, *, keep_data: bool = False
               ) -> ml_collections.ConfigDict:
   """An earlier run's config as its loading needs it: its weights come from its own checkpoint,
   so neither its starting point (train.init_from, the student section) nor, unless
-  `keep_data` (evaluating it), its data files (which may have moved since) are read, and the
-  recipe's up-front checks must not ask for them."""
+  `keep_data` (evaluating it), its data files and eval.generate's file (which may have moved
+  since) are read, and the recipe's up-front checks must not ask for them."""
   cfg = cfg.copy_and_resolve_references()
   cfg.train.init_from = ""
   if "student" in cfg:  # the model section already has the shape its source gave
     cfg.student.hf_path, cfg.student.from_teacher.layers = "", ()
   if not keep_data:
     cfg.data.source, cfg.data.eval_source = "stdlib", ""
+    if "eval" in cfg:  # nor its held-out generation file, nor a guard that watches its scores
+      cfg.eval.generate, cfg.train.rollback_metric = "", None
   return cfg
 
 
