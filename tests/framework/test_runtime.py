@@ -7,6 +7,7 @@ import sys
 import numpy as np
 
 from distillax.launch_local import launch
+from tests.framework.two_process_worker import STEPS
 from tests.support.engines import packed_batches, run_training
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,7 +23,7 @@ def test_two_processes_match_one_process_with_eight_devices(tmp_path):
   assert status == 0, logs
   result = json.loads(out.read_text())
   assert result["processes"] == 2
-  single, _, _ = run_training("jit", "fsdp", (8, 1), packed_batches(10))
+  single, _, _ = run_training("jit", "fsdp", (8, 1), packed_batches(STEPS))
   np.testing.assert_allclose(result["losses"], single, rtol=1e-5)
   # Every preset computes the same run, so the per-step dp losses match the fsdp ones too.
   np.testing.assert_allclose(result["per_step_losses"], single, rtol=1e-5)
