@@ -109,4 +109,5 @@ def test_against_on_a_gguf_file_is_llama_cpps_and_refuses_another_shape(twins, c
     model = str(root / "fp") if "--against" in argv else gguf
     assert main(["distillax", "eval", "--model", model, *argv]) == 2, argv
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("distillax eval: error: ") and fragment in err[0], err
+    assert len(err) == 1 and err[0].startswith("distillax eval: error: "), err
+    assert fragment in err[0], err

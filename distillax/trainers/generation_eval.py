@@ -1,4 +1,4 @@
-"""The trainer's generation eval: held-out prompts completed greedily, scored like `eval --generate`.
+"""The trainer's generation eval: held-out prompts completed greedily, then scored.
 
 With `eval.generate` naming a prompt/completion JSONL, every eval of the run also decodes each
 prompt greedily with the student as it trains (the training forward: QAT fake quant, LoRA
