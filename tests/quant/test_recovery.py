@@ -8,6 +8,10 @@ One run's recovery is a ratio of two small loss gaps (~0.01 nats), and the last 
 noise moves it: on one CPU, five seeds gave 0.53-0.92, and the same seed gave 0.73 on one CPU
 and 0.60 on another (XLA:CPU's vector code differs by ISA). So int4 pools three runs (model and
 data seeds), summing the gaps before dividing, and asks for "most": more than half.
+
+Sized for the suite's budget: 200 + 100 steps of 16 sequences, a third of the compute of the
+earlier 300 + 150 steps of 32 (pooled recovery 0.80 there). Measured on one machine at this
+size: pooled recovery 0.66, int4 PTQ gaps 0.012-0.015 (> 2e-3), int8 PTQ 0.3% of int4's gap.
 """
 
 import jax
@@ -23,7 +27,7 @@ from tests.support.models import FAN_IN, TINY1, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-N_STEPS, K_STEPS, BATCH, LENGTH = 300, 150, 32, 32
+N_STEPS, K_STEPS, BATCH, LENGTH = 200, 100, 16, 32
 
 
 def _val_loss(model, batches):
