@@ -19,6 +19,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -106,11 +107,14 @@ def test_collective_backends_finish_and_agree_with_jit_under_load(tmp_path):
   with open(stderr_path, "w") as stderr:
     proc = subprocess.Popen([sys.executable, worker, str(out)], cwd=ROOT, env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
+    deadline = threading.Timer(1800, proc.kill)  # a child stuck before READY ends too
+    deadline.start()
     try:
       ready = any(line.strip() == READY for line in iter(proc.stdout.readline, ""))
       with busy_host() if ready else contextlib.nullcontext():
-        proc.communicate(input="go\n", timeout=1800)
+        proc.communicate(input="go\n")
     finally:
+      deadline.cancel()
       if proc.poll() is None:
         proc.kill()
         proc.wait()
