@@ -39,7 +39,8 @@ def _train(config, flags: dict) -> int:
   if summary.get("already_finished"):
     line, code = f"already finished at step {step}; workdir {where}", 0
   elif summary.get("finished"):
-    line, code = f"done at step {step}; workdir {where}", 0
+    early = " (early stop: train.early_stop_evals)" if summary.get("early_stopped") else ""
+    line, code = f"done at step {step}{early}; workdir {where}", 0
   else:
     line = f"stopped at step {step} of {total}; rerun the same command to resume"
     code = STOPPED_EXIT_CODE

@@ -138,7 +138,7 @@ class Trainer:
     try:
       self._train(run, ckpt, tools)
     finally:
-      tools.close(run.state, ckpt, finished=run.step >= int(c.train.steps))
+      tools.close(run.state, ckpt, finished=run.step >= int(c.train.steps) or run.early_stopped)
     summary = {"step": run.step, "total_steps": int(c.train.steps),
                "finished": run.step >= int(c.train.steps) or run.early_stopped,
                "rollbacks": run.rollbacks, **(tools.logger.latest or {}), **run.last_eval}
