@@ -43,7 +43,7 @@ from distillax.data.tokenizer import ByteTokenizer, Tokenizer
 from distillax.errors import UserError
 from distillax.models.config import TransformerConfig
 from distillax.models.hf_config_out import hf_architecture
-from distillax.models.transformer import Transformer, with_layer_layout
+from distillax.models.transformer import Transformer, with_config, with_layer_layout
 from distillax.quant import ggml
 from distillax.quant.config import GGML_WEIGHT_QTYPES, QuantConfig
 from distillax.quant.graph import flat_pure_dict
@@ -331,10 +331,15 @@ def _gguf():
 
 
 def _plain(model: nnx.Module) -> Transformer:
-  """The plain model (no fake quantization, no interception) in its own layer layout."""
+  """The plain model (no fake quantization, no interception) in its own layer layout; an MoE
+  under the reference dispatch traced as the ragged one (the same weights and numbers), whose
+  grouped matmuls name the expert axis of each expert weight (the dense one's einsums do not)."""
   if not isinstance(getattr(model, "config", None), TransformerConfig):
     raise UserError(f"GGUF export takes a distillax Transformer, not {type(model).__name__}")
-  return full_precision(model)
+  model = full_precision(model)
+  if model.config.num_experts and model.config.moe_impl == "dense":
+    model = with_config(model, moe_impl="ragged")
+  return model
 
 
 def write_gguf(model: nnx.Module, path: str | os.PathLike, *, quant: str = "f32",

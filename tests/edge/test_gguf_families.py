@@ -60,8 +60,9 @@ CONFIGS = {
                          layer_types=(SLIDING, SLIDING, FULL, SLIDING, FULL),
                          attention_k_eq_v=True, global_num_kv_heads=1),
     # Gemma 4's MoE block (the 26B-A4B's): 4 experts of width 32 (top-2) beside a dense MLP,
-    # full layers on 1 key/value head, keys as values; sliding, sliding, full.
-    "gemma4_moe": get_preset("tiny_gemma4_moe", vocab_size=VOCAB),
+    # full layers on 1 key/value head, keys as values; sliding, sliding, full. Its experts run
+    # by the dense reference dispatch (the transformers parity tests run ragged and tokamax).
+    "gemma4_moe": get_preset("tiny_gemma4_moe", vocab_size=VOCAB, moe_impl="dense"),
     # Qwen3.5: three Gated DeltaNet layers (2 key heads, 4 value heads: llama.cpp's tiled value
     # heads matter) then one gated attention layer turning a quarter of head_dim (M-RoPE).
     "qwen35": get_preset("tiny_qwen35", vocab_size=VOCAB),
