@@ -20,14 +20,22 @@ def test_figures_equal_each_completion_scored_alone():
                               temperature=1.5)
   evaluator = OnPolicyEvaluator(settings)
   result = evaluator(student, teacher, prompts, seed=3)
+  # Each prompt + completion alone, right-padded to one width: under causal attention a row's
+  # logits up to its last token ignore the padding after it, and one forward per model over
+  # the three rows is three times cheaper than three (op by op, uncompiled).
+  seqs = [np.concatenate([p, c]) for p, (_, c) in zip(prompts, result.samples)]
+  padded = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+  for i, seq in enumerate(seqs):
+    padded[i, :len(seq)] = seq
+  teacher_logits = np.asarray(teacher(jnp.asarray(padded)).logits_BxLxV)
+  student_logits = np.asarray(student(jnp.asarray(padded)).logits_BxLxV)
   nll, rkl, tokens, ended = 0.0, 0.0, 0, 0
-  for prompt, (p_ids, completion) in zip(prompts, result.samples):
+  for i, (prompt, (p_ids, completion)) in enumerate(zip(prompts, result.samples)):
     assert p_ids == prompt.tolist() and 1 <= len(completion) <= 7
     ended += completion[-1] in (3, 11)
-    seq = jnp.asarray(np.concatenate([prompt, completion])[None].astype(np.int32))
     rows = slice(len(prompt) - 1, len(prompt) + len(completion) - 1)
-    log_p = h.np_log_softmax(np.asarray(teacher(seq).logits_BxLxV[0])[rows])
-    log_q = h.np_log_softmax(np.asarray(student(seq).logits_BxLxV[0])[rows])
+    log_p = h.np_log_softmax(teacher_logits[i][rows])
+    log_q = h.np_log_softmax(student_logits[i][rows])
     nll -= np.take_along_axis(log_p, np.asarray(completion)[:, None], 1).sum()
     rkl += (np.exp(log_q) * (log_q - log_p)).sum()
     tokens += len(completion)
