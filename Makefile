@@ -40,10 +40,11 @@ $(VENV)/.core: pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -c "import distillax, jax, flax, optax, orbax.checkpoint, grain, qwix"
 	touch $@
 
-# The demo ends in llama.cpp: the edge extra (llama-cpp-python builds llama.cpp once, ~5 min).
+# The demo ends in llama.cpp: the edge extra (llama-cpp-python builds llama.cpp once, ~5 min);
+# its report scores every model with lm-eval and sacreBLEU: the eval extra.
 $(VENV)/.demo: pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[edge]' 2>&1 | grep -v "is ignored" || true
-	$(BIN)/python -c "import distillax, jax, flax, optax, orbax.checkpoint, grain, qwix, gguf, llama_cpp"
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[edge,eval]' 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -c "import distillax, jax, flax, optax, orbax.checkpoint, grain, qwix, gguf, llama_cpp, lm_eval, sacrebleu"
 	touch $@ $(VENV)/.core
 
 # The tests also compile the tiny jobs for a TPU (the aot extra: libtpu) and a GPU (the CUDA

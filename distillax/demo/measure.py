@@ -14,7 +14,9 @@ with the teacher compares each row's per-token top-1 with the teacher's, over th
 Speed and MFU come from each stage's own metrics.jsonl. The quantized rows use llama.cpp's q4_0
 weights and q8_0 activations (distillax's fake-quant forward rounds as its CPU kernels do), so
 the same students exported as GGUF give llama.cpp's own validation loss, bytes, tokens/s and
-memory.
+memory. Each row also carries `tasks` (demo/task_scores.py: BLEU / chrF of greedy completions
+of held-out code, a local lm-eval task), and QAT's recovery is measured under each of the
+`qat_seeds` seeds (its spread is what the ratio of two small gaps can be trusted to).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from distillax import quant
 from distillax.data import batch as batch_spec
 from distillax.data import make_eval_iterator, make_tokenizer
 from distillax.demo import edge, on_policy
-from distillax.demo.stages import TRAINED_STAGES
+from distillax.demo.stages import TRAINED_STAGES, seed_stage
 from distillax.evaluate import restore_onto, run_recipe
 from distillax.framework.evaluation import PerToken, evaluate
 from distillax.framework.writers import read_jsonl
@@ -104,6 +106,31 @@ def evaluate_rows(d: DemoInputs) -> dict[str, tuple[dict[str, float], PerToken, 
   return out
 
 
+def _val_losses(d: DemoInputs, job_dir: str, *weights_dirs: str) -> list[float]:
+  """The next-token CE over the report's batches of each checkpoint under `job_dir`'s engine."""
+  recipe = run_recipe(job_dir)
+  engines, out = recipe.build_engines(compile_now=False), []
+  for weights in weights_dirs:
+    engine, state = restore_onto(recipe, engines, weights)
+    out.append(float(evaluate(engine, state, d.batches)["eval_loss"]))
+  return out
+
+
+def seed_recoveries(d: DemoInputs, stages: dict) -> list[float]:
+  """QAT's recovery of the PTQ degradation under each of the `qat_seeds` seeds, on the report's
+  batches: the table's stages first, then each extra seed's fp twin, PTQ (its weights under the
+  QAT engine) and QAT."""
+  s = stages
+  out = [edge.recovery(s["student_ptq_int4"]["val_loss"], s["student_qat_int4"]["val_loss"],
+                       s["student_kd_fp"]["val_loss"])]
+  for k in range(1, int(d.config.get("qat_seeds", 1))):
+    fp_dir = d.pipeline.stage_dir(seed_stage("student_kd_fp", k))
+    qat_dir = d.pipeline.stage_dir(seed_stage("student_qat_int4", k))
+    ptq, qat = _val_losses(d, qat_dir, fp_dir, qat_dir)
+    out.append(edge.recovery(ptq, qat, *_val_losses(d, fp_dir, fp_dir)))
+  return out
+
+
 def top1_agreement(a: PerToken, b: PerToken, batches) -> float:
   """The share of the batches' real tokens where the two models' top-1 tokens are the same."""
   same = tokens = 0.0
@@ -167,16 +194,32 @@ def export_all(d: DemoInputs, export_dir: str) -> tuple[dict, dict]:
   return sizes, paths
 
 
-def on_policy_rows(d: DemoInputs, stages: dict, paths: dict) -> dict:
+def row_models(d: DemoInputs) -> dict:
+  """Every row's model as it is deployed: the trained stages' plain weights, the quantized rows
+  (PTQ from the fp twin, QAT, QAD) with their fake quantization made real."""
+  qcfg = {"rules": [tuple(r) for r in d.config.quant_rules]}
+  sample = jnp.asarray(d.batches[0][batch_spec.INPUTS][:1])
+  quantized = {"student_ptq_int4": "student_kd_fp", "student_qat_int4": "student_qat_int4",
+               "student_qad_q4_0": "student_qad_q4_0"}
+  return {**d.plain, **{row: quant.quantize_post_training(d.plain[stage], qcfg, sample)
+                        for row, stage in quantized.items()}}
+
+
+def on_policy_rows(d: DemoInputs, stages: dict, paths: dict, models: dict) -> dict:
   """The on-policy section (demo/on_policy.py): what each student writes on held-out prompts,
   graded by the teacher; the q4_0 rows with their fake quantization made real, and sampled
   from their GGUF files in llama.cpp too."""
-  qcfg = {"rules": [tuple(r) for r in d.config.quant_rules]}
-  sample = jnp.asarray(d.batches[0][batch_spec.INPUTS][:1])
-  models = {**d.plain, **{row: quant.quantize_post_training(d.plain[row], qcfg, sample)
-                          for row in ("student_qat_int4", "student_qad_q4_0")}}
   return on_policy.measure(d.config, d.plain, models, stages, d.tokenizer, d.mesh, d.rules,
                            paths)
+
+
+def task_rows(d: DemoInputs, stages: dict, models: dict) -> None:
+  """Adds each row's generation and lm-eval task scores (demo/task_scores.py) to its stage row."""
+  from distillax.demo import task_scores  # lm-eval, sacrebleu: the eval extra
+  scores = task_scores.measure({row: models[row] for row in ROWS}, d.tokenizer,
+                               bool(d.config.data.add_bos), d.mesh, d.rules, d.config)
+  for row, values in scores.items():
+    stages[row]["tasks"] = values
 
 
 def _prompt_batch(tokenizer, mesh, prompts):
@@ -286,10 +329,17 @@ def measure_all(pipeline) -> dict:
   stages = stage_rows(d, evals, sizes)
   op_paths = paths.pop("on_policy")  # the on-policy section's files, not edge rows
   edge_figures, agreement, export_diff = edge_rows(d, paths, evals["student_qat_int4"][1])
-  op_rows = on_policy_rows(d, stages, op_paths)
+  models = row_models(d)
+  task_rows(d, stages, models)
+  op_rows = on_policy_rows(d, stages, op_paths, models)
   all_checks = checks(stages, edge_figures, export_diff, agreement,
                       int(d.config.edge_greedy_tokens))
   all_checks.update(on_policy.checks(op_rows))
+  recoveries = seed_recoveries(d, stages)
+  all_checks["qat_recovery_by_seed"] = recoveries
+  all_checks["qat_recovery_mean"] = statistics.fmean(recoveries)
+  all_checks["qat_recovery_sd"] = (statistics.stdev(recoveries) if len(recoveries) > 1
+                                   else float("nan"))
   return {"setup": setup(d), "stages": stages, "edge": edge_figures, "checks": all_checks,
           "samples": samples(d), "on_policy": op_rows}
 

@@ -29,6 +29,7 @@ from distillax import partitioning as pt
 from distillax.distill.on_policy import OnPolicySettings
 from distillax.distill.on_policy_eval import FIGURES, OnPolicyEvaluator
 from distillax.distill.sequence_kd import take_prompt_records
+from distillax.demo import prompt_stats
 from distillax.demo.markdown import table_lines
 from distillax.edge import gguf_runtime
 from distillax.edge.gguf_export import write_gguf
@@ -65,8 +66,15 @@ def heldout_prompts(c, tokenizer) -> list[np.ndarray]:
 
 
 def _distillax_figures(models: dict, teacher, prompts, settings, mesh, rules, seed) -> dict:
+  """Each row's evaluator figures, with their standard errors over prompts."""
   evaluator = OnPolicyEvaluator(settings, mesh=mesh, rules=rules)
-  return {row: evaluator(models[row], teacher, prompts, seed=seed).figures for row in ROWS}
+  out = {}
+  for row in ROWS:
+    result = evaluator(models[row], teacher, prompts, seed=seed)
+    completions = [ids for _, ids in result.samples]
+    out[row] = {**result.figures, **distillax_se(models[row], teacher, prompts, completions,
+                                                 settings, mesh, rules)}
+  return out
 
 
 def sample_gguf(path: str, prompts, settings: OnPolicySettings, seed: int):
@@ -100,10 +108,10 @@ def sample_gguf(path: str, prompts, settings: OnPolicySettings, seed: int):
   return out
 
 
-def teacher_logps(teacher, prompts, completions, width: int, pad_id: int, mesh, rules):
-  """The teacher's log-softmax at the positions predicting each completion, [(T_i, V)]: one
-  forward over every prompt + completion, right-padded to `width` (causal: the padding after a
-  sequence cannot change it)."""
+def completion_logps(model, prompts, completions, width: int, pad_id: int, mesh, rules):
+  """`model`'s log-softmax at the positions predicting each completion, [(T_i, V)]: one forward
+  over every prompt + completion, right-padded to `width` (causal: the padding after a sequence
+  cannot change it)."""
   seq = np.full((len(prompts), width), pad_id, np.int32)
   for i, (p, ids) in enumerate(zip(prompts, completions)):
     seq[i, :len(p) + len(ids)] = np.concatenate([p, ids])
@@ -111,9 +119,9 @@ def teacher_logps(teacher, prompts, completions, width: int, pad_id: int, mesh, 
   @jax.jit
   def logits(tokens):
     if mesh is None:
-      return teacher(tokens).logits_BxLxV
+      return model(tokens).logits_BxLxV
     with pt.use_rules(mesh, rules):
-      return teacher(tokens).logits_BxLxV
+      return model(tokens).logits_BxLxV
 
   z = np.asarray(jax.device_get(logits(jnp.asarray(seq))), np.float64)
   out = []
@@ -125,21 +133,30 @@ def teacher_logps(teacher, prompts, completions, width: int, pad_id: int, mesh, 
 
 
 def gguf_figures(path, teacher, prompts, settings, seed, mesh, rules) -> dict:
-  """on_policy_* figures of llama.cpp's own samples of the GGUF file, graded by the teacher."""
+  """on_policy_* figures of llama.cpp's own samples of the GGUF file, graded by the teacher,
+  with the standard errors over prompts (prompt_stats.py)."""
   samples = sample_gguf(path, prompts, settings, seed)
   width = max(len(p) for p in prompts) + settings.max_new_tokens
-  t_logps = teacher_logps(teacher, prompts, [ids for ids, _ in samples], width,
-                          settings.pad_id, mesh, rules)
-  nll = rkl = tokens = ended = 0.0
-  for (ids, s_logp), t_logp in zip(samples, t_logps):
-    nll -= float(t_logp[np.arange(len(ids)), ids].sum())
-    rkl += float((np.exp(s_logp) * (s_logp - t_logp)).sum())
-    tokens += len(ids)
-    ended += ids[-1] in settings.stops
-  n = len(prompts)
-  return {"on_policy_teacher_nll": nll / tokens, "on_policy_reverse_kl": rkl / tokens,
-          "on_policy_completion_length": tokens / n, "on_policy_eos_rate": ended / n,
-          "on_policy_tokens": tokens}
+  completions = [ids for ids, _ in samples]
+  t_logps = completion_logps(teacher, prompts, completions, width, settings.pad_id, mesh, rules)
+  sums = prompt_stats.per_prompt_sums(completions, [s for _, s in samples], t_logps)
+  tokens = float(sums["tokens"].sum())
+  ended = sum(ids[-1] in settings.stops for ids in completions)
+  return {**prompt_stats.figures_with_se(sums),
+          "on_policy_completion_length": tokens / len(prompts),
+          "on_policy_eos_rate": ended / len(prompts), "on_policy_tokens": tokens}
+
+
+def distillax_se(model, teacher, prompts, completions, settings, mesh, rules) -> dict:
+  """The standard errors over prompts of a distillax row's figures (its completions scored
+  again per prompt, by the row's model and the teacher); the figures themselves are the
+  evaluator's."""
+  width = max(len(p) for p in prompts) + settings.max_new_tokens
+  s_logps = completion_logps(model, prompts, completions, width, settings.pad_id, mesh, rules)
+  t_logps = completion_logps(teacher, prompts, completions, width, settings.pad_id, mesh, rules)
+  figures = prompt_stats.figures_with_se(prompt_stats.per_prompt_sums(completions, s_logps,
+                                                                      t_logps))
+  return {k: v for k, v in figures.items() if k.endswith("_se")}
 
 
 def export_gguf(plain: dict, demo_rules, tokenizer, add_bos: bool, export_dir: str) -> dict:
@@ -170,18 +187,31 @@ def measure(c, plain: dict, models: dict, stages: dict, tokenizer, mesh, rules,
   return rows
 
 
+def _beats(on: dict, off: dict, key: str) -> bool:
+  return prompt_stats.beats(on[key], on[f"{key}_se"], off[key], off[f"{key}_se"])
+
+
 def checks(rows: dict) -> dict:
-  """The claims: on-policy lower than off-policy on both on-policy figures, per pair (the q4_0
-  pair in distillax and in llama.cpp)."""
+  """The claims, per pair (the q4_0 pair in distillax and in llama.cpp): on-policy beats
+  off-policy on both figures, i.e. is lower by more than two standard errors of the difference
+  (prompt_stats.beats); and on the deployed q4_0 files, QAD is at least as good as QAT (not
+  higher on either figure)."""
   out = {}
   for off, on in PAIRS:
     for fig in ("teacher_nll", "reverse_kl"):
       key = f"on_policy_{fig}"
-      out[f"{on}_lower_{fig}"] = bool(rows[on][key] < rows[off][key])
+      out[f"{on}_beats_{fig}"] = _beats(rows[on], rows[off], key)
       if "llama_cpp" in rows[on]:
-        out[f"{on}_lower_{fig}_in_llama_cpp"] = bool(
-            rows[on]["llama_cpp"][key] < rows[off]["llama_cpp"][key])
+        out[f"{on}_beats_{fig}_in_llama_cpp"] = _beats(rows[on]["llama_cpp"],
+                                                       rows[off]["llama_cpp"], key)
+  qad, qat = rows["student_qad_q4_0"]["llama_cpp"], rows["student_qat_int4"]["llama_cpp"]
+  out["qad_at_least_as_good_as_qat_in_llama_cpp"] = bool(all(
+      qad[f"on_policy_{fig}"] <= qat[f"on_policy_{fig}"] for fig in ("teacher_nll", "reverse_kl")))
   return out
+
+
+def _with_se(r: dict, key: str) -> str:
+  return f"{r[key]:.4f} ± {r[key + '_se']:.4f}"
 
 
 def markdown(rows: dict, checks_: dict, c) -> list[str]:
@@ -195,14 +225,16 @@ def markdown(rows: dict, checks_: dict, c) -> list[str]:
            f"{int(c.on_policy.max_new_tokens)} tokens); the teacher scores every token. All "
            f"four start from the distilled student and take the same {int(c.qat_steps)} extra "
            f"steps. The q4_0 rows are sampled twice: by distillax's fake-quant forward and by "
-           f"llama.cpp from the q4_0 GGUF file (reference kernels, f32 KV cache).", ""]
+           f"llama.cpp from the q4_0 GGUF file (reference kernels, f32 KV cache). Each figure "
+           f"is per token, ± its standard error over prompts; 'beats' means lower by more "
+           f"than two standard errors of the difference.", ""]
   cells = []
   for row, r in rows.items():
     cpp = r.get("llama_cpp")
-    cells.append((LABELS[row], f"{r['val_loss']:.4f}", f"{r['on_policy_teacher_nll']:.4f}",
-                  f"{r['on_policy_reverse_kl']:.4f}", f"{r['on_policy_completion_length']:.1f}",
-                  f"{cpp['on_policy_teacher_nll']:.4f}" if cpp else "-",
-                  f"{cpp['on_policy_reverse_kl']:.4f}" if cpp else "-"))
+    cells.append((LABELS[row], f"{r['val_loss']:.4f}", _with_se(r, "on_policy_teacher_nll"),
+                  _with_se(r, "on_policy_reverse_kl"), f"{r['on_policy_completion_length']:.1f}",
+                  _with_se(cpp, "on_policy_teacher_nll") if cpp else "-",
+                  _with_se(cpp, "on_policy_reverse_kl") if cpp else "-"))
   lines += table_lines(head, cells)
   lines += ["", *(f"- {k}: {v}" for k, v in checks_.items()), ""]
   return lines
@@ -210,4 +242,4 @@ def markdown(rows: dict, checks_: dict, c) -> list[str]:
 
 __all__ = ["FIGURES", "LABELS", "PAIRS", "ROWS", "STAGES", "checks",
            "export_gguf", "gguf_figures", "heldout_prompts", "markdown", "measure",
-           "sample_gguf", "stage_config", "teacher_logps"]
+           "sample_gguf", "stage_config", "completion_logps", "distillax_se"]

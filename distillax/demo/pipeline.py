@@ -14,7 +14,7 @@ import sys
 from absl import logging
 
 from distillax.demo.report import build_report
-from distillax.demo.stages import TRAINED_STAGES, stage_config, stage_finished
+from distillax.demo.stages import all_stages, stage_config, stage_finished
 from distillax.errors import UserError
 from distillax.framework.preemption import STOPPED_EXIT_CODE
 from distillax.trainers import Trainer, recipe_for
@@ -34,13 +34,14 @@ class DemoPipeline:
   def _check(self) -> tuple[dict, dict[str, bool]]:
     """Every stage's config and directory, before anything is written: the stage configs and
     which stages are finished."""
-    configs = {s: stage_config(self.config, s, self.workdir) for s in TRAINED_STAGES}
-    for stage in TRAINED_STAGES:
+    stages = all_stages(self.config)
+    configs = {s: stage_config(self.config, s, self.workdir) for s in stages}
+    for stage in stages:
       configs[stage].lock()
     if workdir_job(self.workdir) not in (None, "demo"):
       raise UserError(f"{os.path.join(self.workdir, CONFIG_FILE)} is not a demo's (it is another "
                       f"run's workdir); pass a new --workdir for the demo")
-    return configs, {s: stage_finished(s, self.stage_dir(s), configs[s]) for s in TRAINED_STAGES}
+    return configs, {s: stage_finished(s, self.stage_dir(s), configs[s]) for s in stages}
 
   def run(self) -> dict:
     """{"finished": True, <stage>_val_loss...} after the report, or {"finished": False, "stage",
@@ -49,12 +50,12 @@ class DemoPipeline:
     os.makedirs(self.workdir, exist_ok=True)
     with open(os.path.join(self.workdir, CONFIG_FILE), "w") as f:
       f.write(self.config.to_json_best_effort(indent=2, sort_keys=True))
-    for i, stage in enumerate(TRAINED_STAGES, 1):
+    for i, stage in enumerate(configs, 1):
       sdir = self.stage_dir(stage)
       if finished[stage]:
-        print(f"[demo {i}/{len(TRAINED_STAGES)}] {stage}: finished earlier, reusing {sdir}")
+        print(f"[demo {i}/{len(configs)}] {stage}: finished earlier, reusing {sdir}")
         continue
-      print(f"[demo {i}/{len(TRAINED_STAGES)}] {stage}: training "
+      print(f"[demo {i}/{len(configs)}] {stage}: training "
             f"({configs[stage].train.steps} steps) in {sdir}", flush=True)
       summary = Trainer(recipe_for(configs[stage], workdir=sdir), sdir).run()
       if not summary.get("finished"):

@@ -76,15 +76,27 @@ def plot_edge(pipeline, sections: dict, path: str) -> None:
 FIGURES = (("loss_curves.png", plot_curves), ("edge_size_quality.png", plot_edge))
 
 
+def _task_columns(stages: dict) -> list[str]:
+  """The lm-eval metrics every row has (the BLEU / chrF columns come first, on their own)."""
+  keys = [{k for k in s.get("tasks", {}) if k not in ("bleu", "chrf")
+           and not k.endswith("_sample_len")} for s in stages.values()]
+  return sorted(set.intersection(*keys)) if keys else []
+
+
 def stage_table(stages: dict) -> str:
   """The rows as a markdown table."""
-  head = ("stage", "val loss", "val ppl", "top-1 agree", "params", "bytes on disk", "tokens/s",
-          "MFU")
+  tasks = _task_columns(stages)
+  has_text = all("tasks" in s for s in stages.values())
+  head = ("stage", "val loss", "val ppl", "top-1 agree",
+          *(("BLEU", "chrF") if has_text else ()), *tasks, "params", "bytes on disk",
+          "tokens/s", "MFU")
   rows = []
   for name in ROWS:
     s = stages[name]
+    text = (f"{s['tasks']['bleu']:.2f}", f"{s['tasks']['chrf']:.2f}") if has_text else ()
     rows.append((LABELS[name], f"{s['val_loss']:.4f}", f"{s['val_perplexity']:.3f}",
-                 f"{s['top1_agreement']:.3f}", f"{s['params']:,}",
+                 f"{s['top1_agreement']:.3f}", *text,
+                 *(f"{s['tasks'][k]:.3f}" for k in tasks), f"{s['params']:,}",
                  f"{s['bytes_on_disk'] / 2**20:.2f} MiB",
                  "-" if math.isnan(s["tokens_per_s"]) else f"{s['tokens_per_s']:.0f}",
                  "-" if math.isnan(s["mfu"]) else f"{s['mfu']:.2%}"))
@@ -100,6 +112,24 @@ def _recovery_words(recovery: float, where: str) -> str:
           f"((PTQ - QAT) / (PTQ - full precision))")
 
 
+def _text_eval_words(c) -> str:
+  t = c.text_eval
+  return (f"BLEU / chrF: sacreBLEU's corpus scores of greedy completions ({int(t.new_tokens)} "
+          f"tokens) of {int(t.prompts)} held-out code prompts against what the documents say "
+          f"next; {t.task}: lm-eval's own metrics of that local task (`distillax eval --tasks`); "
+          f"quantized rows in their quantization made real.")
+
+
+def _seed_words(checks: dict) -> str:
+  """The recovery over the QAT seeds, when the demo trained more than one."""
+  by_seed = checks.get("qat_recovery_by_seed", [])
+  if len(by_seed) < 2 or not all(math.isfinite(r) for r in by_seed):
+    return ""
+  return (f"; over {len(by_seed)} seeds of QAT and its fp twin: "
+          f"{', '.join(f'{r:.0%}' for r in by_seed)} (mean {checks['qat_recovery_mean']:.0%}, "
+          f"sd {checks['qat_recovery_sd']:.0%})")
+
+
 def _stages_markdown(c, sections: dict) -> list[str]:
   """The setup, the table of rows and the distillation and QAT claims."""
   setup, checks = sections["setup"], sections["checks"]
@@ -111,12 +141,14 @@ def _stages_markdown(c, sections: dict) -> list[str]:
       f"(each stage's `eval` in report.json is its evaluation on its own eval batches, what "
       f"`distillax eval --model <stage>` prints). "
       f"q4_0: llama.cpp's blocks of 32 weights with an fp16 scale, matmul inputs rounded to "
-      f"q8_0 as its CPU kernels do; PTQ / QAT sizes are the q4_0 GGUF files.",
+      f"q8_0 as its CPU kernels do; PTQ / QAT sizes are the q4_0 GGUF files. "
+      f"{_text_eval_words(c)}",
       "", stage_table(sections["stages"]), "",
       f"- distilled student beats scratch student: {checks['kd_beats_scratch']}",
       f"- QAT q4_0 beats PTQ q4_0: {checks['qat_beats_ptq']}; both start from the distilled "
       f"student and take the same {int(c.qat_steps)} extra steps; "
-      f"{_recovery_words(checks['qat_recovery_of_ptq_degradation'], 'in distillax')}", ""]
+      f"{_recovery_words(checks['qat_recovery_of_ptq_degradation'], 'in distillax')}"
+      f"{_seed_words(checks)}", ""]
 
 
 def _edge_markdown(c, sections: dict) -> list[str]:

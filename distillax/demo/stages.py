@@ -27,6 +27,21 @@ from distillax.trainers.workdir import check_workdir
 # student's own samples, full precision and q4_0.
 TRAINED_STAGES = ("teacher", "student_scratch", "student_kd", "student_kd_fp",
                   "student_qat_int4", *on_policy.STAGES)
+# QAT and its fp twin again under other seeds (`qat_seeds` > 1): the recovery ratio is a ratio
+# of two small loss gaps, so the report states its spread over seeds.
+SEED_STAGES = ("student_kd_fp", "student_qat_int4")
+
+
+def seed_stage(stage: str, k: int) -> str:
+  """The stage name of `stage` (one of SEED_STAGES) under the demo's seed + k (k >= 1)."""
+  return f"{stage}_seed{k}"
+
+
+def all_stages(demo: ml_collections.ConfigDict) -> tuple[str, ...]:
+  """Every trained stage of this demo config, in training order."""
+  extra = tuple(seed_stage(s, k) for k in range(1, int(demo.get("qat_seeds", 1)))
+                for s in SEED_STAGES)
+  return TRAINED_STAGES + extra
 
 
 def _copy_common(c: ml_collections.ConfigDict, demo: ml_collections.ConfigDict) -> None:
@@ -44,6 +59,11 @@ def _copy_common(c: ml_collections.ConfigDict, demo: ml_collections.ConfigDict) 
 def stage_config(demo: ml_collections.ConfigDict, stage: str, workdir: str
                  ) -> ml_collections.ConfigDict:
   """The full job config of one trained stage of the demo."""
+  base, _, k = stage.partition("_seed")
+  if k:
+    c = stage_config(demo, base, workdir)
+    c.seed = int(demo.seed) + int(k)
+    return c
   c = base_config()
   _copy_common(c, demo)
   if stage == "teacher":

@@ -1,11 +1,12 @@
 """The demo's llama.cpp on-policy figure measures what it claims: greedy samples of a q4_0 GGUF
 file in llama.cpp are distillax's greedy samples of the same quantized model, and the teacher's
-NLL and the reverse KL computed from llama.cpp's logits equal distillax's own figure for them."""
+NLL and the reverse KL computed from llama.cpp's logits (and their standard errors over prompts)
+equal distillax's own figures for them."""
 
 import numpy as np
 import pytest
 
-from distillax.demo.on_policy import gguf_figures, sample_gguf
+from distillax.demo.on_policy import distillax_se, gguf_figures, sample_gguf
 from distillax.distill.on_policy import OnPolicySettings
 from distillax.distill.on_policy_eval import OnPolicyEvaluator
 from distillax.models.presets import get_preset
@@ -42,3 +43,10 @@ def test_llama_cpp_samples_and_figures_match_distillax(tmp_path):
     np.testing.assert_allclose(theirs[key], ours.figures[key], rtol=2e-3, atol=2e-4,
                                err_msg=key)
   assert theirs["on_policy_tokens"] == ours.figures["on_policy_tokens"]
+  # The standard errors over prompts: the same samples scored per prompt by distillax's forward
+  # and by llama.cpp's logits agree as the figures do.
+  ours_se = distillax_se(quantized, teacher, prompts, [ids for _, ids in ours.samples], settings,
+                         None, None)
+  for key in ("on_policy_teacher_nll_se", "on_policy_reverse_kl_se"):
+    assert ours_se[key] > 0, key
+    np.testing.assert_allclose(theirs[key], ours_se[key], rtol=1e-2, atol=2e-4, err_msg=key)
