@@ -52,6 +52,21 @@ def _on_policy_settings() -> ml_collections.ConfigDict:
   return c
 
 
+def _distill_settings() -> ml_collections.ConfigDict:
+  """The distilled student's loss (and the later stages' validation objective)."""
+  c = sections.distill_section()
+  c.logit.weight = 1.0
+  # Temperature 1 and the whole logit loss on the teacher (no hard-label share): the student's
+  # next-token CE is judged at temperature 1, and the teacher (its loss far below what the
+  # student reaches in these steps) is a better target than the one-hot data token.
+  c.logit.temperature = 1.0
+  c.logit.alpha = 1.0
+  # The teacher's pooled features weigh 2: the strongest of the tried weights (0, 0.5, 2) on
+  # the student's next-token CE in these steps.
+  c.feature_pooling.weight = 2.0
+  return c
+
+
 def _text_eval_settings() -> ml_collections.ConfigDict:
   """The report's task columns (demo/task_scores.py): greedy completions of held-out code scored
   with BLEU / chrF, and one local lm-eval task, for every row."""
@@ -124,16 +139,7 @@ def get_config(arg: str | None = None):
   c.qat_learning_rate = 5e-4  # QAT peak lr
   # Seeds of QAT and its fp twin (extra stages <stage>_seed<k>): recovery stated over them.
   c.qat_seeds = 3
-  c.distill = sections.distill_section()
-  c.distill.logit.weight = 1.0
-  # Temperature 1 and the whole logit loss on the teacher (no hard-label share): the student's
-  # next-token CE is judged at temperature 1, and the teacher (its loss far below what the
-  # student reaches in these steps) is a better target than the one-hot data token.
-  c.distill.logit.temperature = 1.0
-  c.distill.logit.alpha = 1.0
-  # The teacher's pooled features weigh 2: the strongest of the tried weights (0, 0.5, 2) on
-  # the student's next-token CE in these steps.
-  c.distill.feature_pooling.weight = 2.0
+  c.distill = _distill_settings()
   # QAT/PTQ/export: llama.cpp's q4_0 weights and q8_0 activations; the tied embedding (module
   # path "") stays full precision, as deployments usually keep it.
   c.quant_rules = Q4_0_RULES
