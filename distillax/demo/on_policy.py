@@ -111,8 +111,11 @@ def sample_gguf(path: str, prompts, settings: OnPolicySettings, seed: int):
 def completion_logps(model, prompts, completions, width: int, pad_id: int, mesh, rules):
   """`model`'s log-softmax at the positions predicting each completion, [(T_i, V)]: one forward
   over every prompt + completion, right-padded to `width` (causal: the padding after a sequence
-  cannot change it)."""
-  seq = np.full((len(prompts), width), pad_id, np.int32)
+  cannot change it). The rows are padded to whole rows per data-parallel worker."""
+  rows = len(prompts)
+  if mesh is not None:
+    rows = -(-rows // int(mesh.shape.get("data", 1))) * int(mesh.shape.get("data", 1))
+  seq = np.full((rows, width), pad_id, np.int32)
   for i, (p, ids) in enumerate(zip(prompts, completions)):
     seq[i, :len(p) + len(ids)] = np.concatenate([p, ids])
 
@@ -180,7 +183,7 @@ def measure(c, plain: dict, models: dict, stages: dict, tokenizer, mesh, rules,
   figures = _distillax_figures(models, plain["teacher"], prompts, settings, mesh, rules, seed)
   rows = {}
   for row, quantized in ROWS.items():
-    rows[row] = {"val_loss": stages[row]["val_loss"], **figures[row]}
+    rows[row] = {"val_loss": stages[row]["val_loss"], "prompts": len(prompts), **figures[row]}
     if quantized:
       rows[row]["llama_cpp"] = gguf_figures(paths[row], plain["teacher"], prompts, settings,
                                             seed, mesh, rules)
@@ -219,7 +222,8 @@ def markdown(rows: dict, checks_: dict, c) -> list[str]:
   head = ("student", "val loss", "teacher NLL / token", "reverse KL / token", "mean length",
           "llama.cpp teacher NLL", "llama.cpp reverse KL")
   lines = ["## On-policy distillation: what each student writes, graded by the teacher", "",
-           f"Every student completes the same {int(c.on_policy.eval_prompts)} held-out prompts "
+           f"Every student completes the same {next(iter(rows.values()))['prompts']} held-out "
+           f"prompts "
            f"({int(c.on_policy.prompt_len)} tokens, seed {int(c.on_policy.eval_seed)}, "
            f"temperature {float(c.on_policy.sampling_temperature)}, up to "
            f"{int(c.on_policy.max_new_tokens)} tokens); the teacher scores every token. All "
