@@ -59,6 +59,9 @@ def force_host_devices(n: int) -> None:
 def start(module_name: str, default_devices: int, argv: Sequence[str] | None = None) -> None:
   """Sets the device count when `module_name` is "__main__" (the script runs, or is one of its
   own child processes); a test that imports the script for its helpers keeps its own devices.
+  A script run as "__main__" inside a process whose JAX already started (a test running it with
+  runpy, to share that process's imports and compiles) accepts that JAX if its device count is
+  the one asked for, and otherwise stops in one line with exit status 2.
 
   It also takes benchmarks/ and benchmarks/lib/ off sys.path: Python puts a script's folder
   first, and the scripts are named after what they measure (peft.py, qat.py, edge.py, common.py),
@@ -71,8 +74,22 @@ def start(module_name: str, default_devices: int, argv: Sequence[str] | None = N
   if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
   count = devices_in(sys.argv[1:] if argv is None else argv) or default_devices
-  force_host_devices(count)
+  if "jax" in sys.modules:  # run inside a process whose JAX already started (a test's)
+    _accept_running_jax(count)
+  else:
+    force_host_devices(count)
   _started = Devices(default_devices, count)
+
+
+def _accept_running_jax(count: int) -> None:
+  """A JAX that already runs keeps its devices: the script runs on it if it has `count` devices,
+  and otherwise stops in one line (exit 2) instead of measuring on other devices than asked."""
+  running = sys.modules["jax"].device_count()
+  if running != count:
+    script = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "benchmark"
+    sys.stderr.write(f"{script}: error: JAX already runs with {running} devices, "
+                     f"this run asks for --devices {count}: run the script in its own process\n")
+    raise SystemExit(2)
 
 
 def started() -> Devices:

@@ -64,3 +64,22 @@ def test_a_bad_device_count_is_one_line_and_exit_2(tmp_path):
   assert proc.stderr.splitlines()[-1] == (
       "accelerator.py: error: argument --devices: '0' is not a positive whole number")
   assert not (tmp_path / "a.json").exists()  # nothing written
+
+
+def test_a_running_jax_is_kept_with_its_count_and_refused_with_another(monkeypatch, capsys):
+  """A test runs a script inside its own process (8 devices): the prologue keeps that JAX when
+  the script asks for 8, and stops in one line with exit 2 when it asks for another count."""
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  monkeypatch.setattr(sys, "argv", ["qat.py", "--devices", "8"])
+  monkeypatch.setattr(prologue, "_started", None)
+  flags = os.environ.get("XLA_FLAGS")
+  prologue.start("__main__", default_devices=1)
+  assert prologue.started() == prologue.Devices(1, 8)
+  assert os.environ.get("XLA_FLAGS") == flags  # nothing written for a JAX that already runs
+  monkeypatch.setattr(sys, "argv", ["qat.py"])
+  with pytest.raises(SystemExit) as stop:
+    prologue.start("__main__", default_devices=1)
+  assert stop.value.code == 2
+  assert capsys.readouterr().err.splitlines() == [
+      "qat.py: error: JAX already runs with 8 devices, this run asks for --devices 1: run the "
+      "script in its own process"]

@@ -4,7 +4,11 @@ the scripts' figures are checked against."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
+import runpy
+import sys
 from collections.abc import Mapping
 
 # The smoke tests check figures, not speed: LLVM's optimisation level changes neither XLA's
@@ -43,3 +47,22 @@ def total_params(m, layers: int | None = None) -> int:
   block = _block_matmul_params(m) + 2 * f["embed_dim"]
   embed = f["vocab_size"] * f["embed_dim"] * (1 if f["tie_embeddings"] else 2)
   return (layers or f["num_layers"]) * block + embed + f["embed_dim"]
+
+
+def run_script_here(script, argv) -> tuple[int, str]:
+  """Runs benchmarks/<script> as `python script *argv` would, inside this test process: its
+  prologue accepts the running JAX when the device count is the one the script asks for (the
+  suite's 8), so it shares this process's imports and compiled programs instead of starting a
+  new interpreter and JAX. Returns the exit status and what it printed."""
+  printed = io.StringIO()
+  saved_argv, saved_path = sys.argv, list(sys.path)
+  sys.argv = [str(script), *map(str, argv)]
+  try:
+    with contextlib.redirect_stdout(printed):
+      runpy.run_path(str(script), run_name="__main__")
+      status = 0
+  except SystemExit as stop:
+    status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+  finally:
+    sys.argv, sys.path[:] = saved_argv, saved_path
+  return status, printed.getvalue()
