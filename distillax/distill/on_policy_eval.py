@@ -20,6 +20,7 @@ loss, the demo calls it on finished students.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -61,47 +62,51 @@ class OnPolicyEval:
   samples: list[tuple[list[int], list[int]]]  # (prompt ids, completion ids) per prompt
 
 
+@functools.lru_cache(maxsize=16)
+def _program(settings: OnPolicySettings, chunk_size, teachers, mesh, rules, s_graph, t_graph):
+  """The jitted eval program of these static facts, shared process-wide: every trainer eval
+  and every demo row with the same models' structure, settings and mesh reuses one traced and
+  lowered program (jit's own cache keys on the function object, so a fresh `jax.jit` per
+  evaluator traced and lowered the same program again; the persistent cache only skips the
+  backend compile). Holds graph definitions only, never weights."""
+  leaf = GeneralizedJSD(beta=1.0, temperature=1.0, name="on_policy_reverse_kl")
+
+  def run(s_state, t_state, batch, key):
+    student, teacher = nnx.merge(s_graph, s_state), nnx.merge(t_graph, t_state)
+    rollout = sample_rollout(unwrap_student(student)[0], batch, key, settings)
+    scoring = route_scoring_batch(scoring_batch(rollout, settings.pad_id), batch, 1)
+    out = score_rollout(leaf, student, {"teacher": teacher}, scoring, chunk_size=chunk_size,
+                        teachers=teachers)
+    ratios = {**out.ratios, **completion_stats(rollout, settings.stops)}
+    return ratios, rollout.generated.tokens_BxT, rollout.generated.lengths_B, out.tokens
+
+  if mesh is None:
+    return jax.jit(run)
+
+  def with_rules(*args):
+    with pt.use_rules(mesh, rules):
+      return run(*args)
+  return jax.jit(with_rules)
+
+
 class OnPolicyEvaluator:
-  """`evaluate_on_policy` compiled once per model structure and prompt shape (keep one).
-  `teachers`: the teacher is a TeacherSet of several, mixed (at T = 1) or routed per prompt."""
+  """`evaluate_on_policy` over programs compiled once per model structure, settings and mesh
+  (`_program`, shared by every evaluator of the process). `teachers`: the teacher is a
+  TeacherSet of several, mixed (at T = 1) or routed per prompt."""
 
   def __init__(self, settings: OnPolicySettings, *, mesh=None, rules=None,
                chunk_size: int | None = vocab_chunks.AUTO, teachers: TeacherMix | None = None):
     self.settings = dataclasses.replace(settings, num_samples=1)
     self.mesh, self.rules, self.chunk_size = mesh, rules, chunk_size
     self.teachers = None if teachers is None else dataclasses.replace(teachers, temperature=1.0)
-    self._compiled = {}
-
-  def _program(self, s_graph, t_graph):
-    settings, chunk_size, teachers = self.settings, self.chunk_size, self.teachers
-    leaf = GeneralizedJSD(beta=1.0, temperature=1.0, name="on_policy_reverse_kl")
-
-    def run(s_state, t_state, batch, key):
-      student, teacher = nnx.merge(s_graph, s_state), nnx.merge(t_graph, t_state)
-      rollout = sample_rollout(unwrap_student(student)[0], batch, key, settings)
-      scoring = route_scoring_batch(scoring_batch(rollout, settings.pad_id), batch, 1)
-      out = score_rollout(leaf, student, {"teacher": teacher}, scoring, chunk_size=chunk_size,
-                          teachers=teachers)
-      ratios = {**out.ratios, **completion_stats(rollout, settings.stops)}
-      return ratios, rollout.generated.tokens_BxT, rollout.generated.lengths_B, out.tokens
-
-    if self.mesh is None:
-      return jax.jit(run)
-    mesh, rules = self.mesh, self.rules
-
-    def with_rules(*args):
-      with pt.use_rules(mesh, rules):
-        return run(*args)
-    return jax.jit(with_rules)
 
   def __call__(self, student, teacher, prompts, *, seed: int = 0,
                prompt_teachers=None) -> OnPolicyEval:
     """`prompt_teachers`: routing, the teacher index of each prompt."""
     s_graph, s_state = nnx.split(student)
     t_graph, t_state = nnx.split(teacher)
-    key = (s_graph, t_graph)
-    if key not in self._compiled:
-      self._compiled[key] = self._program(s_graph, t_graph)
+    program = _program(self.settings, self.chunk_size, self.teachers, self.mesh, self.rules,
+                       s_graph, t_graph)
     rows = len(prompts)
     if self.mesh is not None:  # whole rows per data-parallel worker
       data = int(self.mesh.shape.get("data", 1))
@@ -114,7 +119,7 @@ class OnPolicyEvaluator:
     if self.mesh is not None:
       batch = global_batch_placer(self.mesh, self.rules)(batch)
     ratios, tokens, lengths, count = jax.device_get(
-        self._compiled[key](s_state, t_state, batch, jax.random.key(seed)))
+        program(s_state, t_state, batch, jax.random.key(seed)))
     figures = {f"on_policy_{k}": float(n) / max(float(d), 1.0) for k, (n, d) in ratios.items()
                if k in FIGURES}
     figures["on_policy_tokens"] = float(count)
