@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from distillax.distill.on_policy import OnPolicySettings
+from distillax.distill import on_policy_eval
 from distillax.distill.on_policy_eval import OnPolicyEvaluator
 from tests.distill import helpers as h
 
@@ -45,5 +46,10 @@ def test_figures_equal_each_completion_scored_alone():
   np.testing.assert_allclose(f["on_policy_reverse_kl"], rkl / tokens, rtol=1e-5)
   np.testing.assert_allclose(f["on_policy_completion_length"], tokens / 3, rtol=1e-6)
   np.testing.assert_allclose(f["on_policy_eos_rate"], ended / 3, rtol=1e-6)
-  again = evaluator(student, teacher, prompts, seed=3)
+  # A second evaluator (as every trainer engine and demo report builds its own) runs the first
+  # one's jitted program: same settings and models' structure, no new trace.
+  programs = on_policy_eval._program.cache_info()
+  again = OnPolicyEvaluator(settings)(student, teacher, prompts, seed=3)
   assert again.samples == result.samples and again.figures == f
+  shared = on_policy_eval._program.cache_info()
+  assert (shared.hits, shared.misses) == (programs.hits + 1, programs.misses)
