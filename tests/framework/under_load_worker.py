@@ -2,12 +2,6 @@
 simulated devices while the parent keeps the host busy. Their losses and final params go to an
 .npz file (plain float arrays; read back with allow_pickle=False).
 
-Each run is compiled first, unloaded (a first run whose numbers are dropped), and the process
-says READY on stdout and waits for a line on stdin: the parent loads the host and answers, and
-the runs are made again from the compilation cache. The load then covers the steps, where the
-collectives are, rather than minutes of imports and compiles that burn the spinners' CPU for
-nothing.
-
 A child, because a collective that aborts XLA:CPU takes its whole process with it: here that is
 one failed test with XLA's own message in its report, never a lost pytest-xdist worker."""
 
@@ -16,7 +10,6 @@ import sys
 import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
-READY = "READY"  # printed once both runs are compiled; the parent then loads the host
 
 
 def main(out_path: str) -> None:
@@ -29,10 +22,6 @@ def main(out_path: str) -> None:
   assert jax.device_count() == 8, "the parent passes XLA_FLAGS with 8 simulated devices"
   mesh, rules = mesh_and_rules("dp", 8)
   model = create_model(TINY, mesh=mesh, rules=rules, seed=0)
-  for backend in ("pmap", "shard_map"):  # compiled, unloaded
-    train_copy(backend, model, mesh, rules, packed_batches(3))
-  print(READY, flush=True)
-  sys.stdin.readline()  # the host is busy now
   arrays = {}
   for backend in ("pmap", "shard_map"):
     losses, params = train_copy(backend, model, mesh, rules, packed_batches(3))
