@@ -127,12 +127,7 @@ class OnPolicyRecipe(DistillRecipe):
                             process_count=jax.process_count())
 
   def build_engines(self, learning_rate: float | None = None, *, compile_now: bool = True):
-    engines = super().build_engines(learning_rate, compile_now=compile_now)
-    engines.main = self._on_policy_engine(engines.main)
-    if engines.before_start is not None:
-      engines.before_start = self._on_policy_engine(engines.before_start)
-    engines.middle = tuple((first, self._on_policy_engine(e)) for first, e in engines.middle)
-    return engines
+    return super().build_engines(learning_rate, compile_now=compile_now).wrap(self._on_policy_engine)
 
   def _on_policy_engine(self, engine):
     if bool(self.config.on_policy.time_sampling) and self.settings.lmbda > 0:

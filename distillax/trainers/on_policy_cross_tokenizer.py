@@ -104,12 +104,7 @@ class CrossTokenizerOnPolicyRecipe(CrossTokenizerDistillRecipe):
                             process_count=jax.process_count())
 
   def build_engines(self, learning_rate: float | None = None, *, compile_now: bool = True):
-    engines = Recipe.build_engines(self, learning_rate, compile_now=compile_now)
-    engines.main = self._host_step_engine(engines.main)
-    if engines.before_start is not None:
-      engines.before_start = self._host_step_engine(engines.before_start)
-    engines.middle = tuple((first, self._host_step_engine(e)) for first, e in engines.middle)
-    return engines
+    return Recipe.build_engines(self, learning_rate, compile_now=compile_now).wrap(self._host_step_engine)
 
   def _host_step_engine(self, engine):
     # Adapter dropout is for the learner's forward, not for sampling.

@@ -55,10 +55,16 @@ class Engines:
 
   def add_extra_eval(self, fn) -> None:
     """Every engine's evals also report `fn(engine, state)`'s figures."""
-    self.main = with_extra_eval(self.main, fn)
+    self.wrap(lambda engine: with_extra_eval(engine, fn))
+
+  def wrap(self, wrapper) -> "Engines":
+    """Every engine replaced by `wrapper(engine)` (extra evals, on-policy sampling, a host step
+    between two programs): the switching between them stays as it was."""
+    self.main = wrapper(self.main)
     if self.before_start is not None:
-      self.before_start = with_extra_eval(self.before_start, fn)
-    self.middle = tuple((first, with_extra_eval(e, fn)) for first, e in self.middle)
+      self.before_start = wrapper(self.before_start)
+    self.middle = tuple((first, wrapper(e)) for first, e in self.middle)
+    return self
 
   def at(self, step: int) -> Engine:
     if self.before_start is not None and step < self.start_step:

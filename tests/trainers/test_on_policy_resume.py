@@ -13,19 +13,15 @@ With lmbda < 1 the run also takes teacher-forced logit-KD steps from that teache
 
 import json
 import os
-import re
-import signal
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import torch
 import transformers
 
-from distillax.framework.throughput import Throughput
-from tests.trainers.test_base import (ROOT, _checkpoint_steps, _rows, _saved_params, _train,
-                                      _wait_until)
+from tests.trainers.kill_and_resume import TIMING_KEYS, assert_same_run, killed_run, resume_step
+from tests.trainers.test_base import ROOT, _checkpoint_steps
 
 STEPS = 8
 ARGS = ["--config", os.path.join(ROOT, "distillax/configs/on_policy.py") + ":tiny",
@@ -36,9 +32,7 @@ ARGS = ["--config", os.path.join(ROOT, "distillax/configs/on_policy.py") + ":tin
         # distill_moe.py:tiny's mesh: the teacher's 4 experts over a data axis of 4, the rest
         # tensor parallel over a model axis of 2
         "--config.partitioning.strategy=ep_tp", "--config.mesh.data=4", "--config.mesh.model=2"]
-# Measured by the clock, never equal between two runs.
-TIMING_KEYS = set(Throughput(1, 1.0, 1, 1.0).rates(1, 1.0)) | {"sampled_tokens_per_s",
-                                                                "sampling_share"}
+TIMING = TIMING_KEYS | {"sampled_tokens_per_s", "sampling_share"}
 
 
 @pytest.fixture(scope="module")
@@ -55,33 +49,17 @@ def teacher_dir(tmp_path_factory):
   return path
 
 
-def _untimed_rows(workdir):
-  return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in _rows(workdir)]
-
-
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_sigkill_then_resume_reloads_the_moe_teacher_and_equals_an_uninterrupted_run(
     teacher_dir, tmp_path):
   args = ARGS + [f"--config.teacher.hf_path={teacher_dir}"]
-  reference = tmp_path / "uninterrupted"
-  _train(reference, args=args, timeout=900)
-  workdir = tmp_path / "killed"
-  proc = _train(workdir, wait=False, args=args)
   # Killed inside the step-4 eval or just after it.
-  _wait_until(proc, lambda: 3 in _checkpoint_steps(workdir), "the step-3 checkpoint", 900)
-  os.killpg(proc.pid, signal.SIGKILL)
-  proc.wait()
+  reference, workdir = killed_run(tmp_path, args, lambda w: 3 in _checkpoint_steps(w),
+                                  "the step-3 checkpoint")
   assert STEPS not in _checkpoint_steps(workdir), "the run finished before the kill"
-  rerun = _train(workdir, args=args, timeout=900)
-  assert int(re.search(r"resuming from step (\d+)", rerun.output).group(1)) in (3, 6)
-  got, want = _untimed_rows(workdir), _untimed_rows(reference)
-  assert [r["step"] for r in got] == [r["step"] for r in want]
-  assert got == want
+  assert resume_step(workdir, args) in (3, 6)
+  want = assert_same_run(workdir, reference, STEPS, TIMING)
   assert any(0 < r.get("on_policy", 0) < 1 for r in want)  # both branches ran in a window
-  got, want = _saved_params(workdir, STEPS), _saved_params(reference, STEPS)
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   samples = sorted(p.name for p in (workdir / "on_policy_samples").iterdir())
   assert samples == ["step_000004.jsonl", "step_000008.jsonl"]
   for name in samples:
