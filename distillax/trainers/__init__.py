@@ -28,9 +28,9 @@ from distillax.trainers.sources import (is_hf_checkpoint, load_run_config, resol
                                         RunSource)
 from distillax.trainers.saved import load_as_trained, load_trained_model, restore_run_state
 
-__all__ = ["CachedDistillRecipe", "CrossTokenizerDistillRecipe", "CrossTokenizerOnPolicyRecipe", "DistillRecipe", "Engines", "MultiTeacherDistillRecipe", "MultiTeacherOnPolicyRecipe", "LMRecipe", "OnPolicyRecipe", "Recipe",
-           "RunSource",
-           "SequenceKDRecipe", "Trainer", "check_recipe_data", "is_hf_checkpoint", "load_run_config",
-           "load_as_trained", "load_trained_model", "lm_objective", "hf_checkpoint_recipe",
-           "recipe_class", "recipe_for",
-           "resolve_model_config", "restore_run_state", "strategy_from_config"]
+__all__ = ["CachedDistillRecipe", "CrossTokenizerDistillRecipe", "CrossTokenizerOnPolicyRecipe",
+           "DistillRecipe", "Engines", "MultiTeacherDistillRecipe", "MultiTeacherOnPolicyRecipe",
+           "LMRecipe", "OnPolicyRecipe", "Recipe", "RunSource", "SequenceKDRecipe", "Trainer",
+           "check_recipe_data", "is_hf_checkpoint", "load_run_config", "load_as_trained",
+           "load_trained_model", "lm_objective", "hf_checkpoint_recipe", "recipe_class",
+           "recipe_for", "resolve_model_config", "restore_run_state", "strategy_from_config"]

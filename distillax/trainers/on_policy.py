@@ -49,6 +49,17 @@ def settings_from_config(c, tokenizer) -> OnPolicySettings:
       vocab_limit=int(tokenizer.vocab_size))
 
 
+def sample_width(prompt_len: int, settings: OnPolicySettings, model_config) -> int:
+  """Prompt plus completion tokens of one sample, refused in one line past the student's
+  max_seq_len."""
+  width = prompt_len + settings.max_new_tokens
+  if width > model_config.max_seq_len:
+    raise ConfigError(f"on_policy.prompt_len={prompt_len} + on_policy.max_new_tokens="
+                      f"{settings.max_new_tokens} exceeds model.max_seq_len="
+                      f"{model_config.max_seq_len}; shorten one of them")
+  return width
+
+
 @register("on_policy")
 class OnPolicyRecipe(DistillRecipe):
   """The student learns from its own samples, graded token by token by the teacher."""
@@ -65,11 +76,7 @@ class OnPolicyRecipe(DistillRecipe):
     c = config.on_policy
     self.settings = settings_from_config(c, self.tokenizer)
     self.prompt_len = int(c.prompt_len)
-    longest = self.prompt_len + self.settings.max_new_tokens
-    if longest > self.model_config.max_seq_len:
-      raise ConfigError(f"on_policy.prompt_len={self.prompt_len} + on_policy.max_new_tokens="
-                        f"{self.settings.max_new_tokens} exceeds model.max_seq_len="
-                        f"{self.model_config.max_seq_len}; shorten one of them")
+    sample_width(self.prompt_len, self.settings, self.model_config)
     if self.teacher_model_config is None:
       raise ConfigError("on_policy needs a teacher model (teacher.workdir, teacher.hf_path or "
                         "teacher.preset), not an offline cache: the teacher scores the "
@@ -127,7 +134,8 @@ class OnPolicyRecipe(DistillRecipe):
                             process_count=jax.process_count())
 
   def build_engines(self, learning_rate: float | None = None, *, compile_now: bool = True):
-    return super().build_engines(learning_rate, compile_now=compile_now).wrap(self._on_policy_engine)
+    engines = super().build_engines(learning_rate, compile_now=compile_now)
+    return engines.wrap(self._on_policy_engine)
 
   def _on_policy_engine(self, engine):
     if bool(self.config.on_policy.time_sampling) and self.settings.lmbda > 0:

@@ -27,7 +27,7 @@ from distillax.errors import ConfigError
 from distillax.framework.step import Objective
 from distillax.trainers.distill import DistillRecipe
 from distillax.trainers.distill_cross_tokenizer import CrossTokenizerDistillRecipe
-from distillax.trainers.on_policy import OnPolicyRecipe, settings_from_config
+from distillax.trainers.on_policy import OnPolicyRecipe, sample_width, settings_from_config
 from distillax.trainers.on_policy_host_step import HostStep
 from distillax.trainers.on_policy_parts import OnPolicyIterator
 from distillax.trainers.recipe import Recipe
@@ -65,11 +65,7 @@ class CrossTokenizerOnPolicyRecipe(CrossTokenizerDistillRecipe):
                         f"student's samples only; use --config.on_policy.lmbda=1 (or the "
                         f"off-policy job, trainer='distill')")
     self.prompt_len = int(c.prompt_len)
-    width = self.prompt_len + self.settings.max_new_tokens
-    if width > self.model_config.max_seq_len:
-      raise ConfigError(f"on_policy.prompt_len={self.prompt_len} + on_policy.max_new_tokens="
-                        f"{self.settings.max_new_tokens} exceeds model.max_seq_len="
-                        f"{self.model_config.max_seq_len}; shorten one of them")
+    width = sample_width(self.prompt_len, self.settings, self.model_config)
     # The teacher's tokens of one sample; by default as many as the student's scoring inputs.
     self.teacher_len = int(config.distill.cross_tokenizer.teacher_seq_len) or width - 1
     if self.teacher_len + 1 > self.teacher_model_config.max_seq_len:
@@ -104,7 +100,8 @@ class CrossTokenizerOnPolicyRecipe(CrossTokenizerDistillRecipe):
                             process_count=jax.process_count())
 
   def build_engines(self, learning_rate: float | None = None, *, compile_now: bool = True):
-    return Recipe.build_engines(self, learning_rate, compile_now=compile_now).wrap(self._host_step_engine)
+    engines = Recipe.build_engines(self, learning_rate, compile_now=compile_now)
+    return engines.wrap(self._host_step_engine)
 
   def _host_step_engine(self, engine):
     # Adapter dropout is for the learner's forward, not for sampling.

@@ -28,7 +28,7 @@ from distillax.models.hf_config_out import config_to_hf  # noqa: E402
 from distillax.trainers.sources.kinds import BlocksSource, HFSource  # noqa: E402
 from distillax.models.transformer import layer_params  # noqa: E402
 from tests.support.hf import (cached_decode_delta, packed_documents_delta,  # noqa: E402
-                              saved_with_logits, torch_logits)
+                              saved_with_logits, torch_logits, widened_qwen35)
 from tests.support.models import Normal, forward, random_model  # noqa: E402
 
 CONFIG = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
@@ -42,12 +42,7 @@ TOKENS = np.random.default_rng(1).integers(0, 97, size=(2, 11)).astype(np.int64)
 @pytest.fixture(scope="module")
 def hf_model():
   torch.manual_seed(0)
-  model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**CONFIG))
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if not name.endswith(("A_log", "dt_bias")):
-        p.normal_(0.0, 0.3 if "norm" in name else 0.1)
-  return model.eval()
+  return widened_qwen35(transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**CONFIG)))
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from distillax.models.presets import get_preset  # noqa: E402
 from distillax.models.transformer import layer_params  # noqa: E402
 from distillax.trainers.sources.kinds import BlocksSource, HFSource  # noqa: E402
 from tests.support.hf import (cached_decode_delta, packed_documents_delta,  # noqa: E402
-                              saved_with_logits)
+                              saved_with_logits, widened_qwen35)
 from tests.support.models import forward  # noqa: E402
 
 CONFIG = dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -44,19 +44,11 @@ CONFIG = dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_
 TOKENS = np.random.default_rng(1).integers(0, 97, size=(2, 11)).astype(np.int64)
 
 
-def _widen(model):
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if not name.endswith(("A_log", "dt_bias")):
-        p.normal_(0.0, 0.3 if "norm" in name else 0.1)
-  return model.eval()
-
-
 @pytest.fixture(scope="module")
 def hf_model():
   torch.manual_seed(0)
   config = transformers.Qwen3_5MoeTextConfig(**CONFIG, attn_implementation="eager")
-  return _widen(transformers.Qwen3_5MoeForCausalLM(config))
+  return widened_qwen35(transformers.Qwen3_5MoeForCausalLM(config))
 
 
 @pytest.fixture(scope="module")

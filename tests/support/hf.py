@@ -72,3 +72,13 @@ def blocks_state(model, layers) -> dict:
     out.update({f"model.layers.{i}." + k[len(prefix):]: v for k, v in state.items()
                 if k.startswith(prefix)})
   return out
+
+
+def widened_qwen35(model):
+  """A random-init Qwen3.5(-MoE) in eval mode with weights wide enough that a misplaced one
+  shows in the logits; A_log and dt_bias keep the decay init the delta rule needs."""
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if not name.endswith(("A_log", "dt_bias")):
+        p.normal_(0.0, 0.3 if "norm" in name else 0.1)
+  return model.eval()

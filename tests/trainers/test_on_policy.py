@@ -207,3 +207,15 @@ def test_bad_on_policy_fields_fail_in_one_line(tmp_path, capsys, override, fragm
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1 and fragment in err[0], err
   assert not workdir.exists()
+
+
+def test_a_sample_past_the_students_max_seq_len_is_one_line():
+  """Both on-policy recipes (same tokenizer and cross-tokenizer) size samples through it."""
+  import types
+  from distillax.errors import ConfigError
+  from distillax.trainers.on_policy import sample_width
+  settings, model = types.SimpleNamespace(max_new_tokens=24), types.SimpleNamespace(max_seq_len=64)
+  assert sample_width(40, settings, model) == 64
+  with pytest.raises(ConfigError, match=r"on_policy.prompt_len=41 \+ on_policy.max_new_tokens=24 "
+                     r"exceeds model.max_seq_len=64; shorten one of them"):
+    sample_width(41, settings, model)
