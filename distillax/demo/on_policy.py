@@ -147,19 +147,25 @@ def gguf_figures(path, teacher, prompts, settings, seed, mesh, rules) -> dict:
   ended = sum(ids[-1] in settings.stops for ids in completions)
   return {**prompt_stats.figures_with_se(sums),
           "on_policy_completion_length": tokens / len(prompts),
-          "on_policy_eos_rate": ended / len(prompts), "on_policy_tokens": tokens}
+          "on_policy_eos_rate": ended / len(prompts), "on_policy_tokens": tokens,
+          "per_prompt": _lists(sums)}
+
+
+def _lists(sums: dict) -> dict[str, list[float]]:
+  """Per-prompt sums as report.json keeps them (the paired comparisons are recomputable)."""
+  return {k: [float(x) for x in v] for k, v in sums.items()}
 
 
 def distillax_se(model, teacher, prompts, completions, settings, mesh, rules) -> dict:
-  """The standard errors over prompts of a distillax row's figures (its completions scored
-  again per prompt, by the row's model and the teacher); the figures themselves are the
-  evaluator's."""
+  """The standard errors over prompts of a distillax row's figures and its per-prompt sums (its
+  completions scored again per prompt, by the row's model and the teacher); the figures
+  themselves are the evaluator's."""
   width = max(len(p) for p in prompts) + settings.max_new_tokens
   s_logps = completion_logps(model, prompts, completions, width, settings.pad_id, mesh, rules)
   t_logps = completion_logps(teacher, prompts, completions, width, settings.pad_id, mesh, rules)
-  figures = prompt_stats.figures_with_se(prompt_stats.per_prompt_sums(completions, s_logps,
-                                                                      t_logps))
-  return {k: v for k, v in figures.items() if k.endswith("_se")}
+  sums = prompt_stats.per_prompt_sums(completions, s_logps, t_logps)
+  figures = prompt_stats.figures_with_se(sums)
+  return {**{k: v for k, v in figures.items() if k.endswith("_se")}, "per_prompt": _lists(sums)}
 
 
 def export_gguf(plain: dict, demo_rules, tokenizer, add_bos: bool, export_dir: str) -> dict:
@@ -190,23 +196,23 @@ def measure(c, plain: dict, models: dict, stages: dict, tokenizer, mesh, rules,
   return rows
 
 
-def _beats(on: dict, off: dict, key: str) -> bool:
-  return prompt_stats.beats(on[key], on[f"{key}_se"], off[key], off[f"{key}_se"])
-
-
 def checks(rows: dict) -> dict:
   """The claims, per pair (the q4_0 pair in distillax and in llama.cpp): on-policy beats
   off-policy on both figures, i.e. is lower by more than two standard errors of the difference
-  (prompt_stats.beats); and on the deployed q4_0 files, QAD is at least as good as QAT (not
-  higher on either figure)."""
+  over the same prompts (prompt_stats.compare, with the difference and both SEs beside it); and
+  on the deployed q4_0 files, QAD is at least as good as QAT (not higher on either figure)."""
   out = {}
   for off, on in PAIRS:
+    sides = [("", rows[on], rows[off])]
+    if "llama_cpp" in rows[on]:
+      sides.append(("_in_llama_cpp", rows[on]["llama_cpp"], rows[off]["llama_cpp"]))
     for fig in ("teacher_nll", "reverse_kl"):
-      key = f"on_policy_{fig}"
-      out[f"{on}_beats_{fig}"] = _beats(rows[on], rows[off], key)
-      if "llama_cpp" in rows[on]:
-        out[f"{on}_beats_{fig}_in_llama_cpp"] = _beats(rows[on]["llama_cpp"],
-                                                       rows[off]["llama_cpp"], key)
+      for suffix, on_row, off_row in sides:
+        cmp = prompt_stats.compare(on_row["per_prompt"], off_row["per_prompt"], fig)
+        out[f"{on}_beats_{fig}{suffix}"] = cmp["beats"]
+        out[f"{on}_{fig}_lower_by{suffix}"] = (
+            f"{cmp['difference']:.4f} (paired SE {cmp['paired_se']:.4f}, unpaired "
+            f"{cmp['unpaired_se']:.4f})")
   qad, qat = rows["student_qad_q4_0"]["llama_cpp"], rows["student_qat_int4"]["llama_cpp"]
   out["qad_at_least_as_good_as_qat_in_llama_cpp"] = bool(all(
       qad[f"on_policy_{fig}"] <= qat[f"on_policy_{fig}"] for fig in ("teacher_nll", "reverse_kl")))
@@ -231,7 +237,8 @@ def markdown(rows: dict, checks_: dict, c) -> list[str]:
            f"steps. The q4_0 rows are sampled twice: by distillax's fake-quant forward and by "
            f"llama.cpp from the q4_0 GGUF file (reference kernels, f32 KV cache). Each figure "
            f"is per token, ± its standard error over prompts; 'beats' means lower by more "
-           f"than two standard errors of the difference.", ""]
+           f"than two standard errors of the difference, taken per prompt (both rows complete "
+           f"the same prompts; the unpaired SE is shown beside it).", ""]
   cells = []
   for row, r in rows.items():
     cpp = r.get("llama_cpp")

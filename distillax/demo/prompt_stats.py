@@ -7,9 +7,14 @@ sampling unit is the prompt, and the standard error is the ratio estimator's ove
 (linearised: the residuals s_i - R n_i, with the K / (K - 1) correction). With equal lengths it
 is the usual std(ddof=1) / sqrt(K) of the per-prompt means.
 
-Two figures are said to differ when their difference exceeds two standard errors of the
-difference, taken as sqrt(SE_a² + SE_b²): no credit for the rows sharing their prompts, so a
-difference that passes passes under any pairing.
+Two rows complete the same prompts, so their difference is judged per prompt (paired): the
+prompts' difficulty, which moves both rows alike, cancels, and what is left is how differently
+the two students write on the same prompt. The difference of the two ratios is linearised per
+prompt, d_i = (a_i - R_a n_i) / mean(n) - (b_i - R_b m_i) / mean(m), and its standard error is
+sqrt(K / (K - 1) · Σ d_i²) / K (the same estimator as one ratio's, which it reduces to when one
+row is constant). A row "beats" another when it is lower by more than two of those standard
+errors. The unpaired sqrt(SE_a² + SE_b²) is reported beside it: it charges the difference with
+the spread of prompt difficulty, which both rows share.
 """
 
 from __future__ import annotations
@@ -54,9 +59,35 @@ def figures_with_se(sums: dict[str, np.ndarray]) -> dict[str, float]:
   return out
 
 
-def beats(lower: float, lower_se: float, higher: float, higher_se: float) -> bool:
-  """Whether `lower` is below `higher` by more than two standard errors of the difference."""
-  return bool(higher - lower > 2.0 * math.sqrt(lower_se ** 2 + higher_se ** 2))
+def _linearised(sums_K, counts_K) -> np.ndarray:
+  """Per prompt, its share of the ratio's deviation: (s_i - R n_i) / mean(n)."""
+  s_K, n_K = np.asarray(sums_K, np.float64), np.asarray(counts_K, np.float64)
+  return (s_K - s_K.sum() / n_K.sum() * n_K) / n_K.mean()
 
 
-__all__ = ["beats", "figures_with_se", "per_prompt_sums", "ratio_and_se"]
+def paired_difference(lower_sums, lower_counts, higher_sums, higher_counts
+                      ) -> tuple[float, float]:
+  """(R_higher - R_lower, its standard error over the K prompts both rows completed)."""
+  if len(lower_sums) != len(higher_sums):
+    raise ValueError(f"paired rows need the same prompts: {len(lower_sums)} against "
+                     f"{len(higher_sums)}")
+  diff = (float(np.sum(higher_sums)) / float(np.sum(higher_counts))
+          - float(np.sum(lower_sums)) / float(np.sum(lower_counts)))
+  k = len(lower_sums)
+  if k < 2:
+    return diff, float("nan")
+  d_K = _linearised(higher_sums, higher_counts) - _linearised(lower_sums, lower_counts)
+  return diff, math.sqrt(k / (k - 1) * float(np.sum(d_K ** 2))) / k
+
+
+def compare(lower: dict, higher: dict, fig: str) -> dict[str, float | bool]:
+  """`lower` beats `higher` on `fig` (per-prompt sums of both, per_prompt_sums' keys): the
+  difference higher - lower, its paired SE, the unpaired SE, and whether it exceeds 2 paired SE."""
+  diff, se = paired_difference(lower[fig], lower["tokens"], higher[fig], higher["tokens"])
+  unpaired = math.hypot(ratio_and_se(lower[fig], lower["tokens"])[1],
+                        ratio_and_se(higher[fig], higher["tokens"])[1])
+  return {"difference": diff, "paired_se": se, "unpaired_se": unpaired,
+          "beats": bool(diff > 2.0 * se)}
+
+
+__all__ = ["compare", "figures_with_se", "paired_difference", "per_prompt_sums", "ratio_and_se"]
