@@ -78,8 +78,14 @@ def fidelity_against(config, model_dir: str, against: str) -> dict[str, float]:
   twin = load_model_dir(against, config, full_precision=True)
   model.command = twin.command = "eval"
   _check_same_shape(model.model, twin.model, model_dir, against)
-  graph_model, state_model = nnx.split(model.model)
-  graph_twin, state_twin = nnx.split(twin.model)
+  return fidelity_over(model.model, twin.model, batches)
+
+
+def fidelity_over(model, twin, batches) -> dict[str, float]:
+  """The fidelity figures of `model` against its full-precision `twin` over `batches`' real
+  tokens (the demo's report batches, or a run's eval batches)."""
+  graph_model, state_model = nnx.split(model)
+  graph_twin, state_twin = nnx.split(twin)
   values, masks = {}, []
   for batch in batches:
     got = jax.device_get(_per_token(graph_model, state_model, graph_twin, state_twin,

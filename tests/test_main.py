@@ -67,6 +67,13 @@ def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path,
   assert checks["llama_cpp_f32_val_loss_diff"] < 1e-5
   assert checks["q4_0_gguf_max_abs_ce_sum_diff"] < 0.05
   assert (workdir / "report.md").read_text().count("|") > 30
+  # Progressive against direct QAT: the direct row is the table's QAT row; both are q4_0
+  # students measured against the same fp twin (a share, a KL, a ratio near 1 on these steps).
+  progressive = report["progressive_qat"]
+  assert progressive["student_qat_int4"]["val_loss"] == report["student_qat_int4"]["val_loss"]
+  for row in progressive.values():
+    assert 0 <= row["kl_mean"] <= row["kl_p99"] <= row["kl_max"] and 0 < row["same_top1"] <= 1
+    assert row["tokens"] == report["setup"]["val_tokens"] and 0.5 < row["perplexity_ratio"] < 2
   assert (workdir / "loss_curves.png").stat().st_size > 10_000
   # One evaluation route: each trained stage's row holds what `distillax eval --model <stage>`
   # prints and what its trainer's last eval wrote to summary.json, to the last digit; the
@@ -93,7 +100,7 @@ def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path,
                       lambda pipeline: reported.append(pipeline) or built[0])
   capsys.readouterr()
   assert main(argv) == 0
-  assert capsys.readouterr().out.count("finished earlier, reusing") == 7
+  assert capsys.readouterr().out.count("finished earlier, reusing") == len(TRAINED_STAGES)
   assert len(reported) == 1 and reported[0].workdir == str(workdir)
   assert all(stage_finished(s, reported[0].stage_dir(s), stage_config(reported[0].config, s,
                                                                       str(workdir)))

@@ -22,6 +22,9 @@ from distillax.configs.on_policy import on_policy_section
 # llama.cpp's q4_0 weights with q8_0 activations (what its CPU kernels compute for q4_0 files),
 # so QAT trains against the deployed rounding; the tied embedding (module path "") stays f32.
 Q4_0_RULES = (("", None, None, None), (".*", "q4_0", "q8_0", None))
+# Progressive QAT's middle stage: per-channel int8 weights (activations full precision), the
+# embedding again f32.
+INT8_RULES = (("", None, None, None), (".*", "int8", None, None))
 
 
 def _edge_settings(c: ml_collections.ConfigDict) -> None:
@@ -84,6 +87,7 @@ def _shrink_to_tiny(c: ml_collections.ConfigDict) -> None:
   c.teacher_model = model_config("tiny", vocab_size=0)
   c.student_model = model_config("tiny", vocab_size=0, num_layers=1)
   c.teacher_steps, c.student_steps, c.qat_steps = 6, 4, 3
+  c.progressive_qat = ((1, INT8_RULES), (2, Q4_0_RULES))
   c.qat_seeds = 1
   c.train.batch_size, c.train.seq_len = 8, 32
   c.train.eval_every, c.train.eval_batches, c.train.log_every = 2, 2, 1
@@ -143,6 +147,9 @@ def get_config(arg: str | None = None):
   # QAT/PTQ/export: llama.cpp's q4_0 weights and q8_0 activations; the tied embedding (module
   # path "") stays full precision, as deployments usually keep it.
   c.quant_rules = Q4_0_RULES
+  # Progressive QAT against it at the same step count: fp for the first 20 of the 60 steps,
+  # int8 weights for the next 20, then the same q4_0 / q8_0 rules (a qat.schedule).
+  c.progressive_qat = ((20, INT8_RULES), (40, Q4_0_RULES))
   c.on_policy = _on_policy_settings()
   c.text_eval = _text_eval_settings()
   _edge_settings(c)

@@ -36,7 +36,7 @@ from distillax import partitioning as pt
 from distillax import quant
 from distillax.data import batch as batch_spec
 from distillax.data import make_eval_iterator, make_tokenizer
-from distillax.demo import edge, on_policy
+from distillax.demo import edge, on_policy, progressive
 from distillax.demo.stages import TRAINED_STAGES, seed_stage
 from distillax.evaluate import restore_onto, run_recipe
 from distillax.framework.evaluation import PerToken, evaluate
@@ -196,11 +196,12 @@ def export_all(d: DemoInputs, export_dir: str) -> tuple[dict, dict]:
 
 def row_models(d: DemoInputs) -> dict:
   """Every row's model as it is deployed: the trained stages' plain weights, the quantized rows
-  (PTQ from the fp twin, QAT, QAD) with their fake quantization made real."""
+  (PTQ from the fp twin, QAT, QAD, progressive QAT) with their fake quantization made real."""
   qcfg = {"rules": [tuple(r) for r in d.config.quant_rules]}
   sample = jnp.asarray(d.batches[0][batch_spec.INPUTS][:1])
   quantized = {"student_ptq_int4": "student_kd_fp", "student_qat_int4": "student_qat_int4",
-               "student_qad_q4_0": "student_qad_q4_0"}
+               "student_qad_q4_0": "student_qad_q4_0",
+               "student_qat_progressive": "student_qat_progressive"}
   return {**d.plain, **{row: quant.quantize_post_training(d.plain[stage], qcfg, sample)
                         for row, stage in quantized.items()}}
 
@@ -211,6 +212,16 @@ def on_policy_rows(d: DemoInputs, stages: dict, paths: dict, models: dict) -> di
   from their GGUF files in llama.cpp too."""
   return on_policy.measure(d.config, d.plain, models, stages, d.tokenizer, d.mesh, d.rules,
                            paths)
+
+
+def progressive_rows(d: DemoInputs, stages: dict, models: dict) -> dict:
+  """Progressive against direct q4_0 QAT (demo/progressive.py) over the report's batches."""
+  prog_dir = d.pipeline.stage_dir("student_qat_progressive")
+  val_losses = {"student_qat_int4": stages["student_qat_int4"]["val_loss"],
+                "student_qat_progressive": _val_losses(d, prog_dir, prog_dir)[0]}
+  return progressive.measure(models, d.plain["student_kd_fp"], d.batches, d.mesh, d.rules,
+                             val_losses, stages["student_ptq_int4"]["val_loss"],
+                             stages["student_kd_fp"]["val_loss"])
 
 
 def task_rows(d: DemoInputs, stages: dict, models: dict) -> None:
@@ -332,6 +343,7 @@ def measure_all(pipeline) -> dict:
   models = row_models(d)
   task_rows(d, stages, models)
   op_rows = on_policy_rows(d, stages, op_paths, models)
+  prog_rows = progressive_rows(d, stages, models)
   all_checks = checks(stages, edge_figures, export_diff, agreement,
                       int(d.config.edge_greedy_tokens))
   all_checks.update(on_policy.checks(op_rows))
@@ -341,7 +353,7 @@ def measure_all(pipeline) -> dict:
   all_checks["qat_recovery_sd"] = (statistics.stdev(recoveries) if len(recoveries) > 1
                                    else float("nan"))
   return {"setup": setup(d), "stages": stages, "edge": edge_figures, "checks": all_checks,
-          "samples": samples(d), "on_policy": op_rows}
+          "samples": samples(d), "on_policy": op_rows, "progressive_qat": prog_rows}
 
 
 __all__ = ["DemoInputs", "ROWS", "ROW_SOURCES", "measure_all", "top1_agreement"]

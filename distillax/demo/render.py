@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 
-from distillax.demo import edge, on_policy
+from distillax.demo import edge, on_policy, progressive
 from distillax.demo.measure import ROWS
 from distillax.demo.stages import TRAINED_STAGES
 from distillax.demo.markdown import table_lines
@@ -23,10 +23,11 @@ LABELS = {"teacher": "teacher", "student_scratch": "student, from scratch",
           "student_kd_fp": "student, distilled + extra fp steps",
           "student_ptq_int4": "  ... + PTQ q4_0",
           "student_qat_int4": "student, distilled + QAT q4_0 (same extra steps)",
+          "student_qat_progressive": "student, distilled + progressive QAT (same extra steps)",
           "student_onpolicy": "student, distilled + on-policy (same extra steps)",
           "student_qad_q4_0": "student, distilled + on-policy QAD q4_0 (same extra steps)"}
 # Stages that continue student_kd (their curves start at its last step).
-CONTINUING = ("student_kd_fp", "student_qat_int4", *on_policy.STAGES)
+CONTINUING = ("student_kd_fp", "student_qat_int4", "student_qat_progressive", *on_policy.STAGES)
 
 
 def _next_token_loss(row: dict):
@@ -194,8 +195,13 @@ def _on_policy_markdown(c, sections: dict) -> list[str]:
   return on_policy.markdown(rows, on_policy.checks(rows), c)
 
 
+def _progressive_markdown(c, sections: dict) -> list[str]:
+  return progressive.markdown(sections["progressive_qat"], c)
+
+
 # report.md, top to bottom: each renderer (demo config, sections) -> lines.
-MARKDOWN_SECTIONS = (_stages_markdown, _edge_markdown, _on_policy_markdown, _samples_markdown)
+MARKDOWN_SECTIONS = (_stages_markdown, _edge_markdown, _progressive_markdown,
+                     _on_policy_markdown, _samples_markdown)
 
 
 def report_markdown(c, sections: dict) -> str:

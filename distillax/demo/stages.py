@@ -25,8 +25,10 @@ from distillax.trainers.workdir import check_workdir
 # recovery ratio (QAT must not win merely by training longer).
 # student_onpolicy and student_qad_q4_0 (demo/on_policy.py): the same extra steps on the
 # student's own samples, full precision and q4_0.
+# student_qat_progressive: the same extra steps with the bit-width stepped down (`progressive_qat`,
+# a qat.schedule: fp, then int8, then q4_0), against student_qat_int4's q4_0 from the first step.
 TRAINED_STAGES = ("teacher", "student_scratch", "student_kd", "student_kd_fp",
-                  "student_qat_int4", *on_policy.STAGES)
+                  "student_qat_int4", "student_qat_progressive", *on_policy.STAGES)
 # QAT and its fp twin again under other seeds (`qat_seeds` > 1): the recovery ratio is a ratio
 # of two small loss gaps, so the report states its spread over seeds.
 SEED_STAGES = ("student_kd_fp", "student_qat_int4")
@@ -84,13 +86,15 @@ def stage_config(demo: ml_collections.ConfigDict, stage: str, workdir: str
   c.distill.update(demo.distill.copy_and_resolve_references())
   if stage == "student_kd":
     return c
-  if stage in ("student_kd_fp", "student_qat_int4"):
+  if stage in ("student_kd_fp", "student_qat_int4", "student_qat_progressive"):
     c.train.steps = demo.qat_steps
     c.train.init_from = os.path.join(workdir, "student_kd")
     c.optimizer.learning_rate = demo.qat_learning_rate
     c.optimizer.warmup_steps = min(c.optimizer.warmup_steps, max(demo.qat_steps // 10, 1))
     if stage == "student_qat_int4":
       c.qat.rules = tuple(demo.quant_rules)
+    if stage == "student_qat_progressive":
+      c.qat.schedule = tuple(demo.progressive_qat)
     return c
   if stage in on_policy.STAGES:
     if stage == "student_qad_q4_0":

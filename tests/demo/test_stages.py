@@ -68,7 +68,8 @@ def test_more_qat_steps_continue_only_the_stages_that_run_them(tiny_demo_workdir
   finished = _stages_finished(config, tiny_demo_workdir)
   assert finished == {"teacher": True, "student_scratch": True, "student_kd": True,
                       "student_kd_fp": False, "student_qat_int4": False,
-                      "student_onpolicy": False, "student_qad_q4_0": False}
+                      "student_qat_progressive": False, "student_onpolicy": False,
+                      "student_qad_q4_0": False}
 
 
 def _demo(workdir, config_arg, capsys):
