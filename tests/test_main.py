@@ -57,6 +57,11 @@ def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path,
     assert np.isfinite(report[stage]["val_loss"]), stage
     assert (workdir / stage / "summary.json").exists() or stage == "student_ptq_int4"
   assert report["teacher"]["top1_agreement"] == 1.0
+  scratch, kd, teacher = (report[s]["val_loss"] for s in ("student_scratch", "student_kd",
+                                                            "teacher"))
+  share = report["checks"]["kd_share_of_gap_closed"]
+  assert share == pytest.approx((scratch - kd) / (scratch - teacher)) if scratch > teacher \
+      else share is None
   # The q4_0 export is much smaller than the fp32 one (the tied embedding stays fp32 by the
   # demo rules, a large share of this tiny model), and llama.cpp running it gives the fake-quant
   # forward's validation loss and greedy tokens. Per sequence, a q8_0 activation block that

@@ -305,6 +305,10 @@ def checks(stages: dict, edge_rows: dict, export_diff: float, agreement: list[in
   s, e = stages, edge_rows
   return {
       "kd_beats_scratch": bool(s["student_kd"]["val_loss"] < s["student_scratch"]["val_loss"]),
+      # (scratch - distilled) / (scratch - teacher): 1 when distillation reaches the teacher
+      "kd_share_of_gap_closed": edge.recovery(s["student_scratch"]["val_loss"],
+                                              s["student_kd"]["val_loss"],
+                                              s["teacher"]["val_loss"]),
       "qat_beats_ptq": bool(s["student_qat_int4"]["val_loss"] < s["student_ptq_int4"]["val_loss"]),
       "qat_recovery_of_ptq_degradation": edge.recovery(
           s["student_ptq_int4"]["val_loss"], s["student_qat_int4"]["val_loss"],

@@ -131,6 +131,12 @@ def _seed_words(checks: dict) -> str:
           f"sd {checks['qat_recovery_sd']:.0%})")
 
 
+def _gap_words(share: float) -> str:
+  if share != share:
+    return "the teacher is not better than the scratch student here (no gap to close)"
+  return f"distillation closes {share:.0%} of the scratch-to-teacher gap in validation loss"
+
+
 def _stages_markdown(c, sections: dict) -> list[str]:
   """The setup, the table of rows and the distillation and QAT claims."""
   setup, checks = sections["setup"], sections["checks"]
@@ -145,7 +151,8 @@ def _stages_markdown(c, sections: dict) -> list[str]:
       f"q8_0 as its CPU kernels do; PTQ / QAT sizes are the q4_0 GGUF files. "
       f"{_text_eval_words(c)}",
       "", stage_table(sections["stages"]), "",
-      f"- distilled student beats scratch student: {checks['kd_beats_scratch']}",
+      f"- distilled student beats scratch student: {checks['kd_beats_scratch']}; "
+      f"{_gap_words(checks['kd_share_of_gap_closed'])}",
       f"- QAT q4_0 beats PTQ q4_0: {checks['qat_beats_ptq']}; both start from the distilled "
       f"student and take the same {int(c.qat_steps)} extra steps; "
       f"{_recovery_words(checks['qat_recovery_of_ptq_degradation'], 'in distillax')}"
