@@ -6,7 +6,9 @@ One random Llama (transformers, width 256, 4 layers, a 2,048-id BPE trained on t
 corpus, max_position_embeddings 256) saved to a temporary folder; distillax loads that folder
 and lm-eval's HFLM loads it too (float32, CPU, batch 8 both). Both answer the same requests: the
 shipped local task's 12 snippets x 3 choices as loglikelihood requests (repeated), and the 12
-snippets as greedy generate_until requests (up to 16 tokens, to the end of the line). Each
+snippets as greedy generate_until requests (up to 16 tokens, to the end of the line). Neither
+scores a repeat again: HFLM runs one forward per group of requests sharing context and all but
+the last continuation token (its logits cache), distillax's TokenScorer one per distinct row. Each
 backend runs every kind once to warm up (distillax compiles there, HFLM has nothing to compile),
 then once timed; requests/s of the timed run and the ratio are reported, with the largest
 per-request |Δ log-likelihood| between the two and whether the generations are the same text.

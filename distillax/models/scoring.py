@@ -77,6 +77,14 @@ class TokenScorer:
     self.compiled_shapes: set[tuple[int, int]] = set()
 
   def __call__(self, rows: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each row scored once however often it is asked (lm-eval repeats requests: the same
+    context and choice under several metrics or repeats, as its HF backend also merges)."""
+    unique: dict[tuple[int, ...], int] = {}
+    index = [unique.setdefault(tuple(int(t) for t in r), len(unique)) for r in rows]
+    scored = self._score_rows([list(r) for r in unique])
+    return [scored[i] for i in index]
+
+  def _score_rows(self, rows: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
     for r in rows:
       if not 2 <= len(r) <= self.max_len + 1:
         raise UserError(f"a scored row has {len(r)} tokens; it needs 2 to max_seq_len + 1 = "
@@ -84,6 +92,9 @@ class TokenScorer:
     buckets = [length_bucket(len(r) - 1, self.min_len, self.max_len) for r in rows]
     order = sorted(range(len(rows)), key=lambda i: buckets[i])
     out: list = [None] * len(rows)
+    # Every batch is dispatched before any result is fetched: the host pads the next batch
+    # while the device scores this one.
+    pending = []
     for start in range(0, len(order), self.batch_size):
       picked = order[start:start + self.batch_size]
       L = max(buckets[i] for i in picked)
@@ -95,8 +106,10 @@ class TokenScorer:
       self.compiled_shapes.add((self.batch_size, L))
       inputs_BxL, targets_BxL = (jax.device_put(x, self.sharding) if self.sharding is not None
                                  else jnp.asarray(x) for x in (inputs_BxL, targets_BxL))
-      logprob_BxL, argmax_BxL = jax.device_get(_compiled_scores(
-          self.graphdef, self.state, inputs_BxL, targets_BxL, math.gcd(self.chunk_len, L)))
+      pending.append((picked, _compiled_scores(self.graphdef, self.state, inputs_BxL,
+                                               targets_BxL, math.gcd(self.chunk_len, L))))
+    for picked, scores in pending:
+      logprob_BxL, argmax_BxL = jax.device_get(scores)
       for b, i in enumerate(picked):
         n = len(rows[i]) - 1
         out[i] = (np.asarray(logprob_BxL[b, :n], np.float64), np.asarray(argmax_BxL[b, :n]))
