@@ -16,10 +16,13 @@ tests/framework/test_backends.py from 79.5 s to 51.9 s and its CPU time from 122
 which is what a busy machine runs short of. XLA:CPU's elemental kernel emitters
 (`--xla_cpu_use_fusion_emitters=false`, instead of the newer MLIR fusion emitters) compile
 faster still: test_backends.py's CPU time went from 75.8 s to 53.8 s, with the same losses to
-the last printed digit. Only the jaxlib line this was measured on gets that flag (an XLA that
-no longer knows a flag aborts at start). The HLO program and its numerics tolerances are the
-same; the benchmarks measure speed in their own processes and are run by
-tests only as smoke tests of their figures' bookkeeping. A user's own XLA_FLAGS win.
+the last printed digit. They expand a scatter into a while loop and order a few sums otherwise,
+so the two tests whose claim is about the exact program a user's XLA:CPU builds (an HLO trip
+count, a gradient equal to 1e-6) compile theirs with the default emitters
+(tests/support/xla.py). Only the jaxlib line this was measured on gets that flag (an XLA that
+no longer knows a flag aborts at start). The benchmarks measure speed in their own processes
+and are run by tests only as smoke tests of their figures' bookkeeping. A user's own XLA_FLAGS
+win.
 """
 
 import atexit

@@ -14,6 +14,7 @@ from distillax.framework import hlo, targets
 from distillax.main import main
 from distillax.plan import DOES_NOT_FIT_EXIT_CODE
 from distillax.plan_target import compile_on, search_fit
+from tests.support.xla import compile_steps_with_default_cpu_emitters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LM_TINY = f"{ROOT}/distillax/configs/lm.py:tiny"
@@ -208,10 +209,12 @@ def test_tpu_trip_counts_match_the_unrolled_program():
   assert flops[True] == pytest.approx(flops[False], rel=0.02)
 
 
-def test_cpu_plan_collectives_of_a_scanned_model_survive_losing_known_trip_count():
+def test_cpu_plan_collectives_of_a_scanned_model_survive_losing_known_trip_count(monkeypatch):
   """The CPU plan's collective counts of a scanned model (XLA:CPU records known_trip_count)
-  equal those read from the same HLO with the trip counts deleted, as a TPU compile gives it."""
+  equal those read from the same HLO with the trip counts deleted, as a TPU compile gives it.
+  The step is compiled as a user's XLA:CPU compiles it (tests/support/xla.py)."""
   import re
+  compile_steps_with_default_cpu_emitters(monkeypatch)
 
   from distillax.plan import plan_report
   from distillax.trainers import recipe_for

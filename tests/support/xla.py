@@ -1,0 +1,20 @@
+"""XLA:CPU's default code generators for the few tests whose claim is about the very program a
+user's JAX compiles. tests/conftest.py compiles the suite with XLA:CPU's older elemental kernel
+emitters (they compile faster); those expand a scatter into a while loop of its own (a loop
+whose trip count the HLO reader cannot see from the loop's call site) and order some sums
+differently (last-bit noise a gradient-equality tolerance of 1e-6 can catch)."""
+
+DEFAULT_CPU_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
+
+
+def compile_steps_with_default_cpu_emitters(monkeypatch) -> None:
+  """Every train step compiled ahead of time from here on (framework/backends.py) gets XLA:CPU's
+  default emitters, whatever the suite's XLA_FLAGS say."""
+  from distillax.framework import backends
+
+  def compiled(fn, abstract_state, abstract_batch, compile_now: bool):
+    if not compile_now:
+      return fn
+    return fn.lower(abstract_state, abstract_batch).compile(compiler_options=DEFAULT_CPU_EMITTERS)
+
+  monkeypatch.setattr(backends, "_compiled", compiled)
