@@ -50,19 +50,18 @@ def models():
 _COMPILED = {}
 
 
-def _value_and_grad(objective, student, teacher, batch, key):
-  """(loss, output), gradient; one compile per objective and model (batch and key are
-  arguments)."""
+def _value_and_grad(objective, student, teacher, batch, key, compiler_options=None):
+  """(loss, output), gradient; one compile per objective, model and compiler options (batch and
+  key are arguments)."""
   graph, state = nnx.split(student)
-  if (objective, graph) not in _COMPILED:
+  options = tuple(sorted((compiler_options or {}).items()))
+  if (objective, graph, options) not in _COMPILED:
     def loss(state, batch, key):
       out = objective(nnx.merge(graph, state), {"teacher": teacher}, batch, key)
       return out.loss_sum, out
-    # XLA:CPU's default emitters: the padding test's gradients agree to 1e-6 in the program a
-    # user compiles; the suite's cheaper emitters order a sum differently (tests/support/xla.py).
-    _COMPILED[objective, graph] = jax.jit(jax.value_and_grad(loss, has_aux=True),
-                                          compiler_options=DEFAULT_CPU_EMITTERS)
-  return _COMPILED[objective, graph](state, batch, key)
+    _COMPILED[objective, graph, options] = jax.jit(jax.value_and_grad(loss, has_aux=True),
+                                                   compiler_options=compiler_options)
+  return _COMPILED[objective, graph, options](state, batch, key)
 
 
 _ALONE_WIDTH = int(LENGTHS.max()) + SETTINGS.max_new_tokens
@@ -128,9 +127,13 @@ def test_padding_and_prompt_width_change_neither_loss_nor_gradient(models):
   student, teacher = models
   objective = make_on_policy_objective(GeneralizedJSD(), SETTINGS)
   key = jax.random.key(9)
-  (loss_a, out_a), grad_a = _value_and_grad(objective, student, teacher, _prompt_batch(), key)
+  # XLA:CPU's default emitters: the gradients agree to 1e-6 in the program a user compiles; the
+  # suite's cheaper emitters order one sum otherwise (tests/support/xla.py).
+  (loss_a, out_a), grad_a = _value_and_grad(objective, student, teacher, _prompt_batch(), key,
+                                            DEFAULT_CPU_EMITTERS)
   (loss_b, out_b), grad_b = _value_and_grad(objective, student, teacher,
-                                            _prompt_batch(width=8, garbage=True), key)
+                                            _prompt_batch(width=8, garbage=True), key,
+                                            DEFAULT_CPU_EMITTERS)
   assert float(out_a.tokens) == float(out_b.tokens)
   np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-5)
   for a, b in zip(jax.tree.leaves(grad_a), jax.tree.leaves(grad_b)):
