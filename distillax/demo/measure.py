@@ -197,13 +197,16 @@ def export_all(d: DemoInputs, export_dir: str) -> tuple[dict, dict]:
 def row_models(d: DemoInputs) -> dict:
   """Every row's model as it is deployed: the trained stages' plain weights, the quantized rows
   (PTQ from the fp twin, QAT, QAD, progressive QAT) with their fake quantization made real."""
-  qcfg = {"rules": [tuple(r) for r in d.config.quant_rules]}
   sample = jnp.asarray(d.batches[0][batch_spec.INPUTS][:1])
-  quantized = {"student_ptq_int4": "student_kd_fp", "student_qat_int4": "student_qat_int4",
-               "student_qad_q4_0": "student_qad_q4_0",
-               "student_qat_progressive": "student_qat_progressive"}
-  return {**d.plain, **{row: quant.quantize_post_training(d.plain[stage], qcfg, sample)
-                        for row, stage in quantized.items()}}
+  demo_rules, (_, last_rules) = d.config.quant_rules, d.config.progressive_qat[-1]
+  # row -> (stage, the rules it deploys with: progressive QAT's are its schedule's last stage)
+  quantized = {"student_ptq_int4": ("student_kd_fp", demo_rules),
+               "student_qat_int4": ("student_qat_int4", demo_rules),
+               "student_qad_q4_0": ("student_qad_q4_0", demo_rules),
+               "student_qat_progressive": ("student_qat_progressive", last_rules)}
+  return {**d.plain, **{row: quant.quantize_post_training(
+      d.plain[stage], {"rules": [tuple(r) for r in rules]}, sample)
+      for row, (stage, rules) in quantized.items()}}
 
 
 def on_policy_rows(d: DemoInputs, stages: dict, paths: dict, models: dict) -> dict:

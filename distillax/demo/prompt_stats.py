@@ -24,16 +24,22 @@ import math
 import numpy as np
 
 
+def _linearised(sums_K, counts_K) -> np.ndarray:
+  """Per unit, its share of the ratio's deviation: (s_i - R n_i) / mean(n)."""
+  s_K, n_K = np.asarray(sums_K, np.float64), np.asarray(counts_K, np.float64)
+  return (s_K - s_K.sum() / n_K.sum() * n_K) / n_K.mean()
+
+
+def _standard_error(d_K: np.ndarray) -> float:
+  """sqrt(K / (K - 1) · Σ d_i²) / K of linearised deviations; NaN under two units."""
+  k = len(d_K)
+  return math.sqrt(k / (k - 1) * float(np.sum(d_K ** 2))) / k if k >= 2 else float("nan")
+
+
 def ratio_and_se(sums_K, counts_K) -> tuple[float, float]:
   """(Σ sums / Σ counts, its standard error over the K units); NaN SE under two units."""
-  s_K, n_K = np.asarray(sums_K, np.float64), np.asarray(counts_K, np.float64)
-  total = float(n_K.sum())
-  ratio = float(s_K.sum()) / total
-  k = len(s_K)
-  if k < 2:
-    return ratio, float("nan")
-  resid_K = s_K - ratio * n_K
-  return ratio, math.sqrt(k / (k - 1) * float(np.sum(resid_K ** 2))) / total
+  ratio = float(np.sum(sums_K)) / float(np.sum(counts_K))
+  return ratio, _standard_error(_linearised(sums_K, counts_K))
 
 
 def per_prompt_sums(completions, student_logps, teacher_logps) -> dict[str, np.ndarray]:
@@ -59,12 +65,6 @@ def figures_with_se(sums: dict[str, np.ndarray]) -> dict[str, float]:
   return out
 
 
-def _linearised(sums_K, counts_K) -> np.ndarray:
-  """Per prompt, its share of the ratio's deviation: (s_i - R n_i) / mean(n)."""
-  s_K, n_K = np.asarray(sums_K, np.float64), np.asarray(counts_K, np.float64)
-  return (s_K - s_K.sum() / n_K.sum() * n_K) / n_K.mean()
-
-
 def paired_difference(lower_sums, lower_counts, higher_sums, higher_counts
                       ) -> tuple[float, float]:
   """(R_higher - R_lower, its standard error over the K prompts both rows completed)."""
@@ -73,11 +73,8 @@ def paired_difference(lower_sums, lower_counts, higher_sums, higher_counts
                      f"{len(higher_sums)}")
   diff = (float(np.sum(higher_sums)) / float(np.sum(higher_counts))
           - float(np.sum(lower_sums)) / float(np.sum(lower_counts)))
-  k = len(lower_sums)
-  if k < 2:
-    return diff, float("nan")
   d_K = _linearised(higher_sums, higher_counts) - _linearised(lower_sums, lower_counts)
-  return diff, math.sqrt(k / (k - 1) * float(np.sum(d_K ** 2))) / k
+  return diff, _standard_error(d_K)
 
 
 def compare(lower: dict, higher: dict, fig: str) -> dict[str, float | bool]:
