@@ -20,7 +20,7 @@ LATEST_VENV := .venv-latest
 # CLI's tiny runs of lm, distill, qat_distill and lora.
 LATEST_TESTS ?= tests/framework/test_step.py tests/framework/test_backends.py::test_reference_run_learns \
   tests/framework/test_backends.py::test_collective_backends_agree_with_jit \
-  tests/framework/test_checkpoint.py::test_restore_onto_another_topology \
+  tests/framework/run/test_checkpoint.py::test_restore_onto_another_topology \
   tests/trainers/test_base.py::test_sigterm_saves_the_current_step_and_the_next_run_resumes \
   tests/distill/test_objective.py tests/quant/test_qat.py \
   $(foreach c,lm distill qat_distill lora,'tests/test_configs.py::test_every_config_trains_on_tiny_overrides[$(c).py]')
@@ -51,7 +51,7 @@ $(VENV)/.demo: pyproject.toml constraints.txt | $(BIN)/python
 # plugin of the aot-gpu extra, installed into $(AOT_GPU), off the import path: on a machine
 # without a GPU it logs "Could not find cuda drivers" at every `import jax`; only
 # `plan --target gpu:...` looks there, distillax/cli/target_env.py), and hold
-# model.moe_impl='tokamax' to 'ragged' (the tokamax extra; tests/models/test_moe_kernels.py).
+# model.moe_impl='tokamax' to 'ragged' (the tokamax extra; tests/models/moe/test_kernels.py).
 AOT_GPU := $(VENV)/aot-gpu
 $(VENV)/.test: pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,hf,edge,aot,tokamax,eval,docs]' 2>&1 | grep -v "is ignored" || true

@@ -39,8 +39,9 @@ import numpy as np  # noqa: E402
 
 from benchmarks.lib import common, subproc  # noqa: E402
 from distillax.configs import demo  # noqa: E402
-from distillax.edge import gguf_runtime, measurements  # noqa: E402
-from distillax.edge.gguf_export import write_gguf  # noqa: E402
+from distillax.edge import measurements
+from distillax.edge import runtime as gguf_runtime  # noqa: E402
+from distillax.edge.export import write_gguf  # noqa: E402
 from distillax.models import TransformerConfig, get_preset, param_count  # noqa: E402
 
 FORMATS = ("f32", "f16", "q8_0", "q4_0")

@@ -48,7 +48,7 @@ from distillax.distill import LogitKD, make_distill_objective  # noqa: E402
 from distillax.framework import build_engine  # noqa: E402
 from distillax.models import (TransformerConfig, abstract_model, create_model,  # noqa: E402
                               get_preset, param_count)
-from distillax.models.moe import MoE  # noqa: E402
+from distillax.models.moe.layer import MoE  # noqa: E402
 
 EXPERTS, TOP_K = 64, 8
 

@@ -54,12 +54,13 @@ from benchmarks.lib import common, subproc  # noqa: E402
 from distillax import partitioning as pt  # noqa: E402
 from distillax.data import ByteTokenizer, padded_vocab_size  # noqa: E402
 from distillax.distill import TEACHER  # noqa: E402
-from distillax.distill.on_policy import (OnPolicySettings, make_on_policy_objective,  # noqa: E402
+from distillax.distill.on_policy.objective import (OnPolicySettings, make_on_policy_objective,  # noqa: E402
                                          sample_rollout, score_rollout, scoring_batch)
-from distillax.distill.on_policy_eval import prompt_arrays  # noqa: E402
-from distillax.distill.on_policy_losses import GeneralizedJSD  # noqa: E402
+from distillax.distill.on_policy.eval import prompt_arrays  # noqa: E402
+from distillax.distill.on_policy.losses import GeneralizedJSD  # noqa: E402
 from distillax.framework import build_engine  # noqa: E402
-from distillax.models import abstract_model, get_preset, hf  # noqa: E402
+from distillax.models import abstract_model, get_preset
+from distillax.models.hf import checkpoint as hf  # noqa: E402
 from distillax.models.sampler import Sampler  # noqa: E402
 
 TRL_SCRIPT = Path(__file__).resolve().parent / "lib" / "on_policy_trl.py"  # its own interpreter

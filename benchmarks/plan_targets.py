@@ -20,7 +20,7 @@ Rows (full run):
     needs NVIDIA's cuDNN wheel, which `make test` does not install: without it the row says so);
   - the on-policy step of that pair on tpu:v5e-64 (64 prompts of 257 tokens, 256 sampled: the
     512 scored tokens are splash's 128-token blocks).
---quick: the tiny lm job on tpu:v5e-4 (the smoke test; tests/test_plan_target.py compiles for
+--quick: the tiny lm job on tpu:v5e-4 (the smoke test; tests/plan/test_target.py compiles for
 a GPU).
 Writes benchmarks/results/plan_targets[_quick].json after every row (a long run keeps what it
 has measured); --rows reruns only the rows named, keeping the file's other rows.
@@ -52,8 +52,8 @@ from benchmarks.lib import common, subproc  # noqa: E402
 from distillax.configs import distill, llama3_8b, lm, on_policy  # noqa: E402
 from distillax.configs.common import model_config  # noqa: E402
 from distillax.framework import targets  # noqa: E402
-from distillax.plan import plan_report  # noqa: E402
-from distillax.plan_target import compile_on  # noqa: E402
+from distillax.plan.local import plan_report  # noqa: E402
+from distillax.plan.target import compile_on  # noqa: E402
 from distillax.trainers import recipe_for  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()

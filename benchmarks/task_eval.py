@@ -43,8 +43,8 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers  #
 
 from benchmarks.lib import common, subproc  # noqa: E402
 from distillax.data import stdlib_files  # noqa: E402
-from distillax.eval_harness import DistillaxLM  # noqa: E402
-from distillax.eval_lm_tasks import LOCAL_TASKS  # noqa: E402
+from distillax.eval.harness import DistillaxLM  # noqa: E402
+from distillax.eval.lm_tasks import LOCAL_TASKS  # noqa: E402
 from distillax.generate import load_model_dir  # noqa: E402
 
 VOCAB = 2048

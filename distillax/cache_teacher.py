@@ -11,7 +11,7 @@ The job asks the distillation recipe for the teacher (the `teacher` section, thr
 `--kind hidden` (cache.kind) the teacher's final hidden states in `cache.dtype` and its LM head
 beside them, from which training rebuilds the exact logits for any strategy and temperature.
 Under several processes each writes the rows of its own data shard. Training from the cache is
-the cached-distillation recipe (trainers/distill_cached.py).
+the cached-distillation recipe (trainers/distill/cached.py).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import numpy as np
 from distillax.data import batch as batch_spec
 from distillax.distill.teacher_cache import CACHE_INFO, HIDDEN_DTYPES, KINDS, write_teacher_cache
 from distillax.errors import ConfigError, UserError
-from distillax.framework import jsonio
+from distillax import jsonio
 from distillax.framework.backends import batch_sharding, global_batch_placer
-from distillax.framework.progress import ProgressBar
+from distillax.framework.run.progress import ProgressBar
 from distillax.trainers import DistillRecipe, check_recipe_data, recipe_for
 
 PROVENANCE_FILE = "cache_job.json"

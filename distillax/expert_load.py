@@ -30,7 +30,8 @@ from flax import nnx
 
 from distillax.data import batch as batch_spec
 from distillax.errors import ConfigError, UserError
-from distillax.framework import jsonio, losses
+from distillax.framework import losses
+from distillax import jsonio
 
 
 def _hf_recipe(config, model_dir: str, model_overrides):
@@ -42,7 +43,7 @@ def _hf_recipe(config, model_dir: str, model_overrides):
 
 def _model_source(config, model_dir: str | None, model_overrides):
   """(recipe: data, mesh and rules; the source of the model to measure; its config)."""
-  from distillax.evaluate import run_recipe
+  from distillax.eval.loss import run_recipe
   from distillax.trainers import recipe_for, sources as src
   if model_dir:
     if src.is_hf_checkpoint(model_dir):

@@ -1,5 +1,5 @@
 """`distillax export`: the trained student of a run as Hugging Face safetensors, GGUF for
-llama.cpp (edge/gguf_export.py) or quantized.
+llama.cpp (edge/export.py) or quantized.
 
   distillax export --config distillax/configs/lm.py --workdir runs/lm --output out/lm_hf
   distillax export --config distillax/configs/qat.py --workdir runs/qat --output out/int4 \
@@ -100,7 +100,7 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str,
     raise UserError("--output is required: the directory to write the exported model to")
   if fmt not in FORMATS:
     raise UserError(f"--format={fmt!r} is unknown; use one of {', '.join(FORMATS)}")
-  from distillax.edge.gguf_export import check_export_args, export_run
+  from distillax.edge.export import check_export_args, export_run
   gguf_quant = check_export_args(fmt, gguf_quant)
   check_output(output)
   if config is None:  # the run's own config.json: its mesh, rules and qat section
@@ -109,7 +109,7 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str,
   else:
     check_same_job(config, workdir, model_overrides)
   from distillax import quant
-  from distillax.models import hf
+  from distillax.models.hf import checkpoint as hf
   from distillax.trainers import load_as_trained
   mesh = pt.create_mesh(config.mesh)
   rules = pt.rules_from_config(config.partitioning)

@@ -57,7 +57,7 @@ class LoadedModel:
 
   @functools.cached_property
   def model(self):
-    from distillax.models import hf
+    from distillax.models.hf import checkpoint as hf
     from distillax.trainers import is_hf_checkpoint, load_as_trained
     mesh, rules = self.placement
     if is_hf_checkpoint(self.model_dir):

@@ -4,7 +4,7 @@
         distillax train --config distillax/configs/lm.py:tiny --workdir runs/mp
 
 Each child gets JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (read by
-`distillax.framework.runtime.initialize`) and its own simulated CPU devices. If any child fails
+`distillax.framework.run.runtime.initialize`) and its own simulated CPU devices. If any child fails
 or the timeout passes, every child is killed by PID, so nothing is left hanging.
 """
 

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_target_environment(flag_value(rest, "target"))
 
   from distillax.errors import UserError
-  from distillax.framework import logs
+  from distillax.framework.run import logs
 
   logs.configure(verbose=False)  # before anything logs: no absl "Logging before flag parsing"
   try:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     from ml_collections import config_flags
 
-    from distillax.framework import runtime
+    from distillax.framework.run import runtime
     runtime.initialize(config, coordinator_address=_flag(fv, "coordinator_address"),
                        num_processes=_flag(fv, "num_processes"),
                        process_id=_flag(fv, "process_id"))

@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 from distillax.data import batch as batch_spec
-from distillax.evaluate import run_recipe
+from distillax.eval.loss import run_recipe
 from distillax.framework import losses
 from distillax.main import main
-from distillax.models.moe import expert_capacity
+from distillax.models.moe.layer import expert_capacity
 from distillax.trainers.sources import RunSource, student_source
 from tests.test_main import LM
 

@@ -9,7 +9,7 @@ from flax import nnx
 from distillax import partitioning as pt
 from distillax import quant
 from distillax.main import main
-from distillax.models import hf
+from distillax.models.hf import checkpoint as hf
 from distillax.trainers import load_trained_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

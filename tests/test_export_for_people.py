@@ -17,9 +17,9 @@ import transformers
 
 from distillax.data import ByteTokenizer, make_tokenizer
 from distillax.data.chat import template_for
-from distillax.models import hf
+from distillax.models.hf import checkpoint as hf
 from distillax.models.presets import get_preset
-from distillax.models.hf_tokenizer import FILE_MODE
+from distillax.models.hf.tokenizer import FILE_MODE
 from distillax.models.sampler import Sampler
 from tests.data import chat_testing as ct
 from tests.support.models import forward, random_model

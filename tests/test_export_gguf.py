@@ -13,7 +13,7 @@ import pytest
 from distillax import partitioning as pt
 from distillax.data.tokenizer import ByteTokenizer
 from distillax.main import main
-from distillax.edge import gguf_runtime
+from distillax.edge import runtime as gguf_runtime
 from distillax.generate import generate_tokens, load_model_dir
 from distillax.quant import quantize_for_training
 from distillax.trainers import load_trained_model

@@ -17,10 +17,10 @@ import pytest
 from flax import nnx
 
 from distillax import partitioning as pt
-from distillax.distill.on_policy import (PROMPT_LENGTHS, PROMPT_TOKENS, ROW_IDS,
+from distillax.distill.on_policy.objective import (PROMPT_LENGTHS, PROMPT_TOKENS, ROW_IDS,
                                          OnPolicySettings, sample_rollout, scoring_batch)
 from distillax.framework.step import ObjectiveOutput
-from distillax.models import attention_impl
+from distillax.models.attention import impl as attention_impl
 from distillax.models.config import FULL, LINEAR, SLIDING
 from distillax.models.init import abstract_model, model_shardings
 from distillax.models.presets import get_preset

@@ -15,7 +15,8 @@ from benchmarks.lib import common
 from distillax.distill import LogitKD, make_distill_objective
 from distillax.framework import flops, throughput
 from distillax.framework.vocab_chunks import AUTO
-from distillax.models import abstract_model, attention_impl, create_model, get_preset, param_count
+from distillax.models import abstract_model, create_model, get_preset, param_count
+from distillax.models.attention import impl as attention_impl
 from distillax.trainers import lm_objective
 
 MEMORY_HEADROOM = 0.95  # a compiled step needing more of the chip's bytes_limit is not run

@@ -19,7 +19,7 @@ def _train(config, flags: dict) -> int:
 
   from distillax.cli.extend import schedule_note
   from distillax.errors import UserError
-  from distillax.framework.preemption import STOPPED_EXIT_CODE
+  from distillax.framework.run.preemption import STOPPED_EXIT_CODE
   from distillax.trainers import Trainer, recipe_for
   workdir = flags["workdir"]
   if not workdir:
@@ -55,13 +55,13 @@ def _plan(config, flags: dict) -> int:
     if flags["slices"] is not None or flags["nodes"] is not None or flags["search"]:
       raise UserError("--slices, --nodes and --search size a --target; add one, e.g. "
                       "--target tpu:v5e-4")
-    from distillax.plan import run_plan
+    from distillax.plan.local import run_plan
     return run_plan(config, devices=flags["devices"], memory_gb=flags["memory_gb"],
                     model_overrides=flags["config_overrides"])
   if flags["devices"] is not None:
     raise UserError(f"--devices={flags['devices']} simulates CPU devices, --target="
                     f"{flags['target']} compiles for the target's own; drop --devices")
-  from distillax.plan_target import run_target_plan
+  from distillax.plan.target import run_target_plan
   return run_target_plan(config, flags["target"], slices=flags["slices"], nodes=flags["nodes"],
                          memory_gb=flags["memory_gb"], search=flags["search"],
                          model_overrides=flags["config_overrides"])
@@ -109,20 +109,20 @@ def _eval(config, flags: dict) -> int:
                     f"--generate FILE or --against RUN; for --tasks or the eval loss give the run "
                     f"or Hugging Face directory it was exported from")
   if flags["tasks"] is not None:
-    from distillax.eval_lm_tasks import run_eval_tasks
+    from distillax.eval.lm_tasks import run_eval_tasks
     return run_eval_tasks(config, flags["model"], flags["tasks"], num_fewshot=flags["num_fewshot"],
                           limit=flags["limit"], output=flags["output"])
   for name in ("num_fewshot", "limit", "output"):
     if flags[name] is not None:
       raise UserError(f"--{name} sets how --tasks run; add --tasks, e.g. --tasks distillax_code_mc")
   if flags["generate"] is not None:
-    from distillax.eval_generate import run_eval_generate
+    from distillax.eval.generate import run_eval_generate
     return run_eval_generate(config, flags["model"], flags["generate"],
                              max_new_tokens=flags["max_new_tokens"])
   if flags["against"] is not None:
-    from distillax.eval_against import run_eval_against
+    from distillax.eval.against import run_eval_against
     return run_eval_against(config, flags["model"], flags["against"])
-  from distillax.evaluate import run_eval
+  from distillax.eval.loss import run_eval
   return run_eval(config, flags["model"], model_overrides=flags["config_overrides"])
 
 

@@ -77,7 +77,7 @@ def _text_eval_settings() -> ml_collections.ConfigDict:
   c.prompts = 64  # held-out prompts (validation documents cut at a line break)
   c.prompt_chars = 192  # characters of document before the cut in each prompt (at most)
   c.new_tokens = 32  # greedy tokens per completion, and tokens of each reference
-  c.task = "distillax_code_mc"  # lm-eval task(s), comma-separated (eval_tasks/ runs offline)
+  c.task = "distillax_code_mc"  # lm-eval task(s), comma-separated (eval/tasks/ runs offline)
   c.task_limit = 0  # documents per task (0 = all)
   return c
 

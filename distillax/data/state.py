@@ -3,7 +3,7 @@
 The state is grain's `get_state()` dict (small, JSON-serialisable): where the next row starts
 (document index plus offset) and the row-shuffle window position. It is per process: restore it
 with the same data config, seed, batch size, seq_len, process count and worker_count. The
-trainer saves `iterator_state_json` in every checkpoint (framework/checkpoint.py writes one file
+trainer saves `iterator_state_json` in every checkpoint (framework/run/checkpoint.py writes one file
 per process) and restores it with `restore_iterator_state` on resume and rollback.
 """
 

@@ -15,8 +15,9 @@ import os
 
 from distillax.data import batch as batch_spec
 from distillax.demo.markdown import table_lines
-from distillax.edge import gguf_runtime, measurements
-from distillax.edge.gguf_export import write_gguf
+from distillax.edge import measurements
+from distillax.edge import runtime as gguf_runtime
+from distillax.edge.export import write_gguf
 # The report (demo/measure.py) reads these through this module; they are distillax.edge's.
 from distillax.edge.measurements import greedy_agreement, max_segment_diff, segments  # noqa: F401
 

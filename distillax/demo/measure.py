@@ -38,10 +38,10 @@ from distillax.data import batch as batch_spec
 from distillax.data import make_eval_iterator, make_tokenizer
 from distillax.demo import edge, on_policy, progressive
 from distillax.demo.stages import TRAINED_STAGES, seed_stage
-from distillax.evaluate import restore_onto, run_recipe
+from distillax.eval.loss import restore_onto, run_recipe
 from distillax.framework.evaluation import PerToken, evaluate
-from distillax.framework.writers import read_jsonl
-from distillax.models import hf
+from distillax.framework.run.writers import read_jsonl
+from distillax.models.hf import checkpoint as hf
 from distillax.trainers import load_trained_model
 
 # row -> (the stage whose job evaluates it, the stage whose checkpoint holds its weights).

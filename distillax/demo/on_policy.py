@@ -26,14 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from distillax import partitioning as pt
-from distillax.distill.on_policy import OnPolicySettings
-from distillax.distill.on_policy_eval import FIGURES, OnPolicyEvaluator
+from distillax.distill.on_policy.objective import OnPolicySettings
+from distillax.distill.on_policy.eval import FIGURES, OnPolicyEvaluator
 from distillax.distill.sequence_kd import take_prompt_records
 from distillax.demo import prompt_stats
 from distillax.demo.markdown import table_lines
-from distillax.edge import gguf_runtime
-from distillax.edge.gguf_export import write_gguf
-from distillax.trainers.on_policy import settings_from_config
+from distillax.edge import runtime as gguf_runtime
+from distillax.edge.export import write_gguf
+from distillax.trainers.on_policy.recipe import settings_from_config
 
 STAGES = ("student_onpolicy", "student_qad_q4_0")
 # figure row -> (the model it reads, quantized?); the pairs compared are (off-policy, on-policy)

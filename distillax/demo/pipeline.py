@@ -16,7 +16,7 @@ from absl import logging
 from distillax.demo.report import build_report
 from distillax.demo.stages import all_stages, stage_config, stage_finished
 from distillax.errors import UserError
-from distillax.framework.preemption import STOPPED_EXIT_CODE
+from distillax.framework.run.preemption import STOPPED_EXIT_CODE
 from distillax.trainers import Trainer, recipe_for
 from distillax.trainers.workdir import CONFIG_FILE, workdir_job
 

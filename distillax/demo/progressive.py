@@ -5,7 +5,7 @@ rounds to q4_0 from its first step; `student_qat_progressive` steps the bit-widt
 (`progressive_qat`, a qat.schedule: full precision, then int8 weights, then the same q4_0 /
 q8_0 rules). Each is judged against the full-precision twin that took the same steps
 (`student_kd_fp`) in the quantization-fidelity figures of `distillax eval --against`
-(eval_against.fidelity_over: KL to the twin, same top-1, top-p agreement, perplexity ratio) over
+(eval.against.fidelity_over: KL to the twin, same top-1, top-p agreement, perplexity ratio) over
 the report's validation batches, with the fake quantization made real (the deployed weights),
 and by its recovery of the PTQ degradation, (PTQ - QAT) / (PTQ - fp), on the same tokens.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from distillax import partitioning as pt
 from distillax.demo import edge
 from distillax.demo.markdown import table_lines
-from distillax.eval_against import TOP_P, fidelity_over
+from distillax.eval.against import TOP_P, fidelity_over
 
 ROWS = ("student_qat_int4", "student_qat_progressive")
 LABELS = {"student_qat_int4": "direct: q4_0 from the first step",

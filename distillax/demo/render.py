@@ -15,8 +15,8 @@ from distillax.demo import edge, on_policy, progressive
 from distillax.demo.measure import ROWS
 from distillax.demo.stages import TRAINED_STAGES
 from distillax.demo.markdown import table_lines
-from distillax.framework import jsonio
-from distillax.framework.writers import ROLLED_BACK, read_jsonl
+from distillax import jsonio
+from distillax.framework.run.writers import ROLLED_BACK, read_jsonl
 
 LABELS = {"teacher": "teacher", "student_scratch": "student, from scratch",
           "student_kd": "student, distilled",

@@ -4,7 +4,7 @@ Two figures per row (teacher, students, quantized students), each through the ro
 runs on a model:
 
 - BLEU and chrF of greedy completions of held-out code (`distillax eval --generate`'s
-  machinery: eval_generate.greedy_completions over the lm-eval adapter, scored by
+  machinery: eval.generate.greedy_completions over the lm-eval adapter, scored by
   framework/text_metrics.py). The prompts are cut from validation documents at a line break
   (seeded), and the reference is what the document says next, as many tokens as the model
   writes: whoever continues the code as it was written scores higher.
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from distillax.eval_generate import greedy_completions
-from distillax.eval_harness import DistillaxLM
-from distillax.eval_lm_tasks import run_tasks
+from distillax.eval.generate import greedy_completions
+from distillax.eval.harness import DistillaxLM
+from distillax.eval.lm_tasks import run_tasks
 from distillax.framework.text_metrics import bleu_chrf
 from distillax.generate import LoadedModel
 

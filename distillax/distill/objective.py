@@ -39,7 +39,7 @@ from distillax.distill.teacher_head import TEACHER_HIDDEN, TeacherHead
 from distillax.errors import ConfigError
 from distillax.framework import losses
 from distillax.framework.step import Objective, ObjectiveOutput
-from distillax.models import moe
+from distillax.models.moe import layer as moe
 
 TEACHER = "teacher"
 

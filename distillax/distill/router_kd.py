@@ -9,7 +9,7 @@ teacher expert kept[i][e]; all experts, in order, when nothing was cut):
   KL( softmax(teacher logits[kept[i]]) || softmax(student logits) )
 
 averaged over the mapped layers (as the router losses are). The routers' logits come from each
-router's input behind stop_gradient (models/moe.py), so the term trains the student's routers
+router's input behind stop_gradient (models/moe/layer.py), so the term trains the student's routers
 and nothing below them: the experts and attention learn from the other terms only.
 """
 

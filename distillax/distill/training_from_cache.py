@@ -1,7 +1,7 @@
 """Training from an offline teacher cache: no teacher in memory, its outputs from disk.
 
 The cache (teacher_cache.py) is written by `distillax cache-teacher` (distillax/cache_teacher.py).
-Training from it (`teacher.cache_dir`; the recipe is trainers/distill_cached.py) uses
+Training from it (`teacher.cache_dir`; the recipe is trainers/distill/cached.py) uses
 `CachedLogitKD` (k and T from the cache) on a top-k cache, and on a hidden-state cache the
 `distill.logit` section's own LogitKD (any divergence, top-k and temperature) against the
 cache's TeacherHead, which stands in for the teacher (teacher_head.py); the train batches are
@@ -31,7 +31,7 @@ from distillax.distill.teacher_head import TEACHER_HIDDEN
 from distillax.errors import ConfigError, UserError
 from distillax.framework import losses
 from distillax.framework.step import ObjectiveOutput
-from distillax.models import moe
+from distillax.models.moe import layer as moe
 
 
 def cached_strategy(distill_cfg, info: CacheInfo, vocab_size: int) -> Strategy:

@@ -10,5 +10,5 @@
 
 The numerics these files carry (ggml's q8_0 / q4_0 rounding, fake quantization, the rules) are
 quant/'s: this room imports them and quant/ never imports this room. Nothing is imported here,
-so `distillax.edge.gguf_runtime` loads without JAX.
+so `distillax.edge.runtime` loads without JAX.
 """

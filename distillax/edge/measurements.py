@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from distillax.data import batch as batch_spec
-from distillax.edge import gguf_runtime
+from distillax.edge import runtime as gguf_runtime
 
 # What a row keeps of the child's figures (see gguf_runtime.measure_in_subprocess).
 RUN_FIGURES = ("prompt_tokens_per_s", "decode_tokens_per_s", "peak_rss_bytes",

@@ -10,7 +10,7 @@ metrics. Most callers need only these names; the modules hold the rest.
 
 from distillax.framework.engine import Engine, build_engine
 from distillax.framework.evaluation import PerToken, evaluate
-from distillax.framework.progress import format_count
+from distillax.framework.run.progress import format_count
 from distillax.framework.state import STUDENT, TrainState
 from distillax.framework.step import Objective, ObjectiveOutput
 

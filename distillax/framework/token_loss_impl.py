@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from distillax import partitioning as pt
 from distillax.errors import ConfigError
 from distillax.models import layer_scope, tokamax_support
-from distillax.models.attention_impl import compile_platform
+from distillax.models.attention.impl import compile_platform
 
 LOSS_IMPLS = ("chunked", "tokamax")
 TOKAMAX_MISSING = ("train.loss_impl='tokamax' needs the tokamax package (pip install "

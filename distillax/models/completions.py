@@ -1,6 +1,6 @@
 """Completions of many token prompts, a fixed batch at a time, through one `Sampler`.
 
-lm-eval's generate_until (eval_harness.py), `distillax eval --generate` and the trainer's
+lm-eval's generate_until (eval/harness.py), `distillax eval --generate` and the trainer's
 generation eval (trainers/generation_eval.py) all decode here, so the same weights and prompts
 give the same tokens whichever of them asks: a run's logged eval_bleu is the one `eval
 --generate` prints for its checkpoint. Prompts are cut on the left to leave room for the new

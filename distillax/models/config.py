@@ -114,7 +114,7 @@ class TransformerConfig:
   # are their keys before k_norm and RoPE (then value-normed).
   attention_k_eq_v: bool = False
   global_num_kv_heads: int = 0  # Gemma 4: k/v heads of the full-attention layers; 0 = num_kv_heads
-  # Mixture of experts (models/moe.py): every layer's MLP becomes num_experts gated experts and a
+  # Mixture of experts (models/moe/layer.py): every layer's MLP becomes num_experts gated experts and a
   # router; 0 = a dense MLP in every layer (the other MoE fields are then unused).
   num_experts: int = 0
   num_experts_per_tok: int = 2  # experts each token is routed to (k)
@@ -122,13 +122,13 @@ class TransformerConfig:
   # 'softmax_topk' (Qwen3-MoE) | 'topk_softmax' (Mixtral, gpt-oss) | 'gemma4' (softmax_topk
   # renormalised over a scale-free-normed, learned-scaled input, times a learned per-expert scale)
   router: str = "softmax_topk"
-  # Gemma 4 26B (models/moe_gemma4.py): a dense MLP beside the experts, each branch with its own
+  # Gemma 4 26B (models/moe/gemma4.py): a dense MLP beside the experts, each branch with its own
   # norms, the router reading the residual stream itself; goes with router='gemma4'.
   moe_dense_mlp: bool = False
   norm_topk_prob: bool = False  # softmax_topk only: rescale the k kept probabilities to sum to 1
   router_bias: bool = False  # gpt-oss: the router adds a learned bias per expert to its logits
   expert_bias: bool = False  # gpt-oss: every expert's gate, up and down projections add biases
-  # Qwen3.5-MoE (models/moe_shared.py): a dense gated MLP this wide beside the routed experts of
+  # Qwen3.5-MoE (models/moe/shared.py): a dense gated MLP this wide beside the routed experts of
   # every MoE layer, its output added to theirs; 0 = none.
   shared_expert_mlp_dim: int = 0
   shared_expert_gate: bool = False  # the shared expert's output times sigmoid(x @ w), w (embed, 1)
@@ -141,13 +141,13 @@ class TransformerConfig:
   # scan_layers=True (unrolled, XLA schedules the recomputation early; benchmarks/peft.py).
   remat: str = _compute("none")
   # auto | reference | blockwise | cudnn | splash | tokamax: how attention runs
-  # (models/attention_impl.py; tokamax: its Mosaic GPU flash kernel, the tokamax extra).
+  # (models/attention/impl.py; tokamax: its Mosaic GPU flash kernel, the tokamax extra).
   attention_impl: str = _compute("auto")
   # ragged (dropless grouped matmul, the default) | dense (every expert on every token; the
-  # reference the tests hold ragged to) | tokamax (tokamax's grouped matmul: moe_kernels.py).
+  # reference the tests hold ragged to) | tokamax (tokamax's grouped matmul: moe/kernels.py).
   moe_impl: str = _compute("ragged")
   # Expert capacity: each expert takes at most ceil(factor * tokens * k / num_experts) of a layer
-  # call's assignments, the rest dropped (models/moe.py); None = dropless. A training-time limit,
+  # call's assignments, the rest dropped (models/moe/layer.py); None = dropless. A training-time limit,
   # not stored weights, so a student from a source (HF, teacher blocks, a run) may set it.
   moe_capacity_factor: float | None = _compute(None)
   # chunked (training: chunk-parallel, O(L * chunk) memory) | recurrent (one token at a time,

@@ -16,11 +16,11 @@ MLP_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
 ROPE_SCALING_TYPES = ("llama3", "yarn", "linear")
 # Which RoPE a layer turns its queries and keys with (TransformerConfig.layer_ropes).
 ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE = 0, 1, 2
-# models/moe.py: how a token's router logits pick and weight its experts, and how they run.
+# models/moe/layer.py: how a token's router logits pick and weight its experts, and how they run.
 ROUTERS = ("softmax_topk", "topk_softmax", "gemma4")
 MOE_IMPLS = ("ragged", "dense", "tokamax")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
-# models/attention_impl.py: auto picks a fused kernel where the platform has one, else blockwise.
+# models/attention/impl.py: auto picks a fused kernel where the platform has one, else blockwise.
 ATTENTION_IMPLS = ("auto", "reference", "blockwise", "cudnn", "splash", "tokamax")
 # A window no sequence reaches: the value a global-attention layer gets in the per-layer windows.
 GLOBAL_WINDOW = 2**30

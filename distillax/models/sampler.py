@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 
 from distillax import partitioning as pt
 from distillax.errors import UserError
-from distillax.models.attention import KVCache
+from distillax.models.attention.layer import KVCache
 from distillax.models.init import RulesLike, resolve_rules
 from distillax.models.transformer import Transformer
 

@@ -17,13 +17,13 @@ from flax import nnx
 
 from distillax.errors import ConfigError
 from distillax.models import layer_scope
-from distillax.models.attention import Attention, KVCache
+from distillax.models.attention.layer import Attention, KVCache
 from distillax.models.config import TransformerConfig
 from distillax.models.gated_deltanet import GatedDeltaNet
 from distillax.models.layers import (MLP, Embedder, RMSNorm, normal_param, rope_sin_cos,
                                      rope_tables, softcap)
-from distillax.models.moe import MoE, RouterStats
-from distillax.models.moe_gemma4 import Gemma4MoE
+from distillax.models.moe.layer import MoE, RouterStats
+from distillax.models.moe.gemma4 import Gemma4MoE
 from distillax.models.per_layer_inputs import PerLayerGate, PerLayerInputs
 from distillax.partitioning import constrain
 

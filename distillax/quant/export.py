@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from distillax.errors import UserError
-from distillax.framework import jsonio
+from distillax import jsonio
 from distillax.models.config import TransformerConfig
 from distillax.models.init import abstract_model, model_shardings, param_count
 from distillax.quant import qat

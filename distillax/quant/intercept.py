@@ -17,7 +17,7 @@ read whose value (or, after a cast, whose shape) is an operand of an intercepted
 weight's. Oldest, because a mixture of experts reads gate, up and down (two of one shape) and
 then runs their grouped matmuls (`jax.lax.ragged_dot`, or moe_impl='tokamax''s
 `moe_kernels.tokamax_ragged_dot`, both intercepted) in that order.
-Under expert parallelism (fsdp_ep, ep_tp: models/moe_parallel.py's shard_map exchange) the
+Under expert parallelism (fsdp_ep, ep_tp: models/moe/parallel.py's shard_map exchange) the
 grouped matmuls see each device's experts, a shard of the weight read along its expert axis:
 QAT rounds their input rows there too (act_qtype); LoRA's adapters are not sharded with them, so
 there the merged weight is used (the same numbers, no adapter dropout).
@@ -40,7 +40,8 @@ from flax import nnx
 from qwix._src import model as qwix_model
 from qwix._src.utils import flax_util
 
-from distillax.models import layer_scope, moe_kernels
+from distillax.models import layer_scope
+from distillax.models.moe import kernels as moe_kernels
 
 
 QWIX_ATTRS = ("qwix_path", "disable_quant_stats_update", "qwix_rngs")
@@ -121,9 +122,9 @@ def current_module_path() -> str:
 
 # ---- the interceptor ---------------------------------------------------------------------------
 
-# moe_impl='tokamax' groups its matmuls with this function (imported by name into models/moe.py;
+# moe_impl='tokamax' groups its matmuls with this function (imported by name into models/moe/layer.py;
 # qwix patches the function's code, so every reference is intercepted).
-_TOKAMAX_RAGGED_DOT = "distillax.models.moe_kernels.tokamax_ragged_dot"
+_TOKAMAX_RAGGED_DOT = "distillax.models.moe.kernels.tokamax_ragged_dot"
 
 class Interceptor(qwix.QuantizationProvider):
   """Hands each intercepted einsum / dot_general fed by a noting weight to that weight."""

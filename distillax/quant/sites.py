@@ -46,7 +46,7 @@ class MatmulSite:
     """An MoE router (models/moe.MoE.router): its top-k picks the experts, so rounding that
     moves one logit past another sends tokens elsewhere. QAT, PTQ and QLoRA bases keep it in
     full precision (llama.cpp's converter keeps ffn_gate_inp in f32 too). So is a shared
-    expert's output gate (models/moe_shared.py), one logit per token (ffn_gate_inp_shexp)."""
+    expert's output gate (models/moe/shared.py), one logit per token (ffn_gate_inp_shexp)."""
     return (self.weight_path[-1] == "router"
             or tuple(self.weight_path[-2:]) == ("shared_expert", "output_gate"))
 

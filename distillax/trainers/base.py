@@ -9,7 +9,7 @@ lower or higher is better: framework/eval_rules.py) worsens past its threshold o
 being finite, and an early stop when that figure has not improved for `train.early_stop_evals`
 evals (the run then counts as finished). Throughput counts train steps
 only: eval, checkpoint saves and rollbacks are paused out of it. A rollback marks the abandoned
-rows of metrics.jsonl (framework/writers.py) and writes a row of its own.
+rows of metrics.jsonl (framework/run/writers.py) and writes a row of its own.
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from absl import logging
 from distillax import partitioning as pt
 from distillax.data import iterator_state_json, restore_iterator_state
 from distillax.errors import UserError
-from distillax.framework import runtime
-from distillax.framework.checkpoint import Checkpointer
+from distillax.framework.run import runtime
+from distillax.framework.run.checkpoint import Checkpointer
 from distillax.framework.eval_rules import HIGHER, ROLLBACK, STOP, EvalGuard
 from distillax.framework.evaluation import evaluate
-from distillax.framework.metrics import MetricLogger
-from distillax.framework.preemption import PreemptionGuard
-from distillax.framework.profiling import ProfileWindow
-from distillax.framework.progress import ProgressBar
+from distillax.framework.run.metrics import MetricLogger
+from distillax.framework.run.preemption import PreemptionGuard
+from distillax.framework.run.profiling import ProfileWindow
+from distillax.framework.run.progress import ProgressBar
 from distillax.framework.throughput import Throughput, peak_flops_per_device
-from distillax.framework.writers import create_writers
+from distillax.framework.run.writers import create_writers
 from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 from distillax.trainers.saved import SOURCES_KEY, check_fingerprints, check_sources_unchanged
 from distillax.trainers.workdir import (check_workdir, open_checkpointer, prepare_workdir,

@@ -20,7 +20,8 @@ from distillax.data.sources import resolve_files
 from distillax.data.survey import check_data
 from distillax.errors import ConfigError, UserError
 from distillax.framework import optim
-from distillax.models import attention_tokamax, moe_kernels
+from distillax.models.attention import tokamax as attention_tokamax
+from distillax.models.moe import kernels as moe_kernels
 
 # (section, field, smallest allowed value, an example of a good value). Checked when a recipe is
 # made, so a value no run can use fails in one line naming it, not steps later in what it breaks

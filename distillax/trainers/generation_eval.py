@@ -23,7 +23,7 @@ from distillax.models.sampler import Sampler
 # The figures it adds (evaluate prefixes "eval_" to the names it returns).
 GENERATION_FIGURES = ("eval_bleu", "eval_chrf", "eval_rouge_l")
 # Prompts per sampler call, rounded up to a multiple of the data-parallel size: the batch of
-# `distillax eval --generate` (eval_harness.DistillaxLM), so both decode the same rows together.
+# `distillax eval --generate` (eval.harness.DistillaxLM), so both decode the same rows together.
 BATCH_ROWS = 8
 
 

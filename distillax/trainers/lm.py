@@ -13,7 +13,7 @@ from flax import nnx
 from distillax.data import batch as batch_spec
 from distillax.framework import losses, token_loss_impl
 from distillax.framework.step import Objective, ObjectiveOutput
-from distillax.models import moe
+from distillax.models.moe import layer as moe
 from distillax.trainers.recipe import Recipe
 from distillax.trainers.registry import register
 

@@ -3,7 +3,7 @@ code that creates or writes its top-level files.
 
     <workdir>/job.json        the job's identity (see NOT_JOB_IDENTITY), written when it is made
     <workdir>/config.json     the resolved config, written only after every check passed
-    <workdir>/metrics.jsonl   one JSON object per logged step (framework/writers.py)
+    <workdir>/metrics.jsonl   one JSON object per logged step (framework/run/writers.py)
     <workdir>/summary.json    final metrics of the run, {"finished": bool, ...}
     <workdir>/checkpoints/    orbax checkpoints
     <workdir>/tensorboard/    TensorBoard event files
@@ -22,8 +22,8 @@ import os
 from typing import Any
 
 from distillax.errors import UserError
-from distillax.framework import jsonio
-from distillax.framework.checkpoint import Checkpointer
+from distillax import jsonio
+from distillax.framework.run.checkpoint import Checkpointer
 from distillax.models.config import COMPUTE, fields_of_kind
 
 CONFIG_FILE = "config.json"

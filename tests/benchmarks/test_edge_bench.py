@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from distillax.edge import gguf_runtime
+from distillax.edge import runtime as gguf_runtime
 
 ROOT = Path(__file__).resolve().parents[2]
 FORMATS = ["f32", "f16", "q8_0", "q4_0"]

@@ -7,8 +7,9 @@ import math
 import pytest
 
 from distillax.demo import edge
-from distillax.edge import gguf_runtime, measurements
-from distillax.edge.gguf_export import write_gguf
+from distillax.edge import measurements
+from distillax.edge import runtime as gguf_runtime
+from distillax.edge.export import write_gguf
 from distillax.models.presets import get_preset
 from distillax.models.init import create_model
 from tests.edge.helpers import byte_eval_batches

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from distillax.demo.on_policy import distillax_se, gguf_figures, sample_gguf
-from distillax.distill.on_policy import OnPolicySettings
-from distillax.distill.on_policy_eval import OnPolicyEvaluator
+from distillax.distill.on_policy.objective import OnPolicySettings
+from distillax.distill.on_policy.eval import OnPolicyEvaluator
 from distillax.models.presets import get_preset
 from distillax.models.init import create_model
 from distillax.quant import quantize_post_training
-from distillax.edge.gguf_export import write_gguf
+from distillax.edge.export import write_gguf
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

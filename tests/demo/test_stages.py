@@ -15,7 +15,7 @@ import pytest
 
 from distillax.configs import demo, lm
 from distillax.demo.stages import TRAINED_STAGES, stage_config, stage_finished
-from distillax.framework.preemption import STOPPED_EXIT_CODE
+from distillax.framework.run.preemption import STOPPED_EXIT_CODE
 from distillax.main import main
 from distillax.trainers.workdir import check_workdir, prepare_workdir, write_summary
 

@@ -27,7 +27,7 @@ def test_chunked_equals_unchunked_value_and_gradient(case):
   strategy, chunk_size, family = CASES[case]
   # A comparison of loss paths: both models run the reference attention, whose compiled rounding
   # is the same in every program (blockwise's backward passes a cotangent's last bits on less
-  # damped; tests/models/test_attention_impls.py checks it against the reference).
+  # damped; tests/models/attention/test_impls.py checks it against the reference).
   family = dict(family, attention_impl="reference")
   student, teacher = h.make_models(3, h.STUDENT_CONFIG.replace(**family),
                                    h.TEACHER_CONFIG.replace(**family))

@@ -186,7 +186,7 @@ def _train_error(tmp_path, capsys, *overrides):
 
 def test_a_mismatched_cache_is_one_clear_error(two_process_cache, tmp_path, capsys):
   import shutil
-  from distillax.models import hf
+  from distillax.models.hf import checkpoint as hf
   cache, _, teacher = two_process_cache
   at = f"--config.teacher.cache_dir={cache}"
   missing = _train_error(tmp_path, capsys, f"--config.teacher.cache_dir={tmp_path / 'nope'}")
@@ -237,7 +237,7 @@ def test_a_cache_stands_in_for_one_of_several_teachers(two_process_cache, tmp_pa
   zero states); the teacher, the cache or the route that is wrong is one line each."""
   from distillax.configs import distill_multi_teacher
   from distillax.distill.multi_teacher import TEACHER_INDEX
-  from distillax.models import hf
+  from distillax.models.hf import checkpoint as hf
   from distillax.trainers import recipe_for
   cache, _, teacher = two_process_cache
   rows = read_teacher_cache(str(cache))

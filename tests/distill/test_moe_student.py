@@ -7,7 +7,7 @@ import numpy as np
 from flax import nnx
 
 from distillax.distill import LogitKD, make_distill_objective
-from distillax.models import moe
+from distillax.models.moe import layer as moe
 from distillax.models.presets import get_preset
 from tests.support.engines import packed_batches
 from tests.support.models import Normal, random_model

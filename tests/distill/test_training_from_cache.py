@@ -21,7 +21,7 @@ from distillax.distill.training_from_cache import cached_objective, cached_train
 from distillax.trainers import lm_objective
 from distillax.trainers import recipe_for
 from tests.distill import helpers as h
-from tests.distill.test_on_policy import MOE_STUDENT
+from tests.distill.on_policy.test_objective import MOE_STUDENT
 from tests.support.models import NORMS_NEAR_ONE, random_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -26,7 +26,7 @@ from tests.support.models import NORMS_NEAR_ONE, random_model
 V = 97  # prime: no other dimension of the tiny models or the batch has this size
 # These tests compare loss formulations, so both models run the reference attention: its
 # compiled rounding is the same in every program. (Blockwise attention's backward passes the last
-# bits of a cotangent on less damped; tests/models/test_attention_impls.py checks it.)
+# bits of a cotangent on less damped; tests/models/attention/test_impls.py checks it.)
 STUDENT = h.STUDENT_CONFIG.replace(vocab_size=V, attention_impl="reference")
 TEACHER = h.TEACHER_CONFIG.replace(vocab_size=V, attention_impl="reference")
 

@@ -4,7 +4,7 @@ llama.cpp's rounding (q8_0 / q4_0 weights, q8_0 activations) for q8_0 / q4_0; gr
 agrees token for token; llama.cpp tokenizes text to the ids distillax does.
 
 Measured on this machine (x86-64 with AVX-512; llama.cpp 0.3.36's portable CPU kernels, see
-edge/gguf_runtime.py; float32 KV cache), max |logit difference| on 40 tokens, logit scale
+edge/runtime.py; float32 KV cache), max |logit difference| on 40 tokens, logit scale
 (max |logit|) ~12 for the Llama and Qwen 2 models:
   f32   3e-6  (Qwen 3: 1.5e-5 at logit scale 73)       tolerance 1e-4
   f16   2.8e-3 (llama.cpp also rounds activations to fp16 at f16 weights)  tolerance 1e-2
@@ -22,13 +22,14 @@ import numpy as np
 import pytest
 
 from distillax.data.tokenizer import ByteTokenizer
-from distillax.edge import gguf_export, gguf_runtime
-from distillax.edge.gguf_export import write_gguf
+from distillax.edge import export as gguf_export
+from distillax.edge import runtime as gguf_runtime
+from distillax.edge.export import write_gguf
 from distillax.models.transformer import with_config
 from distillax.quant import quantize_for_training
 from tests.edge.helpers import CONFIGS, IDS, greedy, logits
 from tests.support.models import PEAKED, random_model
-from tests.edge.test_gguf_export import byte_level_bpe
+from tests.edge.test_export import byte_level_bpe
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -13,7 +13,7 @@ from flax import nnx
 
 from distillax.data import batch as batch_spec
 from distillax.edge import measurements
-from distillax.edge.gguf_export import write_gguf
+from distillax.edge.export import write_gguf
 from distillax.framework import losses
 from distillax.models.presets import get_preset
 from distillax.models.init import create_model

@@ -8,7 +8,7 @@ import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from distillax.framework import runtime  # noqa: E402
+from distillax.framework.run import runtime  # noqa: E402
 
 STEPS = 4  # a few optimizer updates: enough for the two runs' losses to part if a reduction errs
 

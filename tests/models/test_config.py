@@ -112,8 +112,8 @@ def test_qwen35_presets_count_their_config_json_shapes(name):
   assert param_count(cfg) == QWEN35[name]
   assert cfg.token_mixers[:4] == ("linear_attention",) * 3 + ("full_attention",)
   assert (cfg.num_linear_layers, cfg.rotary_dim) == (cfg.num_layers * 3 // 4, 64)
-  from distillax.models.hf_config import config_from_hf
-  from distillax.models.hf_config_out import config_to_hf
+  from distillax.models.hf.config import config_from_hf
+  from distillax.models.hf.config_out import config_to_hf
   assert config_from_hf(config_to_hf(cfg), dtype="bfloat16") == cfg  # a Qwen3_5ForCausalLM
 
 
@@ -129,8 +129,8 @@ GEMMA3_SMOLLM3 = {"gemma3-1b": 999_885_952, "gemma3-27b": 27_009_346_304,
 
 @pytest.mark.parametrize("name", sorted(GEMMA3_SMOLLM3))
 def test_gemma3_and_smollm3_presets_count_their_config_json_shapes(name):
-  from distillax.models.hf_config import config_from_hf
-  from distillax.models.hf_config_out import config_to_hf
+  from distillax.models.hf.config import config_from_hf
+  from distillax.models.hf.config_out import config_to_hf
   cfg = get_preset(name)
   assert param_count(cfg) == GEMMA3_SMOLLM3[name] == _closed_form(cfg)
   if name.startswith("gemma3"):  # five sliding layers (base 10k) to a global one (1M)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from distillax.errors import ConfigError
-from distillax.models.attention import KVCache
+from distillax.models.attention.layer import KVCache
 from distillax.models.layers import apply_rope
 from distillax.models.presets import get_preset
 from distillax.models.sampler import generate

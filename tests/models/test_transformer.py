@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from distillax.models.attention import KVCache
+from distillax.models.attention.layer import KVCache
 from distillax.models.presets import get_preset
 from distillax.models.transformer import ModelOutput, with_config, with_layer_layout
 from tests.models import reference

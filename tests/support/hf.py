@@ -22,7 +22,7 @@ def cached_decode_delta(hf_model, ours, prompt, steps: int) -> float:
   token transformers picked (so they walk one path), every step's logits compared."""
   import jax.numpy as jnp
 
-  from distillax.models.attention import KVCache
+  from distillax.models.attention.layer import KVCache
   from tests.support.models import forward
 
   B, P = prompt.shape

@@ -27,7 +27,7 @@ import pytest
 from distillax.configs import lm as lm_config
 from distillax.configs import on_policy as op_config
 from distillax.errors import ConfigError, UserError
-from distillax.framework.preemption import STOPPED_EXIT_CODE
+from distillax.framework.run.preemption import STOPPED_EXIT_CODE
 from distillax.framework.throughput import Throughput
 from distillax.trainers import LMRecipe, Trainer, recipe_for
 
@@ -216,7 +216,7 @@ def test_ctrl_c_saves_the_current_step_and_the_next_run_resumes(uninterrupted, t
 
 SECOND_CTRL_C = """
 import os, signal
-from distillax.framework.preemption import PreemptionGuard
+from distillax.framework.run.preemption import PreemptionGuard
 guard = PreemptionGuard()
 os.kill(os.getpid(), signal.SIGINT)
 print("after the first:", guard.received, guard.should_stop(7), flush=True)

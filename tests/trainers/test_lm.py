@@ -11,7 +11,7 @@ from flax import nnx
 
 from distillax.errors import ConfigError
 from distillax.main import main
-from distillax.models import moe
+from distillax.models.moe import layer as moe
 from distillax.models.presets import get_preset
 from distillax.trainers.lm import lm_objective
 from distillax.trainers.recipe import check_router_losses
@@ -73,7 +73,7 @@ def test_router_loss_weights_are_refused_where_nothing_takes_them(capsys, tmp_pa
 
 def test_every_registered_job_takes_router_losses_and_a_recipe_that_does_not_says_so():
   """Every job's objective adds the router losses of an MoE student (the on-policy and cached
-  ones: tests/trainers/test_on_policy.py, tests/distill/test_training_from_cache.py); a recipe
+  ones: tests/trainers/on_policy/test_recipe.py, tests/distill/test_training_from_cache.py); a recipe
   whose objective does not refuses the weights in one line."""
   for kind in ("lm", "sequence_kd", "distill", "on_policy"):
     assert recipe_class(ml_collections.ConfigDict({"trainer": kind})).router_losses, kind

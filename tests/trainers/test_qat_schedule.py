@@ -16,7 +16,7 @@ import pytest
 
 from distillax.configs import lm as lm_config
 from distillax.errors import ConfigError
-from distillax.framework.preemption import PreemptionGuard
+from distillax.framework.run.preemption import PreemptionGuard
 from distillax.quant import QuantConfig
 from distillax.trainers import Trainer, recipe_for
 from distillax.trainers import base as trainer_base

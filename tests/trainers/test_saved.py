@@ -16,7 +16,7 @@ from flax import nnx
 from distillax.data import make_tokenizer, padded_vocab_size
 from distillax.errors import UserError
 from distillax.main import main
-from distillax.models import hf
+from distillax.models.hf import checkpoint as hf
 from distillax.models.presets import get_preset
 from distillax.models.init import create_model
 from distillax.trainers import load_trained_model

@@ -20,9 +20,9 @@ from distillax.configs import distill, lm
 from distillax.distill import unwrap_student
 from distillax.errors import UserError
 from distillax.main import main
-from distillax.models import hf
+from distillax.models.hf import checkpoint as hf
 from distillax.models.transformer import layer_params
-from distillax.edge.gguf_export import gguf_architecture
+from distillax.edge.export import gguf_architecture
 from distillax.trainers import recipe_for
 from tests.support.models import forward
 

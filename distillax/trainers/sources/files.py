@@ -17,7 +17,7 @@ import ml_collections
 
 from distillax.errors import UserError
 from distillax.models.config import TransformerConfig
-from distillax.models.hf_config import config_from_hf
+from distillax.models.hf.config import config_from_hf
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"

@@ -26,7 +26,7 @@ from flax import nnx
 from distillax import partitioning as pt
 from distillax.data import check_vocab, make_tokenizer, padded_vocab_size
 from distillax.errors import ConfigError
-from distillax.models import hf
+from distillax.models.hf import checkpoint as hf
 from distillax.models.config import COMPUTE, STORAGE, TransformerConfig, fields_of_kind
 from distillax.models.presets import config_from_dict, get_preset
 from distillax.models.init import abstract_model, create_model

@@ -17,7 +17,7 @@ from flax import nnx
 
 from distillax import partitioning as pt
 from distillax.errors import UserError
-from distillax.framework.checkpoint import Checkpointer
+from distillax.framework.run.checkpoint import Checkpointer
 from distillax.models.init import abstract_model
 from distillax.trainers.registry import recipe_class
 from distillax.trainers.sources import files

@@ -13,7 +13,7 @@ import os
 
 from distillax.data import make_tokenizer
 from distillax.errors import ConfigError, UserError
-from distillax.models.hf_tokenizer import byte_tokenizer_json
+from distillax.models.hf.tokenizer import byte_tokenizer_json
 from distillax.trainers.sources import files
 
 

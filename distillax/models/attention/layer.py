@@ -1,0 +1,313 @@
+"""Grouped-query attention with causal + segment masks, sliding windows and a KV cache.
+
+Optional per-architecture parts: q/k/v biases (Qwen 2; gpt-oss also biases o) and q/k RMSNorm
+over head_dim (Qwen 3), both applied before RoPE, so the cache holds exactly the keys a full
+forward computes. Attention sinks (gpt-oss): one learned logit per head joins every row's softmax
+denominator (a key nobody sees whose value is zero), so a query may attend "nowhere".
+
+Masks are built from token *indices* (order in the sequence or slot in the cache) and segment
+ids: a query sees a key iff the key is not later, both carry the same segment id (packed
+documents never see each other; padding, id 0, only sees padding) and, for local layers, the key
+is less than `window` tokens back. Positions only feed RoPE, so they may restart per document.
+
+How the scores meet the values is `model.attention_impl` (impl.py decides per call):
+`reference_attention` here materialises them whole; the blockwise and fused paths never do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from distillax.models.attention import impl as attention_impl
+from distillax.models.config import TransformerConfig
+from distillax.models.attention.blockwise import blockwise_attention
+from distillax.models.attention.fused import cudnn_attention, splash_attention
+from distillax.models.attention.tokamax import tokamax_attention
+from distillax.models.layers import RMSNorm, apply_rope, normal_param
+from distillax.models.layers import softcap as _softcap
+from distillax.partitioning import constrain
+
+_MASKED = -1e30  # finite, so a fully masked row can never produce NaNs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """Keys/values of every attention layer (stacked on a leading layer axis) plus each slot's
+  segment id; for Gated DeltaNet layers (Qwen3.5), their conv inputs and recurrent states.
+
+  `end_index` is the next slot to write; slots past it are never attended (causality).
+  A hybrid model's k/v stack holds its attention layers only, conv/state its linear layers
+  (in layer order each); other models have no conv/state (None).
+  """
+
+  k_NxBxSxKxH: jax.Array
+  v_NxBxSxKxH: jax.Array
+  segment_ids_BxS: jax.Array
+  end_index: jax.Array  # int32 scalar
+  conv_NxBxPxC: jax.Array | None = None  # the last linear_conv_kernel - 1 conv inputs
+  state_NxBxHxKxV: jax.Array | None = None  # float32 delta-rule state per value head
+
+  @classmethod
+  def zeros(cls, config: TransformerConfig, batch: int, length: int, dtype=None) -> "KVCache":
+    dtype = jnp.dtype(dtype or config.dtype)
+    linear = config.num_linear_layers
+    owners = [i for i in range(config.num_layers)
+              if config.layer_owns_kv(i) and not config.layer_is_linear(i)]
+    # Gemma 4's wider full layers: one width for all, each layer using its first heads and
+    # features.
+    head_dim = max([config.layer_head_dim(i) for i in owners] or [config.head_dim])
+    kv_heads = max([config.layer_num_kv_heads(i) for i in owners] or [config.num_kv_heads])
+    shape = (len(owners), batch, length, kv_heads, head_dim)
+    k = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
+    v = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
+    conv = state = None
+    if linear:
+      Hk, Hv = config.linear_num_key_heads, config.linear_num_value_heads
+      channels = 2 * Hk * config.linear_key_head_dim + Hv * config.linear_value_head_dim
+      conv = jnp.zeros((linear, batch, config.linear_conv_kernel - 1, channels), dtype)
+      state = constrain(jnp.zeros((linear, batch, Hv, config.linear_key_head_dim,
+                                   config.linear_value_head_dim), jnp.float32),
+                        ("layers", "batch", "heads", None, None))
+    return cls(k, v, jnp.zeros((batch, length), jnp.int32), jnp.zeros((), jnp.int32),
+               conv, state)
+
+  @property
+  def length(self) -> int:
+    return self.segment_ids_BxS.shape[1]
+
+  def layer_caches(self, config: TransformerConfig):
+    """What each layer reads: the stacked (k, v) for a scanned stack, else one entry per
+    layer, (k, v) of an attention layer or (conv, state) of a Gated DeltaNet layer (None for a
+    Gemma 4 layer that shares another's keys/values: it caches nothing)."""
+    if config.scan_layers:
+      return self.k_NxBxSxKxH, self.v_NxBxSxKxH
+    counts, caches = [0, 0], []
+    for i in range(config.num_layers):
+      if not config.layer_owns_kv(i):
+        caches.append(None)
+        continue
+      linear = config.layer_is_linear(i)
+      j = counts[linear]
+      counts[linear] += 1
+      caches.append((self.conv_NxBxPxC[j], self.state_NxBxHxKxV[j]) if linear
+                    else (self.k_NxBxSxKxH[j], self.v_NxBxSxKxH[j]))
+    return caches
+
+  def updated(self, config: TransformerConfig, layer_caches, segment_ids_BxS,
+              end_index) -> "KVCache":
+    """The cache after a call: `layer_caches` as `layer_caches` gives them, written back."""
+    if config.scan_layers:
+      return dataclasses.replace(self, k_NxBxSxKxH=layer_caches[0], v_NxBxSxKxH=layer_caches[1],
+                                 segment_ids_BxS=segment_ids_BxS, end_index=end_index)
+    kinds = [config.layer_is_linear(i) for i in range(config.num_layers)]
+    kinds, layer_caches = zip(*[(kind, c) for kind, c in zip(kinds, layer_caches)
+                                if c is not None])  # sharing layers cache nothing
+    stack = lambda linear, part, old: (
+        jnp.stack([c[part] for c, lin in zip(layer_caches, kinds) if lin == linear])
+        if linear in kinds else old)
+    return KVCache(stack(False, 0, self.k_NxBxSxKxH), stack(False, 1, self.v_NxBxSxKxH),
+                   segment_ids_BxS, end_index, stack(True, 0, self.conv_NxBxPxC),
+                   stack(True, 1, self.state_NxBxHxKxV))
+
+
+def attention_mask(q_index_BxL, k_index_BxS, q_segment_BxL, k_segment_BxS) -> jax.Array:
+  """Causal and segment mask, bool (B, L, S); no segment ids = one document."""
+  causal = k_index_BxS[:, None, :] <= q_index_BxL[:, :, None]
+  if q_segment_BxL is None:
+    return causal
+  same_segment = k_segment_BxS[:, None, :] == q_segment_BxL[:, :, None]
+  return causal & same_segment
+
+
+def window_mask(mask_BxLxS, q_index_BxL, k_index_BxS, window) -> jax.Array:
+  """Restricts a mask to keys less than `window` tokens back (`window` may be traced)."""
+  if window is None:
+    return mask_BxLxS
+  distance = q_index_BxL[:, :, None] - k_index_BxS[:, None, :]
+  return mask_BxLxS & (distance < window)
+
+
+def reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_index_BxL, k_index_BxS,
+                        q_segment_BxL=None, k_segment_BxS=None, window=None, scale: float,
+                        softcap: float | None = None, sinks_KxG=None):
+  """(out_BxLxKxGxH, probs_BxKxGxLxS): the whole fp32 scores and probabilities at once, the
+  path every other implementation is checked against and the only one that returns probs
+  (with sinks_KxG, their share of each row is left out: rows then sum to less than 1)."""
+  logits_BxKxGxLxS = jnp.einsum("BLKGH,BSKH->BKGLS", q_BxLxKxGxH, k_BxSxKxH,
+                                preferred_element_type=jnp.float32) * scale
+  logits_BxKxGxLxS = _softcap(logits_BxKxGxLxS, softcap)
+  mask = attention_mask(q_index_BxL, k_index_BxS, q_segment_BxL, k_segment_BxS)
+  mask = window_mask(mask, q_index_BxL, k_index_BxS, window)
+  logits_BxKxGxLxS = jnp.where(mask[:, None, None], logits_BxKxGxLxS, _MASKED)
+  if sinks_KxG is None:
+    probs_BxKxGxLxS = jax.nn.softmax(logits_BxKxGxLxS, axis=-1)
+  else:
+    sink_BxKxGxLx1 = jnp.broadcast_to(sinks_KxG.astype(jnp.float32)[None, :, :, None, None],
+                                      logits_BxKxGxLxS.shape[:-1] + (1,))
+    with_sink = jnp.concatenate([logits_BxKxGxLxS, sink_BxKxGxLx1], axis=-1)
+    probs_BxKxGxLxS = jax.nn.softmax(with_sink, axis=-1)[..., :-1]
+  out_BxLxKxGxH = jnp.einsum("BKGLS,BSKH->BLKGH", probs_BxKxGxLxS.astype(v_BxSxKxH.dtype),
+                             v_BxSxKxH)
+  return out_BxLxKxGxH, probs_BxKxGxLxS
+
+
+class Attention(nnx.Module):
+  """Multi-head attention over `num_kv_heads` key/value heads shared by groups of query heads."""
+
+  def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, owns_kv: bool = True,
+               head_dim: int | None = None, num_kv_heads: int | None = None,
+               keys_as_values: bool = False):
+    """owns_kv=False: a Gemma 4 layer that attends another layer's keys/values (no k, v);
+    head_dim, num_kv_heads: this layer's, if not config's (Gemma 4's full layers);
+    keys_as_values: its values are its keys before k_norm and RoPE (no v; Gemma 4 31B)."""
+    D, H = config.embed_dim, config.num_heads
+    K = self.num_kv_heads = num_kv_heads or config.num_kv_heads
+    Dh = self.head_dim = head_dim or config.head_dim
+    pd = config.jnp_param_dtype
+    self.q = normal_param(rngs, (D, H, Dh), D ** -0.5, pd, ("embed", "heads", "head_dim"))
+    kv = lambda: (normal_param(rngs, (D, K, Dh), D ** -0.5, pd, ("embed", "kv_heads", "head_dim"))
+                  if owns_kv else None)
+    self.k, self.v = kv(), None if keys_as_values else kv()
+    out_std = (H * Dh) ** -0.5 / math.sqrt(2 * config.num_layers)
+    self.o = normal_param(rngs, (H, Dh, D), out_std, pd, ("heads", "head_dim", "embed"))
+    # Qwen 2: biases on q, k, v (zero at init, so a fresh model starts as its bias-free twin);
+    # Qwen 3: RMSNorm of every q and k head over its head_dim features.
+    bias = lambda n, axis: (nnx.Param(jnp.zeros((n, Dh), pd), logical_axes=(axis, "head_dim"))
+                            if config.qkv_bias else None)
+    self.q_bias = bias(H, "heads")
+    self.k_bias, self.v_bias = ((bias(K, "kv_heads"), bias(K, "kv_heads")) if owns_kv
+                                else (None, None))
+    # gpt-oss: a bias on o (zero at init) and one sink logit per query head.
+    self.o_bias = (nnx.Param(jnp.zeros((D,), pd), logical_axes=("embed",))
+                   if config.attn_out_bias else None)
+    self.sinks = (nnx.Param(jnp.zeros((H,), pd), logical_axes=("heads",))
+                  if config.attention_sinks else None)
+    head_norm = lambda: (RMSNorm(config, dim=Dh, logical_axes=("head_dim",)) if config.qk_norm
+                         else None)
+    self.q_norm, self.k_norm = head_norm(), head_norm() if owns_kv else None
+    # Gemma 4: values RMS-normed over head_dim without a scale (a function, no parameter).
+    self.value_norm = config.value_norm
+    # Qwen3.5: the attention output times sigmoid(x @ out_gate), per head and feature.
+    self.out_gate = (normal_param(rngs, (D, H, Dh), D ** -0.5, pd, ("embed", "heads", "head_dim"))
+                     if config.attn_output_gate else None)
+    self.config = config
+
+  def _project(self, x_BxLxD, weight, bias, norm):
+    """x @ weight (+ bias) (then the per-head norm): (B, L, heads, head_dim), before RoPE."""
+    dt = self.config.jnp_dtype
+    y_BxLxNxH = jnp.einsum("BLD,DNH->BLNH", x_BxLxD, weight[...].astype(dt))
+    if bias is not None:
+      y_BxLxNxH = y_BxLxNxH + bias[...].astype(dt)
+    if norm is not None:
+      y_BxLxNxH = norm(y_BxLxNxH)
+    return y_BxLxNxH
+
+  def _own_keys_values(self, x_BxLxD, sin_cos):
+    """This call's keys (normed, turned) and values (normed with value_norm; without a v
+    projection, the keys before their norm and RoPE)."""
+    k_BxLxKxH = self._project(x_BxLxD, self.k, self.k_bias, None)
+    v_BxLxKxH = (k_BxLxKxH if self.v is None
+                 else self._project(x_BxLxD, self.v, self.v_bias, None))
+    if self.k_norm is not None:
+      k_BxLxKxH = self.k_norm(k_BxLxKxH)
+    if self.value_norm:
+      v = v_BxLxKxH.astype(jnp.float32)
+      v = v * jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1, keepdims=True)
+                            + self.config.norm_eps)
+      v_BxLxKxH = v.astype(v_BxLxKxH.dtype)
+    k_BxLxKxH = constrain(apply_rope(k_BxLxKxH, *sin_cos),
+                          ("batch", "length", "kv_heads", "head_dim"))
+    return k_BxLxKxH, constrain(v_BxLxKxH, ("batch", "length", "kv_heads", "head_dim"))
+
+  def _keys_values(self, k_BxLxKxH, v_BxLxKxH, cache_kv, cache_index):
+    """(keys, values, new cache or None): this call's, or the cache with them written in."""
+    if cache_kv is None:
+      return k_BxLxKxH, v_BxLxKxH, None
+    dt = self.config.jnp_dtype
+    k_cache, v_cache = cache_kv
+    start = (0, cache_index, 0, 0)
+    k_cache = jax.lax.dynamic_update_slice(k_cache, k_BxLxKxH.astype(k_cache.dtype), start)
+    v_cache = jax.lax.dynamic_update_slice(v_cache, v_BxLxKxH.astype(v_cache.dtype), start)
+    # A cache as wide as its widest layer (Gemma 4) holds ours first, heads and features.
+    K, Dh = self.num_kv_heads, self.head_dim
+    return (k_cache[..., :K, :Dh].astype(dt), v_cache[..., :K, :Dh].astype(dt),
+            (k_cache, v_cache))
+
+  def _attend(self, q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking: dict, *, cached: bool,
+              return_probs: bool):
+    """The implementation attention_impl.resolve picks for this call: (out, probs or None)."""
+    cfg = self.config
+    B, L, K, G, Dh = q_BxLxKxGxH.shape
+    needs = attention_impl.AttentionNeeds(
+        probs=return_probs, cached=cached, query_len=L, key_len=k_BxSxKxH.shape[1],
+        segments=masking["q_segment_BxL"] is not None, window=cfg.sliding_window is not None,
+        softcap=cfg.attn_logit_softcap is not None, dtype=cfg.dtype, head_dim=Dh,
+        sinks=self.sinks is not None)
+    impl = attention_impl.resolve(cfg.attention_impl, needs)
+    common = dict(scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap)
+    sinks_KxG = None if self.sinks is None else self.sinks[...].reshape(K, G)
+    if impl == "reference":
+      return reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common,
+                                 sinks_KxG=sinks_KxG)
+    if impl == "blockwise":  # without a cache, indices are positions 0..L-1: skip the pairs
+      return blockwise_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common,
+                                 causal_offset=None if cached else 0, sinks_KxG=sinks_KxG), None
+    fused = {"cudnn": cudnn_attention, "splash": splash_attention,
+             "tokamax": tokamax_attention}[impl]
+    windows = tuple(sorted(set(cfg.layer_windows() or (None,)), key=lambda w: w or 0))
+    masking = {k: v for k, v in masking.items() if k not in ("q_index_BxL", "k_index_BxS")}
+    return fused(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, windows=windows, **common), None
+
+  def __call__(self, x_BxLxD, *, sin_cos, q_index_BxL, k_index_BxS, q_segment_BxL=None,
+               k_segment_BxS=None, window=None, cache_kv=None, cache_index=None,
+               return_probs: bool = False, shared_kv=None, return_kv: bool = False):
+    """Returns (out_BxLxD, new (k, v) cache slices or None, probs_BxHxLxS or None), and with
+    return_kv the (k_BxSxKxH, v_BxSxKxH) it attended (Gemma 4's later layers share them).
+
+    Without a cache, keys are this call's tokens (S = L). With `cache_kv=(k_BxSxKxH, v_...)`,
+    this call's keys/values are written at `cache_index` and the queries attend the whole cache.
+    With `shared_kv` (another layer's return_kv), this layer computes no keys/values and
+    attends those. Segment ids None: one document (no segment masking).
+    """
+    cfg = self.config
+    dt = cfg.jnp_dtype
+    B, L, _ = x_BxLxD.shape
+    K, Dh = self.num_kv_heads, self.head_dim
+    G = cfg.num_heads // K
+    q_BxLxHxK = self._project(x_BxLxD, self.q, self.q_bias, self.q_norm)
+    q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, *sin_cos),
+                          ("batch", "length", "heads", "head_dim"))
+    if shared_kv is not None:
+      (k_BxSxKxH, v_BxSxKxH), new_cache = shared_kv, None
+    else:
+      k_BxSxKxH, v_BxSxKxH, new_cache = self._keys_values(
+          *self._own_keys_values(x_BxLxD, sin_cos), cache_kv, cache_index)
+    # Query head h = kv_head * G + g uses kv head h // G (the layout of HF checkpoints).
+    q_BxLxKxGxH = q_BxLxHxK.reshape(B, L, K, G, Dh)
+    masking = dict(q_index_BxL=q_index_BxL, k_index_BxS=k_index_BxS, q_segment_BxL=q_segment_BxL,
+                   k_segment_BxS=k_segment_BxS, window=window)
+    attn_BxLxKxGxH, probs_BxKxGxLxS = self._attend(
+        q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking, cached=cache_index is not None,
+        return_probs=return_probs)
+    attn_BxLxHxK = constrain(attn_BxLxKxGxH.astype(dt).reshape(B, L, K * G, Dh),
+                             ("batch", "length", "heads", "head_dim"))
+    if self.out_gate is not None:
+      gate_BxLxHxK = self._project(x_BxLxD, self.out_gate, None, None)
+      attn_BxLxHxK = attn_BxLxHxK * jax.nn.sigmoid(gate_BxLxHxK.astype(jnp.float32)).astype(dt)
+    out_BxLxD = jnp.einsum("BLHK,HKD->BLD", attn_BxLxHxK, self.o[...].astype(dt))
+    if self.o_bias is not None:
+      out_BxLxD = out_BxLxD + self.o_bias[...].astype(dt)
+    probs = None
+    if return_probs:
+      S = probs_BxKxGxLxS.shape[-1]
+      probs = probs_BxKxGxLxS.reshape(B, K * G, L, S)
+    out_BxLxD = constrain(out_BxLxD, ("batch", "residual_length", "embed"))
+    if return_kv:
+      return out_BxLxD, new_cache, probs, (k_BxSxKxH, v_BxSxKxH)
+    return out_BxLxD, new_cache, probs

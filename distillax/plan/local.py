@@ -1,0 +1,146 @@
+"""`distillax plan`: size a run on a laptop. Compiles the real step for N simulated devices
+without materialising a single parameter, then prints where every array lives, what each device
+holds, the compiled memory, FLOPs and collectives per step, and whether it fits a memory budget.
+`plan --target` (target.py) compiles the same step with a TPU's or GPU's own compiler.
+
+Exit status: 0, or DOES_NOT_FIT_EXIT_CODE when the step does not fit the memory it is checked
+against (--memory_gb, or a target's chip), so scripts can tell a plan that fits from one that
+does not; 2 for a command line or config to fix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from distillax import partitioning as pt
+from distillax.errors import UserError
+from distillax.framework.hlo import collective_stats, matmul_flops
+from distillax.framework.state import STUDENT
+from distillax.trainers import Recipe, recipe_for
+
+fmt = pt.shard.format_bytes
+DOES_NOT_FIT_EXIT_CODE = 3
+
+
+def _tree_bytes(abstract, shardings) -> tuple[int, int]:
+  """(total bytes, bytes per device) of a tree of ShapeDtypeStructs under its shardings."""
+  total = per_device = 0
+  for x, sh in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+    itemsize = np.dtype(x.dtype).itemsize
+    total += int(np.prod(x.shape)) * itemsize
+    per_device += int(np.prod(sh.shard_shape(x.shape))) * itemsize
+  return total, per_device
+
+
+def plan_report(recipe: Recipe, engine) -> dict:
+  """Figures of `recipe`'s compiled `engine` (also used by tests and benchmarks)."""
+  layout, runner = engine.layout, engine.runner
+  a, sh = layout.abstract, layout.shardings
+  params = _tree_bytes(a.params, sh.params)
+  frozen = _tree_bytes(a.frozen, sh.frozen)
+  opt = _tree_bytes(a.opt_state, sh.opt_state)
+  stored = _tree_bytes(layout.stored_abstract, layout.stored_shardings)[0]
+  whole = _tree_bytes(a, sh)[0]
+  stats = dict(runner.stats)
+  hlo = runner.compiled_text()
+  model_flops = recipe.step_flops()
+  peak = (stats.get("argument_size_in_bytes", 0) + stats.get("temp_size_in_bytes", 0) +
+          stats.get("output_size_in_bytes", 0) - stats.get("alias_size_in_bytes", 0))
+  return {
+      # The mesh's devices, not jax.device_count(): a target compile's host sees 1.
+      "devices": int(engine.mesh.devices.size), "mesh": pt.mesh_shape_str(engine.mesh),
+      "strategy": engine.rules.name, "backend": runner.backend,
+      "gradient_reduction": runner.gradient_reduction,
+      "params_total_bytes": params[0], "params_bytes_per_device": params[1],
+      "frozen_total_bytes": frozen[0], "frozen_bytes_per_device": frozen[1],
+      # Each frozen extra model (a teacher; several teachers one by one): (total, per device).
+      "frozen_models": {name: _tree_bytes(a.frozen[name], sh.frozen[name])
+                        for name in a.frozen if name != STUDENT},
+      "optimizer_total_bytes": opt[0], "optimizer_bytes_per_device": opt[1],
+      # One checkpoint step's arrays: what the run changes; the frozen models that came from a
+      # source (teacher, LoRA base) are reloaded from it on resume, never written.
+      "checkpoint_bytes": stored, "reloaded_bytes": whole - stored,
+      "compiled": stats, "peak_bytes_per_device": peak,
+      "model_flops_per_step": model_flops, "collectives": collective_stats(hlo),
+      # Dots and convolutions, each times its loops' trip counts (XLA's own figure counts a
+      # loop body once).
+      "hlo_matmul_flops_per_device": matmul_flops(hlo)["flops"],
+      "compile_seconds": runner.compile_seconds,
+  }
+
+
+def _attention_on_cpu(config):
+  """plan compiles on CPU, which has no fused attention kernel: a config that asks for cuDNN or
+  splash is sized with blockwise attention, the same class of memory (no (L, S) scores; the
+  kernels' own workspace aside)."""
+  impl = config.model.get("attention_impl", "auto")
+  if impl not in ("cudnn", "splash") or jax.default_backend() != "cpu":
+    return config
+  print(f"note: plan compiles on CPU; model.attention_impl={impl!r} is sized as 'blockwise'")
+  config = config.copy_and_resolve_references()
+  config.model.attention_impl = "blockwise"
+  return config
+
+
+def run_plan(config, devices: int | None = None, memory_gb: float | None = None, *,
+             model_overrides=None) -> int:
+  if memory_gb is not None and not (math.isfinite(memory_gb) and memory_gb > 0):
+    raise UserError(f"--memory_gb={memory_gb:g} must be a positive number of GiB per device "
+                    f"to check the plan against, e.g. --memory_gb 16")
+  if devices is not None and jax.device_count() != devices:
+    raise UserError(f"--devices={devices} but JAX sees {jax.device_count()} devices; plan runs "
+                    f"on simulated CPU devices, so leave JAX_PLATFORMS unset or set it to cpu")
+  recipe = recipe_for(_attention_on_cpu(config), model_overrides=model_overrides)
+  engine = recipe.build_engines().main
+  layout = engine.layout
+  rows = pt.describe(layout.abstract.params, layout.logical.params, recipe.mesh, recipe.rules)
+  print(pt.format_plan(rows, f"trainable parameters ({recipe.model_config.__class__.__name__})"))
+  r = plan_report(recipe, engine)
+  print_figures(recipe, r)
+  if memory_gb is None:
+    return 0
+  return print_verdict(r["peak_bytes_per_device"], memory_gb * 2**30, f"{memory_gb:g} GiB")
+
+
+def print_figures(recipe: Recipe, r: dict) -> None:
+  """The per-device figures of a plan report, as `plan` and `plan --target` print them."""
+  c = r["compiled"]
+  print(f"\nplan: {r['devices']} devices, mesh {r['mesh']} (data x model), strategy "
+        f"{r['strategy']}, backend {r['backend']}, batch {recipe.batch_size} x "
+        f"{recipe.seq_len}, gradients reduced {r['gradient_reduction'].replace('_', ' ')}")
+  print(f"  parameters     {fmt(r['params_total_bytes']):>12} total, "
+        f"{fmt(r['params_bytes_per_device']):>12} per device")
+  if r["frozen_total_bytes"]:
+    print(f"  frozen         {fmt(r['frozen_total_bytes']):>12} total, "
+          f"{fmt(r['frozen_bytes_per_device']):>12} per device")
+    for name, (total, per_device) in r["frozen_models"].items():
+      print(f"    {name:<12} {fmt(total):>12} total, {fmt(per_device):>12} per device")
+  print(f"  optimizer      {fmt(r['optimizer_total_bytes']):>12} total, "
+        f"{fmt(r['optimizer_bytes_per_device']):>12} per device")
+  reloaded = (f" (+{fmt(r['reloaded_bytes'])} of frozen models reloaded from their sources, not "
+              f"stored)" if r["reloaded_bytes"] else "")
+  print(f"  checkpoint     {fmt(r['checkpoint_bytes']):>12} per save{reloaded}")
+  print(f"  compiled step per device: arguments {fmt(c.get('argument_size_in_bytes', 0))}, "
+        f"temporaries/activations {fmt(c.get('temp_size_in_bytes', 0))}, outputs "
+        f"{fmt(c.get('output_size_in_bytes', 0))} (aliased {fmt(c.get('alias_size_in_bytes', 0))})")
+  print(f"  peak per device ~ {fmt(r['peak_bytes_per_device'])}")
+  print(f"  model FLOPs per step {r['model_flops_per_step']:.4g} (analytic); per device: "
+        f"{r['hlo_matmul_flops_per_device']:.4g} in the compiled matmuls, XLA's count "
+        f"{c.get('flops', float('nan')):.4g} (loop bodies once)")
+  coll = r["collectives"]
+  parts = ", ".join(f"{k} x{v['count']} ({fmt(v['bytes'])})" for k, v in coll.items()
+                    if isinstance(v, dict) and k != "total" and v["count"])
+  print(f"  collectives per step per device: {parts or 'none'}; total "
+        f"{fmt(coll['total']['bytes'])}"
+        + (" (a loop's trip count is unknown: counted once)" if coll["trip_count_unknown"] else ""))
+  print(f"  compiled in {r['compile_seconds']:.1f}s")
+
+
+def print_verdict(peak: float, budget: float, what: str) -> int:
+  """FITS (exit 0) or DOES NOT FIT (DOES_NOT_FIT_EXIT_CODE) in `budget` bytes per device."""
+  fits = peak <= budget
+  print(f"  {'FITS' if fits else 'DOES NOT FIT'} in {what} per device ({peak / budget:.0%} of it)")
+  return 0 if fits else DOES_NOT_FIT_EXIT_CODE

@@ -1,0 +1,86 @@
+"""`distillax plan` compiles without materialising parameters and reports consistent figures."""
+
+import os
+import subprocess
+import sys
+
+from distillax.main import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_plan_reports_sharded_bytes_and_fit(capsys):
+  code = main(["distillax", "plan", "--config", f"{ROOT}/distillax/configs/lm.py:tiny",
+               "--devices", "8", "--memory_gb", "1", "--config.partitioning.strategy=fsdp"])
+  out = capsys.readouterr().out
+  assert code == 0, out
+  assert "mesh 8x1" in out and "FITS in 1 GiB" in out
+  # Under fsdp on 8 devices each device holds an eighth of every parameter.
+  line = next(l for l in out.splitlines() if l.strip().startswith("total"))
+  assert "(0.125 of total)" in line
+  assert "collectives per step per device" in out and "all-gather" in out
+  assert "gradients reduced per use" in out
+
+
+def test_plan_sizes_a_fused_attention_config_with_blockwise_on_cpu(capsys):
+  code = main(["distillax", "plan", "--config", f"{ROOT}/distillax/configs/lm.py:tiny",
+               "--devices", "8", "--config.model.attention_impl=cudnn"])
+  out = capsys.readouterr().out
+  assert code == 0, out
+  assert "model.attention_impl='cudnn' is sized as 'blockwise'" in out and "peak per device" in out
+
+
+def test_plan_says_how_gradients_are_reduced(capsys):
+  """dp with accumulation reduces once per step: one all-reduce, where per use makes two."""
+  base = ["distillax", "plan", "--config", f"{ROOT}/distillax/configs/lm.py:tiny", "--devices",
+          "8", "--config.partitioning.strategy=dp", "--config.train.accum_steps=2",
+          "--config.train.batch_size=16"]
+  counts = {}
+  for mode in ("auto", "per_use"):
+    assert main(base + [f"--config.partitioning.gradient_reduction={mode}"]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if "collectives per step per device" in l)
+    counts[mode] = line
+    expected = "per step" if mode == "auto" else "per use"
+    assert f"gradients reduced {expected}" in out
+  assert "all-reduce x1 " in counts["auto"]
+  assert "all-reduce x1 " not in counts["per_use"]
+
+
+def test_plan_sizes_llama_8b_on_64_simulated_devices():
+  """Llama 3.1 8B at 16 x 32768 tokens under fsdp_tp on 8 x 8: it fits 95 GiB only because
+  attention never holds (L, S) scores (blockwise on CPU) and the loss never holds (B, L, V)
+  logits; with them the peak was 155 GiB per device."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(
+      [sys.executable, "-m", "distillax", "plan", "--config",
+       f"{ROOT}/distillax/configs/llama3_8b.py", "--devices", "64", "--memory_gb", "95",
+       "--config.partitioning.strategy=fsdp_tp", "--config.mesh.model=8",
+       "--config.train.seq_len=32768", "--config.train.batch_size=16"],
+      env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  text = out.stdout
+  assert "64 devices, mesh 8x8" in text and "batch 16 x 32768" in text
+  assert "FITS in 95 GiB" in text
+  # 8,030,261,248 fp32 parameters = 29.92 GiB, 1/64 of it per device.
+  assert "29.92 GiB total" in text and "478.75 MiB per device" in text
+
+
+def _collectives_line(out: str) -> str:
+  return next(l for l in out.splitlines() if "collectives per step per device" in l)
+
+
+def test_on_policy_plan_reads_the_step_behind_its_sampling_clock(capsys):
+  """The sampling clock wraps the runner's call; plan must still read the compiled step: the
+  same collectives as the unwrapped step, and not none."""
+  base = ["distillax", "plan", "--config", f"{ROOT}/distillax/configs/on_policy.py:tiny",
+          "--devices", "8", "--config.partitioning.strategy=fsdp_tp", "--config.mesh.model=2",
+          "--config.on_policy.prompt_len=6", "--config.on_policy.max_new_tokens=4",
+          "--config.on_policy.num_samples=1"]
+  lines = {}
+  for timed in (True, False):
+    assert main(base + [f"--config.on_policy.time_sampling={timed}"]) == 0
+    lines[timed] = _collectives_line(capsys.readouterr().out)
+  assert "none" not in lines[True] and "all-gather" in lines[True], lines[True]
+  assert lines[True] == lines[False]

@@ -1,0 +1,221 @@
+"""The on-policy recipe: lmbda = 0 is the distill recipe's step bit for bit; every jit preset
+and the shard_map / pmap / vmap backends give the same numbers; prompts from every layout;
+QAT and LoRA students; the CLI with overrides and its one-line errors."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from distillax import main as cli
+from distillax.configs import distill as distill_config
+from distillax.configs import on_policy as op_config
+from distillax.data import default_data_config, make_tokenizer
+from distillax.distill.on_policy.objective import PROMPT_KEYS
+from distillax.trainers import recipe_for
+from tests.data import chat_testing as ct
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+CONFIG = os.path.join(ROOT, "distillax/configs/on_policy.py")
+
+
+def _small(config, **on_policy):
+  """Fewer sampled tokens: every compile here is of a whole sampling + training step."""
+  config.on_policy.prompt_len, config.on_policy.max_new_tokens = 6, 6
+  config.on_policy.num_samples, config.on_policy.time_sampling = 1, False
+  for k, v in on_policy.items():
+    config.on_policy[k] = v
+  return config
+
+
+def _steps(config, batches, steps=2):
+  """(per-step metrics, final params) of `steps` steps from the recipe's fresh state."""
+  recipe = recipe_for(config)
+  engine = recipe.build_engines().main
+  student, extras = recipe.build(abstract=False)
+  state = engine.init_state(student, extras, int(config.seed))
+  rows = []
+  for batch in batches[:steps]:
+    state, metrics = engine.runner(state, engine.runner.place_batch(batch))
+    rows.append({k: np.asarray(v) for k, v in jax.device_get(metrics).items()})
+  return rows, jax.device_get(engine.runner.fetch_state(state).params)
+
+
+def _batches(config, n=2):
+  it = recipe_for(config).train_iterator()
+  return [next(it) for _ in range(n)]
+
+
+def test_lmbda_0_is_the_distill_step_bit_for_bit():
+  op = _small(op_config.get_config("tiny"), lmbda=0.0)
+  kd = distill_config.get_config("tiny")
+  batches = _batches(op, 1)
+  op_rows, op_params = _steps(op, batches, 1)
+  kd_rows, kd_params = _steps(kd, [{k: v for k, v in b.items() if k not in PROMPT_KEYS}
+                                   for b in batches], 1)
+  assert set(kd_rows[0]) <= set(op_rows[0])
+  for k, v in kd_rows[0].items():
+    np.testing.assert_array_equal(op_rows[0][k], v, err_msg=k)
+  for a, b in zip(jax.tree.leaves(op_params), jax.tree.leaves(kd_params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# (backend, partitioning strategy, mesh model axis)
+LAYOUTS = [("jit", "fsdp", 1), ("jit", "dp", 1), ("jit", "tp", 2), ("jit", "fsdp_tp", 2),
+           ("shard_map", "dp", 1), ("pmap", "dp", 1), ("vmap", "dp", 1)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+  config = _small(op_config.get_config("tiny"), divergence="sampled_kl")
+  batches = _batches(config)
+  return config, batches, _steps(config, batches)
+
+
+@pytest.mark.parametrize("backend,strategy,model", LAYOUTS[1:],
+                         ids=[f"{b}-{s}" for b, s, _ in LAYOUTS[1:]])
+def test_backends_and_presets_sample_and_train_alike(reference, backend, strategy, model):
+  config, batches, (want_rows, want_params) = reference
+  config = config.copy_and_resolve_references()
+  config.backend, config.partitioning.strategy, config.mesh.model = backend, strategy, model
+  rows, params = _steps(config, batches)
+  for got, want in zip(rows, want_rows):
+    # Same samples: the completion statistics agree exactly, the losses to rounding.
+    assert float(got["completion_length"]) == float(want["completion_length"])
+    assert float(got["tokens"]) == float(want["tokens"])
+    for k in ("loss", "reverse_kl", "teacher_nll", "grad_norm"):
+      np.testing.assert_allclose(float(got[k]), float(want[k]), rtol=2e-5, err_msg=k)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_prompts_from_every_layout(tmp_path):
+  """Chats: the turns before the last answer with the template's generation prompt (as
+  transformers renders them); prompt/completion: the prompt; text: its first prompt_len
+  tokens. The chat's end of turn is a stop token."""
+  folder = ct.save_tokenizer(tmp_path / "tokenizer", ct.CHATML)
+  hf_tok = ct.load_hf(folder)
+  chats = ct.conversations(12, seed=1)
+  sources = {
+      "messages": ct.write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in chats]),
+      "prompt_completion": ct.write_jsonl(tmp_path / "pc.jsonl", [
+          {"prompt": f"def f{i}(x):", "completion": " return x"} for i in range(12)]),
+      "text": ct.write_jsonl(tmp_path / "text.jsonl", [
+          {"text": f"document number {i} has some words"} for i in range(12)])}
+  found = {}
+  for layout, source in sources.items():
+    config = op_config.get_config("tiny")
+    config.data.source, config.data.tokenizer = source, f"hf:{folder}"
+    config.data.layout, config.data.validation_fraction = layout, 0.0
+    config.on_policy.prompt_len, config.on_policy.num_prompts = 96, 100
+    recipe = recipe_for(config)
+    found[layout] = {tuple(p.tolist()) for p in recipe.prompts("train")}
+  want_chats = {tuple(hf_tok.apply_chat_template(
+      m[:max(i for i, t in enumerate(m) if t["role"] == "assistant")],
+      add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]) for m in chats}
+  want_chats = {p for p in want_chats if len(p) <= 96}
+  assert found["messages"] == want_chats and want_chats
+  bos = hf_tok.bos_token_id
+  assert found["prompt_completion"] == {
+      tuple([bos] + hf_tok(f"def f{i}(x):", add_special_tokens=False).input_ids)
+      for i in range(12)}
+  assert found["text"] == {tuple(([bos] + hf_tok(f"document number {i} has some words",
+                                                  add_special_tokens=False).input_ids)[:96])
+                           for i in range(12)}
+  assert hf_tok.convert_tokens_to_ids("<|im_end|>") in recipe.settings.stop_ids
+  assert recipe.settings.eos_id == hf_tok.eos_token_id
+
+
+def test_lora_student_trains_its_adapters_on_its_own_samples():
+  config = _small(op_config.get_config("tiny"))
+  config.lora.module_regex, config.lora.rank = "layers/.*/attn/.*", 4
+  rows, params = _steps(config, _batches(config), 1)
+  assert np.isfinite(float(rows[0]["loss"])) and float(rows[0]["completion_length"]) > 0
+  names = {"/".join(str(getattr(k, "key", k)) for k in path)
+           for path, _ in jax.tree_util.tree_leaves_with_path(params)}
+  assert names and all("lora" in n for n in names), names
+
+
+def _rows(workdir):
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_router_losses_enter_the_loss(row, terms, w_aux=0.5, w_z=0.25):
+  """A step's logged loss is its objective's weighted terms (`terms`: {logged name: weight})
+  plus the router-loss weights times the logged router losses; the expert loads are logged per
+  layer, nothing dropped (dropless)."""
+  aux, z = float(row["moe_aux_loss"]), float(row["router_z_loss"])
+  assert aux >= 1.0 - 1e-6 and z > 0  # the Switch loss is 1 at best; the z-loss is positive
+  assert float(row["expert_load_max_over_mean_l0"]) >= 1.0
+  assert float(row["expert_tokens_dropped_l0"]) == 0.0
+  want = sum(w * float(row[k]) for k, w in terms.items()) + w_aux * aux + w_z * z
+  np.testing.assert_allclose(float(row["loss"]), want, rtol=1e-5)
+
+
+def test_cli_q4_0_moe_student_with_overrides_writes_figures_and_samples(tmp_path):
+  """A q4_0 mixture-of-experts student (4 experts, top-2) with router-loss weights, half its
+  steps on its own samples: every step's loss is its branch's term plus the weights times the
+  logged router losses (the objective's router terms against numpy:
+  tests/distill/on_policy/test_objective.py); eval rows carry the router figures too."""
+  workdir = tmp_path / "run"
+  code = cli.main(["distillax", "train", "--config", f"{CONFIG}:tiny,q4_0", "--workdir",
+                   str(workdir), "--config.train.steps=3", "--config.train.eval_every=3",
+                   "--config.train.log_every=1", "--config.on_policy.divergence=sampled_kl",
+                   "--config.on_policy.lmbda=0.5", "--config.on_policy.max_new_tokens=8",
+                   "--config.model.num_experts=4", "--config.train.moe_aux_loss=0.5",
+                   "--config.train.router_z_loss=0.25"])
+  assert code == 0
+  rows = _rows(workdir)
+  train = [r for r in rows if "loss" in r]
+  for key in ("reverse_kl", "teacher_nll", "completion_length", "eos_rate", "on_policy",
+              "sampled_tokens_per_s", "sampling_share"):
+    assert all(np.isfinite(r[key]) for r in train), key
+  assert all(r["completion_length"] <= 8 for r in train)
+  # Both branches ran (the seed's draws); the one a step did not take reports 0 for its term.
+  assert {r["on_policy"] for r in train} == {0.0, 1.0}
+  kd_weight = float(distill_config.get_config("tiny").distill.logit.weight)
+  for r in train:
+    _assert_router_losses_enter_the_loss(r, {"sampled_kl": 1.0, "logit_kd": kd_weight})
+  evals = [r for r in rows if "eval_loss" in r]
+  assert evals and all(k in evals[-1] for k in (
+      "eval_on_policy_teacher_nll", "eval_on_policy_reverse_kl", "eval_perplexity",
+      "eval_moe_aux_loss", "eval_router_z_loss", "eval_expert_load_max_over_mean_l0"))
+  assert evals[-1]["eval_expert_tokens_dropped_l0"] == 0.0  # dropless
+  samples = [json.loads(line) for line in
+             (workdir / "on_policy_samples" / "step_000003.jsonl").read_text().splitlines()]
+  assert len(samples) == 4 and all(len(s["completion_ids"]) <= 8 for s in samples)
+  # Every sampled id is a token: the byte tokenizer's 259 ids, not the vocabulary's padded rows
+  # (the tiny model has 384), which the completion text would silently drop.
+  ids = [i for s in samples for i in s["completion_ids"]]
+  assert ids and max(ids) < 259, ids
+  assert json.loads((workdir / "config.json").read_text())["qat"]["rules"]
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("--config.on_policy.lmbda=2.0", "on_policy.lmbda"),
+    ("--config.on_policy.divergence=kl", "on_policy.divergence"),
+    ("--config.on_policy.max_new_tokens=200", "max_seq_len"),
+    ("--config.on_policy.num_samples=0", "on_policy.num_samples")])
+def test_bad_on_policy_fields_fail_in_one_line(tmp_path, capsys, override, fragment):
+  workdir = tmp_path / "bad"
+  code = cli.main(["distillax", "train", "--config", f"{CONFIG}:tiny", "--workdir",
+                   str(workdir), override])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1 and fragment in err[0], err
+  assert not workdir.exists()
+
+
+def test_a_sample_past_the_students_max_seq_len_is_one_line():
+  """Both on-policy recipes (same tokenizer and cross-tokenizer) size samples through it."""
+  import types
+  from distillax.errors import ConfigError
+  from distillax.trainers.on_policy.recipe import sample_width
+  settings, model = types.SimpleNamespace(max_new_tokens=24), types.SimpleNamespace(max_seq_len=64)
+  assert sample_width(40, settings, model) == 64
+  with pytest.raises(ConfigError, match=r"on_policy.prompt_len=41 \+ on_policy.max_new_tokens=24 "
+                     r"exceeds model.max_seq_len=64; shorten one of them"):
+    sample_width(41, settings, model)
