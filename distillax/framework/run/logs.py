@@ -23,7 +23,7 @@ import sys
 import time
 
 # distillax/: a record made by code in here (absl's logging.info included) is distillax's own.
-PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def is_own(record: logging.LogRecord) -> bool:

@@ -350,7 +350,8 @@ _TWO_PROCESS_WORKER = textwrap.dedent("""
                                process_id=pid, initialization_timeout=300)
     import jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    from distillax.framework import evaluation, metrics, writers
+    from distillax.framework import evaluation
+    from distillax.framework.run import metrics, writers
     mesh = jax.make_mesh((8, 1), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     step = jax.jit(lambda x: {"loss": jnp.mean(x)})
     logger = metrics.MetricLogger(writers.create_writers(workdir, console=False), log_every=2)
