@@ -172,7 +172,7 @@ def _compiled(fn, abstract_state, abstract_batch, compile_now: bool):
   return fn.lower(abstract_state, abstract_batch).compile() if compile_now else fn
 
 
-def _sharded_abstract_state(layout: StateLayout):
+def sharded_abstract_state(layout: StateLayout):
   """The state's shapes and dtypes with their shardings, for lowering before any array exists."""
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                       layout.abstract, layout.shardings)
@@ -207,7 +207,7 @@ def _jit_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.RuleSet, b
                donate_argnums=_donated(donate))
   abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh[k])
                     for k, v in batch_shapes.items()}
-  call = _compiled(fn, _sharded_abstract_state(layout), abstract_batch, compile_now)
+  call = _compiled(fn, sharded_abstract_state(layout), abstract_batch, compile_now)
   return StepRunner("jit", call, lambda s: jax.device_put(s, layout.shardings), lambda s: s,
                     global_batch_placer(mesh, rules), mesh.shape[DATA_AXIS],
                     gradient_reduction="per_step" if per_worker else "per_use")
@@ -228,7 +228,7 @@ def _shard_map_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.Rule
   abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
                                             sharding=NamedSharding(mesh, P(DATA_AXIS)))
                     for k, v in batch_shapes.items()}
-  call = _compiled(fn, _sharded_abstract_state(layout), abstract_batch, compile_now)
+  call = _compiled(fn, sharded_abstract_state(layout), abstract_batch, compile_now)
   return StepRunner("shard_map", call, lambda s: jax.device_put(s, rep), lambda s: s,
                     global_batch_placer(mesh, rules), mesh.shape[DATA_AXIS])
 

@@ -206,6 +206,8 @@ PRESETS: dict[str, TransformerConfig] = {
                           max_seq_len=131_072),
     "smollm3-3b": _smollm3(embed_dim=2048, num_layers=36, num_heads=16, num_kv_heads=4,
                            mlp_dim=11_008),
+    "qwen3-0.6b": _qwen3(embed_dim=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                         mlp_dim=3072, tie_embeddings=True),
     "qwen3-1.7b": _qwen3(embed_dim=2048, num_layers=28, num_heads=16, num_kv_heads=8,
                          mlp_dim=6144, tie_embeddings=True),
     "qwen3-30b-a3b": _qwen3_moe(embed_dim=2048, num_layers=48, num_heads=32, num_kv_heads=4,

@@ -46,7 +46,7 @@ def _closed_form(cfg, active=False):
 
 
 # Qwen3 model cards, in billions as the cards round them: (total, activated, non-embedding).
-QWEN3_CARDS = {"qwen3-1.7b": (1.7, 1.7, 1.4), "qwen3-30b-a3b": (30.5, 3.3, 29.9),
+QWEN3_CARDS = {"qwen3-0.6b": (0.6, 0.6, 0.44), "qwen3-1.7b": (1.7, 1.7, 1.4), "qwen3-30b-a3b": (30.5, 3.3, 29.9),
                "qwen3-235b-a22b": (235.0, 22.0, 234.0)}
 
 

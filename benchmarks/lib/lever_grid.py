@@ -1,0 +1,260 @@
+"""The pieces of benchmarks/tpu_levers.py: the model pairs, timed model creation, one variant of
+the train or KD step (lowered, then compiled apart so several compile at once), and the session
+that runs the variants on one state."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from benchmarks.lib import common
+from benchmarks.lib.accelerator_measure import teacher_twice
+from distillax import partitioning as pt
+from distillax.distill import LogitKD, make_distill_objective
+from distillax.framework import backends, build_engine, flops, throughput
+from distillax.framework.vocab_chunks import AUTO
+from distillax.models import abstract_model, get_preset, param_count
+from distillax.models.transformer import Transformer
+from distillax.trainers import lm_objective
+
+
+def _real(tiny: bool) -> dict:
+  """The pair users distil on one chip: Qwen3-1.7B -> Qwen3-0.6B, vocabulary 151,936, the
+  student with fp32 master weights and bf16 compute, the teacher frozen in bf16."""
+  if tiny:
+    return {"student": get_preset("tiny", param_dtype="float32", dtype="float32"),
+            "teacher": get_preset("tiny", num_layers=4, embed_dim=96, num_heads=6,
+                                  num_kv_heads=2, mlp_dim=192)}
+  return {"student": get_preset("qwen3-0.6b", param_dtype="float32", dtype="bfloat16"),
+          "teacher": get_preset("qwen3-1.7b", param_dtype="bfloat16", dtype="bfloat16")}
+
+
+def _continuity(tiny: bool) -> dict:
+  """The pair of the first chip figures: a 383M Llama-3.2-shaped student (width 1024) and a
+  teacher of the same shape with twice its parameters (40 layers, 761M)."""
+  if tiny:
+    return _real(True)
+  student = get_preset("llama3.2-1b", embed_dim=1024, mlp_dim=4096, num_heads=16,
+                       param_dtype="float32", dtype="bfloat16")
+  return {"student": student,
+          "teacher": teacher_twice(student).replace(param_dtype="bfloat16")}
+
+
+PAIRS = {"real": _real, "continuity": _continuity}
+
+
+def pair_configs(name: str, tiny: bool = False) -> dict:
+  return PAIRS[name](tiny)
+
+
+def one_chip():
+  """A (1, 1) mesh over the first device and the dp rules (one chip: nothing is split)."""
+  mesh = pt.create_mesh({"data": 1, "model": 1}, devices=jax.devices()[:1])
+  return mesh, pt.rules_from_config({"strategy": "dp"})
+
+
+class ModelFactory:
+  """A model's initialiser compiled once (timed: trace + lower, compile, first run), then run
+  again for every state that needs fresh weights (a donated state takes its model's buffers)."""
+
+  def __init__(self, cfg, seed: int = 0):
+    mesh, rules = one_chip()
+    t0 = time.perf_counter()
+    self.graphdef, self.abstract_state = nnx.split(abstract_model(cfg, seed))
+    shardings = pt.tree_shardings(nnx.to_pure_dict(self.abstract_state),
+                                  pt.logical_tree(self.abstract_state), mesh, rules)
+
+    def init_values():
+      return nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))))
+
+    lowered = jax.jit(init_values, out_shardings=shardings).lower()
+    t1 = time.perf_counter()
+    self.exe = lowered.compile()
+    t2 = time.perf_counter()
+    jax.block_until_ready(self.exe())
+    t3 = time.perf_counter()
+    self.timing = {"params": param_count(cfg), "trace_lower_s": t1 - t0, "compile_s": t2 - t1,
+                   "run_s": t3 - t2, "total_s": t3 - t0}
+
+  def make(self):
+    state = jax.tree.map(lambda x: x, self.abstract_state)
+    nnx.replace_by_pure_dict(state, self.exe())
+    return nnx.merge(self.graphdef, state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  kind: str  # 'train' | 'kd'
+  remat: str
+  batch: int
+  seq_len: int
+  options: tuple[tuple[str, str], ...] = ()  # model fields, or loss_impl / chunk
+
+  @classmethod
+  def parse(cls, text: str, seq_len: int) -> "Variant":
+    kind, remat, batch, *rest = text.split(":")
+    if kind not in ("train", "kd"):
+      raise ValueError(f"variant {text!r}: kind must be train or kd")
+    opts = tuple(tuple(r.split("=", 1)) for r in rest)
+    seq = dict(opts).get("seq_len")
+    return cls(kind, remat, int(batch), int(seq) if seq else seq_len,
+               tuple((k, v) for k, v in opts if k != "seq_len"))
+
+  @property
+  def name(self) -> str:
+    rest = "".join(f":{k}={v}" for k, v in self.options)
+    return f"{self.kind}:{self.remat}:{self.batch}x{self.seq_len}{rest}"
+
+  @property
+  def safe_name(self) -> str:
+    return "".join(c if c.isalnum() else "_" for c in self.name)
+
+  def summary(self) -> dict:
+    return {"kind": self.kind, "remat": self.remat, "batch": self.batch,
+            "seq_len": self.seq_len, "options": dict(self.options)}
+
+  def model_fields(self) -> dict[str, Any]:
+    special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan")
+    out = {"remat": self.remat}
+    for k, v in self.options:
+      if k not in special:
+        out[k] = _value(v)
+    return out
+
+  def option(self, key: str, default=None):
+    return dict(self.options).get(key, default)
+
+
+def _value(text: str):
+  for cast in (int, float):
+    try:
+      return cast(text)
+    except ValueError:
+      pass
+  return {"True": True, "False": False, "None": None}.get(text, text)
+
+
+@dataclasses.dataclass
+class Lowered:
+  variant: Variant
+  engine: Any
+  lowered: Any
+  student_cfg: Any
+  teacher_cfg: Any
+
+
+def objective_for(v: Variant):
+  if v.kind == "train":
+    loss_impl = v.option("loss_impl", "chunked")
+    return functools.partial(lm_objective, loss_impl=loss_impl) if loss_impl != "chunked" \
+        else lm_objective
+  chunk = v.option("chunk")
+  return make_distill_objective(LogitKD(temperature=2.0, alpha=0.7),
+                                chunk_size=int(chunk) if chunk else AUTO, metrics=False)
+
+
+def lower(v: Variant, pair: dict) -> Lowered:
+  """The variant's step built by `build_engine` (the trainer's), traced and lowered only."""
+  student_cfg = pair["student"].replace(**v.model_fields())
+  teacher_cfg = None
+  if v.kind == "kd":
+    teacher_fields = {}
+    if v.option("teacher_remat"):
+      teacher_fields["remat"] = v.option("teacher_remat")
+    if v.option("teacher_scan"):
+      teacher_fields["scan_layers"] = _value(v.option("teacher_scan"))
+    teacher_cfg = pair["teacher"].replace(**teacher_fields)
+  mesh, rules = one_chip()
+  extras = {"teacher": abstract_model(teacher_cfg)} if teacher_cfg else {}
+  engine = build_engine(abstract_model(student_cfg), extras, objective_for(v),
+                        common.benchmark_optimizer(), 1000, mesh, rules, "jit",
+                        common.batch_shapes(v.batch, v.seq_len), compile_now=False)
+  abstract_batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=backends.batch_sharding(
+      mesh, rules, len(s.shape), s.shape)) for k, s in common.batch_shapes(v.batch,
+                                                                          v.seq_len).items()}
+  lowered = engine.runner.call.lower(backends.sharded_abstract_state(engine.layout),
+                                     abstract_batch)
+  return Lowered(v, engine, lowered, student_cfg, teacher_cfg)
+
+
+def compile_timed(low: Lowered):
+  t0 = time.perf_counter()
+  exe = low.lowered.compile()
+  return low, exe, time.perf_counter() - t0
+
+
+def compiled_peak(exe) -> int:
+  return common.peak_bytes(backends.compiled_stats(exe))
+
+
+def memory_stats() -> dict:
+  try:
+    return dict(jax.devices()[0].memory_stats() or {})
+  except Exception:  # noqa: BLE001 - CPU has none
+    return {}
+
+
+def memory_limit() -> int | None:
+  return memory_stats().get("bytes_limit")
+
+
+def layout_key(low: "Lowered") -> tuple:
+  """What decides the state's arrays: variants with the same key share one state."""
+  t = low.teacher_cfg
+  return (low.student_cfg.scan_layers, t.scan_layers if t is not None else None)
+
+
+class Session:
+  """One train state shared by the variants of a group with one layout (the same arrays
+  whatever the remat, batch or attention kernel): each variant's compiled step takes the state
+  the last one left. `factories(cfg)` gives the ModelFactory of a model config."""
+
+  def __init__(self, factories, first: "Lowered"):
+    base = lambda cfg: cfg.replace(remat="full", attention_impl="auto")
+    extras = ({"teacher": factories(base(first.teacher_cfg), "teacher").make()}
+              if first.teacher_cfg else {})
+    self.state = first.engine.init_state(factories(base(first.student_cfg), "student").make(),
+                                         extras, 0)
+    self.peak_flops, _ = throughput.peak_flops_per_device()
+
+  def time(self, low: Lowered, exe, steps: int) -> dict:
+    v = low.variant
+    batch = low.engine.runner.place_batch(common.packed_batch(
+        v.batch, v.seq_len, low.student_cfg.vocab_size, seed=1))
+    t0 = time.perf_counter()
+    self.state, metrics = exe(self.state, batch)
+    first_loss = float(metrics["loss"])
+    warmup_s = time.perf_counter() - t0
+    times = []
+    for _ in range(steps):
+      t0 = time.perf_counter()
+      self.state, metrics = exe(self.state, batch)
+      jax.block_until_ready(metrics)
+      times.append(time.perf_counter() - t0)
+    step_s = float(np.median(times))
+    model_flops = flops.train_step_flops(low.student_cfg, v.batch, v.seq_len,
+                                         low.teacher_cfg)["total"]
+    return {"step_s": step_s, "step_s_all": times, "warmup_s": warmup_s,
+            "tokens_per_s": v.batch * v.seq_len / step_s, "model_flops": model_flops,
+            "tflops_per_s": model_flops / step_s / 1e12,
+            "mfu_causal": throughput.mfu(model_flops, step_s, 1, self.peak_flops),
+            "first_loss": first_loss, "final_loss": float(metrics["loss"]),
+            "peak_bytes_in_use_so_far": memory_stats().get("peak_bytes_in_use")}
+
+  def profile(self, low: Lowered, exe, trace_dir) -> None:
+    v = low.variant
+    batch = low.engine.runner.place_batch(common.packed_batch(
+        v.batch, v.seq_len, low.student_cfg.vocab_size, seed=2))
+    jax.profiler.start_trace(str(trace_dir))
+    try:
+      for _ in range(2):
+        self.state, metrics = exe(self.state, batch)
+      jax.block_until_ready(metrics)
+    finally:
+      jax.profiler.stop_trace()
