@@ -156,7 +156,8 @@ def objective_for(v: Variant):
         else lm_objective
   chunk = v.option("chunk")
   return make_distill_objective(LogitKD(temperature=2.0, alpha=0.7),
-                                chunk_size=int(chunk) if chunk else AUTO, metrics=False)
+                                chunk_size=int(chunk) if chunk else AUTO, metrics=False,
+                                sliced=v.option("loss_impl") == "sliced")
 
 
 def lower(v: Variant, pair: dict) -> Lowered:

@@ -60,10 +60,12 @@ def train_section() -> ml_collections.ConfigDict:
   # Mixture-of-experts students (model.num_experts > 0) in lm, sequence_kd and distill jobs:
   c.moe_aux_loss = 0.0  # weight of the Switch load-balancing loss (1 when balanced)
   c.router_z_loss = 0.0  # weight of the router z-loss: mean squared logsumexp of router logits
-  # How next-token CE runs in lm and sequence_kd training: chunked (the vocabulary-chunk engine)
-  # | tokamax (its fused linear_softmax_cross_entropy_loss, the tokamax extra: a Mosaic kernel
-  # on TPU, its XLA path elsewhere; no train accuracy). Distillation terms, a distill job's
-  # hard-label CE and every eval keep the chunked engine: tokamax's loss is CE only.
+  # How the train losses over the vocabulary run: chunked (the vocabulary-chunk engine, chunks of
+  # positions) | sliced (slices of the vocabulary over every position: next-token CE, and a
+  # distill job's LogitKD forward KL with one teacher; a plain output layer) | tokamax (its
+  # fused linear_softmax_cross_entropy_loss for lm and sequence_kd, the tokamax extra: a Mosaic
+  # kernel on TPU, its XLA path elsewhere; no train accuracy). Every eval keeps the chunked
+  # engine.
   c.loss_impl = "chunked"
   return c
 

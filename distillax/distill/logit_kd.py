@@ -20,10 +20,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from distillax.data import batch as batch_spec
 from distillax.distill import divergences
 from distillax.distill.base import LogitStrategy, check_common
 from distillax.distill.logits import STUDENT, TEACHER, TokenLogits
 from distillax.errors import ConfigError
+from distillax.framework import losses, vocab_slices
 
 # Batch keys an offline teacher cache adds (teacher_cache.py writes them, CachedLogitKD reads).
 TOPK_IDS = "teacher_topk_ids_BxLxK"  # int32 token ids of the teacher's top-k at temperature T
@@ -188,3 +190,39 @@ def _extra_metric_values(logits: TokenLogits) -> dict[str, jax.Array]:
     if TOPK_IDS in tokens:
       out["top1_agreement"] = (s_top1 == tokens[TOPK_IDS][:, 0]).astype(jnp.float32)
   return out
+
+
+def sliced_leaf(token_leaves, teachers, metrics: bool) -> tuple[float, "LogitKD"]:
+  """The one (weight, LogitKD) that train.loss_impl='sliced' computes, or a one-line refusal:
+  a forward-KL LogitKD over the whole vocabulary, one live teacher, train objective only."""
+  if metrics:
+    raise ValueError("vocabulary slices compute train objectives (metrics=False) only")
+  ok = (len(token_leaves) == 1 and isinstance(token_leaves[0][1], LogitKD)
+        and token_leaves[0][1].divergence == "forward_kl" and token_leaves[0][1].top_k is None)
+  if not ok or teachers is not None:
+    names = ", ".join(f"{type(leaf).__name__}({leaf.name})" for _, leaf in token_leaves)
+    raise ConfigError(f"train.loss_impl='sliced' computes one forward-KL LogitKD (top_k None) "
+                      f"from one teacher; this job has {names or 'no logit term'}"
+                      f"{' and several teachers' if teachers is not None else ''}; set "
+                      f"--config.train.loss_impl=chunked")
+  return token_leaves[0]
+
+
+def sliced_loss_and_sums(weight: float, leaf: "LogitKD", inputs) -> tuple[jax.Array, dict]:
+  """LogitKD's weighted loss and its sums (the chunked path's names) over vocabulary slices."""
+  if inputs.teacher_model is None or not hasattr(inputs.teacher_model, "output_layer"):
+    raise ConfigError("train.loss_impl='sliced' needs a live teacher model (not a hidden-state "
+                      "cache or a teacher set); set --config.train.loss_impl=chunked")
+  T, a = float(leaf.temperature), float(leaf.alpha)
+  spec = vocab_slices.Spec(kd_weight=weight * a * T * T, ce_weight=weight * (1.0 - a),
+                           temperature=T)
+  mask_BxL = inputs.batch[batch_spec.LOSS_MASK]
+  flat = losses.flat_tokens
+  student = losses.sliced_head(inputs.student_model)
+  loss, sums = vocab_slices.token_sums(
+      spec, student, flat(inputs.student.final_hidden_BxLxD),
+      flat(inputs.batch[batch_spec.TARGETS]), flat(mask_BxL),
+      losses.sliced_head(inputs.teacher_model), flat(inputs.teacher.final_hidden_BxLxD))
+  losses.token_loss_impl.record(vocab_slices.describe(spec, student, mask_BxL.size))
+  return loss, {leaf.name: a * T * T * sums["kl"] + (1.0 - a) * sums["nll"],
+                f"{leaf.name}_divergence": sums["kl"], "hard_ce": sums["nll"]}

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from distillax.data import batch as batch_spec
 from distillax.framework import vocab_chunks
 from distillax.distill.base import DistillInputs, Strategy
-from distillax.distill.logit_kd import shared_metric_values
+from distillax.distill.logit_kd import shared_metric_values, sliced_leaf, sliced_loss_and_sums
 from distillax.distill.logits import TokenLogits
 from distillax.distill.multi_teacher import TeacherMix, TeacherSet, teacher_set
 from distillax.distill.student import unwrap_student
@@ -104,7 +104,8 @@ def _teacher(extras: Mapping, teacher_key: str):
 def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab_chunks.AUTO,
                            teacher_key: str = TEACHER, metrics: bool = True,
                            router_loss_weights: tuple[float, float] = (0.0, 0.0),
-                           teachers: TeacherMix | None = None) -> Objective:
+                           teachers: TeacherMix | None = None, sliced: bool = False
+                           ) -> Objective:
   """The step objective of `strategy`.
 
   chunk_size: tokens per logit chunk; vocab_chunks.AUTO (default) picks it from the vocabulary and
@@ -116,6 +117,8 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
     student, whose router losses and expert loads are reported whatever the weights.
   teachers: several teachers (multi_teacher.py), passed as extras under `teachers.keys` and
     folded into one teacher per token (mixture or routing); logit strategies only.
+  sliced: the logit term over vocabulary slices (framework/vocab_slices.py; train.loss_impl
+    'sliced'): one forward-KL LogitKD, one teacher, train objectives.
   """
   if not isinstance(strategy, Strategy):
     raise ConfigError(f"make_distill_objective needs a distillation strategy, got {strategy!r}")
@@ -124,6 +127,9 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
   token_leaves = [(w, leaf) for w, leaf in leaves if leaf.needs.logits]
   other_leaves = [(w, leaf) for w, leaf in leaves if not leaf.needs.logits]
   weights = {leaf.name: w for w, leaf in token_leaves}
+  sliced_term = sliced_leaf(token_leaves, teachers, metrics) if sliced else None
+  if sliced_term is not None and chunk_size is None:
+    chunk_size = vocab_chunks.AUTO  # the forward passes return hidden states, not logits
   if teachers is not None and other_leaves:
     raise ConfigError(f"several teachers combine their logits only; "
                       f"{', '.join(leaf.name for _, leaf in other_leaves)} need one teacher's "
@@ -145,7 +151,10 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
       extras = {**extras, teacher_key: teacher_set(extras, teachers, vocab)}
     inputs = run_models(strategy, student, extras, batch, chunk_size=chunk_size,
                         teacher_key=teacher_key)
-    loss_sum, sums = inputs.loss_and_sums(per_token, weights)
+    if sliced_term is not None:
+      loss_sum, sums = sliced_loss_and_sums(*sliced_term, inputs)
+    else:
+      loss_sum, sums = inputs.loss_and_sums(per_token, weights)
     for weight, leaf in other_leaves:
       term, metrics_of_leaf = leaf.term_sums(inputs)
       loss_sum = loss_sum + weight * term

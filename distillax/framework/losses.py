@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from distillax.data import batch as batch_spec
-from distillax.framework import vocab_chunks
+from distillax.framework import token_loss_impl, vocab_chunks, vocab_slices
 
 
 def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
@@ -33,10 +33,30 @@ def _next_token_values(logits_NxV, teacher_logits_NxV, tokens) -> dict[str, jax.
   return {"loss": token_nll(logits_NxV, targets_N) * mask_N, "correct": correct_N * mask_N}
 
 
+def sliced_head(model) -> vocab_slices.Head:
+  """A model's output layer as vocab_slices reads it (plain: not fake-quantized, not adapted;
+  the recipe checks that before it asks)."""
+  weight, vocab_axis = model.output_layer()
+  return vocab_slices.Head(weight, vocab_axis, model.config.dtype,
+                           model.config.final_logit_softcap)
+
+
+def flat_tokens(x_BxL):
+  return x_BxL.reshape((-1,) + x_BxL.shape[2:])
+
+
 def model_cross_entropy_sums(model, hidden_BxLxD, targets_BxL, mask_BxL, *,
-                             chunk_size: int = vocab_chunks.AUTO):
-  """`cross_entropy_sums` of the model's logits from its final hidden states, through the
-  vocabulary-chunk engine: the (B, L, V) fp32 logits never exist."""
+                             chunk_size: int = vocab_chunks.AUTO, sliced: bool = False):
+  """`cross_entropy_sums` of the model's logits from its final hidden states: the (B, L, V) fp32
+  logits never exist. Through the vocabulary-chunk engine, or over vocabulary slices
+  (`sliced`, vocab_slices.py: the same sums, a weight gradient written once per slice)."""
+  if sliced:
+    head = sliced_head(model)
+    spec = vocab_slices.Spec(accuracy=True)
+    loss, sums = vocab_slices.token_sums(spec, head, flat_tokens(hidden_BxLxD),
+                                         flat_tokens(targets_BxL), flat_tokens(mask_BxL))
+    token_loss_impl.record(vocab_slices.describe(spec, head, targets_BxL.size))
+    return loss, sums["correct"], jnp.sum(mask_BxL.astype(jnp.float32))
   tokens = {batch_spec.TARGETS: targets_BxL, batch_spec.LOSS_MASK: mask_BxL}
   loss, sums = vocab_chunks.vocab_chunk_sums(
       _next_token_values, {"loss": 1.0}, tokens, mask_BxL,

@@ -29,7 +29,7 @@ from distillax.errors import ConfigError
 from distillax.models import layer_scope, tokamax_support
 from distillax.models.attention.impl import compile_platform
 
-LOSS_IMPLS = ("chunked", "tokamax")
+LOSS_IMPLS = ("chunked", "sliced", "tokamax")
 TOKAMAX_MISSING = ("train.loss_impl='tokamax' needs the tokamax package (pip install "
                    "'distillax[tokamax]'); or set --config.train.loss_impl=chunked")
 # tokamax's Mosaic TPU kernel works on blocks of at least 1024 rows: each device's rows are
@@ -49,12 +49,23 @@ def recorded_choices():
   return _COUNTER.counted()
 
 
-def check_loss_impl(value, job: str, supported: bool, why_not: str | None = None) -> None:
-  """`train.loss_impl`: one of LOSS_IMPLS; 'tokamax' only for a job whose objective is the
+def check_loss_impl(value, job: str, supported: bool, why_not: str | None = None,
+                    sliced: bool = False) -> None:
+  """`train.loss_impl`: one of LOSS_IMPLS. 'tokamax' only for a job whose objective is the
   next-token CE (`supported`), over an output layer tokamax can take (`why_not` says why not),
-  with tokamax installed."""
+  with tokamax installed. 'sliced' (framework/vocab_slices.py) for a job whose train losses it
+  computes (`sliced`: next-token CE, forward-KL LogitKD) over a plain output layer."""
   if value not in LOSS_IMPLS:
     raise ConfigError(f"train.loss_impl={value!r}; choose one of {', '.join(LOSS_IMPLS)}")
+  if value == "sliced":
+    if not sliced:
+      raise ConfigError(f"train.loss_impl='sliced': the {job} job's train losses are not ones "
+                        f"vocabulary slices compute (next-token CE, and LogitKD's forward KL "
+                        f"with one teacher); set --config.train.loss_impl=chunked")
+    if why_not and "soft-caps" not in why_not:
+      raise ConfigError(f"train.loss_impl='sliced' cannot take this output layer: {why_not}; "
+                        f"set --config.train.loss_impl=chunked")
+    return
   if value != "tokamax":
     return
   if not supported:

@@ -143,6 +143,11 @@ class TransformerConfig:
   # auto | reference | blockwise | cudnn | splash | tokamax: how attention runs
   # (models/attention/impl.py; tokamax: its Mosaic GPU flash kernel, the tokamax extra).
   attention_impl: str = _compute("auto")
+  # Splash attention's tiles (TPU): (block_q, block_kv, block_kv_compute) positions, each a
+  # multiple of 128 that divides the sequence (else the largest of 512, 256, 128 that does), and
+  # whether the backward pass is one fused dq/dkv kernel (benchmarks/splash_blocks.py).
+  splash_blocks: tuple[int, int, int] = _compute((512, 512, 512))
+  splash_fused_bwd: bool = _compute(False)
   # ragged (dropless grouped matmul, the default) | dense (every expert on every token; the
   # reference the tests hold ragged to) | tokamax (tokamax's grouped matmul: moe/kernels.py).
   moe_impl: str = _compute("ragged")

@@ -31,6 +31,18 @@ LINEAR = "linear_attention"  # Qwen3.5's Gated DeltaNet layers, in HF's layer_ty
 LINEAR_ATTENTION_IMPLS = ("chunked", "recurrent")
 
 
+def _check_splash_blocks(cfg) -> None:
+  blocks = cfg.splash_blocks
+  if isinstance(blocks, list):
+    object.__setattr__(cfg, "splash_blocks", blocks := tuple(blocks))
+  if not (isinstance(blocks, tuple) and len(blocks) == 3 and all(
+      isinstance(b, int) and not isinstance(b, bool) and b > 0 and b % 128 == 0 for b in blocks)):
+    raise ConfigError(f"model.splash_blocks={blocks!r} must be three multiples of 128 "
+                      f"(block_q, block_kv, block_kv_compute), e.g. (512, 1024, 512)")
+  if not isinstance(cfg.splash_fused_bwd, bool):
+    raise ConfigError(f"model.splash_fused_bwd={cfg.splash_fused_bwd!r} must be True or False")
+
+
 def check_config(cfg) -> None:
   """Raise one ConfigError line for the first field a user set wrong; normalise JSON lists
   to tuples (the dataclass is frozen, so through object.__setattr__)."""
@@ -43,6 +55,7 @@ def check_config(cfg) -> None:
   _check_choice(cfg, "mlp_activation", MLP_ACTIVATIONS)
   _check_choice(cfg, "remat", REMAT_POLICIES)
   _check_choice(cfg, "attention_impl", ATTENTION_IMPLS)
+  _check_splash_blocks(cfg)
   for name in ("qkv_bias", "qk_norm", "attn_out_bias", "attention_sinks", "router_bias",
                "expert_bias", "rope_yarn_truncate"):
     if not isinstance(getattr(cfg, name), bool):

@@ -175,6 +175,13 @@ class Transformer(nnx.Module):
       return self.embedder.embedding[...].astype(dt).T
     return self.lm_head[...].astype(dt)
 
+  def output_layer(self) -> tuple[jax.Array, int]:
+    """The output layer's weight as stored and its vocabulary axis: the tied embedding (V, D)
+    and 0, or lm_head (D, V) and 1 (what a loss over slices of the vocabulary reads)."""
+    if self.lm_head is None:
+      return self.embedder.embedding[...], 0
+    return self.lm_head[...], 1
+
   def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
     """Float32 logits (soft-capped if configured) from final hidden states, any leading shape."""
     dt = self.config.jnp_dtype

@@ -23,7 +23,8 @@ def lm_objective(student: nnx.Module, extras: Mapping[str, nnx.Module], batch, r
                  loss_impl: str = "chunked") -> ObjectiveOutput:
   """Cross-entropy on every target the loss mask keeps (padding and document edges excluded);
   for a mixture of experts also the weighted router losses and the expert-load metrics.
-  loss_impl: 'chunked' (also sums the argmax accuracy) or 'tokamax' (the loss only)."""
+  loss_impl: 'chunked' or 'sliced' (the vocabulary-chunk engine over token chunks or over
+  vocabulary slices; both also sum the argmax accuracy) or 'tokamax' (the loss only)."""
   del extras, rng
   out = student(batch[batch_spec.INPUTS], **losses.model_inputs(batch), return_logits=False)
   targets_BxL, mask_BxL = batch[batch_spec.TARGETS], batch[batch_spec.LOSS_MASK]
@@ -34,7 +35,7 @@ def lm_objective(student: nnx.Module, extras: Mapping[str, nnx.Module], batch, r
     tokens = jnp.sum(mask_BxL.astype(jnp.float32))
   else:
     loss_sum, sums["accuracy"], tokens = losses.model_cross_entropy_sums(  # never (B, L, V)
-        student, out.final_hidden_BxLxD, targets_BxL, mask_BxL)
+        student, out.final_hidden_BxLxD, targets_BxL, mask_BxL, sliced=loss_impl == "sliced")
   if out.router_stats is not None:
     extra, router_sums, ratios = moe.objective_terms(out.router_stats, tokens, moe_aux_loss,
                                                      router_z_loss)
@@ -49,6 +50,7 @@ class LMRecipe(Recipe):
 
   router_losses = True
   tokamax_loss = True
+  sliced_loss = True
   # Its eval objective (lm_objective, chunked) also reports the argmax accuracy.
   rollback_metrics = ("eval_perplexity", "eval_loss", "eval_objective", "eval_accuracy")
 

@@ -150,6 +150,8 @@ class Recipe:
   router_losses: bool = False
   # Whether the training objective is the next-token CE that train.loss_impl='tokamax' can run.
   tokamax_loss: bool = False
+  # Whether its train losses are ones train.loss_impl='sliced' computes (framework/vocab_slices).
+  sliced_loss: bool = False
 
   def __init__(self, config, *, workdir: str | None = None, mesh=None,
                rules: pt.RuleSet | None = None, model_overrides: Mapping | None = None):
@@ -171,7 +173,7 @@ class Recipe:
     src.check_run_shape(self.sources.student, self.model_config)
     check_router_losses(config.train, self.model_config, self.name, self.router_losses)
     check_loss_impl(config.train.get("loss_impl", "chunked"), self.name, self.tokamax_loss,
-                    _tokamax_refuses(config, self.model_config))
+                    _tokamax_refuses(config, self.model_config), sliced=self.sliced_loss)
     # Checked with the data before training, or before compiling (checks.model_conflicts).
     self.batch_size, self.seq_len = int(config.train.batch_size), int(config.train.seq_len)
     self.transforms = StudentTransforms.from_config(config)

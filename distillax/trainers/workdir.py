@@ -187,6 +187,7 @@ ADDED_LATER: dict[str, Any] = {
     "model.shared_expert_mlp_dim": 0, "model.shared_expert_gate": False,  # Qwen3.5-MoE's
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
     "train.loss_impl": "chunked",
+    "model.splash_blocks": [512, 512, 512], "model.splash_fused_bwd": False,
     "student.from_teacher.experts": [], "distill.router.weight": 0.0,
     "qat.schedule": [],
     "train.early_stop_evals": 0,

@@ -230,21 +230,25 @@ def test_every_field_declares_its_kind_and_every_list_of_fields_is_derived_from_
   from distillax.trainers.workdir import NOT_JOB_IDENTITY
   names = [f.name for f in dataclasses.fields(mc.TransformerConfig)]
   assert fields_of_kind(STORAGE) == ("param_dtype", "scan_layers")
-  assert fields_of_kind(COMPUTE) == ("dtype", "remat", "attention_impl", "moe_impl",
+  assert fields_of_kind(COMPUTE) == ("dtype", "remat", "attention_impl", "splash_blocks",
+                                     "splash_fused_bwd", "moe_impl",
                                      "moe_capacity_factor", "linear_attention_impl",
                                      "linear_attention_chunk")
   assert fields_of_kind(SHAPE) == tuple(n for n in names if n not in (
-      "param_dtype", "scan_layers", "dtype", "remat", "attention_impl", "moe_impl",
-      "moe_capacity_factor", "linear_attention_impl", "linear_attention_chunk"))
+      "param_dtype", "scan_layers", "dtype", "remat", "attention_impl", "splash_blocks",
+      "splash_fused_bwd", "moe_impl", "moe_capacity_factor", "linear_attention_impl",
+      "linear_attention_chunk"))
   assert [field_kind(n) for n in ("vocab_size", "param_dtype", "remat")] == [
       SHAPE, STORAGE, COMPUTE]
   assert set(RUN_FIELDS) == {"param_dtype", "scan_layers", "dtype", "remat", "attention_impl",
-                             "moe_impl", "moe_capacity_factor", "linear_attention_impl",
+                             "splash_blocks", "splash_fused_bwd", "moe_impl", "moe_capacity_factor", "linear_attention_impl",
                              "linear_attention_chunk"}
-  assert COMPUTE_FIELDS == ("dtype", "remat", "attention_impl", "moe_impl", "moe_capacity_factor",
+  assert COMPUTE_FIELDS == ("dtype", "remat", "attention_impl", "splash_blocks",
+                            "splash_fused_bwd", "moe_impl", "moe_capacity_factor",
                             "linear_attention_impl", "linear_attention_chunk")
   assert {k for k in NOT_JOB_IDENTITY if k.startswith("model.")} == {
-      "model.dtype", "model.remat", "model.attention_impl", "model.moe_impl",
-      "model.moe_capacity_factor", "model.linear_attention_impl", "model.linear_attention_chunk"}
+      "model.dtype", "model.remat", "model.attention_impl", "model.splash_blocks",
+      "model.splash_fused_bwd", "model.moe_impl", "model.moe_capacity_factor",
+      "model.linear_attention_impl", "model.linear_attention_chunk"}
   with pytest.raises(ConfigError, match="unknown model config field 'nope'"):
     field_kind("nope")

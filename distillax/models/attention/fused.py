@@ -81,23 +81,33 @@ def cudnn_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_BxL=None, k_
   return over_windows(run, window, windows, L).reshape(B, L, K, G, H)
 
 
-def _splash_kernel(length: int, groups: int, window, softcap, interpret: bool):
+def _fit(block: int, length: int) -> int:
+  """`block` if it divides `length`, else the largest of 512, 256, 128 (or `length`) that does."""
+  if length % block == 0 and block <= length:
+    return block
+  return next(b for b in (512, 256, 128, length) if length % b == 0)
+
+
+def _splash_kernel(length: int, groups: int, window, softcap, interpret: bool,
+                   blocks=(512, 512, 512), fused_bwd: bool = False):
   from jax.experimental.pallas.ops.tpu import splash_attention as sa  # TPU kernels, on demand
 
   if window is None:
     one = sa.CausalMask((length, length))
   else:
     one = sa.LocalMask((length, length), (window - 1, 0), offset=0)
-  block = next(b for b in (512, 256, 128, length) if length % b == 0)  # multiples of 128
-  sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                        block_q_dq=block, block_kv_dq=block)
+  q, kv, kv_compute = (_fit(b, length) for b in blocks)
+  kv_compute = kv_compute if kv % kv_compute == 0 else kv
+  dq = {} if fused_bwd else dict(block_q_dq=q, block_kv_dq=kv)
+  sizes = sa.BlockSizes(block_q=q, block_kv=kv, block_kv_compute=kv_compute, block_q_dkv=q,
+                        block_kv_dkv=kv, block_kv_dkv_compute=kv_compute,
+                        use_fused_bwd_kernel=fused_bwd, **dq)
   return sa.make_splash_mqa(sa.MultiHeadMask([one] * groups), block_sizes=sizes, head_shards=1,
                             q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
 
 
 def _splash_local(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, qs_BxL, ks_BxS, window, windows, scale,
-                  softcap, interpret):
+                  softcap, interpret, blocks=(512, 512, 512), fused_bwd=False):
   """Splash on arrays this device holds whole: one MQA kernel per (batch row, kv head)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
@@ -107,7 +117,7 @@ def _splash_local(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, qs_BxL, ks_BxS, window, win
   v_BxKxSxH = jnp.einsum("BSKH->BKSH", v_BxSxKxH)
 
   def run(w):
-    kernel = _splash_kernel(L, G, w, softcap, interpret)
+    kernel = _splash_kernel(L, G, w, softcap, interpret, blocks, fused_bwd)
     per_head = lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg)
     per_row = jax.vmap(per_head, in_axes=(0, 0, 0, None))
     return jax.vmap(per_row)(q_BxKxGxLxH, k_BxKxSxH, v_BxKxSxH, sa.SegmentIds(qs_BxL, ks_BxS))
@@ -118,14 +128,15 @@ def _splash_local(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, qs_BxL, ks_BxS, window, win
 
 def splash_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_BxL=None, k_segment_BxS=None,
                      window=None, windows=(None,), scale: float, softcap=None,
-                     interpret: bool = False):
+                     interpret: bool = False, blocks=(512, 512, 512), fused_bwd: bool = False):
   """Pallas TPU splash attention: causal or local (sliding window) masks, segment ids, logit
   soft-cap. Under GSPMD rules it runs inside a shard_map over the batch and kv-head axes (a
-  Pallas kernel cannot be partitioned by the compiler). interpret=True runs it on CPU."""
+  Pallas kernel cannot be partitioned by the compiler). interpret=True runs it on CPU.
+  blocks: (block_q, block_kv, block_kv_compute); fused_bwd: one dq/dkv backward kernel."""
   B, L = q_BxLxKxGxH.shape[:2]
   if q_segment_BxL is None:
     q_segment_BxL = k_segment_BxS = jnp.ones((B, L), jnp.int32)
   local = lambda q, k, v, qs, ks, w: _splash_local(q, k, v, qs, ks, w, windows, scale, softcap,
-                                                   interpret)
+                                                   interpret, tuple(blocks), fused_bwd)
   return per_device(local, "splash", q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, q_segment_BxL,
                     k_segment_BxS, window)

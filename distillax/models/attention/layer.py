@@ -262,6 +262,8 @@ class Attention(nnx.Module):
              "tokamax": tokamax_attention}[impl]
     windows = tuple(sorted(set(cfg.layer_windows() or (None,)), key=lambda w: w or 0))
     masking = {k: v for k, v in masking.items() if k not in ("q_index_BxL", "k_index_BxS")}
+    if impl == "splash":
+      common.update(blocks=cfg.splash_blocks, fused_bwd=cfg.splash_fused_bwd)
     return fused(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, windows=windows, **common), None
 
   def __call__(self, x_BxLxD, *, sin_cos, q_index_BxL, k_index_BxS, q_segment_BxL=None,

@@ -24,6 +24,7 @@ from distillax.trainers.sources.cache_head import CacheHeadSource
 class CachedDistillRecipe(DistillRecipe):
   """`trainer='distill'` with `teacher.cache_dir` set."""
 
+  sliced_loss = False  # its objective is not make_distill_objective's one LogitKD
   router_losses = True  # an MoE student's, on the cached train batches
 
   data_splits = ("eval",)  # the train batches come from the cache

@@ -30,6 +30,7 @@ from distillax.trainers.sources import vocabulary
 class CrossTokenizerDistillRecipe(DistillRecipe):
   """`trainer='distill'` with `distill.objective='cross_tokenizer'`."""
 
+  sliced_loss = False  # its objective is not make_distill_objective's one LogitKD
   router_losses = False  # the cross-tokenizer objective adds none yet
 
   def __init__(self, config, **kwargs):

@@ -44,6 +44,7 @@ MANIFEST = "teachers.json"  # in the workdir: the teachers a run distils from
 class MultiTeacherDistillRecipe(DistillRecipe):
   """`trainer='distill_multi_teacher'`: LogitKD against several teachers at once."""
 
+  sliced_loss = False  # its objective is not make_distill_objective's one LogitKD
   def __init__(self, config, **kwargs):
     super().__init__(absolute_teacher_paths(config), **kwargs)
 

@@ -86,6 +86,7 @@ class DistillRecipe(Recipe):
   rollback_metrics = ("eval_objective", "eval_loss", "eval_perplexity")
   router_losses = True  # an MoE student's, next to the distillation terms
   mix = None  # several teachers' TeacherMix (multi_teacher.py); None: one teacher
+  sliced_loss = True  # train.loss_impl='sliced': a forward-KL LogitKD (make_distill_objective)
 
   def __init__(self, config, **kwargs):
     super().__init__(config, **kwargs)
@@ -103,8 +104,9 @@ class DistillRecipe(Recipe):
   def objective(self, *, train: bool = False) -> Objective:
     """Train: the loss terms and hard_ce; eval adds the logit metrics that cost extra passes
     over the vocabulary (teacher_ce, top1_agreement, logit_cosine)."""
+    sliced = train and self.config.train.get("loss_impl", "chunked") == "sliced"
     objective = make_distill_objective(self.strategy(), chunk_size=self.chunk_size(),
-                                       metrics=not train,
+                                       metrics=not train, sliced=sliced,
                                        router_loss_weights=self.router_loss_weights(train))
     return self.transforms.train_objective(objective) if train else objective
 

@@ -64,6 +64,7 @@ def sample_width(prompt_len: int, settings: OnPolicySettings, model_config) -> i
 class OnPolicyRecipe(DistillRecipe):
   """The student learns from its own samples, graded token by token by the teacher."""
 
+  sliced_loss = False  # its objective is not make_distill_objective's one LogitKD
   router_losses = True  # an MoE student's, from its forward over its own samples
 
   # The guard watches what on-policy training lowers, the reverse KL on the student's own

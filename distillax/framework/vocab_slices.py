@@ -1,0 +1,251 @@
+"""Token losses over slices of the vocabulary: every position's logits for a slice of columns at
+a time, for the losses that need only per-token normalisers and sums over the vocabulary:
+next-token cross-entropy and forward-KL logit distillation (LogitKD's default).
+
+Why a second schedule beside the token chunks of vocab_chunks.py. A token chunk sees the whole
+vocabulary for a few hundred positions, so the output layer's weight gradient, a (V, D) fp32
+array, is read and written once per chunk: on a TPU v5e at vocabulary 151,936 that traffic was
+157 ms of a 1,070 ms train step (benchmarks/results/tpu/levers_call1.jsonl). A vocabulary slice
+sees every position for a few thousand columns: its slice of the weight gradient is written
+once, and what is carried from slice to slice is per token: the running maximum, the sum of
+exponentials, and for KD the teacher-weighted difference of the two models' logits (online
+softmax, as flash attention keeps it). The backward pass recomputes each slice's logits from
+the saved log-sum-exps, so nothing of size (tokens, V) is ever held.
+
+Per token (fp32), s and t the student's and teacher's logits, y the target, T the temperature:
+  nll = logsumexp(s) - s_y
+  kl  = sum_v p_t (t_v - s_v) / T - logsumexp(t / T) + logsumexp(s / T),  p_t = softmax(t / T)
+  loss = kd_weight * kl + ce_weight * nll  (masked; LogitKD: kd_weight = alpha T^2)
+and d loss / d s_v = kd_weight (q_v - p_t,v) / T + ce_weight (softmax(s)_v - [v = y]), with q the
+student's softmax at T. A plain output layer only: logits = softcap(h @ W) with W the tied
+embedding (V, D) or the head (D, V); a fake-quantized or adapted head goes through the token
+chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+SLICE_BUDGET_BYTES = 256 * 2**20  # fp32 logits of one model for one slice, all positions
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+  """A plain output layer: `weight` (V, D) when `vocab_axis` is 0 (a tied embedding), (D, V)
+  when 1; logits in fp32 from operands cast to `dtype`, then soft-capped when `softcap`."""
+
+  weight: jax.Array
+  vocab_axis: int
+  dtype: str
+  softcap: float | None = None
+
+  @property
+  def vocab(self) -> int:
+    return self.weight.shape[self.vocab_axis]
+
+
+def _logits(weight_slice, h_NxD, vocab_axis: int, dtype, softcap):
+  dt = jnp.dtype(dtype)
+  eq = "ND,SD->NS" if vocab_axis == 0 else "ND,DS->NS"
+  z = jnp.einsum(eq, h_NxD.astype(dt), weight_slice.astype(dt),
+                 preferred_element_type=jnp.float32)
+  if softcap is not None:
+    z = softcap * jnp.tanh(z / softcap)
+  return z
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What the loss weighs (static): kd_weight * kl at `temperature` + ce_weight * nll."""
+
+  kd_weight: float = 0.0
+  ce_weight: float = 1.0
+  temperature: float = 1.0
+  accuracy: bool = False  # also count argmax hits (the first maximum, as jnp.argmax)
+  slice_size: int = 0  # columns per slice; 0: from SLICE_BUDGET_BYTES
+
+
+def slice_size_for(tokens: int, vocab: int, requested: int = 0) -> int:
+  """Columns per slice: `requested`, or the most whose fp32 logits for `tokens` positions fit the
+  budget, a multiple of 128 (a TPU lane tile), at most the vocabulary."""
+  size = requested or max(128, SLICE_BUDGET_BYTES // (4 * max(tokens, 1)) // 128 * 128)
+  return int(min(size, vocab))
+
+
+def describe(spec: Spec, head: Head, tokens: int) -> str:
+  """How the loss ran, for plan's report."""
+  size = slice_size_for(tokens, head.vocab, spec.slice_size)
+  return (f"sliced (vocabulary slices: {math.ceil(head.vocab / size)} of {size} columns x "
+          f"{tokens} positions)")
+
+
+def _slices(vocab: int, size: int):
+  """(count, starts): the last slice is shifted back to end at `vocab` (no padding copy); the
+  columns it shares with the one before are masked out of it."""
+  count = math.ceil(vocab / size)
+  starts = jnp.minimum(jnp.arange(count) * size, vocab - size)
+  return count, starts
+
+
+def _new_columns(j, start, size):
+  """Which columns of slice j (starting at `start`) no earlier slice covered."""
+  return start + jnp.arange(size) >= j * size
+
+
+def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
+               teacher: Head | None = None, h_t_NxD=None):
+  """(loss, sums): loss = sum over masked tokens of the weighted terms (differentiable in the
+  student's weight and hidden states); sums of 'nll', 'kl' (with a teacher) and 'correct' (with
+  spec.accuracy) over the masked tokens, as metrics."""
+  if teacher is None and spec.kd_weight:
+    raise ValueError("kd_weight > 0 needs a teacher")
+  size = slice_size_for(h_s_NxD.shape[0], student.vocab, spec.slice_size)
+  t_w = None if teacher is None else jax.lax.stop_gradient(teacher.weight)
+  h_t = None if teacher is None else jax.lax.stop_gradient(h_t_NxD)
+  static = (spec, size, student.vocab_axis, student.dtype, student.softcap,
+            None if teacher is None else (teacher.vocab_axis, teacher.dtype, teacher.softcap))
+  loss, sums = _sliced(static, student.weight, h_s_NxD, t_w, h_t, targets_N,
+                       mask_N.astype(jnp.float32))
+  return loss, jax.tree.map(jax.lax.stop_gradient, sums)
+
+
+# ---- the forward pass: one scan over the slices, online statistics per token -------------------
+
+def _stats(static, w_s, h_s, w_t, h_t, targets_N):
+  """Per-token statistics after one pass over every slice."""
+  spec, size, axis, dtype, cap, t_static = static
+  vocab = w_s.shape[axis]
+  count, starts = _slices(vocab, size)
+  N = h_s.shape[0]
+  neg = jnp.full((N,), -jnp.inf, jnp.float32)
+  zero = jnp.zeros((N,), jnp.float32)
+  init = {"m1": neg, "l1": zero, "target": zero}
+  if spec.accuracy:
+    init.update(best=neg, arg=jnp.zeros((N,), jnp.int32))
+  if t_static is not None:
+    init.update(mq=neg, lq=zero, mt=neg, lt=zero, at=zero)
+  T = spec.temperature
+
+  def body(carry, xs):
+    j, start = xs
+    new = _new_columns(j, start, size)
+    s = _logits(jax.lax.dynamic_slice_in_dim(w_s, start, size, axis), h_s, axis, dtype, cap)
+    s = jnp.where(new, s, -jnp.inf)
+    c = dict(carry)
+    c["m1"], c["l1"] = _lse_step(carry["m1"], carry["l1"], s)
+    cols = start + jnp.arange(size)
+    hit = (cols == targets_N[:, None]) & new
+    c["target"] = carry["target"] + jnp.sum(jnp.where(hit, s, 0.0), axis=-1)
+    if spec.accuracy:
+      best_j = jnp.max(s, axis=-1)
+      arg_j = start + jnp.argmax(s, axis=-1).astype(jnp.int32)
+      better = best_j > carry["best"]
+      c["best"] = jnp.where(better, best_j, carry["best"])
+      c["arg"] = jnp.where(better, arg_j, carry["arg"])
+    if t_static is not None:
+      t_axis, t_dtype, t_cap = t_static
+      t = _logits(jax.lax.dynamic_slice_in_dim(w_t, start, size, t_axis), h_t, t_axis, t_dtype,
+                  t_cap)
+      t = jnp.where(new, t, -jnp.inf)
+      c["mq"], c["lq"] = _lse_step(carry["mq"], carry["lq"], s / T)
+      mt = jnp.maximum(carry["mt"], jnp.max(t / T, axis=-1))
+      w = jnp.exp(t / T - mt[:, None])
+      keep = jnp.exp(carry["mt"] - mt)
+      c["mt"] = mt
+      c["lt"] = carry["lt"] * keep + jnp.sum(w, axis=-1)
+      c["at"] = carry["at"] * keep + jnp.sum(jnp.where(new, w * (t - s) / T, 0.0), axis=-1)
+    return c, None
+
+  return jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
+
+
+def _lse_step(m, l, z_NxS):
+  """One slice more of an online log-sum-exp (max m, sum of exp(z - m) l)."""
+  m_new = jnp.maximum(m, jnp.max(z_NxS, axis=-1))
+  return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z_NxS - m_new[:, None]), axis=-1)
+
+
+def _values(spec: Spec, st, targets_N, mask_N):
+  """(loss, sums, lse) from the statistics: the per-token terms summed over the mask."""
+  lse1 = st["m1"] + jnp.log(st["l1"])
+  nll = lse1 - st["target"]
+  sums = {"nll": jnp.sum(nll * mask_N)}
+  lse = {"s1": lse1}
+  loss_N = spec.ce_weight * nll
+  if "mt" in st:
+    lse["sT"] = st["mq"] + jnp.log(st["lq"])
+    lse["t"] = st["mt"] + jnp.log(st["lt"])
+    kl = st["at"] / st["lt"] - lse["t"] + lse["sT"]
+    sums["kl"] = jnp.sum(kl * mask_N)
+    loss_N = loss_N + spec.kd_weight * kl
+  if spec.accuracy:
+    sums["correct"] = jnp.sum((st["arg"] == targets_N).astype(jnp.float32) * mask_N)
+  return jnp.sum(loss_N * mask_N), sums, lse
+
+
+# ---- the backward pass: the slices again, from the saved log-sum-exps -------------------------
+
+def _grads(static, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g):
+  """(d loss / d w_s in fp32, d loss / d h_s in fp32) for a loss cotangent g."""
+  spec, size, axis, dtype, cap, t_static = static
+  vocab = w_s.shape[axis]
+  count, starts = _slices(vocab, size)
+  T = spec.temperature
+  scale_N = g * mask_N
+
+  def body(carry, xs):
+    dw, dh = carry
+    j, start = xs
+    new = _new_columns(j, start, size)
+    w_j = jax.lax.dynamic_slice_in_dim(w_s, start, size, axis)
+    s, back = jax.vjp(lambda w, h: _logits(w, h, axis, dtype, cap), w_j, h_s)
+    cols = start + jnp.arange(size)
+    dz = spec.ce_weight * (jnp.exp(s - lse["s1"][:, None]) -
+                           (cols == targets_N[:, None]).astype(jnp.float32))
+    if t_static is not None:
+      t_axis, t_dtype, t_cap = t_static
+      t = _logits(jax.lax.dynamic_slice_in_dim(w_t, start, size, t_axis), h_t, t_axis, t_dtype,
+                  t_cap)
+      q = jnp.exp(s / T - lse["sT"][:, None])
+      p = jnp.exp(t / T - lse["t"][:, None])
+      dz = dz + spec.kd_weight / T * (q - p)
+    dz = jnp.where(new, dz * scale_N[:, None], 0.0)
+    dw_j, dh_j = back(dz)
+    old = jax.lax.dynamic_slice_in_dim(dw, start, size, axis)
+    keep = new if axis == 1 else new[:, None]
+    dw = jax.lax.dynamic_update_slice_in_dim(
+        dw, jnp.where(keep, dw_j.astype(jnp.float32), old), start, axis)
+    return (dw, dh + dh_j.astype(jnp.float32)), None
+
+  init = (jnp.zeros(w_s.shape, jnp.float32), jnp.zeros(h_s.shape, jnp.float32))
+  return jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sliced(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
+  loss, sums, _ = _values(static[0], _stats(static, w_s, h_s, w_t, h_t, targets_N), targets_N,
+                          mask_N)
+  return loss, sums
+
+
+def _sliced_fwd(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
+  loss, sums, lse = _values(static[0], _stats(static, w_s, h_s, w_t, h_t, targets_N), targets_N,
+                            mask_N)
+  return (loss, sums), (w_s, h_s, w_t, h_t, targets_N, mask_N, lse)
+
+
+def _sliced_bwd(static, res, cotangents):
+  w_s, h_s, w_t, h_t, targets_N, mask_N, lse = res
+  g = cotangents[0]
+  dw, dh = _grads(static, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g)
+  zeros = lambda x: None if x is None else jnp.zeros_like(x)
+  return (dw.astype(w_s.dtype), dh.astype(h_s.dtype), zeros(w_t), zeros(h_t),
+          jnp.zeros(targets_N.shape, jax.dtypes.float0), jnp.zeros_like(mask_N))
+
+
+_sliced.defvjp(_sliced_fwd, _sliced_bwd)
