@@ -42,6 +42,7 @@ SETTINGS = ((512, 512, 512, False), (512, 512, 512, True), (512, 1024, 512, True
             (1024, 1024, 512, True), (1024, 1024, 1024, True), (256, 1024, 512, True),
             (512, 2048, 512, True), (2048, 2048, 512, True))
 SHAPES = ((4, 2048, 8, 2, 128), (4, 2048, 8, 2, 64), (1, 8192, 8, 2, 128))  # B, L, K, G, H
+SHAPES_BY_NAME = {"2k128": SHAPES[0], "2k64": SHAPES[1], "8k128": SHAPES[2]}
 QUICK_SHAPES = ((1, 256, 1, 2, 64),)
 QUICK_SETTINGS = ((128, 128, 128, False), (128, 256, 128, True))
 
@@ -107,14 +108,17 @@ def measure_shape(shape, settings, interpret: bool, reps: int, threads: int) -> 
 def main(argv=None) -> int:
   parser = subproc.base_parser(__doc__.splitlines()[0])
   parser.add_argument("--threads", type=int, default=8)
+  parser.add_argument("--shapes", default=",".join(SHAPES_BY_NAME),
+                      help=f"comma-separated of {', '.join(SHAPES_BY_NAME)}")
+  parser.add_argument("--reps", type=int, default=5)
   args = parser.parse_args(argv)
   interpret = jax.default_backend() != "tpu"
   shapes, settings = (QUICK_SHAPES, QUICK_SETTINGS) if args.quick or interpret else (
-      SHAPES, SETTINGS)
+      tuple(SHAPES_BY_NAME[n] for n in args.shapes.split(",")), SETTINGS)
   rows = []
   for shape in shapes:
     t0 = time.perf_counter()
-    rows += measure_shape(shape, settings, interpret, reps=2 if args.quick else 5,
+    rows += measure_shape(shape, settings, interpret, reps=2 if args.quick else args.reps,
                           threads=args.threads)
     print(f"{shape}: {time.perf_counter() - t0:.0f}s", flush=True)
   best = {}

@@ -62,6 +62,8 @@ def parse_args(argv=None):
   p.add_argument("--threads", type=int, default=8, help="parallel compiles")
   p.add_argument("--out", default=os.environ.get("OUT", "/tmp/levers"))
   p.add_argument("--tiny", action="store_true", help="the tiny pair on CPU (a script check)")
+  p.add_argument("--splash-from", default="",
+                 help="splash_blocks.json: `splash=best` in a variant takes its fastest tiles")
   return p.parse_args(argv)
 
 
@@ -86,9 +88,20 @@ def main(argv=None) -> int:
                       **made[cfg].timing})
     return made[cfg]
 
-  for role, cfg in pair.items():
-    factories(cfg.replace(remat="full", attention_impl="auto"), role)
-  variants = [lever_grid.Variant.parse(s, seq_len) for s in args.grid.split(",") if s]
+  with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # both inits compile at once
+    for role, cfg in pair.items():
+      cfg = cfg.replace(remat="full", attention_impl="auto")
+      made[cfg] = pool.submit(lever_grid.ModelFactory, cfg, seed=0 if role == "student" else 1)
+    for role, cfg in pair.items():
+      cfg = cfg.replace(remat="full", attention_impl="auto")
+      made[cfg] = made[cfg].result()
+      write_row(out, {"row": f"init/{role}", "scan_layers": cfg.scan_layers, "parallel": True,
+                      **made[cfg].timing})
+  best = ""
+  if args.splash_from and os.path.exists(args.splash_from):
+    best = lever_grid.best_splash(args.splash_from, pair["student"].head_dim, seq_len)
+    write_row(out, {"row": "splash_best", "options": best})
+  variants = [lever_grid.Variant.parse(s, seq_len, best) for s in args.grid.split(",") if s]
   variants.sort(key=lambda v: v.kind != "train")  # train first: it runs while KD compiles
   with concurrent.futures.ThreadPoolExecutor(max_workers=args.threads) as pool:
     pending = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import time
 from typing import Any
 
@@ -97,7 +98,10 @@ class Variant:
   options: tuple[tuple[str, str], ...] = ()  # model fields, or loss_impl / chunk
 
   @classmethod
-  def parse(cls, text: str, seq_len: int) -> "Variant":
+  def parse(cls, text: str, seq_len: int, splash_best: str = "") -> "Variant":
+    """`kind:remat:batch[:key=value...]`; `splash=best` stands for `splash_best` (the fastest
+    tiles benchmarks/splash_blocks.py measured, as its options)."""
+    text = text.replace(":splash=best", f":{splash_best}" if splash_best else "")
     kind, remat, batch, *rest = text.split(":")
     if kind not in ("train", "kd"):
       raise ValueError(f"variant {text!r}: kind must be train or kd")
@@ -132,6 +136,8 @@ class Variant:
 
 
 def _value(text: str):
+  if "/" in text:  # a tuple of ints: splash_blocks=512/1024/512
+    return tuple(int(x) for x in text.split("/"))
   for cast in (int, float):
     try:
       return cast(text)
@@ -246,7 +252,7 @@ class Session:
             "tflops_per_s": model_flops / step_s / 1e12,
             "mfu_causal": throughput.mfu(model_flops, step_s, 1, self.peak_flops),
             "first_loss": first_loss, "final_loss": float(metrics["loss"]),
-            "peak_bytes_in_use_so_far": memory_stats().get("peak_bytes_in_use")}
+            "memory_stats": memory_stats()}
 
   def profile(self, low: Lowered, exe, trace_dir) -> None:
     v = low.variant
@@ -259,3 +265,15 @@ class Session:
       jax.block_until_ready(metrics)
     finally:
       jax.profiler.stop_trace()
+
+
+def best_splash(path: str, head_dim: int, seq_len: int) -> str:
+  """The variant options of the fastest agreeing splash setting splash_blocks.json measured for
+  this head dim and sequence length ('' when it has none)."""
+  rows = [r for r in json.loads(open(path).read()).get("best", [])
+          if r["shape"]["head_dim"] == head_dim and r["shape"]["L"] == seq_len]
+  if not rows:
+    return ""
+  s = rows[0]["setting"]
+  return (f"splash_blocks={s['block_q']}/{s['block_kv']}/{s['block_kv_compute']}:"
+          f"splash_fused_bwd={s['fused_bwd']}")
