@@ -22,6 +22,7 @@ from distillax.framework import backends, build_engine, flops, throughput
 from distillax.framework.vocab_chunks import AUTO
 from distillax.models import abstract_model, get_preset, param_count
 from distillax.models.transformer import Transformer
+from distillax.quant.int8_model import abstract_int8_model, int8_model
 from distillax.trainers import lm_objective
 
 
@@ -95,7 +96,10 @@ class Variant:
   remat: str
   batch: int
   seq_len: int
-  options: tuple[tuple[str, str], ...] = ()  # model fields, or loss_impl / chunk
+  # Student model fields, or loss_impl / chunk, or the teacher's: teacher_remat, teacher_scan,
+  # teacher_int8=True (its matmul weights int8 codes + scales, its matmuls int8: the
+  # teacher.int8 of a distill job, quant/int8_model.py).
+  options: tuple[tuple[str, str], ...] = ()
 
   @classmethod
   def parse(cls, text: str, seq_len: int, splash_best: str = "") -> "Variant":
@@ -124,7 +128,7 @@ class Variant:
             "seq_len": self.seq_len, "options": dict(self.options)}
 
   def model_fields(self) -> dict[str, Any]:
-    special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan")
+    special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_int8")
     out = {"remat": self.remat}
     for k, v in self.options:
       if k not in special:
@@ -153,6 +157,7 @@ class Lowered:
   lowered: Any
   student_cfg: Any
   teacher_cfg: Any
+  teacher_int8: bool = False
 
 
 def objective_for(v: Variant):
@@ -177,8 +182,12 @@ def lower(v: Variant, pair: dict) -> Lowered:
     if v.option("teacher_scan"):
       teacher_fields["scan_layers"] = _value(v.option("teacher_scan"))
     teacher_cfg = pair["teacher"].replace(**teacher_fields)
+  teacher_int8 = teacher_cfg is not None and _value(v.option("teacher_int8", "False")) is True
   mesh, rules = one_chip()
-  extras = {"teacher": abstract_model(teacher_cfg)} if teacher_cfg else {}
+  extras = {}
+  if teacher_cfg is not None:
+    teacher = abstract_model(teacher_cfg)
+    extras["teacher"] = abstract_int8_model(teacher) if teacher_int8 else teacher
   engine = build_engine(abstract_model(student_cfg), extras, objective_for(v),
                         common.benchmark_optimizer(), 1000, mesh, rules, "jit",
                         common.batch_shapes(v.batch, v.seq_len), compile_now=False)
@@ -187,7 +196,7 @@ def lower(v: Variant, pair: dict) -> Lowered:
                                                                           v.seq_len).items()}
   lowered = engine.runner.call.lower(backends.sharded_abstract_state(engine.layout),
                                      abstract_batch)
-  return Lowered(v, engine, lowered, student_cfg, teacher_cfg)
+  return Lowered(v, engine, lowered, student_cfg, teacher_cfg, teacher_int8)
 
 
 def compile_timed(low: Lowered):
@@ -214,7 +223,8 @@ def memory_limit() -> int | None:
 def layout_key(low: "Lowered") -> tuple:
   """What decides the state's arrays: variants with the same key share one state."""
   t = low.teacher_cfg
-  return (low.student_cfg.scan_layers, t.scan_layers if t is not None else None)
+  return (low.student_cfg.scan_layers, t.scan_layers if t is not None else None,
+          low.teacher_int8)
 
 
 class Session:
@@ -224,8 +234,14 @@ class Session:
 
   def __init__(self, factories, first: "Lowered"):
     base = lambda cfg: cfg.replace(remat="full", attention_impl="auto")
-    extras = ({"teacher": factories(base(first.teacher_cfg), "teacher").make()}
-              if first.teacher_cfg else {})
+    extras, self.teacher_int8_s = {}, None
+    if first.teacher_cfg:
+      extras["teacher"] = factories(base(first.teacher_cfg), "teacher").make()
+      if first.teacher_int8:  # converted on the device, in one jit; the bf16 arrays are dropped
+        t0 = time.perf_counter()
+        extras["teacher"] = int8_model(extras["teacher"])
+        jax.block_until_ready(nnx.state(extras["teacher"]))
+        self.teacher_int8_s = time.perf_counter() - t0
     self.state = first.engine.init_state(factories(base(first.student_cfg), "student").make(),
                                          extras, 0)
     self.peak_flops, _ = throughput.peak_flops_per_device()
@@ -252,7 +268,8 @@ class Session:
             "tflops_per_s": model_flops / step_s / 1e12,
             "mfu_causal": throughput.mfu(model_flops, step_s, 1, self.peak_flops),
             "first_loss": first_loss, "final_loss": float(metrics["loss"]),
-            "memory_stats": memory_stats()}
+            "memory_stats": memory_stats(),
+            **({} if self.teacher_int8_s is None else {"teacher_int8_s": self.teacher_int8_s})}
 
   def profile(self, low: Lowered, exe, trace_dir) -> None:
     v = low.variant

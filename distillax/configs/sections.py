@@ -138,6 +138,10 @@ def teacher_section() -> ml_collections.ConfigDict:
   # Override the teacher's compute dtype ('' = as stored: float32 for presets); 'bfloat16' runs
   # its forward, output layer included, in bf16 (fp32 accumulation and fp32 logits).
   c.dtype = ""
+  # Keep the frozen teacher's matmul weights (attention, MLP, experts, output layer or tied
+  # embedding) as int8 codes + per-channel scales, half its bf16 memory, and run those matmuls
+  # as int8 x int8 -> int32 dots with each input quantized per token (quant/int8_model.py).
+  c.int8 = False
   c.cache_dir = ""  # an offline teacher cache (distillax cache-teacher): train without a teacher
   # The teacher's tokenizer when it differs from the student's (distill.objective=
   # 'cross_tokenizer'): 'byte' | 'hf:<tokenizer.json or its folder>'; '' = the teacher

@@ -116,6 +116,22 @@ def take_read(operands: Sequence[Any], sides: Sequence[int] = (1, 0),
   return pending[j], i
 
 
+def take_lookup_read(table: Any, method: str) -> WeightRead | None:
+  """The newest pending read when `table` (a lookup's operand: `jnp.take(table, ids)`) is it,
+  by identity or else by shape and dtype (a cast to the same dtype), and its owner has
+  `method`; consumed alone (a lookup is no matmul: older reads still feed theirs). Model code
+  looks up right after reading the table."""
+  if not _READS.pending:
+    return None
+  read = _READS.pending[-1]
+  same = table is read.value or (_shape(table) == _shape(read.value) and
+                                 getattr(table, "dtype", None) == getattr(read.value, "dtype", 0))
+  if not same or not hasattr(read.owner, method):
+    return None
+  _READS.pending = _READS.pending[:-1]
+  return read
+
+
 def current_module_path() -> str:
   return "/".join(map(str, flax_util.get_current_module_path()))
 

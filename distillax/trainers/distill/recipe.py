@@ -15,7 +15,6 @@ from distillax.framework.vocab_chunks import chunk_size_from_config
 from distillax.errors import ConfigError
 from distillax.framework.step import Objective
 from distillax.models.config import TransformerConfig
-from distillax.models.init import abstract_model
 from distillax.trainers import sources as src
 from distillax.trainers.recipe import Recipe
 from distillax.trainers.registry import register
@@ -133,7 +132,8 @@ class DistillRecipe(Recipe):
     student = self.wrap_student(self.build_student(abstract=abstract, quantize=quantize),
                                 abstract=abstract)
     if abstract:
-      return student, {TEACHER: abstract_model(self.teacher_model_config, int(self.config.seed))}
+      return student, {TEACHER: self.teacher_source.abstract(self.teacher_model_config,
+                                                             int(self.config.seed))}
     return student, {TEACHER: self.load_teacher()}
 
   def wrap_student(self, model: nnx.Module, *, abstract: bool) -> nnx.Module:

@@ -1,10 +1,11 @@
 """The kinds of model source: fresh weights, a preset, a Hugging Face directory, an earlier run,
 and blocks of another source (a student derived from its teacher).
 
-Every source answers the same four questions, each reading its files once:
+Every source answers the same questions, each reading its files once:
   model_config()    the model it holds, as stored
   load(cfg, ...)    its weights as a model of config `cfg` (same shapes; `cfg`'s dtypes and
                     layout), read sharded tensor by tensor, never gathered on a host
+  abstract(cfg)     the module `load` gives, with no arrays (what a step is compiled for)
   tokenizer_file()  the tokenizer.json it was trained with, if it has one
   fingerprint()     what identifies its weights on disk, so that a run which reloads them on
                     resume (a teacher, a LoRA base) notices when they changed
@@ -32,6 +33,7 @@ from distillax.models.presets import config_from_dict, get_preset
 from distillax.models.init import abstract_model, create_model
 from distillax.models.per_layer_inputs import select_layer_columns
 from distillax.models.transformer import layer_params
+from distillax.quant.int8_model import abstract_int8_model, int8_model
 from distillax.trainers.sources import experts, files
 
 # The model fields that say how a model runs, not what it is (the kinds TransformerConfig
@@ -87,6 +89,9 @@ class ModelSource:
 
   def load(self, cfg: TransformerConfig, mesh, rules, *, seed: int) -> nnx.Module:
     raise NotImplementedError
+
+  def abstract(self, cfg: TransformerConfig, seed: int) -> nnx.Module:
+    return abstract_model(cfg, seed)
 
   def tokenizer_file(self) -> str | None:
     return None
@@ -252,3 +257,38 @@ class BlocksSource(ModelSource):
     kept = self.kept_experts()
     return {**self.of.fingerprint(), "layers": list(self.layers),
             **({} if kept is None else {"experts": [list(row) for row in kept]})}
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Source(ModelSource):
+  """A frozen teacher's source whose matmul weights are kept as int8 codes + scales and run as
+  int8 matmuls (`teacher.int8`: quant/int8_model.py), converted on the device once loaded.
+  Everything else (what it holds, its tokenizer, its name in error lines) is its source's."""
+
+  of: ModelSource
+
+  @property
+  def kind(self) -> str:
+    return self.of.kind
+
+  @property
+  def field(self) -> str:
+    return self.of.field
+
+  def named(self) -> str:
+    return self.of.named()
+
+  def model_config(self):
+    return self.of.model_config()
+
+  def load(self, cfg, mesh, rules, *, seed):
+    return int8_model(self.of.load(cfg, mesh, rules, seed=seed))
+
+  def abstract(self, cfg, seed):
+    return abstract_int8_model(self.of.abstract(cfg, seed))
+
+  def tokenizer_file(self):
+    return self.of.tokenizer_file()
+
+  def fingerprint(self):
+    return {**self.of.fingerprint(), "int8": True}

@@ -4,7 +4,9 @@ Student, first set wins (more than one is an error naming them): `train.init_fro
 run, or a Hugging Face directory), `student.hf_path`, `student.from_teacher.layers` (blocks of
 the teacher), else fresh weights of the model section. Teacher: `teacher.workdir` (a run),
 `teacher.hf_path`, `teacher.preset` (fresh weights: tests, benchmarks); a `teacher.cache_dir`
-holds teacher *outputs*, not a model, so such a job has no teacher source.
+holds teacher *outputs*, not a model, so such a job has no teacher source. `teacher.int8` runs
+the teacher of the step with int8 matmul weights (kinds.Int8Source); what the job reads of the
+teacher otherwise (its config, tokenizer, the blocks a derived student copies) is the stored one.
 
 A student whose weights come from a source has that source's shape: `resolve_student` writes
 the source's model config into the config's `model` section, so the run's config.json describes
@@ -27,7 +29,7 @@ from distillax.models.config import COMPUTE, TransformerConfig, fields_of_kind
 from distillax.models.presets import PRESETS, get_preset
 from distillax.trainers.sources import files, vocabulary
 from distillax.trainers.sources.kinds import (RUN_FIELDS, BlocksSource, FreshSource, HFSource,
-                                              ModelSource, RunSource, preset_source)
+                                              Int8Source, ModelSource, RunSource, preset_source)
 
 # Model fields that say how the forward computes, not what a checkpoint stores: all that a
 # student from an earlier run may change (RunSource.load places the loaded student as this
@@ -47,9 +49,15 @@ def _vocab_of(config) -> int:
 
 
 def teacher_source(teacher, vocab_size: int) -> ModelSource | None:
-  """The teacher section's source; None when the job trains from a teacher cache."""
+  """The teacher section's source (int8 with `teacher.int8`); None when the job trains from a
+  teacher cache."""
   if teacher is None or teacher.get("cache_dir"):
     return None
+  source = _stored_teacher_source(teacher, vocab_size)
+  return Int8Source(source) if teacher.get("int8") else source
+
+
+def _stored_teacher_source(teacher, vocab_size: int) -> ModelSource:
   if teacher.workdir:
     return RunSource(teacher.workdir, "teacher.workdir", base_of=student_source)
   if teacher.hf_path:
@@ -108,11 +116,13 @@ def student_source(config, teacher: ModelSource | None = None) -> ModelSource:
 
 
 def _as_stored(teacher):
-  """The teacher section without its cache: a derived student copies the source's own model
-  even when the job distils from a cache."""
+  """The teacher section without its cache and int8: a derived student copies the source's own
+  model even when the job distils from a cache or runs its teacher in int8."""
   out = teacher.copy_and_resolve_references()
   if "cache_dir" in out:
     out.cache_dir = ""
+  if "int8" in out:
+    out.int8 = False
   return out
 
 
@@ -125,11 +135,14 @@ class JobSources:
   student: ModelSource
   teacher: ModelSource | None
   cached: bool = False
+  int8: bool = False  # teacher.int8: the step's teacher runs int8 matmuls
 
   @property
   def step_teacher(self) -> ModelSource | None:
     """The teacher that runs inside the step."""
-    return None if self.cached else self.teacher
+    if self.cached or self.teacher is None:
+      return None
+    return Int8Source(self.teacher) if self.int8 else self.teacher
 
 
 def job_sources(config) -> JobSources:
@@ -137,7 +150,12 @@ def job_sources(config) -> JobSources:
   if "teacher" in config:
     teacher = teacher_source(_as_stored(config.teacher), _vocab_of(config))
   cached = "teacher" in config and bool(config.teacher.get("cache_dir"))
-  return JobSources(student_source(config, teacher), teacher, cached)
+  int8 = "teacher" in config and bool(config.teacher.get("int8"))
+  if int8 and cached:
+    raise ConfigError(f"teacher.int8=True runs the teacher in the step with int8 matmuls, but "
+                      f"teacher.cache_dir={config.teacher.cache_dir} replaces it with its cached "
+                      f"outputs; clear one of them")
+  return JobSources(student_source(config, teacher), teacher, cached, int8)
 
 
 def _check_overrides(source: ModelSource, want: dict, kept: tuple[str, ...],

@@ -115,6 +115,9 @@ def job_teachers(config, student: ModelSource, student_vocab: int) -> tuple[Name
     if not name or name in {t.name for t in out}:
       raise ConfigError(f"teachers[{i}].name={name!r} must be a distinct non-empty name "
                         f"(routing rules and the manifest name teachers by it)")
+    if entry.get("int8"):
+      raise ConfigError(f"teachers[{i}].int8=True: int8 matmuls serve one teacher in the step "
+                        f"(configs/distill.py, teacher.int8); set teachers[{i}].int8=False")
     if entry.get("cache_dir"):
       writer = _entry_source(entry, i, student_vocab) if entry.workdir or entry.hf_path else None
       out.append(NamedTeacher(name, float(entry.weight), _cache_source(entry, i, student_vocab),
