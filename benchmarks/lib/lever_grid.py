@@ -21,6 +21,7 @@ from distillax.distill import LogitKD, make_distill_objective
 from distillax.framework import backends, build_engine, flops, throughput
 from distillax.framework.vocab_chunks import AUTO
 from distillax.models import abstract_model, get_preset, param_count
+from distillax.models.config import COMPUTE, TransformerConfig, fields_of_kind
 from distillax.models.transformer import Transformer
 from distillax.trainers import lm_objective
 
@@ -47,7 +48,30 @@ def _continuity(tiny: bool) -> dict:
           "teacher": teacher_twice(student).replace(param_dtype="bfloat16")}
 
 
-PAIRS = {"real": _real, "continuity": _continuity}
+def _moe(tiny: bool) -> dict:
+  """A Qwen3-MoE-shaped teacher that fits one chip with the real student: 8 layers of 16
+  experts (top-4, width 768) at width 2048, 1.38B parameters in bf16, into Qwen3-0.6B."""
+  if tiny:
+    return {"student": _real(True)["student"],
+            "teacher": get_preset("tiny_moe", vocab_size=256, router="softmax_topk")}
+  return {"student": _real(False)["student"],
+          "teacher": get_preset("qwen3-30b-a3b", num_layers=8, num_experts=16,
+                                num_experts_per_tok=4, param_dtype="bfloat16")}
+
+
+def _moe_student(tiny: bool) -> dict:
+  """A Qwen3-MoE-shaped student trained on one chip: 4 layers of 16 experts (top-4), 1.0B
+  parameters with fp32 master weights (the teacher is the real pair's, for KD rows)."""
+  if tiny:
+    return {"student": get_preset("tiny_moe", param_dtype="float32"),
+            "teacher": _real(True)["teacher"]}
+  return {"student": get_preset("qwen3-30b-a3b", num_layers=4, num_experts=16,
+                                num_experts_per_tok=4, param_dtype="float32",
+                                dtype="bfloat16"),
+          "teacher": _real(False)["teacher"]}
+
+
+PAIRS = {"real": _real, "continuity": _continuity, "moe": _moe, "moe_student": _moe_student}
 
 
 def pair_configs(name: str, tiny: bool = False) -> dict:
@@ -124,7 +148,7 @@ class Variant:
             "seq_len": self.seq_len, "options": dict(self.options)}
 
   def model_fields(self) -> dict[str, Any]:
-    special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan")
+    special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_moe_impl", "pair")
     out = {"remat": self.remat}
     for k, v in self.options:
       if k not in special:
@@ -176,6 +200,8 @@ def lower(v: Variant, pair: dict) -> Lowered:
       teacher_fields["remat"] = v.option("teacher_remat")
     if v.option("teacher_scan"):
       teacher_fields["scan_layers"] = _value(v.option("teacher_scan"))
+    if v.option("teacher_moe_impl"):
+      teacher_fields["moe_impl"] = v.option("teacher_moe_impl")
     teacher_cfg = pair["teacher"].replace(**teacher_fields)
   mesh, rules = one_chip()
   extras = {"teacher": abstract_model(teacher_cfg)} if teacher_cfg else {}
@@ -211,10 +237,18 @@ def memory_limit() -> int | None:
   return memory_stats().get("bytes_limit")
 
 
+def init_config(cfg):
+  """`cfg` with its compute fields at their defaults: they decide how a model runs, never its
+  initial weights, so every variant of one model shares one ModelFactory."""
+  defaults = TransformerConfig()
+  return cfg.replace(**{f: getattr(defaults, f) for f in fields_of_kind(COMPUTE) if f != "dtype"})
+
+
 def layout_key(low: "Lowered") -> tuple:
   """What decides the state's arrays: variants with the same key share one state."""
   t = low.teacher_cfg
-  return (low.student_cfg.scan_layers, t.scan_layers if t is not None else None)
+  return (low.variant.option("pair", ""), low.student_cfg.scan_layers,
+          t.scan_layers if t is not None else None)
 
 
 class Session:
@@ -223,7 +257,7 @@ class Session:
   the last one left. `factories(cfg)` gives the ModelFactory of a model config."""
 
   def __init__(self, factories, first: "Lowered"):
-    base = lambda cfg: cfg.replace(remat="full", attention_impl="auto")
+    base = init_config
     extras = ({"teacher": factories(base(first.teacher_cfg), "teacher").make()}
               if first.teacher_cfg else {})
     self.state = first.engine.init_state(factories(base(first.student_cfg), "student").make(),
