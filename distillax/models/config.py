@@ -145,9 +145,11 @@ class TransformerConfig:
   attention_impl: str = _compute("auto")
   # Splash attention's tiles (TPU): (block_q, block_kv, block_kv_compute) positions, each a
   # multiple of 128 that divides the sequence (else the largest of 512, 256, 128 that does), and
-  # whether the backward pass is one fused dq/dkv kernel (benchmarks/splash_blocks.py).
-  splash_blocks: tuple[int, int, int] = _compute((512, 512, 512))
-  splash_fused_bwd: bool = _compute(False)
+  # whether the backward pass is one fused dq/dkv kernel. The defaults were the v5e's fastest
+  # (benchmarks/results/splash_blocks.json: forward + backward 1.32x the 512 tiles with two
+  # backward kernels at 2k tokens, head dim 128 and 64; 1.50x at 8k).
+  splash_blocks: tuple[int, int, int] = _compute((1024, 1024, 512))
+  splash_fused_bwd: bool = _compute(True)
   # ragged (dropless grouped matmul, the default) | dense (every expert on every token; the
   # reference the tests hold ragged to) | tokamax (tokamax's grouped matmul: moe/kernels.py).
   moe_impl: str = _compute("ragged")
