@@ -21,6 +21,7 @@ import numpy as np
 
 from distillax.edge.gemma4_qwen35 import (QWEN35_ARCHS, add_gemma4_hparams,
                                                 add_qwen35_hparams)
+from distillax.edge.olmo2_phi3 import add_olmo2_hparams
 from distillax.models.config import TransformerConfig
 from distillax.quant.config import GGML_WEIGHT_QTYPES
 
@@ -123,6 +124,8 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
     add_gemma4_hparams(writer, config)
   if arch in QWEN35_ARCHS:
     add_qwen35_hparams(writer, config)
+  if arch == "olmo2":
+    add_olmo2_hparams(writer, config)
   if arch == "gemma2":
     writer.add_attn_logit_softcapping(float(config.attn_logit_softcap))
     writer.add_final_logit_softcapping(float(config.final_logit_softcap))

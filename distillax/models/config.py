@@ -96,6 +96,11 @@ class TransformerConfig:
   linear_conv_kernel: int = 4  # Gated DeltaNet: taps of the causal depthwise conv on q, k, v
   partial_rotary_factor: float = 1.0  # share of head_dim that RoPE turns (Qwen3.5: 0.25)
   attn_output_gate: bool = False  # Qwen3.5: attention output times sigmoid(gate projection of x)
+  # OLMo 2/3: no norm before attention and the MLP; only the post norms (use_post_norms) after.
+  pre_norms: bool = True
+  # OLMo 2/3: the q/k RMSNorm runs over all heads of a projection at once (one scale per head
+  # and feature), not over each head's head_dim alone; needs qk_norm.
+  qk_norm_across_heads: bool = False
   # Gemma 4 (models/per_layer_inputs.py): width of each layer's extra input from a second token
   # table and a projection of the embeddings, gated into the residual after the MLP; 0 = off.
   per_layer_input_dim: int = 0

@@ -65,6 +65,7 @@ def check_config(cfg) -> None:
   _check_token_mixers(cfg)
   _check_moe(cfg)
   _check_gemma4(cfg)
+  _check_olmo(cfg)
   _check_choice(cfg, "rope_scaling_type", ROPE_SCALING_TYPES)
   for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
                "rope_scaling_factor", "rope_attention_factor", "swiglu_limit",
@@ -122,6 +123,18 @@ def _check_token_mixers(cfg):
     raise ConfigError("model.scan_layers=True cannot stack the Gated DeltaNet and attention "
                       "layers of model.token_mixers (their weights differ); use "
                       "model.scan_layers=False")
+
+def _check_olmo(cfg):
+  for name in ("pre_norms", "qk_norm_across_heads", "use_post_norms"):
+    if not isinstance(getattr(cfg, name), bool):
+      raise ConfigError(f"model.{name}={getattr(cfg, name)!r} must be True or False")
+  if not cfg.pre_norms and not cfg.use_post_norms:
+    raise ConfigError("model.pre_norms=False leaves the blocks without a norm; set "
+                      "model.use_post_norms=True (OLMo 2/3's post norms) or pre_norms=True")
+  if cfg.qk_norm_across_heads and not cfg.qk_norm:
+    raise ConfigError("model.qk_norm_across_heads=True says how the q/k norm runs, but "
+                      "model.qk_norm=False; set qk_norm=True or qk_norm_across_heads=False")
+
 
 def _check_ints(cfg, names, minimum: int):
   """Integer fields (not bools) of at least `minimum`: 1 for sizes, 0 where 0 means off."""

@@ -26,21 +26,24 @@ class RMSNorm(nnx.Module):
   """Root-mean-square norm computed in float32; Gemma's form multiplies by (1 + scale).
 
   Normalises the last axis: the residual stream by default; `dim`/`logical_axes` name another
-  feature axis (Qwen 3's q/k norms run over each head's ('head_dim',) features).
+  feature axis (Qwen 3's q/k norms run over each head's ('head_dim',) features), or several
+  trailing axes at once (OLMo 2's q/k norms: dim (heads, head_dim) over a whole projection).
   """
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs | None = None,
-               dim: int | None = None, logical_axes: tuple[str, ...] = ("embed",)):
+               dim: int | tuple[int, ...] | None = None,
+               logical_axes: tuple[str, ...] = ("embed",)):
     del rngs  # deterministic init
     self.eps = config.norm_eps
     self.plus_one = config.norm_scale_plus_one
     init = jnp.zeros if self.plus_one else jnp.ones
-    self.scale = nnx.Param(init((dim or config.embed_dim,), config.jnp_param_dtype),
-                           logical_axes=tuple(logical_axes))
+    shape = dim if isinstance(dim, tuple) else (dim or config.embed_dim,)
+    self.axes = tuple(range(-len(shape), 0))
+    self.scale = nnx.Param(init(shape, config.jnp_param_dtype), logical_axes=tuple(logical_axes))
 
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
     x = x_BxLxD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=self.axes, keepdims=True) + self.eps)
     scale = self.scale[...].astype(jnp.float32)
     if self.plus_one:
       scale = 1.0 + scale

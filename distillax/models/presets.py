@@ -107,6 +107,19 @@ def _qwen35(**kw) -> TransformerConfig:
   return TransformerConfig(token_mixers=_qwen35_mixers(base["num_layers"]), **base)
 
 
+def _olmo3(**kw) -> TransformerConfig:
+  """OLMo 3 (Olmo-3-1025-7B / Olmo-3-32B config.json): OLMo 2's post-norm block with q/k norms
+  over whole projections, three sliding layers (window 4096, RoPE unscaled at 500k) then a full
+  one (YaRN x8 over 8192, attention factor 1.2079), 64k context, vocabulary 100,278."""
+  base = dict(vocab_size=100_278, mlp_activation="swiglu", norm_eps=1e-6, pre_norms=False,
+              use_post_norms=True, qk_norm=True, qk_norm_across_heads=True,
+              rope_theta=500_000.0, rope_scaling_type="yarn", rope_scaling_factor=8.0,
+              rope_original_max_len=8192, rope_attention_factor=1.2079441541679836,
+              rope_local_theta=500_000.0, sliding_window=4096, sliding_window_pattern=4,
+              max_seq_len=65_536, scan_layers=True, param_dtype="bfloat16", dtype="bfloat16")
+  return TransformerConfig(**{**base, **kw})
+
+
 PRESETS: dict[str, TransformerConfig] = {
     # Seconds-fast test shapes: byte vocabulary, GQA (4 query heads over 2 kv heads).
     "tiny": TransformerConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
@@ -173,6 +186,12 @@ PRESETS: dict[str, TransformerConfig] = {
         linear_value_head_dim=16, linear_conv_kernel=4, max_seq_len=128, num_experts=4,
         num_experts_per_tok=2, moe_mlp_dim=32, norm_topk_prob=True, shared_expert_mlp_dim=48,
         shared_expert_gate=True),
+    # OLMo 3 at test size: post norms only, q/k norms over whole projections, three sliding
+    # layers (window 8, RoPE unscaled) then a full one (YaRN x8 over 32 positions).
+    "tiny_olmo3": _olmo3(vocab_size=256, embed_dim=64, num_layers=4, num_heads=4,
+                         num_kv_heads=2, head_dim=16, mlp_dim=128, sliding_window=8,
+                         rope_original_max_len=32, max_seq_len=128, scan_layers=False,
+                         param_dtype="float32", dtype="float32"),
     # CPU demo pair (byte-level): a ~4.8M teacher and a ~1.5M student that train a few hundred
     # steps on two cores in minutes. Same family and head_dim so every KD strategy applies.
     "demo_teacher": TransformerConfig(vocab_size=256, embed_dim=256, num_layers=6, num_heads=8,
@@ -237,6 +256,10 @@ PRESETS: dict[str, TransformerConfig] = {
     "qwen3.5-9b": _qwen35(embed_dim=4096, num_layers=32, num_heads=16, num_kv_heads=4,
                           mlp_dim=12_288, linear_num_key_heads=16, linear_num_value_heads=32,
                           tie_embeddings=False),
+    "olmo3-7b": _olmo3(embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+                       head_dim=128, mlp_dim=11_008),
+    "olmo3-32b": _olmo3(embed_dim=5120, num_layers=64, num_heads=40, num_kv_heads=8,
+                        head_dim=128, mlp_dim=27_648),
     # Qwen3.5-35B-A3B's text decoder (the shape of transformers' Qwen3_5MoeTextConfig defaults;
     # RoPE base and context as the dense Qwen3.5's): 8 of 256 experts of width 512 beside a
     # gated shared expert of width 512 in each of 40 layers.

@@ -61,10 +61,11 @@ class ModelOutput:
 
 class Block(nnx.Module):
   """Pre-norm attention + gated MLP (or mixture of experts), each added to the residual (Gemma 2
-  also post-norms; Gemma 4 then gates in the layer's own input and scales the output)."""
+  also post-norms, OLMo only post-norms; Gemma 4 then gates in the layer's own input and scales
+  the output)."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
-    self.attn_norm = RMSNorm(config)
+    self.attn_norm = RMSNorm(config) if config.pre_norms else None  # OLMo: post norms only
     if config.layer_is_linear(layer):  # Qwen3.5's hybrid
       self.attn = GatedDeltaNet(config, rngs=rngs)
     else:
@@ -72,7 +73,7 @@ class Block(nnx.Module):
                             head_dim=config.layer_head_dim(layer),
                             num_kv_heads=config.layer_num_kv_heads(layer),
                             keys_as_values=config.layer_keys_are_values(layer))
-    self.mlp_norm = RMSNorm(config)
+    self.mlp_norm = RMSNorm(config) if config.pre_norms else None
     if config.moe_dense_mlp:  # Gemma 4 26B: a dense MLP beside the experts
       self.mlp = Gemma4MoE(config, rngs=rngs, dense_dim=config.layer_mlp_dim(layer))
     else:
@@ -91,7 +92,7 @@ class Block(nnx.Module):
     """(x, new cache, probs, router stats, the (k, v) it attended if later layers share them).
     extras (Gemma 4): 'per_layer_input' (B, L, P), 'shared_kv' (an earlier layer's k, v)."""
     extras = extras or {}
-    h = self.attn_norm(x_BxLxD)
+    h = x_BxLxD if self.attn_norm is None else self.attn_norm(x_BxLxD)
     kv_args = {"return_kv": True} if self.returns_kv else {}
     if extras.get("shared_kv") is not None:
       kv_args["shared_kv"] = extras["shared_kv"]
@@ -105,13 +106,13 @@ class Block(nnx.Module):
       h = self.post_attn_norm(h)
     x_BxLxD = x_BxLxD + h
     stats = None
+    normed = x_BxLxD if self.mlp_norm is None else self.mlp_norm(x_BxLxD)
     if isinstance(self.mlp, Gemma4MoE):  # its router and experts read x itself too
-      h, stats = self.mlp(self.mlp_norm(x_BxLxD), x_BxLxD, ctx["q_segment"],
-                          return_router_logits)
+      h, stats = self.mlp(normed, x_BxLxD, ctx["q_segment"], return_router_logits)
     elif isinstance(self.mlp, MoE):
-      h, stats = self.mlp(self.mlp_norm(x_BxLxD), ctx["q_segment"], return_router_logits)
+      h, stats = self.mlp(normed, ctx["q_segment"], return_router_logits)
     else:
-      h = self.mlp(self.mlp_norm(x_BxLxD))
+      h = self.mlp(normed)
     if self.post_mlp_norm is not None:
       h = self.post_mlp_norm(h)
     x_BxLxD = constrain(x_BxLxD + h, ("batch", "residual_length", "embed"))

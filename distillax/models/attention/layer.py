@@ -157,6 +157,15 @@ def reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_index_BxL, k_ind
   return out_BxLxKxGxH, probs_BxKxGxLxS
 
 
+def _qk_norm(config: TransformerConfig, heads: int, axis: str, Dh: int) -> RMSNorm | None:
+  """Qwen 3's RMSNorm over each head's features, OLMo 2's over all `heads` heads at once."""
+  if not config.qk_norm:
+    return None
+  if config.qk_norm_across_heads:
+    return RMSNorm(config, dim=(heads, Dh), logical_axes=(axis, "head_dim"))
+  return RMSNorm(config, dim=Dh, logical_axes=("head_dim",))
+
+
 class Attention(nnx.Module):
   """Multi-head attention over `num_kv_heads` key/value heads shared by groups of query heads."""
 
@@ -188,9 +197,8 @@ class Attention(nnx.Module):
                    if config.attn_out_bias else None)
     self.sinks = (nnx.Param(jnp.zeros((H,), pd), logical_axes=("heads",))
                   if config.attention_sinks else None)
-    head_norm = lambda: (RMSNorm(config, dim=Dh, logical_axes=("head_dim",)) if config.qk_norm
-                         else None)
-    self.q_norm, self.k_norm = head_norm(), head_norm() if owns_kv else None
+    self.q_norm = _qk_norm(config, H, "heads", Dh)
+    self.k_norm = _qk_norm(config, K, "kv_heads", Dh) if owns_kv else None
     # Gemma 4: values RMS-normed over head_dim without a scale (a function, no parameter).
     self.value_norm = config.value_norm
     # Qwen3.5: the attention output times sigmoid(x @ out_gate), per head and feature.

@@ -1,6 +1,6 @@
 """Hugging Face `config.json` -> TransformerConfig for Llama, Gemma, Gemma 2, Gemma 3, Qwen
-2/2.5, Qwen 3, Mistral, SmolLM3, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss and
-Qwen3.5-MoE.
+2/2.5, Qwen 3, Mistral, SmolLM3, OLMo 3 (hf/olmo3.py), and the mixtures of experts Qwen3-MoE,
+Mixtral, gpt-oss and Qwen3.5-MoE.
 
 Reads both the transformers 5 layout (`rope_parameters`) and the older one (`rope_theta` +
 `rope_scaling`), and writes both so other readers (older transformers, serving stacks) agree.
@@ -26,6 +26,7 @@ from typing import Any, Mapping
 from distillax.errors import UserError
 from distillax.models.config import FULL, LINEAR, SLIDING, TransformerConfig, window_fields
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_fields
+from distillax.models.hf.olmo3 import OLMO3, olmo3_fields
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -33,7 +34,8 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-                "gemma4_text": "Gemma4ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+                "gemma4_text": "Gemma4ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                "olmo3": OLMO3}
 GPT_OSS = "GptOssForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
@@ -273,6 +275,8 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
   if arch in (QWEN35, QWEN35_MOE):
     fields = _qwen35_fields(hf, act, num_layers, where)
     return {**fields, **(_qwen35_moe_fields(hf) if arch == QWEN35_MOE else {})}
+  if arch == OLMO3:
+    return olmo3_fields(hf, num_layers, where, _rope)
   if arch == GEMMA4:
     if (act or "gelu_pytorch_tanh") not in _TANH_GELU:
       raise UserError(f"{where}: hidden activation {act!r} is not supported for {arch} "

@@ -13,6 +13,7 @@ from distillax.models.hf.config import (ARCHITECTURES, GEMMA3, GEMMA_FAMILY, GPT
                                         MISTRAL_FAMILY, MODEL_TYPES, QWEN35, QWEN35_MOE,
                                         SMOLLM3)
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_hf_fields, is_gemma4
+from distillax.models.hf.olmo3 import OLMO3, is_olmo3, olmo3_hf_fields
 
 
 def _qwen35_architecture(config: TransformerConfig) -> str | None:
@@ -86,7 +87,9 @@ def hf_architecture(config: TransformerConfig) -> str:
                  config.query_pre_attn_scalar)
   qwen_only = (config.qkv_bias, config.qk_norm)
   arch = None
-  if (config.value_norm or config.layer_scalar or config.per_layer_input_dim
+  if not config.pre_norms or config.qk_norm_across_heads:  # OLMo's post-norm block
+    arch = OLMO3 if is_olmo3(config) else None
+  elif (config.value_norm or config.layer_scalar or config.per_layer_input_dim
       or config.num_kv_shared_layers or config.attention_k_eq_v or config.global_num_kv_heads):
     arch = GEMMA4 if is_gemma4(config) else None
   elif (config.attn_output_gate or config.token_mixers is not None
@@ -108,7 +111,7 @@ def hf_architecture(config: TransformerConfig) -> str:
     arch = SMOLLM3 if not (any(qwen_only) or config.num_experts or config.sliding_window) else None
   elif llama_like and not any(gemma2_only):
     arch = _swiglu_architecture(config)
-  if (config.rope_local_theta is not None and arch not in (GEMMA3, GEMMA4)
+  if (config.rope_local_theta is not None and arch not in (GEMMA3, GEMMA4, OLMO3)
       or config.rope_scaling_type == "linear" and arch in (GPT_OSS, QWEN35, QWEN35_MOE)
       or config.shared_expert_mlp_dim and arch != QWEN35_MOE):
     arch = None  # no other family turns its sliding layers with a base of their own, or has a
@@ -135,6 +138,8 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
   window = config.sliding_window if any(config.local_layers()) else None
   if arch == GEMMA4:
     return gemma4_hf_fields(config)
+  if arch == OLMO3:
+    return olmo3_hf_fields(config, _rope_to_hf)
   if arch in (QWEN35, QWEN35_MOE):
     mixers = config.token_mixers or (FULL,) * config.num_layers
     moe = {} if arch == QWEN35 else dict(

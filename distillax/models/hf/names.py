@@ -279,9 +279,12 @@ def _layer_sources(config: TransformerConfig,
     sources[("attn", "o_bias")] = ("self_attn.o_proj.bias", Layout("copy"))
   if config.attention_sinks:
     sources[("attn", "sinks")] = ("self_attn.sinks", Layout("copy"))
-  if config.qk_norm:
-    sources[("attn", "q_norm", "scale")] = ("self_attn.q_norm.weight", Layout("copy"))
-    sources[("attn", "k_norm", "scale")] = ("self_attn.k_norm.weight", Layout("copy"))
+  if config.qk_norm:  # OLMo's over whole projections: (heads, head_dim) <- (heads * head_dim,)
+    norm = Layout("flat_heads" if config.qk_norm_across_heads else "copy")
+    sources[("attn", "q_norm", "scale")] = ("self_attn.q_norm.weight", norm)
+    sources[("attn", "k_norm", "scale")] = ("self_attn.k_norm.weight", norm)
+  if not config.pre_norms:  # OLMo: post norms only
+    del sources[("attn_norm", "scale")], sources[("mlp_norm", "scale")]
   if config.attn_output_gate:  # Qwen3.5's q_proj: each head's query rows, then its gate rows
     H, Dh = config.num_heads, config.head_dim
     sources[("attn", "q")] = ("self_attn.q_proj.weight",
