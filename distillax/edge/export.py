@@ -5,9 +5,9 @@
 
 Architectures: what `hf_config_out.hf_architecture` names, as llama.cpp's llama (Llama, and
 Mistral when no layer's window is shorter than the context; Mixtral, its experts included),
-gemma, gemma2, gemma3, gemma4, qwen2, qwen3, qwen3moe, qwen35(moe), gpt-oss, smollm3 and olmo2
-(OLMo 3), with llama.cpp's tensor names and `{arch}.*` keys (edge/layout.py; gemma4's and
-qwen35's own: edge/gemma4_qwen35.py; olmo2's: edge/olmo2_phi3.py). Conventions llama.cpp expects and we follow: tensors are row-major
+gemma, gemma2, gemma3, gemma4, qwen2, qwen3, qwen3moe, qwen35(moe), gpt-oss, smollm3, olmo2
+(OLMo 3) and phi3 (Phi-3/4), with llama.cpp's tensor names and `{arch}.*` keys (edge/layout.py;
+gemma4's and qwen35's own: edge/gemma4_qwen35.py; olmo2's and phi3's: edge/olmo2_phi3.py). Conventions llama.cpp expects and we follow: tensors are row-major
 [out, in] (GGUF ne0 = in, the axis ggml's blocks run along); Llama's and SmolLM3's q/k rows are
 permuted from the rotate-half layout to llama.cpp's interleaved RoPE (others rotate halves);
 (1 + scale) norms (Gemma 1-3, Qwen3.5) are stored as 1 + scale (llama.cpp multiplies by the
@@ -51,7 +51,8 @@ from distillax.edge.gemma4_qwen35 import (QWEN35_ARCHS, check_gemma4, check_qwen
                                                 check_qwen35_blocks, gemma4_moe_tensors,
                                                 gemma4_rope_freqs, qwen35_tensors)
 from distillax.edge.layout import add_hparams, gguf_name, rope_freq_factors
-from distillax.edge.olmo2_phi3 import check_olmo2, olmo2_tensors
+from distillax.edge.olmo2_phi3 import (check_olmo2, check_phi3, olmo2_tensors,
+                                       phi3_rope_factors, phi3_tensors)
 from distillax.edge.vocab import vocab_of
 from distillax.quant.qat import full_precision, weight_quants
 from distillax.quant.sites import MatmulSite, find_matmul_sites
@@ -64,10 +65,10 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "GptOssForCausalLM": "gpt-oss", "Gemma3ForCausalLM": "gemma3",
                  "SmolLM3ForCausalLM": "smollm3", "Gemma4ForCausalLM": "gemma4",
                  "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe",
-                 "Olmo3ForCausalLM": "olmo2"}
+                 "Olmo3ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3"}
 _SLIDING = ("gemma2", "gpt-oss")  # the archs whose even layers slide in llama.cpp
 _ROPE_SCALING = {"llama": "llama3", "gpt-oss": "yarn", "gemma3": "linear",  # what each reads
-                 "olmo2": "yarn"}
+                 "olmo2": "yarn", "phi3": "longrope"}
 _EXPERT_BIASES = ("mlp/gate_bias", "mlp/up_bias", "mlp/down_bias")
 _TABLES = ("embedder/embedding", "per_layer_inputs/embedding")  # [vocab, width] as stored
 
@@ -106,6 +107,8 @@ def gguf_architecture(config: TransformerConfig) -> str:
     check_qwen35(config)
   if arch == "olmo2":
     check_olmo2(config)
+  if arch == "phi3":
+    check_phi3(config)
   if arch == "gemma2":
     _check_gemma2_windows(config)
     if config.attn_logit_softcap is None or config.final_logit_softcap is None:
@@ -292,12 +295,19 @@ def gguf_arrays(model: Transformer, layouts: dict[str, tuple]):
     tensors = [t for t in tensors if t[1] not in taken] + merged
   if arch == "olmo2":
     tensors += olmo2_tensors(config, rows)
+  if arch == "phi3":
+    merged = phi3_tensors(config, rows)
+    taken = {source for sources, _, _ in merged for source in sources}
+    tensors = [t for t in tensors if t[1] not in taken] + merged
   for sources, name, x in tensors:
     yield sources, gguf_name(name, config, arch), np.ascontiguousarray(x)
   if arch == "llama" and config.rope_scaling_factor is not None:
     yield (), "rope_freqs.weight", rope_freq_factors(config)
   if arch == "gemma4":
     yield (), "rope_freqs.weight", gemma4_rope_freqs(config)
+  if arch == "phi3":
+    for name, factors in phi3_rope_factors(config):
+      yield (), name, factors
 
 
 def _host(x: jax.Array) -> np.ndarray:

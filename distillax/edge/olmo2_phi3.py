@@ -10,6 +10,12 @@ others slide, turning plain RoPE at the file's base while the full layers turn t
 scaling (YaRN: the attention factor 0.1 ln(factor) + 1, the ramp's ends floored and ceiled).
 Its output projection is always a tensor of its own, so a tied model writes its embedding
 there too.
+
+Phi-3/4 (phi3). q, k and v as one attn_qkv [q rows; k rows; v rows], gate and up as one ffn_up
+[gate rows; up rows], RoPE on rotated halves over rope.dimension_count (partial rotary) and
+LongRoPE as the rope_factors_short / rope_factors_long tensors (divisors of the frequencies)
+with the attention factor in rope.scaling.attn_factor; which set a run takes, llama.cpp decides
+itself. head_dim is embed_dim / num_heads there.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import numpy as np
 
 from distillax.errors import UserError
 from distillax.models.config import TransformerConfig
+from distillax.models.layers import rope_attention_factor
 
 
 # ---- olmo2 ---------------------------------------------------------------------------------
@@ -74,3 +81,42 @@ def olmo2_tensors(config: TransformerConfig, rows: dict[str, np.ndarray]
   if not config.tie_embeddings:
     return []
   return [(("embedder/embedding",), "lm_head", rows["embedder/embedding"])]
+
+
+# ---- phi3 ----------------------------------------------------------------------------------
+
+def check_phi3(config: TransformerConfig) -> None:
+  """What llama.cpp's phi3 would compute differently from this config, as one UserError."""
+  if config.num_heads * config.head_dim != config.embed_dim:
+    raise UserError(f"llama.cpp's phi3 takes head_dim = embed_dim / num_heads = "
+                    f"{config.embed_dim // config.num_heads}; head_dim={config.head_dim} cannot "
+                    f"be stored (export it with --format hf)")
+
+
+def add_phi3_hparams(writer, config: TransformerConfig) -> None:
+  """LongRoPE's original context and attention factor (its divisors are tensors)."""
+  if config.rope_scaling_factor is not None:
+    writer.add_rope_scaling_orig_ctx_len(int(config.rope_original_max_len))
+    writer.add_rope_scaling_attn_factors(float(rope_attention_factor(config)))
+
+
+def phi3_tensors(config: TransformerConfig, rows: dict[str, np.ndarray]
+                 ) -> list[tuple[tuple[str, ...], str, np.ndarray]]:
+  """Each layer's fused attn_qkv and ffn_up (gate rows first), as pseudo parameters
+  'attn/qkv' / 'mlp/gate_up' gguf_layout names."""
+  out = []
+  for i in range(config.num_layers):
+    p = f"layers/{i}/"
+    qkv = np.concatenate([rows[p + "attn/q"], rows[p + "attn/k"], rows[p + "attn/v"]], axis=0)
+    gate_up = np.concatenate([rows[p + "mlp/gate"], rows[p + "mlp/up"]], axis=0)
+    out += [((p + "attn/q", p + "attn/k", p + "attn/v"), p + "attn/qkv", qkv),
+            ((p + "mlp/gate", p + "mlp/up"), p + "mlp/gate_up", gate_up)]
+  return out
+
+
+def phi3_rope_factors(config: TransformerConfig) -> list[tuple[str, np.ndarray]]:
+  """LongRoPE's divisors as llama.cpp's rope_factors_short / _long tensors (none without)."""
+  if config.rope_scaling_factor is None:
+    return []
+  return [("rope_factors_short.weight", np.asarray(config.rope_short_factors, np.float32)),
+          ("rope_factors_long.weight", np.asarray(config.rope_long_factors, np.float32))]

@@ -58,7 +58,8 @@ class TransformerConfig:
   rope_high_freq_factor: float = 4.0
   rope_original_max_len: int = 8192
   # With rope_scaling_factor: 'llama3' (Llama 3.1, the low/high_freq fields) | 'yarn' (gpt-oss)
-  # | 'linear' (Gemma 3's global layers: every frequency divided by the factor).
+  # | 'linear' (Gemma 3's global layers: every frequency divided by the factor) | 'longrope'
+  # (Phi-3/4: the rope_short_factors / rope_long_factors below).
   rope_scaling_type: str = "llama3"
   rope_yarn_beta_fast: float = 32.0  # yarn: pairs turning more often than this keep their speed
   rope_yarn_beta_slow: float = 1.0  # yarn: pairs turning less often than this are slowed fully
@@ -101,6 +102,16 @@ class TransformerConfig:
   # OLMo 2/3: the q/k RMSNorm runs over all heads of a projection at once (one scale per head
   # and feature), not over each head's head_dim alone; needs qk_norm.
   qk_norm_across_heads: bool = False
+  # Phi-3/4 LongRoPE (rope_scaling_type 'longrope'): a divisor per turning frequency pair, the
+  # short ones while a call's positions stay below rope_original_max_len, the long ones past it
+  # (transformers' rule); rope_scaling_factor sets the default cos/sin scale
+  # sqrt(1 + ln(factor) / ln(rope_original_max_len)).
+  rope_short_factors: tuple[float, ...] | None = None
+  rope_long_factors: tuple[float, ...] | None = None
+  # Phi-3/4 checkpoints store q, k and v as one projection and gate and up as another (HF's
+  # qkv_proj / gate_up_proj, llama.cpp's attn_qkv / ffn_up); distillax computes with them apart.
+  # The same function as Llama's, but which checkpoint the model is: kept with it, as a shape.
+  fused_qkv_gate_up: bool = False
   # Gemma 4 (models/per_layer_inputs.py): width of each layer's extra input from a second token
   # table and a projection of the embeddings, gated into the residual after the MLP; 0 = off.
   per_layer_input_dim: int = 0

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from distillax.errors import ConfigError
 
 MLP_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
-ROPE_SCALING_TYPES = ("llama3", "yarn", "linear")
+ROPE_SCALING_TYPES = ("llama3", "yarn", "linear", "longrope")
 # Which RoPE a layer turns its queries and keys with (TransformerConfig.layer_ropes).
 ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE = 0, 1, 2
 # models/moe/layer.py: how a token's router logits pick and weight its experts, and how they run.
@@ -66,6 +66,7 @@ def check_config(cfg) -> None:
   _check_moe(cfg)
   _check_gemma4(cfg)
   _check_olmo(cfg)
+  _check_longrope(cfg)
   _check_choice(cfg, "rope_scaling_type", ROPE_SCALING_TYPES)
   for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
                "rope_scaling_factor", "rope_attention_factor", "swiglu_limit",
@@ -134,6 +135,27 @@ def _check_olmo(cfg):
   if cfg.qk_norm_across_heads and not cfg.qk_norm:
     raise ConfigError("model.qk_norm_across_heads=True says how the q/k norm runs, but "
                       "model.qk_norm=False; set qk_norm=True or qk_norm_across_heads=False")
+
+
+def _check_longrope(cfg):
+  """Phi's LongRoPE: one positive divisor per turning pair in each set, only with that type."""
+  if not isinstance(cfg.fused_qkv_gate_up, bool):
+    raise ConfigError(f"model.fused_qkv_gate_up={cfg.fused_qkv_gate_up!r} must be True or False")
+  longrope = cfg.rope_scaling_factor is not None and cfg.rope_scaling_type == "longrope"
+  pairs = cfg.rotary_dim // 2
+  for name in ("rope_short_factors", "rope_long_factors"):
+    value = getattr(cfg, name)
+    if value is None and not longrope:
+      continue
+    if not longrope:
+      raise ConfigError(f"model.{name} is LongRoPE's; set model.rope_scaling_type='longrope' "
+                        f"with a model.rope_scaling_factor, or {name}=None")
+    if (isinstance(value, str) or not isinstance(value, Sequence) or len(value) != pairs
+        or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0
+               for x in value)):
+      raise ConfigError(f"model.{name}={value!r} must list {pairs} positive divisors, one per "
+                        f"pair RoPE turns (rotary_dim={cfg.rotary_dim})")
+    object.__setattr__(cfg, name, tuple(float(x) for x in value))  # JSON gives a list
 
 
 def _check_ints(cfg, names, minimum: int):

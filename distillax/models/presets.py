@@ -120,6 +120,24 @@ def _olmo3(**kw) -> TransformerConfig:
   return TransformerConfig(**{**base, **kw})
 
 
+# Phi-4-mini's LongRoPE divisors (config.json rope_scaling, as quoted by public loaders' tests):
+# one per turning pair (96 of head_dim 128 turn); the short set is all ones.
+_PHI4_MINI_LONG_FACTORS = (
+    1.0, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817,
+    2.187582649, 2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687, 4.279200023,
+    4.785517845, 5.351743533, 5.984965424, 6.693110555, 7.485043894, 8.370679318, 9.36110372,
+    10.4687158, 11.70738129, 13.09260651, 14.64173252, 16.37415215, 18.31155283, 20.47818807,
+    22.90118105, 25.61086418, 28.64115884, 32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66,
+    32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77)
+
+
+def _phi(**kw) -> TransformerConfig:
+  """Phi-3/4 (Phi3ForCausalLM): Llama's block stored with fused qkv_proj / gate_up_proj."""
+  base = dict(mlp_activation="swiglu", norm_eps=1e-5, fused_qkv_gate_up=True, head_dim=128,
+              scan_layers=True, param_dtype="bfloat16", dtype="bfloat16")
+  return TransformerConfig(**{**base, **kw})
+
+
 PRESETS: dict[str, TransformerConfig] = {
     # Seconds-fast test shapes: byte vocabulary, GQA (4 query heads over 2 kv heads).
     "tiny": TransformerConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
@@ -192,6 +210,16 @@ PRESETS: dict[str, TransformerConfig] = {
                          num_kv_heads=2, head_dim=16, mlp_dim=128, sliding_window=8,
                          rope_original_max_len=32, max_seq_len=128, scan_layers=False,
                          param_dtype="float32", dtype="float32"),
+    # Phi-4-mini at test size: fused projections, RoPE over three quarters of each head (6 of
+    # 8 pairs) with LongRoPE: the short divisors up to 32 positions, the long ones past them.
+    "tiny_phi3": _phi(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, mlp_dim=128, partial_rotary_factor=0.75,
+                      rope_scaling_type="longrope", rope_scaling_factor=4.0,
+                      rope_original_max_len=32,
+                      rope_short_factors=(1.0, 1.0, 1.1, 1.2, 1.5, 2.0),
+                      rope_long_factors=(1.0, 1.5, 2.5, 4.0, 6.0, 8.0), tie_embeddings=True,
+                      max_seq_len=128, scan_layers=False, param_dtype="float32",
+                      dtype="float32"),
     # CPU demo pair (byte-level): a ~4.8M teacher and a ~1.5M student that train a few hundred
     # steps on two cores in minutes. Same family and head_dim so every KD strategy applies.
     "demo_teacher": TransformerConfig(vocab_size=256, embed_dim=256, num_layers=6, num_heads=8,
@@ -260,6 +288,16 @@ PRESETS: dict[str, TransformerConfig] = {
                        head_dim=128, mlp_dim=11_008),
     "olmo3-32b": _olmo3(embed_dim=5120, num_layers=64, num_heads=40, num_kv_heads=8,
                         head_dim=128, mlp_dim=27_648),
+    # Phi-4-mini (config.json): 3 quarters of each head turn, LongRoPE x32 over 4096, tied.
+    "phi-4-mini": _phi(vocab_size=200_064, embed_dim=3072, num_layers=32, num_heads=24,
+                       num_kv_heads=8, mlp_dim=8192, partial_rotary_factor=0.75,
+                       rope_theta=10_000.0, rope_scaling_type="longrope",
+                       rope_scaling_factor=32.0, rope_original_max_len=4096,
+                       rope_short_factors=(1.0,) * 48, rope_long_factors=_PHI4_MINI_LONG_FACTORS,
+                       tie_embeddings=True, max_seq_len=131_072),
+    # Phi-4 (14B; config.json): every feature turns, plain RoPE at 250k, 16k context, untied.
+    "phi-4": _phi(vocab_size=100_352, embed_dim=5120, num_layers=40, num_heads=40,
+                  num_kv_heads=10, mlp_dim=17_920, rope_theta=250_000.0, max_seq_len=16_384),
     # Qwen3.5-35B-A3B's text decoder (the shape of transformers' Qwen3_5MoeTextConfig defaults;
     # RoPE base and context as the dense Qwen3.5's): 8 of 256 experts of width 512 beside a
     # gated shared expert of width 512 in each of 40 layers.

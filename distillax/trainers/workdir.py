@@ -185,6 +185,8 @@ ADDED_LATER: dict[str, Any] = {
     "model.global_num_kv_heads": 0,
     "model.moe_dense_mlp": False,  # Gemma 4 26B's MoE block
     "model.shared_expert_mlp_dim": 0, "model.shared_expert_gate": False,  # Qwen3.5-MoE's
+    "model.pre_norms": True, "model.qk_norm_across_heads": False,  # OLMo 3's
+    "model.fused_qkv_gate_up": False,  # Phi-3/4's
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
     "train.loss_impl": "chunked",
     "student.from_teacher.experts": [], "distill.router.weight": 0.0,

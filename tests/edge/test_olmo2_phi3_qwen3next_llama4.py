@@ -1,12 +1,18 @@
-"""OLMo 3 students as GGUF (llama.cpp's olmo2), run in llama.cpp (the edge extra, f32 KV cache,
+"""OLMo 3 and Phi-3/4 students as GGUF (llama.cpp's olmo2 and phi3), run in llama.cpp (the edge extra, f32 KV cache,
 reference kernels) against distillax's forward: the logits of 40 tokens, and greedy decoding
 token for token (llama.cpp's KV-cached decode against distillax's full forward), with a top-1
 margin that dwarfs the two runtimes' logit difference. What llama.cpp fixes in code and a model
 would run differently is refused in one line.
 
 Measured here (40 tokens), max |logit difference| (logit scale):
-  olmo2  f32 7.1e-6 (6.7), YaRN x8 on the full layer, its sliding layers unscaled; tied:
-         3.6e-5 (35.2), the embedding written again as output.weight
+  olmo2  f32 8.1e-6 (6.7), YaRN x8 on the full layer, its sliding layers unscaled; tied:
+         4.3e-5 (35.2), the embedding written again as output.weight
+  phi3   f32 5.7e-6 (12.4) with LongRoPE's long divisors, 3.8e-6 with the short ones. llama.cpp
+         0.3.36 picks the set by its context size (n_ctx, rounded up to 256, past the original
+         context: long), transformers and distillax by a forward's positions, so the two agree
+         where both pick one set: 40 tokens past an original context of 32 (long), or an
+         original context of 256 that n_ctx does not pass (short). With 64, llama.cpp's long
+         set against distillax's short one differs by 0.18.
 """
 
 import numpy as np
@@ -26,12 +32,19 @@ CONFIGS = {
     # YaRN x8 over 32 positions; base 50 so RoPE turns far within 40 tokens.
     "olmo2": get_preset("tiny_olmo3", vocab_size=VOCAB, rope_theta=50.0, rope_local_theta=50.0),
 }
+# Phi-4-mini: fused q/k/v and gate/up, RoPE over three quarters of each head, LongRoPE; untied so
+# the PEAKED rows make a sequence. 40 tokens pass the original context of 32: the long divisors.
+CONFIGS["phi3"] = get_preset("tiny_phi3", vocab_size=VOCAB, rope_theta=50.0,
+                             tie_embeddings=False)
+# An original context of 256 that neither the 40 tokens nor llama.cpp's context pass: the short.
+CONFIGS["phi3_short"] = CONFIGS["phi3"].replace(rope_original_max_len=256, max_seq_len=256)
 # Tied, the embedding is written a second time as llama.cpp's output.weight (a PEAKED tied model
 # predicts each token itself, so its greedy run repeats one id: compared, not required to vary).
 CONFIGS["olmo2_tied"] = CONFIGS["olmo2"].replace(tie_embeddings=True)
 
 
-@pytest.mark.parametrize("name,tolerance", [("olmo2", 1e-4), ("olmo2_tied", 1e-4)])
+@pytest.mark.parametrize("name,tolerance", [("olmo2", 1e-4), ("olmo2_tied", 1e-4),
+                                            ("phi3", 1e-4), ("phi3_short", 1e-4)])
 def test_llama_cpp_runs_these_families_as_distillax_does(tmp_path, name, tolerance):
   arch = name.split("_")[0]
   assert gguf_architecture(CONFIGS[name]) == arch
@@ -56,3 +69,12 @@ def test_llama_cpp_runs_these_families_as_distillax_does(tmp_path, name, toleran
 def test_what_llama_cpps_olmo2_runs_otherwise_is_refused(changes, says):
   with pytest.raises(UserError, match=says):
     gguf_architecture(CONFIGS["olmo2"].replace(**changes))
+
+
+def test_what_llama_cpps_phi3_stores_otherwise_is_refused():
+  with pytest.raises(UserError, match=r"head_dim = embed_dim / num_heads = 16; head_dim=8"):
+    gguf_architecture(CONFIGS["phi3"].replace(head_dim=8, partial_rotary_factor=1.0,
+                                              rope_scaling_factor=None, rope_short_factors=None,
+                                              rope_long_factors=None))
+  with pytest.raises(UserError, match="attends over the whole context; sliding_window=8"):
+    gguf_architecture(CONFIGS["phi3"].replace(sliding_window=8, sliding_window_pattern=0))

@@ -12,7 +12,7 @@ and six layers), `tiny_gemma4` (Gemma 4: per-layer input tables and gates, layer
 full layers, sharing layers without k/v, double-wide MLPs), `tiny_qwen35` (Qwen3.5: Gated
 DeltaNet layers over key and value heads, with a conv, decay and norm of their own, and a gated
 full-attention layer), `tiny_olmo3` (OLMo 3: post norms only, q/k norms over whole
-projections), `llama3.2-1b` (a published shape: stacked layers
+projections), `tiny_phi3` (Phi-4-mini's: Llama's tree, tied), `llama3.2-1b` (a published shape: stacked layers
 under scan, bfloat16, 128k vocabulary) and `tiny_moe` (stacked experts and a router: where the
 'expert' rules of fsdp_ep / ep_tp place them). tiny's 4 query and 2 kv heads do not divide a model axis
 of 4 or 8; the default rules reject that, so the dumps are made with `replicate_indivisible`
@@ -31,7 +31,7 @@ from tests.models.sharding import plan, rows_by_path
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "goldens"
 MODELS = ("tiny", "tiny_gemma", "llama3.2-1b", "tiny_moe", "tiny_gemma3", "tiny_gemma4",
-          "tiny_qwen35", "tiny_olmo3")
+          "tiny_qwen35", "tiny_olmo3", "tiny_phi3")
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 
 

@@ -1,6 +1,6 @@
 """Hugging Face `config.json` -> TransformerConfig for Llama, Gemma, Gemma 2, Gemma 3, Qwen
-2/2.5, Qwen 3, Mistral, SmolLM3, OLMo 3 (hf/olmo3.py), and the mixtures of experts Qwen3-MoE,
-Mixtral, gpt-oss and Qwen3.5-MoE.
+2/2.5, Qwen 3, Mistral, SmolLM3, OLMo 3 (hf/olmo3.py), Phi-3/4 (hf/phi3.py), and the mixtures of
+experts Qwen3-MoE, Mixtral, gpt-oss and Qwen3.5-MoE.
 
 Reads both the transformers 5 layout (`rope_parameters`) and the older one (`rope_theta` +
 `rope_scaling`), and writes both so other readers (older transformers, serving stacks) agree.
@@ -27,6 +27,7 @@ from distillax.errors import UserError
 from distillax.models.config import FULL, LINEAR, SLIDING, TransformerConfig, window_fields
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_fields
 from distillax.models.hf.olmo3 import OLMO3, olmo3_fields
+from distillax.models.hf.phi3 import LONGROPE_TYPES, PHI3, longrope_fields, phi3_fields
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -35,7 +36,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "gemma4_text": "Gemma4ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                "olmo3": OLMO3}
+                "olmo3": OLMO3, "phi3": PHI3}
 GPT_OSS = "GptOssForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
@@ -91,9 +92,12 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
   legacy = dict(hf.get("rope_scaling") or {})
   theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
   rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
-  scaling = params if params.get("rope_type") in ("llama3", "yarn", "linear") else legacy
+  scaling = (params if params.get("rope_type") in ("llama3", "yarn", "linear") + LONGROPE_TYPES
+             else legacy)
   if rope_type == "default":
     return {"rope_theta": float(theta)}
+  if rope_type in LONGROPE_TYPES:
+    return longrope_fields(scaling, float(theta), hf, where)
   if rope_type == "yarn":
     return _yarn(scaling, float(theta), where)
   if rope_type == "linear":
@@ -105,7 +109,7 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
             "rope_high_freq_factor": float(scaling["high_freq_factor"]),
             "rope_original_max_len": int(scaling["original_max_position_embeddings"])}
   raise UserError(f"{where}: unsupported RoPE type {rope_type!r}; supported: default, llama3, "
-                  f"yarn, linear")
+                  f"yarn, linear, longrope")
 
 
 def _yarn(scaling: Mapping[str, Any], theta: float, where: str) -> dict[str, Any]:
@@ -277,6 +281,8 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
     return {**fields, **(_qwen35_moe_fields(hf) if arch == QWEN35_MOE else {})}
   if arch == OLMO3:
     return olmo3_fields(hf, num_layers, where, _rope)
+  if arch == PHI3:
+    return phi3_fields(hf, num_layers, where)
   if arch == GEMMA4:
     if (act or "gelu_pytorch_tanh") not in _TANH_GELU:
       raise UserError(f"{where}: hidden activation {act!r} is not supported for {arch} "

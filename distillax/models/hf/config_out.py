@@ -14,6 +14,7 @@ from distillax.models.hf.config import (ARCHITECTURES, GEMMA3, GEMMA_FAMILY, GPT
                                         SMOLLM3)
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_hf_fields, is_gemma4
 from distillax.models.hf.olmo3 import OLMO3, is_olmo3, olmo3_hf_fields
+from distillax.models.hf.phi3 import PHI3, is_phi3, longrope_to_hf, phi3_hf_fields
 
 
 def _qwen35_architecture(config: TransformerConfig) -> str | None:
@@ -89,6 +90,8 @@ def hf_architecture(config: TransformerConfig) -> str:
   arch = None
   if not config.pre_norms or config.qk_norm_across_heads:  # OLMo's post-norm block
     arch = OLMO3 if is_olmo3(config) else None
+  elif config.fused_qkv_gate_up or config.rope_scaling_type == "longrope":  # Phi-3/4
+    arch = PHI3 if is_phi3(config) else None
   elif (config.value_norm or config.layer_scalar or config.per_layer_input_dim
       or config.num_kv_shared_layers or config.attention_k_eq_v or config.global_num_kv_heads):
     arch = GEMMA4 if is_gemma4(config) else None
@@ -127,7 +130,10 @@ def hf_architecture(config: TransformerConfig) -> str:
         f"{config.shared_expert_mlp_dim}, router={config.router!r}, attention_sinks="
         f"{config.attention_sinks}, router_bias={config.router_bias}, expert_bias="
         f"{config.expert_bias}, attn_out_bias={config.attn_out_bias}, rope_local_theta="
-        f"{config.rope_local_theta}, rope_free_layers={config.rope_free_layers}, "
+        f"{config.rope_local_theta}, rope_free_layers={config.rope_free_layers}, pre_norms="
+        f"{config.pre_norms}, fused_qkv_gate_up={config.fused_qkv_gate_up}, "
+        f"rope_scaling_type={config.rope_scaling_type!r}, partial_rotary_factor="
+        f"{config.partial_rotary_factor}, "
         f"local layers {[i for i, x in enumerate(config.local_layers()) if x]}); use a preset or "
         f"an imported checkpoint of one of these families as the base of the student")
   return arch
@@ -140,6 +146,8 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
     return gemma4_hf_fields(config)
   if arch == OLMO3:
     return olmo3_hf_fields(config, _rope_to_hf)
+  if arch == PHI3:
+    return phi3_hf_fields(config, _rope_to_hf)
   if arch in (QWEN35, QWEN35_MOE):
     mixers = config.token_mixers or (FULL,) * config.num_layers
     moe = {} if arch == QWEN35 else dict(
@@ -197,6 +205,8 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
 def _rope_to_hf(config: TransformerConfig) -> dict[str, Any]:
   if config.rope_scaling_factor is None:
     return {"rope_type": "default", "rope_theta": config.rope_theta}
+  if config.rope_scaling_type == "longrope":
+    return longrope_to_hf(config)
   if config.rope_scaling_type == "linear":
     return {"rope_type": "linear", "rope_theta": config.rope_theta,
             "factor": config.rope_scaling_factor}

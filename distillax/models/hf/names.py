@@ -8,9 +8,10 @@ one tensor, with gate and up interleaved column by column in `gate_up_proj`: two
 parameters ('even' and 'odd' layouts) share it, and `interleave` joins them on export.
 Qwen3.5 shares tensors by blocks of rows (`Layout.rows`): a Gated DeltaNet layer's q, k and v
 are one `in_proj_qkv`, and a gated attention layer's q_proj holds each head's query rows then its
-output-gate rows; `join_parts` stacks them back on export. Gemma 4's MoE block keeps each layer's
-experts stacked (expert, out, in): gate and up as the first and second halves of the rows of
-`experts.gate_up_proj` ('first_half' / 'second_half'), down as `experts.down_proj`
+output-gate rows; `join_parts` stacks them back on export. Phi-3/4 keep a layer's q, k and v in
+one `qkv_proj` and its gate and up in one `gate_up_proj` the same way. Gemma 4's MoE block keeps
+each layer's experts stacked (expert, out, in): gate and up as the first and second halves of the
+rows of `experts.gate_up_proj` ('first_half' / 'second_half'), down as `experts.down_proj`
 ('experts_T').
 """
 
@@ -247,6 +248,22 @@ def _gated_deltanet_sources(config: TransformerConfig) -> dict[tuple[str, ...],
   }
 
 
+def _fused_sources(config: TransformerConfig) -> dict[tuple[str, ...], tuple[str, Layout]]:
+  """Phi-3/4's fused projections: q, k and v as the row blocks of one qkv_proj, gate and up as
+  the two halves of gate_up_proj's rows."""
+  q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+  F = config.mlp_dim
+  qkv, total = "self_attn.qkv_proj.weight", q + 2 * kv
+  gate_up = "mlp.gate_up_proj.weight"
+  return {
+      ("attn", "q"): (qkv, Layout("out_heads", rows=(1, 0, q, total))),
+      ("attn", "k"): (qkv, Layout("out_heads", rows=(1, q, kv, total))),
+      ("attn", "v"): (qkv, Layout("out_heads", rows=(1, q + kv, kv, total))),
+      ("mlp", "gate"): (gate_up, Layout("T", rows=(1, 0, F, 2 * F))),
+      ("mlp", "up"): (gate_up, Layout("T", rows=(1, F, F, 2 * F))),
+  }
+
+
 def _layer_sources(config: TransformerConfig,
                    layer: int | None = None) -> dict[tuple[str, ...], tuple[str, Layout]]:
   """Block sub-path -> (HF name suffix under model.layers.{i}., layout); a suffix with "{e}"
@@ -285,6 +302,8 @@ def _layer_sources(config: TransformerConfig,
     sources[("attn", "k_norm", "scale")] = ("self_attn.k_norm.weight", norm)
   if not config.pre_norms:  # OLMo: post norms only
     del sources[("attn_norm", "scale")], sources[("mlp_norm", "scale")]
+  if config.fused_qkv_gate_up:  # Phi-3/4
+    sources.update(_fused_sources(config))
   if config.attn_output_gate:  # Qwen3.5's q_proj: each head's query rows, then its gate rows
     H, Dh = config.num_heads, config.head_dim
     sources[("attn", "q")] = ("self_attn.q_proj.weight",
