@@ -15,6 +15,23 @@ from distillax.models.hf.config import (ARCHITECTURES, GEMMA3, GEMMA_FAMILY, GPT
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_hf_fields, is_gemma4
 
 
+# The parts of a mixture of experts only some families have: the architectures that hold each.
+FEATURE_ARCHS = {
+    "shared_expert_mlp_dim": (QWEN35_MOE,),
+    "moe_layers": ("Qwen3MoeForCausalLM",),  # layers with a dense MLP instead of experts
+    "routed_scaling_factor": (),
+    "moe_scale_inputs": (),
+}
+
+
+def _moe_parts(config: TransformerConfig) -> list[tuple[str, bool]]:
+  """(field, whether the config uses it) for each field of FEATURE_ARCHS."""
+  return [("shared_expert_mlp_dim", bool(config.shared_expert_mlp_dim)),
+          ("moe_layers", config.moe_layers is not None),
+          ("routed_scaling_factor", config.routed_scaling_factor != 1.0),
+          ("moe_scale_inputs", config.moe_scale_inputs)]
+
+
 def _qwen35_architecture(config: TransformerConfig) -> str | None:
   """Qwen3_5ForCausalLM, or Qwen3_5MoeForCausalLM with experts (softmax, top-k renormalised,
   beside a sigmoid-gated shared expert), for a config with their fixed parts (gated attention
@@ -110,9 +127,9 @@ def hf_architecture(config: TransformerConfig) -> str:
     arch = _swiglu_architecture(config)
   if (config.rope_local_theta is not None and arch not in (GEMMA3, GEMMA4)
       or config.rope_scaling_type == "linear" and arch in (GPT_OSS, QWEN35, QWEN35_MOE)
-      or config.shared_expert_mlp_dim and arch != QWEN35_MOE):
-    arch = None  # no other family turns its sliding layers with a base of their own, or has a
-    # shared expert
+      or any(on and arch not in FEATURE_ARCHS[name] for name, on in _moe_parts(config))):
+    arch = None  # no other family turns its sliding layers with a base of their own, or has
+    # this part of a mixture of experts
   if arch is None:
     raise UserError(
         "this model config has no Hugging Face equivalent among "
@@ -121,7 +138,9 @@ def hf_architecture(config: TransformerConfig) -> str:
         f"{config.scale_embeddings}, use_post_norms={config.use_post_norms}, qkv_bias="
         f"{config.qkv_bias}, qk_norm={config.qk_norm}, sliding_window={config.sliding_window}, "
         f"num_experts={config.num_experts}, shared_expert_mlp_dim="
-        f"{config.shared_expert_mlp_dim}, router={config.router!r}, attention_sinks="
+        f"{config.shared_expert_mlp_dim}, moe_layers={config.moe_layers}, router="
+        f"{config.router!r}, routed_scaling_factor={config.routed_scaling_factor}, "
+        f"attention_sinks="
         f"{config.attention_sinks}, router_bias={config.router_bias}, expert_bias="
         f"{config.expert_bias}, attn_out_bias={config.attn_out_bias}, rope_local_theta="
         f"{config.rope_local_theta}, rope_free_layers={config.rope_free_layers}, "
@@ -242,4 +261,5 @@ def _moe_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
     return {}
   return dict(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
               moe_intermediate_size=config.expert_mlp_dim, norm_topk_prob=config.norm_topk_prob,
-              decoder_sparse_step=1, mlp_only_layers=[])
+              decoder_sparse_step=1, mlp_only_layers=[
+                  i for i in range(config.num_layers) if not config.layer_is_moe(i)])

@@ -263,7 +263,7 @@ def _layer_sources(config: TransformerConfig,
       ("mlp", "up"): ("mlp.up_proj.weight", Layout("T")),
       ("mlp", "down"): ("mlp.down_proj.weight", Layout("T")),
   }
-  if config.num_experts:
+  if config.num_experts and (layer is None or config.layer_is_moe(layer)):  # else a dense MLP
     for key in ("gate", "up", "down"):
       del sources[("mlp", key)]
     sources.update(_expert_sources(config))
