@@ -67,6 +67,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe",
                  "Olmo3ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3"}
 _SLIDING = ("gemma2", "gpt-oss")  # the archs whose even layers slide in llama.cpp
+_DENSE_LEAD_ARCHS = ()  # the MoE archs whose first layers may have a dense MLP
 _ROPE_SCALING = {"llama": "llama3", "gpt-oss": "yarn", "gemma3": "linear",  # what each reads
                  "olmo2": "yarn", "phi3": "longrope"}
 _EXPERT_BIASES = ("mlp/gate_bias", "mlp/up_bias", "mlp/down_bias")
@@ -129,6 +130,11 @@ def _check_experts(config: TransformerConfig, arch: str) -> None:
   if arch == "qwen3moe" and not config.norm_topk_prob:
     raise UserError("llama.cpp's qwen3moe renormalises the top-k router weights; "
                     "norm_topk_prob=False would run differently there (set it to True)")
+  if config.moe_layers is not None and arch not in _DENSE_LEAD_ARCHS:
+    dense = [i for i in range(config.num_layers) if not config.layer_is_moe(i)]
+    raise UserError(f"llama.cpp's {arch} has experts in every layer; this model's layers "
+                    f"{dense} have a dense MLP (model.moe_layers={list(config.moe_layers)}): "
+                    f"export it with --format hf")
   if config.moe_capacity_factor is not None:
     raise UserError(f"llama.cpp runs every expert dropless; moe_capacity_factor="
                     f"{config.moe_capacity_factor} drops tokens in this model (set it to None)")

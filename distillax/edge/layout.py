@@ -85,7 +85,8 @@ def gguf_name(param: str, config: TransformerConfig, arch: str) -> str:
   if param in _TOP_NAMES:
     return _TOP_NAMES[param]
   _, layer, rest = param.split("/", 2)
-  names = {**_BLOCK_NAMES, **_EXPERT_NAMES} if config.num_experts else _BLOCK_NAMES
+  names = ({**_BLOCK_NAMES, **_EXPERT_NAMES} if config.layer_is_moe(int(layer))
+           else _BLOCK_NAMES)
   if arch == "gpt-oss":
     names = {**names, **_GPT_OSS_NAMES}
   if config.moe_dense_mlp:

@@ -186,6 +186,13 @@ PRESETS: dict[str, TransformerConfig] = {
                                   num_kv_heads=2, head_dim=16, mlp_dim=128, num_experts=4,
                                   num_experts_per_tok=2, moe_mlp_dim=32, router="topk_softmax",
                                   max_seq_len=128),
+    # Qwen3-MoE with dense layers at test size (mlp_only_layers=[0], decoder_sparse_step=2):
+    # dense MLPs of width 128 in layers 0 and 2, 4 experts of width 32 (top-2, renormalised) in
+    # layers 1 and 3, q/k norms.
+    "tiny_qwen3_moe": TransformerConfig(
+        vocab_size=256, embed_dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        mlp_dim=128, qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_mlp_dim=32,
+        norm_topk_prob=True, moe_layers=(1, 3), max_seq_len=128),
     # Qwen3.5 at test size: three Gated DeltaNet layers then one gated full-attention layer
     # (partial RoPE over a quarter of head_dim, q/k norms), (1 + scale) norms.
     "tiny_qwen35": TransformerConfig(

@@ -43,9 +43,10 @@ class ModelOutput:
     of block i (the residual stream before the final norm).
   attention_probs: (num_layers, B, num_heads, L, S) float32 softmax probabilities.
   cache: the updated KVCache when one was passed in.
-  router_stats: a mixture of experts' routing per layer (moe.RouterStats, leading axis
-    num_layers; None for a dense model). Unused, it costs nothing: XLA drops it.
-  router_logits_NxBxLxE: (num_layers, B, L, E) float32 router logits of a mixture of experts,
+  router_stats: a mixture of experts' routing per layer (moe.RouterStats, leading axis: the
+    layers with experts, in order; None for a dense model). Unused, it costs nothing: XLA
+    drops it.
+  router_logits_NxBxLxE: (MoE layers, B, L, E) float32 router logits of a mixture of experts,
     when requested; computed from each router's input behind stop_gradient (moe.MoE), so a
     loss on them trains the routers only.
   """
@@ -74,10 +75,11 @@ class Block(nnx.Module):
                             num_kv_heads=config.layer_num_kv_heads(layer),
                             keys_as_values=config.layer_keys_are_values(layer))
     self.mlp_norm = RMSNorm(config) if config.pre_norms else None
-    if config.moe_dense_mlp:  # Gemma 4 26B: a dense MLP beside the experts
+    moe = config.layer_is_moe(layer)  # the others (moe_layers) run a dense MLP
+    if moe and config.moe_dense_mlp:  # Gemma 4 26B: a dense MLP beside the experts
       self.mlp = Gemma4MoE(config, rngs=rngs, dense_dim=config.layer_mlp_dim(layer))
     else:
-      self.mlp = (MoE(config, rngs=rngs) if config.num_experts
+      self.mlp = (MoE(config, rngs=rngs) if moe
                   else MLP(config, rngs=rngs, dim=config.layer_mlp_dim(layer)))
     self.post_attn_norm = RMSNorm(config) if config.use_post_norms else None
     self.post_mlp_norm = RMSNorm(config) if config.use_post_norms else None

@@ -187,6 +187,9 @@ ADDED_LATER: dict[str, Any] = {
     "model.shared_expert_mlp_dim": 0, "model.shared_expert_gate": False,  # Qwen3.5-MoE's
     "model.pre_norms": True, "model.qk_norm_across_heads": False,  # OLMo 3's
     "model.fused_qkv_gate_up": False,  # Phi-3/4's
+    "model.router_score_bias": False, "model.router_groups": 1,  # DeepSeek V3's router
+    "model.router_groups_kept": 1, "model.routed_scaling_factor": 1.0,
+    "model.moe_scale_inputs": False,  # Llama 4's
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
     "train.loss_impl": "chunked",
     "student.from_teacher.experts": [], "distill.router.weight": 0.0,

@@ -252,22 +252,32 @@ def _qwen35_moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
               shared_expert_gate=True)
 
 
-def _moe_fields(hf: Mapping[str, Any], arch: str, where: str) -> dict[str, Any]:
-  """The expert fields of Qwen3-MoE (experts in every layer only) and Mixtral."""
+def _moe_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
+                where: str) -> dict[str, Any]:
+  """The expert fields of Qwen3-MoE and Mixtral."""
   if arch == "MixtralForCausalLM":
     return dict(num_experts=int(hf["num_local_experts"]),
                 num_experts_per_tok=int(hf["num_experts_per_tok"]), router="topk_softmax")
   if arch != "Qwen3MoeForCausalLM":
     return {}
-  step, dense_layers = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
-  if step != 1 or dense_layers:
-    raise UserError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense_layers}: "
-                    f"distillax runs Qwen3-MoE with experts in every layer (step 1, no dense "
-                    f"layers)")
   return dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
               num_experts_per_tok=int(hf["num_experts_per_tok"]),
               moe_mlp_dim=int(hf["moe_intermediate_size"]), router="softmax_topk",
-              norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+              norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+              moe_layers=_qwen3_moe_layers(hf, num_layers, where))
+
+
+def _qwen3_moe_layers(hf: Mapping[str, Any], num_layers: int, where: str) -> tuple[int, ...]:
+  """Qwen3-MoE's layers with experts as its transformers code picks them: every
+  decoder_sparse_step-th layer not in mlp_only_layers (the others: a dense MLP of
+  intermediate_size)."""
+  step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+  step = 1 if step is None else step
+  if (not isinstance(step, int) or isinstance(step, bool) or step < 1
+      or not isinstance(dense, (list, tuple)) or any(not isinstance(i, int) for i in dense)):
+    raise UserError(f"{where}: decoder_sparse_step={step!r}, mlp_only_layers={dense!r} must be "
+                    f"a positive integer and a list of layer indices")
+  return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
 def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
@@ -297,7 +307,7 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
       fields.update(_sliding(hf, arch, num_layers, where))
     if arch == SMOLLM3:
       fields.update(_smollm3_fields(hf, num_layers, where))
-    fields.update(_moe_fields(hf, arch, where))
+    fields.update(_moe_fields(hf, arch, num_layers, where))
     return fields
   if (act or "gelu_pytorch_tanh") not in _TANH_GELU:
     raise UserError(f"{where}: hidden activation {act!r} is not supported for Gemma "

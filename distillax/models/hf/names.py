@@ -264,6 +264,30 @@ def _fused_sources(config: TransformerConfig) -> dict[tuple[str, ...], tuple[str
   }
 
 
+def _attention_part_sources(config: TransformerConfig
+                            ) -> dict[tuple[str, ...], tuple[str, Layout]]:
+  """An attention layer's optional parts: biases, sinks, q/k norms, Qwen3.5's output gate."""
+  sources = {}
+  if config.qkv_bias:
+    for proj in "qkv":
+      sources[("attn", f"{proj}_bias")] = (f"self_attn.{proj}_proj.bias", Layout("flat_heads"))
+  if config.attn_out_bias:
+    sources[("attn", "o_bias")] = ("self_attn.o_proj.bias", Layout("copy"))
+  if config.attention_sinks:
+    sources[("attn", "sinks")] = ("self_attn.sinks", Layout("copy"))
+  if config.qk_norm:  # OLMo's over whole projections: (heads, head_dim) <- (heads * head_dim,)
+    norm = Layout("flat_heads" if config.qk_norm_across_heads else "copy")
+    sources[("attn", "q_norm", "scale")] = ("self_attn.q_norm.weight", norm)
+    sources[("attn", "k_norm", "scale")] = ("self_attn.k_norm.weight", norm)
+  if config.attn_output_gate:  # Qwen3.5's q_proj: each head's query rows, then its gate rows
+    H, Dh = config.num_heads, config.head_dim
+    sources[("attn", "q")] = ("self_attn.q_proj.weight",
+                              Layout("out_heads", rows=(H, 0, Dh, 2 * Dh)))
+    sources[("attn", "out_gate")] = ("self_attn.q_proj.weight",
+                                     Layout("out_heads", rows=(H, Dh, Dh, 2 * Dh)))
+  return sources
+
+
 def _layer_sources(config: TransformerConfig,
                    layer: int | None = None) -> dict[tuple[str, ...], tuple[str, Layout]]:
   """Block sub-path -> (HF name suffix under model.layers.{i}., layout); a suffix with "{e}"
@@ -280,7 +304,7 @@ def _layer_sources(config: TransformerConfig,
       ("mlp", "up"): ("mlp.up_proj.weight", Layout("T")),
       ("mlp", "down"): ("mlp.down_proj.weight", Layout("T")),
   }
-  if config.num_experts:
+  if config.num_experts and (layer is None or config.layer_is_moe(layer)):  # else a dense MLP
     for key in ("gate", "up", "down"):
       del sources[("mlp", key)]
     sources.update(_expert_sources(config))
@@ -289,27 +313,11 @@ def _layer_sources(config: TransformerConfig,
   if config.use_post_norms:
     sources[("post_attn_norm", "scale")] = ("post_attention_layernorm.weight", Layout("copy"))
     sources[("post_mlp_norm", "scale")] = ("post_feedforward_layernorm.weight", Layout("copy"))
-  if config.qkv_bias:
-    for proj in "qkv":
-      sources[("attn", f"{proj}_bias")] = (f"self_attn.{proj}_proj.bias", Layout("flat_heads"))
-  if config.attn_out_bias:
-    sources[("attn", "o_bias")] = ("self_attn.o_proj.bias", Layout("copy"))
-  if config.attention_sinks:
-    sources[("attn", "sinks")] = ("self_attn.sinks", Layout("copy"))
-  if config.qk_norm:  # OLMo's over whole projections: (heads, head_dim) <- (heads * head_dim,)
-    norm = Layout("flat_heads" if config.qk_norm_across_heads else "copy")
-    sources[("attn", "q_norm", "scale")] = ("self_attn.q_norm.weight", norm)
-    sources[("attn", "k_norm", "scale")] = ("self_attn.k_norm.weight", norm)
+  sources.update(_attention_part_sources(config))
   if not config.pre_norms:  # OLMo: post norms only
     del sources[("attn_norm", "scale")], sources[("mlp_norm", "scale")]
   if config.fused_qkv_gate_up:  # Phi-3/4
     sources.update(_fused_sources(config))
-  if config.attn_output_gate:  # Qwen3.5's q_proj: each head's query rows, then its gate rows
-    H, Dh = config.num_heads, config.head_dim
-    sources[("attn", "q")] = ("self_attn.q_proj.weight",
-                              Layout("out_heads", rows=(H, 0, Dh, 2 * Dh)))
-    sources[("attn", "out_gate")] = ("self_attn.q_proj.weight",
-                                     Layout("out_heads", rows=(H, Dh, Dh, 2 * Dh)))
   if layer is not None and config.layer_is_linear(layer):
     sources = {k: v for k, v in sources.items() if k[0] != "attn"}
     sources.update(_gated_deltanet_sources(config))
