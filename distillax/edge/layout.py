@@ -21,7 +21,7 @@ import numpy as np
 
 from distillax.edge.gemma4_qwen35 import (QWEN35_ARCHS, add_gemma4_hparams,
                                                 add_qwen35_hparams)
-from distillax.edge.olmo2_phi3 import add_olmo2_hparams, add_phi3_hparams
+from distillax.edge.arch_hooks import HOOKS
 from distillax.models.config import TransformerConfig
 from distillax.quant.config import GGML_WEIGHT_QTYPES
 
@@ -75,10 +75,6 @@ _LINEAR_NAMES = {"attn/qkv": "attn_qkv.weight", "attn/z": "attn_gate.weight",
                  "attn/o": "ssm_out.weight"}
 
 
-# Phi-3/4: q, k and v as one attn_qkv, gate and up as one ffn_up (made by olmo2_phi3.phi3_tensors).
-_PHI3_NAMES = {"attn/qkv": "attn_qkv.weight", "mlp/gate_up": "ffn_up.weight"}
-
-
 def gguf_name(param: str, config: TransformerConfig, arch: str) -> str:
   """llama.cpp's name of one of our parameters ('layers/3/attn/q' -> 'blk.3.attn_q.weight';
   an MoE's 'layers/3/mlp/gate' -> 'blk.3.ffn_gate_exps.weight')."""
@@ -94,8 +90,8 @@ def gguf_name(param: str, config: TransformerConfig, arch: str) -> str:
   if arch in QWEN35_ARCHS:
     names = {**names, **_QWEN35_NAMES, **(_LINEAR_NAMES if config.layer_is_linear(int(layer))
                                           else {})}
-  if arch == "phi3":
-    names = {**names, **_PHI3_NAMES}
+  if arch in HOOKS:  # olmo2, phi3, qwen3next, llama4
+    names = {**names, **HOOKS[arch].names(config, int(layer))}
   return f"blk.{layer}.{names[rest]}"
 
 
@@ -112,7 +108,7 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
   head_dim = (config.global_head_dim or config.head_dim) if arch == "gemma4" else config.head_dim
   writer.add_key_length(head_dim)
   writer.add_value_length(head_dim)
-  partial = arch in QWEN35_ARCHS + ("phi3",)
+  partial = arch in QWEN35_ARCHS or arch in HOOKS and HOOKS[arch].partial_rope
   writer.add_rope_dimension_count(config.rotary_dim if partial else head_dim)
   writer.add_rope_freq_base(float(config.rope_theta))
   writer.add_layer_norm_rms_eps(float(config.norm_eps))
@@ -132,10 +128,8 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
     add_gemma4_hparams(writer, config)
   if arch in QWEN35_ARCHS:
     add_qwen35_hparams(writer, config)
-  if arch == "olmo2":
-    add_olmo2_hparams(writer, config)
-  if arch == "phi3":
-    add_phi3_hparams(writer, config)
+  if arch in HOOKS:
+    HOOKS[arch].hparams(writer, config)
   if arch == "gemma2":
     writer.add_attn_logit_softcapping(float(config.attn_logit_softcap))
     writer.add_final_logit_softcapping(float(config.final_logit_softcap))

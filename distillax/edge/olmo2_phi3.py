@@ -100,6 +100,10 @@ def add_phi3_hparams(writer, config: TransformerConfig) -> None:
     writer.add_rope_scaling_attn_factors(float(rope_attention_factor(config)))
 
 
+# Phi-3/4: q, k and v as one attn_qkv, gate and up as one ffn_up (made by phi3_tensors).
+PHI3_NAMES = {"attn/qkv": "attn_qkv.weight", "mlp/gate_up": "ffn_up.weight"}
+
+
 def phi3_tensors(config: TransformerConfig, rows: dict[str, np.ndarray]
                  ) -> list[tuple[tuple[str, ...], str, np.ndarray]]:
   """Each layer's fused attn_qkv and ffn_up (gate rows first), as pseudo parameters

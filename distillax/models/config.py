@@ -112,6 +112,9 @@ class TransformerConfig:
   # qkv_proj / gate_up_proj, llama.cpp's attn_qkv / ffn_up); distillax computes with them apart.
   # The same function as Llama's, but which checkpoint the model is: kept with it, as a shape.
   fused_qkv_gate_up: bool = False
+  # Qwen3-Next checkpoints store a Gated DeltaNet layer's q, k, v and z as one in_proj_qkvz and
+  # b, a as one in_proj_ba, grouped by key head; Qwen3.5's the same function stored apart.
+  fused_qkvz_ba: bool = False
   # Gemma 4 (models/per_layer_inputs.py): width of each layer's extra input from a second token
   # table and a projection of the embeddings, gated into the residual after the MLP; 0 = off.
   per_layer_input_dim: int = 0

@@ -139,8 +139,9 @@ def _check_olmo(cfg):
 
 def _check_longrope(cfg):
   """Phi's LongRoPE: one positive divisor per turning pair in each set, only with that type."""
-  if not isinstance(cfg.fused_qkv_gate_up, bool):
-    raise ConfigError(f"model.fused_qkv_gate_up={cfg.fused_qkv_gate_up!r} must be True or False")
+  for name in ("fused_qkv_gate_up", "fused_qkvz_ba"):  # checkpoint layouts (Phi, Qwen3-Next)
+    if not isinstance(getattr(cfg, name), bool):
+      raise ConfigError(f"model.{name}={getattr(cfg, name)!r} must be True or False")
   longrope = cfg.rope_scaling_factor is not None and cfg.rope_scaling_type == "longrope"
   pairs = cfg.rotary_dim // 2
   for name in ("rope_short_factors", "rope_long_factors"):

@@ -227,6 +227,16 @@ PRESETS: dict[str, TransformerConfig] = {
                       rope_long_factors=(1.0, 1.5, 2.5, 4.0, 6.0, 8.0), tie_embeddings=True,
                       max_seq_len=128, scan_layers=False, param_dtype="float32",
                       dtype="float32"),
+    # Qwen3-Next at test size: tiny_qwen35_moe's function stored as Qwen3-Next stores it (a
+    # DeltaNet layer's q, k, v, z and b, a fused by key head), value heads as wide as key heads.
+    "tiny_qwen3_next": TransformerConfig(
+        vocab_size=256, embed_dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        mlp_dim=64, norm_scale_plus_one=True, qk_norm=True, attn_output_gate=True,
+        partial_rotary_factor=0.25, rope_theta=10_000_000.0, token_mixers=_qwen35_mixers(4),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel=4, max_seq_len=128, num_experts=4,
+        num_experts_per_tok=2, moe_mlp_dim=32, norm_topk_prob=True, shared_expert_mlp_dim=48,
+        shared_expert_gate=True, fused_qkvz_ba=True),
     # CPU demo pair (byte-level): a ~4.8M teacher and a ~1.5M student that train a few hundred
     # steps on two cores in minutes. Same family and head_dim so every KD strategy applies.
     "demo_teacher": TransformerConfig(vocab_size=256, embed_dim=256, num_layers=6, num_heads=8,
@@ -295,6 +305,16 @@ PRESETS: dict[str, TransformerConfig] = {
                        head_dim=128, mlp_dim=11_008),
     "olmo3-32b": _olmo3(embed_dim=5120, num_layers=64, num_heads=40, num_kv_heads=8,
                         head_dim=128, mlp_dim=27_648),
+    # Qwen3-Next-80B-A3B (config.json: transformers' Qwen3NextConfig shape with intermediate_size
+    # 5120, which no layer uses, RoPE base 1e7 and 262,144 context): 10 of 512 experts of width
+    # 512 beside a gated shared expert in each of 48 layers, three DeltaNet layers in four.
+    "qwen3-next-80b-a3b": _qwen35(vocab_size=151_936, embed_dim=2048, num_layers=48,
+                                  num_heads=16, num_kv_heads=2, mlp_dim=5120,
+                                  linear_num_key_heads=16, linear_num_value_heads=32,
+                                  tie_embeddings=False, num_experts=512, num_experts_per_tok=10,
+                                  moe_mlp_dim=512, norm_topk_prob=True,
+                                  shared_expert_mlp_dim=512, shared_expert_gate=True,
+                                  fused_qkvz_ba=True),
     # Phi-4-mini (config.json): 3 quarters of each head turn, LongRoPE x32 over 4096, tied.
     "phi-4-mini": _phi(vocab_size=200_064, embed_dim=3072, num_layers=32, num_heads=24,
                        num_kv_heads=8, mlp_dim=8192, partial_rotary_factor=0.75,

@@ -1,7 +1,7 @@
-"""OLMo 3 and Phi-3/4 students as GGUF (llama.cpp's olmo2 and phi3), run in llama.cpp (the edge extra, f32 KV cache,
-reference kernels) against distillax's forward: the logits of 40 tokens, and greedy decoding
-token for token (llama.cpp's KV-cached decode against distillax's full forward), with a top-1
-margin that dwarfs the two runtimes' logit difference. What llama.cpp fixes in code and a model
+"""OLMo 3, Phi-3/4 and Qwen3-Next as GGUF (llama.cpp's olmo2, phi3 and qwen3next), run in
+llama.cpp (the edge extra, f32 KV cache, reference kernels) against distillax's forward: the
+logits of 40 tokens, and greedy decoding token for token (llama.cpp's KV-cached decode against
+distillax's full forward), with a top-1 margin that dwarfs the two runtimes' logit difference. What llama.cpp fixes in code and a model
 would run differently is refused in one line.
 
 Measured here (40 tokens), max |logit difference| (logit scale):
@@ -13,6 +13,8 @@ Measured here (40 tokens), max |logit difference| (logit scale):
          where both pick one set: 40 tokens past an original context of 32 (long), or an
          original context of 256 that n_ctx does not pass (short). With 64, llama.cpp's long
          set against distillax's short one differs by 0.18.
+  qwen3next f32 5.2e-6 (5.8): DeltaNet layers stored grouped by key head (ssm_in, ssm_ba) in
+         Hugging Face's value-head order, experts and a gated shared expert in every layer
 """
 
 import numpy as np
@@ -38,17 +40,23 @@ CONFIGS["phi3"] = get_preset("tiny_phi3", vocab_size=VOCAB, rope_theta=50.0,
                              tie_embeddings=False)
 # An original context of 256 that neither the 40 tokens nor llama.cpp's context pass: the short.
 CONFIGS["phi3_short"] = CONFIGS["phi3"].replace(rope_original_max_len=256, max_seq_len=256)
+# Qwen3-Next: three Gated DeltaNet layers (2 key heads, 4 value heads) then a gated attention
+# layer, 4 experts (top-2, renormalised) beside a gated shared expert in every layer; the dense
+# reference dispatch (the transformers parity test runs ragged).
+CONFIGS["qwen3next"] = get_preset("tiny_qwen3_next", vocab_size=VOCAB, moe_impl="dense")
+SEEDS = {"qwen3next": 4}  # its greedy run's smallest top-1 margin: 0.023 (seed 0: 0.0015)
 # Tied, the embedding is written a second time as llama.cpp's output.weight (a PEAKED tied model
 # predicts each token itself, so its greedy run repeats one id: compared, not required to vary).
 CONFIGS["olmo2_tied"] = CONFIGS["olmo2"].replace(tie_embeddings=True)
 
 
 @pytest.mark.parametrize("name,tolerance", [("olmo2", 1e-4), ("olmo2_tied", 1e-4),
-                                            ("phi3", 1e-4), ("phi3_short", 1e-4)])
+                                            ("phi3", 1e-4), ("phi3_short", 1e-4),
+                                            ("qwen3next", 1e-4)])
 def test_llama_cpp_runs_these_families_as_distillax_does(tmp_path, name, tolerance):
   arch = name.split("_")[0]
   assert gguf_architecture(CONFIGS[name]) == arch
-  model = random_model(CONFIGS[name], init=PEAKED)
+  model = random_model(CONFIGS[name], seed=SEEDS.get(name, 0), init=PEAKED)
   r = run(model, tmp_path / "m.gguf", "f32", generate=True)
   delta = float(np.abs(r["llama_cpp"] - r["distillax"]).max())
   print(f"\n{name} f32: max |dlogit| llama.cpp vs distillax {delta:.1e} (logit scale "
@@ -78,3 +86,15 @@ def test_what_llama_cpps_phi3_stores_otherwise_is_refused():
                                               rope_long_factors=None))
   with pytest.raises(UserError, match="attends over the whole context; sliding_window=8"):
     gguf_architecture(CONFIGS["phi3"].replace(sliding_window=8, sliding_window_pattern=0))
+
+
+@pytest.mark.parametrize("changes,says", [
+    ({"moe_layers": (0, 2, 3)}, r"qwen3next has experts in every layer; .*layers \[1\] have a"),
+    ({"num_experts": 0, "shared_expert_mlp_dim": 0, "shared_expert_gate": False},
+     "qwen3next runs routed experts in every layer; this model has none"),
+    ({"norm_topk_prob": False}, "shared expert beside renormalised top-k experts"),
+    ({"linear_value_head_dim": 8}, "one state size for Gated DeltaNet keys and values"),
+])
+def test_what_llama_cpps_qwen3next_runs_otherwise_is_refused(changes, says):
+  with pytest.raises(UserError, match=says):
+    gguf_architecture(CONFIGS["qwen3next"].replace(**changes))

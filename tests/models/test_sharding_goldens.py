@@ -12,7 +12,8 @@ and six layers), `tiny_gemma4` (Gemma 4: per-layer input tables and gates, layer
 full layers, sharing layers without k/v, double-wide MLPs), `tiny_qwen35` (Qwen3.5: Gated
 DeltaNet layers over key and value heads, with a conv, decay and norm of their own, and a gated
 full-attention layer), `tiny_olmo3` (OLMo 3: post norms only, q/k norms over whole
-projections), `tiny_phi3` (Phi-4-mini's: Llama's tree, tied), `llama3.2-1b` (a published shape:
+projections), `tiny_phi3` (Phi-4-mini's: Llama's tree, tied), `tiny_qwen3_next` (Qwen3-Next:
+tiny_qwen35's layers with experts beside a gated shared expert), `llama3.2-1b` (a published shape:
 stacked layers under scan, bfloat16, 128k vocabulary), `tiny_moe` (stacked experts and a router:
 where the 'expert' rules of fsdp_ep / ep_tp place them) and `tiny_qwen3_moe` (Qwen3-MoE with dense
 layers: dense MLPs and experts in alternate layers). tiny's 4 query and 2 kv heads do not divide a
@@ -33,7 +34,7 @@ from tests.models.sharding import plan, rows_by_path
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "goldens"
 MODELS = ("tiny", "tiny_gemma", "llama3.2-1b", "tiny_moe", "tiny_gemma3", "tiny_gemma4",
-          "tiny_qwen35", "tiny_qwen3_moe", "tiny_olmo3", "tiny_phi3")
+          "tiny_qwen35", "tiny_qwen3_moe", "tiny_olmo3", "tiny_phi3", "tiny_qwen3_next")
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 
 
@@ -165,7 +166,8 @@ def test_dp_replicates_everything_and_only_dp(strategy):
 
 
 @pytest.mark.parametrize("preset", [m for m in MODELS if m not in (
-    "tiny_gemma3", "tiny_gemma4", "tiny_qwen35", "tiny_qwen3_moe", "tiny_olmo3")])
+    "tiny_gemma3", "tiny_gemma4", "tiny_qwen35", "tiny_qwen3_moe", "tiny_olmo3",
+    "tiny_qwen3_next")])
 @pytest.mark.parametrize("data,model", MESHES)
 def test_fsdp_per_device_bytes_are_total_over_data_size(preset, data, model):
   """Every embed dim of these models divides every data size, so fsdp splits every parameter

@@ -1,6 +1,6 @@
 """Hugging Face `config.json` -> TransformerConfig for Llama, Gemma, Gemma 2, Gemma 3, Qwen
 2/2.5, Qwen 3, Mistral, SmolLM3, OLMo 3 (hf/olmo3.py), Phi-3/4 (hf/phi3.py), and the mixtures of
-experts Qwen3-MoE, Mixtral, gpt-oss and Qwen3.5-MoE.
+experts Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5-MoE and Qwen3-Next (hf/qwen3_next.py).
 
 Reads both the transformers 5 layout (`rope_parameters`) and the older one (`rope_theta` +
 `rope_scaling`), and writes both so other readers (older transformers, serving stacks) agree.
@@ -28,6 +28,7 @@ from distillax.models.config import FULL, LINEAR, SLIDING, TransformerConfig, wi
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_fields
 from distillax.models.hf.olmo3 import OLMO3, olmo3_fields
 from distillax.models.hf.phi3 import LONGROPE_TYPES, PHI3, longrope_fields, phi3_fields
+from distillax.models.hf.qwen3_next import QWEN3_NEXT, qwen3_next_moe_fields
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -36,7 +37,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "gemma4_text": "Gemma4ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                "olmo3": OLMO3, "phi3": PHI3}
+                "olmo3": OLMO3, "phi3": PHI3, "qwen3_next": QWEN3_NEXT}
 GPT_OSS = "GptOssForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
@@ -286,8 +287,10 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
   act = hf.get("hidden_activation") or hf.get("hidden_act")
   if arch == GPT_OSS:  # its experts' activation is fixed by the class (hidden_act is unused)
     return _gpt_oss_fields(hf, num_layers, where)
-  if arch in (QWEN35, QWEN35_MOE):
+  if arch in (QWEN35, QWEN35_MOE, QWEN3_NEXT):
     fields = _qwen35_fields(hf, act, num_layers, where)
+    if arch == QWEN3_NEXT:  # Qwen3.5's layers stored otherwise, with Qwen3-MoE's dense layers
+      return {**fields, **qwen3_next_moe_fields(hf, _qwen3_moe_layers(hf, num_layers, where))}
     return {**fields, **(_qwen35_moe_fields(hf) if arch == QWEN35_MOE else {})}
   if arch == OLMO3:
     return olmo3_fields(hf, num_layers, where, _rope)

@@ -15,12 +15,14 @@ from distillax.models.hf.config import (ARCHITECTURES, GEMMA3, GEMMA_FAMILY, GPT
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_hf_fields, is_gemma4
 from distillax.models.hf.olmo3 import OLMO3, is_olmo3, olmo3_hf_fields
 from distillax.models.hf.phi3 import PHI3, is_phi3, longrope_to_hf, phi3_hf_fields
+from distillax.models.hf.qwen3_next import (QWEN3_NEXT, holds_qwen3_next_experts,
+                                            qwen3_next_hf_fields)
 
 
 # The parts of a mixture of experts only some families have: the architectures that hold each.
 FEATURE_ARCHS = {
-    "shared_expert_mlp_dim": (QWEN35_MOE,),
-    "moe_layers": ("Qwen3MoeForCausalLM",),  # layers with a dense MLP instead of experts
+    "shared_expert_mlp_dim": (QWEN35_MOE, QWEN3_NEXT),
+    "moe_layers": ("Qwen3MoeForCausalLM", QWEN3_NEXT),  # layers with a dense MLP, not experts
     "routed_scaling_factor": (),
     "moe_scale_inputs": (),
 }
@@ -47,6 +49,8 @@ def _qwen35_architecture(config: TransformerConfig) -> str | None:
             or config.router_bias or config.expert_bias)
   if not fixed or others:
     return None
+  if config.fused_qkvz_ba:  # Qwen3-Next's checkpoint layout
+    return QWEN3_NEXT if holds_qwen3_next_experts(config) else None
   if not config.num_experts:
     return QWEN35
   moe = (config.router == "softmax_topk" and config.norm_topk_prob
@@ -172,12 +176,14 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
     return olmo3_hf_fields(config, _rope_to_hf)
   if arch == PHI3:
     return phi3_hf_fields(config, _rope_to_hf)
-  if arch in (QWEN35, QWEN35_MOE):
+  if arch in (QWEN35, QWEN35_MOE, QWEN3_NEXT):
     mixers = config.token_mixers or (FULL,) * config.num_layers
     moe = {} if arch == QWEN35 else dict(
         num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
         moe_intermediate_size=config.expert_mlp_dim,
         shared_expert_intermediate_size=config.shared_expert_mlp_dim)
+    if arch == QWEN3_NEXT:
+      moe = qwen3_next_hf_fields(config)
     return dict(hidden_act="silu", **moe, layer_types=list(mixers),
                 rope_parameters={**_rope_to_hf(config),
                                  "partial_rotary_factor": config.partial_rotary_factor},

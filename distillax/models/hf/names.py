@@ -9,10 +9,11 @@ parameters ('even' and 'odd' layouts) share it, and `interleave` joins them on e
 Qwen3.5 shares tensors by blocks of rows (`Layout.rows`): a Gated DeltaNet layer's q, k and v
 are one `in_proj_qkv`, and a gated attention layer's q_proj holds each head's query rows then its
 output-gate rows; `join_parts` stacks them back on export. Phi-3/4 keep a layer's q, k and v in
-one `qkv_proj` and its gate and up in one `gate_up_proj` the same way. Gemma 4's MoE block keeps
-each layer's experts stacked (expert, out, in): gate and up as the first and second halves of the
-rows of `experts.gate_up_proj` ('first_half' / 'second_half'), down as `experts.down_proj`
-('experts_T').
+one `qkv_proj` and its gate and up in one `gate_up_proj` the same way, and Qwen3-Next a Gated
+DeltaNet layer's q, k, v, z and b, a in one `in_proj_qkvz` / `in_proj_ba` by key head. Gemma 4's
+MoE block keeps each layer's experts stacked (expert, out, in): gate and up as the first and
+second halves of the rows of `experts.gate_up_proj` ('first_half' / 'second_half'), down as
+`experts.down_proj` ('experts_T').
 """
 
 from __future__ import annotations
@@ -161,12 +162,13 @@ _EXPERT_NAMES = {  # architecture -> (module, router, gate, up, down)
     "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
     "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "Qwen3_5MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+    "Qwen3NextForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
 }
 # Qwen3-MoE's and Qwen3.5-MoE's experts as transformers 5 holds them in memory (its
 # save_pretrained writes them per expert, as above; a checkpoint may store them this way):
 # gate and up as the row halves of one (expert, 2 * out, in) tensor per layer, down (expert,
 # out, in).
-_FUSED_EXPERT_ARCHS = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM")
+_FUSED_EXPERT_ARCHS = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
 _FUSED_EXPERT_SOURCES = {
     ("mlp", "gate"): ("mlp.experts.gate_up_proj", Layout("first_half")),
     ("mlp", "up"): ("mlp.experts.gate_up_proj", Layout("second_half")),
@@ -233,13 +235,18 @@ def _gated_deltanet_sources(config: TransformerConfig) -> dict[tuple[str, ...],
   key_rows = config.linear_num_key_heads * config.linear_key_head_dim
   value_rows = config.linear_num_value_heads * config.linear_value_head_dim
   qkv, total = "linear_attn.in_proj_qkv.weight", 2 * key_rows + value_rows
-  return {
+  projections = {
       ("attn", "q"): (qkv, Layout("out_heads", rows=(1, 0, key_rows, total))),
       ("attn", "k"): (qkv, Layout("out_heads", rows=(1, key_rows, key_rows, total))),
       ("attn", "v"): (qkv, Layout("out_heads", rows=(1, 2 * key_rows, value_rows, total))),
       ("attn", "z"): ("linear_attn.in_proj_z.weight", Layout("out_heads")),
       ("attn", "b"): ("linear_attn.in_proj_b.weight", Layout("T")),
       ("attn", "a"): ("linear_attn.in_proj_a.weight", Layout("T")),
+  }
+  if config.fused_qkvz_ba:
+    projections = _grouped_linear_sources(config)
+  return {
+      **projections,
       ("attn", "conv"): ("linear_attn.conv1d.weight", Layout("conv")),
       ("attn", "dt_bias"): ("linear_attn.dt_bias", Layout("copy")),
       ("attn", "A_log"): ("linear_attn.A_log", Layout("copy")),
@@ -286,6 +293,25 @@ def _attention_part_sources(config: TransformerConfig
     sources[("attn", "out_gate")] = ("self_attn.q_proj.weight",
                                      Layout("out_heads", rows=(H, Dh, Dh, 2 * Dh)))
   return sources
+
+
+def _grouped_linear_sources(config: TransformerConfig
+                            ) -> dict[tuple[str, ...], tuple[str, Layout]]:
+  """Qwen3-Next's in_proj_qkvz and in_proj_ba: per key head, its q and k rows, then the v and
+  z rows of its r = Hv / Hk value heads; its value heads' b then a rows."""
+  dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+  groups = config.linear_num_key_heads
+  r = config.linear_num_value_heads // groups
+  period = 2 * dk + 2 * r * dv
+  qkvz, ba = "linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight"
+  return {
+      ("attn", "q"): (qkvz, Layout("out_heads", rows=(groups, 0, dk, period))),
+      ("attn", "k"): (qkvz, Layout("out_heads", rows=(groups, dk, dk, period))),
+      ("attn", "v"): (qkvz, Layout("out_heads", rows=(groups, 2 * dk, r * dv, period))),
+      ("attn", "z"): (qkvz, Layout("out_heads", rows=(groups, 2 * dk + r * dv, r * dv, period))),
+      ("attn", "b"): (ba, Layout("T", rows=(groups, 0, r, 2 * r))),
+      ("attn", "a"): (ba, Layout("T", rows=(groups, r, r, 2 * r))),
+  }
 
 
 def _layer_sources(config: TransformerConfig,
