@@ -38,6 +38,8 @@ class ArchHooks:
   rope_scaling: str | None = None  # the RoPE scaling llama.cpp reads for it
   sliding: bool = False  # whether llama.cpp runs sliding layers for it (checks say which)
   partial_rope: bool = False  # whether its RoPE turns rotary_dim features only
+  interleaved_rope: bool = False  # whether it turns adjacent pairs (q/k rows permuted, as llama)
+  dense_ffn_length: bool = False  # feed_forward_length is the dense layers' width (llama4)
 
 
 def _check_qwen3next(config: TransformerConfig) -> None:
@@ -59,6 +61,8 @@ HOOKS = {
                       rope_scaling="longrope", partial_rope=True),
     "qwen3next": ArchHooks(_check_qwen3next, add_qwen35_hparams, merged=_qwen3next_merged,
                            names=ql.qwen3next_names, partial_rope=True),
+    "llama4": ArchHooks(ql.check_llama4, ql.add_llama4_hparams, names=ql.llama4_names,
+                        rope_scaling="llama3", interleaved_rope=True, dense_ffn_length=True),
 }
 
 

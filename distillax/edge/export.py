@@ -6,7 +6,7 @@
 Architectures: what `hf_config_out.hf_architecture` names, as llama.cpp's llama (Llama, and
 Mistral when no layer's window is shorter than the context; Mixtral, its experts included),
 gemma, gemma2, gemma3, gemma4, qwen2, qwen3, qwen3moe, qwen35(moe), gpt-oss, smollm3, olmo2
-(OLMo 3), phi3 (Phi-3/4) and qwen3next, with llama.cpp's tensor names and `{arch}.*` keys
+(OLMo 3), phi3 (Phi-3/4), qwen3next and llama4, with llama.cpp's tensor names and `{arch}.*` keys
 (edge/layout.py; gemma4's and qwen35's own: edge/gemma4_qwen35.py; the others' hooks:
 edge/arch_hooks.py). Conventions llama.cpp expects and we follow: tensors are row-major
 [out, in] (GGUF ne0 = in, the axis ggml's blocks run along); Llama's and SmolLM3's q/k rows are
@@ -66,9 +66,10 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "SmolLM3ForCausalLM": "smollm3", "Gemma4ForCausalLM": "gemma4",
                  "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe",
                  "Olmo3ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3",
-                 "Qwen3NextForCausalLM": "qwen3next"}
+                 "Qwen3NextForCausalLM": "qwen3next", "Llama4ForCausalLM": "llama4"}
 _SLIDING = ("gemma2", "gpt-oss")  # the archs whose even layers slide in llama.cpp
-_DENSE_LEAD_ARCHS = ()  # the MoE archs whose first layers may have a dense MLP
+# The MoE archs some of whose layers may have a dense MLP (llama4: interleaved, arch_hooks checks)
+_DENSE_LEAD_ARCHS = ("llama4",)
 _ROPE_SCALING = {"llama": "llama3", "gpt-oss": "yarn", "gemma3": "linear",  # what each reads
                  **{arch: hooks.rope_scaling for arch, hooks in HOOKS.items()}}
 _EXPERT_BIASES = ("mlp/gate_bias", "mlp/up_bias", "mlp/down_bias")
@@ -286,7 +287,8 @@ def gguf_arrays(model: Transformer, layouts: dict[str, tuple]):
     x = _rows(value, layouts.get(name), name)
     if name.endswith("norm/scale") and config.norm_scale_plus_one:
       x = (np.float32(1) + x).astype(np.float32)
-    if arch in ("llama", "smollm3") and name.endswith(("attn/q", "attn/k")):
+    adjacent = arch in ("llama", "smollm3") or arch in HOOKS and HOOKS[arch].interleaved_rope
+    if adjacent and name.endswith(("attn/q", "attn/k")):
       x = _rope_interleave(x, config.num_heads if name.endswith("q") else config.num_kv_heads)
     rows[name] = x
   tensors = [((name,), name, x) for name, x in rows.items()]
@@ -302,7 +304,7 @@ def gguf_arrays(model: Transformer, layouts: dict[str, tuple]):
     tensors = arch_tensors(HOOKS[arch], config, tensors, rows, params)
   for sources, name, x in tensors:
     yield sources, gguf_name(name, config, arch), np.ascontiguousarray(x)
-  if arch == "llama" and config.rope_scaling_factor is not None:
+  if arch in ("llama", "llama4") and config.rope_scaling_factor is not None:
     yield (), "rope_freqs.weight", rope_freq_factors(config)
   if arch == "gemma4":
     yield (), "rope_freqs.weight", gemma4_rope_freqs(config)

@@ -99,7 +99,8 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
   writer.add_context_length(config.max_seq_len)
   writer.add_embedding_length(config.embed_dim)
   writer.add_block_count(config.num_layers)
-  writer.add_feed_forward_length(_feed_forward_length(config))
+  dense = arch in HOOKS and HOOKS[arch].dense_ffn_length  # llama4: its dense layers' width
+  writer.add_feed_forward_length(config.mlp_dim if dense else _feed_forward_length(config))
   writer.add_head_count(config.num_heads)
   kv_heads = [config.layer_num_kv_heads(i) for i in range(config.num_layers)]
   writer.add_head_count_kv(kv_heads if len(set(kv_heads)) > 1 else config.num_kv_heads)

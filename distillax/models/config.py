@@ -115,6 +115,15 @@ class TransformerConfig:
   # Qwen3-Next checkpoints store a Gated DeltaNet layer's q, k, v and z as one in_proj_qkvz and
   # b, a as one in_proj_ba, grouped by key head; Qwen3.5's the same function stored apart.
   fused_qkvz_ba: bool = False
+  # Llama 4: the layers with RoPE attend within chunks of this many positions (a query sees the
+  # keys of its own chunk, position // size); the RoPE-free layers attend fully; None = off.
+  attention_chunk_size: int | None = None
+  # Llama 4: a scale-free RMS norm of each query and key head after RoPE, in the RoPE layers.
+  qk_l2_norm: bool = False
+  # Llama 4's temperature tuning of the RoPE-free layers: queries times
+  # log1p(floor((position + 1) / floor_scale)) * attn_temperature_scale + 1; None = off.
+  attn_temperature_floor_scale: int | None = None
+  attn_temperature_scale: float = 0.1
   # Gemma 4 (models/per_layer_inputs.py): width of each layer's extra input from a second token
   # table and a projection of the embeddings, gated into the residual after the MLP; 0 = off.
   per_layer_input_dim: int = 0
@@ -221,6 +230,14 @@ class TransformerConfig:
   def rotary_dim(self) -> int:
     """Features of each query/key head that RoPE turns (the first ones; the rest pass)."""
     return int(self.head_dim * self.partial_rotary_factor)
+
+  def layer_has_rope(self, layer: int) -> bool:
+    """Whether layer `layer` turns its queries and keys (not one of rope_free_layers)."""
+    return layer not in (self.rope_free_layers or ())
+
+  def layer_is_chunked(self, layer: int) -> bool:
+    """Whether layer `layer` attends within chunks (Llama 4's RoPE layers)."""
+    return self.attention_chunk_size is not None and self.layer_has_rope(layer)
 
   def layer_is_linear(self, layer: int) -> bool:
     """Whether layer `layer` is a Gated DeltaNet (linear attention) layer."""

@@ -67,6 +67,7 @@ def check_config(cfg) -> None:
   _check_gemma4(cfg)
   _check_olmo(cfg)
   _check_longrope(cfg)
+  _check_llama4(cfg)
   _check_choice(cfg, "rope_scaling_type", ROPE_SCALING_TYPES)
   for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
                "rope_scaling_factor", "rope_attention_factor", "swiglu_limit",
@@ -157,6 +158,33 @@ def _check_longrope(cfg):
       raise ConfigError(f"model.{name}={value!r} must list {pairs} positive divisors, one per "
                         f"pair RoPE turns (rotary_dim={cfg.rotary_dim})")
     object.__setattr__(cfg, name, tuple(float(x) for x in value))  # JSON gives a list
+
+
+def _check_llama4(cfg):
+  """Llama 4's chunked attention, q/k L2 norms and temperature tuning."""
+  for name in ("attention_chunk_size", "attn_temperature_floor_scale"):
+    value = getattr(cfg, name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or value < 1):
+      raise ConfigError(f"model.{name}={value!r} must be a positive integer or None")
+  if not isinstance(cfg.qk_l2_norm, bool):
+    raise ConfigError(f"model.qk_l2_norm={cfg.qk_l2_norm!r} must be True or False")
+  if not isinstance(cfg.attn_temperature_scale, (int, float)) or isinstance(
+      cfg.attn_temperature_scale, bool):
+    raise ConfigError(f"model.attn_temperature_scale={cfg.attn_temperature_scale!r} must be a "
+                      f"number")
+  if cfg.attention_chunk_size is not None and cfg.sliding_window is not None:
+    raise ConfigError("model.attention_chunk_size and model.sliding_window both limit what a "
+                      "layer attends; set one of them (Llama 4: attention_chunk_size)")
+  if cfg.qk_l2_norm and cfg.qk_norm:
+    raise ConfigError("model.qk_l2_norm=True (Llama 4's scale-free norm after RoPE) and "
+                      "model.qk_norm=True (a learned norm before RoPE): set one of them")
+  per_layer = (cfg.attention_chunk_size is not None or cfg.qk_l2_norm
+               or cfg.attn_temperature_floor_scale is not None)
+  if cfg.scan_layers and per_layer and cfg.rope_free_layers:
+    raise ConfigError("model.scan_layers=True cannot stack Llama 4's layers (its RoPE-free "
+                      "layers attend fully, unnormed, with temperature tuning, the others in "
+                      "chunks); use model.scan_layers=False")
 
 
 def _check_ints(cfg, names, minimum: int):

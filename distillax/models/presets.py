@@ -138,6 +138,23 @@ def _phi(**kw) -> TransformerConfig:
   return TransformerConfig(**{**base, **kw})
 
 
+def _llama4(**kw) -> TransformerConfig:
+  """Llama 4's text decoder (Llama-4-Scout-17B-16E / Maverick-17B-128E config.json text_config):
+  every 4th layer RoPE-free (full attention, temperature tuning at floor 8192), the others in
+  chunks of 8192 positions; experts of width 8192 chosen top-1 by a sigmoid router that scales
+  their input, beside a shared expert; dense layers of width 16384. Layers stay unrolled (the
+  RoPE-free ones attend otherwise: no scan)."""
+  base = dict(vocab_size=202_048, embed_dim=5120, num_layers=48, num_heads=40, num_kv_heads=8,
+              head_dim=128, mlp_dim=16_384, mlp_activation="swiglu", norm_eps=1e-5,
+              rope_theta=500_000.0, attention_chunk_size=8192, attn_temperature_floor_scale=8192,
+              attn_temperature_scale=0.1, num_experts_per_tok=1, moe_mlp_dim=8192,
+              router="sigmoid", moe_scale_inputs=True, shared_expert_mlp_dim=8192,
+              param_dtype="bfloat16", dtype="bfloat16")
+  base.update(kw)
+  free = tuple(i for i in range(base["num_layers"]) if (i + 1) % 4 == 0)
+  return TransformerConfig(rope_free_layers=free, **base)
+
+
 PRESETS: dict[str, TransformerConfig] = {
     # Seconds-fast test shapes: byte vocabulary, GQA (4 query heads over 2 kv heads).
     "tiny": TransformerConfig(vocab_size=256, embed_dim=64, num_layers=2, num_heads=4,
@@ -237,6 +254,15 @@ PRESETS: dict[str, TransformerConfig] = {
         linear_value_head_dim=16, linear_conv_kernel=4, max_seq_len=128, num_experts=4,
         num_experts_per_tok=2, moe_mlp_dim=32, norm_topk_prob=True, shared_expert_mlp_dim=48,
         shared_expert_gate=True, fused_qkvz_ba=True),
+    # Llama 4 at test size: layers 0-2 with RoPE in chunks of 8 positions and q/k L2 norms,
+    # layer 3 RoPE-free with temperature tuning (floor 8); 4 experts of width 32 (top-1, sigmoid,
+    # input-scaled) beside a shared expert in layers 1 and 3, dense MLPs of width 128 in 0 and 2.
+    "tiny_llama4": _llama4(vocab_size=256, embed_dim=64, num_layers=4, num_heads=4,
+                           num_kv_heads=2, head_dim=16, mlp_dim=128, num_experts=4,
+                           moe_mlp_dim=32, shared_expert_mlp_dim=32, moe_layers=(1, 3),
+                           attention_chunk_size=8, attn_temperature_floor_scale=8,
+                           qk_l2_norm=True, max_seq_len=128, param_dtype="float32",
+                           dtype="float32"),
     # CPU demo pair (byte-level): a ~4.8M teacher and a ~1.5M student that train a few hundred
     # steps on two cores in minutes. Same family and head_dim so every KD strategy applies.
     "demo_teacher": TransformerConfig(vocab_size=256, embed_dim=256, num_layers=6, num_heads=8,
@@ -315,6 +341,13 @@ PRESETS: dict[str, TransformerConfig] = {
                                   moe_mlp_dim=512, norm_topk_prob=True,
                                   shared_expert_mlp_dim=512, shared_expert_gate=True,
                                   fused_qkvz_ba=True),
+    # Llama 4 Scout: 16 experts in every layer, q/k L2 norms, Llama 3.1 RoPE x16 over 8192.
+    "llama4-scout-17b-16e": _llama4(num_experts=16, qk_l2_norm=True, rope_scaling_factor=16.0,
+                                    rope_low_freq_factor=1.0, rope_high_freq_factor=1.0,
+                                    rope_original_max_len=8192, max_seq_len=10_485_760),
+    # Llama 4 Maverick: 128 experts in every other layer, no q/k norms, unscaled RoPE.
+    "llama4-maverick-17b-128e": _llama4(num_experts=128, moe_layers=tuple(range(1, 48, 2)),
+                                        max_seq_len=1_048_576),
     # Phi-4-mini (config.json): 3 quarters of each head turn, LongRoPE x32 over 4096, tied.
     "phi-4-mini": _phi(vocab_size=200_064, embed_dim=3072, num_layers=32, num_heads=24,
                        num_kv_heads=8, mlp_dim=8192, partial_rotary_factor=0.75,

@@ -17,6 +17,7 @@ from flax import nnx
 
 from distillax.errors import ConfigError
 from distillax.models import layer_scope
+from distillax.models.attention.chunked import chunk_segments
 from distillax.models.attention.layer import Attention, KVCache
 from distillax.models.config import TransformerConfig
 from distillax.models.gated_deltanet import GatedDeltaNet
@@ -70,10 +71,15 @@ class Block(nnx.Module):
     if config.layer_is_linear(layer):  # Qwen3.5's hybrid
       self.attn = GatedDeltaNet(config, rngs=rngs)
     else:
+      rope = config.layer_has_rope(layer)  # Llama 4: L2 norms with RoPE, temperature without
       self.attn = Attention(config, rngs=rngs, owns_kv=config.layer_owns_kv(layer),
                             head_dim=config.layer_head_dim(layer),
                             num_kv_heads=config.layer_num_kv_heads(layer),
-                            keys_as_values=config.layer_keys_are_values(layer))
+                            keys_as_values=config.layer_keys_are_values(layer),
+                            l2_norm_qk=config.qk_l2_norm and rope,
+                            temperature=config.attn_temperature_floor_scale is not None
+                            and not rope)
+    self.chunked = config.layer_is_chunked(layer)  # Llama 4's RoPE layers
     self.mlp_norm = RMSNorm(config) if config.pre_norms else None
     moe = config.layer_is_moe(layer)  # the others (moe_layers) run a dense MLP
     if moe and config.moe_dense_mlp:  # Gemma 4 26B: a dense MLP beside the experts
@@ -98,10 +104,12 @@ class Block(nnx.Module):
     kv_args = {"return_kv": True} if self.returns_kv else {}
     if extras.get("shared_kv") is not None:
       kv_args["shared_kv"] = extras["shared_kv"]
+    q_seg, k_seg = (ctx["chunk_segments"] if self.chunked
+                    else (ctx["q_segment"], ctx["k_segment"]))
     out = self.attn(h, sin_cos=ctx["sin_cos"], q_index_BxL=ctx["q_index"],
-                    k_index_BxS=ctx["k_index"], q_segment_BxL=ctx["q_segment"],
-                    k_segment_BxS=ctx["k_segment"], window=window, cache_kv=cache_kv,
-                    cache_index=ctx.get("cache_index"), return_probs=return_probs, **kv_args)
+                    k_index_BxS=ctx["k_index"], q_segment_BxL=q_seg, k_segment_BxS=k_seg,
+                    window=window, cache_kv=cache_kv, cache_index=ctx.get("cache_index"),
+                    return_probs=return_probs, positions_BxL=ctx["positions"], **kv_args)
     h, new_cache, probs = out[:3]
     kv = out[3] if len(out) > 3 else None
     if self.post_attn_norm is not None:
@@ -229,9 +237,10 @@ class Transformer(nnx.Module):
     if positions_BxL is None:
       positions_BxL = q_index_BxL
     ctx = {**_rope_context(positions_BxL, cfg), "q_segment": segment_ids_BxL,
-           "k_segment": k_segment_BxS, "q_index": q_index_BxL, "k_index": k_index_BxS}
-    if start is not None:
-      ctx["cache_index"] = start
+           "k_segment": k_segment_BxS, "q_index": q_index_BxL, "k_index": k_index_BxS,
+           "positions": positions_BxL, **({} if start is None else {"cache_index": start})}
+    if cfg.attention_chunk_size is not None:  # Llama 4: chunks as segments (attention/chunked)
+      ctx["chunk_segments"] = chunk_segments(cfg, ctx)
 
     x_BxLxD = embedded_BxLxD = self.embedder(tokens_BxL)
     if self.per_layer_inputs is not None:

@@ -1,8 +1,9 @@
-"""OLMo 3, Phi-3/4 and Qwen3-Next as GGUF (llama.cpp's olmo2, phi3 and qwen3next), run in
-llama.cpp (the edge extra, f32 KV cache, reference kernels) against distillax's forward: the
-logits of 40 tokens, and greedy decoding token for token (llama.cpp's KV-cached decode against
-distillax's full forward), with a top-1 margin that dwarfs the two runtimes' logit difference. What llama.cpp fixes in code and a model
-would run differently is refused in one line.
+"""OLMo 3, Phi-3/4, Qwen3-Next and Llama 4 as GGUF (llama.cpp's olmo2, phi3, qwen3next and
+llama4), run in llama.cpp (the edge extra, f32 KV cache, reference kernels) against distillax's
+forward: the logits of 40 tokens, and greedy decoding token for token (llama.cpp's KV-cached
+decode against distillax's full forward), with a top-1 margin that dwarfs the two runtimes'
+logit difference. What llama.cpp fixes in code and a model would run differently is refused in
+one line.
 
 Measured here (40 tokens), max |logit difference| (logit scale):
   olmo2  f32 8.1e-6 (6.7), YaRN x8 on the full layer, its sliding layers unscaled; tied:
@@ -15,6 +16,10 @@ Measured here (40 tokens), max |logit difference| (logit scale):
          set against distillax's short one differs by 0.18.
   qwen3next f32 5.2e-6 (5.8): DeltaNet layers stored grouped by key head (ssm_in, ssm_ba) in
          Hugging Face's value-head order, experts and a gated shared expert in every layer
+  llama4 f32 5.7e-6 (9.1): RoPE-free 4th layer, q/k L2 norms, Llama 3.1 RoPE (rope_freqs), MoE
+         in layers 1 and 3 beside dense ones. llama.cpp fixes chunks of 8192 and the temperature
+         floor at 8192, so at 40 tokens neither acts here; the transformers parity test holds
+         both (chunks of 4, floor 4).
 """
 
 import numpy as np
@@ -44,6 +49,11 @@ CONFIGS["phi3_short"] = CONFIGS["phi3"].replace(rope_original_max_len=256, max_s
 # layer, 4 experts (top-2, renormalised) beside a gated shared expert in every layer; the dense
 # reference dispatch (the transformers parity test runs ragged).
 CONFIGS["qwen3next"] = get_preset("tiny_qwen3_next", vocab_size=VOCAB, moe_impl="dense")
+# Llama 4: llama.cpp's own chunk size and temperature floor, Llama 3.1 RoPE over 32 positions.
+CONFIGS["llama4"] = get_preset("tiny_llama4", vocab_size=VOCAB, attention_chunk_size=8192,
+                               attn_temperature_floor_scale=8192, rope_theta=50.0,
+                               rope_scaling_factor=8.0, rope_original_max_len=32,
+                               moe_impl="dense")
 SEEDS = {"qwen3next": 4}  # its greedy run's smallest top-1 margin: 0.023 (seed 0: 0.0015)
 # Tied, the embedding is written a second time as llama.cpp's output.weight (a PEAKED tied model
 # predicts each token itself, so its greedy run repeats one id: compared, not required to vary).
@@ -52,7 +62,7 @@ CONFIGS["olmo2_tied"] = CONFIGS["olmo2"].replace(tie_embeddings=True)
 
 @pytest.mark.parametrize("name,tolerance", [("olmo2", 1e-4), ("olmo2_tied", 1e-4),
                                             ("phi3", 1e-4), ("phi3_short", 1e-4),
-                                            ("qwen3next", 1e-4)])
+                                            ("qwen3next", 1e-4), ("llama4", 1e-4)])
 def test_llama_cpp_runs_these_families_as_distillax_does(tmp_path, name, tolerance):
   arch = name.split("_")[0]
   assert gguf_architecture(CONFIGS[name]) == arch
@@ -98,3 +108,15 @@ def test_what_llama_cpps_phi3_stores_otherwise_is_refused():
 def test_what_llama_cpps_qwen3next_runs_otherwise_is_refused(changes, says):
   with pytest.raises(UserError, match=says):
     gguf_architecture(CONFIGS["qwen3next"].replace(**changes))
+
+
+@pytest.mark.parametrize("changes,says", [
+    ({"attention_chunk_size": 8}, r"attention_chunk_size=8 \(llama.cpp: 8192\)"),
+    ({"attn_temperature_floor_scale": 8}, r"attn_temperature_floor_scale=8 \(llama.cpp: 8192\)"),
+    ({"rope_free_layers": (1,)}, r"rope_free_layers=\(1,\) \(llama.cpp: \(3,\)\)"),
+    ({"qk_l2_norm": False}, r"qk_l2_norm=False \(llama.cpp: True\)"),
+    ({"moe_layers": (1, 2)}, r"moe_layers=\(1, 2\) \(llama.cpp: every k-th layer\)"),
+])
+def test_what_llama_cpps_llama4_runs_otherwise_is_refused(changes, says):
+  with pytest.raises(UserError, match=says):
+    gguf_architecture(CONFIGS["llama4"].replace(**changes))

@@ -13,7 +13,8 @@ full layers, sharing layers without k/v, double-wide MLPs), `tiny_qwen35` (Qwen3
 DeltaNet layers over key and value heads, with a conv, decay and norm of their own, and a gated
 full-attention layer), `tiny_olmo3` (OLMo 3: post norms only, q/k norms over whole
 projections), `tiny_phi3` (Phi-4-mini's: Llama's tree, tied), `tiny_qwen3_next` (Qwen3-Next:
-tiny_qwen35's layers with experts beside a gated shared expert), `llama3.2-1b` (a published shape:
+tiny_qwen35's layers with experts beside a gated shared expert), `tiny_llama4` (Llama 4: dense
+and MoE layers with a shared expert, no norm parameters on q/k), `llama3.2-1b` (a published shape:
 stacked layers under scan, bfloat16, 128k vocabulary), `tiny_moe` (stacked experts and a router:
 where the 'expert' rules of fsdp_ep / ep_tp place them) and `tiny_qwen3_moe` (Qwen3-MoE with dense
 layers: dense MLPs and experts in alternate layers). tiny's 4 query and 2 kv heads do not divide a
@@ -34,7 +35,8 @@ from tests.models.sharding import plan, rows_by_path
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "goldens"
 MODELS = ("tiny", "tiny_gemma", "llama3.2-1b", "tiny_moe", "tiny_gemma3", "tiny_gemma4",
-          "tiny_qwen35", "tiny_qwen3_moe", "tiny_olmo3", "tiny_phi3", "tiny_qwen3_next")
+          "tiny_qwen35", "tiny_qwen3_moe", "tiny_olmo3", "tiny_phi3", "tiny_qwen3_next",
+          "tiny_llama4")
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 
 

@@ -1,6 +1,7 @@
 """Hugging Face `config.json` -> TransformerConfig for Llama, Gemma, Gemma 2, Gemma 3, Qwen
 2/2.5, Qwen 3, Mistral, SmolLM3, OLMo 3 (hf/olmo3.py), Phi-3/4 (hf/phi3.py), and the mixtures of
-experts Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5-MoE and Qwen3-Next (hf/qwen3_next.py).
+experts Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5-MoE, Qwen3-Next (hf/qwen3_next.py) and Llama 4
+(hf/llama4.py).
 
 Reads both the transformers 5 layout (`rope_parameters`) and the older one (`rope_theta` +
 `rope_scaling`), and writes both so other readers (older transformers, serving stacks) agree.
@@ -26,6 +27,7 @@ from typing import Any, Mapping
 from distillax.errors import UserError
 from distillax.models.config import FULL, LINEAR, SLIDING, TransformerConfig, window_fields
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_fields
+from distillax.models.hf.llama4 import LLAMA4, llama4_fields
 from distillax.models.hf.olmo3 import OLMO3, olmo3_fields
 from distillax.models.hf.phi3 import LONGROPE_TYPES, PHI3, longrope_fields, phi3_fields
 from distillax.models.hf.qwen3_next import QWEN3_NEXT, qwen3_next_moe_fields
@@ -37,7 +39,7 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "gemma4_text": "Gemma4ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                "olmo3": OLMO3, "phi3": PHI3, "qwen3_next": QWEN3_NEXT}
+                "olmo3": OLMO3, "phi3": PHI3, "qwen3_next": QWEN3_NEXT, "llama4_text": LLAMA4}
 GPT_OSS = "GptOssForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
@@ -47,7 +49,8 @@ QWEN35_MOE = "Qwen3_5MoeForCausalLM"
 MULTIMODAL = {"Gemma4ForConditionalGeneration": GEMMA4,
               "Gemma3ForConditionalGeneration": GEMMA3,
               "Qwen3_5ForConditionalGeneration": QWEN35,
-              "Qwen3_5MoeForConditionalGeneration": QWEN35_MOE}
+              "Qwen3_5MoeForConditionalGeneration": QWEN35_MOE,
+              "Llama4ForConditionalGeneration": LLAMA4}
 ARCHITECTURES = tuple(MODEL_TYPES.values())
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", GEMMA3)
 _QWEN_FAMILY = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -296,6 +299,8 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
     return olmo3_fields(hf, num_layers, where, _rope)
   if arch == PHI3:
     return phi3_fields(hf, num_layers, where)
+  if arch == LLAMA4:
+    return llama4_fields(hf, num_layers, where)
   if arch == GEMMA4:
     if (act or "gelu_pytorch_tanh") not in _TANH_GELU:
       raise UserError(f"{where}: hidden activation {act!r} is not supported for {arch} "

@@ -13,6 +13,7 @@ from distillax.models.hf.config import (ARCHITECTURES, GEMMA3, GEMMA_FAMILY, GPT
                                         MISTRAL_FAMILY, MODEL_TYPES, QWEN35, QWEN35_MOE,
                                         SMOLLM3)
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_hf_fields, is_gemma4
+from distillax.models.hf.llama4 import LLAMA4, is_llama4, llama4_hf_fields
 from distillax.models.hf.olmo3 import OLMO3, is_olmo3, olmo3_hf_fields
 from distillax.models.hf.phi3 import PHI3, is_phi3, longrope_to_hf, phi3_hf_fields
 from distillax.models.hf.qwen3_next import (QWEN3_NEXT, holds_qwen3_next_experts,
@@ -21,10 +22,10 @@ from distillax.models.hf.qwen3_next import (QWEN3_NEXT, holds_qwen3_next_experts
 
 # The parts of a mixture of experts only some families have: the architectures that hold each.
 FEATURE_ARCHS = {
-    "shared_expert_mlp_dim": (QWEN35_MOE, QWEN3_NEXT),
-    "moe_layers": ("Qwen3MoeForCausalLM", QWEN3_NEXT),  # layers with a dense MLP, not experts
+    "shared_expert_mlp_dim": (QWEN35_MOE, QWEN3_NEXT, LLAMA4),
+    "moe_layers": ("Qwen3MoeForCausalLM", QWEN3_NEXT, LLAMA4),  # layers with a dense MLP
     "routed_scaling_factor": (),
-    "moe_scale_inputs": (),
+    "moe_scale_inputs": (LLAMA4,),
 }
 
 
@@ -113,6 +114,9 @@ def hf_architecture(config: TransformerConfig) -> str:
     arch = OLMO3 if is_olmo3(config) else None
   elif config.fused_qkv_gate_up or config.rope_scaling_type == "longrope":  # Phi-3/4
     arch = PHI3 if is_phi3(config) else None
+  elif (config.moe_scale_inputs or config.qk_l2_norm or config.attention_chunk_size
+        or config.attn_temperature_floor_scale):  # Llama 4
+    arch = LLAMA4 if is_llama4(config) else None
   elif (config.value_norm or config.layer_scalar or config.per_layer_input_dim
       or config.num_kv_shared_layers or config.attention_k_eq_v or config.global_num_kv_heads):
     arch = GEMMA4 if is_gemma4(config) else None
@@ -176,6 +180,8 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
     return olmo3_hf_fields(config, _rope_to_hf)
   if arch == PHI3:
     return phi3_hf_fields(config, _rope_to_hf)
+  if arch == LLAMA4:
+    return llama4_hf_fields(config)
   if arch in (QWEN35, QWEN35_MOE, QWEN3_NEXT):
     mixers = config.token_mixers or (FULL,) * config.num_layers
     moe = {} if arch == QWEN35 else dict(
