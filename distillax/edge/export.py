@@ -95,9 +95,10 @@ def gguf_architecture(config: TransformerConfig) -> str:
                     f"would run differently there (set sliding_window to None or >= max_seq_len)")
   scaling = None if config.rope_scaling_factor is None else config.rope_scaling_type
   if scaling not in (None, _ROPE_SCALING.get(arch)):
-    only = " and ".join(a for a, s in _ROPE_SCALING.items() if s == scaling)
-    raise UserError(f"llama.cpp applies {scaling} RoPE scaling only to the {only} "
-                    f"architecture, not {arch}; set rope_scaling_factor=None")
+    only = [a for a, s in _ROPE_SCALING.items() if s == scaling]
+    raise UserError(f"llama.cpp applies {scaling} RoPE scaling only to the {' and '.join(only)} "
+                    f"architecture{'s' * (len(only) > 1)}, not {arch}; set "
+                    f"rope_scaling_factor=None")
   if config.num_experts:
     _check_experts(config, arch)
   if arch == "gpt-oss":

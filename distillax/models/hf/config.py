@@ -100,8 +100,8 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
              else legacy)
   if rope_type == "default":
     return {"rope_theta": float(theta)}
-  if rope_type in LONGROPE_TYPES:
-    return longrope_fields(scaling, float(theta), hf, where)
+  if rope_type in LONGROPE_TYPES or rope_type == "yarn" and "long_factor" in scaling:
+    return longrope_fields(scaling, float(theta), hf, where)  # Phi3Config reads yarn so too
   if rope_type == "yarn":
     return _yarn(scaling, float(theta), where)
   if rope_type == "linear":

@@ -128,6 +128,9 @@ def test_phi4_mini_config_json_reads_as_the_preset():
           "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48,
                            "long_factor": list(get_preset("phi-4-mini").rope_long_factors)}}
   assert config_from_hf(mini, dtype="bfloat16", scan_layers=True) == get_preset("phi-4-mini")
+  # Phi3Config reads an older config's rope type 'yarn' (with LongRoPE's lists) as longrope.
+  as_yarn = {**mini, "rope_scaling": {**mini["rope_scaling"], "type": "yarn"}}
+  assert config_from_hf(as_yarn, dtype="bfloat16", scan_layers=True) == get_preset("phi-4-mini")
   phi4 = {"architectures": ["Phi3ForCausalLM"], "hidden_size": 5120, "intermediate_size": 17_920,
           "max_position_embeddings": 16_384, "num_attention_heads": 40, "num_hidden_layers": 40,
           "num_key_value_heads": 10, "rms_norm_eps": 1e-5, "rope_theta": 250_000.0,
