@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import fnmatch
 import json
 import os
 import sys
@@ -41,7 +42,7 @@ prologue.start(__name__, default_devices=1)
 import jax  # noqa: E402
 
 from benchmarks.lib import common, lever_grid  # noqa: E402
-from benchmarks.lib.accelerator_measure import matmul_probe  # noqa: E402
+from benchmarks.lib.accelerator_measure import matmul_probe, package_versions  # noqa: E402
 from distillax.framework import throughput  # noqa: E402
 
 
@@ -74,7 +75,9 @@ def main(argv=None) -> int:
   backend = jax.default_backend()
   peak, source = throughput.peak_flops_per_device()
   write_row(out, {"row": "probe", "backend": backend, "device_kind": jax.devices()[0].device_kind,
-                  "jax": jax.__version__, "peak_flops": peak, "peak_source": source,
+                  "jax": jax.__version__, "versions": package_versions(),
+                  "python": sys.version.split()[0], "peak_flops": peak, "peak_source": source,
+                  "memory_limit": lever_grid.memory_limit(),
                   "since_start_s": time.perf_counter() - START, "matmul": matmul_probe(backend)})
   pair = lever_grid.pair_configs(args.pair, tiny=args.tiny)
   seq_len = 64 if args.tiny else args.seq_len
@@ -90,10 +93,10 @@ def main(argv=None) -> int:
 
   with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:  # both inits compile at once
     for role, cfg in pair.items():
-      cfg = cfg.replace(remat="full", attention_impl="auto")
+      cfg = lever_grid.init_config(cfg)
       made[cfg] = pool.submit(lever_grid.ModelFactory, cfg, seed=0 if role == "student" else 1)
     for role, cfg in pair.items():
-      cfg = cfg.replace(remat="full", attention_impl="auto")
+      cfg = lever_grid.init_config(cfg)
       made[cfg] = made[cfg].result()
       write_row(out, {"row": f"init/{role}", "scan_layers": cfg.scan_layers, "parallel": True,
                       **made[cfg].timing})
@@ -108,7 +111,8 @@ def main(argv=None) -> int:
     for v in variants:  # tracing holds the GIL; each compile runs in a thread meanwhile
       t0 = time.perf_counter()
       try:
-        low = lever_grid.lower(v, pair)
+        low = lever_grid.lower(v, lever_grid.pair_configs(v.option("pair", args.pair),
+                                                          tiny=args.tiny))
       except Exception as e:  # noqa: BLE001 - one variant's failure is its row
         write_row(out, {"row": v.name, "status": "error", "phase": "trace",
                         "error": f"{type(e).__name__}: {e}"[:1500]})
@@ -152,7 +156,7 @@ def run_group(group, pending, factories, out: Path, args) -> None:
     try:
       timing = session.time(low, exe, steps=2 if args.tiny else args.steps)
       write_row(out, {**row, "status": "ok", **timing})
-      if v.name in profiles:
+      if any(fnmatch.fnmatch(v.name, p) for p in profiles):
         trace_dir = Path("/tmp") / f"profile_{v.safe_name}"
         session.profile(low, exe, trace_dir)
         (trace_dir / "step.hlo.txt").write_text(exe.as_text())

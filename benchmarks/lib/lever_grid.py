@@ -21,7 +21,9 @@ from distillax.distill import LogitKD, make_distill_objective
 from distillax.framework import backends, build_engine, flops, throughput
 from distillax.framework.vocab_chunks import AUTO
 from distillax.models import abstract_model, get_preset, param_count
+from distillax.models.config import COMPUTE, TransformerConfig, fields_of_kind
 from distillax.models.transformer import Transformer
+from distillax.quant import quantize_for_training
 from distillax.quant.int8_model import abstract_int8_model, int8_model
 from distillax.trainers import lm_objective
 
@@ -48,7 +50,30 @@ def _continuity(tiny: bool) -> dict:
           "teacher": teacher_twice(student).replace(param_dtype="bfloat16")}
 
 
-PAIRS = {"real": _real, "continuity": _continuity}
+def _moe(tiny: bool) -> dict:
+  """A Qwen3-MoE-shaped teacher that fits one chip with the real student: 8 layers of 16
+  experts (top-4, width 768) at width 2048, 1.38B parameters in bf16, into Qwen3-0.6B."""
+  if tiny:
+    return {"student": _real(True)["student"],
+            "teacher": get_preset("tiny_moe", vocab_size=256, router="softmax_topk")}
+  return {"student": _real(False)["student"],
+          "teacher": get_preset("qwen3-30b-a3b", num_layers=8, num_experts=16,
+                                num_experts_per_tok=4, param_dtype="bfloat16")}
+
+
+def _moe_student(tiny: bool) -> dict:
+  """A Qwen3-MoE-shaped student trained on one chip: 4 layers of 16 experts (top-4), 1.0B
+  parameters with fp32 master weights (the teacher is the real pair's, for KD rows)."""
+  if tiny:
+    return {"student": get_preset("tiny_moe", param_dtype="float32"),
+            "teacher": _real(True)["teacher"]}
+  return {"student": get_preset("qwen3-30b-a3b", num_layers=4, num_experts=16,
+                                num_experts_per_tok=4, param_dtype="float32",
+                                dtype="bfloat16"),
+          "teacher": _real(False)["teacher"]}
+
+
+PAIRS = {"real": _real, "continuity": _continuity, "moe": _moe, "moe_student": _moe_student}
 
 
 def pair_configs(name: str, tiny: bool = False) -> dict:
@@ -128,7 +153,8 @@ class Variant:
             "seq_len": self.seq_len, "options": dict(self.options)}
 
   def model_fields(self) -> dict[str, Any]:
-    special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_int8")
+    special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_moe_impl", "pair",
+               "qat", "teacher_int8")
     out = {"remat": self.remat}
     for k, v in self.options:
       if k not in special:
@@ -181,6 +207,8 @@ def lower(v: Variant, pair: dict) -> Lowered:
       teacher_fields["remat"] = v.option("teacher_remat")
     if v.option("teacher_scan"):
       teacher_fields["scan_layers"] = _value(v.option("teacher_scan"))
+    if v.option("teacher_moe_impl"):
+      teacher_fields["moe_impl"] = v.option("teacher_moe_impl")
     teacher_cfg = pair["teacher"].replace(**teacher_fields)
   teacher_int8 = teacher_cfg is not None and _value(v.option("teacher_int8", "False")) is True
   mesh, rules = one_chip()
@@ -188,7 +216,7 @@ def lower(v: Variant, pair: dict) -> Lowered:
   if teacher_cfg is not None:
     teacher = abstract_model(teacher_cfg)
     extras["teacher"] = abstract_int8_model(teacher) if teacher_int8 else teacher
-  engine = build_engine(abstract_model(student_cfg), extras, objective_for(v),
+  engine = build_engine(transformed(v, abstract_model(student_cfg)), extras, objective_for(v),
                         common.benchmark_optimizer(), 1000, mesh, rules, "jit",
                         common.batch_shapes(v.batch, v.seq_len), compile_now=False)
   abstract_batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=backends.batch_sharding(
@@ -197,6 +225,18 @@ def lower(v: Variant, pair: dict) -> Lowered:
   lowered = engine.runner.call.lower(backends.sharded_abstract_state(engine.layout),
                                      abstract_batch)
   return Lowered(v, engine, lowered, student_cfg, teacher_cfg, teacher_int8)
+
+
+# qat=q4_0: llama.cpp's q4_0 weights and q8_0 activations everywhere but the output layer (the
+# top module, path ''), as the demo and README train for llama.cpp.
+QAT_RULES = {"q4_0": {"rules": [("", None, None, None), (".*", "q4_0", "q8_0", None)]}}
+
+
+def transformed(v: Variant, student):
+  """The student as the variant trains it: fake-quantized (QAT) when it says so."""
+  if v.option("qat"):
+    return quantize_for_training(student, QAT_RULES[v.option("qat")])
+  return student
 
 
 def compile_timed(low: Lowered):
@@ -220,11 +260,19 @@ def memory_limit() -> int | None:
   return memory_stats().get("bytes_limit")
 
 
+def init_config(cfg):
+  """`cfg` with its compute fields at their defaults: they decide how a model runs, never its
+  initial weights, so every variant of one model shares one ModelFactory."""
+  defaults = TransformerConfig()
+  return cfg.replace(**{f: getattr(defaults, f) for f in fields_of_kind(COMPUTE) if f != "dtype"})
+
+
 def layout_key(low: "Lowered") -> tuple:
   """What decides the state's arrays: variants with the same key share one state."""
   t = low.teacher_cfg
-  return (low.student_cfg.scan_layers, t.scan_layers if t is not None else None,
-          low.teacher_int8)
+  return (low.variant.option("pair", ""), low.variant.option("qat", ""),
+          low.student_cfg.scan_layers,
+          t.scan_layers if t is not None else None, low.teacher_int8)
 
 
 class Session:
@@ -233,7 +281,7 @@ class Session:
   the last one left. `factories(cfg)` gives the ModelFactory of a model config."""
 
   def __init__(self, factories, first: "Lowered"):
-    base = lambda cfg: cfg.replace(remat="full", attention_impl="auto")
+    base = init_config
     extras, self.teacher_int8_s = {}, None
     if first.teacher_cfg:
       extras["teacher"] = factories(base(first.teacher_cfg), "teacher").make()
@@ -242,8 +290,8 @@ class Session:
         extras["teacher"] = int8_model(extras["teacher"])
         jax.block_until_ready(nnx.state(extras["teacher"]))
         self.teacher_int8_s = time.perf_counter() - t0
-    self.state = first.engine.init_state(factories(base(first.student_cfg), "student").make(),
-                                         extras, 0)
+    student = transformed(first.variant, factories(base(first.student_cfg), "student").make())
+    self.state = first.engine.init_state(student, extras, 0)
     self.peak_flops, _ = throughput.peak_flops_per_device()
 
   def time(self, low: Lowered, exe, steps: int) -> dict:
