@@ -280,11 +280,8 @@ def test_splash_kernel_matches_reference(case):
   ref_out, ref_grads = _out_and_grads(ref, *(x.astype(jnp.float32) for x in (q, k, v)))
   for name, got, want in zip(["out", "dq", "dk", "dv"], [spl_out, *spl_grads],
                              [ref_out, *ref_grads]):
-    got = np.asarray(got.astype(jnp.float32))
-    if dtype == jnp.float32:
-      chip.assert_close(got, want, atol=2e-5, rtol=1e-5, err_msg=name)
-    else:
-      chip.assert_bf16(got, want, err_msg=name)
+    chip.assert_close(np.asarray(got.astype(jnp.float32)), want, dtype=dtype, atol=2e-5,
+                      rtol=1e-5, err_msg=name)
 
 
 def test_splash_under_sharding_rules_with_a_traced_window():

@@ -76,13 +76,8 @@ def test_grouped_matmul_equals_dense_in_values_and_gradients(impl, dtype):
   names = ["out", "x", "logits", "gate", "up", "down", "gate_b", "up_b", "down_b"]
   assert len(got_all) == len(want_all) == (9 if dtype == "float32" else 6)
   for name, got, want in zip(names, got_all, want_all):
-    got = np.asarray(jnp.asarray(got, jnp.float32))
-    if dtype == "bfloat16":
-      chip.assert_bf16(got, want, err_msg=name)
-    elif name == "out":
-      chip.assert_close(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
-    else:
-      chip.assert_close(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+    chip.assert_close(np.asarray(jnp.asarray(got, jnp.float32)), want, dtype=dtype,
+                      rtol=1e-5 if name == "out" else 1e-4, atol=1e-5, err_msg=name)
   assert float(jnp.abs(grads[2][2]).max()) == 0.0  # the unused expert learns nothing
   assert float(jnp.abs(grads[2]).max()) > 0.0
 
