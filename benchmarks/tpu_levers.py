@@ -42,7 +42,7 @@ prologue.start(__name__, default_devices=1)
 import jax  # noqa: E402
 
 from benchmarks.lib import common, lever_grid  # noqa: E402
-from benchmarks.lib.accelerator_measure import matmul_probe  # noqa: E402
+from benchmarks.lib.accelerator_measure import matmul_probe, package_versions  # noqa: E402
 from distillax.framework import throughput  # noqa: E402
 
 
@@ -75,7 +75,9 @@ def main(argv=None) -> int:
   backend = jax.default_backend()
   peak, source = throughput.peak_flops_per_device()
   write_row(out, {"row": "probe", "backend": backend, "device_kind": jax.devices()[0].device_kind,
-                  "jax": jax.__version__, "peak_flops": peak, "peak_source": source,
+                  "jax": jax.__version__, "versions": package_versions(),
+                  "python": sys.version.split()[0], "peak_flops": peak, "peak_source": source,
+                  "memory_limit": lever_grid.memory_limit(),
                   "since_start_s": time.perf_counter() - START, "matmul": matmul_probe(backend)})
   pair = lever_grid.pair_configs(args.pair, tiny=args.tiny)
   seq_len = 64 if args.tiny else args.seq_len

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Downloads the wheels scripts/accelerator_run.sh carries (scripts/accelerator_wheels.txt) into
-# DIR (default .whl), for CPython 3.12 on manylinux x86_64, without their dependencies:
+# DIR (default .whl), for CPython 3.11 on manylinux x86_64, without their dependencies:
 #   scripts/accelerator_wheels.sh [DIR]        (or: make accelerator-wheels)
-# PYTHON_VERSION=3.13 or PLATFORM_TAGS="manylinux_2_28_aarch64 ..." retarget it.
+# PYTHON_VERSION=3.12 or PLATFORM_TAGS="manylinux_2_28_aarch64 ..." retarget it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.whl}
@@ -13,7 +13,7 @@ rm -f "$dir"/*.whl  # one version of each: two of one name stop pip's install th
 platforms=()
 for t in $tags; do platforms+=(--platform "$t"); done
 mapfile -t wanted < <(grep -v '^\s*#' scripts/accelerator_wheels.txt | grep -v '^\s*$')
-"$py" -m pip download -q --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" \
+"$py" -m pip download -q --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.11}" \
   --implementation cp "${platforms[@]}" -d "$dir" "${wanted[@]}" 2>&1 | grep -v "is ignored" || true
 count=$(ls "$dir"/*.whl 2>/dev/null | wc -l)
 if [ "$count" -ne "${#wanted[@]}" ]; then

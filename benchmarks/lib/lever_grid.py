@@ -23,6 +23,7 @@ from distillax.framework.vocab_chunks import AUTO
 from distillax.models import abstract_model, get_preset, param_count
 from distillax.models.config import COMPUTE, TransformerConfig, fields_of_kind
 from distillax.models.transformer import Transformer
+from distillax.quant import quantize_for_training
 from distillax.trainers import lm_objective
 
 
@@ -148,7 +149,8 @@ class Variant:
             "seq_len": self.seq_len, "options": dict(self.options)}
 
   def model_fields(self) -> dict[str, Any]:
-    special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_moe_impl", "pair")
+    special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_moe_impl", "pair",
+               "qat")
     out = {"remat": self.remat}
     for k, v in self.options:
       if k not in special:
@@ -205,7 +207,7 @@ def lower(v: Variant, pair: dict) -> Lowered:
     teacher_cfg = pair["teacher"].replace(**teacher_fields)
   mesh, rules = one_chip()
   extras = {"teacher": abstract_model(teacher_cfg)} if teacher_cfg else {}
-  engine = build_engine(abstract_model(student_cfg), extras, objective_for(v),
+  engine = build_engine(transformed(v, abstract_model(student_cfg)), extras, objective_for(v),
                         common.benchmark_optimizer(), 1000, mesh, rules, "jit",
                         common.batch_shapes(v.batch, v.seq_len), compile_now=False)
   abstract_batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=backends.batch_sharding(
@@ -214,6 +216,18 @@ def lower(v: Variant, pair: dict) -> Lowered:
   lowered = engine.runner.call.lower(backends.sharded_abstract_state(engine.layout),
                                      abstract_batch)
   return Lowered(v, engine, lowered, student_cfg, teacher_cfg)
+
+
+# qat=q4_0: llama.cpp's q4_0 weights and q8_0 activations everywhere but the output layer (the
+# top module, path ''), as the demo and README train for llama.cpp.
+QAT_RULES = {"q4_0": {"rules": [("", None, None, None), (".*", "q4_0", "q8_0", None)]}}
+
+
+def transformed(v: Variant, student):
+  """The student as the variant trains it: fake-quantized (QAT) when it says so."""
+  if v.option("qat"):
+    return quantize_for_training(student, QAT_RULES[v.option("qat")])
+  return student
 
 
 def compile_timed(low: Lowered):
@@ -247,7 +261,8 @@ def init_config(cfg):
 def layout_key(low: "Lowered") -> tuple:
   """What decides the state's arrays: variants with the same key share one state."""
   t = low.teacher_cfg
-  return (low.variant.option("pair", ""), low.student_cfg.scan_layers,
+  return (low.variant.option("pair", ""), low.variant.option("qat", ""),
+          low.student_cfg.scan_layers,
           t.scan_layers if t is not None else None)
 
 
@@ -260,8 +275,8 @@ class Session:
     base = init_config
     extras = ({"teacher": factories(base(first.teacher_cfg), "teacher").make()}
               if first.teacher_cfg else {})
-    self.state = first.engine.init_state(factories(base(first.student_cfg), "student").make(),
-                                         extras, 0)
+    student = transformed(first.variant, factories(base(first.student_cfg), "student").make())
+    self.state = first.engine.init_state(student, extras, 0)
     self.peak_flops, _ = throughput.peak_flops_per_device()
 
   def time(self, low: Lowered, exe, steps: int) -> dict:

@@ -60,13 +60,13 @@ def train_section() -> ml_collections.ConfigDict:
   # Mixture-of-experts students (model.num_experts > 0) in lm, sequence_kd and distill jobs:
   c.moe_aux_loss = 0.0  # weight of the Switch load-balancing loss (1 when balanced)
   c.router_z_loss = 0.0  # weight of the router z-loss: mean squared logsumexp of router logits
-  # How the train losses over the vocabulary run: chunked (the vocabulary-chunk engine, chunks of
-  # positions) | sliced (slices of the vocabulary over every position: next-token CE, and a
-  # distill job's LogitKD forward KL with one teacher; a plain output layer) | tokamax (its
-  # fused linear_softmax_cross_entropy_loss for lm and sequence_kd, the tokamax extra: a Mosaic
-  # kernel on TPU, its XLA path elsewhere; no train accuracy). Every eval keeps the chunked
-  # engine.
-  c.loss_impl = "chunked"
+  # How the train losses over the vocabulary run: auto (sliced where it may, else chunked) |
+  # chunked (the vocabulary-chunk engine, chunks of positions) | sliced (slices of the vocabulary
+  # over every position: next-token CE, and a distill job's LogitKD forward KL with one teacher;
+  # an output layer neither adapted nor quantized) | tokamax (its fused
+  # linear_softmax_cross_entropy_loss for lm and sequence_kd, the tokamax extra: a Mosaic kernel
+  # on TPU, its XLA path elsewhere; no train accuracy). Every eval keeps the chunked engine.
+  c.loss_impl = "auto"
   return c
 
 

@@ -135,14 +135,7 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
                       f"{', '.join(leaf.name for _, leaf in other_leaves)} need one teacher's "
                       f"layers: set their distill.*.weight to 0")
 
-  def per_token(s_logits_NxV, t_logits_NxV, tokens):
-    if teachers is not None and t_logits_NxV is not None:
-      t_logits_NxV = teachers.combine(t_logits_NxV, tokens)
-    logits = TokenLogits(s_logits_NxV, t_logits_NxV, tokens)
-    values = shared_metric_values(logits, extra=metrics)
-    for _, leaf in token_leaves:
-      values.update(leaf.shared_token_values(logits))
-    return values
+  per_token = _token_values(token_leaves, teachers, metrics)
 
   def objective(student, extras, batch, rng) -> ObjectiveOutput:
     del rng
@@ -155,16 +148,36 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
       loss_sum, sums = sliced_loss_and_sums(*sliced_term, inputs)
     else:
       loss_sum, sums = inputs.loss_and_sums(per_token, weights)
-    for weight, leaf in other_leaves:
-      term, metrics_of_leaf = leaf.term_sums(inputs)
-      loss_sum = loss_sum + weight * term
-      sums.update(metrics_of_leaf)
-    tokens, ratios = jnp.sum(inputs.mask_BxL), {}
-    if inputs.student.router_stats is not None:
-      extra, router_sums, ratios = moe.objective_terms(inputs.student.router_stats, tokens,
-                                                       *router_loss_weights)
-      loss_sum = loss_sum + extra
-      sums.update(router_sums)
-    return ObjectiveOutput(loss_sum=loss_sum, tokens=tokens, sums=sums, ratios=ratios)
+    return _with_other_terms(inputs, loss_sum, sums, other_leaves, router_loss_weights)
 
   return objective
+
+
+def _token_values(token_leaves, teachers: TeacherMix | None, metrics: bool):
+  """The token function of the logit terms: one pass over the logits shared by every leaf."""
+  def per_token(s_logits_NxV, t_logits_NxV, tokens):
+    if teachers is not None and t_logits_NxV is not None:
+      t_logits_NxV = teachers.combine(t_logits_NxV, tokens)
+    logits = TokenLogits(s_logits_NxV, t_logits_NxV, tokens)
+    values = shared_metric_values(logits, extra=metrics)
+    for _, leaf in token_leaves:
+      values.update(leaf.shared_token_values(logits))
+    return values
+  return per_token
+
+
+def _with_other_terms(inputs: DistillInputs, loss_sum, sums, other_leaves,
+                      router_loss_weights) -> ObjectiveOutput:
+  """The logit terms' (loss, sums) with the terms that read layers (attention, features) and an
+  MoE student's router losses added."""
+  for weight, leaf in other_leaves:
+    term, metrics_of_leaf = leaf.term_sums(inputs)
+    loss_sum = loss_sum + weight * term
+    sums.update(metrics_of_leaf)
+  tokens, ratios = jnp.sum(inputs.mask_BxL), {}
+  if inputs.student.router_stats is not None:
+    extra, router_sums, ratios = moe.objective_terms(inputs.student.router_stats, tokens,
+                                                     *router_loss_weights)
+    loss_sum = loss_sum + extra
+    sums.update(router_sums)
+  return ObjectiveOutput(loss_sum=loss_sum, tokens=tokens, sums=sums, ratios=ratios)

@@ -5,9 +5,10 @@
 
 Architectures: what `hf_config_out.hf_architecture` names, as llama.cpp's llama (Llama, and
 Mistral when no layer's window is shorter than the context; Mixtral, its experts included),
-gemma, gemma2, gemma3, gemma4, qwen2, qwen3, qwen3moe, qwen35(moe), gpt-oss and smollm3, with
-llama.cpp's tensor names and `{arch}.*` keys (edge/layout.py; gemma4's and qwen35's own:
-edge/gemma4_qwen35.py). Conventions llama.cpp expects and we follow: tensors are row-major
+gemma, gemma2, gemma3, gemma4, qwen2, qwen3, qwen3moe, qwen35(moe), gpt-oss, smollm3, olmo2
+(OLMo 3), phi3 (Phi-3/4), qwen3next and llama4, with llama.cpp's tensor names and `{arch}.*` keys
+(edge/layout.py; gemma4's and qwen35's own: edge/gemma4_qwen35.py; the others' hooks:
+edge/arch_hooks.py). Conventions llama.cpp expects and we follow: tensors are row-major
 [out, in] (GGUF ne0 = in, the axis ggml's blocks run along); Llama's and SmolLM3's q/k rows are
 permuted from the rotate-half layout to llama.cpp's interleaved RoPE (others rotate halves);
 (1 + scale) norms (Gemma 1-3, Qwen3.5) are stored as 1 + scale (llama.cpp multiplies by the
@@ -51,6 +52,7 @@ from distillax.edge.gemma4_qwen35 import (QWEN35_ARCHS, check_gemma4, check_qwen
                                                 check_qwen35_blocks, gemma4_moe_tensors,
                                                 gemma4_rope_freqs, qwen35_tensors)
 from distillax.edge.layout import add_hparams, gguf_name, rope_freq_factors
+from distillax.edge.arch_hooks import HOOKS, arch_tensors
 from distillax.edge.vocab import vocab_of
 from distillax.quant.qat import full_precision, weight_quants
 from distillax.quant.sites import MatmulSite, find_matmul_sites
@@ -62,9 +64,14 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama",
                  "GptOssForCausalLM": "gpt-oss", "Gemma3ForCausalLM": "gemma3",
                  "SmolLM3ForCausalLM": "smollm3", "Gemma4ForCausalLM": "gemma4",
-                 "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe"}
+                 "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe",
+                 "Olmo3ForCausalLM": "olmo2", "Phi3ForCausalLM": "phi3",
+                 "Qwen3NextForCausalLM": "qwen3next", "Llama4ForCausalLM": "llama4"}
 _SLIDING = ("gemma2", "gpt-oss")  # the archs whose even layers slide in llama.cpp
-_ROPE_SCALING = {"llama": "llama3", "gpt-oss": "yarn", "gemma3": "linear"}  # what each reads
+# The MoE archs some of whose layers may have a dense MLP (llama4: interleaved, arch_hooks checks)
+_DENSE_LEAD_ARCHS = ("llama4",)
+_ROPE_SCALING = {"llama": "llama3", "gpt-oss": "yarn", "gemma3": "linear",  # what each reads
+                 **{arch: hooks.rope_scaling for arch, hooks in HOOKS.items()}}
 _EXPERT_BIASES = ("mlp/gate_bias", "mlp/up_bias", "mlp/down_bias")
 _TABLES = ("embedder/embedding", "per_layer_inputs/embedding")  # [vocab, width] as stored
 
@@ -80,17 +87,18 @@ def gguf_architecture(config: TransformerConfig) -> str:
                     f"one with --format hf")
   arch = ARCHITECTURES[hf_arch]
   local = [config.layer_uses_sliding_window(i) for i in range(config.num_layers)]
-  if (arch not in _SLIDING + ("gemma3", "gemma4") and any(local)
+  slides = _SLIDING + ("gemma3", "gemma4") + tuple(a for a, h in HOOKS.items() if h.sliding)
+  if (arch not in slides and any(local)
       and config.sliding_window < config.max_seq_len):
     raise UserError(f"llama.cpp's {arch} architecture attends over the whole context; "
                     f"sliding_window={config.sliding_window} < max_seq_len={config.max_seq_len} "
                     f"would run differently there (set sliding_window to None or >= max_seq_len)")
   scaling = None if config.rope_scaling_factor is None else config.rope_scaling_type
   if scaling not in (None, _ROPE_SCALING.get(arch)):
-    name, only = {"llama3": ("Llama 3.1", "llama"), "yarn": ("YaRN", "gpt-oss"),
-                  "linear": ("linear", "gemma3")}[scaling]
-    raise UserError(f"llama.cpp applies {name} RoPE scaling only to the {only} architecture, "
-                    f"not {arch}; set rope_scaling_factor=None")
+    only = [a for a, s in _ROPE_SCALING.items() if s == scaling]
+    raise UserError(f"llama.cpp applies {scaling} RoPE scaling only to the {' and '.join(only)} "
+                    f"architecture{'s' * (len(only) > 1)}, not {arch}; set "
+                    f"rope_scaling_factor=None")
   if config.num_experts:
     _check_experts(config, arch)
   if arch == "gpt-oss":
@@ -101,6 +109,8 @@ def gguf_architecture(config: TransformerConfig) -> str:
     check_gemma4(config)
   if arch in QWEN35_ARCHS:
     check_qwen35(config)
+  if arch in HOOKS:  # olmo2, phi3, qwen3next, llama4 (edge/arch_hooks.py)
+    HOOKS[arch].check(config)
   if arch == "gemma2":
     _check_gemma2_windows(config)
     if config.attn_logit_softcap is None or config.final_logit_softcap is None:
@@ -121,6 +131,11 @@ def _check_experts(config: TransformerConfig, arch: str) -> None:
   if arch == "qwen3moe" and not config.norm_topk_prob:
     raise UserError("llama.cpp's qwen3moe renormalises the top-k router weights; "
                     "norm_topk_prob=False would run differently there (set it to True)")
+  if config.moe_layers is not None and arch not in _DENSE_LEAD_ARCHS:
+    dense = [i for i in range(config.num_layers) if not config.layer_is_moe(i)]
+    raise UserError(f"llama.cpp's {arch} has experts in every layer; this model's layers "
+                    f"{dense} have a dense MLP (model.moe_layers={list(config.moe_layers)}): "
+                    f"export it with --format hf")
   if config.moe_capacity_factor is not None:
     raise UserError(f"llama.cpp runs every expert dropless; moe_capacity_factor="
                     f"{config.moe_capacity_factor} drops tokens in this model (set it to None)")
@@ -273,7 +288,8 @@ def gguf_arrays(model: Transformer, layouts: dict[str, tuple]):
     x = _rows(value, layouts.get(name), name)
     if name.endswith("norm/scale") and config.norm_scale_plus_one:
       x = (np.float32(1) + x).astype(np.float32)
-    if arch in ("llama", "smollm3") and name.endswith(("attn/q", "attn/k")):
+    adjacent = arch in ("llama", "smollm3") or arch in HOOKS and HOOKS[arch].interleaved_rope
+    if adjacent and name.endswith(("attn/q", "attn/k")):
       x = _rope_interleave(x, config.num_heads if name.endswith("q") else config.num_kv_heads)
     rows[name] = x
   tensors = [((name,), name, x) for name, x in rows.items()]
@@ -285,12 +301,16 @@ def gguf_arrays(model: Transformer, layouts: dict[str, tuple]):
     merged = [t for i in range(config.num_layers) for t in qwen35_tensors(i, rows, params, config)]
     taken = {source for sources, _, _ in merged for source in sources}
     tensors = [t for t in tensors if t[1] not in taken] + merged
+  if arch in HOOKS:
+    tensors = arch_tensors(HOOKS[arch], config, tensors, rows, params)
   for sources, name, x in tensors:
     yield sources, gguf_name(name, config, arch), np.ascontiguousarray(x)
-  if arch == "llama" and config.rope_scaling_factor is not None:
+  if arch in ("llama", "llama4") and config.rope_scaling_factor is not None:
     yield (), "rope_freqs.weight", rope_freq_factors(config)
   if arch == "gemma4":
     yield (), "rope_freqs.weight", gemma4_rope_freqs(config)
+  for name, x in HOOKS[arch].extra(config) if arch in HOOKS else ():
+    yield (), name, x
 
 
 def _host(x: jax.Array) -> np.ndarray:

@@ -21,6 +21,7 @@ import numpy as np
 
 from distillax.edge.gemma4_qwen35 import (QWEN35_ARCHS, add_gemma4_hparams,
                                                 add_qwen35_hparams)
+from distillax.edge.arch_hooks import HOOKS
 from distillax.models.config import TransformerConfig
 from distillax.quant.config import GGML_WEIGHT_QTYPES
 
@@ -80,7 +81,8 @@ def gguf_name(param: str, config: TransformerConfig, arch: str) -> str:
   if param in _TOP_NAMES:
     return _TOP_NAMES[param]
   _, layer, rest = param.split("/", 2)
-  names = {**_BLOCK_NAMES, **_EXPERT_NAMES} if config.num_experts else _BLOCK_NAMES
+  names = ({**_BLOCK_NAMES, **_EXPERT_NAMES} if config.layer_is_moe(int(layer))
+           else _BLOCK_NAMES)
   if arch == "gpt-oss":
     names = {**names, **_GPT_OSS_NAMES}
   if config.moe_dense_mlp:
@@ -88,6 +90,8 @@ def gguf_name(param: str, config: TransformerConfig, arch: str) -> str:
   if arch in QWEN35_ARCHS:
     names = {**names, **_QWEN35_NAMES, **(_LINEAR_NAMES if config.layer_is_linear(int(layer))
                                           else {})}
+  if arch in HOOKS:  # olmo2, phi3, qwen3next, llama4
+    names = {**names, **HOOKS[arch].names(config, int(layer))}
   return f"blk.{layer}.{names[rest]}"
 
 
@@ -95,7 +99,8 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
   writer.add_context_length(config.max_seq_len)
   writer.add_embedding_length(config.embed_dim)
   writer.add_block_count(config.num_layers)
-  writer.add_feed_forward_length(_feed_forward_length(config))
+  dense = arch in HOOKS and HOOKS[arch].dense_ffn_length  # llama4: its dense layers' width
+  writer.add_feed_forward_length(config.mlp_dim if dense else _feed_forward_length(config))
   writer.add_head_count(config.num_heads)
   kv_heads = [config.layer_num_kv_heads(i) for i in range(config.num_layers)]
   writer.add_head_count_kv(kv_heads if len(set(kv_heads)) > 1 else config.num_kv_heads)
@@ -104,7 +109,8 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
   head_dim = (config.global_head_dim or config.head_dim) if arch == "gemma4" else config.head_dim
   writer.add_key_length(head_dim)
   writer.add_value_length(head_dim)
-  writer.add_rope_dimension_count(config.rotary_dim if arch in QWEN35_ARCHS else head_dim)
+  partial = arch in QWEN35_ARCHS or arch in HOOKS and HOOKS[arch].partial_rope
+  writer.add_rope_dimension_count(config.rotary_dim if partial else head_dim)
   writer.add_rope_freq_base(float(config.rope_theta))
   writer.add_layer_norm_rms_eps(float(config.norm_eps))
   writer.add_vocab_size(config.vocab_size)
@@ -123,6 +129,8 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
     add_gemma4_hparams(writer, config)
   if arch in QWEN35_ARCHS:
     add_qwen35_hparams(writer, config)
+  if arch in HOOKS:
+    HOOKS[arch].hparams(writer, config)
   if arch == "gemma2":
     writer.add_attn_logit_softcapping(float(config.attn_logit_softcap))
     writer.add_final_logit_softcapping(float(config.final_logit_softcap))

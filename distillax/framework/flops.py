@@ -25,8 +25,10 @@ attention; its full-attention layers add the output gate's projection (`attn_out
 
 A mixture of experts (num_experts > 0; num_experts_per_tok k, moe_mlp_dim F, 0 = mlp_dim) counts
 what a dropless grouped matmul does: each token's k experts (k gated MLPs of width F) plus the
-router (embed x num_experts), the active-parameter convention of MoE MFU figures; the dense
-reference path (`moe_impl='dense'`) executes num_experts / k times the expert work.
+router (embed x num_experts) and a shared expert where there is one, in the layers with experts
+(moe_layers; the others a dense MLP of width mlp_dim), the active-parameter convention of MoE MFU
+figures; the dense reference path (`moe_impl='dense'`) executes num_experts / k times the expert
+work. DeepSeek's multi-head latent attention (kv_lora_rank > 0) counts its own projections.
 """
 
 from __future__ import annotations
@@ -145,11 +147,25 @@ def forward_flops_breakdown(cfg: Any, batch: int, seq_len: int, *,
     out["linear_attention"] = (layers - attention_layers) * gated_deltanet_flops(cfg, tokens)
   experts = int(getattr(cfg, "num_experts", 0) or 0)
   if experts:
-    k = int(_field(cfg, "num_experts_per_tok"))
-    width = int(getattr(cfg, "moe_mlp_dim", 0) or n["mlp"])
-    out["mlp"] = layers * 2.0 * tokens * n["embed"] * (mlp_matrices * k * width + experts)
+    out["mlp"] = _moe_mlp_flops(cfg, n, tokens, mlp_matrices, experts)
   out["total"] = sum(out.values())
   return out
+
+
+def _moe_mlp_flops(cfg: Any, n: dict[str, int], tokens: int, mlp_matrices: int,
+                   experts: int) -> float:
+  """The MLPs of a mixture of experts: in each layer with experts, the k routed experts of
+  width moe_mlp_dim, the router and the shared expert beside them (and its output gate); in
+  each layer without (moe_layers), a dense MLP of width mlp_dim."""
+  k = int(_field(cfg, "num_experts_per_tok"))
+  width = int(getattr(cfg, "moe_mlp_dim", 0) or n["mlp"])
+  shared = int(getattr(cfg, "shared_expert_mlp_dim", 0) or 0)
+  shared_gate = 1 if getattr(cfg, "shared_expert_gate", False) else 0
+  moe_layers = getattr(cfg, "moe_layers", None)
+  with_experts = n["layers"] if moe_layers is None else len(moe_layers)
+  per_moe_layer = mlp_matrices * (k * width + shared) + experts + shared_gate
+  dense = (n["layers"] - with_experts) * mlp_matrices * n["mlp"]
+  return 2.0 * tokens * n["embed"] * (with_experts * per_moe_layer + dense)
 
 
 def gated_deltanet_flops(cfg: Any, tokens: int) -> float:

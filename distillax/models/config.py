@@ -58,7 +58,8 @@ class TransformerConfig:
   rope_high_freq_factor: float = 4.0
   rope_original_max_len: int = 8192
   # With rope_scaling_factor: 'llama3' (Llama 3.1, the low/high_freq fields) | 'yarn' (gpt-oss)
-  # | 'linear' (Gemma 3's global layers: every frequency divided by the factor).
+  # | 'linear' (Gemma 3's global layers: every frequency divided by the factor) | 'longrope'
+  # (Phi-3/4: the rope_short_factors / rope_long_factors below).
   rope_scaling_type: str = "llama3"
   rope_yarn_beta_fast: float = 32.0  # yarn: pairs turning more often than this keep their speed
   rope_yarn_beta_slow: float = 1.0  # yarn: pairs turning less often than this are slowed fully
@@ -96,6 +97,33 @@ class TransformerConfig:
   linear_conv_kernel: int = 4  # Gated DeltaNet: taps of the causal depthwise conv on q, k, v
   partial_rotary_factor: float = 1.0  # share of head_dim that RoPE turns (Qwen3.5: 0.25)
   attn_output_gate: bool = False  # Qwen3.5: attention output times sigmoid(gate projection of x)
+  # OLMo 2/3: no norm before attention and the MLP; only the post norms (use_post_norms) after.
+  pre_norms: bool = True
+  # OLMo 2/3: the q/k RMSNorm runs over all heads of a projection at once (one scale per head
+  # and feature), not over each head's head_dim alone; needs qk_norm.
+  qk_norm_across_heads: bool = False
+  # Phi-3/4 LongRoPE (rope_scaling_type 'longrope'): a divisor per turning frequency pair, the
+  # short ones while a call's positions stay below rope_original_max_len, the long ones past it
+  # (transformers' rule); rope_scaling_factor sets the default cos/sin scale
+  # sqrt(1 + ln(factor) / ln(rope_original_max_len)).
+  rope_short_factors: tuple[float, ...] | None = None
+  rope_long_factors: tuple[float, ...] | None = None
+  # Phi-3/4 checkpoints store q, k and v as one projection and gate and up as another (HF's
+  # qkv_proj / gate_up_proj, llama.cpp's attn_qkv / ffn_up); distillax computes with them apart.
+  # The same function as Llama's, but which checkpoint the model is: kept with it, as a shape.
+  fused_qkv_gate_up: bool = False
+  # Qwen3-Next checkpoints store a Gated DeltaNet layer's q, k, v and z as one in_proj_qkvz and
+  # b, a as one in_proj_ba, grouped by key head; Qwen3.5's the same function stored apart.
+  fused_qkvz_ba: bool = False
+  # Llama 4: the layers with RoPE attend within chunks of this many positions (a query sees the
+  # keys of its own chunk, position // size); the RoPE-free layers attend fully; None = off.
+  attention_chunk_size: int | None = None
+  # Llama 4: a scale-free RMS norm of each query and key head after RoPE, in the RoPE layers.
+  qk_l2_norm: bool = False
+  # Llama 4's temperature tuning of the RoPE-free layers: queries times
+  # log1p(floor((position + 1) / floor_scale)) * attn_temperature_scale + 1; None = off.
+  attn_temperature_floor_scale: int | None = None
+  attn_temperature_scale: float = 0.1
   # Gemma 4 (models/per_layer_inputs.py): width of each layer's extra input from a second token
   # table and a projection of the embeddings, gated into the residual after the MLP; 0 = off.
   per_layer_input_dim: int = 0
@@ -114,18 +142,37 @@ class TransformerConfig:
   # are their keys before k_norm and RoPE (then value-normed).
   attention_k_eq_v: bool = False
   global_num_kv_heads: int = 0  # Gemma 4: k/v heads of the full-attention layers; 0 = num_kv_heads
-  # Mixture of experts (models/moe/layer.py): every layer's MLP becomes num_experts gated experts and a
-  # router; 0 = a dense MLP in every layer (the other MoE fields are then unused).
+  # Mixture of experts (models/moe/layer.py): the MLP of the layers moe_layers names becomes
+  # num_experts gated experts and a router; 0 = a dense MLP in every layer (the other MoE fields
+  # are then unused).
   num_experts: int = 0
   num_experts_per_tok: int = 2  # experts each token is routed to (k)
   moe_mlp_dim: int = 0  # hidden width of each expert; 0 = mlp_dim
+  # Which layers' MLP is routed experts, the others a dense MLP of width mlp_dim (DeepSeek's and
+  # GLM's first_k_dense_replace, Qwen3-MoE's mlp_only_layers / decoder_sparse_step, Llama 4's
+  # moe_layers / interleave_moe_layer_step); None = every layer (when num_experts > 0).
+  moe_layers: tuple[int, ...] | None = None
   # 'softmax_topk' (Qwen3-MoE) | 'topk_softmax' (Mixtral, gpt-oss) | 'gemma4' (softmax_topk
   # renormalised over a scale-free-normed, learned-scaled input, times a learned per-expert scale)
+  # | 'sigmoid' (DeepSeek V3, GLM-4.5, Llama 4: each expert's sigmoid score, the k best kept)
   router: str = "softmax_topk"
   # Gemma 4 26B (models/moe/gemma4.py): a dense MLP beside the experts, each branch with its own
   # norms, the router reading the residual stream itself; goes with router='gemma4'.
   moe_dense_mlp: bool = False
-  norm_topk_prob: bool = False  # softmax_topk only: rescale the k kept probabilities to sum to 1
+  # softmax_topk and sigmoid: rescale the k kept probabilities (scores) to sum to 1
+  norm_topk_prob: bool = False
+  # sigmoid (DeepSeek's e_score_correction_bias): a per-expert bias added to the scores to choose
+  # the experts, never to weight them (auxiliary-loss-free balancing)
+  router_score_bias: bool = False
+  # sigmoid, group-limited top-k (DeepSeek's n_group / topk_group): the experts form this many
+  # groups of consecutive indices, each group scored by the sum of its two best scores, and
+  # only the best router_groups_kept groups' experts may be chosen; 1 = no groups.
+  router_groups: int = 1
+  router_groups_kept: int = 1
+  routed_scaling_factor: float = 1.0  # every routing weight times this (DeepSeek: 2.5)
+  # Llama 4: a token's chosen expert runs on its input times the routing weight (rather than
+  # weighting the expert's output); needs num_experts_per_tok=1.
+  moe_scale_inputs: bool = False
   router_bias: bool = False  # gpt-oss: the router adds a learned bias per expert to its logits
   expert_bias: bool = False  # gpt-oss: every expert's gate, up and down projections add biases
   # Qwen3.5-MoE (models/moe/shared.py): a dense gated MLP this wide beside the routed experts of
@@ -145,9 +192,11 @@ class TransformerConfig:
   attention_impl: str = _compute("auto")
   # Splash attention's tiles (TPU): (block_q, block_kv, block_kv_compute) positions, each a
   # multiple of 128 that divides the sequence (else the largest of 512, 256, 128 that does), and
-  # whether the backward pass is one fused dq/dkv kernel (benchmarks/splash_blocks.py).
-  splash_blocks: tuple[int, int, int] = _compute((512, 512, 512))
-  splash_fused_bwd: bool = _compute(False)
+  # whether the backward pass is one fused dq/dkv kernel. The defaults were the v5e's fastest
+  # (benchmarks/results/splash_blocks.json: forward + backward 1.32x the 512 tiles with two
+  # backward kernels at 2k tokens, head dim 128 and 64; 1.50x at 8k).
+  splash_blocks: tuple[int, int, int] = _compute((1024, 1024, 512))
+  splash_fused_bwd: bool = _compute(True)
   # ragged (dropless grouped matmul, the default) | dense (every expert on every token; the
   # reference the tests hold ragged to) | tokamax (tokamax's grouped matmul: moe/kernels.py).
   moe_impl: str = _compute("ragged")
@@ -176,10 +225,26 @@ class TransformerConfig:
     """Hidden width of each MoE expert."""
     return self.moe_mlp_dim or self.mlp_dim
 
+  def layer_is_moe(self, layer: int) -> bool:
+    """Whether layer `layer`'s MLP is routed experts (else a dense MLP of width mlp_dim)."""
+    return bool(self.num_experts) and (self.moe_layers is None or layer in self.moe_layers)
+
+  @property
+  def num_moe_layers(self) -> int:
+    return sum(self.layer_is_moe(i) for i in range(self.num_layers))
+
   @property
   def rotary_dim(self) -> int:
     """Features of each query/key head that RoPE turns (the first ones; the rest pass)."""
     return int(self.head_dim * self.partial_rotary_factor)
+
+  def layer_has_rope(self, layer: int) -> bool:
+    """Whether layer `layer` turns its queries and keys (not one of rope_free_layers)."""
+    return layer not in (self.rope_free_layers or ())
+
+  def layer_is_chunked(self, layer: int) -> bool:
+    """Whether layer `layer` attends within chunks (Llama 4's RoPE layers)."""
+    return self.attention_chunk_size is not None and self.layer_has_rope(layer)
 
   def layer_is_linear(self, layer: int) -> bool:
     """Whether layer `layer` is a Gated DeltaNet (linear attention) layer."""
@@ -273,14 +338,17 @@ class TransformerConfig:
     attends as it was trained to (a Gemma 2 block copied from a sliding layer to an odd
     position stays sliding; a Gemma 3 block keeps its RoPE base with its attention type; a
     SmolLM3 block without RoPE stays without, a Qwen3.5 block keeps its token mixer, a Gemma 4
-    block its head_dim, RoPE and the block whose keys/values it shares), whatever pattern its new
+    block its head_dim, RoPE and the block whose keys/values it shares, a mixture of experts'
+    block its experts or dense MLP), whatever pattern its new
     position would give. Gemma 4's per-layer input columns follow their blocks in the weights
     (trainers/sources/kinds.py)."""
     local = [self.layer_uses_sliding_window(i) for i in layers]
     mixers = None if self.token_mixers is None else tuple(self.token_mixers[i] for i in layers)
     free = tuple(j for j, i in enumerate(layers) if i in (self.rope_free_layers or ()))
     shared = blocks_sharing_kv(self, layers)
-    return self.replace(**{"num_layers": len(layers), "token_mixers": mixers,
+    moe = (tuple(j for j, i in enumerate(layers) if self.layer_is_moe(i)) if self.num_experts
+           else None)
+    return self.replace(**{"num_layers": len(layers), "token_mixers": mixers, "moe_layers": moe,
                            "rope_free_layers": free or None, "num_kv_shared_layers": shared,
                            "double_wide_shared_mlp": self.double_wide_shared_mlp and shared > 0,
                            **window_fields(self.sliding_window, local)})

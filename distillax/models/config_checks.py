@@ -13,11 +13,11 @@ import jax.numpy as jnp
 from distillax.errors import ConfigError
 
 MLP_ACTIVATIONS = ("swiglu", "geglu", "clamped_swiglu")
-ROPE_SCALING_TYPES = ("llama3", "yarn", "linear")
+ROPE_SCALING_TYPES = ("llama3", "yarn", "linear", "longrope")
 # Which RoPE a layer turns its queries and keys with (TransformerConfig.layer_ropes).
 ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE = 0, 1, 2
 # models/moe/layer.py: how a token's router logits pick and weight its experts, and how they run.
-ROUTERS = ("softmax_topk", "topk_softmax", "gemma4")
+ROUTERS = ("softmax_topk", "topk_softmax", "gemma4", "sigmoid")
 MOE_IMPLS = ("ragged", "dense", "tokamax")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 # models/attention/impl.py: auto picks a fused kernel where the platform has one, else blockwise.
@@ -78,6 +78,9 @@ def check_config(cfg) -> None:
   _check_token_mixers(cfg)
   _check_moe(cfg)
   _check_gemma4(cfg)
+  _check_olmo(cfg)
+  _check_longrope(cfg)
+  _check_llama4(cfg)
   _check_choice(cfg, "rope_scaling_type", ROPE_SCALING_TYPES)
   for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
                "rope_scaling_factor", "rope_attention_factor", "swiglu_limit",
@@ -136,6 +139,67 @@ def _check_token_mixers(cfg):
                       "layers of model.token_mixers (their weights differ); use "
                       "model.scan_layers=False")
 
+def _check_olmo(cfg):
+  for name in ("pre_norms", "qk_norm_across_heads", "use_post_norms"):
+    if not isinstance(getattr(cfg, name), bool):
+      raise ConfigError(f"model.{name}={getattr(cfg, name)!r} must be True or False")
+  if not cfg.pre_norms and not cfg.use_post_norms:
+    raise ConfigError("model.pre_norms=False leaves the blocks without a norm; set "
+                      "model.use_post_norms=True (OLMo 2/3's post norms) or pre_norms=True")
+  if cfg.qk_norm_across_heads and not cfg.qk_norm:
+    raise ConfigError("model.qk_norm_across_heads=True says how the q/k norm runs, but "
+                      "model.qk_norm=False; set qk_norm=True or qk_norm_across_heads=False")
+
+
+def _check_longrope(cfg):
+  """Phi's LongRoPE: one positive divisor per turning pair in each set, only with that type."""
+  for name in ("fused_qkv_gate_up", "fused_qkvz_ba"):  # checkpoint layouts (Phi, Qwen3-Next)
+    if not isinstance(getattr(cfg, name), bool):
+      raise ConfigError(f"model.{name}={getattr(cfg, name)!r} must be True or False")
+  longrope = cfg.rope_scaling_factor is not None and cfg.rope_scaling_type == "longrope"
+  pairs = cfg.rotary_dim // 2
+  for name in ("rope_short_factors", "rope_long_factors"):
+    value = getattr(cfg, name)
+    if value is None and not longrope:
+      continue
+    if not longrope:
+      raise ConfigError(f"model.{name} is LongRoPE's; set model.rope_scaling_type='longrope' "
+                        f"with a model.rope_scaling_factor, or {name}=None")
+    if (isinstance(value, str) or not isinstance(value, Sequence) or len(value) != pairs
+        or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0
+               for x in value)):
+      raise ConfigError(f"model.{name}={value!r} must list {pairs} positive divisors, one per "
+                        f"pair RoPE turns (rotary_dim={cfg.rotary_dim})")
+    object.__setattr__(cfg, name, tuple(float(x) for x in value))  # JSON gives a list
+
+
+def _check_llama4(cfg):
+  """Llama 4's chunked attention, q/k L2 norms and temperature tuning."""
+  for name in ("attention_chunk_size", "attn_temperature_floor_scale"):
+    value = getattr(cfg, name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                              or value < 1):
+      raise ConfigError(f"model.{name}={value!r} must be a positive integer or None")
+  if not isinstance(cfg.qk_l2_norm, bool):
+    raise ConfigError(f"model.qk_l2_norm={cfg.qk_l2_norm!r} must be True or False")
+  if not isinstance(cfg.attn_temperature_scale, (int, float)) or isinstance(
+      cfg.attn_temperature_scale, bool):
+    raise ConfigError(f"model.attn_temperature_scale={cfg.attn_temperature_scale!r} must be a "
+                      f"number")
+  if cfg.attention_chunk_size is not None and cfg.sliding_window is not None:
+    raise ConfigError("model.attention_chunk_size and model.sliding_window both limit what a "
+                      "layer attends; set one of them (Llama 4: attention_chunk_size)")
+  if cfg.qk_l2_norm and cfg.qk_norm:
+    raise ConfigError("model.qk_l2_norm=True (Llama 4's scale-free norm after RoPE) and "
+                      "model.qk_norm=True (a learned norm before RoPE): set one of them")
+  per_layer = (cfg.attention_chunk_size is not None or cfg.qk_l2_norm
+               or cfg.attn_temperature_floor_scale is not None)
+  if cfg.scan_layers and per_layer and cfg.rope_free_layers:
+    raise ConfigError("model.scan_layers=True cannot stack Llama 4's layers (its RoPE-free "
+                      "layers attend fully, unnormed, with temperature tuning, the others in "
+                      "chunks); use model.scan_layers=False")
+
+
 def _check_ints(cfg, names, minimum: int):
   """Integer fields (not bools) of at least `minimum`: 1 for sizes, 0 where 0 means off."""
   what = "a positive integer" if minimum == 1 else "a non-negative integer (0 = off)"
@@ -170,9 +234,71 @@ def _check_moe(cfg):
                       f"{cfg.router!r}, model.num_experts={cfg.num_experts}: Gemma 4's MoE block "
                       f"is router='gemma4' with moe_dense_mlp=True and num_experts > 0; set all "
                       f"three or neither of the first two")
-  if not isinstance(cfg.norm_topk_prob, bool):
-    raise ConfigError(f"model.norm_topk_prob={cfg.norm_topk_prob!r} must be True or False")
+  for name in ("norm_topk_prob", "router_score_bias", "moe_scale_inputs"):
+    if not isinstance(getattr(cfg, name), bool):
+      raise ConfigError(f"model.{name}={getattr(cfg, name)!r} must be True or False")
+  _check_moe_layers(cfg)
+  _check_sigmoid_router(cfg)
   _check_shared_expert(cfg)
+
+
+def _check_moe_layers(cfg):
+  """moe_layers: layer indices, normalised to one form per model (sorted, distinct; None when
+  every layer has experts), at least one of them, and no scan over layers that differ."""
+  layers = cfg.moe_layers
+  if layers is None:
+    return
+  if (isinstance(layers, str) or not isinstance(layers, Sequence)
+      or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < cfg.num_layers
+             for i in layers)):
+    raise ConfigError(f"model.moe_layers={layers!r} must list layer indices from 0 to "
+                      f"{cfg.num_layers - 1} (model.num_layers={cfg.num_layers}), or be None "
+                      f"(experts in every layer)")
+  layers = tuple(sorted(set(layers)))
+  object.__setattr__(cfg, "moe_layers", None if len(layers) == cfg.num_layers else layers)
+  if not cfg.num_experts:
+    raise ConfigError(f"model.moe_layers={list(layers)} names layers with experts, but "
+                      f"model.num_experts=0; set num_experts, or moe_layers=None")
+  if not layers:
+    raise ConfigError("model.moe_layers=() leaves no layer with experts; name at least one (a "
+                      "student of teacher blocks: keep an MoE block), or set num_experts=0")
+  if cfg.scan_layers and cfg.moe_layers is not None:
+    raise ConfigError(f"model.scan_layers=True cannot stack dense and MoE layers (model."
+                      f"moe_layers={list(layers)}: their weights differ); use "
+                      f"model.scan_layers=False")
+
+
+def _check_sigmoid_router(cfg):
+  """The sigmoid router's parts (DeepSeek V3, GLM-4.5, Llama 4) are its own: a score bias and
+  expert groups mean nothing to a softmax, and Llama 4's input scaling routes to one expert."""
+  _check_ints(cfg, ("router_groups", "router_groups_kept"), minimum=1)
+  factor = cfg.routed_scaling_factor
+  if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+    raise ConfigError(f"model.routed_scaling_factor={factor!r} must be a positive number "
+                      f"(1.0 = the routing weights as the router gives them)")
+  sigmoid_only = [name for name, on in (("router_score_bias", cfg.router_score_bias),
+                                        ("router_groups", cfg.router_groups != 1))
+                  if on]
+  if sigmoid_only and cfg.router != "sigmoid":
+    raise ConfigError(f"model.{sigmoid_only[0]} is part of the sigmoid router (DeepSeek V3, "
+                      f"GLM-4.5), but model.router={cfg.router!r}; set router='sigmoid' or "
+                      f"leave it off")
+  groups, kept = cfg.router_groups, cfg.router_groups_kept
+  if groups > 1 and (cfg.num_experts % groups or cfg.num_experts // groups < 2
+                     or not 1 <= kept <= groups):
+    raise ConfigError(f"model.router_groups={groups}, router_groups_kept={kept}: the "
+                      f"num_experts={cfg.num_experts} experts must split into groups of at least "
+                      f"2 (each is scored by its best two), and 1 <= router_groups_kept <= "
+                      f"router_groups")
+  if cfg.num_experts and groups > 1 and cfg.num_experts_per_tok > kept * (
+      cfg.num_experts // groups):
+    raise ConfigError(f"model.num_experts_per_tok={cfg.num_experts_per_tok} is more than the "
+                      f"{kept} kept groups of {cfg.num_experts // groups} experts hold; raise "
+                      f"router_groups_kept")
+  if cfg.moe_scale_inputs and cfg.num_experts_per_tok != 1:
+    raise ConfigError(f"model.moe_scale_inputs=True (Llama 4) scales the one chosen expert's "
+                      f"input by its weight, but model.num_experts_per_tok="
+                      f"{cfg.num_experts_per_tok}; set it to 1 or moe_scale_inputs=False")
 
 
 def _check_shared_expert(cfg):

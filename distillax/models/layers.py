@@ -26,21 +26,24 @@ class RMSNorm(nnx.Module):
   """Root-mean-square norm computed in float32; Gemma's form multiplies by (1 + scale).
 
   Normalises the last axis: the residual stream by default; `dim`/`logical_axes` name another
-  feature axis (Qwen 3's q/k norms run over each head's ('head_dim',) features).
+  feature axis (Qwen 3's q/k norms run over each head's ('head_dim',) features), or several
+  trailing axes at once (OLMo 2's q/k norms: dim (heads, head_dim) over a whole projection).
   """
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs | None = None,
-               dim: int | None = None, logical_axes: tuple[str, ...] = ("embed",)):
+               dim: int | tuple[int, ...] | None = None,
+               logical_axes: tuple[str, ...] = ("embed",)):
     del rngs  # deterministic init
     self.eps = config.norm_eps
     self.plus_one = config.norm_scale_plus_one
     init = jnp.zeros if self.plus_one else jnp.ones
-    self.scale = nnx.Param(init((dim or config.embed_dim,), config.jnp_param_dtype),
-                           logical_axes=tuple(logical_axes))
+    shape = dim if isinstance(dim, tuple) else (dim or config.embed_dim,)
+    self.axes = tuple(range(-len(shape), 0))
+    self.scale = nnx.Param(init(shape, config.jnp_param_dtype), logical_axes=tuple(logical_axes))
 
   def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
     x = x_BxLxD.astype(jnp.float32)
-    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=self.axes, keepdims=True) + self.eps)
     scale = self.scale[...].astype(jnp.float32)
     if self.plus_one:
       scale = 1.0 + scale
@@ -111,13 +114,18 @@ class MLP(nnx.Module):
 
 # ---- rotary position embedding -----------------------------------------------------------------
 
-def rope_inverse_frequencies(config: TransformerConfig) -> jax.Array:
-  """Per-pair inverse frequencies, with Llama 3.1's or YaRN's scaling when configured."""
+def rope_inverse_frequencies(config: TransformerConfig, long=False) -> jax.Array:
+  """Per-pair inverse frequencies, with Llama 3.1's, YaRN's or LongRoPE's scaling when
+  configured (LongRoPE: its long divisors where `long`, a bool that may be traced)."""
   dim = config.rotary_dim  # the head_dim features RoPE turns (Qwen3.5: a quarter)
   inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
   factor = config.rope_scaling_factor
   if factor is None:
     return inv_freq
+  if config.rope_scaling_type == "longrope":  # Phi-3/4: a divisor per pair
+    short, longer = (jnp.asarray(f, jnp.float32) for f in (config.rope_short_factors,
+                                                            config.rope_long_factors))
+    return inv_freq / jnp.where(long, longer, short)
   if config.rope_scaling_type == "yarn":
     return _yarn_inverse_frequencies(config, inv_freq)
   if config.rope_scaling_type == "linear":  # Gemma 3's global layers: positions / factor
@@ -149,19 +157,30 @@ def _yarn_inverse_frequencies(config: TransformerConfig, inv_freq: jax.Array) ->
 
 
 def rope_attention_factor(config: TransformerConfig) -> float:
-  """What YaRN multiplies cos and sin by (so the attention logits by its square): the
-  configured factor, else 0.1 ln(factor) + 1; 1 for other RoPE."""
+  """What YaRN and LongRoPE multiply cos and sin by (so the attention logits by its square):
+  the configured factor, else YaRN's 0.1 ln(factor) + 1, LongRoPE's
+  sqrt(1 + ln(factor) / ln(original context)); 1 for other RoPE."""
   factor = config.rope_scaling_factor
-  if factor is None or config.rope_scaling_type != "yarn":
+  if factor is None or config.rope_scaling_type not in ("yarn", "longrope"):
     return 1.0
   if config.rope_attention_factor is not None:
     return float(config.rope_attention_factor)
-  return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+  if factor <= 1:
+    return 1.0
+  if config.rope_scaling_type == "longrope":
+    return math.sqrt(1 + math.log(factor) / math.log(config.rope_original_max_len))
+  return 0.1 * math.log(factor) + 1.0
 
 
 def rope_sin_cos(positions_BxL: jax.Array, config: TransformerConfig):
-  """(sin, cos) of shape (B, L, head_dim // 2) in float32 (YaRN: times its attention factor)."""
-  angles = positions_BxL.astype(jnp.float32)[..., None] * rope_inverse_frequencies(config)
+  """(sin, cos) of shape (B, L, head_dim // 2) in float32 (YaRN, LongRoPE: times the attention
+  factor). LongRoPE turns with its long divisors when any position of the call reaches
+  rope_original_max_len, as transformers picks them per forward."""
+  long = False
+  if config.rope_scaling_factor is not None and config.rope_scaling_type == "longrope":
+    long = jnp.max(positions_BxL) + 1 > config.rope_original_max_len
+  inv_freq = rope_inverse_frequencies(config, long)
+  angles = positions_BxL.astype(jnp.float32)[..., None] * inv_freq
   scale = rope_attention_factor(config)
   if scale == 1.0:
     return jnp.sin(angles), jnp.cos(angles)
@@ -178,8 +197,9 @@ def rope_tables(positions_BxL: jax.Array, config: TransformerConfig):
   sin, cos = _global_sin_cos(positions_BxL, config)
   local = (sin, cos)
   if config.rope_local_theta is not None:
-    local = rope_sin_cos(positions_BxL, config.replace(rope_theta=config.rope_local_theta,
-                                                       rope_scaling_factor=None))
+    local = rope_sin_cos(positions_BxL, config.replace(
+        rope_theta=config.rope_local_theta, rope_scaling_factor=None, rope_short_factors=None,
+        rope_long_factors=None))
   width = max(sin.shape[-1], local[0].shape[-1])
   pad = lambda x, value: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])],
                                  constant_values=value)

@@ -17,6 +17,7 @@ from flax import nnx
 
 from distillax.errors import ConfigError
 from distillax.models import layer_scope
+from distillax.models.attention.chunked import chunk_segments
 from distillax.models.attention.layer import Attention, KVCache
 from distillax.models.config import TransformerConfig
 from distillax.models.gated_deltanet import GatedDeltaNet
@@ -43,9 +44,10 @@ class ModelOutput:
     of block i (the residual stream before the final norm).
   attention_probs: (num_layers, B, num_heads, L, S) float32 softmax probabilities.
   cache: the updated KVCache when one was passed in.
-  router_stats: a mixture of experts' routing per layer (moe.RouterStats, leading axis
-    num_layers; None for a dense model). Unused, it costs nothing: XLA drops it.
-  router_logits_NxBxLxE: (num_layers, B, L, E) float32 router logits of a mixture of experts,
+  router_stats: a mixture of experts' routing per layer (moe.RouterStats, leading axis: the
+    layers with experts, in order; None for a dense model). Unused, it costs nothing: XLA
+    drops it.
+  router_logits_NxBxLxE: (MoE layers, B, L, E) float32 router logits of a mixture of experts,
     when requested; computed from each router's input behind stop_gradient (moe.MoE), so a
     loss on them trains the routers only.
   """
@@ -61,22 +63,29 @@ class ModelOutput:
 
 class Block(nnx.Module):
   """Pre-norm attention + gated MLP (or mixture of experts), each added to the residual (Gemma 2
-  also post-norms; Gemma 4 then gates in the layer's own input and scales the output)."""
+  also post-norms, OLMo only post-norms; Gemma 4 then gates in the layer's own input and scales
+  the output)."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, layer: int = 0):
-    self.attn_norm = RMSNorm(config)
+    self.attn_norm = RMSNorm(config) if config.pre_norms else None  # OLMo: post norms only
     if config.layer_is_linear(layer):  # Qwen3.5's hybrid
       self.attn = GatedDeltaNet(config, rngs=rngs)
     else:
+      rope = config.layer_has_rope(layer)  # Llama 4: L2 norms with RoPE, temperature without
       self.attn = Attention(config, rngs=rngs, owns_kv=config.layer_owns_kv(layer),
                             head_dim=config.layer_head_dim(layer),
                             num_kv_heads=config.layer_num_kv_heads(layer),
-                            keys_as_values=config.layer_keys_are_values(layer))
-    self.mlp_norm = RMSNorm(config)
-    if config.moe_dense_mlp:  # Gemma 4 26B: a dense MLP beside the experts
+                            keys_as_values=config.layer_keys_are_values(layer),
+                            l2_norm_qk=config.qk_l2_norm and rope,
+                            temperature=config.attn_temperature_floor_scale is not None
+                            and not rope)
+    self.chunked = config.layer_is_chunked(layer)  # Llama 4's RoPE layers
+    self.mlp_norm = RMSNorm(config) if config.pre_norms else None
+    moe = config.layer_is_moe(layer)  # the others (moe_layers) run a dense MLP
+    if moe and config.moe_dense_mlp:  # Gemma 4 26B: a dense MLP beside the experts
       self.mlp = Gemma4MoE(config, rngs=rngs, dense_dim=config.layer_mlp_dim(layer))
     else:
-      self.mlp = (MoE(config, rngs=rngs) if config.num_experts
+      self.mlp = (MoE(config, rngs=rngs) if moe
                   else MLP(config, rngs=rngs, dim=config.layer_mlp_dim(layer)))
     self.post_attn_norm = RMSNorm(config) if config.use_post_norms else None
     self.post_mlp_norm = RMSNorm(config) if config.use_post_norms else None
@@ -91,27 +100,29 @@ class Block(nnx.Module):
     """(x, new cache, probs, router stats, the (k, v) it attended if later layers share them).
     extras (Gemma 4): 'per_layer_input' (B, L, P), 'shared_kv' (an earlier layer's k, v)."""
     extras = extras or {}
-    h = self.attn_norm(x_BxLxD)
+    h = x_BxLxD if self.attn_norm is None else self.attn_norm(x_BxLxD)
     kv_args = {"return_kv": True} if self.returns_kv else {}
     if extras.get("shared_kv") is not None:
       kv_args["shared_kv"] = extras["shared_kv"]
+    q_seg, k_seg = (ctx["chunk_segments"] if self.chunked
+                    else (ctx["q_segment"], ctx["k_segment"]))
     out = self.attn(h, sin_cos=ctx["sin_cos"], q_index_BxL=ctx["q_index"],
-                    k_index_BxS=ctx["k_index"], q_segment_BxL=ctx["q_segment"],
-                    k_segment_BxS=ctx["k_segment"], window=window, cache_kv=cache_kv,
-                    cache_index=ctx.get("cache_index"), return_probs=return_probs, **kv_args)
+                    k_index_BxS=ctx["k_index"], q_segment_BxL=q_seg, k_segment_BxS=k_seg,
+                    window=window, cache_kv=cache_kv, cache_index=ctx.get("cache_index"),
+                    return_probs=return_probs, positions_BxL=ctx["positions"], **kv_args)
     h, new_cache, probs = out[:3]
     kv = out[3] if len(out) > 3 else None
     if self.post_attn_norm is not None:
       h = self.post_attn_norm(h)
     x_BxLxD = x_BxLxD + h
     stats = None
+    normed = x_BxLxD if self.mlp_norm is None else self.mlp_norm(x_BxLxD)
     if isinstance(self.mlp, Gemma4MoE):  # its router and experts read x itself too
-      h, stats = self.mlp(self.mlp_norm(x_BxLxD), x_BxLxD, ctx["q_segment"],
-                          return_router_logits)
+      h, stats = self.mlp(normed, x_BxLxD, ctx["q_segment"], return_router_logits)
     elif isinstance(self.mlp, MoE):
-      h, stats = self.mlp(self.mlp_norm(x_BxLxD), ctx["q_segment"], return_router_logits)
+      h, stats = self.mlp(normed, ctx["q_segment"], return_router_logits)
     else:
-      h = self.mlp(self.mlp_norm(x_BxLxD))
+      h = self.mlp(normed)
     if self.post_mlp_norm is not None:
       h = self.post_mlp_norm(h)
     x_BxLxD = constrain(x_BxLxD + h, ("batch", "residual_length", "embed"))
@@ -233,9 +244,10 @@ class Transformer(nnx.Module):
     if positions_BxL is None:
       positions_BxL = q_index_BxL
     ctx = {**_rope_context(positions_BxL, cfg), "q_segment": segment_ids_BxL,
-           "k_segment": k_segment_BxS, "q_index": q_index_BxL, "k_index": k_index_BxS}
-    if start is not None:
-      ctx["cache_index"] = start
+           "k_segment": k_segment_BxS, "q_index": q_index_BxL, "k_index": k_index_BxS,
+           "positions": positions_BxL, **({} if start is None else {"cache_index": start})}
+    if cfg.attention_chunk_size is not None:  # Llama 4: chunks as segments (attention/chunked)
+      ctx["chunk_segments"] = chunk_segments(cfg, ctx)
 
     x_BxLxD = embedded_BxLxD = self.embedder(tokens_BxL)
     if self.per_layer_inputs is not None:

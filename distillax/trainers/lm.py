@@ -60,7 +60,7 @@ class LMRecipe(Recipe):
     weights = {name: float(self.config.train.get(name, 0.0))
                for name in ("moe_aux_loss", "router_z_loss")}
     options = {k: v for k, v in weights.items() if v}
-    if self.config.train.get("loss_impl", "chunked") != "chunked":
-      options["loss_impl"] = self.config.train.loss_impl
+    if self.loss_impl != "chunked":
+      options["loss_impl"] = self.loss_impl
     objective = functools.partial(lm_objective, **options) if options else lm_objective
     return self.transforms.train_objective(objective)

@@ -185,6 +185,13 @@ ADDED_LATER: dict[str, Any] = {
     "model.global_num_kv_heads": 0,
     "model.moe_dense_mlp": False,  # Gemma 4 26B's MoE block
     "model.shared_expert_mlp_dim": 0, "model.shared_expert_gate": False,  # Qwen3.5-MoE's
+    "model.pre_norms": True, "model.qk_norm_across_heads": False,  # OLMo 3's
+    "model.fused_qkv_gate_up": False,  # Phi-3/4's
+    "model.fused_qkvz_ba": False,  # Qwen3-Next's
+    "model.qk_l2_norm": False, "model.attn_temperature_scale": 0.1,  # Llama 4's
+    "model.router_score_bias": False, "model.router_groups": 1,  # DeepSeek V3's router
+    "model.router_groups_kept": 1, "model.routed_scaling_factor": 1.0,
+    "model.moe_scale_inputs": False,  # Llama 4's
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
     "train.loss_impl": "chunked",
     "model.splash_blocks": [512, 512, 512], "model.splash_fused_bwd": False,

@@ -3,8 +3,8 @@
 - the scripts at benchmarks/*.py are the questions: benchmarks/README.md lists each once, with
   the results file the script writes; what they share is in benchmarks/lib/;
 - each script starts with the device prologue and imports JAX and distillax after it, at the
-  top of the file: imports inside functions are only the two whose reason is written beside
-  them (an optional dependency, and a row that must report a missing library as its result).
+  top of the file: imports inside functions are only the one whose reason is written beside
+  it (an optional dependency).
 """
 
 import ast
@@ -15,8 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 QUESTIONS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__")
 # (file, module imported inside a function): each has its reason in a comment beside it.
-LAZY = {("kd_vocab.py", "benchmarks.lib.tunix_kd"),
-        ("lib/accelerator_row.py", "benchmarks.lib.accelerator_measure")}
+LAZY = {("kd_vocab.py", "benchmarks.lib.tunix_kd")}
 
 
 def readme_rows() -> dict[str, list[str]]:
@@ -76,7 +75,7 @@ def test_each_script_runs_the_prologue_before_jax_and_distillax():
                if line > start), name
 
 
-def test_no_imports_inside_functions_but_the_two_with_reasons():
+def test_no_imports_inside_functions_but_the_one_with_a_reason():
   found = set()
   for path in sorted(BENCH.rglob("*.py")):
     tree = ast.parse(path.read_text())

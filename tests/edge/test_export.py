@@ -224,7 +224,7 @@ def test_hf_byte_level_bpe_as_gpt2_vocabulary(tmp_path):
     (dict(rope_scaling_factor=None), "q4_0", ((".*", "int4", None, None),), "int4"),
     (dict(rope_scaling_factor=None), "q4_0", ((".*", "q8_0", None, None),), "--quant q8_0"),
     (dict(rope_scaling_factor=None, mlp_dim=80), "q4_0", None, "multiple of 32"),
-    (dict(qkv_bias=True), "f32", None, "only to the llama architecture"),
+    (dict(qkv_bias=True), "f32", None, "only to the llama and llama4 architectures"),
 ])
 def test_what_llama_cpp_would_run_differently_is_refused(tmp_path, change, quant, rules, match):
   model = random_model(CONFIGS["llama"].replace(**change), init=PEAKED)

@@ -91,7 +91,7 @@ def test_tokamax_loss_equals_the_chunked_engine(chunked, model_name, per_device,
 
 
 @pytest.mark.parametrize("value,job,supported,why_not,message", [
-    ("fused", "lm", True, None, "train.loss_impl='fused'; choose one of chunked, sliced, tokamax"),
+    ("fused", "lm", True, None, "train.loss_impl='fused'; choose one of auto, chunked, sliced, tokamax"),
     ("tokamax", "distill", False, None,
      "train.loss_impl='tokamax': the distill job's token losses run the chunked engine"),
     ("tokamax", "lm", True, "model.final_logit_softcap=30.0 soft-caps the logits",

@@ -165,13 +165,32 @@ def test_sliced_refuses_what_it_does_not_compute(strategy, message):
 @pytest.mark.parametrize("job,sliced,why_not,message", [
     ("on_policy", False, None, "the on_policy job's train losses are not ones vocabulary "
                                "slices compute"),
-    ("lm", True, "qat.rules fake-quantize the student (tokamax would read unquantized weights)",
-     "train.loss_impl='sliced' cannot take this output layer: qat.rules"),
+    ("lm", True, "lora.module_regex adapts the student",
+     "train.loss_impl='sliced' cannot take this output layer: lora.module_regex"),
 ])
 def test_the_config_refuses_sliced_in_one_line(job, sliced, why_not, message):
-  with pytest.raises(ConfigError, match=message.split(":")[0].replace("'", ".")) as e:
-    token_loss_impl.check_loss_impl("sliced", job, False, why_not, sliced=sliced)
+  with pytest.raises(ConfigError) as e:
+    token_loss_impl.check_loss_impl("sliced", job, False, None, sliced=sliced,
+                                    sliced_why_not=why_not)
   assert message in str(e.value) and "\n" not in str(e.value)
+  # tokamax's objections (a soft-cap) are not the slices': they apply it inside each slice
   token_loss_impl.check_loss_impl("sliced", "lm", True,
                                   "model.final_logit_softcap=30.0 soft-caps the logits",
-                                  sliced=True)  # the soft-cap is inside the slices
+                                  sliced=True)
+  assert token_loss_impl.resolve_loss_impl("auto", sliced, why_not) == (
+      "sliced" if sliced and not why_not else "chunked")
+
+
+@pytest.mark.parametrize("rules,refused", [
+    ((("", None, None, None), (".*", "q4_0", "q8_0", None)), False),  # the README's llama.cpp QAT
+    (((".*", "int8", "int8", None),), True),  # '.*' matches the top module: the head is quantized
+])
+def test_qat_keeps_the_slices_only_while_the_output_layer_stays_full_precision(rules, refused):
+  from distillax.configs.qat import get_config
+  from distillax.trainers.recipe import sliced_loss_refusal
+  config = get_config("tiny")
+  config.qat.rules = rules
+  why = sliced_loss_refusal(config)
+  assert (why is not None) == refused
+  if refused:
+    assert why.startswith("qat.rules quantize the output layer") and "('', None" in why

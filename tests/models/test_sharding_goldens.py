@@ -11,11 +11,16 @@ The models cover the features that change the tree: `tiny` (untied output, GQA w
 and six layers), `tiny_gemma4` (Gemma 4: per-layer input tables and gates, layer scalars, wider
 full layers, sharing layers without k/v, double-wide MLPs), `tiny_qwen35` (Qwen3.5: Gated
 DeltaNet layers over key and value heads, with a conv, decay and norm of their own, and a gated
-full-attention layer), `llama3.2-1b` (a published shape: stacked layers
-under scan, bfloat16, 128k vocabulary) and `tiny_moe` (stacked experts and a router: where the
-'expert' rules of fsdp_ep / ep_tp place them). tiny's 4 query and 2 kv heads do not divide a model axis
-of 4 or 8; the default rules reject that, so the dumps are made with `replicate_indivisible`
-(the dim falls back to its replicated rule) and list the paths that need it.
+full-attention layer), `tiny_olmo3` (OLMo 3: post norms only, q/k norms over whole
+projections), `tiny_phi3` (Phi-4-mini's: Llama's tree, tied), `tiny_qwen3_next` (Qwen3-Next:
+tiny_qwen35's layers with experts beside a gated shared expert), `tiny_llama4` (Llama 4: dense
+and MoE layers with a shared expert, no norm parameters on q/k), `llama3.2-1b` (a published shape:
+stacked layers under scan, bfloat16, 128k vocabulary), `tiny_moe` (stacked experts and a router:
+where the 'expert' rules of fsdp_ep / ep_tp place them) and `tiny_qwen3_moe` (Qwen3-MoE with dense
+layers: dense MLPs and experts in alternate layers). tiny's 4 query and 2 kv heads do not divide a
+model axis of 4 or 8; the default rules reject that, so the dumps are made with
+`replicate_indivisible` (the dim falls back to its replicated rule) and list the paths that need
+it.
 """
 
 import json
@@ -30,7 +35,8 @@ from tests.models.sharding import plan, rows_by_path
 
 GOLDEN_DIR = pathlib.Path(__file__).parent / "goldens"
 MODELS = ("tiny", "tiny_gemma", "llama3.2-1b", "tiny_moe", "tiny_gemma3", "tiny_gemma4",
-          "tiny_qwen35")
+          "tiny_qwen35", "tiny_qwen3_moe", "tiny_olmo3", "tiny_phi3", "tiny_qwen3_next",
+          "tiny_llama4")
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 
 
@@ -161,12 +167,14 @@ def test_dp_replicates_everything_and_only_dp(strategy):
   assert replicated == (strategy == "dp")
 
 
-@pytest.mark.parametrize("preset", [m for m in MODELS
-                                    if m not in ("tiny_gemma3", "tiny_gemma4", "tiny_qwen35")])
+@pytest.mark.parametrize("preset", [m for m in MODELS if m not in (
+    "tiny_gemma3", "tiny_gemma4", "tiny_qwen35", "tiny_qwen3_moe", "tiny_olmo3",
+    "tiny_qwen3_next")])
 @pytest.mark.parametrize("data,model", MESHES)
 def test_fsdp_per_device_bytes_are_total_over_data_size(preset, data, model):
   """Every embed dim of these models divides every data size, so fsdp splits every parameter
-  exactly data ways and nothing over model (tiny_gemma3's q/k norms have no embed dim: below;
+  exactly data ways and nothing over model (tiny_gemma3's and tiny_qwen3_moe's q/k norms have
+  no embed dim: below for tiny_gemma3;
   nor do tiny_gemma4's per-layer input table and norm, layer scalars, or tiny_qwen35's conv,
   decay and norms: by hand below)."""
   rows = plan(preset, "fsdp", data, model)
@@ -184,6 +192,20 @@ def test_gemma3_keeps_its_qk_norms_whole_and_splits_the_rest_under_fsdp():
   whole = sorted(r.path for r in rows if r.bytes_per_device == r.bytes_total)
   assert whole == sorted(f"layers/{i}/attn/{n}_norm/scale" for i in range(6) for n in "qk")
   assert all(r.bytes_per_device * 8 == r.bytes_total for r in rows if r.path not in whole)
+
+
+def test_olmo3_qk_norms_follow_their_heads():
+  """tiny_olmo3's q/k norm scales span whole projections, (heads 4, head_dim 16) and (kv_heads
+  2, 16): no embed dim, so whole on every device under fsdp; under fsdp_tp their heads split
+  over model as the q and k projections' do. It has no pre-norms, only post norms."""
+  rows = rows_by_path(plan("tiny_olmo3", "fsdp", 8, 1))
+  whole = sorted(p for p, r in rows.items() if r.bytes_per_device == r.bytes_total)
+  assert whole == sorted(f"layers/{i}/attn/{n}_norm/scale" for i in range(4) for n in "qk")
+  assert "layers/0/attn_norm/scale" not in rows and "layers/0/mlp_norm/scale" not in rows
+  tp = rows_by_path(plan("tiny_olmo3", "fsdp_tp", 4, 2))
+  assert tp["layers/0/attn/q_norm/scale"].mesh_spec == ("model", None)
+  assert tp["layers/0/attn/q"].mesh_spec == ("data", "model", None)
+  assert tp["layers/0/attn/k_norm/scale"].mesh_spec == ("model", None)
 
 
 def test_tiny_moe_expert_parallel_presets_by_hand():

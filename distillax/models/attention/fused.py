@@ -89,7 +89,7 @@ def _fit(block: int, length: int) -> int:
 
 
 def _splash_kernel(length: int, groups: int, window, softcap, interpret: bool,
-                   blocks=(512, 512, 512), fused_bwd: bool = False):
+                   blocks=(1024, 1024, 512), fused_bwd: bool = True):
   from jax.experimental.pallas.ops.tpu import splash_attention as sa  # TPU kernels, on demand
 
   if window is None:
@@ -107,7 +107,7 @@ def _splash_kernel(length: int, groups: int, window, softcap, interpret: bool,
 
 
 def _splash_local(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, qs_BxL, ks_BxS, window, windows, scale,
-                  softcap, interpret, blocks=(512, 512, 512), fused_bwd=False):
+                  softcap, interpret, blocks=(1024, 1024, 512), fused_bwd=True):
   """Splash on arrays this device holds whole: one MQA kernel per (batch row, kv head)."""
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
@@ -128,7 +128,7 @@ def _splash_local(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, qs_BxL, ks_BxS, window, win
 
 def splash_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_segment_BxL=None, k_segment_BxS=None,
                      window=None, windows=(None,), scale: float, softcap=None,
-                     interpret: bool = False, blocks=(512, 512, 512), fused_bwd: bool = False):
+                     interpret: bool = False, blocks=(1024, 1024, 512), fused_bwd: bool = True):
   """Pallas TPU splash attention: causal or local (sliding window) masks, segment ids, logit
   soft-cap. Under GSPMD rules it runs inside a shard_map over the batch and kv-head axes (a
   Pallas kernel cannot be partitioned by the compiler). interpret=True runs it on CPU.

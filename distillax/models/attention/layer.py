@@ -157,15 +157,44 @@ def reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, *, q_index_BxL, k_ind
   return out_BxLxKxGxH, probs_BxKxGxLxS
 
 
+def _qk_norm(config: TransformerConfig, heads: int, axis: str, Dh: int) -> RMSNorm | None:
+  """Qwen 3's RMSNorm over each head's features, OLMo 2's over all `heads` heads at once."""
+  if not config.qk_norm:
+    return None
+  if config.qk_norm_across_heads:
+    return RMSNorm(config, dim=(heads, Dh), logical_axes=(axis, "head_dim"))
+  return RMSNorm(config, dim=Dh, logical_axes=("head_dim",))
+
+
+def _scale_free_norm(x_BxLxNxH, eps: float):
+  """RMS norm over each head's features without a scale, in float32 (Gemma 4's value norm,
+  Llama 4's q/k L2 norm)."""
+  x = x_BxLxNxH.astype(jnp.float32)
+  x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+  return x.astype(x_BxLxNxH.dtype)
+
+
+def _temperature_scaled(q_BxLxHxK, positions_BxL, config: TransformerConfig):
+  """Llama 4's attention temperature: queries times log1p(floor((position + 1) / floor_scale))
+  * scale + 1, so far positions sharpen the softmax of its RoPE-free layers."""
+  floors = jnp.floor((positions_BxL.astype(jnp.float32) + 1.0)
+                     / config.attn_temperature_floor_scale)
+  scale_BxL = jnp.log1p(floors) * config.attn_temperature_scale + 1.0
+  return (q_BxLxHxK.astype(jnp.float32) * scale_BxL[:, :, None, None]).astype(q_BxLxHxK.dtype)
+
+
 class Attention(nnx.Module):
   """Multi-head attention over `num_kv_heads` key/value heads shared by groups of query heads."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs, owns_kv: bool = True,
                head_dim: int | None = None, num_kv_heads: int | None = None,
-               keys_as_values: bool = False):
+               keys_as_values: bool = False, l2_norm_qk: bool = False,
+               temperature: bool = False):
     """owns_kv=False: a Gemma 4 layer that attends another layer's keys/values (no k, v);
     head_dim, num_kv_heads: this layer's, if not config's (Gemma 4's full layers);
-    keys_as_values: its values are its keys before k_norm and RoPE (no v; Gemma 4 31B)."""
+    keys_as_values: its values are its keys before k_norm and RoPE (no v; Gemma 4 31B);
+    l2_norm_qk: Llama 4's scale-free RMS norm of q and k heads after RoPE; temperature: Llama
+    4's query scaling by position (model.attn_temperature_*)."""
     D, H = config.embed_dim, config.num_heads
     K = self.num_kv_heads = num_kv_heads or config.num_kv_heads
     Dh = self.head_dim = head_dim or config.head_dim
@@ -188,11 +217,11 @@ class Attention(nnx.Module):
                    if config.attn_out_bias else None)
     self.sinks = (nnx.Param(jnp.zeros((H,), pd), logical_axes=("heads",))
                   if config.attention_sinks else None)
-    head_norm = lambda: (RMSNorm(config, dim=Dh, logical_axes=("head_dim",)) if config.qk_norm
-                         else None)
-    self.q_norm, self.k_norm = head_norm(), head_norm() if owns_kv else None
+    self.q_norm = _qk_norm(config, H, "heads", Dh)
+    self.k_norm = _qk_norm(config, K, "kv_heads", Dh) if owns_kv else None
     # Gemma 4: values RMS-normed over head_dim without a scale (a function, no parameter).
     self.value_norm = config.value_norm
+    self.l2_norm_qk, self.temperature = l2_norm_qk, temperature  # Llama 4
     # Qwen3.5: the attention output times sigmoid(x @ out_gate), per head and feature.
     self.out_gate = (normal_param(rngs, (D, H, Dh), D ** -0.5, pd, ("embed", "heads", "head_dim"))
                      if config.attn_output_gate else None)
@@ -217,12 +246,11 @@ class Attention(nnx.Module):
     if self.k_norm is not None:
       k_BxLxKxH = self.k_norm(k_BxLxKxH)
     if self.value_norm:
-      v = v_BxLxKxH.astype(jnp.float32)
-      v = v * jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1, keepdims=True)
-                            + self.config.norm_eps)
-      v_BxLxKxH = v.astype(v_BxLxKxH.dtype)
-    k_BxLxKxH = constrain(apply_rope(k_BxLxKxH, *sin_cos),
-                          ("batch", "length", "kv_heads", "head_dim"))
+      v_BxLxKxH = _scale_free_norm(v_BxLxKxH, self.config.norm_eps)
+    k_BxLxKxH = apply_rope(k_BxLxKxH, *sin_cos)
+    if self.l2_norm_qk:
+      k_BxLxKxH = _scale_free_norm(k_BxLxKxH, self.config.norm_eps)
+    k_BxLxKxH = constrain(k_BxLxKxH, ("batch", "length", "kv_heads", "head_dim"))
     return k_BxLxKxH, constrain(v_BxLxKxH, ("batch", "length", "kv_heads", "head_dim"))
 
   def _keys_values(self, k_BxLxKxH, v_BxLxKxH, cache_kv, cache_index):
@@ -268,7 +296,8 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BxLxD, *, sin_cos, q_index_BxL, k_index_BxS, q_segment_BxL=None,
                k_segment_BxS=None, window=None, cache_kv=None, cache_index=None,
-               return_probs: bool = False, shared_kv=None, return_kv: bool = False):
+               return_probs: bool = False, shared_kv=None, return_kv: bool = False,
+               positions_BxL=None):
     """Returns (out_BxLxD, new (k, v) cache slices or None, probs_BxHxLxS or None), and with
     return_kv the (k_BxSxKxH, v_BxSxKxH) it attended (Gemma 4's later layers share them).
 
@@ -282,9 +311,12 @@ class Attention(nnx.Module):
     B, L, _ = x_BxLxD.shape
     K, Dh = self.num_kv_heads, self.head_dim
     G = cfg.num_heads // K
-    q_BxLxHxK = self._project(x_BxLxD, self.q, self.q_bias, self.q_norm)
-    q_BxLxHxK = constrain(apply_rope(q_BxLxHxK, *sin_cos),
-                          ("batch", "length", "heads", "head_dim"))
+    q_BxLxHxK = apply_rope(self._project(x_BxLxD, self.q, self.q_bias, self.q_norm), *sin_cos)
+    if self.l2_norm_qk:
+      q_BxLxHxK = _scale_free_norm(q_BxLxHxK, cfg.norm_eps)
+    if self.temperature:  # Llama 4's RoPE-free layers
+      q_BxLxHxK = _temperature_scaled(q_BxLxHxK, positions_BxL, cfg)
+    q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "heads", "head_dim"))
     if shared_kv is not None:
       (k_BxSxKxH, v_BxSxKxH), new_cache = shared_kv, None
     else:

@@ -44,6 +44,8 @@ from distillax.models.transformer import Transformer
 
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
+# Multi-token-prediction heads (Qwen3-Next's, Qwen3.5's) that transformers leaves out too.
+_IGNORED_PREFIXES = ("mtp.",)
 
 
 
@@ -202,6 +204,7 @@ def _check_tensors(plans, reader: _Reader, hf_config) -> None:
   tied = reader.config.tie_embeddings
   unexpected = sorted(n for n in reader.files if n not in used
                       and not n.endswith(_IGNORED_SUFFIXES)
+                      and not n.startswith(_IGNORED_PREFIXES)
                       and not (tied and n == "lm_head.weight"))
   if unexpected:
     raise UserError(f"{reader.path}: tensors {unexpected[:5]} (of {len(unexpected)}) are not "

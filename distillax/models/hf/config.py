@@ -1,6 +1,7 @@
 """Hugging Face `config.json` -> TransformerConfig for Llama, Gemma, Gemma 2, Gemma 3, Qwen
-2/2.5, Qwen 3, Mistral, SmolLM3, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss and
-Qwen3.5-MoE.
+2/2.5, Qwen 3, Mistral, SmolLM3, OLMo 3 (hf/olmo3.py), Phi-3/4 (hf/phi3.py), and the mixtures of
+experts Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5-MoE, Qwen3-Next (hf/qwen3_next.py) and Llama 4
+(hf/llama4.py).
 
 Reads both the transformers 5 layout (`rope_parameters`) and the older one (`rope_theta` +
 `rope_scaling`), and writes both so other readers (older transformers, serving stacks) agree.
@@ -26,6 +27,10 @@ from typing import Any, Mapping
 from distillax.errors import UserError
 from distillax.models.config import FULL, LINEAR, SLIDING, TransformerConfig, window_fields
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_fields
+from distillax.models.hf.llama4 import LLAMA4, llama4_fields
+from distillax.models.hf.olmo3 import OLMO3, olmo3_fields
+from distillax.models.hf.phi3 import LONGROPE_TYPES, PHI3, longrope_fields, phi3_fields
+from distillax.models.hf.qwen3_next import QWEN3_NEXT, qwen3_next_moe_fields
 
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "gemma2": "Gemma2ForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -33,7 +38,8 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-                "gemma4_text": "Gemma4ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+                "gemma4_text": "Gemma4ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                "olmo3": OLMO3, "phi3": PHI3, "qwen3_next": QWEN3_NEXT, "llama4_text": LLAMA4}
 GPT_OSS = "GptOssForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
@@ -43,7 +49,8 @@ QWEN35_MOE = "Qwen3_5MoeForCausalLM"
 MULTIMODAL = {"Gemma4ForConditionalGeneration": GEMMA4,
               "Gemma3ForConditionalGeneration": GEMMA3,
               "Qwen3_5ForConditionalGeneration": QWEN35,
-              "Qwen3_5MoeForConditionalGeneration": QWEN35_MOE}
+              "Qwen3_5MoeForConditionalGeneration": QWEN35_MOE,
+              "Llama4ForConditionalGeneration": LLAMA4}
 ARCHITECTURES = tuple(MODEL_TYPES.values())
 GEMMA_FAMILY = ("GemmaForCausalLM", "Gemma2ForCausalLM", GEMMA3)
 _QWEN_FAMILY = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -89,9 +96,12 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
   legacy = dict(hf.get("rope_scaling") or {})
   theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
   rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
-  scaling = params if params.get("rope_type") in ("llama3", "yarn", "linear") else legacy
+  scaling = (params if params.get("rope_type") in ("llama3", "yarn", "linear") + LONGROPE_TYPES
+             else legacy)
   if rope_type == "default":
     return {"rope_theta": float(theta)}
+  if rope_type in LONGROPE_TYPES or rope_type == "yarn" and "long_factor" in scaling:
+    return longrope_fields(scaling, float(theta), hf, where)  # Phi3Config reads yarn so too
   if rope_type == "yarn":
     return _yarn(scaling, float(theta), where)
   if rope_type == "linear":
@@ -103,7 +113,7 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
             "rope_high_freq_factor": float(scaling["high_freq_factor"]),
             "rope_original_max_len": int(scaling["original_max_position_embeddings"])}
   raise UserError(f"{where}: unsupported RoPE type {rope_type!r}; supported: default, llama3, "
-                  f"yarn, linear")
+                  f"yarn, linear, longrope")
 
 
 def _yarn(scaling: Mapping[str, Any], theta: float, where: str) -> dict[str, Any]:
@@ -246,22 +256,32 @@ def _qwen35_moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
               shared_expert_gate=True)
 
 
-def _moe_fields(hf: Mapping[str, Any], arch: str, where: str) -> dict[str, Any]:
-  """The expert fields of Qwen3-MoE (experts in every layer only) and Mixtral."""
+def _moe_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
+                where: str) -> dict[str, Any]:
+  """The expert fields of Qwen3-MoE and Mixtral."""
   if arch == "MixtralForCausalLM":
     return dict(num_experts=int(hf["num_local_experts"]),
                 num_experts_per_tok=int(hf["num_experts_per_tok"]), router="topk_softmax")
   if arch != "Qwen3MoeForCausalLM":
     return {}
-  step, dense_layers = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
-  if step != 1 or dense_layers:
-    raise UserError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense_layers}: "
-                    f"distillax runs Qwen3-MoE with experts in every layer (step 1, no dense "
-                    f"layers)")
   return dict(num_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
               num_experts_per_tok=int(hf["num_experts_per_tok"]),
               moe_mlp_dim=int(hf["moe_intermediate_size"]), router="softmax_topk",
-              norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+              norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+              moe_layers=_qwen3_moe_layers(hf, num_layers, where))
+
+
+def _qwen3_moe_layers(hf: Mapping[str, Any], num_layers: int, where: str) -> tuple[int, ...]:
+  """Qwen3-MoE's layers with experts as its transformers code picks them: every
+  decoder_sparse_step-th layer not in mlp_only_layers (the others: a dense MLP of
+  intermediate_size)."""
+  step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+  step = 1 if step is None else step
+  if (not isinstance(step, int) or isinstance(step, bool) or step < 1
+      or not isinstance(dense, (list, tuple)) or any(not isinstance(i, int) for i in dense)):
+    raise UserError(f"{where}: decoder_sparse_step={step!r}, mlp_only_layers={dense!r} must be "
+                    f"a positive integer and a list of layer indices")
+  return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
 def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
@@ -270,9 +290,17 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
   act = hf.get("hidden_activation") or hf.get("hidden_act")
   if arch == GPT_OSS:  # its experts' activation is fixed by the class (hidden_act is unused)
     return _gpt_oss_fields(hf, num_layers, where)
-  if arch in (QWEN35, QWEN35_MOE):
+  if arch in (QWEN35, QWEN35_MOE, QWEN3_NEXT):
     fields = _qwen35_fields(hf, act, num_layers, where)
+    if arch == QWEN3_NEXT:  # Qwen3.5's layers stored otherwise, with Qwen3-MoE's dense layers
+      return {**fields, **qwen3_next_moe_fields(hf, _qwen3_moe_layers(hf, num_layers, where))}
     return {**fields, **(_qwen35_moe_fields(hf) if arch == QWEN35_MOE else {})}
+  if arch == OLMO3:
+    return olmo3_fields(hf, num_layers, where, _rope)
+  if arch == PHI3:
+    return phi3_fields(hf, num_layers, where)
+  if arch == LLAMA4:
+    return llama4_fields(hf, num_layers, where)
   if arch == GEMMA4:
     if (act or "gelu_pytorch_tanh") not in _TANH_GELU:
       raise UserError(f"{where}: hidden activation {act!r} is not supported for {arch} "
@@ -287,7 +315,7 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
       fields.update(_sliding(hf, arch, num_layers, where))
     if arch == SMOLLM3:
       fields.update(_smollm3_fields(hf, num_layers, where))
-    fields.update(_moe_fields(hf, arch, where))
+    fields.update(_moe_fields(hf, arch, num_layers, where))
     return fields
   if (act or "gelu_pytorch_tanh") not in _TANH_GELU:
     raise UserError(f"{where}: hidden activation {act!r} is not supported for Gemma "

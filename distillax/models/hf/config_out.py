@@ -13,6 +13,28 @@ from distillax.models.hf.config import (ARCHITECTURES, GEMMA3, GEMMA_FAMILY, GPT
                                         MISTRAL_FAMILY, MODEL_TYPES, QWEN35, QWEN35_MOE,
                                         SMOLLM3)
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_hf_fields, is_gemma4
+from distillax.models.hf.llama4 import LLAMA4, is_llama4, llama4_hf_fields
+from distillax.models.hf.olmo3 import OLMO3, is_olmo3, olmo3_hf_fields
+from distillax.models.hf.phi3 import PHI3, is_phi3, longrope_to_hf, phi3_hf_fields
+from distillax.models.hf.qwen3_next import (QWEN3_NEXT, holds_qwen3_next_experts,
+                                            qwen3_next_hf_fields)
+
+
+# The parts of a mixture of experts only some families have: the architectures that hold each.
+FEATURE_ARCHS = {
+    "shared_expert_mlp_dim": (QWEN35_MOE, QWEN3_NEXT, LLAMA4),
+    "moe_layers": ("Qwen3MoeForCausalLM", QWEN3_NEXT, LLAMA4),  # layers with a dense MLP
+    "routed_scaling_factor": (),
+    "moe_scale_inputs": (LLAMA4,),
+}
+
+
+def _moe_parts(config: TransformerConfig) -> list[tuple[str, bool]]:
+  """(field, whether the config uses it) for each field of FEATURE_ARCHS."""
+  return [("shared_expert_mlp_dim", bool(config.shared_expert_mlp_dim)),
+          ("moe_layers", config.moe_layers is not None),
+          ("routed_scaling_factor", config.routed_scaling_factor != 1.0),
+          ("moe_scale_inputs", config.moe_scale_inputs)]
 
 
 def _qwen35_architecture(config: TransformerConfig) -> str | None:
@@ -28,6 +50,8 @@ def _qwen35_architecture(config: TransformerConfig) -> str | None:
             or config.router_bias or config.expert_bias)
   if not fixed or others:
     return None
+  if config.fused_qkvz_ba:  # Qwen3-Next's checkpoint layout
+    return QWEN3_NEXT if holds_qwen3_next_experts(config) else None
   if not config.num_experts:
     return QWEN35
   moe = (config.router == "softmax_topk" and config.norm_topk_prob
@@ -86,7 +110,14 @@ def hf_architecture(config: TransformerConfig) -> str:
                  config.query_pre_attn_scalar)
   qwen_only = (config.qkv_bias, config.qk_norm)
   arch = None
-  if (config.value_norm or config.layer_scalar or config.per_layer_input_dim
+  if not config.pre_norms or config.qk_norm_across_heads:  # OLMo's post-norm block
+    arch = OLMO3 if is_olmo3(config) else None
+  elif config.fused_qkv_gate_up or config.rope_scaling_type == "longrope":  # Phi-3/4
+    arch = PHI3 if is_phi3(config) else None
+  elif (config.moe_scale_inputs or config.qk_l2_norm or config.attention_chunk_size
+        or config.attn_temperature_floor_scale):  # Llama 4
+    arch = LLAMA4 if is_llama4(config) else None
+  elif (config.value_norm or config.layer_scalar or config.per_layer_input_dim
       or config.num_kv_shared_layers or config.attention_k_eq_v or config.global_num_kv_heads):
     arch = GEMMA4 if is_gemma4(config) else None
   elif (config.attn_output_gate or config.token_mixers is not None
@@ -108,26 +139,36 @@ def hf_architecture(config: TransformerConfig) -> str:
     arch = SMOLLM3 if not (any(qwen_only) or config.num_experts or config.sliding_window) else None
   elif llama_like and not any(gemma2_only):
     arch = _swiglu_architecture(config)
-  if (config.rope_local_theta is not None and arch not in (GEMMA3, GEMMA4)
+  if (config.rope_local_theta is not None and arch not in (GEMMA3, GEMMA4, OLMO3)
       or config.rope_scaling_type == "linear" and arch in (GPT_OSS, QWEN35, QWEN35_MOE)
-      or config.shared_expert_mlp_dim and arch != QWEN35_MOE):
-    arch = None  # no other family turns its sliding layers with a base of their own, or has a
-    # shared expert
+      or any(on and arch not in FEATURE_ARCHS[name] for name, on in _moe_parts(config))):
+    arch = None  # no other family turns its sliding layers with a base of their own, or has
+    # this part of a mixture of experts
   if arch is None:
-    raise UserError(
-        "this model config has no Hugging Face equivalent among "
-        f"{', '.join(ARCHITECTURES)} (mlp_activation={config.mlp_activation!r}, "
-        f"norm_scale_plus_one={config.norm_scale_plus_one}, scale_embeddings="
-        f"{config.scale_embeddings}, use_post_norms={config.use_post_norms}, qkv_bias="
-        f"{config.qkv_bias}, qk_norm={config.qk_norm}, sliding_window={config.sliding_window}, "
-        f"num_experts={config.num_experts}, shared_expert_mlp_dim="
-        f"{config.shared_expert_mlp_dim}, router={config.router!r}, attention_sinks="
-        f"{config.attention_sinks}, router_bias={config.router_bias}, expert_bias="
-        f"{config.expert_bias}, attn_out_bias={config.attn_out_bias}, rope_local_theta="
-        f"{config.rope_local_theta}, rope_free_layers={config.rope_free_layers}, "
-        f"local layers {[i for i, x in enumerate(config.local_layers()) if x]}); use a preset or "
-        f"an imported checkpoint of one of these families as the base of the student")
+    _refuse(config)
   return arch
+
+
+def _refuse(config: TransformerConfig) -> None:
+  """The one-line refusal of a config no architecture holds, naming the fields that decide."""
+  raise UserError(
+      "this model config has no Hugging Face equivalent among "
+      f"{', '.join(ARCHITECTURES)} (mlp_activation={config.mlp_activation!r}, "
+      f"norm_scale_plus_one={config.norm_scale_plus_one}, scale_embeddings="
+      f"{config.scale_embeddings}, use_post_norms={config.use_post_norms}, qkv_bias="
+      f"{config.qkv_bias}, qk_norm={config.qk_norm}, sliding_window={config.sliding_window}, "
+      f"num_experts={config.num_experts}, shared_expert_mlp_dim="
+      f"{config.shared_expert_mlp_dim}, moe_layers={config.moe_layers}, router="
+      f"{config.router!r}, routed_scaling_factor={config.routed_scaling_factor}, "
+      f"attention_sinks="
+      f"{config.attention_sinks}, router_bias={config.router_bias}, expert_bias="
+      f"{config.expert_bias}, attn_out_bias={config.attn_out_bias}, rope_local_theta="
+      f"{config.rope_local_theta}, rope_free_layers={config.rope_free_layers}, pre_norms="
+      f"{config.pre_norms}, fused_qkv_gate_up={config.fused_qkv_gate_up}, "
+      f"rope_scaling_type={config.rope_scaling_type!r}, partial_rotary_factor="
+      f"{config.partial_rotary_factor}, "
+      f"local layers {[i for i, x in enumerate(config.local_layers()) if x]}); use a preset or "
+      f"an imported checkpoint of one of these families as the base of the student")
 
 
 def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
@@ -135,12 +176,20 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
   window = config.sliding_window if any(config.local_layers()) else None
   if arch == GEMMA4:
     return gemma4_hf_fields(config)
-  if arch in (QWEN35, QWEN35_MOE):
+  if arch == OLMO3:
+    return olmo3_hf_fields(config, _rope_to_hf)
+  if arch == PHI3:
+    return phi3_hf_fields(config, _rope_to_hf)
+  if arch == LLAMA4:
+    return llama4_hf_fields(config)
+  if arch in (QWEN35, QWEN35_MOE, QWEN3_NEXT):
     mixers = config.token_mixers or (FULL,) * config.num_layers
     moe = {} if arch == QWEN35 else dict(
         num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
         moe_intermediate_size=config.expert_mlp_dim,
         shared_expert_intermediate_size=config.shared_expert_mlp_dim)
+    if arch == QWEN3_NEXT:
+      moe = qwen3_next_hf_fields(config)
     return dict(hidden_act="silu", **moe, layer_types=list(mixers),
                 rope_parameters={**_rope_to_hf(config),
                                  "partial_rotary_factor": config.partial_rotary_factor},
@@ -157,19 +206,7 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
                 intermediate_size=config.expert_mlp_dim, swiglu_alpha=config.swiglu_alpha,
                 swiglu_limit=config.swiglu_limit, router_aux_loss_coef=0.0)
   if arch in GEMMA_FAMILY:
-    fields = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
-    if arch in ("Gemma2ForCausalLM", GEMMA3):
-      scalar = config.query_pre_attn_scalar or config.head_dim
-      fields.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
-                    attn_logit_softcapping=config.attn_logit_softcap,
-                    final_logit_softcapping=config.final_logit_softcap,
-                    sliding_window=config.sliding_window or config.max_seq_len,
-                    layer_types=[SLIDING if local else FULL for local in config.local_layers()])
-    if arch == GEMMA3:  # one RoPE per layer type; the sliding layers' is unscaled
-      local = {"rope_type": "default", "rope_theta": config.rope_local_theta or config.rope_theta}
-      fields.update(rope_parameters={FULL: _rope_to_hf(config), SLIDING: local},
-                    rope_local_base_freq=local["rope_theta"])
-    return fields
+    return _gemma_hf_fields(config, arch)
   fields = dict(hidden_act="silu")
   if arch == "LlamaForCausalLM":
     fields.update(mlp_bias=False)
@@ -189,9 +226,29 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
   return fields
 
 
+def _gemma_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
+  """Gemma 1-3's keys: the tanh GELU; Gemma 2's and 3's query scalar, soft-caps and layer
+  types; Gemma 3's RoPE per layer type."""
+  fields = dict(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
+  if arch in ("Gemma2ForCausalLM", GEMMA3):
+    scalar = config.query_pre_attn_scalar or config.head_dim
+    fields.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                  attn_logit_softcapping=config.attn_logit_softcap,
+                  final_logit_softcapping=config.final_logit_softcap,
+                  sliding_window=config.sliding_window or config.max_seq_len,
+                  layer_types=[SLIDING if local else FULL for local in config.local_layers()])
+  if arch == GEMMA3:  # one RoPE per layer type; the sliding layers' is unscaled
+    local = {"rope_type": "default", "rope_theta": config.rope_local_theta or config.rope_theta}
+    fields.update(rope_parameters={FULL: _rope_to_hf(config), SLIDING: local},
+                  rope_local_base_freq=local["rope_theta"])
+  return fields
+
+
 def _rope_to_hf(config: TransformerConfig) -> dict[str, Any]:
   if config.rope_scaling_factor is None:
     return {"rope_type": "default", "rope_theta": config.rope_theta}
+  if config.rope_scaling_type == "longrope":
+    return longrope_to_hf(config)
   if config.rope_scaling_type == "linear":
     return {"rope_type": "linear", "rope_theta": config.rope_theta,
             "factor": config.rope_scaling_factor}
@@ -242,4 +299,5 @@ def _moe_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
     return {}
   return dict(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
               moe_intermediate_size=config.expert_mlp_dim, norm_topk_prob=config.norm_topk_prob,
-              decoder_sparse_step=1, mlp_only_layers=[])
+              decoder_sparse_step=1, mlp_only_layers=[
+                  i for i in range(config.num_layers) if not config.layer_is_moe(i)])

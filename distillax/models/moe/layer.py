@@ -4,11 +4,10 @@ The experts are three stacked weights, gate/up (expert, embed, mlp) and down (ex
 embed), so the rules place them like any parameter: expert parallelism is a rule for the
 logical axis 'expert', never code here that reads the mesh.
 
-Routing follows each family's own rule, because the numbers must match its checkpoints:
-- 'softmax_topk' (Qwen3-MoE): softmax over all E logits, keep the k largest probabilities,
-  renormalise them to sum to 1 only with `norm_topk_prob`;
-- 'topk_softmax' (Mixtral, gpt-oss): keep the k largest logits, softmax over those k.
-Ties pick the lower expert index (`lax.top_k`), so every path routes alike.
+Routing follows each family's own rule (softmax then top-k, top-k then softmax, or DeepSeek's
+sigmoid scores with a choice bias and expert groups: models/moe/routing.py), because the numbers
+must match its checkpoints. Which layers have experts is `moe_layers` (the others run the dense
+`MLP`); a shared expert runs beside the routed ones where the family has one (moe/shared.py).
 
 Dispatch is switched by `moe_impl`:
 - 'ragged' (default, dropless): the T*k (token, expert) pairs are sorted by expert and each
@@ -20,12 +19,9 @@ Dispatch is switched by `moe_impl`:
 When the rules split 'expert' over mesh axes (fsdp_ep, ep_tp), ragged and tokamax exchange the
 tokens with the devices holding their experts (models/moe/parallel.py).
 
-Optional capacity (`moe_capacity_factor`; None = dropless): each expert takes at most
-C = ceil(factor * T * k / E) of the (token, expert) assignments of a layer call's T tokens,
-the first C in token order (flattened batch, row-major; padding tokens take no slot). An
-assignment past that is dropped: it contributes 0 and the token keeps its other experts'
-weighted output (no renormalisation). Both dispatches drop the same assignments (`keep_TxK`);
-the ragged one also skips their rows in the grouped matmul. RouterStats counts the drops.
+Optional capacity (`moe_capacity_factor`, routing.py): both dispatches drop the same
+assignments (`keep_TxK`); the ragged one also skips their rows in the grouped matmul.
+RouterStats counts the drops.
 """
 
 from __future__ import annotations
@@ -42,59 +38,10 @@ from distillax.models.config import TransformerConfig
 from distillax.models.layers import activations, normal_param
 from distillax.models.moe.kernels import tokamax_ragged_dot
 from distillax.models.moe.parallel import routed_experts, run_experts
+from distillax.models.moe.routing import (Routing, SigmoidGroups, expert_capacity,  # noqa: F401
+                                          route, with_capacity)
 from distillax.models.moe.shared import SharedExpert
 from distillax.partitioning import constrain
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Routing:
-  """Which k experts each of T tokens goes to, with what weight, and the raw router logits
-  (float32; the load-balancing and z losses read them)."""
-
-  weights_TxK: jax.Array  # 0 where an assignment was dropped for capacity
-  experts_TxK: jax.Array  # int32 expert indices, best first
-  logits_TxE: jax.Array
-  keep_TxK: jax.Array | None = None  # bool; None = dropless (every assignment kept)
-
-
-def route(logits_TxE: jax.Array, k: int, kind: str, norm_topk_prob: bool) -> Routing:
-  """The family's routing rule over float32 router logits (see the module docstring)."""
-  logits_TxE = logits_TxE.astype(jnp.float32)
-  if kind == "softmax_topk":
-    probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
-    weights_TxK, experts_TxK = jax.lax.top_k(probs_TxE, k)
-    if norm_topk_prob:
-      weights_TxK = weights_TxK / jnp.sum(weights_TxK, axis=-1, keepdims=True)
-  elif kind == "topk_softmax":
-    top_TxK, experts_TxK = jax.lax.top_k(logits_TxE, k)
-    weights_TxK = jax.nn.softmax(top_TxK, axis=-1)
-  else:
-    raise ValueError(f"unknown router kind {kind!r}")
-  return Routing(weights_TxK, experts_TxK.astype(jnp.int32), logits_TxE)
-
-
-def expert_capacity(tokens: int, k: int, num_experts: int, factor: float | None) -> int | None:
-  """Assignments each expert takes per layer call: ceil(factor * T * k / E); None = dropless."""
-  return None if factor is None else math.ceil(factor * tokens * k / num_experts)
-
-
-def with_capacity(routing: Routing, capacity: int, mask_T: jax.Array | None) -> Routing:
-  """`routing` with every expert's assignments past its first `capacity` (in token order, real
-  tokens only) dropped: keep_TxK False and weight 0. Padding assignments are dropped too but
-  take no slot (RouterStats counts only real tokens' drops)."""
-  T, k = routing.experts_TxK.shape
-  E = routing.logits_TxE.shape[-1]
-  real_N = jnp.ones((T * k,), bool) if mask_T is None else jnp.repeat(mask_T.astype(bool), k)
-  key_N = jnp.where(real_N, routing.experts_TxK.reshape(-1), E)  # padding sorts last
-  order_N = jnp.argsort(key_N, stable=True)  # by expert, then token order
-  counts = jnp.bincount(key_N, length=E + 1)
-  starts = jnp.cumsum(counts) - counts
-  rank_sorted_N = jnp.arange(T * k) - starts[key_N[order_N]]
-  rank_N = jnp.zeros((T * k,), rank_sorted_N.dtype).at[order_N].set(rank_sorted_N)
-  keep_TxK = (real_N & (rank_N < capacity)).reshape(T, k)
-  weights_TxK = jnp.where(keep_TxK, routing.weights_TxK, 0.0)
-  return dataclasses.replace(routing, weights_TxK=weights_TxK, keep_TxK=keep_TxK)
 
 
 def ragged_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act,
@@ -172,7 +119,9 @@ def router_stats(routing: Routing, mask_T: jax.Array | None) -> RouterStats:
   m_T = jnp.ones((T,), jnp.float32) if mask_T is None else mask_T.astype(jnp.float32)
   one_hot_TxKxE = jax.nn.one_hot(routing.experts_TxK, E, dtype=jnp.float32)
   load_E = jnp.einsum("TKE,T->E", one_hot_TxKxE, m_T)
-  prob_E = jnp.einsum("TE,T->E", jax.nn.softmax(routing.logits_TxE, axis=-1), m_T)
+  probs_TxE = (jax.nn.softmax(routing.logits_TxE, axis=-1) if routing.probs_TxE is None
+               else routing.probs_TxE)
+  prob_E = jnp.einsum("TE,T->E", probs_TxE, m_T)
   z = jnp.sum(jnp.square(jax.nn.logsumexp(routing.logits_TxE, axis=-1)) * m_T)
   dropped = (jnp.zeros(()) if routing.keep_TxK is None
              else jnp.sum(jnp.where(routing.keep_TxK, 0.0, m_T[:, None])))
@@ -213,7 +162,7 @@ def objective_terms(stats: RouterStats, tokens: jax.Array, aux_weight: float, z_
 
 
 class MoE(nnx.Module):
-  """Router + E gated experts; the drop-in replacement of `MLP` when `num_experts > 0`."""
+  """Router + E gated experts: the `MLP` of the layers with experts (`layer_is_moe`)."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
     D, E, F = config.embed_dim, config.num_experts, config.expert_mlp_dim
@@ -226,16 +175,22 @@ class MoE(nnx.Module):
     # gpt-oss: router and expert biases (zero at init).
     zeros = lambda shape, axes: nnx.Param(jnp.zeros(shape, pd), logical_axes=axes)
     self.router_bias = zeros((E,), ("expert",)) if config.router_bias else None
+    # DeepSeek V3 / GLM-4.5: the bias added to the sigmoid scores to choose experts (routing.py).
+    self.router_score_bias = zeros((E,), ("expert",)) if config.router_score_bias else None
     self.gate_bias, self.up_bias, self.down_bias = (
         (zeros((E, F), ("expert", "mlp")), zeros((E, F), ("expert", "mlp")),
          zeros((E, D), ("expert", "embed"))) if config.expert_bias else (None, None, None))
-    # Qwen3.5-MoE: a dense gated MLP beside the experts (models/moe/shared.py).
+    # Qwen3.5-MoE, DeepSeek V3, GLM-4.5, Llama 4: a dense gated MLP beside the experts
+    # (models/moe/shared.py).
     self.shared_expert = (SharedExpert(config, rngs=rngs) if config.shared_expert_mlp_dim
                           else None)
     self.act, self.up_act = activations(config)
     self.k = config.num_experts_per_tok
     self.router_kind = config.router
     self.norm_topk_prob = config.norm_topk_prob
+    self.routed_scaling_factor = config.routed_scaling_factor
+    self.groups = (config.router_groups, config.router_groups_kept)
+    self.scale_inputs = config.moe_scale_inputs
     self.impl = config.moe_impl
     self.capacity_factor = config.moe_capacity_factor
     self.activation = config.mlp_activation
@@ -247,7 +202,12 @@ class MoE(nnx.Module):
                             preferred_element_type=jnp.float32)
     if self.router_bias is not None:
       logits_TxE = logits_TxE + self.router_bias[...].astype(jnp.float32)
-    return route(logits_TxE, self.k, self.router_kind, self.norm_topk_prob)
+    sigmoid = None
+    if self.router_kind == "sigmoid":
+      bias = None if self.router_score_bias is None else self.router_score_bias[...]
+      sigmoid = SigmoidGroups(bias, *self.groups)
+    return route(logits_TxE, self.k, self.router_kind, self.norm_topk_prob,
+                 scale=self.routed_scaling_factor, sigmoid=sigmoid)
 
   def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
                return_router_logits: bool = False,
@@ -269,9 +229,15 @@ class MoE(nnx.Module):
     weights = [w[...].astype(dt) for w in (self.gate, self.up, self.down)]
     biases = (None if self.gate_bias is None
               else [b[...].astype(dt) for b in (self.gate_bias, self.up_bias, self.down_bias)])
+    experts_in_TxD, dispatched = x_TxD, routing
+    if self.scale_inputs:  # Llama 4: the one chosen expert runs on x times its weight
+      experts_in_TxD = x_TxD * routing.weights_TxK.astype(dt)
+      unit_TxK = (jnp.ones_like(routing.weights_TxK) if routing.keep_TxK is None
+                  else routing.keep_TxK.astype(routing.weights_TxK.dtype))
+      dispatched = dataclasses.replace(routing, weights_TxK=unit_TxK)
     # Experts the rules split (fsdp_ep, ep_tp) exchange tokens in a shard_map region.
-    out_TxD = run_experts(self.impl, _DISPATCH[self.impl], x_TxD, routing, weights, self.act,
-                          biases, self.up_act)
+    out_TxD = run_experts(self.impl, _DISPATCH[self.impl], experts_in_TxD, dispatched, weights,
+                          self.act, biases, self.up_act)
     out_BxLxD = out_TxD.reshape(B, L, D)
     if self.shared_expert is not None:
       out_BxLxD = out_BxLxD + self.shared_expert(x_BxLxD.astype(dt))

@@ -11,6 +11,7 @@ from flax import nnx
 from distillax.distill import (TEACHER, AttentionTransfer, DistillStudent, FeaturePooling,
                                FeatureProjection, LogitKD, RouterKD, Strategy,
                                make_distill_objective, unwrap_student)
+from distillax.distill.logit_kd import sliced_leaf
 from distillax.framework.vocab_chunks import chunk_size_from_config
 from distillax.errors import ConfigError
 from distillax.framework.step import Objective
@@ -104,11 +105,22 @@ class DistillRecipe(Recipe):
   def objective(self, *, train: bool = False) -> Objective:
     """Train: the loss terms and hard_ce; eval adds the logit metrics that cost extra passes
     over the vocabulary (teacher_ce, top1_agreement, logit_cosine)."""
-    sliced = train and self.config.train.get("loss_impl", "chunked") == "sliced"
+    sliced = train and self.loss_impl == "sliced" and (
+        self.config.train.get("loss_impl", "auto") == "sliced" or self.sliced_strategy())
     objective = make_distill_objective(self.strategy(), chunk_size=self.chunk_size(),
                                        metrics=not train, sliced=sliced,
                                        router_loss_weights=self.router_loss_weights(train))
     return self.transforms.train_objective(objective) if train else objective
+
+  def sliced_strategy(self) -> bool:
+    """Whether the strategy is the one forward-KL LogitKD that vocabulary slices compute (what
+    train.loss_impl='auto' then runs; an explicit 'sliced' is refused otherwise)."""
+    try:
+      sliced_leaf([(w, leaf) for w, leaf in self.strategy().leaves() if leaf.needs.logits],
+                  None, metrics=False)
+    except ConfigError:
+      return False
+    return True
 
   def router_loss_weights(self, train: bool) -> tuple[float, float]:
     """(train.moe_aux_loss, train.router_z_loss) in training; eval objectives report the router

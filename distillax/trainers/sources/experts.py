@@ -75,7 +75,12 @@ def kept_experts(experts: Sequence[Any], layers: Sequence[int], teacher: Transfo
 
 
 def with_kept_experts(cfg: TransformerConfig, kept) -> TransformerConfig:
-  """The student config of `cfg`'s blocks keeping `kept` (None: unchanged)."""
+  """The student config of `cfg`'s blocks keeping `kept` (None: unchanged). Expert groups
+  (DeepSeek's n_group) are consecutive expert indices, which a subset does not keep."""
+  if kept is not None and cfg.router_groups > 1:
+    raise ConfigError(f"{FIELD} keeps a subset of each layer's experts, but the teacher routes "
+                      f"within model.router_groups={cfg.router_groups} groups of consecutive "
+                      f"experts that a subset breaks; clear {FIELD} (keep every expert)")
   return cfg if kept is None else cfg.replace(num_experts=len(kept[0]))
 
 
@@ -84,7 +89,7 @@ def slice_layer(values: dict, kept_layer: Sequence[int] | None) -> dict:
   router's expert columns (its last axis) and every other MoE array's leading expert axis; a
   module beside the experts (Qwen3.5-MoE's shared expert, Gemma 4's dense MLP and norms) and
   Gemma 4's router input scale are kept whole."""
-  if kept_layer is None:
+  if kept_layer is None or "router" not in values["mlp"]:  # a dense layer keeps its MLP
     return values
   index = jnp.asarray(kept_layer, jnp.int32)
   cut = lambda name, v: jnp.take(v, index, axis=v.ndim - 1 if name == "router" else 0)
