@@ -35,8 +35,9 @@ SELECTION = (
      "q4_0 / q8_0 rounding (weights, activations, a q4_0 QAT forward) against numpy "
      "transcriptions of ggml's quantizers, bit for bit: the TPU's division, fp16 conversion"),
     ("tests/models/attention/test_impls.py::test_splash_kernel_matches_reference",
-     "splash attention's Mosaic kernel (tiles 512/512/512 and 512/1024/512 fused) against the "
-     "reference: f32 and bf16, causal, window, traced window, packed segments, GQA, soft-cap"),
+     "splash attention's Mosaic kernel (tiles 1024/1024/512 fused, the default; 512/1024/512 "
+     "fused; 512/512/512 two-kernel backward) against the reference: f32 and bf16, causal, "
+     "window, traced window, packed segments, GQA, soft-cap"),
     ("tests/models/moe/test_kernels.py::test_grouped_matmul_equals_dense_in_values_and_gradients",
      "the grouped matmul ('ragged': the TPU's ragged_dot; 'tokamax': its Mosaic kernel) "
      "against the dense experts, f32 and bf16, values and gradients"),

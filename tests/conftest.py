@@ -35,7 +35,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The chip run (scripts/chip_tests.sh --tpu) sets JAX_PLATFORMS=tpu,cpu: JAX then runs on the
 # TPU as a user's program does, without what follows for a CPU host (libtpu's settings for
 # compiling off a TPU VM, XLA:CPU's cheap compile flags, the simulated devices).
-_ON_CPU = os.environ["JAX_PLATFORMS"].split(",")[0] == "cpu"
+_ON_CPU = os.environ["JAX_PLATFORMS"].split(",")[0] in ("", "cpu")
 if _ON_CPU:
   # `plan --target` tests load libtpu (compile-only TPU devices) in both xdist workers: libtpu
   # takes a lock file per process unless told that several may load it; off a TPU VM it should

@@ -236,19 +236,23 @@ def test_blockwise_temporaries_are_a_fraction_of_reference_under_a_layer_scan():
 
 
 # Splash (TPU kernel) against the reference: on CPU in Pallas interpret mode at 256 tokens (one
-# block); on the chip (scripts/chip_tests.sh) the Mosaic kernel at 2048 tokens in the tiles the
-# model exposes (model.splash_blocks, model.splash_fused_bwd), so 512-query blocks meet 512- or
-# 1024-key blocks, a document boundary inside a block and a window across blocks.
+# block); on the chip (scripts/chip_tests.sh) the Mosaic kernel at 2048 tokens in tiles the
+# model exposes (model.splash_blocks, model.splash_fused_bwd): the default (1024, 1024, 512) with
+# the fused backward, (512, 1024, 512) fused and (512, 512, 512) with the two-kernel backward; so
+# query blocks meet one or two key blocks, a document boundary inside a block and a window across
+# blocks.
 SPLASH_CASES = {
     "causal-f32-512x512x512": dict(dtype="float32", window=None, softcap=None,
                                    blocks=(512, 512, 512), fused_bwd=False, head_dim=64),
-    "window-softcap-f32-512x1024x512-fused": dict(dtype="float32", window="local", softcap=30.0,
-                                                  blocks=(512, 1024, 512), fused_bwd=True,
-                                                  head_dim=128),
-    "causal-bf16-512x1024x512-fused": dict(dtype="bfloat16", window=None, softcap=None,
-                                           blocks=(512, 1024, 512), fused_bwd=True, head_dim=128),
-    "traced-window-bf16-512x512x512": dict(dtype="bfloat16", window="traced", softcap=None,
-                                           blocks=(512, 512, 512), fused_bwd=False, head_dim=64),
+    "window-softcap-f32-1024x1024x512-fused": dict(dtype="float32", window="local", softcap=30.0,
+                                                   blocks=(1024, 1024, 512), fused_bwd=True,
+                                                   head_dim=128),
+    "causal-bf16-1024x1024x512-fused": dict(dtype="bfloat16", window=None, softcap=None,
+                                            blocks=(1024, 1024, 512), fused_bwd=True,
+                                            head_dim=128),
+    "traced-window-bf16-512x1024x512-fused": dict(dtype="bfloat16", window="traced",
+                                                  softcap=None, blocks=(512, 1024, 512),
+                                                  fused_bwd=True, head_dim=64),
 }
 
 
