@@ -13,4 +13,10 @@ if [ -z "$py" ]; then
   if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ! "$py" -c "import pytest" 2>/dev/null; then  # the chip's image may lack it: carry its wheels
+  echo "chip_tests.sh: $py has no pytest; carry pytest, pluggy and iniconfig wheels (e.g. pip" \
+       "download --no-deps --only-binary=:all: -d .whl pytest==9.2.0 pluggy==1.7.0" \
+       "iniconfig==2.3.1)" >&2
+  exit 2
+fi
 exec "$py" scripts/chip_tests.py "$@"
