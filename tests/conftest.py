@@ -32,12 +32,17 @@ import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# `plan --target` tests load libtpu (compile-only TPU devices) in both xdist workers: libtpu
-# takes a lock file per process unless told that several may load it; off a TPU VM it should
-# ask no metadata server and look for no workers (distillax/cli/target_env.py sets the same).
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+# The chip run (scripts/chip_tests.sh --tpu) sets JAX_PLATFORMS=tpu,cpu: JAX then runs on the
+# TPU as a user's program does, without what follows for a CPU host (libtpu's settings for
+# compiling off a TPU VM, XLA:CPU's cheap compile flags, the simulated devices).
+_ON_CPU = os.environ["JAX_PLATFORMS"].split(",")[0] in ("", "cpu")
+if _ON_CPU:
+  # `plan --target` tests load libtpu (compile-only TPU devices) in both xdist workers: libtpu
+  # takes a lock file per process unless told that several may load it; off a TPU VM it should
+  # ask no metadata server and look for no workers (distillax/cli/target_env.py sets the same).
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -56,13 +61,15 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 _CHEAP_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 if importlib.metadata.version("jaxlib").startswith("0.10."):
   _CHEAP_COMPILE += ("--xla_cpu_use_fusion_emitters=false",)
+if not _ON_CPU:
+  _CHEAP_COMPILE = ()
 _xla_flags = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_xla_flags + [
     f for f in _CHEAP_COMPILE if f.split("=")[0] not in {x.split("=")[0] for x in _xla_flags}])
 
 from distillax.main import _preset_devices  # noqa: E402
 
-assert _preset_devices(["--devices=8"]) is None
+assert not _ON_CPU or _preset_devices(["--devices=8"]) is None
 
 import jax  # noqa: E402
 

@@ -363,7 +363,10 @@ class TransformerConfig:
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    """The fields as JSON holds them: tuples (layer lists, splash tiles) as lists, so a dict
+    written and read back equals the one written."""
+    return {k: list(v) if isinstance(v, tuple) else v
+            for k, v in dataclasses.asdict(self).items()}
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "TransformerConfig":

@@ -12,8 +12,10 @@ these are not "an int8 / int4 grid" but ggml's own blocks, number for number:
 Both follow ggml's reference quantizers (`quantize_row_q8_0_ref` / `quantize_row_q4_0_ref`,
 mirrored by `gguf.quants`), which is how GGUF files are made; the arithmetic is float32 step by
 step in the same order, so `dequantize(quantize(w))` here equals `gguf.quants.dequantize(
-gguf.quants.quantize(w))` bit for bit (tests/quant/test_ggml.py). The scale used for rounding is
-the float32 d; the one stored (and multiplied back) is d rounded to fp16, as in ggml.
+gguf.quants.quantize(w))` bit for bit (tests/quant/test_ggml_rounding.py, against a numpy
+transcription that tests/quant/test_ggml.py pins to gguf's; a TPU's by scripts/chip_tests.sh).
+The scale used for rounding is the float32 d; the one stored (and multiplied back) is d rounded
+to fp16, as in ggml.
 
 Activations ("q8_0" as an act_qtype): llama.cpp's CPU kernels multiply q4_0 / q8_0 weights by
 inputs quantized to q8_0 blocks along the same contracted axis. Its x86 quantizer

@@ -1,5 +1,6 @@
 """The next-token loss through the vocabulary-chunk engine against the unchunked one: values,
-accuracy and gradients; and how the engine sizes its chunks."""
+accuracy and gradients (also on a TPU in the chip run, scripts/chip_tests.sh, at the tolerances of
+tests/support/chip.py); and how the engine sizes its chunks."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ from distillax.data import batch as batch_spec
 from distillax.framework import losses, vocab_chunks
 from distillax.models.presets import get_preset
 from distillax.trainers import lm_objective
+from tests.support import chip
 from tests.support.models import random_model
 
 
@@ -61,13 +63,13 @@ def test_chunked_lm_loss_equals_unchunked_values_and_gradients(preset, chunk_siz
   batch = _batch()
   want = _value_and_grads(_unchunked, model, batch)
   got = _value_and_grads(_chunked(chunk_size), model, batch)
-  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  chip.assert_close(got[0], want[0], rtol=1e-6)
   assert float(got[1]) == float(want[1]) and float(got[2]) == float(want[2])
   flat_want = jax.tree_util.tree_leaves_with_path(want[3])
   flat_got = jax.tree_util.tree_leaves(got[3])
   assert len(flat_got) == len(flat_want)
   for (path, w), g in zip(flat_want, flat_got):
-    np.testing.assert_allclose(g, w, atol=1e-6, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+    chip.assert_close(g, w, atol=1e-6, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
 def test_lm_objective_is_the_chunked_loss():
@@ -76,7 +78,7 @@ def test_lm_objective_is_the_chunked_loss():
   batch = _batch(seed=3)
   out = lm_objective(model, {}, batch, jax.random.key(0))
   loss, correct, tokens = _unchunked(model, batch)
-  np.testing.assert_allclose(out.loss_sum, loss, rtol=1e-6)
+  chip.assert_close(out.loss_sum, loss, rtol=1e-6)
   assert float(out.sums["accuracy"]) == float(correct) and float(out.tokens) == float(tokens)
 
 

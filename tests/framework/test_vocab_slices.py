@@ -1,7 +1,8 @@
 """Token losses over vocabulary slices (`train.loss_impl='sliced'`) against the whole-logits
 formulas in float64 numpy, and against the vocabulary-chunk engine inside the real objectives:
 the lm objective's CE and accuracy, and a distill objective's LogitKD (forward KL at T with the
-hard-label mix), loss, sums and every gradient, also under fsdp on 8 devices."""
+hard-label mix), loss, sums and every gradient, also under fsdp on 8 devices. The one-device
+comparisons also run on a TPU in the chip run (scripts/chip_tests.sh, tests/support/chip.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from distillax.trainers import lm_objective
 from tests.distill.helpers import (STUDENT_CONFIG, TEACHER_CONFIG, f64, make_batch, make_models,
                                    np_log_softmax, to_jnp)
 from tests.framework.test_chunked_loss import _batch
+from tests.support import chip
 from tests.support.models import random_model
 
 
@@ -67,12 +69,12 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
     t = (h_t @ w_t)[:, :V]
   nll, kl, hit = _numpy_terms(s, t, np.asarray(y), T)
   m = f64(mask)
-  np.testing.assert_allclose(sums["nll"], np.sum(nll * m), rtol=1e-5)
-  np.testing.assert_allclose(sums["kl"], np.sum(kl * m), rtol=1e-5)
+  chip.assert_close(sums["nll"], np.sum(nll * m), rtol=1e-5)
+  chip.assert_close(sums["kl"], np.sum(kl * m), rtol=1e-5)
   assert float(sums["correct"]) == np.sum(hit * m)
-  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  chip.assert_close(loss, want_loss, rtol=1e-5)
   for g, want in zip(grads, want_grads):
-    np.testing.assert_allclose(g, want, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    chip.assert_close(g, want, atol=1e-5 * float(jnp.max(jnp.abs(want))))
 
 
 def _grads_of(objective, student, extras, batch):
@@ -87,14 +89,15 @@ def _grads_of(objective, student, extras, batch):
 
 
 def _assert_same(got, want, atol):
+  """On a TPU each array within chip.F32 of its scale (tests/support/chip.py)."""
   (out, grads), (out_want, grads_want) = got, want
-  np.testing.assert_allclose(out.loss_sum, out_want.loss_sum, rtol=1e-5)
+  chip.assert_close(out.loss_sum, out_want.loss_sum, rtol=1e-5)
   assert sorted(out.sums) == sorted(out_want.sums)
   for k in out.sums:
-    np.testing.assert_allclose(out.sums[k], out_want.sums[k], rtol=1e-5, err_msg=k)
+    chip.assert_close(out.sums[k], out_want.sums[k], rtol=1e-5, err_msg=k)
   assert len(grads) == len(grads_want)
   for g, w in zip(grads, grads_want):
-    np.testing.assert_allclose(g, w, atol=atol)
+    chip.assert_close(g, w, atol=atol)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny_gemma"])
@@ -119,25 +122,35 @@ def test_lm_objective_sliced_equals_the_chunk_engine(preset):
   _assert_same(got, want, atol=2e-6)
 
 
-def test_distill_objective_sliced_equals_the_chunk_engine_under_fsdp():
-  """LogitKD (T=2, alpha 0.7) from a wider teacher, both ways, on one device and under fsdp on
-  8 x 1: the loss, its logit_kd / logit_kd_divergence / hard_ce sums and the student's every
-  gradient agree within 1e-5."""
+@pytest.fixture(scope="module")
+def distill_case():
+  """LogitKD (T=2, alpha 0.7) from a wider teacher: (sliced objective, student, extras, batch,
+  the chunk engine's output and gradients)."""
   student, teacher = make_models()
   batch = to_jnp(make_batch(B=8, L=9))
   kd = LogitKD(temperature=2.0, alpha=0.7)
-  chunked = make_distill_objective(kd, metrics=False)
-  sliced = make_distill_objective(kd, metrics=False, sliced=True)
   extras = {"teacher": teacher}
-  want = _grads_of(chunked, student, extras, batch)
+  want = _grads_of(make_distill_objective(kd, metrics=False), student, extras, batch)
+  assert STUDENT_CONFIG.vocab_size == TEACHER_CONFIG.vocab_size
+  return make_distill_objective(kd, metrics=False, sliced=True), student, extras, batch, want
+
+
+def test_distill_objective_sliced_equals_the_chunk_engine(distill_case):
+  """On one device: the loss, its logit_kd / logit_kd_divergence / hard_ce sums and the
+  student's every gradient agree within 1e-5."""
+  sliced, student, extras, batch, want = distill_case
   with token_loss_impl.recorded_choices() as ran:
     got = _grads_of(sliced, student, extras, batch)
   assert [k.split(" (")[0] for k in ran] == ["sliced"]
   _assert_same(got, want, atol=1e-5)
+
+
+def test_distill_objective_sliced_equals_the_chunk_engine_under_fsdp(distill_case):
+  """The same under fsdp on 8 x 1 devices, against the one-device chunk engine."""
+  sliced, student, extras, batch, want = distill_case
   mesh = pt.create_mesh({"data": 8, "model": 1})
   with pt.use_rules(mesh, pt.rules_from_config({"strategy": "fsdp"})):
     _assert_same(_grads_of(sliced, student, extras, batch), want, atol=1e-5)
-  assert STUDENT_CONFIG.vocab_size == TEACHER_CONFIG.vocab_size
 
 
 @pytest.mark.parametrize("strategy,message", [

@@ -1,6 +1,8 @@
-"""llama.cpp's q8_0 / q4_0 blocks: distillax's rounding against the llama.cpp project's own numpy
-reference (`gguf.quants`) bit for bit, the straight-through gradient, the CPU kernel's activation
-rounding, and how the rules accept and refuse the types."""
+"""llama.cpp's q8_0 / q4_0 blocks against the llama.cpp project's own numpy reference
+(`gguf.quants`) bit for bit: the numpy transcriptions of ggml's quantizers (tests/quant/helpers.py)
+that test_ggml_rounding.py holds distillax's rounding to, and the GGUF block bytes; also the
+straight-through gradient, the activation blocks' layout, and how the rules accept and refuse
+the types."""
 
 import gguf
 import jax
@@ -17,7 +19,8 @@ from distillax.quant import (QuantConfig, QuantRule, WeightQuant, export_quantiz
                              quantize_for_training, quantize_post_training)
 from distillax.quant.fakequant import (fake_quantize, fake_quantize_weight, ste_activation,
                                         ste_weight)
-from tests.quant.helpers import tokens
+from tests.quant.helpers import (awkward_weights, gguf_rows, np_cpu_q8_0,
+                                 np_ggml_rounded_rows, tokens)
 from tests.support.models import FAN_IN, TINY1, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -28,39 +31,17 @@ SHAPES = [((7, 96), (1,)), ((96, 5), (0,)), ((3, 64, 5), (1,)), ((4, 16, 13), (0
           ((2, 3, 32, 7), (2,))]
 
 
-def awkward_weights(shape, seed):
-  """Normal weights whose blocks span magnitudes (fp16 subnormal scales to large ones), with
-  an all-zero block, a constant block and a block whose largest magnitude occurs with both
-  signs (q4_0 must keep the first)."""
-  rng = np.random.default_rng(seed)
-  w = rng.normal(size=shape).astype(np.float32)
-  flat = w.reshape(-1)
-  for i, scale in enumerate((1e-7, 1e-4, 0.02, 3.0, 150.0)):
-    flat[i * 40:(i + 1) * 40] *= np.float32(scale)
-  flat[200:232] = 0
-  flat[232:264] = np.float32(0.75)
-  flat[264:296] = rng.normal(size=32).astype(np.float32) * 0.1
-  flat[270], flat[280] = np.float32(-0.9), np.float32(0.9)
-  return w
-
-
-def gguf_rows(w, contract):
-  """The weight as a GGUF [out, in] tensor: contracted axes (increasing) flattened as `in`."""
-  free = [a for a in range(w.ndim) if a not in contract]
-  return np.ascontiguousarray(np.transpose(w, free + list(contract)).reshape(
-      -1, int(np.prod([w.shape[a] for a in contract]))))
-
-
 @pytest.mark.parametrize("qtype", sorted(GGML_TYPES))
 @pytest.mark.parametrize("shape,contract", SHAPES)
-def test_rounding_equals_gguf_reference_bit_for_bit(qtype, shape, contract):
-  w = awkward_weights(shape, seed=len(shape) + sum(shape))
-  rows = gguf_rows(w, contract)
+def test_numpy_reference_and_packed_bytes_equal_gguf_bit_for_bit(qtype, shape, contract):
+  """The numpy transcription of ggml's quantizers (tests/quant/helpers.py; distillax's own
+  rounding is checked against it in test_ggml_rounding.py, on whatever device runs the tests)
+  rounds as gguf.quants does, and ggml.quantize's blocks pack to gguf's bytes."""
+  rows = gguf_rows(awkward_weights(shape, seed=len(shape) + sum(shape)), contract)
   reference_bytes = gguf.quants.quantize(rows, GGML_TYPES[qtype])
   reference = gguf.quants.dequantize(reference_bytes, GGML_TYPES[qtype])
-  rounded = jax.jit(ggml.fake_quantize, static_argnums=(1, 2))(jnp.asarray(w), qtype, contract)
-  got = gguf_rows(np.asarray(rounded), contract)
-  np.testing.assert_array_equal(got.view(np.uint32), reference.view(np.uint32))
+  np.testing.assert_array_equal(np_ggml_rounded_rows(rows, qtype).view(np.uint32),
+                                reference.view(np.uint32))
   codes, scales = ggml.quantize(jnp.asarray(rows), qtype, (1,))
   packed = ggml.pack_blocks(np.asarray(codes), np.asarray(scales), qtype)
   np.testing.assert_array_equal(packed, reference_bytes)
@@ -95,37 +76,13 @@ def test_activation_gradient_passes_straight_through():
   np.testing.assert_array_equal(np.asarray(grad), np.asarray(upstream))
 
 
-def numpy_cpu_q8_0(blocks):
-  """llama.cpp's x86 quantize_row_q8_0 (ggml-cpu/arch/x86/quants.c), written from the C:
-  multiplier 127 / amax, _mm256_round_ps to nearest even, fp16 scale amax / 127."""
-  amax = np.abs(blocks).max(axis=-1, keepdims=True)
-  with np.errstate(divide="ignore"):
-    multiplier = np.where(amax == 0, np.float32(0), np.float32(127) / amax).astype(np.float32)
-  codes = np.rint(blocks * multiplier)
-  return (amax / np.float32(127)).astype(np.float16).astype(np.float32) * codes
-
-
-def test_activations_round_like_the_cpu_kernel():
-  x = np.random.default_rng(8).normal(size=(5, 4, 96)).astype(np.float32)
-  # A block with exact halves (amax 127: multiplier 1): the kernel rounds them to even, the
-  # weight quantizer (roundf) away from zero.
-  x[0, 0, :32] = np.float32(0.5)
-  x[0, 0, :6] = [127, 2.5, -3.5, 0.5, -0.5, 1.5]
-  got = np.asarray(fake_quantize(jnp.asarray(x), "q8_0", (0, 1), ()))
-  want = numpy_cpu_q8_0(x.reshape(5, 4, 3, 32)).reshape(x.shape)
-  np.testing.assert_array_equal(got, want)
-  np.testing.assert_array_equal(got[0, 0, :6], [127, 2, -4, 0, 0, 2])
-  as_weight = np.asarray(ggml.fake_quantize(jnp.asarray(x[0, 0, :32]), "q8_0", (0,)))
-  np.testing.assert_array_equal(as_weight[:6], [127, 3, -4, 1, -1, 2])
-
-
 def test_activation_blocks_follow_the_weights_input_layout():
   # The input of attention's output projection (B, L, heads, head_dim): one block spans two
   # heads of 16, as the GGUF [embed, heads * head_dim] weight's blocks do.
   x = np.random.default_rng(9).normal(size=(2, 3, 4, 16)).astype(np.float32)
   x[0, 0, 1, 0] = 40.0  # raises the scale of heads 0-1, not of heads 2-3
   got = np.asarray(fake_quantize(jnp.asarray(x), "q8_0", (0, 1), ()))
-  want = numpy_cpu_q8_0(x.reshape(2, 3, 2, 32)).reshape(x.shape)
+  want = np_cpu_q8_0(x.reshape(2, 3, 2, 32)).reshape(x.shape)
   np.testing.assert_array_equal(got, want)
 
 

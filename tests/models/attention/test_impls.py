@@ -2,7 +2,8 @@
 `model.attention_impl='auto'` picks for a platform and a call's needs.
 
 The blockwise path must match the reference within 1e-5 in fp32, values and gradients, for every
-architecture. The splash kernel runs in Pallas interpret mode on CPU. The cuDNN kernel cannot run
+architecture. The splash kernel runs in Pallas interpret mode on CPU, and as the Mosaic kernel on
+a TPU in the chip run (scripts/chip_tests.sh, tests/support/chip.py). The cuDNN kernel cannot run
 on CPU: it is UNVERIFIED until a GPU is lent (only its selection is tested here).
 """
 
@@ -22,6 +23,7 @@ from distillax.models.config import GLOBAL_WINDOW
 from distillax.models.presets import get_preset
 from distillax.models.sampler import generate
 from distillax.models.transformer import with_config, with_layer_layout
+from tests.support import chip
 from tests.support.models import random_model
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -41,11 +43,23 @@ def _packed_segments(B, L):
   return jnp.asarray(seg)
 
 
+def _out_and_grads(fn, q, k, v, *rest):
+  """fn(q, k, v, *rest) and the (q, k, v) gradients of a fixed weighted sum of it (one compiled
+  call: `rest` is traced, not differentiated)."""
+  w = jax.random.normal(jax.random.key(9), jax.eval_shape(fn, q, k, v, *rest).shape)
+
+  def loss(*a):
+    out = fn(*a)
+    return jnp.sum(out.astype(jnp.float32) * w), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
+      q, k, v, *rest)
+  return out, grads
+
+
 def _both(fn_a, fn_b, q, k, v):
   """Outputs and (q, k, v) gradients of a weighted sum of each function's output."""
-  w = jax.random.normal(jax.random.key(9), fn_a(q, k, v).shape)
-  grads = lambda fn: jax.grad(lambda *a: jnp.sum(fn(*a) * w), argnums=(0, 1, 2))(q, k, v)
-  return (fn_a(q, k, v), grads(fn_a)), (fn_b(q, k, v), grads(fn_b))
+  return _out_and_grads(fn_a, q, k, v), _out_and_grads(fn_b, q, k, v)
 
 
 @pytest.mark.parametrize("case", [
@@ -221,28 +235,57 @@ def test_blockwise_temporaries_are_a_fraction_of_reference_under_a_layer_scan():
   assert temp(blk) < scores_bytes / 4
 
 
-def _splash_case(window, softcap, segments):
-  B, L, K, G, H = 1, 256, 2, 2, 64
-  q, k, v = _qkv(B, L, L, K, G, H, seed=3)
+# Splash (TPU kernel) against the reference: on CPU in Pallas interpret mode at 256 tokens (one
+# block); on the chip (scripts/chip_tests.sh) the Mosaic kernel at 2048 tokens in tiles the
+# model exposes (model.splash_blocks, model.splash_fused_bwd): the default (1024, 1024, 512) with
+# the fused backward, (512, 1024, 512) fused and (512, 512, 512) with the two-kernel backward; so
+# query blocks meet one or two key blocks, a document boundary inside a block and a window across
+# blocks.
+SPLASH_CASES = {
+    "causal-f32-512x512x512": dict(dtype="float32", window=None, softcap=None,
+                                   blocks=(512, 512, 512), fused_bwd=False, head_dim=64),
+    "window-softcap-f32-1024x1024x512-fused": dict(dtype="float32", window="local", softcap=30.0,
+                                                   blocks=(1024, 1024, 512), fused_bwd=True,
+                                                   head_dim=128),
+    "causal-bf16-1024x1024x512-fused": dict(dtype="bfloat16", window=None, softcap=None,
+                                            blocks=(1024, 1024, 512), fused_bwd=True,
+                                            head_dim=128),
+    "traced-window-bf16-512x1024x512-fused": dict(dtype="bfloat16", window="traced",
+                                                  softcap=None, blocks=(512, 1024, 512),
+                                                  fused_bwd=True, head_dim=64),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLASH_CASES))
+def test_splash_kernel_matches_reference(case):
+  """Splash attention (splash_attention, as a model with attention_impl='splash' calls it) against
+  the reference: causal or a sliding window (static, or traced as scanned layers carry it:
+  a switch over the model's windows), packed segments with padding, GQA (2 kv heads of 2 query
+  heads), soft-cap; output and q, k, v gradients. float32 against the float32 reference;
+  bfloat16 against the float32 reference of the same rounded inputs (chip.assert_bf16;
+  tolerances: tests/support/chip.py)."""
+  c = SPLASH_CASES[case]
+  B, L, K, G, H = chip.pick(cpu=(1, 256, 2, 2, c["head_dim"]), tpu=(2, 2048, 2, 2, c["head_dim"]))
+  window = {None: None, "local": chip.pick(40, 600), "traced": chip.pick(40, 600)}[c["window"]]
+  dtype = jnp.dtype(c["dtype"])
+  q, k, v = (x.astype(dtype) for x in _qkv(B, L, L, K, G, H, seed=3))
   idx = jnp.broadcast_to(jnp.arange(L), (B, L))
-  seg = _packed_segments(B, L) if segments else None
-  common = dict(q_segment_BxL=seg, k_segment_BxS=seg, window=window, scale=H ** -0.5,
-                softcap=softcap)
+  seg = _packed_segments(B, L)
+  common = dict(q_segment_BxL=seg, k_segment_BxS=seg, scale=H ** -0.5, softcap=c["softcap"])
   ref = lambda q, k, v: reference_attention(q, k, v, q_index_BxL=idx, k_index_BxS=idx,
-                                            **common)[0]
-  windows = (None,) if window is None else (window,)
-  spl = lambda q, k, v: splash_attention(q, k, v, windows=windows, interpret=True, **common)
-  return _both(jax.jit(ref), jax.jit(spl), q, k, v)
-
-
-@pytest.mark.parametrize("window,softcap,segments", [(None, None, True), (40, 30.0, True)])
-def test_splash_kernel_in_interpret_mode_matches_reference(window, softcap, segments):
-  """Pallas splash attention (TPU kernel, run by the Pallas interpreter on CPU): causal or
-  local mask, segment ids, soft-cap, GQA; values and gradients."""
-  (ref_out, ref_grads), (spl_out, spl_grads) = _splash_case(window, softcap, segments)
-  np.testing.assert_allclose(spl_out, ref_out, atol=2e-5, rtol=1e-5)
-  for name, a, b in zip("qkv", spl_grads, ref_grads):
-    np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-5, err_msg=f"d{name}")
+                                            window=window, **common)[0]
+  # A traced window is a jit argument: the call switches over the model's windows.
+  traced = (jnp.asarray(window, jnp.int32),) if c["window"] == "traced" else ()
+  spl = lambda q, k, v, *w: splash_attention(
+      q, k, v, window=w[0] if w else window, windows=(window, GLOBAL_WINDOW) if w else (window,),
+      interpret=chip.interpret(), blocks=c["blocks"], fused_bwd=c["fused_bwd"], **common)
+  with chip.precision(dtype):
+    spl_out, spl_grads = _out_and_grads(spl, q, k, v, *traced)
+  ref_out, ref_grads = _out_and_grads(ref, *(x.astype(jnp.float32) for x in (q, k, v)))
+  for name, got, want in zip(["out", "dq", "dk", "dv"], [spl_out, *spl_grads],
+                             [ref_out, *ref_grads]):
+    chip.assert_close(np.asarray(got.astype(jnp.float32)), want, dtype=dtype, atol=2e-5,
+                      rtol=1e-5, err_msg=name)
 
 
 def test_splash_under_sharding_rules_with_a_traced_window():

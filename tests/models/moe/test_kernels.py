@@ -1,7 +1,8 @@
-"""moe_impl='tokamax' against 'ragged' (values and gradients, with gpt-oss's biases and up
-activation and with capacity drops), and its one line when tokamax is not installed. On CPU
-tokamax runs its XLA path; its Triton kernel is compiled for an H100 by tests/plan/test_target.py
-and its Mosaic TPU kernel needs a live TPU (models/moe/kernels.py)."""
+"""The grouped matmul behind moe_impl 'ragged' and 'tokamax' against the dense reference (values
+and gradients, with gpt-oss's biases and up activation and with capacity drops), and tokamax's
+one line when it is not installed. On CPU tokamax runs its XLA path; its Triton kernel is
+compiled for an H100 by tests/plan/test_target.py; its Mosaic TPU kernel runs on a live TPU in
+the chip run (scripts/chip_tests.sh, tests/support/chip.py)."""
 
 import sys
 
@@ -14,37 +15,71 @@ from distillax.errors import ConfigError
 from distillax.main import main
 from distillax.models.moe import layer as moe
 from distillax.models.moe import kernels as moe_kernels
+from tests.support import chip
 from tests.test_main import LM
 
-T, D, E, F, K = 9, 6, 4, 5, 2
+# CPU: tiny shapes (tokamax's XLA path); the chip run (scripts/chip_tests.sh): shapes tokamax's
+# Mosaic kernel takes (every matmul dimension >= 128; 512 rows) and the TPU's own ragged_dot.
+# (tokens T, embed D, experts E, mlp F, top-k K, capacity per expert)
+SHAPES = dict(cpu=(9, 6, 4, 5, 2, 3), tpu=(256, 256, 8, 512, 2, 48))
 
 
-def test_tokamax_dispatch_equals_ragged_in_values_and_gradients():
-  """With gpt-oss's expert biases and clamped up activation, and capacity drops: every branch
-  of the grouped matmul (the plain one runs in test_moe_parallel.py and the H100 plan test)."""
+def _moe_arrays(dtype):
+  """x, router logits (float32, expert 2 never chosen: an empty group), gate, up, down, gpt-oss's
+  biases (float32 only: in bfloat16 their gradients are sums of T bf16 terms, the adds'
+  rounding, not the grouped matmul's) and a cotangent for the output; the matmul operands
+  rounded to `dtype`."""
+  T, D, E, F, _, _ = chip.pick(**SHAPES)
   rng = np.random.default_rng(0)
   arr = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
-  x, logits = arr(T, D), arr(T, E)
-  logits = logits.at[:, 2].set(-50.0)  # expert 2 gets no token: an empty group
-  gate, up, down = arr(E, D, F), arr(E, D, F), arr(E, F, D)
+  x, logits = arr(T, D), arr(T, E).at[:, 2].set(-50.0)
+  gate, up, down = arr(E, D, F) * D ** -0.5, arr(E, D, F) * D ** -0.5, arr(E, F, D) * F ** -0.5
   biases = [arr(E, F), arr(E, F), arr(E, D)]
+  cast = lambda a: a.astype(dtype)
+  biases = biases if dtype == jnp.float32 else None
+  return cast(x), logits, cast(gate), cast(up), cast(down), biases, arr(T, D)
+
+
+def _dispatch_and_grads(impl, args, cotangent):
+  """The experts' output and the gradients of x, logits, gate, up, down and the biases, with
+  gpt-oss's clamped up activation and capacity drops; and the jitted function."""
+  _, _, _, _, K, capacity = chip.pick(**SHAPES)
   up_act = lambda u: jnp.clip(u, -7.0, 7.0) + 1.0
-  cotangent = arr(T, D)
 
-  def loss(impl, x, logits, gate, up, down, biases):
-    # Capacity 3 of each expert's assignments: some are dropped.
-    routing = moe.with_capacity(moe.route(logits, K, "topk_softmax", False), 3, None)
+  def loss(x, logits, gate, up, down, biases):
+    routing = moe.with_capacity(moe.route(logits, K, "topk_softmax", False), capacity, None)
     out = moe._DISPATCH[impl](x, routing, gate, up, down, jax.nn.silu, biases, up_act)
-    return jnp.sum(out * cotangent)
+    return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
-  results = {impl: jax.jit(jax.value_and_grad(lambda *a, i=impl: loss(i, *a),
-                                              argnums=(0, 1, 2, 3, 4, 5)))(
-      x, logits, gate, up, down, biases) for impl in ("ragged", "tokamax")}
-  (v_t, g_t), (v_r, g_r) = results["tokamax"], results["ragged"]
-  np.testing.assert_allclose(v_t, v_r, rtol=1e-5)
-  for a, b in zip(jax.tree.leaves(g_t), jax.tree.leaves(g_r), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-  assert float(jnp.abs(g_t[2][2]).max()) == 0.0  # the unused expert learns nothing
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
+  (_, out), grads = fn(*args)
+  return out, grads, fn
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("impl", ["ragged", "tokamax"])
+def test_grouped_matmul_equals_dense_in_values_and_gradients(impl, dtype):
+  """moe_impl 'ragged' (jax.lax.ragged_dot) and 'tokamax' (its Mosaic kernel on a TPU) against
+  the dense reference, with gpt-oss's expert biases and clamped up activation, capacity drops and
+  an empty group: the output and every gradient. float32 against the dense dispatch; bfloat16
+  against the float32 dense dispatch of the same rounded operands (chip.assert_bf16; tolerances
+  and what they leave: tests/support/chip.py)."""
+  *args, cotangent = _moe_arrays(jnp.dtype(dtype))
+  with chip.precision(dtype):
+    out, grads, fn = _dispatch_and_grads(impl, args, cotangent)
+    if chip.on_tpu() and impl == "tokamax":  # its Mosaic kernel took the calls, not its XLA path
+      mosaic_calls = fn.lower(*args).as_text().count("@tpu_custom_call(")
+      assert mosaic_calls >= 3, f"tokamax ran {mosaic_calls} Mosaic grouped matmuls, not 3 or more"
+  f32_args = jax.tree.map(lambda a: a.astype(jnp.float32), args)
+  want_out, want_grads, _ = _dispatch_and_grads("dense", f32_args, cotangent)
+  got_all, want_all = [out, *jax.tree.leaves(grads)], [want_out, *jax.tree.leaves(want_grads)]
+  names = ["out", "x", "logits", "gate", "up", "down", "gate_b", "up_b", "down_b"]
+  assert len(got_all) == len(want_all) == (9 if dtype == "float32" else 6)
+  for name, got, want in zip(names, got_all, want_all):
+    chip.assert_close(np.asarray(jnp.asarray(got, jnp.float32)), want, dtype=dtype,
+                      rtol=1e-5 if name == "out" else 1e-4, atol=1e-5, err_msg=name)
+  assert float(jnp.abs(grads[2][2]).max()) == 0.0  # the unused expert learns nothing
+  assert float(jnp.abs(grads[2]).max()) > 0.0
 
 
 def test_tokamax_not_installed_is_one_line_naming_the_extra(monkeypatch, capsys, tmp_path):

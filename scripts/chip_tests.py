@@ -1,0 +1,256 @@
+"""The tests whose claims depend on the hardware, run in one process (one program holds a chip)
+with a pass/fail summary, printed and written as JSON ($OUT/chip_tests.json when OUT is set).
+
+  scripts/chip_tests.sh --tpu     on a lent TPU: JAX_PLATFORMS=tpu,cpu, the real kernels
+  scripts/chip_tests.sh           here: JAX on CPU, Pallas in interpret mode (a dry run of the
+                                  same selection at the suite's sizes)
+
+The tests are the CPU suite's own; tests/support/chip.py says what a TPU changes in them (the
+kernels, the sizes, the tolerances). Which ones run is SELECTION below; tests/test_chip_tests.py
+checks that every entry still names tests. Mesh tests stay out (the chip is one device), and so
+do checks no hardware can change (configs, shapes, refusals).
+
+Keeps going after a failure; stops starting tests once --budget-s have passed since it started
+(270 s on a TPU: the chip run must end well within 6 minutes), reporting the rest as not run.
+Exit status 0 only when every selected test ran and passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import importlib.metadata
+import os
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (test id or prefix: a file, a function with all its parameters, or one parametrized case;
+#  why its claim depends on the hardware)
+SELECTION = (
+    ("tests/quant/test_ggml_rounding.py",
+     "q4_0 / q8_0 rounding (weights, activations, a q4_0 QAT forward) against numpy "
+     "transcriptions of ggml's quantizers, bit for bit: the TPU's division, fp16 conversion"),
+    ("tests/models/attention/test_impls.py::test_splash_kernel_matches_reference",
+     "splash attention's Mosaic kernel (tiles 1024/1024/512 fused, the default; 512/1024/512 "
+     "fused; 512/512/512 two-kernel backward) against the reference: f32 and bf16, causal, "
+     "window, traced window, packed segments, GQA, soft-cap"),
+    ("tests/models/moe/test_kernels.py::test_grouped_matmul_equals_dense_in_values_and_gradients",
+     "the grouped matmul ('ragged': the TPU's ragged_dot; 'tokamax': its Mosaic kernel) "
+     "against the dense experts, f32 and bf16, values and gradients"),
+    ("tests/framework/test_token_loss_impl.py::test_tokamax_loss_equals_the_chunked_engine"
+     "[tiny-False]",
+     "train.loss_impl='tokamax': tokamax's Mosaic fused loss against the chunk engine (bf16)"),
+    ("tests/framework/test_vocab_slices.py::"
+     "test_sums_and_gradients_equal_the_whole_logits_formulas",
+     "vocabulary slices (CE and forward KL) against float64 formulas over whole logits"),
+    ("tests/framework/test_vocab_slices.py::test_lm_objective_sliced_equals_the_chunk_engine",
+     "train.loss_impl='sliced' against the chunk engine: loss, accuracy, every gradient"),
+    ("tests/framework/test_vocab_slices.py::test_distill_objective_sliced_equals_the_chunk_engine",
+     "LogitKD over vocabulary slices against the chunk engine, one device"),
+    ("tests/framework/test_chunked_loss.py::"
+     "test_chunked_lm_loss_equals_unchunked_values_and_gradients",
+     "the vocabulary-chunk engine against whole logits: the TPU's f32 arithmetic"),
+    ("tests/framework/test_chunked_loss.py::test_lm_objective_is_the_chunked_loss",
+     "the lm objective's loss against whole logits"),
+)
+TPU_BUDGET_S = 270.0
+HUNG_S = 180  # a test still running after this long gets its stacks printed
+# What the chip lacks that the suite's environment has (pyproject's extras that scripts/tpu_call.sh
+# carries no wheel of): the selected tests must not import them (tests/test_chip_tests.py).
+CHIP_LACKS = ("gguf", "llama_cpp", "torch", "transformers", "accelerate", "chex", "sentencepiece",
+              "tensorboard", "xdist", "lm_eval", "sacrebleu", "rouge_score", "mkdocs")
+
+
+def files() -> list[str]:
+  """The test files the selection reaches, in order."""
+  return list(dict.fromkeys(entry.split("::")[0] for entry, _ in SELECTION))
+
+
+def matches(entry: str, nodeid: str) -> bool:
+  """`entry` names this test: itself, its file, or its function (every parameter)."""
+  return nodeid == entry or nodeid.startswith((entry + "::", entry + "["))
+
+
+class Selector:
+  """A pytest plugin: keeps the collected tests the selection names, records which entry found
+  which tests (an entry that finds none is stale)."""
+
+  def __init__(self):
+    self.found: dict[str, list[str]] = {entry: [] for entry, _ in SELECTION}
+
+  def pytest_collection_modifyitems(self, config, items):
+    kept, dropped = [], []
+    for item in items:
+      owners = [e for e in self.found if matches(e, item.nodeid)]
+      for entry in owners:
+        self.found[entry].append(item.nodeid)
+      (kept if owners else dropped).append(item)
+    items[:] = kept
+    config.hook.pytest_deselected(items=dropped)
+
+  def missing(self) -> list[str]:
+    return [entry for entry, ids in self.found.items() if not ids]
+
+
+def pytest_args(extra: list[str]) -> list[str]:
+  return [os.path.join(ROOT, f) for f in files()] + [
+      "--rootdir", ROOT, "-o", "addopts=", "-p", "no:cacheprovider", "-p", "no:xdist",
+      "--continue-on-collection-errors"] + extra
+
+
+def collect() -> dict[str, list[str]]:
+  """{entry: the test ids it selects}, by pytest's own collection in this process (JAX is
+  started the way the caller's process has it)."""
+  selector = Selector()
+  code = pytest.main(pytest_args(["--collect-only", "-qq"]), plugins=[selector])
+  if code not in (0, 5):  # 5: nothing collected (every entry stale), reported by the caller
+    raise RuntimeError(f"pytest --collect-only exited {code}")
+  return selector.found
+
+
+def _environment() -> dict:
+  """Versions, JAX's backend and devices (or the error that kept JAX from starting)."""
+  found = {"python": sys.version.split()[0]}
+  for name in ("jax", "jaxlib", "libtpu", "flax", "tokamax"):
+    try:
+      found[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      found[name] = None
+  try:
+    import jax  # pylint: disable=import-outside-toplevel
+    devices = jax.devices()
+    found.update(backend=jax.default_backend(), device_kind=devices[0].device_kind,
+                 device_count=len(devices))
+  except Exception as e:  # pylint: disable=broad-except  (reported, and no test runs)
+    found.update(backend=None, error=f"JAX did not start: {type(e).__name__}: {e}")
+  return found
+
+
+def _message(longrepr) -> str:
+  """The one line that says why a test failed or was not run."""
+  if isinstance(longrepr, tuple):  # a skip: (path, line, "Skipped: why")
+    return str(longrepr[2]).removeprefix("Skipped: ")[:2000]
+  crash = getattr(longrepr, "reprcrash", None)
+  return (crash.message if crash is not None else str(longrepr))[:2000]
+
+
+class ChipRun(Selector):
+  """The selector, plus each test's outcome and time, the time budget, a stack dump of a test
+  that hangs, and the JSON after every test (a run cut short still leaves its results)."""
+
+  def __init__(self, platform: str, budget_s: float | None, json_path: str | None):
+    super().__init__()
+    self.platform, self.budget_s, self.json_path = platform, budget_s, json_path
+    self.start = time.monotonic()
+    self.results: dict[str, dict] = {}
+    self.environment: dict = {}
+    # Where a hung test's stacks go: stderr as it is now, before pytest captures it.
+    self.stderr = os.fdopen(os.dup(sys.stderr.fileno()), "w")
+
+  def pytest_collection_finish(self, session):
+    self.environment = _environment()
+    if "error" not in self.environment and self.environment["backend"] != self.platform:
+      self.environment["error"] = (f"JAX runs on {self.environment['backend']!r}, not "
+                                   f"{self.platform!r}: no test was run")
+
+  def pytest_runtest_setup(self, item):
+    faulthandler.dump_traceback_later(HUNG_S, exit=False, file=self.stderr)
+    if "error" in self.environment:
+      pytest.skip(self.environment["error"])
+    if self.budget_s is not None and time.monotonic() - self.start > self.budget_s:
+      pytest.skip(f"not run: the chip run's {self.budget_s:.0f} s budget was spent")
+
+  def pytest_runtest_logreport(self, report):
+    entry = self.results.setdefault(report.nodeid, {"id": report.nodeid, "outcome": "passed",
+                                                    "seconds": 0.0, "message": ""})
+    entry["seconds"] = round(entry["seconds"] + report.duration, 2)
+    if report.failed or report.skipped:
+      entry["outcome"] = ("not run" if report.skipped else
+                          "failed" if report.when == "call" else "error")
+      entry["message"] = _message(report.longrepr)
+    if report.when == "teardown":
+      faulthandler.cancel_dump_traceback_later()
+      self.write()
+
+  def pytest_collectreport(self, report):
+    if report.failed:  # a test file that does not import: its entries are reported missing
+      self.results[report.nodeid] = {"id": report.nodeid, "outcome": "error", "seconds": 0.0,
+                                     "message": str(report.longrepr)[-2000:]}
+
+  def summary(self, exit_code: int | None = None) -> dict:
+    tests = list(self.results.values())
+    counts = {k: sum(t["outcome"] == k for t in tests)
+              for k in ("passed", "failed", "error", "not run")}
+    selected = sum(len(ids) for ids in self.found.values())
+    ok = (counts["passed"] == len(tests) == selected > 0 and not self.missing()
+          and "error" not in self.environment)
+    return {"platform": self.platform, **self.environment, "ok": ok, "counts": counts,
+            "selected": selected, "missing": self.missing(), "pytest_exit_code": exit_code,
+            "wall_s": round(time.monotonic() - self.start, 1),
+            "selection": [entry for entry, _ in SELECTION], "tests": tests}
+
+  def write(self, exit_code: int | None = None) -> None:
+    if not self.json_path:
+      return
+    from distillax import jsonio  # pylint: disable=import-outside-toplevel
+    try:
+      os.makedirs(os.path.dirname(os.path.abspath(self.json_path)), exist_ok=True)
+      with open(self.json_path, "w", encoding="utf-8") as f:
+        f.write(jsonio.dumps(self.summary(exit_code), indent=1) + "\n")
+    except OSError as e:  # the results still print
+      print(f"chip_tests: cannot write {self.json_path}: {e}", file=sys.stderr)
+      self.json_path = None
+
+
+def print_summary(summary: dict) -> None:
+  c = summary["counts"]
+  where = (f"{summary.get('device_kind')} x{summary.get('device_count')}, jax "
+           f"{summary.get('jax')}, libtpu {summary.get('libtpu')}")
+  print(f"\n==== chip tests on {summary['platform']} ({where}): {c['passed']} passed, "
+        f"{c['failed']} failed, {c['error']} errors, {c['not run']} not run of "
+        f"{summary['selected']} selected, in {summary['wall_s']:.0f} s: "
+        f"{'PASS' if summary['ok'] else 'FAIL'}")
+  if summary["platform"] == "cpu":
+    print("     (a dry run on CPU: Pallas in interpret mode; --tpu runs the chip's kernels)")
+  if "error" in summary:
+    print(f"     {summary['error']}")
+  for test in summary["tests"]:
+    label = {"passed": "PASS", "failed": "FAIL", "error": "ERROR", "not run": "NOT RUN"}
+    print(f"  {label[test['outcome']]:7s} {test['seconds']:6.1f} s  {test['id']}")
+    message = test["message"].strip()
+    if test["outcome"] != "passed" and message and message != summary.get("error"):
+      print(f"            {message.splitlines()[0][:300]}")
+  for entry in summary["missing"]:
+    print(f"  MISSING          {entry}  (the selection names no test there)")
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--tpu", action="store_true", help="run on the TPU (JAX_PLATFORMS=tpu,cpu)")
+  parser.add_argument("--budget-s", type=float, default=None,
+                      help=f"start no test after this many seconds (TPU: {TPU_BUDGET_S:.0f})")
+  parser.add_argument("--json", default=None, help="where to write the JSON (default: "
+                      "$OUT/chip_tests.json when OUT is set)")
+  args = parser.parse_args(argv)
+  platform = "tpu" if args.tpu else "cpu"
+  os.environ["JAX_PLATFORMS"] = "tpu,cpu" if args.tpu else "cpu"  # before anything starts JAX
+  budget = args.budget_s if args.budget_s is not None else (TPU_BUDGET_S if args.tpu else None)
+  json_path = args.json or (os.path.join(os.environ["OUT"], "chip_tests.json")
+                            if os.environ.get("OUT") else None)
+  sys.path.insert(0, ROOT)
+  run = ChipRun(platform, budget, json_path)
+  code = pytest.main(pytest_args(["-v", "--tb=short", "-rfE"]), plugins=[run])
+  run.write(int(code))
+  summary = run.summary(int(code))
+  print_summary(summary)
+  if json_path:
+    print(f"     JSON: {json_path}")
+  return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
