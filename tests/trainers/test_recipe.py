@@ -36,7 +36,8 @@ def test_each_trainer_name_is_its_recipe():
   assert issubclass(SequenceKDRecipe, LMRecipe)  # next-token training on the teacher's text
   recipe = recipe_for(lm.get_config("tiny"))
   assert recipe.name == "lm" and recipe.objective() is lm_objective
-  assert recipe.objective(train=True) is lm_objective  # no LoRA dropout in this config
+  train = recipe.objective(train=True)  # no LoRA dropout in this config; the default
+  assert train.func is lm_objective and train.keywords == {"loss_impl": "sliced"}  # loss: auto
 
 
 def test_a_recipe_that_names_no_objective_says_so():
