@@ -65,6 +65,11 @@ ROWS = (
         "the student's next-token training step"),
     Row("kd", "real", (f"kd:full:4{S}", f"kd:full:6{S}"),
         "LogitKD (T=2, alpha 0.7) with the teacher in the step"),
+    Row("kd_int8_teacher", "real", (f"kd:full:6{S}:teacher_int8=True",
+                                    "kd:full:6:teacher_int8=True",
+                                    f"kd:full:4{S}:teacher_int8=True"),
+        "the KD step with the frozen teacher's matmuls in int8 (teacher.int8: per-channel "
+        "weights, per-token activations; the sliced loss keeps its head in bf16)"),
     Row("qat_kd", "real", (f"kd:full:4{S}:qat=q4_0",),
         "the KD step with the student fake-quantized to llama.cpp's q4_0 (q8_0 activations)"),
     Row("moe_kd", "moe", (f"kd:full:4{S}:teacher_moe_impl=ragged",
@@ -106,6 +111,10 @@ def parse_args(argv=None):
   parser.add_argument("--threads", type=int, default=12, help="parallel compiles")
   parser.add_argument("--splash-from", default="",
                       help="splash_blocks.json: candidates take its fastest tiles")
+  parser.add_argument("--from-levers", default="",
+                      help="summarise this levers.jsonl (a run cut short) instead of running")
+  parser.add_argument("--kinds", default="kd,train", choices=("train,kd", "kd,train"),
+                      help="which kind of step runs first (the others compile meanwhile)")
   return subproc.parse_args(parser, argv)
 
 
@@ -144,12 +153,16 @@ def main(argv=None) -> int:
   chosen = [r for r in ROWS if not args.rows or r.name in args.rows.split(",")]
   names = {r.name: list(dict.fromkeys(variant_of(r, c, quick) for c in r.candidates))
            for r in chosen}
-  with tempfile.TemporaryDirectory(prefix="accelerator-") as tmp:
-    grid = ",".join(v for vs in names.values() for v in vs)
-    tpu_levers.main(["--grid", grid, "--out", tmp, "--threads", str(args.threads)]
-                    + (["--tiny"] if quick else [])
-                    + (["--splash-from", args.splash_from] if args.splash_from else []))
-    levers = [json.loads(line) for line in (Path(tmp) / "levers.jsonl").read_text().splitlines()]
+  levers_path = Path(args.from_levers or path.with_name(path.stem + "_levers.jsonl"))
+  if not args.from_levers:  # every candidate's row lands here as it finishes
+    levers_path.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="accelerator-") as tmp:
+      grid = ",".join(v for vs in names.values() for v in vs)
+      tpu_levers.main(["--grid", grid, "--out", tmp, "--threads", str(args.threads),
+                       "--kinds", args.kinds, "--rows-file", str(levers_path)]
+                      + (["--tiny"] if quick else [])
+                      + (["--splash-from", args.splash_from] if args.splash_from else []))
+  levers = [json.loads(line) for line in levers_path.read_text().splitlines()]
   seq = 64 if quick else 2048
   names = {k: [tpu_levers.lever_grid.Variant.parse(v, seq).name for v in vs]
            for k, vs in names.items()}

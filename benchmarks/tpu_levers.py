@@ -46,8 +46,11 @@ from benchmarks.lib.accelerator_measure import matmul_probe, package_versions  #
 from distillax.framework import throughput  # noqa: E402
 
 
+ROWS_FILE: list[Path] = []  # where rows go (--rows-file), else OUT/levers.jsonl
+
+
 def write_row(out: Path, row: dict) -> None:
-  with open(out / "levers.jsonl", "a") as f:
+  with open(ROWS_FILE[0] if ROWS_FILE else out / "levers.jsonl", "a") as f:
     f.write(json.dumps(row, default=str) + "\n")
   print(json.dumps({k: v for k, v in row.items() if k not in ("step_s_all",)}, default=str),
         flush=True)
@@ -63,6 +66,9 @@ def parse_args(argv=None):
   p.add_argument("--threads", type=int, default=8, help="parallel compiles")
   p.add_argument("--out", default=os.environ.get("OUT", "/tmp/levers"))
   p.add_argument("--tiny", action="store_true", help="the tiny pair on CPU (a script check)")
+  p.add_argument("--rows-file", default="", help="append rows here (default OUT/levers.jsonl)")
+  p.add_argument("--kinds", default="train,kd", choices=("train,kd", "kd,train"),
+                 help="which kind of step runs first")
   p.add_argument("--splash-from", default="",
                  help="splash_blocks.json: `splash=best` in a variant takes its fastest tiles")
   return p.parse_args(argv)
@@ -70,6 +76,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  ROWS_FILE[:] = [Path(args.rows_file)] if args.rows_file else []
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
   backend = jax.default_backend()
@@ -105,7 +112,8 @@ def main(argv=None) -> int:
     best = lever_grid.best_splash(args.splash_from, pair["student"].head_dim, seq_len)
     write_row(out, {"row": "splash_best", "options": best})
   variants = [lever_grid.Variant.parse(s, seq_len, best) for s in args.grid.split(",") if s]
-  variants.sort(key=lambda v: v.kind != "train")  # train first: it runs while KD compiles
+  order = args.kinds.split(",")  # the first kind runs while the others compile
+  variants.sort(key=lambda v: order.index(v.kind))
   with concurrent.futures.ThreadPoolExecutor(max_workers=args.threads) as pool:
     pending = {}
     for v in variants:  # tracing holds the GIL; each compile runs in a thread meanwhile
@@ -118,7 +126,7 @@ def main(argv=None) -> int:
                         "error": f"{type(e).__name__}: {e}"[:1500]})
         continue
       pending[v.name] = (pool.submit(lever_grid.compile_timed, low), time.perf_counter() - t0)
-    for kind in ("train", "kd"):
+    for kind in order:
       group = [v for v in variants if v.kind == kind and v.name in pending]
       if group:
         run_group(group, pending, factories, out, args)
