@@ -5,9 +5,10 @@
 
 Architectures: what `hf_config_out.hf_architecture` names, as llama.cpp's llama (Llama, and
 Mistral when no layer's window is shorter than the context; Mixtral, its experts included),
-gemma, gemma2, gemma3, gemma4, qwen2, qwen3, qwen3moe, qwen35(moe), gpt-oss and smollm3, with
-llama.cpp's tensor names and `{arch}.*` keys (edge/layout.py; gemma4's and qwen35's own:
-edge/gemma4_qwen35.py). Conventions llama.cpp expects and we follow: tensors are row-major
+gemma, gemma2, gemma3, gemma4, qwen2, qwen3, qwen3moe, qwen35(moe), gpt-oss, smollm3, deepseek2
+(DeepSeek V3) and glm4moe (GLM-4.5), with llama.cpp's tensor names and `{arch}.*` keys
+(edge/layout.py; gemma4's and qwen35's own: edge/gemma4_qwen35.py; deepseek2's and glm4moe's:
+edge/deepseek.py). Conventions llama.cpp expects and we follow: tensors are row-major
 [out, in] (GGUF ne0 = in, the axis ggml's blocks run along); Llama's and SmolLM3's q/k rows are
 permuted from the rotate-half layout to llama.cpp's interleaved RoPE (others rotate halves);
 (1 + scale) norms (Gemma 1-3, Qwen3.5) are stored as 1 + scale (llama.cpp multiplies by the
@@ -50,6 +51,7 @@ from distillax.quant.graph import flat_pure_dict
 from distillax.edge.gemma4_qwen35 import (QWEN35_ARCHS, check_gemma4, check_qwen35,
                                                 check_qwen35_blocks, gemma4_moe_tensors,
                                                 gemma4_rope_freqs, qwen35_tensors)
+from distillax.edge import deepseek
 from distillax.edge.layout import add_hparams, gguf_name, rope_freq_factors
 from distillax.edge.vocab import vocab_of
 from distillax.quant.qat import full_precision, weight_quants
@@ -62,10 +64,12 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
                  "Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama",
                  "GptOssForCausalLM": "gpt-oss", "Gemma3ForCausalLM": "gemma3",
                  "SmolLM3ForCausalLM": "smollm3", "Gemma4ForCausalLM": "gemma4",
-                 "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe"}
+                 "Qwen3_5ForCausalLM": "qwen35", "Qwen3_5MoeForCausalLM": "qwen35moe",
+                 "DeepseekV3ForCausalLM": "deepseek2", "Glm4MoeForCausalLM": "glm4moe"}
 _SLIDING = ("gemma2", "gpt-oss")  # the archs whose even layers slide in llama.cpp
-_DENSE_LEAD_ARCHS = ()  # the MoE archs whose first layers may have a dense MLP
-_ROPE_SCALING = {"llama": "llama3", "gpt-oss": "yarn", "gemma3": "linear"}  # what each reads
+_DENSE_LEAD_ARCHS = deepseek.ARCHS  # the MoE archs whose first layers may have a dense MLP
+_ROPE_SCALING = {"llama": "llama3", "gpt-oss": "yarn", "gemma3": "linear",  # what each reads
+                 "deepseek2": "yarn"}
 _EXPERT_BIASES = ("mlp/gate_bias", "mlp/up_bias", "mlp/down_bias")
 _TABLES = ("embedder/embedding", "per_layer_inputs/embedding")  # [vocab, width] as stored
 
@@ -88,7 +92,7 @@ def gguf_architecture(config: TransformerConfig) -> str:
                     f"would run differently there (set sliding_window to None or >= max_seq_len)")
   scaling = None if config.rope_scaling_factor is None else config.rope_scaling_type
   if scaling not in (None, _ROPE_SCALING.get(arch)):
-    name, only = {"llama3": ("Llama 3.1", "llama"), "yarn": ("YaRN", "gpt-oss"),
+    name, only = {"llama3": ("Llama 3.1", "llama"), "yarn": ("YaRN", "gpt-oss and deepseek2"),
                   "linear": ("linear", "gemma3")}[scaling]
     raise UserError(f"llama.cpp applies {name} RoPE scaling only to the {only} architecture, "
                     f"not {arch}; set rope_scaling_factor=None")
@@ -102,6 +106,8 @@ def gguf_architecture(config: TransformerConfig) -> str:
     check_gemma4(config)
   if arch in QWEN35_ARCHS:
     check_qwen35(config)
+  if arch in deepseek.ARCHS:
+    deepseek.check(config, arch)
   if arch == "gemma2":
     _check_gemma2_windows(config)
     if config.attn_logit_softcap is None or config.final_logit_softcap is None:
@@ -291,6 +297,11 @@ def gguf_arrays(model: Transformer, layouts: dict[str, tuple]):
     merged = [t for i in range(config.num_layers) for t in qwen35_tensors(i, rows, params, config)]
     taken = {source for sources, _, _ in merged for source in sources}
     tensors = [t for t in tensors if t[1] not in taken] + merged
+  if arch == "deepseek2":  # kv_b split into k_b / v_b; RoPE rows in adjacent pairs
+    merged = [t for i in range(config.num_layers)
+              for t in deepseek.deepseek_tensors(i, rows, params, config)]
+    taken = {source for sources, _, _ in merged for source in sources}
+    tensors = [t for t in tensors if t[1] not in taken] + merged
   for sources, name, x in tensors:
     yield sources, gguf_name(name, config, arch), np.ascontiguousarray(x)
   if arch == "llama" and config.rope_scaling_factor is not None:
@@ -366,6 +377,8 @@ def write_gguf(model: nnx.Module, path: str | os.PathLike, *, quant: str = "f32"
   layouts, types = tensor_types(model, quant, rules)
   if arch in QWEN35_ARCHS:
     check_qwen35_blocks(config, types)
+  if arch == "deepseek2":
+    deepseek.check_types(config, types)
   model = with_layer_layout(model, False)
   writer = gguf.GGUFWriter(os.fspath(path), arch)
   add_hparams(writer, config, arch, quant)

@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from distillax.edge import deepseek
 from distillax.edge.gemma4_qwen35 import (QWEN35_ARCHS, add_gemma4_hparams,
                                                 add_qwen35_hparams)
 from distillax.models.config import TransformerConfig
@@ -89,6 +90,8 @@ def gguf_name(param: str, config: TransformerConfig, arch: str) -> str:
   if arch in QWEN35_ARCHS:
     names = {**names, **_QWEN35_NAMES, **(_LINEAR_NAMES if config.layer_is_linear(int(layer))
                                           else {})}
+  if arch in deepseek.ARCHS:
+    names = {**names, **deepseek.NAMES, **(deepseek.GLM_NAMES if arch == "glm4moe" else {})}
   return f"blk.{layer}.{names[rest]}"
 
 
@@ -96,16 +99,21 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
   writer.add_context_length(config.max_seq_len)
   writer.add_embedding_length(config.embed_dim)
   writer.add_block_count(config.num_layers)
-  writer.add_feed_forward_length(_feed_forward_length(config))
+  writer.add_feed_forward_length(_feed_forward_length(config, arch))
   writer.add_head_count(config.num_heads)
   kv_heads = [config.layer_num_kv_heads(i) for i in range(config.num_layers)]
-  writer.add_head_count_kv(kv_heads if len(set(kv_heads)) > 1 else config.num_kv_heads)
-  # Gemma 4: the full layers' (the sliding ones' are gemma4's *_swa keys); Qwen3.5: its partial
-  # RoPE turns rotary_dim features.
+  kv_heads = kv_heads if len(set(kv_heads)) > 1 else config.num_kv_heads
+  # Gemma 4: the full layers' (the sliding ones' are gemma4's *_swa keys); Qwen3.5 and GLM-4.5:
+  # their partial RoPE turns rotary_dim features; DeepSeek: the absorbed attention's one head.
   head_dim = (config.global_head_dim or config.head_dim) if arch == "gemma4" else config.head_dim
-  writer.add_key_length(head_dim)
-  writer.add_value_length(head_dim)
-  writer.add_rope_dimension_count(config.rotary_dim if arch in QWEN35_ARCHS else head_dim)
+  key_length = value_length = head_dim
+  if arch == "deepseek2":
+    kv_heads, key_length, value_length = deepseek.attention_lengths(config)
+  writer.add_head_count_kv(kv_heads)
+  writer.add_key_length(key_length)
+  writer.add_value_length(value_length)
+  partial = arch in QWEN35_ARCHS + deepseek.ARCHS
+  writer.add_rope_dimension_count(config.rotary_dim if partial else head_dim)
   writer.add_rope_freq_base(float(config.rope_theta))
   writer.add_layer_norm_rms_eps(float(config.norm_eps))
   writer.add_vocab_size(config.vocab_size)
@@ -124,6 +132,10 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
     add_gemma4_hparams(writer, config)
   if arch in QWEN35_ARCHS:
     add_qwen35_hparams(writer, config)
+  if arch in deepseek.ARCHS:
+    deepseek.add_hparams(writer, config, arch)
+  if arch == "gpt-oss" or arch == "deepseek2":
+    _add_yarn_hparams(writer, config)
   if arch == "gemma2":
     writer.add_attn_logit_softcapping(float(config.attn_logit_softcap))
     writer.add_final_logit_softcapping(float(config.final_logit_softcap))
@@ -131,10 +143,11 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
     writer.add_sliding_window_pattern(2)  # what llama.cpp's gemma2 runs (it reads no pattern)
 
 
-def _feed_forward_length(config: TransformerConfig) -> int | list[int]:
-  """The MLP width: an MoE's expert width; one per layer when they differ (Gemma 4)."""
-  if config.num_experts and not config.moe_dense_mlp:  # Gemma 4's: its dense MLP's
-    return config.expert_mlp_dim
+def _feed_forward_length(config: TransformerConfig, arch: str) -> int | list[int]:
+  """The MLP width: an MoE's expert width (deepseek2's and glm4moe's: their dense layers'); one
+  per layer when they differ (Gemma 4)."""
+  if config.num_experts and not config.moe_dense_mlp and arch not in deepseek.ARCHS:
+    return config.expert_mlp_dim  # (Gemma 4's: its dense MLP's)
   widths = [config.layer_mlp_dim(i) for i in range(config.num_layers)]
   return widths if len(set(widths)) > 1 else config.mlp_dim
 
@@ -153,9 +166,13 @@ def _add_gemma3_hparams(writer, config: TransformerConfig) -> None:
 
 
 def _add_gpt_oss_hparams(writer, config: TransformerConfig) -> None:
-  """The sliding window (llama.cpp's gpt-oss slides on the even layers) and YaRN: llama.cpp
-  derives the attention factor 0.1 ln(factor) + 1 and the ramp from these keys."""
+  """The sliding window (llama.cpp's gpt-oss slides on the even layers)."""
   writer.add_sliding_window(int(config.sliding_window or config.max_seq_len))
+
+
+def _add_yarn_hparams(writer, config: TransformerConfig) -> None:
+  """YaRN (gpt-oss, deepseek2): llama.cpp derives the attention factor 0.1 ln(factor) + 1 and
+  the ramp from these keys."""
   if config.rope_scaling_factor is not None:
     import gguf  # the edge extra; write_gguf checked it is installed
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)

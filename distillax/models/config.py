@@ -8,6 +8,7 @@ ConfigDict overrides. Named configs live in `models/presets.py`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, Sequence
 
 import jax.numpy as jnp
@@ -36,8 +37,8 @@ def _compute(default):
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-  """Shapes and numerics of a decoder-only LM (Llama 3, Gemma 1/2, Qwen 2/2.5/3, Mistral, and
-  the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss).
+  """Shapes and numerics of a decoder-only LM (Llama 3, Gemma 1-4, Qwen 2/2.5/3/3.5, Mistral,
+  SmolLM3, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss, DeepSeek V3, GLM-4.5).
 
   A field is SHAPE unless declared `_storage(...)` or `_compute(...)` (see `field_kind`)."""
 
@@ -64,6 +65,12 @@ class TransformerConfig:
   rope_yarn_beta_slow: float = 1.0  # yarn: pairs turning less often than this are slowed fully
   rope_yarn_truncate: bool = True  # yarn: floor/ceil the ramp's ends (gpt-oss: False)
   rope_attention_factor: float | None = None  # yarn: cos/sin scale; None = 0.1 ln(factor) + 1
+  # yarn, DeepSeek's form: with both set, cos/sin are scaled by m(mscale) / m(mscale_all_dim)
+  # (m(x) = 0.1 x ln(factor) + 1); with mscale_all_dim set the attention scale is multiplied by
+  # m(mscale_all_dim)^2; 0 = unset.
+  rope_yarn_mscale: float = 0.0
+  rope_yarn_mscale_all_dim: float = 0.0  # yarn, DeepSeek's: m(this)^2 scales the attention
+  rope_interleaved: bool = False  # DeepSeek's rope_interleave: RoPE turns adjacent feature pairs
   # Gemma 3: the RoPE base of the sliding-window layers, which turn unscaled (rope_theta and its
   # scaling are then the global layers'); None = every layer turns as rope_theta says.
   rope_local_theta: float | None = None
@@ -85,6 +92,14 @@ class TransformerConfig:
   qk_norm: bool = False  # Qwen 3: RMSNorm over head_dim on each query and key head, before RoPE
   attn_out_bias: bool = False  # gpt-oss: the o projection adds a bias too
   attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax's sum
+  # DeepSeek V2/V3 multi-head latent attention (models/attention/mla.py): each token's keys and
+  # values come from a kv_lora_rank-wide latent (what the KV cache holds) plus one RoPE key of
+  # qk_rope_head_dim features every head shares; head_dim is a query/key head's width, its last
+  # qk_rope_head_dim features turned by RoPE. 0 = ordinary attention.
+  kv_lora_rank: int = 0
+  q_lora_rank: int = 0  # MLA: queries through a normed bottleneck this wide; 0 = projected directly
+  qk_rope_head_dim: int = 0  # MLA: the RoPE features of each query/key head
+  v_head_dim: int = 0  # MLA: value features per head; 0 = head_dim
   max_seq_len: int = 2048
   # Qwen3.5 (models/gated_deltanet.py): per layer LINEAR (a Gated DeltaNet linear-attention
   # layer) or FULL attention, as HF's layer_types names them; None = attention in every layer.
@@ -140,7 +155,7 @@ class TransformerConfig:
   # groups of consecutive indices, each group scored by the sum of its two best scores, and
   # only the best router_groups_kept groups' experts may be chosen; 1 = no groups.
   router_groups: int = 1
-  router_groups_kept: int = 1
+  router_groups_kept: int = 1  # sigmoid: the groups whose experts may be chosen (topk_group)
   routed_scaling_factor: float = 1.0  # every routing weight times this (DeepSeek: 2.5)
   # Llama 4: a token's chosen expert runs on its input times the routing weight (rather than
   # weighting the expert's output); needs num_experts_per_tok=1.
@@ -200,8 +215,16 @@ class TransformerConfig:
 
   @property
   def rotary_dim(self) -> int:
-    """Features of each query/key head that RoPE turns (the first ones; the rest pass)."""
+    """Features of each query/key head that RoPE turns (the first ones, the rest pass; MLA:
+    qk_rope_head_dim, the last ones)."""
+    if self.kv_lora_rank:
+      return self.qk_rope_head_dim
     return int(self.head_dim * self.partial_rotary_factor)
+
+  @property
+  def value_head_dim(self) -> int:
+    """Features of each value head (MLA's v_head_dim; else head_dim)."""
+    return self.v_head_dim or self.head_dim
 
   def layer_is_linear(self, layer: int) -> bool:
     """Whether layer `layer` is a Gated DeltaNet (linear attention) layer."""
@@ -260,7 +283,17 @@ class TransformerConfig:
 
   @property
   def attn_scale(self) -> float:
-    return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+    """The attention logits' scale: query_pre_attn_scalar (else head_dim) ** -0.5, times
+    DeepSeek's YaRN m(mscale_all_dim)^2 when set."""
+    scale = float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
+    return scale * self.yarn_mscale(self.rope_yarn_mscale_all_dim) ** 2
+
+  def yarn_mscale(self, m: float) -> float:
+    """DeepSeek's YaRN magnitude 0.1 m ln(factor) + 1 (1 without YaRN, m = 0 or factor <= 1)."""
+    factor = self.rope_scaling_factor
+    if not m or factor is None or self.rope_scaling_type != "yarn" or factor <= 1:
+      return 1.0
+    return 0.1 * m * math.log(factor) + 1.0
 
   def layer_uses_sliding_window(self, layer: int) -> bool:
     if self.sliding_window is None:

@@ -44,7 +44,7 @@ def check_config(cfg) -> None:
   _check_choice(cfg, "remat", REMAT_POLICIES)
   _check_choice(cfg, "attention_impl", ATTENTION_IMPLS)
   for name in ("qkv_bias", "qk_norm", "attn_out_bias", "attention_sinks", "router_bias",
-               "expert_bias", "rope_yarn_truncate"):
+               "expert_bias", "rope_yarn_truncate", "rope_interleaved"):
     if not isinstance(getattr(cfg, name), bool):
       raise ConfigError(f"model.{name}={getattr(cfg, name)!r} must be True or False")
   for name in ("param_dtype", "dtype"):
@@ -65,6 +65,7 @@ def check_config(cfg) -> None:
   _check_token_mixers(cfg)
   _check_moe(cfg)
   _check_gemma4(cfg)
+  _check_latent_attention(cfg)
   _check_choice(cfg, "rope_scaling_type", ROPE_SCALING_TYPES)
   for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
                "rope_scaling_factor", "rope_attention_factor", "swiglu_limit",
@@ -273,6 +274,44 @@ def _check_gemma4(cfg):
     raise ConfigError("model.scan_layers=True cannot stack Gemma 4's layers (per-layer inputs, "
                       "key/value sharing, keys as values or a wider global_head_dim / "
                       "global_num_kv_heads make them differ); use model.scan_layers=False")
+
+
+# What multi-head latent attention replaces or has no place for: (field, its off value).
+_NOT_WITH_MLA = (("sliding_window", None), ("qkv_bias", False), ("qk_norm", False),
+                 ("attn_out_bias", False), ("attention_sinks", False),
+                 ("attn_output_gate", False), ("token_mixers", None),
+                 ("partial_rotary_factor", 1.0), ("num_kv_shared_layers", 0),
+                 ("global_head_dim", 0), ("attention_k_eq_v", False), ("value_norm", False))
+
+
+def _check_latent_attention(cfg):
+  """DeepSeek's multi-head latent attention (kv_lora_rank > 0) and its YaRN magnitudes."""
+  mla = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim")
+  _check_ints(cfg, mla, minimum=0)
+  for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim"):
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+      raise ConfigError(f"model.{name}={value!r} must be a number >= 0 (0 = unset)")
+    if value and (cfg.rope_scaling_type != "yarn" or cfg.rope_scaling_factor is None):
+      raise ConfigError(f"model.{name}={value} is part of YaRN RoPE; set rope_scaling_type="
+                        f"'yarn' with a rope_scaling_factor, or {name}=0")
+  if not cfg.kv_lora_rank:
+    used = [name for name in mla[1:] if getattr(cfg, name)]
+    if used:
+      raise ConfigError(f"model.{used[0]}={getattr(cfg, used[0])} is part of latent attention "
+                        f"(DeepSeek's MLA), but model.kv_lora_rank=0; set kv_lora_rank or "
+                        f"{used[0]}=0")
+    return
+  rope = cfg.qk_rope_head_dim
+  if not rope or rope % 2 or rope >= cfg.head_dim:
+    raise ConfigError(f"model.qk_rope_head_dim={rope} must be even, positive and below "
+                      f"model.head_dim={cfg.head_dim} (the query/key head width: its no-RoPE "
+                      f"features, then its RoPE ones)")
+  for name, off in _NOT_WITH_MLA:
+    if getattr(cfg, name) != off:
+      raise ConfigError(f"model.{name}={getattr(cfg, name)!r} cannot be combined with "
+                        f"model.kv_lora_rank={cfg.kv_lora_rank} (DeepSeek's latent attention); "
+                        f"set {name}={off!r}")
 
 
 def blocks_sharing_kv(cfg, layers: Sequence[int]) -> int:

@@ -89,6 +89,25 @@ def _qwen3_moe(**kw) -> TransformerConfig:
                 norm_topk_prob=True, tie_embeddings=False, **kw)
 
 
+def _deepseek_v3(**kw) -> TransformerConfig:
+  """DeepSeek V3's shape (config.json): latent attention (latent 512, queries through 1536,
+  heads of 128 + 64 RoPE features, values of 128, RoPE pairs interleaved), YaRN x40 over 4096
+  with mscale 1 / 1, the first 3 layers dense (18,432), then 8 of 256 experts of width 2048 in
+  8 groups (4 kept, sigmoid router with its choice bias, scaled 2.5) beside one shared expert.
+  Layers stay unrolled (dense and MoE layers differ: no scan)."""
+  base = dict(vocab_size=129_280, embed_dim=7168, num_layers=61, num_heads=128, num_kv_heads=128,
+              head_dim=192, v_head_dim=128, kv_lora_rank=512, q_lora_rank=1536,
+              qk_rope_head_dim=64, rope_interleaved=True, mlp_dim=18_432, norm_eps=1e-6,
+              rope_theta=10_000.0, rope_scaling_type="yarn", rope_scaling_factor=40.0,
+              rope_original_max_len=4096, rope_yarn_mscale=1.0, rope_yarn_mscale_all_dim=1.0,
+              num_experts=256, num_experts_per_tok=8, moe_mlp_dim=2048, router="sigmoid",
+              router_score_bias=True, router_groups=8, router_groups_kept=4, norm_topk_prob=True,
+              routed_scaling_factor=2.5, shared_expert_mlp_dim=2048, moe_layers=tuple(range(3, 61)),
+              max_seq_len=163_840, param_dtype="bfloat16", dtype="bfloat16")
+  base.update(kw)
+  return TransformerConfig(**base)
+
+
 def _qwen35_mixers(num_layers: int, interval: int = 4) -> tuple[str, ...]:
   """Qwen3.5's layer types: every `interval`-th layer full attention, the rest Gated DeltaNet."""
   return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers))
@@ -162,6 +181,25 @@ PRESETS: dict[str, TransformerConfig] = {
         vocab_size=256, embed_dim=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
         mlp_dim=128, qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_mlp_dim=32,
         norm_topk_prob=True, moe_layers=(1, 3), max_seq_len=128),
+    # DeepSeek V3 at test size: latent attention (latent 32, queries through 48, heads of 16 +
+    # 8 RoPE features, values of 16, interleaved RoPE, YaRN x4 with mscale 1 / 1), a dense first
+    # layer, then 8 experts of width 32 in 4 groups (2 kept; top-2, sigmoid with its choice
+    # bias, scaled 2.5) beside a shared expert of width 32.
+    "tiny_deepseek_v3": _deepseek_v3(
+        vocab_size=256, embed_dim=64, num_layers=3, num_heads=4, num_kv_heads=4, head_dim=24,
+        v_head_dim=16, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, mlp_dim=128,
+        rope_scaling_factor=4.0, rope_original_max_len=32, num_experts=8, num_experts_per_tok=2,
+        moe_mlp_dim=32, router_groups=4, router_groups_kept=2, shared_expert_mlp_dim=32,
+        moe_layers=(1, 2), max_seq_len=128, param_dtype="float32", dtype="float32"),
+    # GLM-4.5 at test size: partial RoPE (half of each 16-feature head), q/k/v biases, q/k norms,
+    # a dense first layer, then 8 experts of width 32 in 2 groups (1 kept; top-2, sigmoid with its
+    # choice bias, scaled 2.5) beside a shared expert of width 32.
+    "tiny_glm4_moe": TransformerConfig(
+        vocab_size=256, embed_dim=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+        mlp_dim=128, norm_eps=1e-5, partial_rotary_factor=0.5, qkv_bias=True, qk_norm=True,
+        num_experts=8, num_experts_per_tok=2, moe_mlp_dim=32, router="sigmoid",
+        router_score_bias=True, router_groups=2, router_groups_kept=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, shared_expert_mlp_dim=32, moe_layers=(1, 2), max_seq_len=128),
     # Qwen3.5 at test size: three Gated DeltaNet layers then one gated full-attention layer
     # (partial RoPE over a quarter of head_dim, q/k norms), (1 + scale) norms.
     "tiny_qwen35": TransformerConfig(
@@ -252,6 +290,25 @@ PRESETS: dict[str, TransformerConfig] = {
                                tie_embeddings=False, num_experts=256, num_experts_per_tok=8,
                                moe_mlp_dim=512, norm_topk_prob=True, shared_expert_mlp_dim=512,
                                shared_expert_gate=True),
+    "deepseek-v3": _deepseek_v3(),  # also DeepSeek-R1 and V3.1 (the same shape): 671B
+    # Kimi K2 (config.json): DeepSeek V3's block with 64 heads, 8 of 384 experts in one group
+    # scaled 2.827, one dense layer, RoPE base 50k with YaRN x32 (beta 1 / 1), 163,840 tokens.
+    "kimi-k2": _deepseek_v3(vocab_size=163_840, num_heads=64, num_kv_heads=64, num_experts=384,
+                            router_groups=1, router_groups_kept=1, routed_scaling_factor=2.827,
+                            moe_layers=tuple(range(1, 61)), rope_theta=50_000.0,
+                            rope_scaling_factor=32.0, rope_yarn_beta_fast=1.0,
+                            rope_yarn_beta_slow=1.0, max_seq_len=131_072),
+    # GLM-4.5 (config.json): 92 layers, 96 query heads of 128 over 8 key/value heads, half of
+    # each head turned (RoPE base 1M), q/k/v biases and q/k norms, the first 3 layers dense
+    # (12,288), then 8 of 160 experts of width 1536 (sigmoid, scaled 2.5) beside a shared one.
+    "glm-4.5": TransformerConfig(
+        vocab_size=151_552, embed_dim=5120, num_layers=92, num_heads=96, num_kv_heads=8,
+        head_dim=128, mlp_dim=12_288, norm_eps=1e-5, rope_theta=1_000_000.0,
+        partial_rotary_factor=0.5, qkv_bias=True, qk_norm=True, num_experts=160,
+        num_experts_per_tok=8, moe_mlp_dim=1536, router="sigmoid", router_score_bias=True,
+        norm_topk_prob=True, routed_scaling_factor=2.5, shared_expert_mlp_dim=1536,
+        moe_layers=tuple(range(3, 92)), max_seq_len=131_072, param_dtype="bfloat16",
+        dtype="bfloat16"),
 }
 
 

@@ -12,24 +12,32 @@ from distillax.models.config import FULL, SLIDING, TransformerConfig
 from distillax.models.hf.config import (ARCHITECTURES, GEMMA3, GEMMA_FAMILY, GPT_OSS,
                                         MISTRAL_FAMILY, MODEL_TYPES, QWEN35, QWEN35_MOE,
                                         SMOLLM3)
+from distillax.models.hf.deepseek import (DEEPSEEK_V3, GLM4_MOE, family_architecture,
+                                          family_hf_fields)
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_hf_fields, is_gemma4
 
 
-# The parts of a mixture of experts only some families have: the architectures that hold each.
+# The parts (of a mixture of experts, of RoPE) only some families have: the architectures that
+# hold each.
 FEATURE_ARCHS = {
-    "shared_expert_mlp_dim": (QWEN35_MOE,),
-    "moe_layers": ("Qwen3MoeForCausalLM",),  # layers with a dense MLP instead of experts
-    "routed_scaling_factor": (),
+    "shared_expert_mlp_dim": (QWEN35_MOE, DEEPSEEK_V3, GLM4_MOE),
+    # layers with a dense MLP instead of experts
+    "moe_layers": ("Qwen3MoeForCausalLM", DEEPSEEK_V3, GLM4_MOE),
+    "routed_scaling_factor": (DEEPSEEK_V3, GLM4_MOE),
     "moe_scale_inputs": (),
+    "rope_yarn_mscale": (DEEPSEEK_V3,),  # with rope_yarn_mscale_all_dim
+    "rope_interleaved": (DEEPSEEK_V3,),
 }
 
 
-def _moe_parts(config: TransformerConfig) -> list[tuple[str, bool]]:
+def _family_parts(config: TransformerConfig) -> list[tuple[str, bool]]:
   """(field, whether the config uses it) for each field of FEATURE_ARCHS."""
   return [("shared_expert_mlp_dim", bool(config.shared_expert_mlp_dim)),
           ("moe_layers", config.moe_layers is not None),
           ("routed_scaling_factor", config.routed_scaling_factor != 1.0),
-          ("moe_scale_inputs", config.moe_scale_inputs)]
+          ("moe_scale_inputs", config.moe_scale_inputs),
+          ("rope_yarn_mscale", bool(config.rope_yarn_mscale or config.rope_yarn_mscale_all_dim)),
+          ("rope_interleaved", config.rope_interleaved)]
 
 
 def _qwen35_architecture(config: TransformerConfig) -> str | None:
@@ -106,6 +114,8 @@ def hf_architecture(config: TransformerConfig) -> str:
   if (config.value_norm or config.layer_scalar or config.per_layer_input_dim
       or config.num_kv_shared_layers or config.attention_k_eq_v or config.global_num_kv_heads):
     arch = GEMMA4 if is_gemma4(config) else None
+  elif config.kv_lora_rank or config.router_score_bias:  # DeepSeek's attention or router
+    arch = family_architecture(config)
   elif (config.attn_output_gate or config.token_mixers is not None
       or config.partial_rotary_factor != 1.0):
     arch = _qwen35_architecture(config)
@@ -127,9 +137,9 @@ def hf_architecture(config: TransformerConfig) -> str:
     arch = _swiglu_architecture(config)
   if (config.rope_local_theta is not None and arch not in (GEMMA3, GEMMA4)
       or config.rope_scaling_type == "linear" and arch in (GPT_OSS, QWEN35, QWEN35_MOE)
-      or any(on and arch not in FEATURE_ARCHS[name] for name, on in _moe_parts(config))):
+      or any(on and arch not in FEATURE_ARCHS[name] for name, on in _family_parts(config))):
     arch = None  # no other family turns its sliding layers with a base of their own, or has
-    # this part of a mixture of experts
+    # this part
   if arch is None:
     raise UserError(
         "this model config has no Hugging Face equivalent among "
@@ -154,6 +164,8 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
   window = config.sliding_window if any(config.local_layers()) else None
   if arch == GEMMA4:
     return gemma4_hf_fields(config)
+  if arch in (DEEPSEEK_V3, GLM4_MOE):
+    return family_hf_fields(config, arch, _rope_to_hf(config))
   if arch in (QWEN35, QWEN35_MOE):
     mixers = config.token_mixers or (FULL,) * config.num_layers
     moe = {} if arch == QWEN35 else dict(
@@ -222,6 +234,8 @@ def _rope_to_hf(config: TransformerConfig) -> dict[str, Any]:
             "truncate": config.rope_yarn_truncate}
     if config.rope_attention_factor is not None:
       rope["attention_factor"] = config.rope_attention_factor
+    if config.rope_yarn_mscale or config.rope_yarn_mscale_all_dim:  # DeepSeek's
+      rope.update(mscale=config.rope_yarn_mscale, mscale_all_dim=config.rope_yarn_mscale_all_dim)
     return rope
   return {"rope_type": "llama3", "rope_theta": config.rope_theta,
           "factor": config.rope_scaling_factor, "low_freq_factor": config.rope_low_freq_factor,

@@ -22,6 +22,9 @@ import numpy as np
 
 from distillax.models.config import TransformerConfig
 from distillax.models.hf.config_out import hf_architecture
+from distillax.models.hf.deepseek import FAMILIES as DEEPSEEK_FAMILIES
+from distillax.models.hf.deepseek import MOE_SOURCES as DEEPSEEK_MOE_SOURCES
+from distillax.models.hf.deepseek import mla_sources
 
 INTERLEAVED = ("even", "odd")  # the column parity of each layout
 HALVES = ("first_half", "second_half")  # ours (E, in, F) <- rows [h*F, (h+1)*F) of HF (E, 2F, in)
@@ -160,12 +163,13 @@ _EXPERT_NAMES = {  # architecture -> (module, router, gate, up, down)
     "MixtralForCausalLM": ("block_sparse_moe", "gate", "w1", "w3", "w2"),
     "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "Qwen3_5MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+    **{arch: ("mlp", "gate", "gate_proj", "up_proj", "down_proj") for arch in DEEPSEEK_FAMILIES},
 }
 # Qwen3-MoE's and Qwen3.5-MoE's experts as transformers 5 holds them in memory (its
 # save_pretrained writes them per expert, as above; a checkpoint may store them this way):
 # gate and up as the row halves of one (expert, 2 * out, in) tensor per layer, down (expert,
 # out, in).
-_FUSED_EXPERT_ARCHS = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM")
+_FUSED_EXPERT_ARCHS = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM") + DEEPSEEK_FAMILIES
 _FUSED_EXPERT_SOURCES = {
     ("mlp", "gate"): ("mlp.experts.gate_up_proj", Layout("first_half")),
     ("mlp", "up"): ("mlp.experts.gate_up_proj", Layout("second_half")),
@@ -247,6 +251,26 @@ def _gated_deltanet_sources(config: TransformerConfig) -> dict[tuple[str, ...],
   }
 
 
+def _family_sources(sources: dict, config: TransformerConfig, layer: int | None) -> dict:
+  """`sources` with a layer's experts (not in a dense layer of moe_layers) and DeepSeek's
+  latent attention in place of the dense MLP's and ordinary attention's tensors."""
+  wrap = lambda table: {k: (n, Layout(kind)) for k, (n, kind) in table.items()}
+  if config.num_experts and (layer is None or config.layer_is_moe(layer)):
+    sources = {k: v for k, v in sources.items() if k not in _DENSE_MLP}
+    sources.update(_expert_sources(config))
+    if config.router_score_bias:  # DeepSeek V3, GLM-4.5: the choice bias, shared experts
+      sources.update(wrap(DEEPSEEK_MOE_SOURCES))
+    elif config.shared_expert_mlp_dim:
+      sources.update(_SHARED_EXPERT_SOURCES)
+  if config.kv_lora_rank:
+    sources = {k: v for k, v in sources.items() if k[0] != "attn"}
+    sources.update(wrap(mla_sources(config)))
+  return sources
+
+
+_DENSE_MLP = (("mlp", "gate"), ("mlp", "up"), ("mlp", "down"))
+
+
 def _layer_sources(config: TransformerConfig,
                    layer: int | None = None) -> dict[tuple[str, ...], tuple[str, Layout]]:
   """Block sub-path -> (HF name suffix under model.layers.{i}., layout); a suffix with "{e}"
@@ -263,12 +287,7 @@ def _layer_sources(config: TransformerConfig,
       ("mlp", "up"): ("mlp.up_proj.weight", Layout("T")),
       ("mlp", "down"): ("mlp.down_proj.weight", Layout("T")),
   }
-  if config.num_experts and (layer is None or config.layer_is_moe(layer)):  # else a dense MLP
-    for key in ("gate", "up", "down"):
-      del sources[("mlp", key)]
-    sources.update(_expert_sources(config))
-    if config.shared_expert_mlp_dim:
-      sources.update(_SHARED_EXPERT_SOURCES)
+  sources = _family_sources(sources, config, layer)
   if config.use_post_norms:
     sources[("post_attn_norm", "scale")] = ("post_attention_layernorm.weight", Layout("copy"))
     sources[("post_mlp_norm", "scale")] = ("post_feedforward_layernorm.weight", Layout("copy"))
