@@ -34,7 +34,7 @@ def get_config(arg: str | None = None):
     # tiny_deepseek_v3's 8 experts over a data axis of 4; the rest tp over model (its 4 heads,
     # the student's heads, kv heads, MLP widths and vocabulary all divide by 2).
     c.teacher.preset = "tiny_deepseek_v3"
-    c.model = model_config("tiny", vocab_size=0, qk_norm=True, num_layers=2)
+    c.model = model_config("tiny", vocab_size=0, qk_norm=True, num_layers=1)
     c.partitioning.strategy = "ep_tp"
     c.mesh.data, c.mesh.model = 4, 2
     return c

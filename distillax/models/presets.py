@@ -183,14 +183,14 @@ PRESETS: dict[str, TransformerConfig] = {
         norm_topk_prob=True, moe_layers=(1, 3), max_seq_len=128),
     # DeepSeek V3 at test size: latent attention (latent 32, queries through 48, heads of 16 +
     # 8 RoPE features, values of 16, interleaved RoPE, YaRN x4 with mscale 1 / 1), a dense first
-    # layer, then 8 experts of width 32 in 4 groups (2 kept; top-2, sigmoid with its choice
-    # bias, scaled 2.5) beside a shared expert of width 32.
+    # layer, then one of 8 experts of width 32 in 4 groups (2 kept; top-2, sigmoid with its
+    # choice bias, scaled 2.5) beside a shared expert of width 32.
     "tiny_deepseek_v3": _deepseek_v3(
-        vocab_size=256, embed_dim=64, num_layers=3, num_heads=4, num_kv_heads=4, head_dim=24,
+        vocab_size=256, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=24,
         v_head_dim=16, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, mlp_dim=128,
         rope_scaling_factor=4.0, rope_original_max_len=32, num_experts=8, num_experts_per_tok=2,
         moe_mlp_dim=32, router_groups=4, router_groups_kept=2, shared_expert_mlp_dim=32,
-        moe_layers=(1, 2), max_seq_len=128, param_dtype="float32", dtype="float32"),
+        moe_layers=(1,), max_seq_len=128, param_dtype="float32", dtype="float32"),
     # GLM-4.5 at test size: partial RoPE (half of each 16-feature head), q/k/v biases, q/k norms,
     # a dense first layer, then 8 experts of width 32 in 2 groups (1 kept; top-2, sigmoid with its
     # choice bias, scaled 2.5) beside a shared expert of width 32.

@@ -32,8 +32,8 @@ def model():
 
 def test_the_cache_holds_the_latent_and_the_rope_key_not_keys_and_values():
   cache = KVCache.zeros(CONFIG, batch=2, length=9)
-  assert cache.k_NxBxSxKxH.shape == (3, 2, 9, 1, 32)  # kv_lora_rank
-  assert cache.v_NxBxSxKxH.shape == (3, 2, 9, 1, 8)  # qk_rope_head_dim
+  assert cache.k_NxBxSxKxH.shape == (2, 2, 9, 1, 32)  # kv_lora_rank
+  assert cache.v_NxBxSxKxH.shape == (2, 2, 9, 1, 8)  # qk_rope_head_dim
   # DeepSeek V3 in bf16: 61 layers x (512 + 64) x 2 bytes per token, where expanded keys and
   # values would take 61 x 128 heads x (192 + 128) x 2 (71x more).
   v3 = get_preset("deepseek-v3")
@@ -55,7 +55,7 @@ def test_both_orders_give_the_same_attention_probabilities(model):
   expanded = forward(model, tokens, return_attention=True).attention_probs
   cache = KVCache.zeros(CONFIG, 1, tokens.shape[1])
   absorbed = forward(model, tokens, cache=cache, return_attention=True).attention_probs
-  assert expanded.shape == absorbed.shape == (3, 1, 4, 6, 6)
+  assert expanded.shape == absorbed.shape == (2, 1, 4, 6, 6)
   np.testing.assert_allclose(expanded, absorbed, atol=1e-6)
 
 
@@ -75,7 +75,7 @@ def test_blockwise_with_padded_values_equals_the_reference_in_values_and_gradien
 
 def test_latent_attention_flops_by_hand():
   got = flops.latent_attention_flops(CONFIG, batch=1, seq_len=4)
-  D, H, R, Rq, Dr, Dn, Dv, N = 64, 4, 32, 48, 8, 16, 16, 3
+  D, H, R, Rq, Dr, Dn, Dv, N = 64, 4, 32, 48, 8, 16, 16, 2
   tokens = 4
   q = D * Rq + Rq * H * (Dn + Dr)
   kv = D * (R + Dr) + R * H * (Dn + Dv)
