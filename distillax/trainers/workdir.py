@@ -192,6 +192,9 @@ ADDED_LATER: dict[str, Any] = {
     "model.router_score_bias": False, "model.router_groups": 1,  # DeepSeek V3's router
     "model.router_groups_kept": 1, "model.routed_scaling_factor": 1.0,
     "model.moe_scale_inputs": False,  # Llama 4's
+    "model.kv_lora_rank": 0, "model.q_lora_rank": 0,  # DeepSeek's latent attention
+    "model.qk_rope_head_dim": 0, "model.v_head_dim": 0, "model.rope_interleaved": False,
+    "model.rope_yarn_mscale": 0.0, "model.rope_yarn_mscale_all_dim": 0.0,
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
     "train.loss_impl": "chunked",
     "model.splash_blocks": [512, 512, 512], "model.splash_fused_bwd": False,
