@@ -50,6 +50,8 @@ NOT_JOB_IDENTITY: dict[str, str] = {
     "sequence_kd.output": "where the teacher samples are written",
     "cache.": "read by `distillax cache-teacher` only, never by training",
     "eval.": "what each eval also measures (held-out generations), not what trains",
+    "train.loss_impl": "how the token loss computes: the same loss, tested equal across "
+                       "implementations",
     # The model fields declared as how the forward computes (models/config.py's field kinds).
     **{f"model.{name}": "how the forward computes: the same model, tested equal"
        for name in fields_of_kind(COMPUTE)},
@@ -196,7 +198,6 @@ ADDED_LATER: dict[str, Any] = {
     "model.qk_rope_head_dim": 0, "model.v_head_dim": 0, "model.rope_interleaved": False,
     "model.rope_yarn_mscale": 0.0, "model.rope_yarn_mscale_all_dim": 0.0,
     "train.moe_aux_loss": 0.0, "train.router_z_loss": 0.0,
-    "train.loss_impl": "chunked",
     "model.splash_blocks": [512, 512, 512], "model.splash_fused_bwd": False,
     "student.from_teacher.experts": [], "distill.router.weight": 0.0,
     "qat.schedule": [],
