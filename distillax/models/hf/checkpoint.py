@@ -1,8 +1,8 @@
 """Hugging Face safetensors checkpoints in and out (Llama, Gemma, Gemma 2, Qwen 2/3, Mistral,
-Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5 and its MoE, Gemma 3/4, SmolLM3, DeepSeek V3, GLM-4.5;
-gpt-oss's MXFP4-packed experts are dequantized on load, Qwen3(.5)-MoE, DeepSeek's and GLM's
-experts are read per expert or fused; DeepSeek's and GLM's multi-token-prediction layers are
-skipped with one line).
+Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5 and its MoE, Gemma 3/4, SmolLM3, OLMo 3, Phi-3/4,
+Qwen3-Next, Llama 4, DeepSeek V3, GLM-4.5; gpt-oss's MXFP4-packed experts are dequantized on
+load, Qwen3(.5)-MoE's, Qwen3-Next's, DeepSeek's and GLM's experts are read per expert or fused;
+DeepSeek's and GLM's multi-token-prediction layers are skipped with one line).
 
 `load` checks every tensor name and shape against config.json before reading any weights, then
 builds each parameter with `jax.make_array_from_callback`: every device's shard is read straight
