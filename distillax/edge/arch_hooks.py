@@ -1,7 +1,8 @@
-"""What write_gguf asks of llama.cpp's olmo2, phi3, qwen3next and llama4 architectures beyond
-the shared layout (edge/layout.py), one `ArchHooks` each: their refusals, `{arch}.*` keys,
-merged tensors and names, and tensors of no parameter. The families themselves are
-edge/olmo2_phi3.py and edge/qwen3next_llama4.py; export.py and layout.py consult `HOOKS`.
+"""What write_gguf asks of llama.cpp's olmo2, phi3, qwen3next, llama4, deepseek2 and glm4moe
+architectures beyond the shared layout (edge/layout.py), one `ArchHooks` each: their refusals,
+`{arch}.*` keys, merged tensors and names, and tensors of no parameter. The families themselves
+are edge/olmo2_phi3.py, edge/qwen3next_llama4.py and edge/deepseek.py; arch_checks.py,
+export.py and layout.py consult `HOOKS`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from distillax.edge import deepseek
 from distillax.edge import olmo2_phi3 as op
 from distillax.edge import qwen3next_llama4 as ql
 from distillax.edge.gemma4_qwen35 import add_qwen35_hparams, check_qwen35
@@ -35,11 +37,18 @@ class ArchHooks:
   copies: Callable[..., Tensors] = _none
   extra: Callable[[TransformerConfig], list[tuple[str, np.ndarray]]] = _none  # no parameter's
   names: Callable[[TransformerConfig, int], dict[str, str]] = lambda config, layer: {}
-  rope_scaling: str | None = None  # the RoPE scaling llama.cpp reads for it
+  rope_scaling: str | None = None  # the RoPE scaling llama.cpp reads for it ('yarn': layout.py
+  # writes YaRN's keys)
   sliding: bool = False  # whether llama.cpp runs sliding layers for it (checks say which)
   partial_rope: bool = False  # whether its RoPE turns rotary_dim features only
   interleaved_rope: bool = False  # whether it turns adjacent pairs (q/k rows permuted, as llama)
   dense_ffn_length: bool = False  # feed_forward_length is the dense layers' width (llama4)
+  dense_layers: bool = False  # an MoE of it may have dense layers (its check says which)
+  # config -> (head_count_kv, key_length, value_length) when not the heads' own (deepseek2's
+  # absorbed latent attention)
+  attention_lengths: Callable[[TransformerConfig], tuple[int, int, int]] | None = None
+  # (config, {param: type}): refuses quant types of parameters it stores otherwise (deepseek2)
+  check_types: Callable[[TransformerConfig, dict[str, str]], None] = _none
 
 
 def _check_qwen3next(config: TransformerConfig) -> None:
@@ -52,6 +61,11 @@ def _qwen3next_merged(config, rows, params) -> Tensors:
                                                                             config)]
 
 
+def _deepseek2_merged(config, rows, params) -> Tensors:
+  return [t for i in range(config.num_layers) for t in deepseek.deepseek_tensors(i, rows, params,
+                                                                                 config)]
+
+
 HOOKS = {
     "olmo2": ArchHooks(op.check_olmo2, op.add_olmo2_hparams, copies=op.olmo2_tensors,
                        rope_scaling="yarn", sliding=True),
@@ -62,7 +76,19 @@ HOOKS = {
     "qwen3next": ArchHooks(_check_qwen3next, add_qwen35_hparams, merged=_qwen3next_merged,
                            names=ql.qwen3next_names, partial_rope=True),
     "llama4": ArchHooks(ql.check_llama4, ql.add_llama4_hparams, names=ql.llama4_names,
-                        rope_scaling="llama3", interleaved_rope=True, dense_ffn_length=True),
+                        rope_scaling="llama3", interleaved_rope=True, dense_ffn_length=True,
+                        dense_layers=True),
+    "deepseek2": ArchHooks(lambda config: deepseek.check(config, "deepseek2"),
+                           lambda writer, config: deepseek.add_hparams(writer, config,
+                                                                       "deepseek2"),
+                           merged=_deepseek2_merged, names=lambda config, layer: deepseek.NAMES,
+                           rope_scaling="yarn", partial_rope=True, dense_ffn_length=True,
+                           dense_layers=True, attention_lengths=deepseek.attention_lengths,
+                           check_types=deepseek.check_types),
+    "glm4moe": ArchHooks(lambda config: deepseek.check(config, "glm4moe"),
+                         lambda writer, config: deepseek.add_hparams(writer, config, "glm4moe"),
+                         names=lambda config, layer: {**deepseek.NAMES, **deepseek.GLM_NAMES},
+                         partial_rope=True, dense_ffn_length=True, dense_layers=True),
 }
 
 

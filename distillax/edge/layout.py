@@ -90,7 +90,7 @@ def gguf_name(param: str, config: TransformerConfig, arch: str) -> str:
   if arch in QWEN35_ARCHS:
     names = {**names, **_QWEN35_NAMES, **(_LINEAR_NAMES if config.layer_is_linear(int(layer))
                                           else {})}
-  if arch in HOOKS:  # olmo2, phi3, qwen3next, llama4
+  if arch in HOOKS:  # olmo2, phi3, qwen3next, llama4, deepseek2, glm4moe
     names = {**names, **HOOKS[arch].names(config, int(layer))}
   return f"blk.{layer}.{names[rest]}"
 
@@ -99,17 +99,22 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
   writer.add_context_length(config.max_seq_len)
   writer.add_embedding_length(config.embed_dim)
   writer.add_block_count(config.num_layers)
-  dense = arch in HOOKS and HOOKS[arch].dense_ffn_length  # llama4: its dense layers' width
+  hooks = HOOKS.get(arch)
+  dense = hooks is not None and hooks.dense_ffn_length  # llama4, deepseek2: dense layers' width
   writer.add_feed_forward_length(config.mlp_dim if dense else _feed_forward_length(config))
   writer.add_head_count(config.num_heads)
   kv_heads = [config.layer_num_kv_heads(i) for i in range(config.num_layers)]
-  writer.add_head_count_kv(kv_heads if len(set(kv_heads)) > 1 else config.num_kv_heads)
-  # Gemma 4: the full layers' (the sliding ones' are gemma4's *_swa keys); Qwen3.5: its partial
-  # RoPE turns rotary_dim features.
+  kv_heads = kv_heads if len(set(kv_heads)) > 1 else config.num_kv_heads
+  # Gemma 4: the full layers' (the sliding ones' are gemma4's *_swa keys); Qwen3.5 and GLM-4.5:
+  # their partial RoPE turns rotary_dim features; DeepSeek: the absorbed attention's one head.
   head_dim = (config.global_head_dim or config.head_dim) if arch == "gemma4" else config.head_dim
-  writer.add_key_length(head_dim)
-  writer.add_value_length(head_dim)
-  partial = arch in QWEN35_ARCHS or arch in HOOKS and HOOKS[arch].partial_rope
+  key_length = value_length = head_dim
+  if hooks is not None and hooks.attention_lengths is not None:  # deepseek2's absorbed heads
+    kv_heads, key_length, value_length = hooks.attention_lengths(config)
+  writer.add_head_count_kv(kv_heads)
+  writer.add_key_length(key_length)
+  writer.add_value_length(value_length)
+  partial = arch in QWEN35_ARCHS or hooks is not None and hooks.partial_rope
   writer.add_rope_dimension_count(config.rotary_dim if partial else head_dim)
   writer.add_rope_freq_base(float(config.rope_theta))
   writer.add_layer_norm_rms_eps(float(config.norm_eps))
@@ -129,8 +134,10 @@ def add_hparams(writer, config: TransformerConfig, arch: str, quant: str) -> Non
     add_gemma4_hparams(writer, config)
   if arch in QWEN35_ARCHS:
     add_qwen35_hparams(writer, config)
-  if arch in HOOKS:
-    HOOKS[arch].hparams(writer, config)
+  if hooks is not None:
+    hooks.hparams(writer, config)
+  if arch == "gpt-oss" or hooks is not None and hooks.rope_scaling == "yarn":
+    _add_yarn_hparams(writer, config)
   if arch == "gemma2":
     writer.add_attn_logit_softcapping(float(config.attn_logit_softcap))
     writer.add_final_logit_softcapping(float(config.final_logit_softcap))
@@ -160,9 +167,13 @@ def _add_gemma3_hparams(writer, config: TransformerConfig) -> None:
 
 
 def _add_gpt_oss_hparams(writer, config: TransformerConfig) -> None:
-  """The sliding window (llama.cpp's gpt-oss slides on the even layers) and YaRN: llama.cpp
-  derives the attention factor 0.1 ln(factor) + 1 and the ramp from these keys."""
+  """The sliding window (llama.cpp's gpt-oss slides on the even layers)."""
   writer.add_sliding_window(int(config.sliding_window or config.max_seq_len))
+
+
+def _add_yarn_hparams(writer, config: TransformerConfig) -> None:
+  """YaRN (gpt-oss, and the HOOKS archs that read it: olmo2, deepseek2): llama.cpp derives the
+  attention factor 0.1 ln(factor) + 1 and the ramp from these keys."""
   if config.rope_scaling_factor is not None:
     import gguf  # the edge extra; write_gguf checked it is installed
     writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)

@@ -62,16 +62,10 @@ def check_olmo2(config: TransformerConfig) -> None:
 
 
 def add_olmo2_hparams(writer, config: TransformerConfig) -> None:
-  """The sliding window (llama.cpp slides three layers in four) and the full layers' YaRN."""
+  """The sliding window (llama.cpp slides three layers in four); the full layers' YaRN keys are
+  layout.py's, as for every architecture that reads YaRN."""
   if config.sliding_window is not None and any(config.local_layers()):
     writer.add_sliding_window(int(config.sliding_window))
-  if config.rope_scaling_factor is not None:
-    import gguf  # the edge extra; write_gguf checked it is installed
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(float(config.rope_scaling_factor))
-    writer.add_rope_scaling_orig_ctx_len(int(config.rope_original_max_len))
-    writer.add_rope_scaling_yarn_beta_fast(float(config.rope_yarn_beta_fast))
-    writer.add_rope_scaling_yarn_beta_slow(float(config.rope_yarn_beta_slow))
 
 
 def olmo2_tensors(config: TransformerConfig, rows: dict[str, np.ndarray]

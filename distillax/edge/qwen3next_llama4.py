@@ -49,7 +49,7 @@ def qwen3next_names(config: TransformerConfig, layer: int) -> dict[str, str]:
 
 def check_qwen3next(config: TransformerConfig) -> None:
   """What llama.cpp's qwen3next would compute differently from this config, as one UserError."""
-  if not config.num_experts:  # (dense layers among MoE ones: export._check_experts refuses)
+  if not config.num_experts:  # (dense layers among MoE ones: arch_checks._check_experts refuses)
     raise UserError("llama.cpp's qwen3next runs routed experts in every layer; this model has "
                     "none (model.num_experts=0): export it with --format hf")
   if not config.shared_expert_mlp_dim or not config.norm_topk_prob:

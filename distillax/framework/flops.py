@@ -145,6 +145,8 @@ def forward_flops_breakdown(cfg: Any, batch: int, seq_len: int, *,
     out["per_layer_inputs"] = 3 * layers * 2.0 * tokens * n["embed"] * per_layer
   if attention_layers < layers:
     out["linear_attention"] = (layers - attention_layers) * gated_deltanet_flops(cfg, tokens)
+  if int(getattr(cfg, "kv_lora_rank", 0) or 0):  # DeepSeek's latent attention
+    out.update(latent_attention_flops(cfg, batch, seq_len, causal))
   experts = int(getattr(cfg, "num_experts", 0) or 0)
   if experts:
     out["mlp"] = _moe_mlp_flops(cfg, n, tokens, mlp_matrices, experts)
@@ -166,6 +168,27 @@ def _moe_mlp_flops(cfg: Any, n: dict[str, int], tokens: int, mlp_matrices: int,
   per_moe_layer = mlp_matrices * (k * width + shared) + experts + shared_gate
   dense = (n["layers"] - with_experts) * mlp_matrices * n["mlp"]
   return 2.0 * tokens * n["embed"] * (with_experts * per_moe_layer + dense)
+
+
+def latent_attention_flops(cfg: Any, batch: int, seq_len: int, causal: bool = True
+                           ) -> dict[str, float]:
+  """Multi-head latent attention (DeepSeek V2/V3; models/attention/mla.py) as training runs
+  it: queries through their low-rank pair (or one projection), the compressed key/value latent
+  and shared RoPE key, the latent expanded to every head's keys and values, scores over
+  head_dim features and values of v_head_dim."""
+  D, H = int(_field(cfg, "embed_dim")), int(_field(cfg, "num_heads"))
+  dqk = int(_field(cfg, "head_dim"))
+  dv = int(getattr(cfg, "v_head_dim", 0) or dqk)
+  rope, rkv = int(_field(cfg, "qk_rope_head_dim")), int(_field(cfg, "kv_lora_rank"))
+  rq = int(getattr(cfg, "q_lora_rank", 0) or 0)
+  tokens, layers = batch * seq_len, int(_field(cfg, "num_layers"))
+  q = (D * rq + rq * H * dqk) if rq else D * H * dqk
+  kv = D * (rkv + rope) + rkv * H * (dqk - rope + dv)
+  pairs = attended_pairs(seq_len, None, causal)
+  return {"qkv_proj": 2.0 * tokens * layers * (q + kv),
+          "out_proj": 2.0 * tokens * layers * H * dv * D,
+          "attn_scores": 2.0 * batch * layers * H * dqk * pairs,
+          "attn_values": 2.0 * batch * layers * H * dv * pairs}
 
 
 def gated_deltanet_flops(cfg: Any, tokens: int) -> float:

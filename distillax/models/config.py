@@ -2,7 +2,8 @@
 decoder.
 
 Configs are data (dtypes are names such as 'bfloat16'), so they round-trip through JSON and
-ConfigDict overrides. Named configs live in `models/presets.py`.
+ConfigDict overrides. Named configs live in `models/presets.py`; what the fields mean together
+(sizes, what each layer is) in `models/derived.py`; what they may hold in `config_checks.py`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from distillax.models.config_checks import (  # noqa: F401 (the choice lists, re
     ATTENTION_IMPLS, FULL, GLOBAL_WINDOW, LINEAR, LINEAR_ATTENTION_IMPLS, MLP_ACTIVATIONS,
     MOE_IMPLS, REMAT_POLICIES, ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE, ROPE_SCALING_TYPES, ROUTERS,
     SLIDING, blocks_sharing_kv, check_config)
+from distillax.models.derived import DerivedQuantities
 
 # What a config field is. Every job that compares two configs (a model loaded from a source, a
 # run started from another, a workdir resumed) reads the kinds from here, never a list of its own.
@@ -35,9 +37,10 @@ def _compute(default):
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-  """Shapes and numerics of a decoder-only LM (Llama 3, Gemma 1/2, Qwen 2/2.5/3, Mistral, and
-  the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss).
+class TransformerConfig(DerivedQuantities):
+  """Shapes and numerics of a decoder-only LM (Llama 3, Gemma 1-4, Qwen 2/2.5/3/3.5, Mistral,
+  SmolLM3, OLMo 3, Phi-3/4, and the mixtures of experts Qwen3-MoE, Mixtral, gpt-oss, Llama 4,
+  Qwen3-Next, DeepSeek V3, GLM-4.5).
 
   A field is SHAPE unless declared `_storage(...)` or `_compute(...)` (see `field_kind`)."""
 
@@ -65,6 +68,12 @@ class TransformerConfig:
   rope_yarn_beta_slow: float = 1.0  # yarn: pairs turning less often than this are slowed fully
   rope_yarn_truncate: bool = True  # yarn: floor/ceil the ramp's ends (gpt-oss: False)
   rope_attention_factor: float | None = None  # yarn: cos/sin scale; None = 0.1 ln(factor) + 1
+  # yarn, DeepSeek's form: with both set, cos/sin are scaled by m(mscale) / m(mscale_all_dim)
+  # (m(x) = 0.1 x ln(factor) + 1); with mscale_all_dim set the attention scale is multiplied by
+  # m(mscale_all_dim)^2; 0 = unset.
+  rope_yarn_mscale: float = 0.0
+  rope_yarn_mscale_all_dim: float = 0.0  # yarn, DeepSeek's: m(this)^2 scales the attention
+  rope_interleaved: bool = False  # DeepSeek's rope_interleave: RoPE turns adjacent feature pairs
   # Gemma 3: the RoPE base of the sliding-window layers, which turn unscaled (rope_theta and its
   # scaling are then the global layers'); None = every layer turns as rope_theta says.
   rope_local_theta: float | None = None
@@ -86,6 +95,14 @@ class TransformerConfig:
   qk_norm: bool = False  # Qwen 3: RMSNorm over head_dim on each query and key head, before RoPE
   attn_out_bias: bool = False  # gpt-oss: the o projection adds a bias too
   attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax's sum
+  # DeepSeek V2/V3 multi-head latent attention (models/attention/mla.py): each token's keys and
+  # values come from a kv_lora_rank-wide latent (what the KV cache holds) plus one RoPE key of
+  # qk_rope_head_dim features every head shares; head_dim is a query/key head's width, its last
+  # qk_rope_head_dim features turned by RoPE. 0 = ordinary attention.
+  kv_lora_rank: int = 0
+  q_lora_rank: int = 0  # MLA: queries through a normed bottleneck this wide; 0 = projected directly
+  qk_rope_head_dim: int = 0  # MLA: the RoPE features of each query/key head
+  v_head_dim: int = 0  # MLA: value features per head; 0 = head_dim
   max_seq_len: int = 2048
   # Qwen3.5 (models/gated_deltanet.py): per layer LINEAR (a Gated DeltaNet linear-attention
   # layer) or FULL attention, as HF's layer_types names them; None = attention in every layer.
@@ -168,7 +185,7 @@ class TransformerConfig:
   # groups of consecutive indices, each group scored by the sum of its two best scores, and
   # only the best router_groups_kept groups' experts may be chosen; 1 = no groups.
   router_groups: int = 1
-  router_groups_kept: int = 1
+  router_groups_kept: int = 1  # sigmoid: the groups whose experts may be chosen (topk_group)
   routed_scaling_factor: float = 1.0  # every routing weight times this (DeepSeek: 2.5)
   # Llama 4: a token's chosen expert runs on its input times the routing weight (rather than
   # weighting the expert's output); needs num_experts_per_tok=1.
@@ -212,86 +229,7 @@ class TransformerConfig:
   def __post_init__(self):
     check_config(self)
 
-
-  # ---- derived quantities ----------------------------------------------------------------
-
-  @property
-  def num_groups(self) -> int:
-    """Query heads per key/value head."""
-    return self.num_heads // self.num_kv_heads
-
-  @property
-  def expert_mlp_dim(self) -> int:
-    """Hidden width of each MoE expert."""
-    return self.moe_mlp_dim or self.mlp_dim
-
-  def layer_is_moe(self, layer: int) -> bool:
-    """Whether layer `layer`'s MLP is routed experts (else a dense MLP of width mlp_dim)."""
-    return bool(self.num_experts) and (self.moe_layers is None or layer in self.moe_layers)
-
-  @property
-  def num_moe_layers(self) -> int:
-    return sum(self.layer_is_moe(i) for i in range(self.num_layers))
-
-  @property
-  def rotary_dim(self) -> int:
-    """Features of each query/key head that RoPE turns (the first ones; the rest pass)."""
-    return int(self.head_dim * self.partial_rotary_factor)
-
-  def layer_has_rope(self, layer: int) -> bool:
-    """Whether layer `layer` turns its queries and keys (not one of rope_free_layers)."""
-    return layer not in (self.rope_free_layers or ())
-
-  def layer_is_chunked(self, layer: int) -> bool:
-    """Whether layer `layer` attends within chunks (Llama 4's RoPE layers)."""
-    return self.attention_chunk_size is not None and self.layer_has_rope(layer)
-
-  def layer_is_linear(self, layer: int) -> bool:
-    """Whether layer `layer` is a Gated DeltaNet (linear attention) layer."""
-    return self.token_mixers is not None and self.token_mixers[layer] == LINEAR
-
-  def kv_source_layer(self, layer: int) -> int | None:
-    """The layer whose keys/values layer `layer` attends with when it shares them (Gemma 4's
-    last num_kv_shared_layers: the last unshared layer of the same attention type), else None."""
-    first_shared = self.num_layers - self.num_kv_shared_layers
-    if layer < first_shared:
-      return None
-    local = self.layer_uses_sliding_window(layer)
-    same = [i for i in range(first_shared) if self.layer_uses_sliding_window(i) == local]
-    return same[-1] if same else None
-
-  def layer_head_dim(self, layer: int) -> int:
-    """Features per attention head of layer `layer` (Gemma 4's full layers: global_head_dim)."""
-    if self.global_head_dim and not self.layer_uses_sliding_window(layer):
-      return self.global_head_dim
-    return self.head_dim
-
-  def layer_num_kv_heads(self, layer: int) -> int:
-    """Key/value heads of layer `layer` (Gemma 4 31B's full layers: global_num_kv_heads)."""
-    if self.global_num_kv_heads and not self.layer_uses_sliding_window(layer):
-      return self.global_num_kv_heads
-    return self.num_kv_heads
-
-  def layer_keys_are_values(self, layer: int) -> bool:
-    """Whether layer `layer` attends with its keys as values (no v projection of its own)."""
-    return self.attention_k_eq_v and not self.layer_uses_sliding_window(layer)
-
-  def layer_mlp_dim(self, layer: int) -> int:
-    """Hidden width of layer `layer`'s dense MLP (Gemma 4's double-wide sharing layers)."""
-    wide = self.double_wide_shared_mlp and not self.layer_owns_kv(layer)
-    return self.mlp_dim * (2 if wide else 1)
-
-  def layer_owns_kv(self, layer: int) -> bool:
-    """Whether layer `layer` computes (and caches) keys/values of its own."""
-    return layer < self.num_layers - self.num_kv_shared_layers
-
-  @property
-  def per_layer_vocab(self) -> int:
-    return self.per_layer_input_vocab_size or self.vocab_size
-
-  @property
-  def num_linear_layers(self) -> int:
-    return sum(self.layer_is_linear(i) for i in range(self.num_layers))
+  # ---- derived quantities (models/derived.py: sizes and what each layer is) ---------------
 
   @property
   def jnp_param_dtype(self):
@@ -300,38 +238,6 @@ class TransformerConfig:
   @property
   def jnp_dtype(self):
     return jnp.dtype(self.dtype)
-
-  @property
-  def attn_scale(self) -> float:
-    return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
-
-  def layer_uses_sliding_window(self, layer: int) -> bool:
-    if self.sliding_window is None:
-      return False
-    if self.layer_types is not None:
-      return self.layer_types[layer] == SLIDING
-    p = self.sliding_window_pattern
-    return p == 0 or (layer + 1) % p != 0
-
-  def layer_windows(self) -> tuple[int, ...] | None:
-    """Attention span per layer (GLOBAL_WINDOW for global layers); None without sliding window."""
-    if self.sliding_window is None:
-      return None
-    return tuple(self.sliding_window if self.layer_uses_sliding_window(i) else GLOBAL_WINDOW
-                 for i in range(self.num_layers))
-
-  def local_layers(self) -> list[bool]:
-    """Whether each layer attends within the sliding window."""
-    return [self.layer_uses_sliding_window(i) for i in range(self.num_layers)]
-
-  def layer_ropes(self) -> tuple[int, ...]:
-    """Per layer, the RoPE its queries and keys turn with: ROPE_NONE for rope_free_layers,
-    ROPE_LOCAL (rope_local_theta, unscaled) for sliding layers when it is set, else
-    ROPE_GLOBAL (rope_theta with its scaling)."""
-    free = self.rope_free_layers or ()
-    return tuple(ROPE_NONE if i in free else ROPE_LOCAL if (
-        self.rope_local_theta is not None and self.layer_uses_sliding_window(i)) else ROPE_GLOBAL
-                 for i in range(self.num_layers))
 
   def select_layers(self, layers: Sequence[int]) -> "TransformerConfig":
     """The config of a model made of this one's blocks `layers` (in that order): each block

@@ -32,9 +32,10 @@ class RMSNorm(nnx.Module):
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs | None = None,
                dim: int | tuple[int, ...] | None = None,
-               logical_axes: tuple[str, ...] = ("embed",)):
+               logical_axes: tuple[str, ...] = ("embed",), eps: float | None = None):
+    """eps: this norm's, if not config.norm_eps (DeepSeek's latent norms: their class's 1e-6)."""
     del rngs  # deterministic init
-    self.eps = config.norm_eps
+    self.eps = config.norm_eps if eps is None else eps
     self.plus_one = config.norm_scale_plus_one
     init = jnp.zeros if self.plus_one else jnp.ones
     shape = dim if isinstance(dim, tuple) else (dim or config.embed_dim,)
@@ -158,13 +159,17 @@ def _yarn_inverse_frequencies(config: TransformerConfig, inv_freq: jax.Array) ->
 
 def rope_attention_factor(config: TransformerConfig) -> float:
   """What YaRN and LongRoPE multiply cos and sin by (so the attention logits by its square):
-  the configured factor, else YaRN's 0.1 ln(factor) + 1, LongRoPE's
+  the configured factor, else DeepSeek's YaRN m(mscale) / m(mscale_all_dim) (both set), YaRN's
+  0.1 ln(factor) + 1, LongRoPE's
   sqrt(1 + ln(factor) / ln(original context)); 1 for other RoPE."""
   factor = config.rope_scaling_factor
   if factor is None or config.rope_scaling_type not in ("yarn", "longrope"):
     return 1.0
   if config.rope_attention_factor is not None:
     return float(config.rope_attention_factor)
+  if config.rope_yarn_mscale and config.rope_yarn_mscale_all_dim:  # DeepSeek's (1 when equal)
+    return (config.yarn_mscale(config.rope_yarn_mscale)
+            / config.yarn_mscale(config.rope_yarn_mscale_all_dim))
   if factor <= 1:
     return 1.0
   if config.rope_scaling_type == "longrope":
@@ -221,14 +226,18 @@ def _global_sin_cos(positions_BxL: jax.Array, config: TransformerConfig):
   return jnp.sin(angles), jnp.cos(angles)
 
 
-def apply_rope(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2) -> jax.Array:
-  """Rotates the two halves of each head (the 'rotate_half' layout of Llama/Gemma checkpoints)."""
+def apply_rope(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2, interleaved: bool = False
+               ) -> jax.Array:
+  """Rotates the two halves of each head (the 'rotate_half' layout of Llama/Gemma checkpoints);
+  `interleaved` (DeepSeek's rope_interleave): rotates adjacent pairs (2i, 2i+1) instead and
+  returns the turned even features then the odd ones, as transformers does (queries and keys
+  alike, so their products are unchanged)."""
   rotary = 2 * sin_BxLxK2.shape[-1]
   if rotary < x_BxLxHxK.shape[-1]:  # partial RoPE (Qwen3.5): the head's first features turn
-    turned = apply_rope(x_BxLxHxK[..., :rotary], sin_BxLxK2, cos_BxLxK2)
+    turned = apply_rope(x_BxLxHxK[..., :rotary], sin_BxLxK2, cos_BxLxK2, interleaved)
     return jnp.concatenate([turned, x_BxLxHxK[..., rotary:]], axis=-1)
   x = x_BxLxHxK.astype(jnp.float32)
-  x1, x2 = jnp.split(x, 2, axis=-1)
+  x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else jnp.split(x, 2, axis=-1)
   sin, cos = sin_BxLxK2[:, :, None, :], cos_BxLxK2[:, :, None, :]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BxLxHxK.dtype)

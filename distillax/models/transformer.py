@@ -19,6 +19,7 @@ from distillax.errors import ConfigError
 from distillax.models import layer_scope
 from distillax.models.attention.chunked import chunk_segments
 from distillax.models.attention.layer import Attention, KVCache
+from distillax.models.attention.mla import LatentAttention
 from distillax.models.config import TransformerConfig
 from distillax.models.gated_deltanet import GatedDeltaNet
 from distillax.models.layers import (MLP, Embedder, RMSNorm, normal_param, rope_sin_cos,
@@ -70,6 +71,8 @@ class Block(nnx.Module):
     self.attn_norm = RMSNorm(config) if config.pre_norms else None  # OLMo: post norms only
     if config.layer_is_linear(layer):  # Qwen3.5's hybrid
       self.attn = GatedDeltaNet(config, rngs=rngs)
+    elif config.kv_lora_rank:  # DeepSeek's multi-head latent attention
+      self.attn = LatentAttention(config, rngs=rngs)
     else:
       rope = config.layer_has_rope(layer)  # Llama 4: L2 norms with RoPE, temperature without
       self.attn = Attention(config, rngs=rngs, owns_kv=config.layer_owns_kv(layer),

@@ -36,6 +36,9 @@ LOGICAL_AXES = {
     "heads": "query attention heads",
     "kv_heads": "key/value attention heads (GQA/MQA)",
     "head_dim": "per-head feature dimension",
+    # DeepSeek's latent attention: its compressed query and key/value widths, which the
+    # fsdp presets split as they split embed (a matrix holding both splits embed first).
+    "latent": "compressed width of multi-head latent attention (q_lora_rank, kv_lora_rank)",
     "layers": "stacked layers under scan",
     "expert": "mixture-of-experts experts (stacked expert weights, router outputs)",
 }
@@ -54,13 +57,14 @@ _PRESETS: dict[str, tuple[Rule, ...]] = {
     # Data parallel: params replicated, batch over data.
     "dp": _preset(("batch", "data")),
     # Fully sharded data parallel: params and optimizer state sharded over data by model width.
-    "fsdp": _preset(("batch", "data"), ("embed", "data")),
+    "fsdp": _preset(("batch", "data"), ("embed", "data"), ("latent", "data")),
     # Tensor parallel: heads, MLP and vocab over model (Megatron-style column/row split).
     "tp": _preset(("batch", "data"), ("heads", "model"), ("kv_heads", "model"), ("mlp", "model"),
                   ("vocab", "model")),
     # Both: width over data, heads/mlp/vocab over model.
-    "fsdp_tp": _preset(("batch", "data"), ("embed", "data"), ("heads", "model"),
-                       ("kv_heads", "model"), ("mlp", "model"), ("vocab", "model")),
+    "fsdp_tp": _preset(("batch", "data"), ("embed", "data"), ("latent", "data"),
+                       ("heads", "model"), ("kv_heads", "model"), ("mlp", "model"),
+                       ("vocab", "model")),
     # Sequence parallelism on top of tp / fsdp_tp (Megatron-style): the residual stream is
     # split along its length over model as well, so each device keeps 1/model of it; every
     # all-reduce of a TP block output becomes a reduce-scatter, and the block inputs are
@@ -69,14 +73,15 @@ _PRESETS: dict[str, tuple[Rule, ...]] = {
     "tp_sp": _preset(("batch", "data"), ("residual_length", "model"), ("heads", "model"),
                      ("kv_heads", "model"), ("mlp", "model"), ("vocab", "model")),
     "fsdp_tp_sp": _preset(("batch", "data"), ("residual_length", "model"), ("embed", "data"),
-                          ("heads", "model"), ("kv_heads", "model"), ("mlp", "model"),
-                          ("vocab", "model")),
+                          ("latent", "data"), ("heads", "model"), ("kv_heads", "model"),
+                          ("mlp", "model"), ("vocab", "model")),
     # Expert parallelism (mixture-of-experts models) as placement only: each data group holds
     # num_experts / data of every layer's experts, whole (their width is not also split over
     # data: that axis is taken), and GSPMD moves the routed tokens to them. fsdp_ep: the rest
     # as fsdp (MaxText's experts-as-data-parallel); ep_tp: the rest as tp, the experts' own
     # mlp width over model. On a dense model both are fsdp / tp.
-    "fsdp_ep": _preset(("batch", "data"), ("expert", "data"), ("embed", "data")),
+    "fsdp_ep": _preset(("batch", "data"), ("expert", "data"), ("embed", "data"),
+                       ("latent", "data")),
     "ep_tp": _preset(("batch", "data"), ("expert", "data"), ("heads", "model"),
                      ("kv_heads", "model"), ("mlp", "model"), ("vocab", "model")),
 }

@@ -19,6 +19,7 @@ from distillax import partitioning as pt
 from distillax.errors import UserError
 from distillax.framework.hlo import collective_stats, matmul_flops
 from distillax.framework.state import STUDENT
+from distillax.models.attention.layer import kv_cache_bytes_per_token
 from distillax.trainers import Recipe, recipe_for
 
 fmt = pt.shard.format_bytes
@@ -69,7 +70,19 @@ def plan_report(recipe: Recipe, engine) -> dict:
       # loop body once).
       "hlo_matmul_flops_per_device": matmul_flops(hlo)["flops"],
       "compile_seconds": runner.compile_seconds,
+      "kv_cache_bytes_per_token": _kv_cache_per_token(recipe),
   }
+
+
+def _kv_cache_per_token(recipe: Recipe) -> dict[str, int]:
+  """Bytes the sampler's KV cache holds per token (every layer, compute dtype) of the student
+  and of the teacher that runs in the step: what each generated token of sampling (on-policy
+  distillation, sequence KD, generate) costs per sequence. DeepSeek's latent attention caches
+  its latent and RoPE key, not keys and values."""
+  configs = {"student": recipe.model_config}
+  if recipe.sources.step_teacher is not None:
+    configs["teacher"] = recipe.sources.step_teacher.model_config()
+  return {name: kv_cache_bytes_per_token(cfg) for name, cfg in configs.items()}
 
 
 def _attention_on_cpu(config):
@@ -127,6 +140,8 @@ def print_figures(recipe: Recipe, r: dict) -> None:
         f"temporaries/activations {fmt(c.get('temp_size_in_bytes', 0))}, outputs "
         f"{fmt(c.get('output_size_in_bytes', 0))} (aliased {fmt(c.get('alias_size_in_bytes', 0))})")
   print(f"  peak per device ~ {fmt(r['peak_bytes_per_device'])}")
+  print("  KV cache per sampled token (every layer, per sequence): " + ", ".join(
+      f"{name} {fmt(n)}" for name, n in r["kv_cache_bytes_per_token"].items()))
   print(f"  model FLOPs per step {r['model_flops_per_step']:.4g} (analytic); per device: "
         f"{r['hlo_matmul_flops_per_device']:.4g} in the compiled matmuls, XLA's count "
         f"{c.get('flops', float('nan')):.4g} (loop bodies once)")

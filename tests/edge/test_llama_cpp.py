@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from distillax.data.tokenizer import ByteTokenizer
-from distillax.edge import export as gguf_export
+from distillax.edge import arch_checks
 from distillax.edge import runtime as gguf_runtime
 from distillax.edge.export import write_gguf
 from distillax.models.transformer import with_config
@@ -119,12 +119,12 @@ def test_other_architectures_match(tmp_path, arch, quant, tolerance):
 
 
 def test_llama_cpp_gemma2_slides_on_even_layers_whatever_the_file_says(tmp_path, monkeypatch):
-  """Why gguf_export refuses a Gemma 2 whose sliding layers are not the even ones (a student of
+  """Why the GGUF export refuses a Gemma 2 whose sliding layers are not the even ones (a student of
   two sliding teacher blocks): written anyway, llama.cpp runs it as sliding/full, another model
   than the one trained."""
   every = random_model(CONFIGS["gemma2"].replace(sliding_window_pattern=0), init=PEAKED)
   assert every.config.local_layers() == [True, True]
-  monkeypatch.setattr(gguf_export, "_check_gemma2_windows", lambda config: None)
+  monkeypatch.setattr(arch_checks, "_check_gemma2_windows", lambda config: None)
   r = run(every, tmp_path / "m.gguf", "f32", llama_cpp_gelu=True)
   alternating = logits(with_config(every, sliding_window_pattern=2), IDS, True)
   assert np.abs(r["llama_cpp"] - alternating).max() <= 1e-3

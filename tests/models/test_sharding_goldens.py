@@ -16,11 +16,13 @@ projections), `tiny_phi3` (Phi-4-mini's: Llama's tree, tied), `tiny_qwen3_next` 
 tiny_qwen35's layers with experts beside a gated shared expert), `tiny_llama4` (Llama 4: dense
 and MoE layers with a shared expert, no norm parameters on q/k), `llama3.2-1b` (a published shape:
 stacked layers under scan, bfloat16, 128k vocabulary), `tiny_moe` (stacked experts and a router:
-where the 'expert' rules of fsdp_ep / ep_tp place them) and `tiny_qwen3_moe` (Qwen3-MoE with dense
-layers: dense MLPs and experts in alternate layers). tiny's 4 query and 2 kv heads do not divide a
-model axis of 4 or 8; the default rules reject that, so the dumps are made with
-`replicate_indivisible` (the dim falls back to its replicated rule) and list the paths that need
-it.
+where the 'expert' rules of fsdp_ep / ep_tp place them), `tiny_qwen3_moe` (Qwen3-MoE with dense
+layers: dense MLPs and experts in alternate layers), `tiny_deepseek_v3` (latent attention: the
+'latent' widths fsdp splits like embed; a dense layer, then experts with their router's choice
+bias and a shared expert) and `tiny_glm4_moe` (GLM-4.5: biased, q/k-normed grouped attention,
+the same MoE). tiny's 4 query and 2 kv heads do not divide a model axis of 4 or 8; the default
+rules reject that, so the dumps are made with `replicate_indivisible` (the dim falls back to its
+replicated rule) and list the paths that need it.
 """
 
 import json
@@ -36,7 +38,7 @@ from tests.models.sharding import plan, rows_by_path
 GOLDEN_DIR = pathlib.Path(__file__).parent / "goldens"
 MODELS = ("tiny", "tiny_gemma", "llama3.2-1b", "tiny_moe", "tiny_gemma3", "tiny_gemma4",
           "tiny_qwen35", "tiny_qwen3_moe", "tiny_olmo3", "tiny_phi3", "tiny_qwen3_next",
-          "tiny_llama4")
+          "tiny_llama4", "tiny_deepseek_v3", "tiny_glm4_moe")
 MESHES = [(8, 1), (4, 2), (2, 4), (1, 8)]
 
 
@@ -169,12 +171,13 @@ def test_dp_replicates_everything_and_only_dp(strategy):
 
 @pytest.mark.parametrize("preset", [m for m in MODELS if m not in (
     "tiny_gemma3", "tiny_gemma4", "tiny_qwen35", "tiny_qwen3_moe", "tiny_olmo3",
-    "tiny_qwen3_next")])
+    "tiny_qwen3_next", "tiny_deepseek_v3", "tiny_glm4_moe")])
 @pytest.mark.parametrize("data,model", MESHES)
 def test_fsdp_per_device_bytes_are_total_over_data_size(preset, data, model):
   """Every embed dim of these models divides every data size, so fsdp splits every parameter
   exactly data ways and nothing over model (tiny_gemma3's and tiny_qwen3_moe's q/k norms have
-  no embed dim: below for tiny_gemma3;
+  no embed dim, nor do tiny_deepseek_v3's and tiny_glm4_moe's router choice biases: below for
+  tiny_gemma3 and tiny_deepseek_v3;
   nor do tiny_gemma4's per-layer input table and norm, layer scalars, or tiny_qwen35's conv,
   decay and norms: by hand below)."""
   rows = plan(preset, "fsdp", data, model)
@@ -183,6 +186,24 @@ def test_fsdp_per_device_bytes_are_total_over_data_size(preset, data, model):
   for r in rows:
     assert r.bytes_per_device * data == r.bytes_total, r.path
     assert "model" not in r.mesh_spec, r.path
+
+
+def test_deepseek_v3_splits_its_latent_widths_like_embed_under_fsdp_and_fsdp_ep():
+  """The latent projections and norms split over data by their 'latent' dim (q_b, kv_b have
+  no embed dim); the router's choice bias (expert,) stays whole under fsdp and splits with the
+  experts under fsdp_ep; the dense first layer's MLP splits by embed."""
+  rows = rows_by_path(plan("tiny_deepseek_v3", "fsdp", 8, 1))
+  assert rows["layers/0/attn/q_b"].mesh_spec == ("data", None, None)  # (48, heads, head_dim)
+  assert rows["layers/0/attn/kv_b"].mesh_spec == ("data", None, None)  # (32, ...)
+  assert rows["layers/0/attn/q_a"].mesh_spec == ("data", None)  # embed first, latent after
+  assert rows["layers/0/attn/kv_a_norm/scale"].mesh_spec == ("data",)
+  assert rows["layers/1/mlp/router_score_bias"].replicated
+  whole = sorted(p for p, r in rows.items() if r.bytes_per_device == r.bytes_total)
+  assert whole == ["layers/1/mlp/router_score_bias"]
+  ep = rows_by_path(plan("tiny_deepseek_v3", "fsdp_ep", 4, 2))
+  assert ep["layers/1/mlp/router_score_bias"].mesh_spec == ("data",)
+  assert ep["layers/1/mlp/gate"].mesh_spec == ("data", None, None)
+  assert ep["layers/0/mlp/gate"].mesh_spec == ("data", None)
 
 
 def test_gemma3_keeps_its_qk_norms_whole_and_splits_the_rest_under_fsdp():

@@ -21,6 +21,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from distillax.models.attention import impl as attention_impl
@@ -43,7 +44,9 @@ class KVCache:
 
   `end_index` is the next slot to write; slots past it are never attended (causality).
   A hybrid model's k/v stack holds its attention layers only, conv/state its linear layers
-  (in layer order each); other models have no conv/state (None).
+  (in layer order each); other models have no conv/state (None). Multi-head latent attention
+  (DeepSeek, mla.py) caches what it compresses, not keys and values: k holds each token's
+  normed latent (K = 1, H = kv_lora_rank), v its turned RoPE key (K = 1, H = qk_rope_head_dim).
   """
 
   k_NxBxSxKxH: jax.Array
@@ -56,6 +59,12 @@ class KVCache:
   @classmethod
   def zeros(cls, config: TransformerConfig, batch: int, length: int, dtype=None) -> "KVCache":
     dtype = jnp.dtype(dtype or config.dtype)
+    if config.kv_lora_rank:  # the latent and the RoPE key of every layer
+      lead = (config.num_layers, batch, length, 1)
+      axes = ("layers", "batch", "length", None, None)
+      return cls(constrain(jnp.zeros(lead + (config.kv_lora_rank,), dtype), axes),
+                 constrain(jnp.zeros(lead + (config.qk_rope_head_dim,), dtype), axes),
+                 jnp.zeros((batch, length), jnp.int32), jnp.zeros((), jnp.int32))
     linear = config.num_linear_layers
     owners = [i for i in range(config.num_layers)
               if config.layer_owns_kv(i) and not config.layer_is_linear(i)]
@@ -114,6 +123,15 @@ class KVCache:
     return KVCache(stack(False, 0, self.k_NxBxSxKxH), stack(False, 1, self.v_NxBxSxKxH),
                    segment_ids_BxS, end_index, stack(True, 0, self.conv_NxBxPxC),
                    stack(True, 1, self.state_NxBxHxKxV))
+
+
+def kv_cache_bytes_per_token(config: TransformerConfig, dtype=None) -> int:
+  """Bytes a KVCache holds per cached token (every layer; the compute dtype unless `dtype`):
+  full keys and values, or multi-head latent attention's latent and RoPE key. Read off the
+  cache's own shapes, abstractly; a Gated DeltaNet layer's state is per sequence, not counted."""
+  cache = jax.eval_shape(lambda: KVCache.zeros(config, 1, 1, dtype))
+  return sum(int(np.prod(x.shape)) * x.dtype.itemsize
+             for x in (cache.k_NxBxSxKxH, cache.v_NxBxSxKxH))
 
 
 def attention_mask(q_index_BxL, k_index_BxS, q_segment_BxL, k_segment_BxS) -> jax.Array:
@@ -181,6 +199,33 @@ def _temperature_scaled(q_BxLxHxK, positions_BxL, config: TransformerConfig):
                      / config.attn_temperature_floor_scale)
   scale_BxL = jnp.log1p(floors) * config.attn_temperature_scale + 1.0
   return (q_BxLxHxK.astype(jnp.float32) * scale_BxL[:, :, None, None]).astype(q_BxLxHxK.dtype)
+
+
+def attend(cfg: TransformerConfig, q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking: dict, *,
+           cached: bool, return_probs: bool, sinks_KxG=None):
+  """(out, probs or None) by the implementation attention_impl.resolve picks for this call;
+  `masking`: the indices, segment ids and window of `reference_attention`."""
+  B, L, K, G, Dh = q_BxLxKxGxH.shape
+  needs = attention_impl.AttentionNeeds(
+      probs=return_probs, cached=cached, query_len=L, key_len=k_BxSxKxH.shape[1],
+      segments=masking["q_segment_BxL"] is not None, window=cfg.sliding_window is not None,
+      softcap=cfg.attn_logit_softcap is not None, dtype=cfg.dtype, head_dim=Dh,
+      sinks=sinks_KxG is not None)
+  impl = attention_impl.resolve(cfg.attention_impl, needs)
+  common = dict(scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap)
+  if impl == "reference":
+    return reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common,
+                               sinks_KxG=sinks_KxG)
+  if impl == "blockwise":  # without a cache, indices are positions 0..L-1: skip the pairs
+    return blockwise_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common,
+                               causal_offset=None if cached else 0, sinks_KxG=sinks_KxG), None
+  fused = {"cudnn": cudnn_attention, "splash": splash_attention,
+           "tokamax": tokamax_attention}[impl]
+  windows = tuple(sorted(set(cfg.layer_windows() or (None,)), key=lambda w: w or 0))
+  masking = {k: v for k, v in masking.items() if k not in ("q_index_BxL", "k_index_BxS")}
+  if impl == "splash":
+    common.update(blocks=cfg.splash_blocks, fused_bwd=cfg.splash_fused_bwd)
+  return fused(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, windows=windows, **common), None
 
 
 class Attention(nnx.Module):
@@ -269,30 +314,10 @@ class Attention(nnx.Module):
 
   def _attend(self, q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking: dict, *, cached: bool,
               return_probs: bool):
-    """The implementation attention_impl.resolve picks for this call: (out, probs or None)."""
-    cfg = self.config
-    B, L, K, G, Dh = q_BxLxKxGxH.shape
-    needs = attention_impl.AttentionNeeds(
-        probs=return_probs, cached=cached, query_len=L, key_len=k_BxSxKxH.shape[1],
-        segments=masking["q_segment_BxL"] is not None, window=cfg.sliding_window is not None,
-        softcap=cfg.attn_logit_softcap is not None, dtype=cfg.dtype, head_dim=Dh,
-        sinks=self.sinks is not None)
-    impl = attention_impl.resolve(cfg.attention_impl, needs)
-    common = dict(scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap)
-    sinks_KxG = None if self.sinks is None else self.sinks[...].reshape(K, G)
-    if impl == "reference":
-      return reference_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common,
-                                 sinks_KxG=sinks_KxG)
-    if impl == "blockwise":  # without a cache, indices are positions 0..L-1: skip the pairs
-      return blockwise_attention(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, **common,
-                                 causal_offset=None if cached else 0, sinks_KxG=sinks_KxG), None
-    fused = {"cudnn": cudnn_attention, "splash": splash_attention,
-             "tokamax": tokamax_attention}[impl]
-    windows = tuple(sorted(set(cfg.layer_windows() or (None,)), key=lambda w: w or 0))
-    masking = {k: v for k, v in masking.items() if k not in ("q_index_BxL", "k_index_BxS")}
-    if impl == "splash":
-      common.update(blocks=cfg.splash_blocks, fused_bwd=cfg.splash_fused_bwd)
-    return fused(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, windows=windows, **common), None
+    sinks_KxG = None if self.sinks is None else self.sinks[...].reshape(
+        q_BxLxKxGxH.shape[2], q_BxLxKxGxH.shape[3])
+    return attend(self.config, q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking, cached=cached,
+                  return_probs=return_probs, sinks_KxG=sinks_KxG)
 
   def __call__(self, x_BxLxD, *, sin_cos, q_index_BxL, k_index_BxS, q_segment_BxL=None,
                k_segment_BxS=None, window=None, cache_kv=None, cache_index=None,

@@ -1,6 +1,8 @@
 """Hugging Face safetensors checkpoints in and out (Llama, Gemma, Gemma 2, Qwen 2/3, Mistral,
-Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5 and its MoE, Gemma 3/4, SmolLM3; gpt-oss's MXFP4-packed
-experts are dequantized on load, Qwen3(.5)-MoE experts are read per expert or fused).
+Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5 and its MoE, Gemma 3/4, SmolLM3, OLMo 3, Phi-3/4,
+Qwen3-Next, Llama 4, DeepSeek V3, GLM-4.5; gpt-oss's MXFP4-packed experts are dequantized on
+load, Qwen3(.5)-MoE's, Qwen3-Next's, DeepSeek's and GLM's experts are read per expert or fused;
+DeepSeek's and GLM's multi-token-prediction layers are skipped with one line).
 
 `load` checks every tensor name and shape against config.json before reading any weights, then
 builds each parameter with `jax.make_array_from_callback`: every device's shard is read straight
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +35,7 @@ from distillax import partitioning as pt
 from distillax.data.tokenizer import Tokenizer
 from distillax.errors import UserError
 from distillax import jsonio
+from distillax.models import layer_scope
 from distillax.models.config import TransformerConfig
 from distillax.models.moe import mxfp4
 from distillax.models.hf.config import MULTIMODAL, architecture_of, config_from_hf
@@ -43,6 +47,7 @@ from distillax.models.init import RulesLike, abstract_model, resolve_rules
 from distillax.models.transformer import Transformer
 
 INDEX_FILE = "model.safetensors.index.json"
+_log = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
 # Multi-token-prediction heads (Qwen3-Next's, Qwen3.5's) that transformers leaves out too.
 _IGNORED_PREFIXES = ("mtp.",)
@@ -202,7 +207,8 @@ def _check_tensors(plans, reader: _Reader, hf_config) -> None:
         raise UserError(f"tensor {name!r} in {file.name} has shape {got} but config.json "
                         f"implies {want}; the weights and config.json disagree")
   tied = reader.config.tie_embeddings
-  unexpected = sorted(n for n in reader.files if n not in used
+  skipped = _prediction_layer_tensors(reader, hf_config)
+  unexpected = sorted(n for n in reader.files if n not in used and n not in skipped
                       and not n.endswith(_IGNORED_SUFFIXES)
                       and not n.startswith(_IGNORED_PREFIXES)
                       and not (tied and n == "lm_head.weight"))
@@ -211,6 +217,22 @@ def _check_tensors(plans, reader: _Reader, hf_config) -> None:
                     f"part of a {architecture_of(hf_config, str(reader.path))} distillax "
                     f"supports; the checkpoint has features (biases, extra modules) that would "
                     f"be dropped")
+
+
+def _prediction_layer_tensors(reader: _Reader, hf_config) -> set[str]:
+  """The tensors of the multi-token-prediction layers a DeepSeek V3 / GLM-4.5 checkpoint
+  carries past its num_hidden_layers (num_nextn_predict_layers): no part of the model, skipped
+  with one line."""
+  count = int(hf_config.get("num_nextn_predict_layers") or 0)
+  first = reader.config.num_layers
+  layer_of = lambda name: (int(name.split(".")[2]) if name.startswith("model.layers.")
+                           and name.split(".")[2].isdigit() else -1)
+  skipped = {n for n in reader.files if count and first <= layer_of(n) < first + count}
+  if skipped:
+    _log.warning("%s: skipping the %d tensors of %d multi-token-prediction layer(s) (layers %s) "
+                 "past num_hidden_layers=%d: distillax reads the main model", reader.path,
+                 len(skipped), count, layer_scope.ranges(range(first, first + count)), first)
+  return skipped
 
 
 def _make_array(source: Source, x, sharding, tensor: Callable) -> jax.Array:

@@ -1,7 +1,7 @@
 """Hugging Face `config.json` -> TransformerConfig for Llama, Gemma, Gemma 2, Gemma 3, Qwen
 2/2.5, Qwen 3, Mistral, SmolLM3, OLMo 3 (hf/olmo3.py), Phi-3/4 (hf/phi3.py), and the mixtures of
-experts Qwen3-MoE, Mixtral, gpt-oss, Qwen3.5-MoE, Qwen3-Next (hf/qwen3_next.py) and Llama 4
-(hf/llama4.py).
+experts Qwen3-MoE (with its dense layers), Mixtral, gpt-oss, Qwen3.5-MoE, Qwen3-Next
+(hf/qwen3_next.py), Llama 4 (hf/llama4.py), DeepSeek V3 and GLM-4.5 (hf/deepseek.py).
 
 Reads both the transformers 5 layout (`rope_parameters`) and the older one (`rope_theta` +
 `rope_scaling`), and writes both so other readers (older transformers, serving stacks) agree.
@@ -26,6 +26,8 @@ from typing import Any, Mapping
 
 from distillax.errors import UserError
 from distillax.models.config import FULL, LINEAR, SLIDING, TransformerConfig, window_fields
+from distillax.models.hf.deepseek import (DEEPSEEK_V3, GLM4_MOE, deepseek_fields,
+                                          glm4_moe_fields, yarn_mscales)
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_fields
 from distillax.models.hf.llama4 import LLAMA4, llama4_fields
 from distillax.models.hf.olmo3 import OLMO3, olmo3_fields
@@ -39,7 +41,8 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "gemma": "GemmaForCausalLM",
                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                 "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
                 "gemma4_text": "Gemma4ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                "olmo3": OLMO3, "phi3": PHI3, "qwen3_next": QWEN3_NEXT, "llama4_text": LLAMA4}
+                "olmo3": OLMO3, "phi3": PHI3, "qwen3_next": QWEN3_NEXT, "llama4_text": LLAMA4,
+                "deepseek_v3": DEEPSEEK_V3, "glm4_moe": GLM4_MOE}
 GPT_OSS = "GptOssForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
 SMOLLM3 = "SmolLM3ForCausalLM"
@@ -91,7 +94,7 @@ def architecture_of(hf: Mapping[str, Any], where: str) -> str:
   return arch
 
 
-def _rope(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
+def _rope(hf: Mapping[str, Any], where: str, arch: str | None = None) -> dict[str, Any]:
   params = dict(hf.get("rope_parameters") or {})
   legacy = dict(hf.get("rope_scaling") or {})
   theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
@@ -103,7 +106,7 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
   if rope_type in LONGROPE_TYPES or rope_type == "yarn" and "long_factor" in scaling:
     return longrope_fields(scaling, float(theta), hf, where)  # Phi3Config reads yarn so too
   if rope_type == "yarn":
-    return _yarn(scaling, float(theta), where)
+    return {**_yarn(scaling, float(theta), where), **yarn_mscales(scaling, arch, where)}
   if rope_type == "linear":
     return {"rope_theta": float(theta), "rope_scaling_type": "linear",
             "rope_scaling_factor": float(scaling["factor"])}
@@ -117,11 +120,8 @@ def _rope(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def _yarn(scaling: Mapping[str, Any], theta: float, where: str) -> dict[str, Any]:
-  """YaRN as transformers 5.24 computes it (beta 32/1 and truncate on by default)."""
-  if scaling.get("mscale") or scaling.get("mscale_all_dim"):
-    raise UserError(f"{where}: yarn mscale={scaling.get('mscale')}, mscale_all_dim="
-                    f"{scaling.get('mscale_all_dim')} is not supported (DeepSeek's form); "
-                    f"distillax reads yarn with attention_factor or its default")
+  """YaRN as transformers 5.24 computes it (beta 32/1 and truncate on by default; DeepSeek's
+  mscale / mscale_all_dim: deepseek.yarn_mscales)."""
   if scaling.get("factor") is None or scaling.get("original_max_position_embeddings") is None:
     raise UserError(f"{where}: yarn RoPE needs 'factor' and 'original_max_position_embeddings'")
   factor = scaling.get("attention_factor")
@@ -301,6 +301,11 @@ def _family_fields(hf: Mapping[str, Any], arch: str, num_layers: int,
     return phi3_fields(hf, num_layers, where)
   if arch == LLAMA4:
     return llama4_fields(hf, num_layers, where)
+  if arch in (DEEPSEEK_V3, GLM4_MOE):
+    if (act or "silu") != "silu":
+      raise UserError(f"{where}: hidden_act={act!r} is not supported for {arch} (only silu)")
+    read = deepseek_fields if arch == DEEPSEEK_V3 else glm4_moe_fields
+    return read(hf, num_layers, where)
   if arch == GEMMA4:
     if (act or "gelu_pytorch_tanh") not in _TANH_GELU:
       raise UserError(f"{where}: hidden activation {act!r} is not supported for {arch} "
@@ -342,9 +347,9 @@ def config_from_hf(hf: Mapping[str, Any], *, where: str = "config.json",
     raise UserError(f"{where}: quantization_config quant_method={quant!r} is not supported; "
                     f"distillax reads unquantized checkpoints and gpt-oss's mxfp4 experts")
   for flag in ("attention_bias", "mlp_bias"):  # Qwen 2's fixed q/k/v biases carry no flag
-    if hf.get(flag) and arch != GPT_OSS:
+    if hf.get(flag) and arch != GPT_OSS and (arch, flag) != (GLM4_MOE, "attention_bias"):
       raise UserError(f"{where}: {flag}=true is not supported (distillax has biases only on "
-                      f"the q/k/v projections of Qwen2ForCausalLM)")
+                      f"the q/k/v projections of Qwen2ForCausalLM and {GLM4_MOE})")
   heads = int(hf["num_attention_heads"])
   fields: dict[str, Any] = dict(
       vocab_size=int(hf["vocab_size"]), embed_dim=int(hf["hidden_size"]),
@@ -355,7 +360,7 @@ def config_from_hf(hf: Mapping[str, Any], *, where: str = "config.json",
       mlp_dim=int(hf.get("intermediate_size") or hf["moe_intermediate_size"]), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       max_seq_len=int(hf.get("max_position_embeddings", 2048)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", arch in GEMMA_FAMILY + (GEMMA4,))),
-      **_rope(hf, where))
+      **_rope(hf, where, arch))
   fields.update(_family_fields(hf, arch, fields["num_layers"], where))
   if dtype is not None:
     fields.update(param_dtype=str(dtype), dtype=str(dtype))

@@ -12,6 +12,8 @@ from distillax.models.config import FULL, SLIDING, TransformerConfig
 from distillax.models.hf.config import (ARCHITECTURES, GEMMA3, GEMMA_FAMILY, GPT_OSS,
                                         MISTRAL_FAMILY, MODEL_TYPES, QWEN35, QWEN35_MOE,
                                         SMOLLM3)
+from distillax.models.hf.deepseek import (DEEPSEEK_V3, GLM4_MOE, family_architecture,
+                                          family_hf_fields)
 from distillax.models.hf.gemma4 import GEMMA4, gemma4_hf_fields, is_gemma4
 from distillax.models.hf.llama4 import LLAMA4, is_llama4, llama4_hf_fields
 from distillax.models.hf.olmo3 import OLMO3, is_olmo3, olmo3_hf_fields
@@ -20,21 +22,27 @@ from distillax.models.hf.qwen3_next import (QWEN3_NEXT, holds_qwen3_next_experts
                                             qwen3_next_hf_fields)
 
 
-# The parts of a mixture of experts only some families have: the architectures that hold each.
+# The parts (of a mixture of experts, of RoPE) only some families have: the architectures that
+# hold each.
 FEATURE_ARCHS = {
-    "shared_expert_mlp_dim": (QWEN35_MOE, QWEN3_NEXT, LLAMA4),
-    "moe_layers": ("Qwen3MoeForCausalLM", QWEN3_NEXT, LLAMA4),  # layers with a dense MLP
-    "routed_scaling_factor": (),
+    "shared_expert_mlp_dim": (QWEN35_MOE, QWEN3_NEXT, LLAMA4, DEEPSEEK_V3, GLM4_MOE),
+    # layers with a dense MLP instead of experts
+    "moe_layers": ("Qwen3MoeForCausalLM", QWEN3_NEXT, LLAMA4, DEEPSEEK_V3, GLM4_MOE),
+    "routed_scaling_factor": (DEEPSEEK_V3, GLM4_MOE),
     "moe_scale_inputs": (LLAMA4,),
+    "rope_yarn_mscale": (DEEPSEEK_V3,),  # with rope_yarn_mscale_all_dim
+    "rope_interleaved": (DEEPSEEK_V3,),
 }
 
 
-def _moe_parts(config: TransformerConfig) -> list[tuple[str, bool]]:
+def _family_parts(config: TransformerConfig) -> list[tuple[str, bool]]:
   """(field, whether the config uses it) for each field of FEATURE_ARCHS."""
   return [("shared_expert_mlp_dim", bool(config.shared_expert_mlp_dim)),
           ("moe_layers", config.moe_layers is not None),
           ("routed_scaling_factor", config.routed_scaling_factor != 1.0),
-          ("moe_scale_inputs", config.moe_scale_inputs)]
+          ("moe_scale_inputs", config.moe_scale_inputs),
+          ("rope_yarn_mscale", bool(config.rope_yarn_mscale or config.rope_yarn_mscale_all_dim)),
+          ("rope_interleaved", config.rope_interleaved)]
 
 
 def _qwen35_architecture(config: TransformerConfig) -> str | None:
@@ -120,6 +128,8 @@ def hf_architecture(config: TransformerConfig) -> str:
   elif (config.value_norm or config.layer_scalar or config.per_layer_input_dim
       or config.num_kv_shared_layers or config.attention_k_eq_v or config.global_num_kv_heads):
     arch = GEMMA4 if is_gemma4(config) else None
+  elif config.kv_lora_rank or config.router_score_bias:  # DeepSeek's attention or router
+    arch = family_architecture(config)
   elif (config.attn_output_gate or config.token_mixers is not None
       or config.partial_rotary_factor != 1.0):
     arch = _qwen35_architecture(config)
@@ -141,9 +151,9 @@ def hf_architecture(config: TransformerConfig) -> str:
     arch = _swiglu_architecture(config)
   if (config.rope_local_theta is not None and arch not in (GEMMA3, GEMMA4, OLMO3)
       or config.rope_scaling_type == "linear" and arch in (GPT_OSS, QWEN35, QWEN35_MOE)
-      or any(on and arch not in FEATURE_ARCHS[name] for name, on in _moe_parts(config))):
+      or any(on and arch not in FEATURE_ARCHS[name] for name, on in _family_parts(config))):
     arch = None  # no other family turns its sliding layers with a base of their own, or has
-    # this part of a mixture of experts
+    # this part
   if arch is None:
     _refuse(config)
   return arch
@@ -160,6 +170,7 @@ def _refuse(config: TransformerConfig) -> None:
       f"num_experts={config.num_experts}, shared_expert_mlp_dim="
       f"{config.shared_expert_mlp_dim}, moe_layers={config.moe_layers}, router="
       f"{config.router!r}, routed_scaling_factor={config.routed_scaling_factor}, "
+      f"router_score_bias={config.router_score_bias}, kv_lora_rank={config.kv_lora_rank}, "
       f"attention_sinks="
       f"{config.attention_sinks}, router_bias={config.router_bias}, expert_bias="
       f"{config.expert_bias}, attn_out_bias={config.attn_out_bias}, rope_local_theta="
@@ -182,6 +193,8 @@ def _family_hf_fields(config: TransformerConfig, arch: str) -> dict[str, Any]:
     return phi3_hf_fields(config, _rope_to_hf)
   if arch == LLAMA4:
     return llama4_hf_fields(config)
+  if arch in (DEEPSEEK_V3, GLM4_MOE):
+    return family_hf_fields(config, arch, _rope_to_hf(config))
   if arch in (QWEN35, QWEN35_MOE, QWEN3_NEXT):
     mixers = config.token_mixers or (FULL,) * config.num_layers
     moe = {} if arch == QWEN35 else dict(
@@ -260,6 +273,8 @@ def _rope_to_hf(config: TransformerConfig) -> dict[str, Any]:
             "truncate": config.rope_yarn_truncate}
     if config.rope_attention_factor is not None:
       rope["attention_factor"] = config.rope_attention_factor
+    if config.rope_yarn_mscale or config.rope_yarn_mscale_all_dim:  # DeepSeek's
+      rope.update(mscale=config.rope_yarn_mscale, mscale_all_dim=config.rope_yarn_mscale_all_dim)
     return rope
   return {"rope_type": "llama3", "rope_theta": config.rope_theta,
           "factor": config.rope_scaling_factor, "low_freq_factor": config.rope_low_freq_factor,

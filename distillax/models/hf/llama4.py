@@ -77,7 +77,8 @@ def is_llama4(config: TransformerConfig) -> bool:
             or config.query_pre_attn_scalar or config.sliding_window is not None
             or config.token_mixers is not None or config.attn_output_gate
             or config.partial_rotary_factor != 1.0 or config.rope_local_theta is not None
-            or config.fused_qkv_gate_up or config.router_bias or config.expert_bias)
+            or config.fused_qkv_gate_up or config.router_bias or config.expert_bias
+            or config.kv_lora_rank)
   rope = config.rope_scaling_factor is None or config.rope_scaling_type == "llama3"
   return bool(moe and rope and not others and config.mlp_activation == "swiglu"
               and config.pre_norms)

@@ -14,7 +14,8 @@ one `qkv_proj` and its gate and up in one `gate_up_proj` the same way, and Qwen3
 DeltaNet layer's q, k, v, z and b, a in one `in_proj_qkvz` / `in_proj_ba` by key head. Gemma 4's
 MoE block keeps each layer's experts stacked (expert, out, in): gate and up as the first and
 second halves of the rows of `experts.gate_up_proj` ('first_half' / 'second_half'), down as
-`experts.down_proj` ('experts_T').
+`experts.down_proj` ('experts_T'). DeepSeek V3's latent attention and DeepSeek V3's and
+GLM-4.5's MoE parts (choice bias, shared experts) are named in hf/deepseek.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import dataclasses
 
 from distillax.models.config import TransformerConfig
 from distillax.models.hf.config_out import hf_architecture
+from distillax.models.hf.deepseek import FAMILIES as DEEPSEEK_FAMILIES
+from distillax.models.hf.deepseek import MOE_SOURCES as DEEPSEEK_MOE_SOURCES
+from distillax.models.hf.deepseek import mla_sources
 from distillax.models.hf.layout import Layout, interleave, join_parts  # noqa: F401 (re-exported)
 from distillax.models.hf.llama4 import LLAMA4, llama4_sources
 
@@ -32,12 +36,14 @@ _EXPERT_NAMES = {  # architecture -> (module, router, gate, up, down)
     "Qwen3MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "Qwen3_5MoeForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
     "Qwen3NextForCausalLM": ("mlp", "gate", "gate_proj", "up_proj", "down_proj"),
+    **{arch: ("mlp", "gate", "gate_proj", "up_proj", "down_proj") for arch in DEEPSEEK_FAMILIES},
 }
 # Qwen3-MoE's and Qwen3.5-MoE's experts as transformers 5 holds them in memory (its
 # save_pretrained writes them per expert, as above; a checkpoint may store them this way):
 # gate and up as the row halves of one (expert, 2 * out, in) tensor per layer, down (expert,
 # out, in).
-_FUSED_EXPERT_ARCHS = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+_FUSED_EXPERT_ARCHS = (("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+                       + DEEPSEEK_FAMILIES)
 _FUSED_EXPERT_SOURCES = {
     ("mlp", "gate"): ("mlp.experts.gate_up_proj", Layout("first_half")),
     ("mlp", "up"): ("mlp.experts.gate_up_proj", Layout("second_half")),
@@ -185,6 +191,26 @@ def _grouped_linear_sources(config: TransformerConfig
   }
 
 
+def _family_sources(sources: dict, config: TransformerConfig, layer: int | None) -> dict:
+  """`sources` with a layer's experts (not in a dense layer of moe_layers) and DeepSeek's
+  latent attention in place of the dense MLP's and ordinary attention's tensors."""
+  wrap = lambda table: {k: (n, Layout(kind)) for k, (n, kind) in table.items()}
+  if config.num_experts and (layer is None or config.layer_is_moe(layer)):
+    sources = {k: v for k, v in sources.items() if k not in _DENSE_MLP}
+    sources.update(_expert_sources(config))
+    if config.router_score_bias:  # DeepSeek V3, GLM-4.5: the choice bias, shared experts
+      sources.update(wrap(DEEPSEEK_MOE_SOURCES))
+    elif config.shared_expert_mlp_dim:
+      sources.update(_SHARED_EXPERT_SOURCES)
+  if config.kv_lora_rank:
+    sources = {k: v for k, v in sources.items() if k[0] != "attn"}
+    sources.update(wrap(mla_sources(config)))
+  return sources
+
+
+_DENSE_MLP = (("mlp", "gate"), ("mlp", "up"), ("mlp", "down"))
+
+
 def _layer_sources(config: TransformerConfig,
                    layer: int | None = None) -> dict[tuple[str, ...], tuple[str, Layout]]:
   """Block sub-path -> (HF name suffix under model.layers.{i}., layout); a suffix with "{e}"
@@ -201,12 +227,7 @@ def _layer_sources(config: TransformerConfig,
       ("mlp", "up"): ("mlp.up_proj.weight", Layout("T")),
       ("mlp", "down"): ("mlp.down_proj.weight", Layout("T")),
   }
-  if config.num_experts and (layer is None or config.layer_is_moe(layer)):  # else a dense MLP
-    for key in ("gate", "up", "down"):
-      del sources[("mlp", key)]
-    sources.update(_expert_sources(config))
-    if config.shared_expert_mlp_dim:
-      sources.update(_SHARED_EXPERT_SOURCES)
+  sources = _family_sources(sources, config, layer)
   if config.use_post_norms:
     sources[("post_attn_norm", "scale")] = ("post_attention_layernorm.weight", Layout("copy"))
     sources[("post_mlp_norm", "scale")] = ("post_feedforward_layernorm.weight", Layout("copy"))

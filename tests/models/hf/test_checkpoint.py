@@ -166,9 +166,9 @@ def test_missing_shard_listed_in_index(tmp_path):
 
 def test_unsupported_architecture(llama_dir):
   cfg = json.loads((llama_dir / "config.json").read_text())
-  cfg["architectures"], cfg["model_type"] = ["DeepseekV3ForCausalLM"], "deepseek_v3"
+  cfg["architectures"], cfg["model_type"] = ["BloomForCausalLM"], "bloom"
   (llama_dir / "config.json").write_text(json.dumps(cfg))
-  with pytest.raises(UserError, match="unsupported architecture 'DeepseekV3ForCausalLM'"):
+  with pytest.raises(UserError, match="unsupported architecture 'BloomForCausalLM'"):
     hf.load(llama_dir)
 
 

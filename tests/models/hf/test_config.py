@@ -84,7 +84,8 @@ def test_unsupported_features_are_named():
     config_from_hf({**LLAMA_3_2_1B, "attention_bias": True})
   with pytest.raises(UserError, match="RoPE type 'dynamic'"):
     config_from_hf({**LLAMA_3_2_1B, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
-  with pytest.raises(UserError, match="yarn mscale=1.0, mscale_all_dim=1.0 is not supported"):
+  with pytest.raises(UserError, match="yarn mscale=1.0, mscale_all_dim=1.0 is DeepSeek's form; "
+                                      "distillax reads it for DeepseekV3ForCausalLM only"):
     config_from_hf({**LLAMA_3_2_1B, "rope_scaling": {
         "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096,
         "mscale": 1.0, "mscale_all_dim": 1.0}})

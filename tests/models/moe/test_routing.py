@@ -13,11 +13,10 @@ from flax import nnx
 
 from distillax.errors import ConfigError
 from distillax.framework import flops
-from distillax.models.moe import layer as moe
 from distillax.models.moe.routing import SigmoidGroups, route
 from distillax.models.presets import get_preset
 from distillax.models.transformer import with_config
-from tests.support.models import forward, random_model
+from tests.support.models import Normal, forward, random_model
 
 T, E, K = 9, 8, 3
 
@@ -81,14 +80,12 @@ def test_the_choice_bias_and_the_groups_change_which_experts_not_their_scores():
 
 
 def test_llama4_top1_runs_the_chosen_expert_on_its_input_times_the_sigmoid_weight():
-  config = get_preset("tiny", embed_dim=8, num_experts=4, num_experts_per_tok=1, moe_mlp_dim=6,
-                      router="sigmoid", moe_scale_inputs=True, shared_expert_mlp_dim=5)
-  layer = moe.MoE(config, rngs=nnx.Rngs(0))
-  rng = np.random.default_rng(1)
-  for w in (layer.router, layer.gate, layer.up, layer.down):
-    w[...] = jnp.asarray(rng.normal(size=w.shape), jnp.float32)
-  x = rng.normal(size=(1, 5, 8)).astype(np.float32)
-  got, _ = layer(jnp.asarray(x))
+  config = get_preset("tiny", num_layers=1, embed_dim=8, num_experts=4, num_experts_per_tok=1,
+                      moe_mlp_dim=6, router="sigmoid", moe_scale_inputs=True,
+                      shared_expert_mlp_dim=5)
+  layer = random_model(config, seed=1, init=Normal(1.0)).layers[0].mlp
+  x = np.random.default_rng(1).normal(size=(1, 5, 8)).astype(np.float32)
+  got = nnx.jit(lambda m, x: m(x)[0])(layer, jnp.asarray(x))
   silu = lambda v: v * _sigmoid(v)
   p = {k: np.asarray(getattr(layer, k)[...]) for k in ("router", "gate", "up", "down")}
   sh = {k: np.asarray(getattr(layer.shared_expert, k)[...]) for k in ("gate", "up", "down")}
@@ -99,7 +96,7 @@ def test_llama4_top1_runs_the_chosen_expert_on_its_input_times_the_sigmoid_weigh
     scaled = token * _sigmoid(logits[e])
     routed = (silu(scaled @ p["gate"][e]) * (scaled @ p["up"][e])) @ p["down"][e]
     want.append(routed + (silu(token @ sh["gate"]) * (token @ sh["up"])) @ sh["down"])
-  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
 MIXED = get_preset("tiny", num_layers=4, num_experts=4, num_experts_per_tok=2, moe_mlp_dim=24,
