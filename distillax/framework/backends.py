@@ -4,6 +4,10 @@ Each backend owns three things only: where the state lives (`place_state` / `fet
 a process-local numpy batch becomes device input (`place_batch`), and the compiled call. The
 step body is the same function everywhere; `shard_map`, `pmap` and `vmap` pass it the data axis
 name so it reduces explicitly, and they are data parallel (parameters replicated).
+
+`jit`, `shard_map` and `vmap` lower the step where `build_runner` is called and compile it in a
+background thread (framework/step_program.py): the runner's call, `compiled` and `stats` wait
+for that compile, the one compile of the program that runs.
 """
 
 from __future__ import annotations
@@ -20,31 +24,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from distillax import partitioning as pt
 from distillax.errors import ConfigError
 from distillax.framework.state import StateLayout, TrainState
+from distillax.framework.step_program import AotStep, compiled_stats
 
 BACKENDS = ("jit", "shard_map", "pmap", "vmap")
 DATA_AXIS = "data"
 BATCH_LOGICAL = ("batch", "length")
-
-
-def compiled_stats(compiled) -> dict[str, float]:
-  """Per-device memory (bytes) and FLOPs of a compiled executable, where XLA reports them."""
-  stats: dict[str, float] = {}
-  try:
-    mem = compiled.memory_analysis()
-    if mem is not None:
-      for key in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-                  "alias_size_in_bytes", "generated_code_size_in_bytes"):
-        stats[key] = float(getattr(mem, key, 0) or 0)
-  except Exception:  # noqa: BLE001 - not every backend implements it
-    pass
-  try:
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    if cost and "flops" in cost:
-      stats["flops"] = float(cost["flops"])
-  except Exception:  # noqa: BLE001
-    pass
-  return stats
 
 
 def log_compiled_stats(backend: str, stats: Mapping[str, float]) -> None:
@@ -68,22 +52,44 @@ class StepRunner:
   fetch_state: Callable[[Any], TrainState]
   place_batch: Callable[[Mapping[str, np.ndarray]], Any]
   data_parallel: int
-  stats: dict[str, float] = dataclasses.field(default_factory=dict)
-  compile_seconds: float = 0.0
-  # The compiled executable behind `call` (None until compiled). Kept apart from `call` so a
-  # wrapper that replaces `call` (a timing clock, say) never hides the program that runs.
-  compiled: Any = None
   # "per_step": one explicit psum of the summed gradient (shard_map, pmap, vmap, jit per worker);
   # "per_use": GSPMD reduces each contribution where it is produced.
   gradient_reduction: str = "per_step"
+  # The step compiled ahead of time (maybe still compiling), or None where the step compiles on
+  # its first call (pmap; compile_now=False). Kept apart from `call` so a wrapper that replaces
+  # `call` (a timing clock, say) never hides the program that runs.
+  program: AotStep | None = None
 
   def __call__(self, state, batch):
     return self.call(state, batch)
 
+  @property
+  def compiled(self):
+    """The compiled executable behind `call` (None when nothing was compiled ahead of time);
+    waits for a compile still running."""
+    return None if self.program is None else self.program.executable
+
+  @property
+  def stats(self) -> dict[str, float]:
+    """Per-device memory and FLOPs of the compiled step (waits for its compile)."""
+    return {} if self.program is None else self.program.stats
+
+  @property
+  def compile_seconds(self) -> float:
+    """Lowering plus XLA's compile (waits for it); 0 where nothing was compiled ahead of time."""
+    program = self.program
+    return 0.0 if program is None else program.lower_seconds + program.compile_seconds
+
+  def wait(self) -> "StepRunner":
+    """Returns once the step is compiled (raising its compile error, if any)."""
+    if self.program is not None:
+      self.program.executable  # noqa: B018 - reading it waits
+    return self
+
   def compiled_text(self) -> str:
     """The optimised, partitioned HLO of the step that runs (what plan and the collective
     counts read); an error rather than an empty text when nothing was compiled."""
-    if self.compiled is None:
+    if self.program is None:
       raise ValueError(f"the {self.backend} step was built with compile_now=False: nothing "
                        f"compiled to read")
     return self.compiled.as_text()
@@ -162,14 +168,30 @@ def _per_data_worker(body: Callable, mesh: Mesh, rules: pt.RuleSet,
                        out_specs=(P(), P()), axis_names={DATA_AXIS}, check_vma=False)
 
 
+STEP_NAME = "train_step"  # what compile logs, profiles and the persistent cache call the step
+
+
+def _named(fn: Callable) -> Callable:
+  """`fn` under STEP_NAME (jit names its program after the function it traces)."""
+  fn.__name__ = fn.__qualname__ = STEP_NAME
+  return fn
+
+
 def _donated(donate: bool) -> tuple[int, ...]:
   """The state (argument 0) is donated so the update reuses its buffers, unless told not to."""
   return (0,) if donate else ()
 
 
-def _compiled(fn, abstract_state, abstract_batch, compile_now: bool):
-  """Ahead-of-time compiled `fn`, or `fn` itself (compiled on first call) if not `compile_now`."""
-  return fn.lower(abstract_state, abstract_batch).compile() if compile_now else fn
+def _compiled(fn, abstract_state, abstract_batch, compile_now: bool | str, backend: str):
+  """`fn` lowered here and compiled ahead of time (an AotStep: in the background when
+  `compile_now` is 'background'), or `fn` itself (compiled on first call) if not `compile_now`."""
+  if not compile_now:
+    return fn
+  start = time.perf_counter()
+  lowered = fn.lower(abstract_state, abstract_batch)
+  return AotStep(lowered, lower_seconds=time.perf_counter() - start,
+                 background=compile_now == "background",
+                 on_ready=lambda stats: log_compiled_stats(backend, stats))
 
 
 def sharded_abstract_state(layout: StateLayout):
@@ -196,25 +218,25 @@ def _jit_body(make_step: Callable[[str | None], Callable], mesh: Mesh, rules: pt
 
 
 def _jit_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.RuleSet, batch_shapes,
-                *, donate: bool, compile_now: bool, reduce_once: bool) -> StepRunner:
+                *, donate: bool, compile_now: bool | str, reduce_once: bool) -> StepRunner:
   """GSPMD: the state keeps the layout's shardings, the batch is split by the logical rules."""
   batch_sh = {k: batch_sharding(mesh, rules, len(v.shape), v.shape)
               for k, v in batch_shapes.items()}
   per_worker = reduce_once and _runs_per_data_worker(mesh, layout, batch_sh)
   traced = _jit_body(make_step, mesh, rules, batch_sh, per_worker)
-  fn = jax.jit(traced, in_shardings=(layout.shardings, batch_sh),
+  fn = jax.jit(_named(traced), in_shardings=(layout.shardings, batch_sh),
                out_shardings=(layout.shardings, NamedSharding(mesh, P())),
                donate_argnums=_donated(donate))
   abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_sh[k])
                     for k, v in batch_shapes.items()}
-  call = _compiled(fn, sharded_abstract_state(layout), abstract_batch, compile_now)
+  call = _compiled(fn, sharded_abstract_state(layout), abstract_batch, compile_now, "jit")
   return StepRunner("jit", call, lambda s: jax.device_put(s, layout.shardings), lambda s: s,
                     global_batch_placer(mesh, rules), mesh.shape[DATA_AXIS],
                     gradient_reduction="per_step" if per_worker else "per_use")
 
 
 def _shard_map_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.RuleSet,
-                      batch_shapes, *, donate: bool, compile_now: bool,
+                      batch_shapes, *, donate: bool, compile_now: bool | str,
                       reduce_once: bool) -> StepRunner:
   """Data parallel under `shard_map`: replicated state, batch split over 'data' on dim 0."""
   del reduce_once  # the body always reduces explicitly, once per step
@@ -224,17 +246,17 @@ def _shard_map_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.Rule
   batch_spec = {k: P(DATA_AXIS) for k in batch_shapes}
   mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), P()),
                          check_vma=False)
-  fn = jax.jit(mapped, donate_argnums=_donated(donate))
+  fn = jax.jit(_named(mapped), donate_argnums=_donated(donate))
   abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype,
                                             sharding=NamedSharding(mesh, P(DATA_AXIS)))
                     for k, v in batch_shapes.items()}
-  call = _compiled(fn, sharded_abstract_state(layout), abstract_batch, compile_now)
+  call = _compiled(fn, sharded_abstract_state(layout), abstract_batch, compile_now, "shard_map")
   return StepRunner("shard_map", call, lambda s: jax.device_put(s, rep), lambda s: s,
                     global_batch_placer(mesh, rules), mesh.shape[DATA_AXIS])
 
 
 def _pmap_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.RuleSet, batch_shapes,
-                 *, donate: bool, compile_now: bool, reduce_once: bool) -> StepRunner:
+                 *, donate: bool, compile_now: bool | str, reduce_once: bool) -> StepRunner:
   """Data parallel under `pmap` over this process's devices: the state is stacked per device
   and the batch reshaped to (devices, per-device batch). pmap compiles on first call."""
   del rules, batch_shapes, compile_now, reduce_once
@@ -267,13 +289,14 @@ def _pmap_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.RuleSet, 
 
 
 def _vmap_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.RuleSet, batch_shapes,
-                 *, donate: bool, compile_now: bool, reduce_once: bool) -> StepRunner:
+                 *, donate: bool, compile_now: bool | str, reduce_once: bool) -> StepRunner:
   """N data-parallel workers emulated on one device with `vmap(axis_name='data')`, N the
   mesh's data axis: tests the explicit-reduction body without N devices."""
   del rules, reduce_once
   body = make_step(DATA_AXIS)
   workers = mesh.shape[DATA_AXIS]
-  fn = jax.jit(jax.vmap(body, in_axes=(None, 0), out_axes=(None, None), axis_name=DATA_AXIS),
+  fn = jax.jit(_named(jax.vmap(body, in_axes=(None, 0), out_axes=(None, None),
+                               axis_name=DATA_AXIS)),
                donate_argnums=_donated(donate))
   device = jax.local_devices()[0]
 
@@ -284,7 +307,7 @@ def _vmap_runner(make_step, layout: StateLayout, mesh: Mesh, rules: pt.RuleSet, 
                                             v.dtype) for k, v in batch_shapes.items()}
   abstract_single = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                  layout.abstract)
-  call = _compiled(fn, abstract_single, abstract_batch, compile_now)
+  call = _compiled(fn, abstract_single, abstract_batch, compile_now, "vmap")
   return StepRunner("vmap", call, lambda s: jax.device_put(s, device), lambda s: s,
                     place_batch, workers)
 
@@ -295,10 +318,12 @@ _RUNNER_BUILDERS = {"jit": _jit_runner, "shard_map": _shard_map_runner, "pmap": 
 
 def build_runner(backend: str, make_step: Callable[[str | None], Callable], layout: StateLayout,
                  mesh: Mesh, rules: pt.RuleSet, batch_shapes: Mapping[str, jax.ShapeDtypeStruct],
-                 *, donate: bool = True, compile_now: bool = True,
+                 *, donate: bool = True, compile_now: bool | str = "background",
                  reduce_once: bool = False) -> StepRunner:
   """Compiles `make_step(axis_name)` for `backend`. `batch_shapes` are the global batch shapes.
 
+  `compile_now`: 'background' (lowered here, compiled in a worker thread; the runner waits for it
+  where it is first used), True (compiled here), False (compiled on the first call).
   `reduce_once` (jit only): run the body per data-parallel worker and all-reduce gradients once
   per step, where nothing in the state is split over the data axis; see `_per_data_worker`.
   """
@@ -306,12 +331,8 @@ def build_runner(backend: str, make_step: Callable[[str | None], Callable], layo
     raise ConfigError(f"backend={backend!r} is unknown; use one of {', '.join(BACKENDS)}")
   if layout.shardings is None:
     raise ValueError("build_runner needs a layout built for a mesh")
-  t0 = time.perf_counter()
   runner = _RUNNER_BUILDERS[backend](make_step, layout, mesh, rules, batch_shapes, donate=donate,
                                      compile_now=compile_now, reduce_once=reduce_once)
-  runner.compile_seconds = time.perf_counter() - t0
-  if compile_now and hasattr(runner.call, "memory_analysis"):
-    runner.compiled = runner.call
-    runner.stats = compiled_stats(runner.call)
-    log_compiled_stats(backend, runner.stats)
+  if isinstance(runner.call, AotStep):
+    runner.program = runner.call
   return runner

@@ -95,11 +95,15 @@ def build_engine(student: nnx.Module, extras: Mapping[str, nnx.Module], objectiv
                  optimizer_cfg: Any, total_steps: int, mesh: Mesh, rules: pt.RuleSet,
                  backend: str, batch_shapes: Mapping[str, jax.ShapeDtypeStruct], *,
                  accum_steps: int = 1, trainable: Any = nnx.Param,
-                 compile_now: bool = True, eval_objective: Objective | None = None,
+                 compile_now: bool | str = "background",
+                 eval_objective: Objective | None = None,
                  gradient_reduction: str = "auto", reloaded: Reloaded = Reloaded()) -> Engine:
   """`student`/`extras` may be abstract (nnx.eval_shape) or real modules: only shapes are read.
 
   `reloaded` names the frozen models that checkpoints leave out (see `state.Reloaded`).
+  `compile_now`: 'background' (the step is lowered here and compiles in a worker thread while the
+  caller goes on, creating the models say; the runner waits for it where it is first used),
+  True (compiled before this returns) or False (compiled on its first call).
   `eval_objective` (default: `objective`) serves evaluation, e.g. without training-only dropout.
   `gradient_reduction` is `partitioning.gradient_reduction`; see `reduces_once`.
   """

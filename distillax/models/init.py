@@ -4,6 +4,13 @@ The model is first built abstractly (`nnx.eval_shape`: shapes, dtypes and `logic
 metadata, no memory); the rules turn the logical axes into NamedShardings on the mesh; a `jit`
 with those `out_shardings` then creates every parameter directly in its shards, so no device and
 no host ever holds a full copy of a sharded parameter.
+
+That jit runs once per model, so XLA compiles it with its least effort on the program's run time
+(`INIT_COMPILE_OPTIONS`; the values stay the same, bit for bit on CPU), and the parameters come
+from a counter-based Gaussian (counter_normal.py) rather than jax.random.normal's threefry and
+inverse error function. libtpu's compile of qwen3-0.6b's init program for a TPU v5e, in CPU
+seconds on a busy 2-core host: 38.8 before, 4.0 with the least effort alone, 2.4 with both
+(qwen3-1.7b in bf16: 47.2, 4.0, 2.6). The compiled program is reused for every seed.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from distillax.models.config import TransformerConfig
 from distillax.models.transformer import Transformer
 
 RulesLike = pt.RuleSet | str | Mapping[str, Any] | None
+# XLA's ExecutableBuildOptions: -1 asks the least effort on execution time (range -1..1).
+INIT_COMPILE_OPTIONS = {"exec_time_optimization_effort": -1.0}
 
 
 def resolve_rules(rules: RulesLike) -> pt.RuleSet:
@@ -55,6 +64,12 @@ def model_shardings(model: Transformer, mesh: Mesh, rules: RulesLike = None) -> 
                            resolve_rules(rules))
 
 
+def _init_values(config: TransformerConfig, seed: int) -> dict:
+  """Every variable of a fresh model (one function for all calls, the seed traced: JAX reuses
+  the program it compiled for the same config and shardings)."""
+  return nnx.to_pure_dict(nnx.state(Transformer(config, rngs=nnx.Rngs(jax.random.key(seed)))))
+
+
 def create_model(config: TransformerConfig, *, mesh: Mesh | None = None, rules: RulesLike = None,
                  seed: int = 0) -> Transformer:
   """A freshly initialised model whose parameters are created already sharded on `mesh`.
@@ -62,16 +77,12 @@ def create_model(config: TransformerConfig, *, mesh: Mesh | None = None, rules: 
   Without a mesh the parameters live on the default device. `rules` defaults to 'fsdp'.
   """
   graphdef, abstract_state = nnx.split(abstract_model(config, seed))
-
-  def init_values():
-    return nnx.to_pure_dict(nnx.state(Transformer(config, rngs=nnx.Rngs(seed))))
-
-  if mesh is None:
-    values = jax.jit(init_values)()
-  else:
+  shardings = None
+  if mesh is not None:
     shardings = pt.tree_shardings(nnx.to_pure_dict(abstract_state),
                                   pt.logical_tree(abstract_state),
                                   mesh, resolve_rules(rules))
-    values = jax.jit(init_values, out_shardings=shardings)()
+  values = jax.jit(_init_values, static_argnums=0, out_shardings=shardings,
+                   compiler_options=INIT_COMPILE_OPTIONS)(config, seed)
   nnx.replace_by_pure_dict(abstract_state, values)
   return nnx.merge(graphdef, abstract_state)

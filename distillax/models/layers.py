@@ -14,11 +14,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distillax.models.config import TransformerConfig
+from distillax.models.counter_normal import counter_normal
 from distillax.partitioning import constrain
 
 
 def normal_param(rngs: nnx.Rngs, shape, stddev: float, dtype, logical_axes) -> nnx.Param:
-  value = jax.random.normal(rngs.params(), shape, jnp.float32) * stddev
+  """N(0, stddev) values from the next `params` key (counter_normal.py: cheap to compile, the
+  same bits on every backend), stored in `dtype`."""
+  value = counter_normal(rngs.params(), shape) * stddev
   return nnx.Param(value.astype(dtype), logical_axes=tuple(logical_axes))
 
 

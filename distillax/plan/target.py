@@ -24,6 +24,7 @@ from distillax import partitioning as pt
 from distillax.errors import UserError
 from distillax.framework import targets, token_loss_impl
 from distillax.framework.hlo import parse_module
+from distillax.framework.run import compile_cache
 from distillax.models import layer_scope
 from distillax.models.attention import impl as attention_impl
 from distillax.models.moe import kernels as moe_kernels
@@ -85,11 +86,13 @@ def compile_on(config, target: targets.Target, devices: list, model_overrides=No
     mesh_cfg.dcn_data = target.slices  # data parallel across slices (DCN), the rest inside one
   mesh = pt.create_mesh(mesh_cfg, devices=devices)
   recipe = recipe_for(config, mesh=mesh, model_overrides=model_overrides)
+  # The target's compile-only client neither fills nor reads a persistent cache (see there).
   with attention_impl.recorded_choices() as choices, moe_kernels.recorded_choices() as experts, \
       token_loss_impl.recorded_choices() as token_losses, \
-      layer_scope.recorded_by_layer() as by_layer:
+      layer_scope.recorded_by_layer() as by_layer, compile_cache.disabled():
     try:
-      engine = recipe.build_engines().main
+      # Compiled before it returns: an out-of-memory compile is this plan's answer.
+      engine = recipe.build_engines(compile_now=True).main
     except Exception as e:  # noqa: BLE001 - only an out-of-memory compile is a plan's answer
       if "cuDNN" in str(e) and ("not found" in str(e) or "not detected" in str(e)):
         raise UserError(

@@ -25,7 +25,7 @@ from absl import logging
 from distillax import partitioning as pt
 from distillax.data import iterator_state_json, restore_iterator_state
 from distillax.errors import UserError
-from distillax.framework.run import runtime
+from distillax.framework.run import compile_cache, runtime
 from distillax.framework.run.checkpoint import Checkpointer
 from distillax.framework.eval_rules import HIGHER, ROLLBACK, STOP, EvalGuard
 from distillax.framework.evaluation import evaluate
@@ -113,7 +113,15 @@ class Trainer:
       logging.warning("resuming %s with the same job computed another way: %s", self.workdir,
                       "; ".join(workdir_state.changes))
     check_recipe_data(self.recipe)
-    self.engines = self.recipe.build_engines()
+    self.recipe.startup.mark("checks")
+    # Every program the run compiles is kept in <workdir>/compile_cache: a resumed run reads them.
+    with compile_cache.in_workdir(self.workdir):
+      return self._run(workdir_state)
+
+  def _run(self, workdir_state) -> dict[str, Any]:
+    c, startup = self.config, self.recipe.startup
+    self.engines = self.recipe.build_engines()  # lowered; each step compiles in the background
+    startup.mark("step lowering")
     train_it = self.recipe.train_iterator()
     self.fingerprints = check_sources_unchanged(self.workdir, self.recipe,
                                                 self.engines.main.layout)
@@ -122,11 +130,13 @@ class Trainer:
                       int(c.train.get("early_stop_evals", 0)))
     ckpt = open_checkpointer(self.workdir, c.checkpoint, guard.metric,
                              higher_is_better=guard.direction == HIGHER)
-    run = self._start(ckpt, train_it, guard)
+    startup.mark("data and workdir")
+    run = self._start(ckpt, train_it, guard)  # models created (or restored) while it compiles
+    startup.mark("models" if run.step == 0 else "restore")
     tools = _Tools(
         MetricLogger(create_writers(self.workdir, is_primary=self.primary, resume_step=run.step,
                                     console=not c.train.progress),
-                     log_every=int(c.train.log_every), throughput=self._throughput()),
+                     log_every=int(c.train.log_every), throughput=_throughput(self.recipe)),
         PreemptionGuard(),
         ProfileWindow(self.workdir, max(int(c.profile.start_step), 0),
                       int(c.profile.num_steps) if int(c.profile.start_step) >= 0 else 0,
@@ -134,6 +144,9 @@ class Trainer:
         ProgressBar(int(c.train.steps), desc=self.recipe.name, initial=run.step,
                     enabled=bool(c.train.progress) and self.primary))
     tools.logger.restore_window(run.window)
+    startup.mark("metrics")
+    self.engines.at(run.step).runner.wait()
+    startup.mark("waiting for the step's compile")
     self._log_plan()
     try:
       self._train(run, ckpt, tools)
@@ -151,11 +164,17 @@ class Trainer:
   def _train(self, run: _Run, ckpt: Checkpointer, tools: _Tools) -> None:
     total, eval_every = int(self.config.train.steps), int(self.config.train.eval_every)
     tokens = self.recipe.batch_size * self.recipe.seq_len
+    first = run.step
     while run.step < total:
       tools.profile.step(run.step, block_on=run.state)
       runner = self.engines.at(run.step).runner
-      run.state, metrics = runner(run.state, runner.place_batch(next(run.train_it)))
+      batch = next(run.train_it)
+      if run.step == first:
+        self.recipe.startup.mark("first batch")
+      run.state, metrics = runner(run.state, runner.place_batch(batch))
       run.step += 1
+      if run.step == first + 1:
+        _log_first_step(self.recipe, runner, metrics, run.step, self.primary)
       row = tools.logger.record(run.step, metrics)
       loss = row.get("loss") if row else None
       tools.progress.update(tokens=tokens, loss=loss)
@@ -311,12 +330,6 @@ class Trainer:
     # cannot pick them up.
     ckpt.set_aside_steps_after(run.step)
 
-  def _throughput(self) -> Throughput:
-    peak, source = peak_flops_per_device()
-    logging.info("MFU peak per device: %s", source)
-    return Throughput(self.recipe.batch_size * self.recipe.seq_len, self.recipe.step_flops(),
-                      jax.device_count(), peak)
-
   def _log_plan(self) -> None:
     if not self.primary:
       return
@@ -329,3 +342,20 @@ class Trainer:
                  engine.runner.backend,
                  pt.shard.format_bytes(stats.get("argument_size_in_bytes", 0)),
                  pt.shard.format_bytes(stats.get("temp_size_in_bytes", 0)))
+
+
+def _throughput(recipe: Recipe) -> Throughput:
+  peak, source = peak_flops_per_device()
+  logging.info("MFU peak per device: %s", source)
+  return Throughput(recipe.batch_size * recipe.seq_len, recipe.step_flops(), jax.device_count(),
+                    peak)
+
+
+def _log_first_step(recipe: Recipe, runner, metrics, step: int, primary: bool) -> None:
+  """The line that says where the time to this session's first step went (waits for it)."""
+  jax.block_until_ready(metrics)
+  recipe.startup.mark("first step")
+  if primary:
+    program = runner.program
+    logging.info("%s", recipe.startup.line(step, None if program is None
+                                            else program.compile_seconds))

@@ -26,6 +26,7 @@ from distillax.data import batch_shapes, make_eval_iterator, make_tokenizer, mak
 from distillax.errors import ConfigError
 from distillax.framework import eval_rules, flops
 from distillax.framework.engine import Engine, build_engine, with_extra_eval
+from distillax.framework.run.startup import StartupClock
 from distillax.framework.state import Reloaded
 from distillax.framework.step import Objective
 from distillax.framework.token_loss_impl import check_loss_impl, resolve_loss_impl
@@ -173,6 +174,11 @@ class Recipe:
 
   def __init__(self, config, *, workdir: str | None = None, mesh=None,
                rules: pt.RuleSet | None = None, model_overrides: Mapping | None = None):
+    # The phases of the job's start, said at its first step (the loop marks the rest).
+    self.startup = StartupClock()
+    self.startup.mark("imports, config and runtime")
+    jax.devices()  # starts JAX's runtime (opens a chip) unless something already has
+    self.startup.mark("devices")
     config = absolute_paths(config)  # as the CLI makes them: orbax refuses relative paths
     check_run_sections(config)  # the optimizer section's too
     check_data_paths(config.data)
@@ -184,6 +190,7 @@ class Recipe:
     self.mesh = mesh if mesh is not None else pt.create_mesh(config.mesh)
     self.rules = rules if rules is not None else pt.rules_from_config(config.partitioning)
     self.tokenizer = make_tokenizer(config.data.tokenizer)
+    self.startup.mark("sources, mesh and tokenizer")
     self.model_config = src.resolve_model_config(config.model, self.tokenizer)
     if self.sources.student.kind == "fresh":
       self.sources = dataclasses.replace(
@@ -248,9 +255,10 @@ class Recipe:
     return self.transforms.strip(student)
 
   def build_engines(self, learning_rate: float | None = None, *,
-                    compile_now: bool = True) -> Engines:
-    """The step(s) at `learning_rate` (default: the optimizer section's), compiled now unless
-    compile_now=False (eval alone: the train step then compiles only if it is ever run)."""
+                    compile_now: bool | str = "background") -> Engines:
+    """The step(s) at `learning_rate` (default: the optimizer section's), lowered now and
+    compiled in the background (build_engine's `compile_now`), or only if ever run with
+    compile_now=False (eval alone)."""
     check_model_conflicts(self)
     lr = float(self.config.optimizer.learning_rate if learning_rate is None else learning_rate)
     start = self.transforms.qat_start_step
@@ -272,7 +280,7 @@ class Recipe:
                                   teacher_cfg=self.teacher_model_config)["total"]
 
   def _engine(self, learning_rate: float, quantize: bool = True,
-              compile_now: bool = True, stage: int | None = None) -> Engine:
+              compile_now: bool | str = "background", stage: int | None = None) -> Engine:
     """`stage`: the first step of a qat.schedule stage whose rules the student takes (every
     recipe's `build` reads self.transforms, so they are swapped for that one build)."""
     c = self.config

@@ -7,6 +7,7 @@ code that creates or writes its top-level files.
     <workdir>/summary.json    final metrics of the run, {"finished": bool, ...}
     <workdir>/checkpoints/    orbax checkpoints
     <workdir>/tensorboard/    TensorBoard event files
+    <workdir>/compile_cache/  JAX's persistent compilation cache (framework/run/compile_cache.py)
 
 A workdir belongs to one job. `check_workdir` compares this config's identity with the one the
 workdir holds before anything runs: the same job resumes (or is reported already finished), a

@@ -55,7 +55,10 @@ def _max_param_delta(params, ref_params) -> float:
 
 def test_every_preset_trains_the_moe_like_replicated(model, replicated):
   ref_losses, ref_params, _ = replicated
-  assert ref_losses[-1] < ref_losses[0]
+  # The reference trains: its parameters move by far more than the agreement asked below (its
+  # losses are of three different random batches, too noisy to order after three steps).
+  initial = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  assert np.all(np.isfinite(ref_losses)) and _max_param_delta(ref_params, initial) > 1e-3
   rows = []
   for strategy in pt.BUILTIN_PRESETS[1:]:
     losses, params, engine = _train(model, "jit", strategy, MESH)

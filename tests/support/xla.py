@@ -7,14 +7,25 @@ differently (last-bit noise a gradient-equality tolerance of 1e-6 can catch)."""
 DEFAULT_CPU_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
 
 
+class _WithOptions:
+  """A lowered program whose compile() passes `options` to XLA."""
+
+  def __init__(self, lowered, options):
+    self.lowered, self.options = lowered, options
+
+  def compile(self):
+    return self.lowered.compile(compiler_options=self.options)
+
+
 def compile_steps_with_default_cpu_emitters(monkeypatch) -> None:
   """Every train step compiled ahead of time from here on (framework/backends.py) gets XLA:CPU's
   default emitters, whatever the suite's XLA_FLAGS say."""
-  from distillax.framework import backends
+  from distillax.framework import backends, step_program
 
-  def compiled(fn, abstract_state, abstract_batch, compile_now: bool):
+  def compiled(fn, abstract_state, abstract_batch, compile_now, backend):
     if not compile_now:
       return fn
-    return fn.lower(abstract_state, abstract_batch).compile(compiler_options=DEFAULT_CPU_EMITTERS)
+    lowered = _WithOptions(fn.lower(abstract_state, abstract_batch), DEFAULT_CPU_EMITTERS)
+    return step_program.AotStep(lowered, background=compile_now == "background")
 
   monkeypatch.setattr(backends, "_compiled", compiled)

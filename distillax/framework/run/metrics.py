@@ -61,6 +61,7 @@ class StepAccumulator:
     self._start_fn = self._merge_fn = self._compute_fn = None
     self.collection = None
     self.num_steps = 0
+    self._restored = False  # the collection holds a restored window's host arrays
 
   def _build(self, names: tuple[str, ...]):
     cls = collection_class(names, self._last_value_names)
@@ -84,6 +85,11 @@ class StepAccumulator:
     if self.collection is None:
       self.collection = self._start_fn(metrics)
     else:
+      if self._restored:  # host leaves onto the metrics' devices: the merge a fresh window runs
+        sharding = getattr(metrics[names[0]], "sharding", None)
+        if sharding is not None:
+          self.collection = jax.device_put(self.collection, sharding)
+        self._restored = False
       self.collection = self._merge_fn(self.collection, metrics)
     self.num_steps += 1
 
@@ -113,6 +119,7 @@ class StepAccumulator:
               for dtype, v in state["leaves"]]
     self.collection = jax.tree.unflatten(jax.tree.structure(template), leaves)
     self.num_steps = int(state["num_steps"])
+    self._restored = True
 
   def take(self) -> dict[str, jax.Array]:
     """The window's values as device arrays (copy to host started), and reset the window."""
