@@ -109,6 +109,8 @@ def parse_args(argv=None):
   parser.add_argument("--json", default=None, help="result file (default: OUT/accelerator.json)")
   parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
   parser.add_argument("--threads", type=int, default=12, help="parallel compiles")
+  parser.add_argument("--candidates", type=int, default=0,
+                      help="only each row's first N candidates (0: all), for a short call")
   parser.add_argument("--splash-from", default="",
                       help="splash_blocks.json: candidates take its fastest tiles")
   parser.add_argument("--from-levers", default="",
@@ -151,8 +153,8 @@ def main(argv=None) -> int:
     return REFUSED_EXIT
   quick = args.quick or jax.default_backend() not in ("tpu", "gpu")
   chosen = [r for r in ROWS if not args.rows or r.name in args.rows.split(",")]
-  names = {r.name: list(dict.fromkeys(variant_of(r, c, quick) for c in r.candidates))
-           for r in chosen}
+  names = {r.name: list(dict.fromkeys(variant_of(r, c, quick) for c in
+                                      r.candidates[:args.candidates or None])) for r in chosen}
   levers_path = Path(args.from_levers or path.with_name(path.stem + "_levers.jsonl"))
   if not args.from_levers:  # every candidate's row lands here as it finishes
     levers_path.unlink(missing_ok=True)
