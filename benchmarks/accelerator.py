@@ -16,7 +16,7 @@ The pairs: `real`, what users distil on one chip (a Qwen3-1.7B-shaped teacher fr
 a Qwen3-0.6B-shaped student with fp32 master weights and bf16 compute, vocabulary 151,936);
 `continuity`, the first chip figures' 383M Llama-3.2-shaped student and 761M teacher; `moe`, a
 Qwen3-MoE-shaped teacher of 16 experts (top-4, 1.38B) into the real student; `moe_student`, a
-16-expert Qwen3-MoE-shaped student (1.0B). Sequence 2048 unless a row says otherwise. MFU is
+16-expert Qwen3-MoE-shaped student (0.50B). Sequence 2048 unless a row says otherwise. MFU is
 model FLOPs (causal convention, framework.flops) over the datasheet peak; the probe's bf16 matmul
 rate is reported beside it.
 
@@ -77,9 +77,9 @@ ROWS = (
                           f"kd:full:4{S}:teacher_moe_impl=tokamax"),
         "KD from a 16-expert Qwen3-MoE-shaped teacher (grouped matmul: XLA's ragged_dot or "
         "tokamax's Mosaic kernel)"),
-    Row("moe_train", "moe_student", (f"train:full:2{S}:moe_impl=ragged",
-                                     f"train:full:1{S}:moe_impl=ragged"),
-        "training a 16-expert Qwen3-MoE-shaped student"),
+    Row("moe_train", "moe_student", (f"train:full:8{S}:moe_impl=ragged",
+                                     f"train:full:4{S}:moe_impl=ragged"),
+        "training a 16-expert Qwen3-MoE-shaped student (0.50B)"),
     Row("long_context", "real", (f"train:full:1:seq_len=16384{S}",
                                  f"train:full:1:seq_len=32768{S}"),
         "the student's training step at 16k and 32k tokens (splash attention)"),
