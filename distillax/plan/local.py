@@ -17,7 +17,8 @@ import numpy as np
 
 from distillax import partitioning as pt
 from distillax.errors import UserError
-from distillax.framework.hlo import collective_stats, matmul_flops
+from distillax.framework.hlo import collective_stats
+from distillax.framework.hlo_flops import matmul_flops
 from distillax.framework.state import STUDENT
 from distillax.trainers import Recipe, recipe_for
 
