@@ -114,6 +114,8 @@ def _figures(report: dict) -> dict:
           "trip_count_unknown": coll["trip_count_unknown"],
           "matmul_flops_per_device": report["hlo_matmul_flops_per_device"],
           "model_flops_per_step": report["model_flops_per_step"],
+          # compiled / analytic, and whether it is in plan's 0.9-1.2 (`flops_check`)
+          "flops_check": report["flops_check"],
           "compile_seconds": report["compile_seconds"]}
 
 
