@@ -46,8 +46,9 @@ def flops_check(recipe: Recipe, engine, compiled_per_device: float,
   """The compiled step's matmul FLOPs per device against the analytic model's: `ratio` to the
   job's model FLOPs (`recipe.step_flops`, the MFU convention), and `expected_ratio` to what the
   step should run as HLO matmuls (those plus `flops.hlo_matmul_adjustment`: remat's
-  recomputation, a frozen base's missing weight gradients, the `fused` parts kernels hide), which must
-  lie in FLOPS_CHECK_RANGE (`within`); `warning` is the line to print when it does not.
+  recomputation, a frozen base's missing weight gradients, the `fused` parts kernels hide),
+  which must lie in FLOPS_CHECK_RANGE (`within`); `warning` is the line to print when it does
+  not.
   `unchecked`: why the compiled figure cannot be judged (`within` is then None)."""
   devices = int(engine.mesh.devices.size)
   cfg = recipe.model_config

@@ -1,9 +1,10 @@
 """With parameters replicated over the data axis (dp, tp) the jit step can reduce gradients once
 per step (`partitioning.gradient_reduction`; auto does so under accumulation, tied embeddings,
 and always on XLA:CPU, which moves no reduction out of a loop): micro-batches, both uses of a
-tied table and the output layer's gradient of every vocabulary chunk sum locally first. Bytes are read from the compiled HLO
-(loops weighted by trip count) and compared with the fp32 gradient and with the shard_map backend;
-the numbers are compared with the GSPMD path (fsdp), which reduces where gradients are produced."""
+tied table and the output layer's gradient of every vocabulary chunk sum locally first. Bytes
+are read from the compiled HLO (loops weighted by trip count) and compared with the fp32
+gradient and with the shard_map backend; the numbers are compared with the GSPMD path (fsdp),
+which reduces where gradients are produced."""
 
 import dataclasses
 

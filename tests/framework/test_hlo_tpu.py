@@ -94,7 +94,8 @@ def test_scanned_collective_matmuls_and_overlapping_all_gathers():
 
 # A counter that starts at 10, is tested `> 1` and steps by -3 (subtract): 10, 7, 4 -> 3 trips;
 # `>= 1` adds the trip at 1; a step of 0 never ends (unknown).
-@pytest.mark.parametrize("direction,step,trips", [("GT", "3", 3), ("GE", "3", 4), ("GT", "0", None)])
+@pytest.mark.parametrize("direction,step,trips",
+                         [("GT", "3", 3), ("GE", "3", 4), ("GT", "0", None)])
 def test_counting_down_by_a_step(direction, step, trips):
   text = f"""
 %body (p: (s32[])) -> (s32[]) {{
