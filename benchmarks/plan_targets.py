@@ -23,7 +23,8 @@ Rows (full run):
 --quick: the tiny lm job on tpu:v5e-4 (the smoke test; tests/plan/test_target.py compiles for
 a GPU).
 Writes benchmarks/results/plan_targets[_quick].json after every row (a long run keeps what it
-has measured); --rows reruns only the rows named, keeping the file's other rows.
+has measured); --rows reruns only the rows named, keeping the file's other rows (marked `stale`
+when an older version of this script measured them).
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def _figures(report: dict) -> dict:
           "trip_count_unknown": coll["trip_count_unknown"],
           "matmul_flops_per_device": report["hlo_matmul_flops_per_device"],
           "model_flops_per_step": report["model_flops_per_step"],
+          # compiled / analytic, and whether it is in plan's 0.9-1.2 (`flops_check`)
+          "flops_check": report["flops_check"],
           "compile_seconds": report["compile_seconds"]}
 
 
@@ -176,6 +179,14 @@ def table(rows: list[dict]) -> str:
   return common.format_table(rows, cols)
 
 
+def kept_rows(old: dict, rerun: set[str]) -> list[dict]:
+  """The rows of an earlier results file that a `--rows` run keeps, each marked `stale` when an
+  older version of this script measured it (the docs say the page is partly stale)."""
+  current = common.script_sha256(SCRIPT)
+  older = old.get("provenance", {}).get("script_sha256") != current
+  return [dict(r, stale=True) if older else r for r in old["rows"] if r["id"] not in rerun]
+
+
 def main() -> None:
   parser = subproc.base_parser(__doc__.splitlines()[0])
   parser.add_argument("--rows", default="", help="comma-separated row ids to run (default all)")
@@ -192,7 +203,7 @@ def main() -> None:
   name = "plan_targets_quick" if args.quick else "plan_targets"
   done, path = [], Path(args.out) / f"{name}.json"
   if args.rows and path.exists():  # rerun some rows: keep the others' figures
-    done = [r for r in json.loads(path.read_text())["rows"] if r["id"] not in wanted]
+    done = kept_rows(json.loads(path.read_text()), wanted)
   for row in rows:
     done.append(measure(row))
     common.write_json(args.out, name, {"rows": done, "jax": jax.__version__,

@@ -16,6 +16,12 @@ Hugging Face export also carries the run's tokenizer, chat template and a
 generation_config.json, so transformers' AutoTokenizer, apply_chat_template and generate work
 on it as it is.
 
+The Hugging Face and GGUF exports carry only the tokenizer's ids: a model's vocabulary is padded
+past its tokenizer's (to a multiple of 128, so it shards evenly), and the runtimes they go to
+sample over every row of the output layer, so a padded row could be emitted at any temperature,
+an id no tokenizer decodes. They are cut off (`real_token_rows`): lm.py:tiny's 384 rows are
+written as its byte tokenizer's 259.
+
 `--config` is optional: without it the run's own config.json says everything (its mesh,
 rules and qat section), so `distillax export --workdir runs/kd --output out/kd_hf` is enough.
 A `--config` given must still describe the run's job: the same `trainer` and the same `model` section
@@ -79,6 +85,28 @@ def _run_tokenizer(workdir: str):
                     f"cannot be read ({e})") from None
 
 
+def real_token_rows(model, vocab_size: int):
+  """`model` with only its first `vocab_size` token rows: the embedding table, an untied output
+  layer and a per-layer input table that follows the vocabulary (Gemma 4's). The logits of
+  those ids are unchanged; the padded rows past them are gone."""
+  from flax import nnx
+  from distillax.models.transformer import Transformer
+  config = model.config
+  if vocab_size >= config.vocab_size:
+    return model
+  values = nnx.to_pure_dict(nnx.state(model))
+  values["embedder"]["embedding"] = values["embedder"]["embedding"][:vocab_size]
+  if "lm_head" in values:
+    values["lm_head"] = values["lm_head"][:, :vocab_size]
+  if config.per_layer_input_dim and not config.per_layer_input_vocab_size:
+    table = values["per_layer_inputs"]["embedding"]
+    values["per_layer_inputs"]["embedding"] = table[:vocab_size]
+  cut = config.replace(vocab_size=vocab_size)
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cut, rngs=nnx.Rngs(0))))
+  nnx.replace_by_pure_dict(abstract, values)
+  return nnx.merge(graphdef, abstract)
+
+
 def check_output(output: str) -> None:
   """--output must be a new or empty directory: not a file, nor below one."""
   existing = output
@@ -117,8 +145,10 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str,
   primary = jax.process_index() == 0  # every process joins the gathers; one says so
   if primary:
     print(f"distillax export: {workdir} loaded as {form}", flush=True)
+  tokenizer, template = _run_tokenizer(workdir) if fmt in ("hf", "gguf") else (None, None)
+  if tokenizer is not None:
+    model = real_token_rows(model, tokenizer.vocab_size)
   if fmt == "hf":
-    tokenizer, template = _run_tokenizer(workdir)
     hf.save(model, output, tokenizer=tokenizer, chat_template=template)
     if primary:
       print(f"distillax export: wrote {output} (Hugging Face safetensors, tokenizer and "
@@ -127,8 +157,7 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str,
   if fmt == "gguf":  # llama.cpp: the run's tokenizer in the file, q8_0/q4_0 by qat.rules
     from distillax.trainers import load_run_config
     add_bos = bool(load_run_config(workdir, "--workdir").data.get("add_bos", True))
-    line = export_run(model, output, gguf_quant, _final_rules(config),
-                      _run_tokenizer(workdir)[0], add_bos)
+    line = export_run(model, output, gguf_quant, _final_rules(config), tokenizer, add_bos)
     if primary:
       print(f"distillax export: {line}")
     return 0

@@ -180,3 +180,33 @@ def test_pages_carry_no_dates_loads_hashes_or_issue_numbers():
   for name, text in results_pages.benchmark_pages().items():
     assert "load_before" not in text and "load_average" not in text, name
     assert not banned.search(text), (name, banned.search(text).group(0))
+
+
+def test_results_pages_say_whether_their_script_changed_since_it_wrote_them(tmp_path):
+  """A results file records the SHA-256 of the script that wrote it (write_json's
+  `provenance`); its page says the figures are current while the script is unchanged, stale
+  once it has changed or when rows came from an older version, and never prints the hash. A
+  file without the record is judged by git history (unchecked outside it)."""
+  import json
+
+  from benchmarks.lib import common
+  from docs.gen import results_pages
+  path = common.write_json(tmp_path, "step", {"rows": [{"preset": "dp", "ms": 1.5}]},
+                           script=ROOT / "benchmarks" / "step.py")
+  data = json.loads(path.read_text())
+  assert data["provenance"] == {"script": "benchmarks/step.py", "script_sha256": (
+      common.script_sha256(ROOT / "benchmarks" / "step.py"))}
+  page = results_pages.render_results(path, "q")
+  assert "Written by `benchmarks/step.py` as it is now." in page
+  assert data["provenance"]["script_sha256"] not in page and "provenance" not in page
+  for change, says in (({"script_sha256": "0" * 64}, "**Stale:** `benchmarks/step.py` has "
+                        "changed since it wrote these figures; rerun `python benchmarks/step.py`"),
+                       ({"script": "benchmarks/gone.py"}, "**Stale:** `benchmarks/gone.py`, "
+                        "which wrote these figures, no longer exists.")):
+    path.write_text(json.dumps({**data, "provenance": {**data["provenance"], **change}}))
+    assert says in results_pages.render_results(path, "q")
+  path.write_text(json.dumps({**data, "rows": [{"ms": 1.0}, {"ms": 2.0, "stale": True}]}))
+  assert results_pages.freshness(path, json.loads(path.read_text()))[0] == "stale"
+  path.write_text(json.dumps({"rows": data["rows"]}))  # no record, and no git history of it
+  assert results_pages.freshness(path, json.loads(path.read_text()))[0] == "unchecked"
+  assert results_pages.script_of("peft_100m_remat_full.json") == "benchmarks/peft.py"

@@ -62,7 +62,9 @@ def test_qat_run_exports_as_gguf_that_llama_cpp_runs(q4_run, tmp_path, capsys):
   trained = load_trained_model(str(run), pt.create_mesh({"data": 8, "model": 1}),
                                pt.rules_from_config({"strategy": "fsdp"}))
   qat = quantize_for_training(trained, {"rules": RULES})
-  want, full = logits(qat, IDS), logits(trained, IDS)
+  # The file holds the byte tokenizer's 259 ids of the model's 384 rows: those ids' logits.
+  vocab = ByteTokenizer().vocab_size
+  want, full = logits(qat, IDS)[:, :vocab], logits(trained, IDS)[:, :vocab]
   assert np.abs(want - full).max() > 1.0  # what QAT rounding changes, for the tolerances below
   rows = [(k, cache, tol) for k, cache, tol in KERNEL_ROWS
           if k == "deployment" or k in gguf_runtime.kernel_paths()]
@@ -71,6 +73,7 @@ def test_qat_run_exports_as_gguf_that_llama_cpp_runs(q4_run, tmp_path, capsys):
     llm = gguf_runtime.load(q4_run[1], kernels=kernels,
                             exact_cache=exact_cache)
     try:
+      assert llm.n_vocab() == vocab
       got = gguf_runtime.logits(llm, IDS)
       np.testing.assert_allclose(got, want, atol=tolerance, rtol=0,
                                  err_msg=f"{kernels} kernels, f32 cache: {exact_cache}")
@@ -89,6 +92,23 @@ def test_qat_run_exports_as_gguf_that_llama_cpp_runs(q4_run, tmp_path, capsys):
   assert "--quant applies to --format gguf" in err and "'q5_k' is unknown" in err
   assert "weight_qtype='int4' has no GGUF type" in err
   assert not any((tmp_path / d).exists() for d in "abc")
+
+
+def test_llama_cpp_samples_only_real_tokens_from_the_export(q4_run):
+  """llama.cpp's own sampler at temperature 100 (every row nearly as likely), no top-k, top-p
+  or min-p: 100 ids (the tiny model's context is 128), none past the byte tokenizer's 259 (the
+  file has no padded rows)."""
+  llm = gguf_runtime.load(q4_run[1], kernels="reference", exact_cache=True)
+  try:
+    drawn = []
+    for token in llm.generate([2] + ByteTokenizer().encode("def "), temp=100.0, top_k=0,
+                              top_p=1.0, min_p=0.0, reset=True):
+      drawn.append(token)
+      if len(drawn) == 100:
+        break
+  finally:
+    llm.close()
+  assert len(drawn) == 100 and max(drawn) < ByteTokenizer().vocab_size
 
 
 def test_generate_on_a_q4_0_qat_run_gives_llama_cpp_greedy_tokens(q4_run, capsys):

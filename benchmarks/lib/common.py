@@ -8,11 +8,13 @@ uses, so the figures are those of the step users run.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -270,10 +272,40 @@ def machine_info() -> dict[str, Any]:
           "jax": jax.__version__}
 
 
-def write_json(out_dir: str | Path, name: str, payload: Mapping[str, Any]) -> Path:
+REPO = Path(__file__).resolve().parents[2]
+
+
+def script_sha256(script: str | Path) -> str:
+  """The SHA-256 of a script's text: which version of it wrote a results file."""
+  return hashlib.sha256(Path(script).read_bytes()).hexdigest()
+
+
+def provenance(script: str | Path) -> dict[str, str]:
+  """{'script': its path from the repository root, 'script_sha256'}: what the docs compare with
+  the script as it is when the site is built, to show a results file its script has changed
+  since as stale (docs/gen/results_pages.py)."""
+  script = Path(script).resolve()
+  return {"script": script.relative_to(REPO).as_posix(), "script_sha256": script_sha256(script)}
+
+
+def _running_script() -> Path | None:
+  """The benchmark script this process runs (`python benchmarks/x.py`), else None."""
+  main = getattr(sys.modules.get("__main__"), "__file__", None)
+  if main and Path(main).resolve().parent == REPO / "benchmarks":
+    return Path(main).resolve()
+  return None
+
+
+def write_json(out_dir: str | Path, name: str, payload: Mapping[str, Any],
+               script: str | Path | None = None) -> Path:
+  """Writes `<out_dir>/<name>.json` with the `provenance` of the script that measured it
+  (`script`, default the benchmark script this process runs)."""
   out = Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   path = out / f"{name}.json"
+  script = script or _running_script()
+  if script is not None and "provenance" not in payload:
+    payload = {**payload, "provenance": provenance(script)}
   path.write_text(json.dumps(payload, indent=1, sort_keys=False, default=_json_default) + "\n")
   return path
 

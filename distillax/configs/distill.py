@@ -11,6 +11,10 @@ checkpoint (--config.student.hf_path=DIR) or teacher blocks to copy
 (--config.student.from_teacher.layers="(0, 2, 4)"); either gives the student its source's shape.
 A seconds-long run with a fresh tiny teacher:
   distillax train --config distillax/configs/distill.py:tiny --workdir runs/kd_tiny
+Llama 3.1 8B (bf16, frozen) into Llama 3.2 1B at pod scale (`at_pod_scale`), sized for a TPU slice
+by its own compiler:
+  distillax plan --config distillax/configs/distill.py:llama --target tpu:v5e-8 \
+      --config.train.batch_size=16
 """
 
 from distillax.configs import sections
@@ -28,7 +32,10 @@ def get_config(arg: str | None = None):
   c.optimizer.weight_decay = 0.1
   c.optimizer.grad_clip_norm = 1.0
   c.optimizer.schedule = "warmup_cosine"
-  if parse_arg(arg, tiny=False).tiny:
+  args = parse_arg(arg, tiny=False, llama=False)
+  if args.llama:
+    return at_pod_scale(c, "llama3.2-1b", "llama3.1-8b")
+  if args.tiny:
     shrink_for_tiny(c)
     c.teacher.preset = "tiny"
     c.model.num_layers = 1

@@ -227,3 +227,72 @@ def train_step_flops(student_cfg: Any, batch: int, seq_len: int, teacher_cfg: An
   }
   out["total"] = sum(out.values())
   return out
+
+
+# Attention implementations whose products are one custom call (a kernel), not HLO matmuls.
+FUSED_ATTENTION = ("splash", "cudnn", "tokamax")
+# Parts of a step a kernel can hide from the HLO (`hlo_matmul_adjustment`'s `fused`): the
+# attention products, the output layer inside a fused cross-entropy.
+FUSIBLE = ("attention", "logits")
+
+
+def chunked_linear_attention_extra(cfg: Any, batch: int, seq_len: int) -> float:
+  """Matmul FLOPs the chunked Gated DeltaNet form (models/linear_attention.py, chunks of C
+  tokens, the sequence padded to whole chunks) runs beyond the recurrence's own three
+  (d_k x d_v) contractions per token and value head, in every linear-attention layer of a
+  (batch, seq_len) forward: per chunk and head the masked
+  key products (C^2 d_k), the unit-lower inverse by doubling (2 C^3 per doubling), the two
+  solves (C^2 (d_k + d_v)), the intra-chunk scores (C^2 d_k) and their product with the written
+  values (C^2 d_v). A few percent of a real model's forward; most of a tiny one's."""
+  mixers = getattr(cfg, "token_mixers", None) or ()
+  layers = sum(t == "linear_attention" for t in mixers)
+  if not layers or getattr(cfg, "linear_attention_impl", "chunked") != "chunked":
+    return 0.0
+  C = int(getattr(cfg, "linear_attention_chunk", 64))
+  heads = int(_field(cfg, "linear_num_value_heads"))
+  dk, dv = int(_field(cfg, "linear_key_head_dim")), int(_field(cfg, "linear_value_head_dim"))
+  doublings = max(C - 1, 1).bit_length() - 1
+  per_token = C * (3 * dk + 2 * dv) + 2 * doublings * C * C
+  tokens = batch * -(-seq_len // C) * C
+  return layers * 2.0 * tokens * heads * per_token
+
+
+def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cfg: Any = None,
+                          *, causal: bool = True, remat: str = "none",
+                          weights_train: bool = True, adapter_params: int = 0,
+                          fused: tuple[str, ...] = ()) -> float:
+  """What a compiled train step runs as HLO matmuls minus what `train_step_flops` counts (the
+  model-FLOPs convention of MFU): the figure `plan` adds to a job's model FLOPs to check the
+  compiled step's matmuls against.
+
+  - A backward is one matmul per forward matmul for the input gradient, plus one for the weight
+    gradient only where the weights train (`weights_train=False`: a frozen LoRA or QLoRA base,
+    whose `adapter_params` then add 6 FLOPs per token each); the attention products, two
+    activations each, always take two.
+  - Rematerialisation recomputes forward matmuls in the backward: `remat='full'` every layer's
+    (not the output projection: the vocabulary-chunk engine forms its gradients in the
+    forward), 'save_dots_no_batch' the attention products; 'save_dots' and 'none' nothing.
+  - The chunked Gated DeltaNet form runs more than the recurrence it computes
+    (`chunked_linear_attention_extra`), forward and both gradients.
+  - `fused` (of FUSIBLE): parts that run inside a kernel, a custom call whose work the HLO does
+    not show (splash or cuDNN attention, tokamax's fused cross-entropy): left out, forward,
+    gradients and recomputation, the teacher's too.
+  """
+  s = forward_flops_breakdown(student_cfg, batch, seq_len, causal=causal)
+  attention = s["attn_scores"] + s["attn_values"]
+  recomputed = {"full": s["total"] - s["logits"], "save_dots_no_batch": attention}.get(remat, 0.0)
+  out = recomputed + 6.0 * batch * seq_len * adapter_params
+  if not weights_train:
+    out -= s["total"] - attention
+  out += chunked_linear_attention_extra(student_cfg, batch, seq_len) * (
+      4 if remat == "full" else 3)
+  once = 3 if weights_train else 2  # forward, input gradient, weight gradient
+  if "attention" in fused:
+    out -= attention * (4 if remat in ("full", "save_dots_no_batch") else 3)
+  if "logits" in fused:
+    out -= s["logits"] * once
+  if teacher_cfg is not None:
+    t = forward_flops_breakdown(teacher_cfg, batch, seq_len, causal=causal)
+    out += chunked_linear_attention_extra(teacher_cfg, batch, seq_len)
+    out -= (t["attn_scores"] + t["attn_values"]) if "attention" in fused else 0.0
+  return out

@@ -7,17 +7,24 @@ inside a `while` body (layers under `lax.scan`, gradient accumulation) runs once
 so each computation is weighted by the trip counts of the loops that call it. XLA:CPU and GPU
 record them as `known_trip_count` in the while op's backend config; the TPU compiler does not, so
 there the count is read from the loop itself: a condition `counter < N` (or <=, >, >=) whose
-counter starts at a constant (what `lax.scan` and `fori_loop` lower to, stepping by one). Without
-either, a loop is counted once and `trip_count_unknown` says so.
+counter starts at a constant S and steps by a constant the body adds (1 for `lax.scan` and
+`fori_loop`, 2 for the TPU's collective-matmul loops, `windowed_dot_general`, unrolled twice):
+ceil((N - S) / step) trips. Without either, a loop is counted once and `trip_count_unknown`
+says so.
 
-The TPU compiler also fuses an all-reduce with the slice each device keeps into an
-"all-reduce-scatter" fusion (its FSDP gradient reduction): the all-reduce inside is counted as
-the reduce-scatter it is, with the fusion's (sharded) output as its result.
+What runs once may be written several times. An async pair (`all-gather-start` and
+`all-gather-done`) is one collective. So is a TPU async collective, written as a start fusion,
+continuation fusions and a done fusion that each hold the collective with one `channel_id`: it is
+counted once per channel, as often as its least frequent piece runs. The TPU compiler also fuses
+an all-reduce with the slice each device keeps into an "all-reduce-scatter" fusion (its FSDP
+gradient reduction): the all-reduce inside is counted as the reduce-scatter it is, with the
+fusion's (sharded) output as its result.
 
 Bytes are logical buffer sizes from the HLO shapes, per device: `operand_bytes` (what each device
 contributes) and `result_bytes` (what each device ends up with). `bytes` is the larger of the two,
 the size of the full buffer the collective assembles or reduces; the bytes on the wire depend on
-the algorithm (a ring all-reduce sends about 2(N-1)/N of it per device).
+the algorithm (a ring all-reduce sends about 2(N-1)/N of it per device). The matmul FLOPs of a
+module, with the same trip counts, are `hlo_flops.matmul_flops`.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ DTYPE_BYTES = {
     "f8e4m3": 1, "f8e3m4": 1, "f4e2m1fn": 0.5, "f8e8m0fnu": 1,
 }
 
-_ARRAY_RE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+ARRAY_RE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _COMPUTATION_RE = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*->.*\{\s*$")
 _INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _CALLEE_RE = re.compile(
@@ -48,7 +55,7 @@ _OPERAND_RE = re.compile(r"%([\w.\-]+)")
 def shape_bytes(shape: str) -> float:
   """Bytes of every array in an HLO shape string (a tuple sums its elements)."""
   total = 0.0
-  for dtype, dims in _ARRAY_RE.findall(shape):
+  for dtype, dims in ARRAY_RE.findall(shape):
     size = DTYPE_BYTES.get(dtype)
     if size is None:
       continue  # token[], opaque types
@@ -168,34 +175,86 @@ def _tuple_index(name: str, by_name: dict[str, Instruction]) -> int | None:
 
 
 _FLIPPED = {"LT": "GT", "LE": "GE", "GT": "LT", "GE": "LE"}
+_BODY_RE = re.compile(r"\bbody=%([\w.\-]+)")
+
+
+def _unwrapped(module: Module, ins: Instruction) -> tuple[Instruction, list[str]]:
+  """(the op, its operands in the caller): `ins` itself, or the ROOT of the computation a fusion
+  calls when that ROOT reads only the fusion's parameters (XLA:CPU's `wrapped_compare`,
+  `wrapped_add`), with each parameter replaced by the fusion's operand."""
+  if ins.opcode != "fusion":
+    return ins, list(ins.operands)
+  called = _OPERAND_RE.findall(" ".join(t for k, t in _CALLEE_RE.findall(ins.attrs)
+                                        if k == "calls"))
+  inner = module.computations.get(called[0]) if called else None
+  if not inner:
+    return ins, list(ins.operands)
+  params = {i.name: int(i.args.strip()) for i in inner if i.opcode == "parameter"}
+  picks = [params.get(o) for o in inner[-1].operands]
+  if None in picks or any(p >= len(ins.operands) for p in picks):
+    return ins, list(ins.operands)
+  return inner[-1], [ins.operands[p] for p in picks]
 
 
 def _comparison(module: Module, root: Instruction) -> tuple[str, list[str]] | None:
-  """(direction, [lhs, rhs]) of a loop condition's ROOT: a compare, or a fusion wrapping one
-  compare of its two parameters (XLA:CPU's `wrapped_compare`)."""
-  if root.opcode == "compare" and len(root.operands) == 2:
-    direction = _DIRECTION_RE.search(root.attrs)
-    return (direction.group(1), list(root.operands)) if direction else None
-  if root.opcode != "fusion" or len(root.operands) != 2:
+  """(direction, [lhs, rhs]) of a loop condition's ROOT: a compare, or a fusion wrapping one."""
+  op, operands = _unwrapped(module, root)
+  direction = _DIRECTION_RE.search(op.attrs)
+  if op.opcode != "compare" or len(operands) != 2 or direction is None:
     return None
-  called = _OPERAND_RE.findall(" ".join(t for k, t in _CALLEE_RE.findall(root.attrs)
-                                        if k == "calls"))
-  inner = module.computations.get(called[0]) if called else None
-  if not inner or inner[-1].opcode != "compare":
+  return direction.group(1), operands
+
+
+def _through(name: str, local: dict[str, Instruction]) -> Instruction | None:
+  ins = local.get(name)
+  while ins is not None and ins.opcode in _PASS_THROUGH and len(ins.operands) == 1:
+    ins = local.get(ins.operands[0])
+  return ins
+
+
+def counter_step(module: Module, loop: Instruction, index: int) -> int | None:
+  """What one iteration adds to element `index` of a while loop's tuple: the body's ROOT tuple
+  holds add(element, constant s) (either order), or subtract(element, constant s) for -s.
+  lax.scan and fori_loop step by 1; the TPU compiler's collective-matmul loops
+  (`windowed_dot_general`, unrolled twice) by 2. None for any other update."""
+  found = _BODY_RE.search(loop.attrs)
+  body = module.computations.get(found.group(1)) if found else None
+  if not body or body[-1].opcode != "tuple" or index >= len(body[-1].operands):
     return None
-  params = {ins.name: int(ins.args.strip()) for ins in inner if ins.opcode == "parameter"}
-  direction = _DIRECTION_RE.search(inner[-1].attrs)
-  picks = [params.get(o) for o in inner[-1].operands]
-  if direction is None or len(picks) != 2 or None in picks:
+  local = {ins.name: ins for ins in body}
+  update = _through(body[-1].operands[index], local)
+  if update is None:
     return None
-  return direction.group(1), [root.operands[i] for i in picks]
+  op, operands = _unwrapped(module, update)
+  if op.opcode not in ("add", "subtract") or len(operands) != 2:
+    return None
+  a, b = operands
+  if _tuple_index(a, local) == index and (step := _constant(b, local)) is not None:
+    return step if op.opcode == "add" else -step
+  if op.opcode == "add" and _tuple_index(b, local) == index:
+    return _constant(a, local)
+  return None
+
+
+def _trips(direction: str, start: int, bound: int, step: int) -> int | None:
+  """Iterations of `for (i = start; i <direction> bound; i += step)`; None if it never ends."""
+  if direction in ("LT", "LE"):
+    if step <= 0:
+      return None if start < bound or (direction == "LE" and start == bound) else 0
+    span = bound - start if direction == "LT" else bound - start + 1
+  else:
+    if step >= 0:
+      return None if start > bound or (direction == "GE" and start == bound) else 0
+    span = start - bound if direction == "GT" else start - bound + 1
+  return max(0, -(-span // abs(step)))
 
 
 def inferred_trip_count(module: Module, loop: Instruction,
                         by_name: dict[str, Instruction]) -> int | None:
   """The trip count of a while loop without `known_trip_count`: its condition's ROOT compares
-  tuple element k with a constant N, and element k of the loop's initial tuple is a constant S;
-  the counter steps by one. None when the loop has another shape."""
+  tuple element k with a constant bound N, element k of the loop's initial tuple is a constant
+  S, and the body adds a constant step to it (`counter_step`): ceil((N - S) / step) for `<`.
+  None when the loop has another shape."""
   cond = _CONDITION_RE.search(loop.attrs)
   body = module.computations.get(cond.group(1)) if cond else None
   found = _comparison(module, body[-1]) if body else None
@@ -213,11 +272,10 @@ def inferred_trip_count(module: Module, loop: Instruction,
   if init is None or init.opcode != "tuple" or index >= len(init.operands):
     return None
   start = _constant(init.operands[index], by_name)
-  if start is None:
+  step = counter_step(module, loop, index)
+  if start is None or step is None:
     return None
-  trips = {"LT": bound - start, "LE": bound - start + 1, "GT": start - bound,
-           "GE": start - bound + 1}[direction]
-  return max(trips, 0)
+  return _trips(direction, start, bound, step)
 
 
 def _while_trips(module: Module, ins: Instruction,
@@ -295,94 +353,87 @@ def reduce_scatter_fusions(module: Module) -> set[str]:
   return found
 
 
+_CHANNEL_RE = re.compile(r"\bchannel_id=(\d+)")
+
+
+@dataclasses.dataclass
+class _Piece:
+  """One collective instruction as the text holds it, with how often its computation runs."""
+  comp: str
+  ins: Instruction
+  kind: str
+  phase: str
+  times: int
+
+
+def _pieces(module: Module, mult: dict[str, int]) -> list[_Piece]:
+  return [_Piece(comp, ins, kind, phase, mult.get(comp, 0))
+          for comp, instructions in module.computations.items() for ins in instructions
+          for kind, phase in [_kind(ins.opcode)] if kind is not None]
+
+
+def _fused_computations(module: Module) -> set[str]:
+  """The computations fusion instructions call."""
+  return {callee for comp in module.computations.values() for ins in comp
+          if ins.opcode == "fusion" for kind, target in _CALLEE_RE.findall(ins.attrs)
+          if kind == "calls" for callee in _OPERAND_RE.findall(target)}
+
+
+def _runs(module: Module, pieces: list[_Piece]) -> list[list[_Piece]]:
+  """The pieces grouped into the collectives that run. A TPU async collective is a start, one
+  or more continuation and a done fusion, each holding the collective with the same kind and
+  channel_id: one collective. Any other collective is its own group (XLA:CPU gives unrelated
+  collectives one channel_id, outside fusions); -start ops are left in (their -done counts)."""
+  fused = _fused_computations(module)
+  groups: dict[tuple[str, str], list[_Piece]] = {}
+  alone: list[list[_Piece]] = []
+  for piece in pieces:
+    channel = _CHANNEL_RE.search(piece.ins.attrs)
+    if channel is None or piece.phase or piece.comp not in fused:
+      alone.append([piece])
+    else:
+      groups.setdefault((piece.kind, channel.group(1)), []).append(piece)
+  return alone + list(groups.values())
+
+
 def collective_stats(hlo_text: str) -> dict:
   """Per-step collectives of a compiled module: {kind: {count, operand_bytes, result_bytes,
-  bytes}} plus 'total' and 'trip_count_unknown'. Async pairs (-start/-done) count once."""
+  bytes}} plus 'total' and 'trip_count_unknown'. Async pairs (-start/-done) count once, and so
+  do the start, continuation and done fusions of a TPU async collective (one channel_id): as
+  often as the least frequent of them runs (its start and done; continuation pieces may sit in
+  a loop the collective overlaps, such as a collective matmul's)."""
   module = parse_module(hlo_text)
   shapes = module.shapes()
   mult, unknown = computation_multiplicity(module)
   scatters = reduce_scatter_fusions(module)
   out = {k: {"count": 0, "operand_bytes": 0.0, "result_bytes": 0.0, "bytes": 0.0}
          for k in COLLECTIVES}
-  starts: dict[str, float] = {}
-  for comp, instructions in module.computations.items():
-    times = mult.get(comp, 0)
-    for ins in instructions:
-      kind, phase = _kind(ins.opcode)
-      if kind is None:
-        continue
-      operand_bytes = sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
-      if phase == "start":
-        starts[ins.name] = operand_bytes
-        continue
-      result_bytes = shape_bytes(ins.shape)
-      if kind == "all-reduce" and comp in scatters:
-        kind, result_bytes = "reduce-scatter", shape_bytes(instructions[-1].shape)
-      if phase == "done":
-        operand_bytes = starts.get(ins.operands[0], result_bytes) if ins.operands else result_bytes
-      row = out[kind]
-      row["count"] += times
-      row["operand_bytes"] += times * operand_bytes
-      row["result_bytes"] += times * result_bytes
-      row["bytes"] += times * max(operand_bytes, result_bytes)
+  starts = {}
+  for group in _runs(module, _pieces(module, mult)):
+    running = [p for p in group if p.times > 0] or group
+    times = min(p.times for p in running)
+    piece = next((p for p in running if p.comp in scatters),
+                 next(p for p in running if p.times == times))
+    kind, ins = piece.kind, piece.ins
+    operand_bytes = sum(shape_bytes(shapes.get(o, "")) for o in ins.operands)
+    if piece.phase == "start":
+      starts[ins.name] = operand_bytes
+      continue
+    result_bytes = shape_bytes(ins.shape)
+    if kind == "all-reduce" and piece.comp in scatters:
+      kind = "reduce-scatter"
+      result_bytes = shape_bytes(module.computations[piece.comp][-1].shape)
+    if piece.phase == "done":
+      operand_bytes = starts.get(ins.operands[0], result_bytes) if ins.operands else result_bytes
+    row = out[kind]
+    row["count"] += times
+    row["operand_bytes"] += times * operand_bytes
+    row["result_bytes"] += times * result_bytes
+    row["bytes"] += times * max(operand_bytes, result_bytes)
   out["total"] = {key: sum(out[k][key] for k in COLLECTIVES)
                   for key in ("count", "operand_bytes", "result_bytes", "bytes")}
   out["trip_count_unknown"] = unknown
   return out
-
-
-_CONTRACTING_RE = re.compile(r"\blhs_contracting_dims=\{([0-9,]*)\}")
-_DIM_LABELS_RE = re.compile(r"\bdim_labels=([0-9a-z]+)_([0-9a-z]+)->")
-
-
-def _dims(shape: str) -> list[int]:
-  found = _ARRAY_RE.search(shape)
-  return [int(d) for d in found.group(2).split(",") if d] if found else []
-
-
-def _conv_contraction(ins: Instruction, shapes: dict[str, str]) -> float:
-  """Input elements each output of a convolution sums: input features x the kernel positions
-  that can overlap the input. The TPU compiler writes some dots as convolutions over a size-1
-  spatial dim padded to the kernel's width, where one kernel position per output is real."""
-  labels = _DIM_LABELS_RE.search(ins.attrs)
-  lhs, rhs = (_dims(shapes.get(o, "")) for o in ins.operands)
-  if not labels:
-    return 0.0
-  lhs_l, rhs_l = labels.groups()
-  if len(lhs) != len(lhs_l) or len(rhs) != len(rhs_l) or "i" not in rhs_l:
-    return 0.0
-  spatial = [c for c in rhs_l if c.isdigit()]
-  return rhs[rhs_l.index("i")] * math.prod(
-      min(rhs[rhs_l.index(c)], lhs[lhs_l.index(c)]) for c in spatial if c in lhs_l)
-
-
-def _matmul_flops(ins: Instruction, shapes: dict[str, str]) -> float:
-  """2 x output elements x contracted elements of one dot or convolution (0 for anything else)."""
-  if ins.opcode == "dot" and ins.operands:
-    contracting = _CONTRACTING_RE.search(ins.attrs)
-    lhs = _dims(shapes.get(ins.operands[0], ""))
-    picked = [int(d) for d in contracting.group(1).split(",") if d] if contracting else []
-    return 2.0 * math.prod(_dims(ins.shape)) * math.prod(lhs[d] for d in picked if d < len(lhs))
-  if ins.opcode == "convolution" and len(ins.operands) == 2:
-    return 2.0 * math.prod(_dims(ins.shape)) * _conv_contraction(ins, shapes)
-  return 0.0
-
-
-def matmul_flops(hlo_text: str) -> dict:
-  """Per-device FLOPs of every dot and convolution in a compiled module, each weighted by how
-  often its computation runs (trip counts as in `collective_stats`): {'flops',
-  'trip_count_unknown'}.
-
-  Why not `cost_analysis()['flops']` alone: XLA counts a while body once whatever its trip
-  count, so a scanned layer stack or accumulated micro-batches are undercounted by their count
-  (and the GPU compiler reports no FLOPs at all deviceless). Kernels in custom calls (Pallas
-  splash, cuDNN) are not counted here either: their FLOPs are opaque to the HLO."""
-  module = parse_module(hlo_text)
-  shapes = module.shapes()
-  mult, unknown = computation_multiplicity(module)
-  total = sum(mult.get(comp, 0) * _matmul_flops(ins, shapes)
-              for comp, instructions in module.computations.items() for ins in instructions)
-  return {"flops": total, "trip_count_unknown": unknown}
 
 
 def summarize(stats: dict, kinds: Iterable[str] = COLLECTIVES) -> str:

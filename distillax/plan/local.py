@@ -17,13 +17,19 @@ import numpy as np
 
 from distillax import partitioning as pt
 from distillax.errors import UserError
-from distillax.framework.hlo import collective_stats, matmul_flops
+from distillax.framework import flops
+from distillax.framework.hlo import collective_stats
+from distillax.framework.hlo_flops import matmul_flops
 from distillax.framework.state import STUDENT
 from distillax.models.attention.layer import kv_cache_bytes_per_token
 from distillax.trainers import Recipe, recipe_for
 
 fmt = pt.shard.format_bytes
 DOES_NOT_FIT_EXIT_CODE = 3
+# Compiled matmul FLOPs per device over what the step should run (`flops_check`): a ratio
+# outside this range says a figure is wrong (a loop counted the wrong number of times, a
+# collective matmul or fused kernel misread, or the analytic model missing a layer).
+FLOPS_CHECK_RANGE = (0.9, 1.2)
 
 
 def _tree_bytes(abstract, shardings) -> tuple[int, int]:
@@ -36,8 +42,46 @@ def _tree_bytes(abstract, shardings) -> tuple[int, int]:
   return total, per_device
 
 
-def plan_report(recipe: Recipe, engine) -> dict:
-  """Figures of `recipe`'s compiled `engine` (also used by tests and benchmarks)."""
+def flops_check(recipe: Recipe, engine, compiled_per_device: float,
+                fused: tuple[str, ...] = (), unchecked: str | None = None) -> dict:
+  """The compiled step's matmul FLOPs per device against the analytic model's: `ratio` to the
+  job's model FLOPs (`recipe.step_flops`, the MFU convention), and `expected_ratio` to what the
+  step should run as HLO matmuls (those plus `flops.hlo_matmul_adjustment`: remat's
+  recomputation, a frozen base's missing weight gradients, the `fused` parts kernels hide),
+  which must lie in FLOPS_CHECK_RANGE (`within`); `warning` is the line to print when it does
+  not.
+  `unchecked`: why the compiled figure cannot be judged (`within` is then None)."""
+  devices = int(engine.mesh.devices.size)
+  cfg = recipe.model_config
+  frozen_base = jax.tree.leaves(engine.layout.abstract.frozen.get(STUDENT, {}))
+  trained = jax.tree.leaves(engine.layout.abstract.params)
+  # A LoRA or QLoRA student: its frozen base outweighs what trains (the adapters).
+  base_trains = sum(x.size for x in frozen_base) <= sum(x.size for x in trained)
+  model_flops = recipe.step_flops()
+  expected = (model_flops + flops.hlo_matmul_adjustment(
+      cfg, recipe.batch_size, recipe.seq_len, recipe.teacher_model_config,
+      remat=str(getattr(cfg, "remat", "none")), fused=fused,
+      weights_train=base_trains,
+      adapter_params=0 if base_trains else sum(x.size for x in trained))) / devices
+  expected_ratio = compiled_per_device / expected
+  low, high = FLOPS_CHECK_RANGE
+  within = None if unchecked else low <= expected_ratio <= high
+  warning = None if within in (None, True) else (
+      f"WARNING: the compiled matmuls are {expected_ratio:.2f}x the FLOPs this step should run "
+      f"({expected:.4g} per device: the analytic model with remat, frozen weights and fused "
+      f"kernels accounted for), outside {low}-{high}x: the HLO reader or the analytic model "
+      f"misses part of this step")
+  return {"ratio": compiled_per_device * devices / model_flops, "expected_per_device": expected,
+          "expected_ratio": expected_ratio, "range": list(FLOPS_CHECK_RANGE), "within": within,
+          "warning": warning, "unchecked": unchecked}
+
+
+def plan_report(recipe: Recipe, engine, fused: tuple[str, ...] = (),
+                unchecked: str | None = None) -> dict:
+  """Figures of `recipe`'s compiled `engine` (also used by tests and benchmarks). `fused`: the
+  parts of the step a target compile ran in kernels (flops.FUSIBLE: splash attention, a fused
+  cross-entropy), whose matmuls the compiled HLO does not show; `unchecked`: why its matmul
+  FLOPs cannot be checked (`flops_check`)."""
   layout, runner = engine.layout, engine.runner
   a, sh = layout.abstract, layout.shardings
   params = _tree_bytes(a.params, sh.params)
@@ -48,6 +92,7 @@ def plan_report(recipe: Recipe, engine) -> dict:
   stats = dict(runner.stats)
   hlo = runner.compiled_text()
   model_flops = recipe.step_flops()
+  compiled_flops = matmul_flops(hlo)["flops"]
   peak = (stats.get("argument_size_in_bytes", 0) + stats.get("temp_size_in_bytes", 0) +
           stats.get("output_size_in_bytes", 0) - stats.get("alias_size_in_bytes", 0))
   return {
@@ -68,7 +113,8 @@ def plan_report(recipe: Recipe, engine) -> dict:
       "model_flops_per_step": model_flops, "collectives": collective_stats(hlo),
       # Dots and convolutions, each times its loops' trip counts (XLA's own figure counts a
       # loop body once).
-      "hlo_matmul_flops_per_device": matmul_flops(hlo)["flops"],
+      "hlo_matmul_flops_per_device": compiled_flops,
+      "flops_check": flops_check(recipe, engine, compiled_flops, fused, unchecked),
       "compile_seconds": runner.compile_seconds,
       "kv_cache_bytes_per_token": _kv_cache_per_token(recipe),
   }
@@ -142,9 +188,15 @@ def print_figures(recipe: Recipe, r: dict) -> None:
   print(f"  peak per device ~ {fmt(r['peak_bytes_per_device'])}")
   print("  KV cache per sampled token (every layer, per sequence): " + ", ".join(
       f"{name} {fmt(n)}" for name, n in r["kv_cache_bytes_per_token"].items()))
+  check = r["flops_check"]
+  judged = (f"not checked: {check['unchecked']}" if check["unchecked"] else
+            f"{check['expected_ratio']:.2f}x with remat and fused kernels")
   print(f"  model FLOPs per step {r['model_flops_per_step']:.4g} (analytic); per device: "
-        f"{r['hlo_matmul_flops_per_device']:.4g} in the compiled matmuls, XLA's count "
+        f"{r['hlo_matmul_flops_per_device']:.4g} in the compiled matmuls "
+        f"({check['ratio']:.2f}x the analytic, {judged}), XLA's count "
         f"{c.get('flops', float('nan')):.4g} (loop bodies once)")
+  if check["warning"]:
+    print(f"  {check['warning']}")
   coll = r["collectives"]
   parts = ", ".join(f"{k} x{v['count']} ({fmt(v['bytes'])})" for k, v in coll.items()
                     if isinstance(v, dict) and k != "total" and v["count"])

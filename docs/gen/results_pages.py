@@ -5,12 +5,21 @@ page of tables, introduced by the question its script answers (benchmarks/README
 The renderer is generic: scalar settings become one key/value table, every list of records
 (`rows`, `checks`, `layer.rows`, ...) a table of its own. Host load readings are measurement
 context, not results, and are left out.
+
+Each page says whether its figures are what the script measures as it is now (`freshness`): a
+results file records the SHA-256 of the script that wrote it (`provenance`,
+benchmarks/lib/common.py's write_json), compared here with the script's text when the site is
+built; a file that records none (written before scripts recorded it, or by a script that writes
+its own JSON) is compared by git history instead: it is stale when its script was committed
+after it. A stale page says so above its tables, and the index says which pages are.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +27,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 # Where a committed report.json of `make demo` would live, and its report.md beside it.
 DEMO_REPORT = RESULTS / "demo_report.json"
 DEMO_REPORT_MD = RESULTS / "demo_report.md"
-_SKIPPED = re.compile(r"load")  # load_before, load_after, load_average: not results
+# load_before, load_after, load_average: not results; provenance: the script's hash, the
+# freshness line says what it means
+_SKIPPED = re.compile(r"load|^provenance$")
 _MAX_CELL = 80
 
 
@@ -31,6 +42,55 @@ def questions() -> dict[str, str]:
       for name in re.findall(r"`([\w.]+\.json)`", m.group(3)):
         out[name] = f"`benchmarks/{m.group(1)}.py`: {m.group(2)}"
   return out
+
+
+def script_of(name: str) -> str | None:
+  """The script that writes results file `name` (benchmarks/README.md's table; a file named
+  after its settings, peft_100m.json, by the longest script name it starts with)."""
+  found = questions().get(name)
+  if found:
+    return re.match(r"`(benchmarks/\w+\.py)`", found).group(1)
+  stem = Path(name).stem
+  scripts = [p.stem for p in (ROOT / "benchmarks").glob("*.py") if stem.startswith(p.stem)]
+  return f"benchmarks/{max(scripts, key=len)}.py" if scripts else None
+
+
+def _committed_at(path: Path) -> int | None:
+  """When `path` was last committed (seconds), or None without git history."""
+  try:
+    out = subprocess.run(["git", "log", "-1", "--format=%ct", "--", str(path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=False).stdout.strip()
+  except OSError:
+    return None
+  return int(out) if out.isdigit() else None
+
+
+def freshness(path: Path, data: dict) -> tuple[str, str]:
+  """('current' | 'stale' | 'unchecked', the sentence a page shows) for results file `path`."""
+  prov = data.get("provenance") if isinstance(data, dict) else None
+  script = prov["script"] if prov else script_of(path.name)
+  if script is None:
+    return "unchecked", "No script is known to write this file, so its figures are unchecked."
+  rerun = f"rerun `python {script}` (with the settings shown below) to refresh them."
+  if not (ROOT / script).exists():
+    return "stale", f"**Stale:** `{script}`, which wrote these figures, no longer exists."
+  if prov:
+    now = hashlib.sha256((ROOT / script).read_bytes()).hexdigest()
+    if now != prov["script_sha256"]:
+      return "stale", (f"**Stale:** `{script}` has changed since it wrote these figures; {rerun}")
+    old_rows = [r for r in data.get("rows", []) if isinstance(r, dict) and r.get("stale")]
+    if old_rows:
+      return "stale", (f"**Partly stale:** {len(old_rows)} row(s) marked `stale` were measured "
+                       f"by an older `{script}`; {rerun}")
+    return "current", f"Written by `{script}` as it is now."
+  results_at, script_at = _committed_at(path), _committed_at(ROOT / script)
+  if results_at is None or script_at is None:
+    return "unchecked", (f"This file records no hash of `{script}` and git has no history of "
+                         f"them here, so whether its figures are current is unchecked.")
+  if script_at > results_at:
+    return "stale", (f"**Stale:** `{script}` was changed after these figures were committed; "
+                     f"{rerun}")
+  return "current", f"`{script}` has not changed since these figures were committed."
 
 
 def _text(value) -> str:
@@ -91,8 +151,9 @@ def _sections(data: dict, title: str, depth: int) -> list[str]:
 
 def render_results(path: Path, question: str) -> str:
   data = json.loads(path.read_text())
+  _, status = freshness(path, data)
   lines = [f"# {path.stem}", "", question, "",
-           f"Rendered from `benchmarks/results/{path.name}` when the site was built.", ""]
+           f"Rendered from `benchmarks/results/{path.name}` when the site was built. {status}", ""]
   return "\n".join(lines + _sections(data, "", 2)) + "\n"
 
 
@@ -106,13 +167,15 @@ def benchmark_pages() -> dict[str, str]:
       "built: re-run a script and rebuild the site to update its page. Figures measured on a "
       "small shared CPU host with simulated devices compare paths with each other; they are not "
       "accelerator throughput. Run a script with `--help` for its flags and `--quick` for its "
-      "smallest settings.", "", "| results | question |", "|---|---|"]
+      "smallest settings. A page whose script changed after it wrote the figures is marked stale.",
+      "", "| results | figures | question |", "|---|---|---|"]
   for path in sorted(RESULTS.glob("*.json")):
     if path == DEMO_REPORT:
       continue
     question = asked.get(path.name, "")
     pages[f"benchmarks/{path.stem}.md"] = render_results(path, question)
-    index.append(f"| [{path.stem}]({path.stem}.md) | {_text(question)} |")
+    state = freshness(path, json.loads(path.read_text()))[0]
+    index.append(f"| [{path.stem}]({path.stem}.md) | {state} | {_text(question)} |")
   pages["benchmarks/index.md"] = "\n".join(index) + "\n"
   return pages
 

@@ -14,7 +14,9 @@ def test_quick_row_compares_the_tpu_compiler_with_the_cpu_plan(tmp_path):
                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                         timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  (row,) = json.loads((tmp_path / "plan_targets_quick.json").read_text())["rows"]
+  written = json.loads((tmp_path / "plan_targets_quick.json").read_text())
+  assert written["provenance"]["script"] == "benchmarks/plan_targets.py"
+  (row,) = written["rows"]
   tpu, cpu = row["on_target"], row["on_cpu"]
   assert tpu["devices"] == cpu["devices"] == 4 and tpu["mesh"] == cpu["mesh"] == "4x1"
   assert tpu["peak_bytes"] > 0 and cpu["peak_bytes"] > 0
@@ -26,4 +28,17 @@ def test_quick_row_compares_the_tpu_compiler_with_the_cpu_plan(tmp_path):
   assert tpu["model_flops_per_step"] == cpu["model_flops_per_step"]
   assert cpu["collectives"]["reduce-scatter"]["count"] == 0
   assert tpu["collectives"]["reduce-scatter"]["count"] > 0
+  # Both compilers' matmuls agree with the analytic model (splash's attention left out).
+  assert tpu["flops_check"]["within"] and cpu["flops_check"]["within"]
   assert "tiny-v5e4" in proc.stdout  # the table
+
+
+def test_rows_a_partial_rerun_keeps_are_marked_stale_when_an_older_script_measured_them():
+  from benchmarks import plan_targets
+  from benchmarks.lib import common
+  rows = [{"id": "a", "x": 1}, {"id": "b", "x": 2}]
+  now = {"script": "benchmarks/plan_targets.py",
+         "script_sha256": common.script_sha256(plan_targets.SCRIPT)}
+  assert plan_targets.kept_rows({"rows": rows, "provenance": now}, {"a"}) == [rows[1]]
+  for older in ({"rows": rows}, {"rows": rows, "provenance": {**now, "script_sha256": "0"}}):
+    assert plan_targets.kept_rows(older, {"a"}) == [{"id": "b", "x": 2, "stale": True}]

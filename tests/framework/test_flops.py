@@ -368,3 +368,65 @@ def test_gated_deltanet_layers_count_their_projections_and_state_contractions():
   assert got["attn_scores"] == got["attn_values"] == 2 * 4 * 16 * 32
   assert got["mlp"] == 4 * 3 * 2 * T * 64 * 128
   assert got["total"] == sum(v for k, v in got.items() if k != "total")
+
+
+# ---- what a compiled step runs as HLO matmuls (plan's FLOPs check) ------------------------------
+
+def test_hlo_matmul_adjustment_by_hand():
+  """TINY over 1 x 3 tokens: forward 1176, of which attention products 72 and logits 240."""
+  adjust = lambda **kw: flops.hlo_matmul_adjustment(TINY, 1, 3, **kw)
+  assert adjust() == 0
+  assert adjust(remat="full") == 1176 - 240  # every layer's forward again, not the logits
+  assert adjust(remat="save_dots_no_batch") == 72
+  assert adjust(remat="save_dots") == 0
+  # A frozen base: no weight-gradient matmuls (all but the attention products'), and 6 FLOPs
+  # per token for each of 10 adapter parameters.
+  assert adjust(weights_train=False, adapter_params=10) == -(1176 - 72) + 6 * 3 * 10
+  # A fused attention kernel hides the products: forward and two gradients (and the recomputed
+  # forward under remat), and the teacher's forward.
+  assert adjust(fused=("attention",)) == -3 * 72
+  assert adjust(fused=("attention",), remat="full") == 1176 - 240 - 4 * 72
+  assert flops.hlo_matmul_adjustment(TINY, 1, 3, TINY, fused=("attention",)) == -4 * 72
+  # tokamax's fused cross-entropy: the logits, their input and weight gradients.
+  assert adjust(fused=("logits",)) == -3 * 240
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaNetCfg(Cfg):
+  token_mixers: tuple = ("linear_attention", "full_attention")
+  linear_attention_impl: str = "chunked"
+  linear_attention_chunk: int = 4
+  linear_num_key_heads: int = 1
+  linear_num_value_heads: int = 2
+  linear_key_head_dim: int = 3
+  linear_value_head_dim: int = 5
+
+
+def test_chunked_linear_attention_extra_by_hand():
+  """One DeltaNet layer, chunks of 4, 2 value heads, d_k 3, d_v 5; 1 x 6 tokens pad to 8. Per
+  token and head: C (3 d_k + 2 d_v) = 4 x 19 key/solve/score products, one doubling of the
+  4 x 4 inverse, 2 x 16; 2 FLOPs each."""
+  cfg = DeltaNetCfg(vocab_size=10, embed_dim=4, num_layers=2, num_heads=2, num_kv_heads=1,
+                    head_dim=2, mlp_dim=8)
+  assert flops.chunked_linear_attention_extra(cfg, 1, 6) == 2 * 8 * 2 * (4 * 19 + 2 * 16)
+  recurrent = dataclasses.replace(cfg, linear_attention_impl="recurrent")
+  assert flops.chunked_linear_attention_extra(recurrent, 1, 6) == 0
+
+
+def test_chunked_linear_attention_extra_matches_the_compiled_chunked_form():
+  """The chunked form as XLA compiles it, its dots counted with trip counts (the chunk scan):
+  the recurrence's 3 (d_k x d_v) products per token and head plus the extra."""
+  from distillax.framework import hlo_flops
+  from distillax.models.linear_attention import gated_delta_rule_chunked
+  B, L, H, K, V, C = 2, 24, 2, 8, 16, 8
+  cfg = DeltaNetCfg(vocab_size=10, embed_dim=4, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=2, mlp_dim=8, token_mixers=("linear_attention",),
+                    linear_attention_chunk=C, linear_num_value_heads=H, linear_key_head_dim=K,
+                    linear_value_head_dim=V)
+  args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((B, L, H, K), (B, L, H, K),
+                                                          (B, L, H, V), (B, L, H), (B, L, H))]
+  fn = jax.jit(lambda *a: gated_delta_rule_chunked(*a, chunk_size=C)[0])
+  compiled = hlo_flops.matmul_flops(fn.lower(*args).compile().as_text())
+  assert not compiled["trip_count_unknown"]
+  assert compiled["flops"] == 3 * 2 * B * L * H * K * V + flops.chunked_linear_attention_extra(
+      cfg, B, L)

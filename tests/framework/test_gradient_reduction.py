@@ -1,8 +1,10 @@
 """With parameters replicated over the data axis (dp, tp) the jit step can reduce gradients once
-per step (`partitioning.gradient_reduction`; auto does so under accumulation or tied embeddings):
-micro-batches and both uses of a tied table sum locally first. Bytes are read from the compiled HLO
-(loops weighted by trip count) and compared with the fp32 gradient and with the shard_map backend;
-the numbers are compared with the GSPMD path (fsdp), which reduces where gradients are produced."""
+per step (`partitioning.gradient_reduction`; auto does so under accumulation, tied embeddings,
+and always on XLA:CPU, which moves no reduction out of a loop): micro-batches, both uses of a
+tied table and the output layer's gradient of every vocabulary chunk sum locally first. Bytes
+are read from the compiled HLO (loops weighted by trip count) and compared with the fp32
+gradient and with the shard_map backend; the numbers are compared with the GSPMD path (fsdp),
+which reduces where gradients are produced."""
 
 import dataclasses
 
@@ -11,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from distillax.data import batch as batch_spec
 from distillax.errors import ConfigError
-from distillax.framework import hlo
+from distillax.framework import hlo, losses
+from distillax.framework.engine import reduces_once
 from distillax.framework.step import ObjectiveOutput
 from distillax.models.init import abstract_model, create_model
 from tests.support.engines import mesh_and_rules, packed_batches, run_training, tiny_engine
@@ -58,16 +62,51 @@ def test_per_use_reduction_moves_a_gradient_per_micro_batch():
 
 
 def test_auto_keeps_per_use_reductions_where_nothing_is_saved():
-  """Untied and not accumulating: per-layer reductions stay, so the compiler may overlap them
-  with the backward pass; parameters split over data always reduce per use."""
-  assert _engine("dp", (8, 1), cfg=TINY).runner.gradient_reduction == "per_use"
+  """Untied and not accumulating, on a compiler that moves reductions out of loops (TPU, GPU):
+  per-layer reductions stay, so the compiler may overlap them with the backward pass; XLA:CPU
+  moves none, so there auto reduces once. Parameters split over data always reduce per use."""
+  untied = abstract_model(TINY)
+  assert not reduces_once("auto", 1, untied, None, "jit", platform="tpu")
+  assert not reduces_once("auto", 1, untied, None, "jit", platform="gpu")
+  assert reduces_once("auto", 1, untied, None, "jit", platform="cpu")
+  assert reduces_once("auto", 4, untied, None, "jit", platform="tpu")
+  assert _engine("dp", (8, 1), cfg=TINY).runner.gradient_reduction == "per_step"
   assert _engine("fsdp", (8, 1), accum_steps=4).runner.gradient_reduction == "per_use"
-  assert _engine("dp", (8, 1), cfg=TINY, reduction="per_step").runner.gradient_reduction == (
-      "per_step")
+  assert _engine("dp", (8, 1), cfg=TINY, reduction="per_use").runner.gradient_reduction == (
+      "per_use")
   with pytest.raises(ConfigError, match="gradient_reduction=per_step needs parameters"):
     _engine("fsdp", (8, 1), reduction="per_step")
   with pytest.raises(ConfigError, match="gradient_reduction='sometimes' is unknown"):
     _engine("dp", (8, 1), reduction="sometimes")
+
+
+# Untied, its output layer 1024 x 64 (256 KiB of fp32 gradient).
+UNTIED = dataclasses.replace(TINY, vocab_size=1024)
+
+
+def _chunked_lm(student, extras, batch, rng):
+  """Next-token CE through the vocabulary-chunk engine in chunks of 32 tokens: 16 chunks of one
+  position over the 32 rows GSPMD sees (2 of 8 positions over a worker's 4 rows)."""
+  del extras, rng
+  out = student(batch[batch_spec.INPUTS], **losses.model_inputs(batch), return_logits=False)
+  loss, _, tokens = losses.model_cross_entropy_sums(
+      student, out.final_hidden_BxLxD, batch[batch_spec.TARGETS], batch[batch_spec.LOSS_MASK],
+      chunk_size=32)
+  return ObjectiveOutput(loss_sum=loss, tokens=tokens, sums={})
+
+
+def test_dp_on_cpu_reduces_the_output_layer_once_not_per_vocabulary_chunk():
+  """What made Llama 3.1 8B's dp step all-reduce 1.46x its gradients on XLA:CPU: per use, the
+  output layer's gradient of each of the 16 chunks is all-reduced inside the chunk loop; auto
+  (per step on XLA:CPU) sums the chunks on each worker and all-reduces the gradient once."""
+  mesh, rules = mesh_and_rules("dp", 8, 1)
+  batch = packed_batches(1, batch=32, seq_len=16)[0]
+  engines = {mode: tiny_engine(abstract_model(UNTIED), batch, mesh, rules, objective=_chunked_lm,
+                               gradient_reduction=mode) for mode in ("auto", "per_use")}
+  grad, head = _grad_bytes(engines["auto"]), 1024 * 64 * 4
+  assert engines["auto"].runner.gradient_reduction == "per_step"
+  assert grad <= _all_reduce_bytes(engines["auto"]) <= grad * 1.001
+  assert _all_reduce_bytes(engines["per_use"]) == pytest.approx(grad + 15 * head, rel=1e-3)
 
 
 def test_tp_communication_does_not_grow_with_accumulation():

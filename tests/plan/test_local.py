@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from distillax.main import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,6 +22,32 @@ def test_plan_reports_sharded_bytes_and_fit(capsys):
   assert "(0.125 of total)" in line
   assert "collectives per step per device" in out and "all-gather" in out
   assert "gradients reduced per use" in out
+  # Its compiled matmuls agree with the analytic model: no warning.
+  assert "x the analytic, " in out and "WARNING" not in out
+
+
+def test_plan_warns_when_the_compiled_flops_disagree_with_the_analytic_model(capsys,
+                                                                              monkeypatch):
+  """A compiled figure 1.81x too large (what the TPU reader printed for Llama 3.1 8B -> 3.2 1B
+  on v5e-8 while it counted collective-matmul loops twice) is a one-line warning, and the
+  report says so (plan_targets' JSON carries `flops_check`)."""
+  from distillax.plan import local
+  reports = []
+  real_matmul_flops, real_report = local.matmul_flops, local.plan_report
+  monkeypatch.setattr(local, "matmul_flops",
+                      lambda text: {**real_matmul_flops(text),
+                                    "flops": 1.81 * real_matmul_flops(text)["flops"]})
+  monkeypatch.setattr(local, "plan_report",
+                      lambda *a, **kw: reports.append(real_report(*a, **kw)) or reports[-1])
+  code = main(["distillax", "plan", "--config", f"{ROOT}/distillax/configs/lm.py:tiny",
+               "--devices", "8"])
+  out = capsys.readouterr().out
+  assert code == 0, out
+  check = reports[0]["flops_check"]
+  assert not check["within"] and check["range"] == [0.9, 1.2]
+  assert check["expected_ratio"] == pytest.approx(1.81 * 1.04, rel=0.05)
+  warnings = [line for line in out.splitlines() if "WARNING" in line]
+  assert len(warnings) == 1 and "outside 0.9-1.2x" in warnings[0], out
 
 
 def test_plan_sizes_a_fused_attention_config_with_blockwise_on_cpu(capsys):

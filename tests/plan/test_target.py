@@ -95,6 +95,9 @@ def test_tiny_jobs_compile_for_a_tpu_with_splash(job):
   assert report["compiled"]["argument_size_in_bytes"] > 0
   assert report["peak_bytes_per_device"] > 0
   assert report["hlo_matmul_flops_per_device"] > 0
+  # The compiled matmuls agree with the analytic model, splash's attention left out; the MoE
+  # job's experts run partly in Mosaic's ragged-dot kernels: not judged.
+  assert report["flops_check"]["within"] is (None if job == "moe" else True), report["flops_check"]
   splash = [k for k in report["kernels"] if k.startswith("mosaic:splash_mqa")]
   assert any("fwd" in k for k in splash) and any("dkv" in k for k in splash), report["kernels"]
   assert any(choice.startswith("splash (") for choice in report["attention"]), report
