@@ -7,7 +7,8 @@ line naming the problem and the fix (distillax/cli/error_lines.py) and exit with
 nothing is written to an existing workdir before the config has been validated.
 `distillax <command> --help` lists the flags a command reads (distillax/cli/flags.py);
 `distillax --version` says which distillax this is. Nothing imported here imports JAX: `--devices`
-has to reach XLA_FLAGS first.
+has to reach XLA_FLAGS first. A host without a TPU then runs JAX on the CPU without libtpu's
+start-up lines (distillax/cli/host_platforms.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from distillax.cli.error_lines import fail, parse_error_line
 from distillax.cli.flags import (COMMAND_FLAGS, COMMANDS, CONFIG_OPTIONAL, FLAGS, PATH_FLAGS,
                                  USAGE, flag_value)
 from distillax.cli.help_text import command_help, overview_help, version_line
+from distillax.cli.host_platforms import skip_absent_tpu
 from distillax.cli.target_env import prepare_target_environment
 
 
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     return fail(command, devices_error)
   if command == "plan" and flag_value(rest, "target") is not None:
     prepare_target_environment(flag_value(rest, "target"))
+  skip_absent_tpu()  # after XLA_FLAGS: it imports JAX (and starts no backend)
 
   from distillax.errors import UserError
   from distillax.framework.run import logs

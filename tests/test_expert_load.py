@@ -4,6 +4,8 @@ numpy count of the routers' top k on the same tokens, the keep flag, and one-lin
 write nothing."""
 
 import json
+import os
+import shlex
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,6 +20,7 @@ from distillax.models.moe.layer import expert_capacity
 from distillax.trainers.sources import RunSource, student_source
 from tests.test_main import LM
 
+DISTILL_MOE = os.path.join(os.path.dirname(LM), "distill_moe.py")
 TINY_MOE = ["--config.model.num_experts=4", "--config.model.moe_mlp_dim=32"]
 
 
@@ -101,3 +104,37 @@ def test_expert_load_refusals_are_one_line_and_write_nothing(moe_run, tmp_path, 
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1 and says in err[0], err
   assert not out.exists()
+
+
+def test_the_documented_pruning_recipe_gives_a_run_that_eval_and_expert_load_read(tmp_path,
+                                                                                  capsys):
+  """docs/guides/moe.md's recipe as a user runs it: expert-load on the config's teacher prints a
+  keep flag, a distillation with those kept experts trains, and then `eval --model` and
+  `expert-load --model` read the pruned run (they used to refuse it: its config.json still named
+  the kept experts). eval's loss is the run's own final eval row (same batches, same weights)."""
+  assert main(["distillax", "expert-load", "--config", f"{DISTILL_MOE}:tiny", "--batches", "1",
+               "--keep_top", "3"]) == 0
+  line = next(line for line in capsys.readouterr().out.splitlines() if "experts=" in line)
+  flag = next(word for word in shlex.split(line.split(": ", 1)[1])  # as a shell passes it
+              if word.startswith("--config.student.from_teacher.experts="))
+  run = tmp_path / "moe_kd"
+  assert main(["distillax", "train", "--config", f"{DISTILL_MOE}:tiny", "--workdir", str(run),
+               "--config.partitioning.strategy=fsdp", "--config.mesh.data=-1",
+               "--config.mesh.model=1", "--config.student.from_teacher.layers=(0, 1)", flag,
+               "--config.train.steps=1", "--config.optimizer.warmup_steps=0",
+               "--config.train.eval_batches=1"]) == 0
+  capsys.readouterr()
+  trained = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  final_eval = [row for row in trained if "eval_loss" in row][-1]
+
+  assert main(["distillax", "eval", "--model", str(run)]) == 0
+  evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert evaluated["eval_tokens"] == final_eval["eval_tokens"]
+  np.testing.assert_allclose(evaluated["eval_loss"], final_eval["eval_loss"], rtol=1e-5)
+
+  out = tmp_path / "load.json"
+  assert main(["distillax", "expert-load", "--model", str(run), "--batches", "1",
+               "--json", str(out)]) == 0
+  shares = np.asarray(json.loads(out.read_text())["share"])
+  assert shares.shape == (2, 3)  # the student's two layers, three kept experts each
+  np.testing.assert_allclose(shares.sum(axis=1), [1.0, 1.0], rtol=1e-12)

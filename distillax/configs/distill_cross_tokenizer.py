@@ -8,6 +8,8 @@ tokenizer, the student on another:
   distillax train --config distillax/configs/distill_cross_tokenizer.py --workdir runs/xkd \
       --config.teacher.workdir=runs/teacher --config.teacher.tokenizer=hf:tok_teacher \
       --config.data.tokenizer=hf:tok_student
+teacher.tokenizer may be left out where the teacher brings its tokenizer.json (a Hugging Face
+checkpoint in teacher.hf_path, or a run trained on an hf: tokenizer): empty means its own.
 The weights of the three terms, the temperature and alpha are distill.cross_tokenizer.*.
 A seconds-long run: a fresh tiny teacher on a 1024-id BPE, the student on a 512-id BPE, both
 trained on the embedded corpus (data/corpus_bpe.py; cached after the first run):
@@ -32,8 +34,10 @@ def get_config(arg: str | None = None):
   del c["cache"]  # no teacher cache: the teacher runs on its own tokens in the step
   c.distill.objective = "cross_tokenizer"
   c.data.tokenizer = f"hf:{corpus_bpe(512)}"
-  c.teacher.tokenizer = f"hf:{corpus_bpe(1024)}"
+  # teacher.tokenizer stays empty: a teacher checkpoint's (or run's) own tokenizer, as the guide
+  # says; only :tiny's fresh preset teacher, which brings none, is given one of its own.
   if args.tiny:
+    c.teacher.tokenizer = f"hf:{corpus_bpe(1024)}"
     c.model.vocab_size = 0  # the student's tokenizer's (512)
   if args.on_policy:
     c.trainer = "on_policy"

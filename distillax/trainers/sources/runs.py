@@ -32,8 +32,11 @@ def as_loaded(cfg: ml_collections.ConfigDict, *, keep_data: bool = False
   since) are read, and the recipe's up-front checks must not ask for them."""
   cfg = cfg.copy_and_resolve_references()
   cfg.train.init_from = ""
-  if "student" in cfg:  # the model section already has the shape its source gave
+  if "student" in cfg:  # the model section already has the shape its source gave (the
+    # blocks and the experts it kept of them)
     cfg.student.hf_path, cfg.student.from_teacher.layers = "", ()
+    if "experts" in cfg.student.from_teacher:
+      cfg.student.from_teacher.experts = ()
   if not keep_data:
     cfg.data.source, cfg.data.eval_source = "stdlib", ""
     if "eval" in cfg:  # nor its held-out generation file, nor a guard that watches its scores

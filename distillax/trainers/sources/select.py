@@ -103,8 +103,7 @@ def student_source(config, teacher: ModelSource | None = None) -> ModelSource:
     return HFSource(hf_path, "student.hf_path")
   if layers:
     if "teacher" not in config:
-      raise ConfigError("student.from_teacher.layers is set but this config has no teacher "
-                        "section; use a distillation config")
+      raise ConfigError(_no_single_teacher(config))
     _check_layers(layers)
     of = teacher or teacher_source(_as_stored(config.teacher), _vocab_of(config))
     return BlocksSource(of, layers, experts=kept)
@@ -113,6 +112,18 @@ def student_source(config, teacher: ModelSource | None = None) -> ModelSource:
                       f"student copies no teacher blocks; set student.from_teacher.layers too, "
                       f"e.g. --config.student.from_teacher.layers='(0, 1)'")
   return FreshSource(None, "")
+
+
+def _no_single_teacher(config) -> str:
+  """Why student.from_teacher.layers has no teacher to copy, and the fix."""
+  if "teachers" not in config:
+    return ("student.from_teacher.layers is set but this config has no teacher section; use a "
+            "distillation config, e.g. distillax/configs/distill.py")
+  return (f"student.from_teacher.layers copies blocks of one teacher, but this job distils from "
+          f"{len(config.teachers)} (the `teachers` list), so which one's is not said; derive the "
+          f"student in a single-teacher run (distillax/configs/distill.py with that teacher "
+          f"and --config.student.from_teacher.layers) and start this job from it with "
+          f"--config.train.init_from=<its workdir>, or clear student.from_teacher.layers")
 
 
 def _as_stored(teacher):

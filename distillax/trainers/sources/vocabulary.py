@@ -99,6 +99,12 @@ def check_tokenizers(sources, data_tokenizer: str, field: str = "data.tokenizer"
       raise ConfigError(f"{field}='byte' but {first} comes with its own tokenizer "
                         f"({named[0][1]}); use it: --config.{field}=hf:{named[0][1]}")
     token = next(t for t in sorted(set(vocab) | set(theirs)) if vocab.get(t) != theirs.get(t))
+    if field == "teacher.tokenizer":  # a cross-tokenizer job: the teacher's own against it
+      raise ConfigError(f"{name} is not the tokenizer {first} comes with ({len(theirs)} vs "
+                        f"{len(vocab)} tokens; {token!r} is id {theirs.get(token)} vs "
+                        f"{vocab.get(token)}); the teacher reads the tokens it was trained on: "
+                        f"leave teacher.tokenizer empty for its own (--config.teacher.tokenizer="
+                        f"'') or name that one (--config.teacher.tokenizer=hf:{named[0][1]})")
     raise ConfigError(f"{first} and {name} are different tokenizers ({len(vocab)} vs "
                       f"{len(theirs)} tokens; {token!r} is id {vocab.get(token)} vs "
                       f"{theirs.get(token)}); distillation needs one tokenizer on both sides: "

@@ -2,6 +2,7 @@
 ordinary forward-KL LogitKD; tokenizers that cannot be aligned by bytes are refused in one line."""
 
 import io
+import json
 import os
 
 import jax
@@ -15,6 +16,7 @@ from distillax.main import main
 from distillax.partitioning import create_mesh
 from distillax.trainers import recipe_for
 from tests.data.chat_testing import training_lines
+from tests.support.tokenizers import trained_bpe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 CONFIG = os.path.join(ROOT, "distillax", "configs", "distill_cross_tokenizer.py")
@@ -89,3 +91,41 @@ def test_teacher_tokenizer_path_is_relative_to_the_current_directory(tmp_path, m
   c.teacher.tokenizer = "hf:missing/tokenizer.json"
   with pytest.raises(UserError, match=r"^teacher.tokenizer='hf:missing/tokenizer.json' is rel"):
     resolve_job_config(c, "train")
+
+
+@pytest.fixture(scope="module")
+def teacher_checkpoint(tmp_path_factory):
+  """A Hugging Face teacher directory with its own 700-id tokenizer.json (config.json written
+  by hand: the job reads the model's shape from it; no weights are loaded here)."""
+  folder = tmp_path_factory.mktemp("hf_teacher")
+  trained_bpe(folder, 700)
+  (folder / "config.json").write_text(json.dumps({
+      "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 704,
+      "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+      "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}))
+  return folder
+
+
+def test_a_teacher_checkpoint_alone_distils_on_its_own_tokenizer(teacher_checkpoint):
+  """The guide: teacher.tokenizer left empty is the checkpoint's own. The config used to set
+  the corpus BPE for every teacher and refuse teacher.hf_path alone."""
+  c = distill_cross_tokenizer.get_config()
+  c.teacher.hf_path = str(teacher_checkpoint)
+  recipe = recipe_for(c)
+  with open(teacher_checkpoint / "tokenizer.json") as f:
+    own = json.load(f)["model"]["vocab"]
+  assert recipe.teacher_tokenizer.vocab_size == len(own) == 700
+
+
+def test_a_teacher_checkpoint_against_tinys_tokenizer_names_the_fix(teacher_checkpoint, tmp_path,
+                                                                    capsys):
+  """:tiny gives its fresh teacher the corpus BPE; a checkpoint there is told to leave
+  teacher.tokenizer empty (not that distillation needs one tokenizer on both sides)."""
+  workdir = tmp_path / "run"
+  code = main(["distillax", "train", "--config", f"{CONFIG}:tiny", "--workdir", str(workdir),
+               f"--config.teacher.hf_path={teacher_checkpoint}"])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and not workdir.exists() and len(err) == 1, err
+  assert f"is not the tokenizer teacher.hf_path={teacher_checkpoint} comes with (1024 vs 700" in \
+      err[0] and "--config.teacher.tokenizer=''" in err[0], err

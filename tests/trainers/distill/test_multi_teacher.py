@@ -51,6 +51,10 @@ def test_refusals_are_one_line():
   gone = tiny()
   gone.teachers[1].hf_path = "/nonexistent/teacher_b"
   cases.append((gone, "teachers\\[1\\].hf_path"))
+  derived = tiny()  # it used to be told it had no teacher section
+  derived.student.from_teacher.layers = (0,)
+  cases.append((derived, "copies blocks of one teacher, but this job distils from 2 \\(the "
+                         "`teachers` list\\).*--config.train.init_from="))
   for config, match in cases:
     with pytest.raises(UserError, match=match) as e:
       recipe_for(config)
