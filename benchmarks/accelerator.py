@@ -63,6 +63,11 @@ S = ":loss_impl=sliced"  # what train.loss_impl='auto' runs for these jobs
 ROWS = (
     Row("train", "real", (f"train:full:8{S}", f"train:full:12{S}"),
         "the student's next-token training step"),
+    Row("train_bf16", "real", (f"train:full:8{S}:param_dtype=bfloat16",
+                               f"train:save_dots_no_batch:8{S}:param_dtype=bfloat16",
+                               f"train:full:16{S}:param_dtype=bfloat16"),
+        "the train step with bf16 weights and Adam state (no fp32 master copy): the lever that "
+        "frees the memory fp32 master weights and their Adam state take"),
     Row("kd", "real", (f"kd:full:4{S}", f"kd:full:6{S}"),
         "LogitKD (T=2, alpha 0.7) with the teacher in the step"),
     Row("kd_int8_teacher", "real", (f"kd:full:6{S}:teacher_int8=True",

@@ -274,7 +274,7 @@ def layout_key(low: "Lowered") -> tuple:
   """What decides the state's arrays: variants with the same key share one state."""
   t = low.teacher_cfg
   return (low.variant.option("pair", ""), low.variant.option("qat", ""),
-          low.student_cfg.scan_layers,
+          low.student_cfg.scan_layers, low.student_cfg.param_dtype,
           t.scan_layers if t is not None else None, low.teacher_int8)
 
 
