@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -57,6 +58,27 @@ def _reciprocal(d: jnp.ndarray) -> jnp.ndarray:
   return jnp.where(d == 0, jnp.float32(0), jnp.float32(1) / jnp.where(d == 0, 1, d))
 
 
+_F16_MIN_NORMAL = 2.0 ** -14
+
+
+def _f16_rounded(x: jnp.ndarray) -> jnp.ndarray:
+  """float32 `x` rounded to the nearest float16 (ties to even, subnormals kept, overflow to
+  inf), as float32, in integer and power-of-two arithmetic. `x.astype(float16)` cannot be
+  trusted for this inside a jitted function: the TPU compiler folds a float32 -> float16 ->
+  float32 round trip away (measured on a v5e: the scales came back unrounded, so 20 of 21
+  q4_0 blocks differed from ggml's), while every operation here is exact on every backend."""
+  x = x.astype(jnp.float32)
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  keep_lsb = (bits >> 13) & 1  # the 10-bit mantissa's last bit: ties go to even
+  normal = jax.lax.bitcast_convert_type(((bits + 0xFFF + keep_lsb) & ~np.uint32(0x1FFF))
+                                        .astype(jnp.uint32), jnp.float32)
+  normal = jnp.where(jnp.abs(normal) > 65504.0, jnp.copysign(jnp.inf, x), normal)
+  # Below the smallest normal float16 the grid is 2^-24 apart: an exact scaling, then rint.
+  subnormal = jnp.round(x * jnp.float32(2.0 ** 24)) * jnp.float32(2.0 ** -24)
+  rounded = jnp.where(jnp.abs(x) < _F16_MIN_NORMAL, subnormal, normal)
+  return jnp.where(jnp.isfinite(x), rounded, x)
+
+
 def quantize_blocks(blocks: jnp.ndarray, qtype: str) -> tuple[jnp.ndarray, jnp.ndarray]:
   """float32 (..., 32) blocks -> (codes (..., 32) int8 for q8_0 / uint8 0..15 for q4_0,
   fp16 scales (..., 1)), as ggml's reference quantizer writes them."""
@@ -71,7 +93,7 @@ def quantize_blocks(blocks: jnp.ndarray, qtype: str) -> tuple[jnp.ndarray, jnp.n
     codes = jnp.clip(shifted, 0, 15).astype(jnp.uint8)
   else:
     raise UserError(f"{qtype!r} is not a ggml block type; use one of {', '.join(WEIGHT_QTYPES)}")
-  return codes, d.astype(jnp.float16)
+  return codes, _f16_rounded(d).astype(jnp.float16)
 
 
 def dequantize_blocks(codes: jnp.ndarray, scales: jnp.ndarray, qtype: str) -> jnp.ndarray:
@@ -87,7 +109,7 @@ def quantize_activation_blocks(blocks: jnp.ndarray) -> tuple[jnp.ndarray, jnp.nd
   d = amax / jnp.float32(127)
   multiplier = jnp.where(amax == 0, jnp.float32(0),
                          jnp.float32(127) / jnp.where(amax == 0, 1, amax))
-  return jnp.round(blocks * multiplier).astype(jnp.int8), d.astype(jnp.float16)
+  return jnp.round(blocks * multiplier).astype(jnp.int8), _f16_rounded(d).astype(jnp.float16)
 
 
 # ---- arrays of any rank: blocks along the contracted axes ------------------------------------

@@ -86,3 +86,21 @@ def test_qat_q4_0_forward_equals_the_model_on_numpy_rounded_weights():
   theirs = np.asarray(logits(reference, toks))
   chip.assert_close(ours, theirs, rtol=0, atol=1e-5)
   assert np.abs(ours - np.asarray(logits(model, toks))).max() > 1e3 * 1e-5
+
+
+def test_scales_round_to_float16_as_numpy_does():
+  """The fp16 rounding of the scales, done in integer arithmetic (the TPU compiler folds a
+  jitted float32 -> float16 -> float32 round trip away), against numpy's cast bit for bit:
+  every exponent from fp16's subnormals to past its largest value, and the exact midpoints
+  between neighbouring fp16 numbers (ties to even), normal and subnormal."""
+  rng = np.random.default_rng(3)
+  spread = (rng.uniform(1, 2, 4000) * 2.0 ** rng.integers(-30, 18, 4000)).astype(np.float32)
+  halves = np.arange(0, 2 ** 15 - 1024, 7, dtype=np.uint16).view(np.float16).astype(np.float32)
+  nexts = (np.arange(0, 2 ** 15 - 1024, 7, dtype=np.uint16) + 1).view(np.float16)
+  midpoints = (halves + nexts.astype(np.float32)) / 2  # exact in float32
+  x = np.concatenate([spread, midpoints, [0.0, 65504.0, 65519.0, 65520.0, 2.0 ** -25,
+                                          3 * 2.0 ** -26, np.inf]]).astype(np.float32)
+  x = np.concatenate([x, -x])
+  got = np.asarray(jax.jit(ggml._f16_rounded)(jnp.asarray(x)))
+  want = x.astype(np.float16).astype(np.float32)
+  np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -79,14 +79,21 @@ def grouped_ffn(xs_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,
   as `jax.lax.ragged_dot` when called, so QAT's interception of it (quant/intercept.py) sees
   these matmuls too."""
   ragged_dot = ragged_dot or jax.lax.ragged_dot
-  gate_NxF = ragged_dot(xs_NxD, gate_ExDxF, group_sizes_E)
-  up_NxF = ragged_dot(xs_NxD, up_ExDxF, group_sizes_E)
+  # A grouped matmul leaves the rows past the groups' total undefined on a TPU (zeros on the
+  # CPU): measured on a v5e, garbage (NaN in bf16) in them, and in the input gradient's, reached
+  # the dropped tokens' gradients. Zeroed here on the way in (which zeroes their gradient on the
+  # way back) and on the way out.
+  in_groups_Nx1 = (jnp.arange(xs_NxD.shape[0]) < jnp.sum(group_sizes_E))[:, None]
+  grouped = lambda lhs, rhs: jnp.where(in_groups_Nx1, ragged_dot(
+      jnp.where(in_groups_Nx1, lhs, 0), rhs, group_sizes_E), 0)
+  gate_NxF = grouped(xs_NxD, gate_ExDxF)
+  up_NxF = grouped(xs_NxD, up_ExDxF)
   bias = lambda b_ExX: jnp.take(b_ExX, sorted_experts_N, axis=0, mode="clip")
   if biases is not None:
     gate_NxF, up_NxF = gate_NxF + bias(biases[0]), up_NxF + bias(biases[1])
   if up_act is not None:
     up_NxF = up_act(up_NxF)
-  out_NxD = ragged_dot(act(gate_NxF) * up_NxF, down_ExFxD, group_sizes_E)
+  out_NxD = grouped(act(gate_NxF) * up_NxF, down_ExFxD)
   return out_NxD if biases is None else out_NxD + bias(biases[2])
 
 
