@@ -77,6 +77,9 @@ ROWS = (
         "weights, per-token activations; the sliced loss keeps its head in bf16)"),
     Row("qat_kd", "real", (f"kd:full:4{S}:qat=q4_0",),
         "the KD step with the student fake-quantized to llama.cpp's q4_0 (q8_0 activations)"),
+    Row("qat_kd_weights", "real", (f"kd:full:4{S}:qat=q4_0_weights",),
+        "the KD step with only the student's weights fake-quantized to q4_0 (activations left "
+        "in bf16): what the activations' q8_0 rounding costs"),
     Row("moe_kd", "moe", (f"kd:full:4{S}:teacher_moe_impl=ragged",
                           f"kd:full:2{S}:teacher_moe_impl=ragged",
                           f"kd:full:4{S}:teacher_moe_impl=tokamax"),
@@ -85,9 +88,11 @@ ROWS = (
     Row("moe_train", "moe_student", (f"train:full:8{S}:moe_impl=ragged",
                                      f"train:full:4{S}:moe_impl=ragged"),
         "training a 16-expert Qwen3-MoE-shaped student (0.50B)"),
-    Row("long_context", "real", (f"train:full:1:seq_len=16384{S}",
-                                 f"train:full:1:seq_len=32768{S}"),
-        "the student's training step at 16k and 32k tokens (splash attention)"),
+    Row("long_context", "real", (f"train:full:2:seq_len=8192{S}",
+                                 f"train:full:1:seq_len=16384{S}:param_dtype=bfloat16",
+                                 f"train:full:1:seq_len=8192{S}"),
+        "the student's training step at 8k and 16k tokens (splash attention; at 16k only with "
+        "bf16 weights and Adam state: the fp32 ones need 16.9 GB, 32k 16.05 GB of temporaries)"),
     Row("continuity_train", "continuity", (f"train:full:8{S}",),
         "the first chip figures' 383M student, trained"),
     Row("continuity_kd", "continuity", (f"kd:full:4{S}", f"kd:full:8{S}"),
@@ -120,6 +125,9 @@ def parse_args(argv=None):
                       help="splash_blocks.json: candidates take its fastest tiles")
   parser.add_argument("--from-levers", default="",
                       help="summarise this levers.jsonl (a run cut short) instead of running")
+  parser.add_argument("--profile", default="",
+                      help="comma-separated variant-name patterns to profile (a tgz each, "
+                           "beside the JSON)")
   parser.add_argument("--kinds", default="kd,train", choices=("train,kd", "kd,train"),
                       help="which kind of step runs first (the others compile meanwhile)")
   return subproc.parse_args(parser, argv)
@@ -165,7 +173,9 @@ def main(argv=None) -> int:
     levers_path.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="accelerator-") as tmp:
       grid = ",".join(v for vs in names.values() for v in vs)
-      tpu_levers.main(["--grid", grid, "--out", tmp, "--threads", str(args.threads),
+      out = str(path.parent) if args.profile else tmp  # profiles are kept beside the JSON
+      tpu_levers.main(["--grid", grid, "--out", out, "--threads", str(args.threads),
+                       "--profile", args.profile,
                        "--kinds", args.kinds, "--rows-file", str(levers_path)]
                       + (["--tiny"] if quick else [])
                       + (["--splash-from", args.splash_from] if args.splash_from else []))

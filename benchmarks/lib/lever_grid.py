@@ -232,7 +232,8 @@ def lower(v: Variant, pair: dict) -> Lowered:
 
 # qat=q4_0: llama.cpp's q4_0 weights and q8_0 activations everywhere but the output layer (the
 # top module, path ''), as the demo and README train for llama.cpp.
-QAT_RULES = {"q4_0": {"rules": [("", None, None, None), (".*", "q4_0", "q8_0", None)]}}
+QAT_RULES = {"q4_0": {"rules": [("", None, None, None), (".*", "q4_0", "q8_0", None)]},
+             "q4_0_weights": {"rules": [("", None, None, None), (".*", "q4_0", None, None)]}}
 
 
 def transformed(v: Variant, student):
