@@ -95,6 +95,13 @@ def _out_of_memory(error: Exception) -> str | None:
   return pick[:400]
 
 
+def _attention_fields(config) -> str:
+  """model.attention_impl, and the teacher's when it has its own, as the config sets them."""
+  out = f"model.attention_impl={config.model.get('attention_impl', 'auto')!r}"
+  own = config.teacher.get("attention_impl") if "teacher" in config else None
+  return out + (f", teacher.attention_impl={own!r}" if own else "")
+
+
 def compile_on(config, target: targets.Target, devices: list, model_overrides=None) -> dict:
   """Compiles `config`'s train step for `target`; the plan report, plus the target, the kernels
   and the attention and MoE choices, or {'out_of_memory': <compiler's line>} when it does not compile.
@@ -117,11 +124,11 @@ def compile_on(config, target: targets.Target, devices: list, model_overrides=No
     except Exception as e:  # noqa: BLE001 - only an out-of-memory compile is a plan's answer
       if "cuDNN" in str(e) and ("not found" in str(e) or "not detected" in str(e)):
         raise UserError(
-            f"{target.name}: attention runs cuDNN (model.attention_impl="
-            f"{config.model.get('attention_impl', 'auto')!r}; 'auto' picks cuDNN on a GPU, for a "
-            f"teacher preset too), whose lowering needs NVIDIA's cuDNN library: pip install "
+            f"{target.name}: attention runs cuDNN ({_attention_fields(config)}; 'auto' picks "
+            f"cuDNN on a GPU), whose lowering needs NVIDIA's cuDNN library: pip install "
             f"nvidia-cudnn-cu12 beside the aot-gpu extra, or set "
-            f"--config.model.attention_impl=blockwise (a student without a teacher)") from None
+            f"--config.model.attention_impl=blockwise (a teacher follows it unless "
+            f"teacher.attention_impl says otherwise)") from None
       line = _out_of_memory(e)
       if line is None:
         raise

@@ -294,6 +294,28 @@ def test_gpu_target_without_cudnn_says_so_in_one_line():
   assert "pip install nvidia-cudnn-cu12" in line and "attention_impl=blockwise" in line
 
 
+def test_gpu_target_plans_a_distillation_with_both_models_attention_set():
+  """A bf16 teacher on `auto` is cuDNN on a GPU target; model.attention_impl=blockwise used to
+  leave the teacher asking for cuDNN (an error without NVIDIA's wheel). Now the teacher follows
+  the student: every traced attention call, both models' layers, is blockwise."""
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(
+      [sys.executable, "-m", "distillax", "plan", "--config",
+       f"{ROOT}/distillax/configs/distill.py:tiny", "--target", "gpu:h100x1",
+       "--config.model.dtype=bfloat16", "--config.teacher.dtype=bfloat16",
+       "--config.model.attention_impl=blockwise"],
+      env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  text = out.stdout
+  choices = [line for line in text.splitlines() if line.startswith("  attention: ")]
+  # One traced call for the student's layer, two for the teacher's.
+  assert choices == ["  attention: blockwise (as configured), 3 traced call(s)"], choices
+  assert "\n  layer 0 of 1: attention blockwise\n" in text  # the student
+  assert "\n  layers 0-1 of 2: attention blockwise\n" in text  # the teacher
+  assert "cudnn" not in text.lower()
+
+
 def test_target_without_its_compiler_names_the_extra(monkeypatch, capsys):
   monkeypatch.setattr(targets, "installed", lambda module: False)
   code = main(["distillax", "plan", "--config", LM_TINY, "--target", "tpu:v5e-4"])
