@@ -197,10 +197,12 @@ def print_figures(recipe: Recipe, r: dict) -> None:
   check = r["flops_check"]
   judged = (f"not checked: {check['unchecked']}" if check["unchecked"] else
             f"{check['expected_ratio']:.2f}x with remat and fused kernels")
+  xla = c.get("flops")
+  xla = (f"XLA's count {xla:.4g} (loop bodies once)" if xla is not None and math.isfinite(xla)
+         and xla >= 0 else "XLA gives no count of its own for this target")
   print(f"  model FLOPs per step {r['model_flops_per_step']:.4g} (analytic); per device: "
         f"{r['hlo_matmul_flops_per_device']:.4g} in the compiled matmuls "
-        f"({check['ratio']:.2f}x the analytic, {judged}), XLA's count "
-        f"{c.get('flops', float('nan')):.4g} (loop bodies once)")
+        f"({check['ratio']:.2f}x the analytic, {judged}), {xla}")
   if check["warning"]:
     print(f"  {check['warning']}")
   coll = r["collectives"]
