@@ -7,6 +7,8 @@ the teacher), else fresh weights of the model section. Teacher: `teacher.workdir
 holds teacher *outputs*, not a model, so such a job has no teacher source. `teacher.int8` runs
 the teacher of the step with int8 matmul weights (kinds.Int8Source); what the job reads of the
 teacher otherwise (its config, tokenizer, the blocks a derived student copies) is the stored one.
+The teacher's attention runs as `teacher.attention_impl` says, '' (the default) as the student's
+`model.attention_impl`: which kernel runs is the platform's choice, not the checkpoint's.
 
 A student whose weights come from a source has that source's shape: `resolve_student` writes
 the source's model config into the config's `model` section, so the run's config.json describes
