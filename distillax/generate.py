@@ -188,6 +188,18 @@ def generate_tokens(loaded: LoadedModel, tokens: list[int], *, max_new_tokens: i
   return ids[:cut]
 
 
+def check_not_gguf(model_dir: str | None) -> None:
+  """Refuses a GGUF file as --model: generate decodes with distillax's own sampler, which reads
+  a run or a Hugging Face directory; a GGUF runs in llama.cpp (and `eval --generate` scores its
+  completions there)."""
+  from distillax.edge.completions import is_gguf
+  if is_gguf(model_dir):
+    raise UserError(f"--model {model_dir} is a GGUF file, which runs in llama.cpp (llama-cli -m "
+                    f"{model_dir} -p TEXT), not in generate; distillax eval --model {model_dir} "
+                    f"--generate FILE scores its completions, and generate takes the run or "
+                    f"Hugging Face directory it was exported from")
+
+
 def run_generate(config, model_dir: str | None, *, prompt: str | None, messages: str | None,
                  max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
                  seed: int, full_precision: bool = False) -> int:
@@ -199,6 +211,7 @@ def run_generate(config, model_dir: str | None, *, prompt: str | None, messages:
   if (prompt is None) == (messages is None):
     raise UserError("give exactly one of --prompt TEXT or --messages JSON")
   turns = read_messages(messages) if messages is not None else None
+  check_not_gguf(model_dir)
   loaded = load_model_dir(model_dir, config, full_precision=full_precision)
   tokens = prompt_tokens(loaded, prompt, turns)
   ids = generate_tokens(loaded, tokens, max_new_tokens=max_new_tokens, temperature=temperature,

@@ -23,6 +23,7 @@ from distillax.cli.error_lines import fail, parse_error_line
 from distillax.cli.flags import (COMMAND_FLAGS, COMMANDS, CONFIG_OPTIONAL, FLAGS, PATH_FLAGS,
                                  USAGE, flag_value)
 from distillax.cli.help_text import command_help, overview_help, version_line
+from distillax.cli.model_preset import split_model_preset, with_model_preset
 from distillax.cli.host_platforms import skip_absent_tpu
 from distillax.cli.target_env import prepare_target_environment
 
@@ -87,7 +88,7 @@ def _parse(command: str, argv: list[str]):
   from distillax.errors import UserError
 
   fv = flags.FlagValues()
-  flag_argv = argv[:1] + argv[2:]
+  flag_argv, model_preset = split_model_preset(argv[:1] + argv[2:])
   config_arg = flag_value(flag_argv, "config")
   if config_arg is not None and not os.path.exists(config_arg.split(":", 1)[0]):
     raise UserError(f"--config {config_arg.split(':', 1)[0]}: no such file; pass a job config "
@@ -101,12 +102,15 @@ def _parse(command: str, argv: list[str]):
       kind, default, _, text = FLAGS[name]
       getattr(flags, f"DEFINE_{kind}")(name, default, text, flag_values=fv)
     fv(flag_argv)
-    if fv["config"].value is None and command in CONFIG_OPTIONAL:
+    if fv["config"].value is None and command in CONFIG_OPTIONAL and model_preset is None:
       return None, fv
     if fv["config"].value is None:
       raise UserError("--config is required, e.g. --config distillax/configs/lm.py:tiny")
     config = fv.config
     config.to_dict()  # a config file that failed to load raises only when first read
+    if model_preset is not None:
+      config = with_model_preset(config, model_preset, config_flags.get_override_values(
+          fv["config"]))
   except UserError:
     raise
   except Exception as e:  # noqa: BLE001 - every way a command line fails to parse is the user's

@@ -93,11 +93,22 @@ def _section(defaults, path: list[str]):
   return node
 
 
+def _missing_at(defaults, path: list[str], key: str) -> bool:
+  """Whether `path` (an override's keys) names `key` where the config has no such field: its
+  section exists and lacks it, or the section itself is missing."""
+  parent = path[:path.index(key)]
+  section = _section(defaults, parent)
+  return not (hasattr(section, "keys") and key in section)
+
+
 def _unknown_key_line(key: str, flag_argv: list[str], defaults) -> str:
   """`--config.train.step=10`: the field that does not exist, the closest ones that do, and
   the override spelled with the closest."""
   overrides = [a[2:].split("=", 1)[0] for a in flag_argv if a.startswith("--config.")]
-  path = next((o.split(".")[1:] for o in overrides if key in o.split(".")[1:]), [key])
+  paths = [o.split(".")[1:] for o in overrides if key in o.split(".")[1:]]
+  # The override that names `key` in a section lacking it, not the first to name `key`:
+  # `--config.teacher.preset=x --config.model.preset=y` fails on model's, not teacher's.
+  path = next((p for p in paths if _missing_at(defaults, p, key)), (paths or [[key]])[0])
   parent = path[:path.index(key)]
   section = _section(defaults, parent)
   known = sorted(section.keys()) if hasattr(section, "keys") else []

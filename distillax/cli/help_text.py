@@ -37,7 +37,10 @@ def command_help(command: str) -> str:
            _help_line("--config FILE[:ARG]", "job config and its argument, e.g. "
                                              "distillax/configs/lm.py:tiny"),
            _help_line("--config.KEY=VALUE", "set one config field (type-checked against the "
-                                            "file's value), e.g. --config.train.steps=100")]
+                                            "file's value), e.g. --config.train.steps=100"),
+           _help_line("--config.model.preset=NAME", "the model's shape from a preset (e.g. "
+                                                    "qwen3-0.6b); how it runs and its "
+                                                    "vocab_size stay the config's")]
   for name in COMMAND_FLAGS[command] + ("verbose",):
     _, default, placeholder, text = FLAGS[name]
     flag = f"--{name} {placeholder}".strip()

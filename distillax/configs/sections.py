@@ -142,6 +142,9 @@ def teacher_section() -> ml_collections.ConfigDict:
   # embedding) as int8 codes + per-channel scales, half its bf16 memory, and run those matmuls
   # as int8 x int8 -> int32 dots with each input quantized per token (quant/int8_model.py).
   c.int8 = False
+  # How the teacher's attention runs: auto | reference | blockwise | cudnn | splash | tokamax;
+  # '' = as the student's (model.attention_impl), so one flag sets both models'
+  c.attention_impl = ""
   c.cache_dir = ""  # an offline teacher cache (distillax cache-teacher): train without a teacher
   # The teacher's tokenizer when it differs from the student's (distill.objective=
   # 'cross_tokenizer'): 'byte' | 'hf:<tokenizer.json or its folder>'; '' = the teacher
@@ -154,6 +157,9 @@ def teachers_entry(name: str, weight: float = 1.0, **fields) -> ml_collections.C
   """One entry of a `teachers` list (configs/distill_multi_teacher.py): a teacher section (its
   source: workdir / hf_path / preset, and dtype overrides) plus a name and a weight."""
   c = teacher_section()
+  # Each of several teachers runs the student's attention_impl: the entries keep the fields
+  # that earlier runs' `teachers` lists hold (a list is compared whole for the job's identity).
+  del c["attention_impl"]
   c.name = name  # what routing rules, metrics and the workdir's teachers.json call it
   c.weight = float(weight)  # its share of the mixture (distill.teachers_mode='mixture')
   c.update(fields)

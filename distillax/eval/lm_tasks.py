@@ -18,6 +18,7 @@ lm-eval's own `simple_evaluate`, and the task metrics print as one JSON object (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -26,6 +27,7 @@ import sys
 import jax
 
 from distillax.errors import UserError
+from distillax.eval.hub_data import check_task_data
 
 LOCAL_TASKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
 _NEEDS = "needs the eval extra (lm-eval): pip install 'distillax[eval]'"
@@ -99,6 +101,20 @@ def _metrics(results: dict) -> dict:
   return out
 
 
+@contextlib.contextmanager
+def _no_git_probe():
+  """simple_evaluate records the git commit of the current directory by running `git describe`
+  with the terminal as its stderr: outside a repository the user reads "fatal: not a git
+  repository". distillax keeps only the metrics, so lm-eval's probe answers None meanwhile."""
+  from lm_eval import evaluator
+  probe = evaluator.get_git_commit_hash
+  evaluator.get_git_commit_hash = lambda: None
+  try:
+    yield
+  finally:
+    evaluator.get_git_commit_hash = probe
+
+
 def run_tasks(loaded, tasks: str, *, num_fewshot: int | None = None, limit: int | None = None,
               output: str | None = None, batch_size: int = 8) -> dict:
   """Runs lm-eval's simple_evaluate over `loaded` (a generate.LoadedModel); the metrics."""
@@ -114,10 +130,12 @@ def run_tasks(loaded, tasks: str, *, num_fewshot: int | None = None, limit: int 
   if output and os.path.exists(output) and not os.path.isfile(output):
     raise UserError(f"--output={output} is a directory; give a .json file to write")
   specs, manager = task_specs(tasks)
+  check_task_data(tasks, specs, manager)
   try:
-    results = simple_evaluate(model=DistillaxLM(loaded, batch_size=batch_size), tasks=specs,
-                              task_manager=manager, num_fewshot=num_fewshot, limit=limit,
-                              log_samples=False, bootstrap_iters=0)
+    with _no_git_probe():
+      results = simple_evaluate(model=DistillaxLM(loaded, batch_size=batch_size), tasks=specs,
+                                task_manager=manager, num_fewshot=num_fewshot, limit=limit,
+                                log_samples=False, bootstrap_iters=0)
   except (FileNotFoundError, ConnectionError, OSError) as e:
     raise UserError(f"--tasks={tasks}: a task's data could not be loaded ({type(e).__name__}: "
                     f"{str(e).splitlines()[0] if str(e) else ''}); offline, give a task YAML "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any, Callable, Mapping
 
@@ -31,15 +32,24 @@ DATA_AXIS = "data"
 BATCH_LOGICAL = ("batch", "length")
 
 
+def flops_words(stats: Mapping[str, float]) -> str:
+  """XLA's FLOPs figure of a compiled step as a log says it; the GPU compiler reports none
+  (deviceless or not), which is said in words, not as `nan FLOPs`."""
+  flops = stats.get("flops")
+  if flops is None or not math.isfinite(flops) or flops < 0:
+    return "no FLOPs figure from this compiler"
+  return f"{flops:.3g} FLOPs"
+
+
 def log_compiled_stats(backend: str, stats: Mapping[str, float]) -> None:
   if not stats:
     return
   fmt = pt.shard.format_bytes
   logging.info(
       "compiled %s step, per device: arguments %s, temporaries %s, outputs %s (aliased %s); "
-      "%.3g FLOPs", backend, fmt(stats.get("argument_size_in_bytes", 0)),
+      "%s", backend, fmt(stats.get("argument_size_in_bytes", 0)),
       fmt(stats.get("temp_size_in_bytes", 0)), fmt(stats.get("output_size_in_bytes", 0)),
-      fmt(stats.get("alias_size_in_bytes", 0)), stats.get("flops", float("nan")))
+      fmt(stats.get("alias_size_in_bytes", 0)), flops_words(stats))
 
 
 @dataclasses.dataclass

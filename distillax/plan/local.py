@@ -133,14 +133,20 @@ def _kv_cache_per_token(recipe: Recipe) -> dict[str, int]:
 
 def _attention_on_cpu(config):
   """plan compiles on CPU, which has no fused attention kernel: a config that asks for cuDNN or
-  splash is sized with blockwise attention, the same class of memory (no (L, S) scores; the
-  kernels' own workspace aside)."""
-  impl = config.model.get("attention_impl", "auto")
-  if impl not in ("cudnn", "splash") or jax.default_backend() != "cpu":
+  splash (for the student, or the teacher's own teacher.attention_impl) is sized with blockwise
+  attention, the same class of memory (no (L, S) scores; the kernels' own workspace aside)."""
+  if jax.default_backend() != "cpu":
     return config
-  print(f"note: plan compiles on CPU; model.attention_impl={impl!r} is sized as 'blockwise'")
+  fields = [(section, config[section].get("attention_impl", "auto"))
+            for section in ("model", "teacher") if section in config]
+  fused = [(section, impl) for section, impl in fields if impl in ("cudnn", "splash")]
+  if not fused:
+    return config
   config = config.copy_and_resolve_references()
-  config.model.attention_impl = "blockwise"
+  for section, impl in fused:
+    print(f"note: plan compiles on CPU; {section}.attention_impl={impl!r} is sized as "
+          f"'blockwise'")
+    config[section].attention_impl = "blockwise"
   return config
 
 
@@ -191,10 +197,12 @@ def print_figures(recipe: Recipe, r: dict) -> None:
   check = r["flops_check"]
   judged = (f"not checked: {check['unchecked']}" if check["unchecked"] else
             f"{check['expected_ratio']:.2f}x with remat and fused kernels")
+  xla = c.get("flops")
+  xla = (f"XLA's count {xla:.4g} (loop bodies once)" if xla is not None and math.isfinite(xla)
+         and xla >= 0 else "XLA gives no count of its own for this target")
   print(f"  model FLOPs per step {r['model_flops_per_step']:.4g} (analytic); per device: "
         f"{r['hlo_matmul_flops_per_device']:.4g} in the compiled matmuls "
-        f"({check['ratio']:.2f}x the analytic, {judged}), XLA's count "
-        f"{c.get('flops', float('nan')):.4g} (loop bodies once)")
+        f"({check['ratio']:.2f}x the analytic, {judged}), {xla}")
   if check["warning"]:
     print(f"  {check['warning']}")
   coll = r["collectives"]

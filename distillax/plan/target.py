@@ -17,8 +17,11 @@ own batch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import re
+import threading
+import time
 
 from distillax import partitioning as pt
 from distillax.errors import UserError
@@ -43,6 +46,7 @@ _OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Ran out of memory", "VmemOom", "out of 
 # Remat policies, cheapest to recompute first (`none` recomputes nothing, `full` everything).
 REMAT_BY_COST = ("none", "save_dots", "save_dots_no_batch", "full")
 MAX_PER_DEVICE = 1024  # sequences per data-parallel device: where --search stops doubling
+PROGRESS_EVERY_S = 30.0  # a "still compiling" line this often while a target compile runs
 
 
 def fused_kernels(hlo_text: str) -> dict[str, int]:
@@ -95,6 +99,35 @@ def _out_of_memory(error: Exception) -> str | None:
   return pick[:400]
 
 
+def _attention_fields(config) -> str:
+  """model.attention_impl, and the teacher's when it has its own, as the config sets them."""
+  out = f"model.attention_impl={config.model.get('attention_impl', 'auto')!r}"
+  own = config.teacher.get("attention_impl") if "teacher" in config else None
+  return out + (f", teacher.attention_impl={own!r}" if own else "")
+
+
+@contextlib.contextmanager
+def compile_progress(what: str, every_s: float = PROGRESS_EVERY_S, say=None):
+  """Says `what` is compiling, then a line every `every_s` seconds until the block ends: a
+  large model's target compile takes minutes, and a silent terminal looks hung. `say` prints
+  one line (default: stdout, flushed)."""
+  say = say or (lambda line: print(line, flush=True))
+  say(f"  compiling the step for {what} (a line every {every_s:g} s until it is done)")
+  done, start = threading.Event(), time.monotonic()
+
+  def tick():
+    while not done.wait(every_s):
+      say(f"  still compiling for {what}: {time.monotonic() - start:.0f} s")
+
+  ticker = threading.Thread(target=tick, name="compile-progress", daemon=True)
+  ticker.start()
+  try:
+    yield
+  finally:
+    done.set()
+    ticker.join()
+
+
 def compile_on(config, target: targets.Target, devices: list, model_overrides=None) -> dict:
   """Compiles `config`'s train step for `target`; the plan report, plus the target, the kernels
   and the attention and MoE choices, or {'out_of_memory': <compiler's line>} when it does not compile.
@@ -113,15 +146,16 @@ def compile_on(config, target: targets.Target, devices: list, model_overrides=No
       layer_scope.recorded_by_layer() as by_layer, compile_cache.disabled():
     try:
       # Compiled before it returns: an out-of-memory compile is this plan's answer.
-      engine = recipe.build_engines(compile_now=True).main
+      with compile_progress(f"{target.name} with the {target.platform.upper()} compiler"):
+        engine = recipe.build_engines(compile_now=True).main
     except Exception as e:  # noqa: BLE001 - only an out-of-memory compile is a plan's answer
       if "cuDNN" in str(e) and ("not found" in str(e) or "not detected" in str(e)):
         raise UserError(
-            f"{target.name}: attention runs cuDNN (model.attention_impl="
-            f"{config.model.get('attention_impl', 'auto')!r}; 'auto' picks cuDNN on a GPU, for a "
-            f"teacher preset too), whose lowering needs NVIDIA's cuDNN library: pip install "
+            f"{target.name}: attention runs cuDNN ({_attention_fields(config)}; 'auto' picks "
+            f"cuDNN on a GPU), whose lowering needs NVIDIA's cuDNN library: pip install "
             f"nvidia-cudnn-cu12 beside the aot-gpu extra, or set "
-            f"--config.model.attention_impl=blockwise (a student without a teacher)") from None
+            f"--config.model.attention_impl=blockwise (a teacher follows it unless "
+            f"teacher.attention_impl says otherwise)") from None
       line = _out_of_memory(e)
       if line is None:
         raise

@@ -51,6 +51,7 @@ NOT_JOB_IDENTITY: dict[str, str] = {
     "sequence_kd.output": "where the teacher samples are written",
     "cache.": "read by `distillax cache-teacher` only, never by training",
     "eval.": "what each eval also measures (held-out generations), not what trains",
+    "teacher.attention_impl": "how the teacher's forward computes: the same model, tested equal",
     "train.loss_impl": "how the vocabulary losses are computed: every implementation computes "
                        "the same losses (framework/vocab_slices.py, vocab_chunks.py)",
     # The model fields declared as how the forward computes (models/config.py's field kinds).

@@ -207,3 +207,16 @@ def test_generate_and_eval_misuse_fails_in_one_line(run, tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(f"distillax {argv[0]}: error:"), (argv, err)
     for fragment in fragments:
       assert fragment in err[0], (argv, err[0], fragment)
+
+
+def test_generate_of_a_gguf_says_where_ggufs_run(tmp_path, capsys):
+  """A GGUF is not a run directory: the line says where it runs (llama.cpp, eval --generate)."""
+  gguf = tmp_path / "student.gguf"
+  gguf.write_bytes(b"GGUF")
+  capsys.readouterr()
+  assert main(["distillax", "generate", "--model", str(gguf), "--prompt", "x"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("distillax generate: error: "), err
+  assert f"--model {gguf} is a GGUF file, which runs in llama.cpp" in err[0], err
+  assert f"distillax eval --model {gguf} --generate FILE" in err[0]
+  assert "not a distillax run directory" not in err[0]

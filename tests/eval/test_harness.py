@@ -171,3 +171,48 @@ def test_eval_tasks_errors_are_one_line_and_write_nothing(backends, tmp_path, ca
   monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # the eval extra missing
   line = _error_line(capsys, ["--model", folder, "--tasks", "distillax_code_mc"])
   assert "--tasks needs the eval extra (lm-eval): pip install 'distillax[eval]'" in line
+
+
+def test_eval_tasks_outside_a_git_repository_print_no_git_error(backends, tmp_path, capfd,
+                                                               monkeypatch):
+  """lm-eval runs `git describe` for its results' git hash, whose "fatal: not a git
+  repository" went to the terminal from any directory outside a repository."""
+  import subprocess
+  folder, _, _ = backends
+  monkeypatch.chdir(tmp_path)
+  assert subprocess.run(["git", "rev-parse"], capture_output=True).returncode != 0
+  capfd.readouterr()
+  assert main(["distillax", "eval", "--model", folder, "--tasks", "distillax_code_mc",
+               "--limit", "1"]) == 0
+  captured = capfd.readouterr()
+  assert '"distillax_code_mc"' in captured.out
+  assert "fatal" not in captured.err and "not a git repository" not in captured.err, captured.err
+
+
+def test_a_hub_task_offline_and_uncached_is_one_line_before_lm_eval_starts(backends, tmp_path,
+                                                                           capsys, monkeypatch):
+  """The Hub client retried each request for ~25 s before lm-eval's error; the data set is
+  now looked for first: HF_HUB_OFFLINE, or a Hub that refuses the connection (a closed local
+  port as HF_ENDPOINT), is one line naming the task and its data set, lm-eval never called."""
+  import lm_eval
+
+  def never(**_):
+    raise AssertionError("lm-eval started on data that cannot be loaded")
+
+  folder, _, _ = backends
+  monkeypatch.setattr(lm_eval, "simple_evaluate", never)
+  task = tmp_path / "hub_task.yaml"
+  task.write_text(open(os.path.join(LOCAL_TASKS, "distillax_code", "distillax_code_mc.yaml"))
+                  .read().replace("task: distillax_code_mc", "task: hub_task")
+                  .replace("dataset_path: json", "dataset_path: nosuch-org/nosuch-set"))
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  line = _error_line(capsys, ["--model", folder, "--tasks", str(task)])
+  assert ("the Hugging Face data set nosuch-org/nosuch-set (task hub_task) is not in this "
+          "machine's cache, and HF_HUB_OFFLINE=1 keeps the Hub client offline") in line, line
+  assert "task YAML over a local JSON file" in line
+  for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HTTPS_PROXY", "https_proxy",
+              "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:1")
+  line = _error_line(capsys, ["--model", folder, "--tasks", str(task)])
+  assert "and the Hub (http://127.0.0.1:1) cannot be reached from here" in line, line

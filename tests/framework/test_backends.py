@@ -74,3 +74,15 @@ def test_pmap_compiles_its_step_once(caplog):
   step_compiles = [r for r in caplog.records
                    if r.getMessage().startswith("Compiling") and "uint32[8,2]" in r.getMessage()]
   assert len(step_compiles) == 1, [r.getMessage()[:120] for r in step_compiles]
+
+
+def test_the_compile_log_line_gives_flops_only_when_the_compiler_does(caplog):
+  """The GPU compiler's cost analysis has no 'flops': the line says so, not `nan FLOPs`."""
+  from distillax.framework.backends import log_compiled_stats
+  with caplog.at_level(logging.INFO):
+    log_compiled_stats("jit", {"argument_size_in_bytes": 2048.0})
+    log_compiled_stats("jit", {"argument_size_in_bytes": 2048.0, "flops": 2.5e9})
+  lines = [r.getMessage() for r in caplog.records if "compiled jit step" in r.getMessage()]
+  assert len(lines) == 2 and "arguments 2.00 KiB" in lines[0], lines
+  assert lines[0].endswith("; no FLOPs figure from this compiler") and "nan" not in lines[0]
+  assert lines[1].endswith("; 2.5e+09 FLOPs"), lines[1]

@@ -58,6 +58,21 @@ def test_plan_sizes_a_fused_attention_config_with_blockwise_on_cpu(capsys):
   assert "model.attention_impl='cudnn' is sized as 'blockwise'" in out and "peak per device" in out
 
 
+def test_plan_on_cpu_sizes_a_teachers_own_fused_attention_with_blockwise(capsys):
+  """teacher.attention_impl=splash (its own choice, not the student's) cannot compile on CPU
+  either: both sections are sized as blockwise, each with its note."""
+  from distillax.configs import distill
+  from distillax.plan import local
+  c = distill.get_config("tiny")
+  c.model.attention_impl, c.teacher.attention_impl = "cudnn", "splash"
+  sized = local._attention_on_cpu(c)
+  assert (sized.model.attention_impl, sized.teacher.attention_impl) == ("blockwise", "blockwise")
+  assert (c.model.attention_impl, c.teacher.attention_impl) == ("cudnn", "splash")  # a copy
+  out = capsys.readouterr().out
+  assert "model.attention_impl='cudnn' is sized as 'blockwise'" in out
+  assert "teacher.attention_impl='splash' is sized as 'blockwise'" in out
+
+
 def test_plan_says_how_gradients_are_reduced(capsys):
   """dp with accumulation reduces once per step: one all-reduce, where per use makes two."""
   base = ["distillax", "plan", "--config", f"{ROOT}/distillax/configs/lm.py:tiny", "--devices",

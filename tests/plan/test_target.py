@@ -3,8 +3,10 @@ process: compile-only devices on a CPU host) and the real GPU compiler (the CUDA
 subprocess: it must be importable before JAX is), with what each compiler reports."""
 
 import os
+import re
 import subprocess
 import sys
+import threading
 
 import jax
 import pytest
@@ -292,6 +294,56 @@ def test_gpu_target_without_cudnn_says_so_in_one_line():
   (line,) = [l for l in out.stderr.splitlines() if l.startswith("distillax plan: error:")]
   assert "attention runs cuDNN (model.attention_impl='auto'" in line
   assert "pip install nvidia-cudnn-cu12" in line and "attention_impl=blockwise" in line
+
+
+def test_gpu_target_plans_a_distillation_with_both_models_attention_set():
+  """A bf16 teacher on `auto` is cuDNN on a GPU target; model.attention_impl=blockwise used to
+  leave the teacher asking for cuDNN (an error without NVIDIA's wheel). Now the teacher follows
+  the student: every traced attention call, both models' layers, is blockwise."""
+  env = dict(os.environ, PYTHONPATH=ROOT)
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(
+      [sys.executable, "-m", "distillax", "plan", "--config",
+       f"{ROOT}/distillax/configs/distill.py:tiny", "--target", "gpu:h100x1",
+       "--config.model.dtype=bfloat16", "--config.teacher.dtype=bfloat16",
+       "--config.model.attention_impl=blockwise"],
+      env=env, capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  text = out.stdout
+  choices = [line for line in text.splitlines() if line.startswith("  attention: ")]
+  # One traced call for the student's layer, two for the teacher's.
+  assert choices == ["  attention: blockwise (as configured), 3 traced call(s)"], choices
+  assert "\n  layer 0 of 1: attention blockwise\n" in text  # the student
+  assert "\n  layers 0-1 of 2: attention blockwise\n" in text  # the teacher
+  assert "cudnn" not in text.lower()
+  assert "\n  compiling the step for gpu:h100x1 with the GPU compiler (a line every 30 s" in text
+  # The GPU compiler gives no FLOPs figure of its own: said in words, in the plan and the log.
+  assert "XLA gives no count of its own for this target" in text
+  assert "no FLOPs figure from this compiler" in out.stderr
+  assert "nan" not in text and "nan FLOPs" not in out.stderr
+
+
+def test_a_target_compile_says_it_is_compiling_until_it_is_done():
+  """A 2-minute target compile printed nothing: now a line at its start and one per interval
+  (here 10 ms) while the block runs, and none once it has returned."""
+  from distillax.plan import target as plan_target
+  lines, ticked = [], threading.Event()
+
+  def say(line):
+    lines.append(line)
+    if len(lines) >= 3:
+      ticked.set()
+
+  what = "tpu:v5e-4 with the TPU compiler"
+  with plan_target.compile_progress(what, every_s=0.01, say=say):
+    assert ticked.wait(60), lines  # the "compile" lasts until two ticks were said
+  said = list(lines)
+  assert said[0] == (f"  compiling the step for {what} (a line every 0.01 s until it is "
+                     f"done)")
+  assert len(said) >= 3 and all(re.fullmatch(rf"  still compiling for {what}: \d+ s", line)
+                                for line in said[1:]), said
+  assert not [t for t in threading.enumerate() if t.name == "compile-progress"]
+  assert lines == said  # the ticker has stopped
 
 
 def test_target_without_its_compiler_names_the_extra(monkeypatch, capsys):

@@ -57,7 +57,8 @@ class CrossTokenizerDistillRecipe(DistillRecipe):
              else teacher.model_config().vocab_size)
     if teacher.kind == "fresh":
       teacher = src.teacher_source(self.config.teacher, vocab)
-    cfg = src.teacher_model_config(self.config.teacher, teacher, vocab)
+    cfg = src.teacher_model_config(self.config.teacher, teacher, vocab, attention_impl=(
+        self.config.model.get("attention_impl", "auto")))
     if cfg.vocab_size < self.teacher_tokenizer.vocab_size:
       raise ConfigError(f"the teacher ({teacher.named()}) has vocab_size={cfg.vocab_size}, fewer "
                         f"than the {self.teacher_tokenizer.vocab_size} ids of teacher.tokenizer="

@@ -7,6 +7,8 @@ the teacher), else fresh weights of the model section. Teacher: `teacher.workdir
 holds teacher *outputs*, not a model, so such a job has no teacher source. `teacher.int8` runs
 the teacher of the step with int8 matmul weights (kinds.Int8Source); what the job reads of the
 teacher otherwise (its config, tokenizer, the blocks a derived student copies) is the stored one.
+The teacher's attention runs as `teacher.attention_impl` says, '' (the default) as the student's
+`model.attention_impl`: which kernel runs is the platform's choice, not the checkpoint's.
 
 A student whose weights come from a source has that source's shape: `resolve_student` writes
 the source's model config into the config's `model` section, so the run's config.json describes
@@ -25,7 +27,8 @@ from typing import Mapping
 
 from distillax.data import make_tokenizer, padded_vocab_size
 from distillax.errors import ConfigError
-from distillax.models.config import COMPUTE, TransformerConfig, fields_of_kind
+from distillax.models.config import (ATTENTION_IMPLS, COMPUTE, TransformerConfig,
+                                     fields_of_kind)
 from distillax.models.presets import PRESETS, get_preset
 from distillax.trainers.sources import files, vocabulary
 from distillax.trainers.sources.kinds import (RUN_FIELDS, BlocksSource, FreshSource, HFSource,
@@ -240,20 +243,32 @@ def check_run_shape(source: ModelSource, cfg: TransformerConfig) -> None:
 
 
 def teacher_model_config(teacher_section, source: ModelSource | None, student_vocab: int,
-                         student: ModelSource | None = None, *, from_scratch: bool = True
-                         ) -> TransformerConfig | None:
+                         student: ModelSource | None = None, *, from_scratch: bool = True,
+                         attention_impl: str = "auto") -> TransformerConfig | None:
   """The teacher as the step runs it: its source's model with the section's dtype overrides,
   checked against the vocabulary of the student (`student`: its source, which the error names;
   `from_scratch`: whether a fresh student is a fix worth naming); None without a teacher model
-  (a cache)."""
+  (a cache). Its attention runs as the section's attention_impl says, else as the student's
+  (`attention_impl`: the model section's), never as its source stored it: the choice is the
+  platform's (a GPU target without cuDNN needs blockwise in both models)."""
   if source is None:
     return None
   cfg = source.model_config()
   overrides = {k: teacher_section[k] for k in ("param_dtype", "dtype") if teacher_section[k]}
-  cfg = cfg.replace(**overrides) if overrides else cfg
+  overrides["attention_impl"] = _teacher_attention(teacher_section, attention_impl)
+  cfg = cfg.replace(**overrides)
   vocabulary.check_vocab_sizes(student, student_vocab, source, cfg.vocab_size,
                                from_scratch=from_scratch)
   return cfg
+
+
+def _teacher_attention(teacher_section, student_impl: str) -> str:
+  own = str(teacher_section.get("attention_impl") or "")
+  if own and own not in ATTENTION_IMPLS:
+    raise ConfigError(f"teacher.attention_impl={own!r}; choose one of "
+                      f"{', '.join(ATTENTION_IMPLS)}, or '' for the student's "
+                      f"(model.attention_impl)")
+  return own or str(student_impl or "auto")
 
 
 def job_teacher(config, sources: JobSources, student_vocab: int
@@ -265,4 +280,5 @@ def job_teacher(config, sources: JobSources, student_vocab: int
     teacher = teacher_source(config.teacher, student_vocab)
   # On-policy, a random student would learn from its own random samples: no fix to suggest.
   return teacher, teacher_model_config(config.teacher, teacher, student_vocab, sources.student,
-                                       from_scratch=config.get("trainer") != "on_policy")
+                                       from_scratch=config.get("trainer") != "on_policy",
+                                       attention_impl=config.model.get("attention_impl", "auto"))

@@ -124,7 +124,8 @@ def job_teachers(config, student: ModelSource, student_vocab: int) -> tuple[Name
                               None, writer))
       continue
     source = _entry_source(entry, i, student_vocab)
-    cfg = teacher_model_config(entry, source, student_vocab, student)
+    cfg = teacher_model_config(entry, source, student_vocab, student,
+                               attention_impl=config.model.get("attention_impl", "auto"))
     out.append(NamedTeacher(name, float(entry.weight), source, cfg))
   caches = [f"teachers[{i}].cache_dir" for i, t in enumerate(out) if t.cached]
   if len(caches) > 1 or len(caches) == len(out):
