@@ -38,8 +38,8 @@ import jax.numpy as jnp
 
 from distillax.data.cross_tokenizer.alignment import EXACT, SPAN
 from distillax.distill.cross_tokenizer import span_groups
-from distillax.distill.cross_tokenizer.losses import (AlignedTargets, bernoulli_kl, shared_kl,
-                                                      uld_sorted)
+from distillax.distill.cross_tokenizer.losses import AlignedTargets, bernoulli_kl, shared_kl
+from distillax.distill.cross_tokenizer.uld import uld_and_scale_grad
 from distillax.framework import losses, vocab_chunks
 from distillax.framework.vocab_chunks import OutputLayer
 
@@ -169,9 +169,7 @@ def _span_uld(student: OutputLayer, student_at, teacher: OutputLayer, teacher_at
   """{'uld': [B, G] ULD of each span group (differentiable in the student), 'd_shift': d ULD /
   d shift_s (no gradient)}, 0 at other groups. student_at / teacher_at: (hidden, each group's
   first position). Only span groups are computed (span_groups.over_selected); both come from
-  one pair of sorts: scaling a row by exp(shift) keeps its order, so each sorted entry's
-  derivative is the entry itself and d ULD / d shift_s = sum_k sign(sorted_s_k - sorted_t_k) *
-  sorted_s_k."""
+  one pair of sorts (uld.uld_and_scale_grad)."""
   t_layer = OutputLayer(teacher.logits_fn, jax.lax.stop_gradient(teacher.params))
   (s_hidden, first_s_BxG), (t_hidden, first_t_BxG) = student_at, teacher_at
   t_hidden = jax.lax.stop_gradient(t_hidden)
@@ -185,10 +183,8 @@ def _span_uld(student: OutputLayer, student_at, teacher: OutputLayer, teacher_at
                        + at(shift_s_BxG)[..., None])
     merged_t = jnp.exp(_logp(t_layer, _gather(t_hidden, at(first_t_BxG)), T)
                        + at(shift_t_BxG)[..., None])
-    sorted_s, sorted_t = uld_sorted(merged_s, merged_t)
-    d_shift = jnp.sum(jnp.sign(sorted_s - sorted_t) * sorted_s, -1)
-    return {"uld": jnp.sum(jnp.abs(sorted_s - sorted_t), -1),
-            "d_shift": jax.lax.stop_gradient(d_shift)}
+    uld, d_shift = uld_and_scale_grad(merged_s, merged_t)
+    return {"uld": uld, "d_shift": jax.lax.stop_gradient(d_shift)}
 
   return span_groups.over_selected(one, span_BxG,
                                    vocab_chunks.chunk_len(chunk_size, B, G, vocab))

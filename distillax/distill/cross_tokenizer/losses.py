@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from distillax.data.cross_tokenizer.alignment import EXACT, SPAN
 from distillax.distill.cross_tokenizer import span_groups
+from distillax.distill.cross_tokenizer.uld import uld_distance
 from distillax.distill.divergences import REST_FLOOR
 
 # Span probabilities are kept below 1 - ~1e-12, so both Bernoulli outcomes stay finite.
@@ -51,25 +52,6 @@ class CrossTokenizerTerms(NamedTuple):
   uld: jax.Array           # sum over SPAN groups
   exact_groups: jax.Array  # how many EXACT groups were scored
   span_groups: jax.Array   # how many SPAN groups were scored
-
-
-def uld_sorted(student_p_NxVs: jax.Array, teacher_p_NxVt: jax.Array):
-  """Both sides' probabilities sorted ascending, the shorter padded with 0 to the longer's width.
-  Probabilities are >= 0, so the zeros sort first: each side is sorted at its own width and the
-  zeros put in front, which is the padded vector's sort at a fraction of the cost."""
-  V = max(student_p_NxVs.shape[-1], teacher_p_NxVt.shape[-1])
-
-  def sorted_padded(p_NxV):
-    pad = [(0, 0)] * (p_NxV.ndim - 1) + [(V - p_NxV.shape[-1], 0)]
-    return jnp.pad(jnp.sort(p_NxV, axis=-1), pad)
-
-  return sorted_padded(student_p_NxVs), sorted_padded(teacher_p_NxVt)
-
-
-def uld_distance(student_p_NxVs: jax.Array, teacher_p_NxVt: jax.Array) -> jax.Array:
-  """sum_k |sorted student probs - sorted teacher probs| per row, the shorter padded with 0."""
-  sorted_s, sorted_t = uld_sorted(student_p_NxVs, teacher_p_NxVt)
-  return jnp.sum(jnp.abs(sorted_s - sorted_t), axis=-1)
 
 
 def _log1mexp(x: jax.Array) -> jax.Array:
