@@ -11,9 +11,11 @@ nothing.
 """
 
 import dataclasses
+import html.parser
 import os
 import re
 import shlex
+import urllib.parse
 from pathlib import Path
 
 import ml_collections
@@ -59,7 +61,7 @@ def site(tmp_path_factory):
 
 
 def _html(site, page: str) -> str:
-  return (site / page / "index.html").read_text()
+  return (site / f"{page}.html").read_text()
 
 
 def _section_fields() -> dict[str, list[str]]:
@@ -86,7 +88,7 @@ def _section_fields() -> dict[str, list[str]]:
 def test_site_builds_strictly_with_every_page(site):
   for page in ("guides/distil-hf", "guides/plan-target", "reference/api", "benchmarks/moe",
                "demo", "architecture"):
-    assert (site / page / "index.html").exists(), page
+    assert (site / f"{page}.html").is_file(), page
   # mkdocstrings rendered the modules' docstrings: a class of each module is documented.
   api = _html(site, "reference/api")
   for name in ("LogitKD", "TransformerConfig", "build_engine"):
@@ -210,3 +212,148 @@ def test_results_pages_say_whether_their_script_changed_since_it_wrote_them(tmp_
   path.write_text(json.dumps({"rows": data["rows"]}))  # no record, and no git history of it
   assert results_pages.freshness(path, json.loads(path.read_text()))[0] == "unchecked"
   assert results_pages.script_of("peft_100m_remat_full.json") == "benchmarks/peft.py"
+
+
+class _Links(html.parser.HTMLParser):
+  def __init__(self):
+    super().__init__()
+    self.links = []
+
+  def handle_starttag(self, tag, attrs):
+    for name, value in attrs:
+      if name in ("href", "src") and value:
+        self.links.append(value)
+
+
+def test_every_link_opens_a_file_from_disk(site):
+  """Opened as the README says (site/index.html over file://), every page's links, the nav's
+  among them, name files: a link to a directory would show its listing."""
+  pages = sorted(site.rglob("*.html"))
+  followed = 0
+  for page in pages:
+    if page.name == "404.html":  # served by a web server only, from the site's root
+      continue
+    parser = _Links()
+    parser.feed(page.read_text())
+    for link in parser.links:
+      target = urllib.parse.urlsplit(link)
+      if target.scheme or target.netloc or not target.path:  # external, or an anchor here
+        continue
+      path = (page.parent / urllib.parse.unquote(target.path)).resolve()
+      assert path.is_file(), (str(page.relative_to(site)), link)
+      followed += 1
+  index = _Links()
+  index.feed((site / "index.html").read_text())
+  for page in ("reference/config.html", "benchmarks/plan_targets.html", "guides/on-policy.html"):
+    assert page in index.links, page  # the nav reaches the generated pages and the guides
+  assert followed > 20 * len(pages), followed
+
+
+def _table_cells(markdown: str):
+  for line in markdown.splitlines():
+    if line.startswith("|") and not line.startswith("|---"):
+      yield from (c.strip() for c in line.strip().strip("|").split(" | "))
+
+
+def test_benchmark_pages_hold_no_json_and_no_cut_cells():
+  from docs.gen import results_pages
+  pages = {**results_pages.benchmark_pages(), "demo.md": results_pages.demo_page()}
+  link = re.compile(r"^\[[^\]]+\]\([^)]+\)$")
+  for name, text in pages.items():
+    for cell in _table_cells(text):
+      assert not cell.endswith("…"), (name, cell[-80:])
+      assert not cell.startswith("{") and not (cell.startswith("[") and not link.match(cell)), (
+          name, cell[:80])
+
+
+def test_nested_results_become_tables_of_their_own(tmp_path):
+  """A row's record, its mapping of records and its list of records each get a table, led by
+  the columns that name the row; lists of numbers are written out. Expected lines by hand."""
+  import json
+
+  from docs.gen import results_pages
+  rows = [{"model": "a", "devices": 2, "step_s": 0.5, "step_s_all": [0.5, 0.25],
+           "memory": {"temp": 1536, "args": 2.5},
+           "collectives": {"all-gather": {"count": 3, "bytes": 64.0},
+                           "all-reduce": {"count": 1, "bytes": 8.0}},
+           "checks": [{"check": "dp bytes", "ok": True}]},
+          {"model": "a", "devices": 4, "step_s": 0.25, "step_s_all": [0.25],
+           "memory": {"temp": 768, "args": 2.5}, "collectives": {}, "checks": []}]
+  path = tmp_path / "nested.json"
+  path.write_text(json.dumps({"settings": {"batch": 8}, "rows": rows}))
+  page = results_pages.render_results(path, "q")
+  for expected in ("| settings.batch | 8 |",
+                   "## rows", "| model | devices | step_s | step_s_all |",
+                   "| a | 2 | 0.5 | 0.5, 0.25 |", "| a | 4 | 0.25 | 0.25 |",
+                   "### rows.memory", "| model | devices | temp | args |",
+                   "| a | 2 | 1536 | 2.5 |", "| a | 4 | 768 | 2.5 |",
+                   "### rows.collectives", "| model | devices | collectives | count | bytes |",
+                   "| a | 2 | all-gather | 3 | 64 |", "| a | 2 | all-reduce | 1 | 8 |",
+                   "### rows.checks", "| model | devices | checks # | check | ok |",
+                   "| a | 2 | 0 | dp bytes | True |"):
+    assert expected in page.splitlines(), (expected, page)
+
+
+def test_accelerator_page_shows_a_chips_figures_or_says_there_are_none(tmp_path):
+  """The committed file's figures are shown only if they come from a chip at full size; a
+  report in accelerator.py's format built from the TPU v5e lever rows in benchmarks/results/tpu
+  is shown in accelerator_table's form."""
+  import json
+
+  from benchmarks.lib import accelerator_table
+  from docs.gen import accelerator_page, results_pages
+  committed = json.loads(results_pages.ACCELERATOR.read_text()) if (
+      results_pages.ACCELERATOR.exists()) else None
+  page = results_pages.benchmark_pages()["benchmarks/accelerator.md"]
+  if accelerator_page.chip_of(committed) is None:
+    assert "**No chip run is committed.**" in page and "|" not in page, page
+  else:
+    assert accelerator_page.chip_of(committed) in page.splitlines()[0]
+  levers = [json.loads(line) for line in (results_pages.RESULTS / "tpu" / "levers_call1.jsonl")
+            .read_text().splitlines()]
+  ran = [r for r in levers if r.get("status") == "ok" and r["row"].startswith("train:")][:2]
+  assert ran, "no TPU lever row ran"
+  payload = {"benchmark": "accelerator", "quick": False, "status": "done",
+             "probe": next(r for r in levers if r.get("row") == "probe"),
+             "rows": [{"name": "train", "pair": "real", "question": "the train step",
+                       "candidates": ran, "best": max(ran, key=lambda r: r["tokens_per_s"])},
+                      {"name": "kd", "pair": "real", "question": "KD", "candidates": [],
+                       "best": None}]}
+  path = tmp_path / "accelerator.json"
+  path.write_text(json.dumps(payload))
+  chip_page = accelerator_page.render(path, "q", "current")
+  assert chip_page.startswith("# accelerator: one TPU v5 lite"), chip_page[:80]
+  best = payload["rows"][0]["best"]
+  assert f"{best['tokens_per_s']:,.0f}" in chip_page and accelerator_table._ms(best["step_s"]) \
+      in chip_page and "No candidate ran for: kd." in chip_page
+  path.write_text(json.dumps({**payload, "quick": True}))  # a chip's seconds-long check
+  assert "No chip run is committed" in accelerator_page.render(path, "q", "current")
+
+
+def test_config_reference_covers_every_trainer_and_every_section(monkeypatch):
+  """Every registered recipe has its line in the trainers table, and every section and field of
+  every config the docstring commands load (the demo's, a job of its own, aside) is listed."""
+  from docs.gen import config_reference
+  from distillax.trainers import registry
+
+  page = config_reference.render()
+  trainers = page[page.index("## Trainers"):]
+  assert len(registry.registered()) >= 9
+  for name in registry.registered():
+    assert f"| `{name}` | " in trainers, name
+  monkeypatch.chdir(ROOT)
+  seen = set()
+  for _, argv in ALL:
+    if "--config" not in argv:
+      continue
+    config, _ = _parse(argv[1], argv)
+    if config.get("job") == "demo":
+      continue
+    for key, value in config.items():
+      if isinstance(value, ml_collections.ConfigDict):
+        seen.add(key)
+        assert f"## `{key}`" in page, (argv, key)
+        if key != "model":  # model: TransformerConfig's fields, checked above
+          for dotted in config_reference.flatten(value, f"{key}."):
+            assert f"`{dotted}`" in page, (argv, dotted)
+  assert "on_policy" in seen

@@ -42,7 +42,7 @@ def model_config(preset: str, **overrides) -> ml_collections.ConfigDict:
 
 def base_config(model_preset: str = "tiny") -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.trainer = "lm"  # the recipe that builds the job: lm | distill | sequence_kd
+  c.trainer = "lm"  # the recipe that builds the job: lm, distill, on_policy, ... (Trainers)
   c.seed = 0  # seeds parameters, data order and dropout
   c.backend = "jit"  # jit | shard_map | pmap | vmap (the last three: data parallel only)
   c.mesh = sections.mesh_section()

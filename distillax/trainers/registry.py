@@ -8,8 +8,11 @@ from __future__ import annotations
 from distillax.errors import ConfigError, UserError
 
 _RECIPES: dict[str, type] = {}
-# Recipes a distill job gets from its fields, not from `trainer`.
-_CHOSEN_BY_FIELDS = ("distill_cached", "distill_cross_tokenizer", "on_policy_cross_tokenizer")
+# Recipes a job gets from its fields, not from `trainer` alone (recipe_kind): name -> the fields.
+CHOSEN_BY_FIELDS = {
+    "distill_cached": "trainer='distill' with teacher.cache_dir set",
+    "distill_cross_tokenizer": "trainer='distill' with distill.objective='cross_tokenizer'",
+    "on_policy_cross_tokenizer": "trainer='on_policy' with distill.objective='cross_tokenizer'"}
 DISTILL_OBJECTIVES = ("strategies", "cross_tokenizer")
 
 
@@ -20,6 +23,11 @@ def register(name: str):
     cls.name = name
     return cls
   return add
+
+
+def registered() -> dict[str, type]:
+  """Every registered recipe by name (all of them once `distillax.trainers` is imported)."""
+  return dict(_RECIPES)
 
 
 def recipe_kind(config) -> str:
@@ -58,7 +66,7 @@ def recipe_kind(config) -> str:
 def recipe_class(config) -> type:
   kind = recipe_kind(config)
   if kind not in _RECIPES:
-    names = ", ".join(sorted(k for k in _RECIPES if k not in _CHOSEN_BY_FIELDS))
+    names = ", ".join(sorted(k for k in _RECIPES if k not in CHOSEN_BY_FIELDS))
     raise ConfigError(f"trainer={kind!r} is unknown; use one of {names}")
   return _RECIPES[kind]
 

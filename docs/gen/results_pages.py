@@ -2,9 +2,10 @@
 so that no figure on the site is copied by hand: each `benchmarks/results/*.json` becomes one
 page of tables, introduced by the question its script answers (benchmarks/README.md's table).
 
-The renderer is generic: scalar settings become one key/value table, every list of records
-(`rows`, `checks`, `layer.rows`, ...) a table of its own. Host load readings are measurement
-context, not results, and are left out.
+The renderer is generic (results_tables.py): scalar settings become one key/value table, every
+list or mapping of records (`rows`, `checks`, `layer.rows`, ...) a table of its own, and records
+nested in them tables of their own again; no cell holds JSON. Host load readings are
+measurement context, not results, and are left out.
 
 Each page says whether its figures are what the script measures as it is now (`freshness`): a
 results file records the SHA-256 of the script that wrote it (`provenance`,
@@ -22,15 +23,15 @@ import re
 import subprocess
 from pathlib import Path
 
+from docs.gen import accelerator_page, results_tables
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 # Where a committed report.json of `make demo` would live, and its report.md beside it.
 DEMO_REPORT = RESULTS / "demo_report.json"
 DEMO_REPORT_MD = RESULTS / "demo_report.md"
-# load_before, load_after, load_average: not results; provenance: the script's hash, the
-# freshness line says what it means
-_SKIPPED = re.compile(r"load|^provenance$")
-_MAX_CELL = 80
+# One chip's figures (benchmarks/accelerator.py): its own page, present even without the file.
+ACCELERATOR = RESULTS / "accelerator.json"
 
 
 def questions() -> dict[str, str]:
@@ -97,64 +98,12 @@ def _text(value) -> str:
   return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def _cell(value) -> str:
-  if isinstance(value, float):
-    text = f"{value:.4g}"
-  elif isinstance(value, (dict, list)):
-    text = json.dumps(value, separators=(",", ":"))
-  else:
-    text = str(value)
-  if len(text) > _MAX_CELL:
-    text = text[:_MAX_CELL - 1] + "…"
-  return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _records(value) -> bool:
-  return isinstance(value, list) and value and all(isinstance(v, dict) for v in value)
-
-
-def _table(rows: list[dict]) -> list[str]:
-  columns = []
-  for row in rows:
-    columns += [k for k in row if k not in columns and not _SKIPPED.search(k)]
-  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-  lines += ["| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |" for row in rows]
-  return lines + [""]
-
-
-def _sections(data: dict, title: str, depth: int) -> list[str]:
-  """A key/value table of the scalars (small dicts inlined), then each list of records and each
-  nested section under its own heading."""
-  scalars = {k: v for k, v in data.items() if not _records(v) and not (
-      isinstance(v, dict) and any(_records(x) or isinstance(x, dict) for x in v.values()))
-      and not _SKIPPED.search(k)}
-  lines = []
-  if scalars:
-    lines += ["| setting | value |", "|---|---|"]
-    for key, value in scalars.items():
-      if isinstance(value, dict):  # a small record (machine, settings): one row per field
-        lines += [f"| {key}.{k} | {_cell(v)} |" for k, v in value.items()
-                  if not _SKIPPED.search(k)]
-      else:
-        lines.append(f"| {key} | {_cell(value)} |")
-    lines.append("")
-  for key, value in data.items():
-    if _SKIPPED.search(key) or key in scalars:
-      continue
-    heading = "#" * min(depth, 6) + f" {title}{key}"
-    if _records(value):
-      lines += [heading, ""] + _table(value)
-    elif isinstance(value, dict):
-      lines += [heading, ""] + _sections(value, f"{title}{key}.", depth + 1)
-  return lines
-
-
 def render_results(path: Path, question: str) -> str:
   data = json.loads(path.read_text())
   _, status = freshness(path, data)
   lines = [f"# {path.stem}", "", question, "",
            f"Rendered from `benchmarks/results/{path.name}` when the site was built. {status}", ""]
-  return "\n".join(lines + _sections(data, "", 2)) + "\n"
+  return "\n".join(lines + results_tables.sections(data, "", 2)) + "\n"
 
 
 def benchmark_pages() -> dict[str, str]:
@@ -169,12 +118,17 @@ def benchmark_pages() -> dict[str, str]:
       "accelerator throughput. Run a script with `--help` for its flags and `--quick` for its "
       "smallest settings. A page whose script changed after it wrote the figures is marked stale.",
       "", "| results | figures | question |", "|---|---|---|"]
-  for path in sorted(RESULTS.glob("*.json")):
+  for path in sorted(set(RESULTS.glob("*.json")) | {ACCELERATOR}):
     if path == DEMO_REPORT:
       continue
     question = asked.get(path.name, "")
-    pages[f"benchmarks/{path.stem}.md"] = render_results(path, question)
-    state = freshness(path, json.loads(path.read_text()))[0]
+    data = json.loads(path.read_text()) if path.exists() else None
+    state, status = freshness(path, data) if data is not None else ("no chip run", "")
+    if path == ACCELERATOR:  # one chip's figures, or the statement that none are committed
+      pages[f"benchmarks/{path.stem}.md"] = accelerator_page.render(path, question, status)
+      state = state if accelerator_page.chip_of(data) else "no chip run"
+    else:
+      pages[f"benchmarks/{path.stem}.md"] = render_results(path, question)
     index.append(f"| [{path.stem}]({path.stem}.md) | {state} | {_text(question)} |")
   pages["benchmarks/index.md"] = "\n".join(index) + "\n"
   return pages
@@ -199,4 +153,4 @@ def demo_page() -> str:
                                body])
   data = json.loads(DEMO_REPORT.read_text())
   return "\n".join(lines + ["Rendered from `benchmarks/results/demo_report.json`.", ""]
-                   + _sections(data, "", 2)) + "\n"
+                   + results_tables.sections(data, "", 2)) + "\n"

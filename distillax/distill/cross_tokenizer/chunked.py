@@ -8,22 +8,25 @@ both sides (exact KL, ULD), and sums of target log-probabilities over the group'
 
   A  target log-probabilities of every position, both models, chunk by chunk, no gradient:
      each group's span log-probability and merge factor (span - the first target's);
-  B  at each span group's first positions (both models' hidden states gathered there, chunk by
-     chunk over groups, no gradient): d ULD / d (the student's merge factor);
+  B  at each span group's first positions on both sides (both models' hidden states gathered
+     there, span groups only: span_groups.over_selected): ULD, differentiable in the student's
+     hidden states and output layer, and d ULD / d (the student's merge factor), no gradient;
   C  the engine over the student's positions, the teacher's hidden states gathered to the
-     student position that starts each group: exact KL and ULD at first positions, the hard CE,
-     and one linear term sum_p w_p * (lp_p - stop_gradient(lp_p)) over the target
-     log-probabilities, whose weight w_p is d(span KL + ULD)/d lp_p from A and B. It is zero, and
-     its gradient is exactly the span terms' gradient through the positions' log-probabilities.
+     student position that starts each group: exact KL at first positions, the hard CE, and one
+     linear term sum_p w_p * (lp_p - stop_gradient(lp_p)) over the target log-probabilities,
+     whose weight w_p is d(span KL + ULD)/d lp_p from A and B. It is zero, and its gradient is
+     exactly the span terms' gradient through the positions' log-probabilities.
 
 The span KL's value comes from A (it has no gradient path of its own). So the loss value and
 its gradient equal the whole-logit objective's, with the student's and teacher's logits made
-three times (A, B at first positions only, C) against once: memory for time.
+twice (A, C) plus once more at the span groups' first positions (B): memory for time.
 
-ULD sorts each span group's merged distribution over the larger vocabulary; that happens inside
-a chunk (B and C), [chunk rows, V] at a time. It needs the whole sorted vector of each row (the
-distance pairs the k-th largest of one side with the k-th largest of the other, for every k), so
-a row is never split across the vocabulary; a chunk holds rows x V, like every engine chunk.
+ULD sorts each span group's merged distribution over the larger vocabulary, a chunk of span
+groups at a time, [rows, slots, V]. It needs the whole sorted vector of each row (the distance
+pairs the k-th largest of one side with the k-th largest of the other, for every k), so a row is
+never split across the vocabulary. Only span groups are sorted: sorting every position and
+masking the others was ~90% of a cross-tokenizer on-policy step on the CPU
+(benchmarks/cross_tokenizer_on_policy.py).
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ import jax
 import jax.numpy as jnp
 
 from distillax.data.cross_tokenizer.alignment import EXACT, SPAN
-from distillax.distill.cross_tokenizer.losses import (AlignedTargets, bernoulli_kl, shared_kl,
-                                               uld_distance)
+from distillax.distill.cross_tokenizer import span_groups
+from distillax.distill.cross_tokenizer.losses import AlignedTargets, bernoulli_kl, shared_kl
+from distillax.distill.cross_tokenizer.uld import uld_and_scale_grad
 from distillax.framework import losses, vocab_chunks
 from distillax.framework.vocab_chunks import OutputLayer
 
@@ -102,10 +106,7 @@ def _values_fn(T: float, student_ids_S, teacher_ids_S):
     logp_t = jax.nn.log_softmax(t_NxV.astype(jnp.float32) / T, -1)
     lp = jnp.take_along_axis(logp_s, tok["targets"][:, None], -1)[:, 0]
     kl = shared_kl(logp_t, logp_s, teacher_ids_S, student_ids_S)
-    merged_s = jnp.exp(logp_s + tok["shift_s"][:, None])
-    merged_t = jnp.exp(logp_t + tok["shift_t"][:, None])
     return {"exact_kl": jnp.where(tok["first_exact"], kl, 0.0),
-            "uld": jnp.where(tok["first_span"], uld_distance(merged_s, merged_t), 0.0),
             "hard_ce": losses.token_nll(s_NxV, tok["targets"]) * tok["loss_mask"],
             "span_grad": tok["weight"] * (lp - jax.lax.stop_gradient(lp))}
 
@@ -132,11 +133,11 @@ def chunked_terms(student: OutputLayer, student_hidden_BxLxD, teacher: OutputLay
   shift_t = jnp.where(span, span_t - first_lp_t, 0.0)
   span_kl_BxG = jnp.where(span, bernoulli_kl(span_t, span_s), 0.0)
   d_span_BxG = jnp.where(span, jax.vmap(jax.vmap(jax.grad(bernoulli_kl, 1)))(span_t, span_s), 0.)
-  # B: d ULD / d shift_s at each span group's first positions.
-  d_uld_BxG = _uld_shift_grads(student, _gather(student_hidden_BxLxD, first_s), teacher,
-                               _gather(teacher_hidden_BxMxD, first_t), shift_s, shift_t, T,
-                               chunk_size)
-  d_uld_BxG = jnp.where(span, d_uld_BxG, 0.0)
+  # B: ULD at each span group's first positions (differentiable), d ULD / d shift_s.
+  uld = _span_uld(student, (student_hidden_BxLxD, first_s), teacher,
+                  (teacher_hidden_BxMxD, first_t), jax.lax.stop_gradient(shift_s), shift_t,
+                  span, T, chunk_size)
+  d_uld_BxG = uld["d_shift"]
   # C: the engine over the student's positions.
   B, L = s_group.shape
   g_BxL = jnp.maximum(s_group, 0)
@@ -147,44 +148,43 @@ def chunked_terms(student: OutputLayer, student_hidden_BxLxD, teacher: OutputLay
                          + weights["uld"] * jnp.where(is_first, 0.0, at(d_uld_BxG)), 0.0)
   teacher_at_BxL = jnp.where(is_first, at(first_t), 0)
   tokens = {"targets": s_targets, "loss_mask": loss_mask_BxL.astype(jnp.float32),
-            "first_exact": is_first & (kind_BxL == EXACT),
-            "first_span": is_first & (kind_BxL == SPAN),
-            "shift_s": at(shift_s), "shift_t": at(shift_t), "weight": weight_BxL}
+            "first_exact": is_first & (kind_BxL == EXACT), "weight": weight_BxL}
 
-  engine_weights = {"exact_kl": weights["exact_kl"], "uld": weights["uld"],
-                    "hard_ce": weights["hard_ce"], "span_grad": 1.0}
+  engine_weights = {"exact_kl": weights["exact_kl"], "hard_ce": weights["hard_ce"],
+                    "span_grad": 1.0}
   mask_BxL = ((s_group >= 0) | (loss_mask_BxL > 0)).astype(jnp.float32)
   loss, sums = vocab_chunks.vocab_chunk_sums(
       _values_fn(T, student_ids_S, teacher_ids_S), engine_weights, tokens, mask_BxL, student,
       student_hidden_BxLxD, teacher, _gather(teacher_hidden_BxMxD, teacher_at_BxL),
       chunk_size=chunk_size)
   span_kl = jax.lax.stop_gradient(jnp.sum(span_kl_BxG))
-  sums = {"exact_kl": sums["exact_kl"], "span_kl": span_kl, "uld": sums["uld"],
-          "hard_ce": sums["hard_ce"]}
-  return loss + weights["span_kl"] * span_kl, sums
+  uld_sum = jnp.sum(uld["uld"])
+  sums = {"exact_kl": sums["exact_kl"], "span_kl": span_kl,
+          "uld": jax.lax.stop_gradient(uld_sum), "hard_ce": sums["hard_ce"]}
+  return loss + weights["span_kl"] * span_kl + weights["uld"] * uld_sum, sums
 
 
-def uld_scale_grad(merged_s_xV, merged_t_xV):
-  """d uld_distance(exp(shift) * merged_s, merged_t) / d shift at shift = 0, per row: scaling
-  keeps the order, so each sorted entry's derivative is the entry itself and the derivative is
-  sum_k sign(sorted_s_k - sorted_t_k) * sorted_s_k, from the forward sorts alone."""
-  V = max(merged_s_xV.shape[-1], merged_t_xV.shape[-1])
-  pad = lambda p: jnp.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, V - p.shape[-1])])
-  sorted_s, sorted_t = jnp.sort(pad(merged_s_xV), -1), jnp.sort(pad(merged_t_xV), -1)
-  return jnp.sum(jnp.sign(sorted_s - sorted_t) * sorted_s, -1)
-
-
-def _uld_shift_grads(student: OutputLayer, s_hidden_BxGxD, teacher: OutputLayer,
-                     t_hidden_BxGxD, shift_s_BxG, shift_t_BxG, T: float, chunk_size):
-  """d uld(exp(logp_s + shift_s), exp(logp_t + shift_t)) / d shift_s per group, no gradient."""
-  s_layer = OutputLayer(student.logits_fn, jax.lax.stop_gradient(student.params))
+def _span_uld(student: OutputLayer, student_at, teacher: OutputLayer, teacher_at, shift_s_BxG,
+              shift_t_BxG, span_BxG, T: float, chunk_size):
+  """{'uld': [B, G] ULD of each span group (differentiable in the student), 'd_shift': d ULD /
+  d shift_s (no gradient)}, 0 at other groups. student_at / teacher_at: (hidden, each group's
+  first position). Only span groups are computed (span_groups.over_selected); both come from
+  one pair of sorts (uld.uld_and_scale_grad)."""
   t_layer = OutputLayer(teacher.logits_fn, jax.lax.stop_gradient(teacher.params))
-  n = _num_chunks(chunk_size, s_layer, s_hidden_BxGxD)
+  (s_hidden, first_s_BxG), (t_hidden, first_t_BxG) = student_at, teacher_at
+  t_hidden = jax.lax.stop_gradient(t_hidden)
+  B, G = span_BxG.shape
+  vocab = max(jax.eval_shape(layer.logits_fn, layer.params, h[:, :1]).shape[-1]
+              for layer, h in ((student, s_hidden), (t_layer, t_hidden)))
 
-  def one(h_s, h_t, shift_s, shift_t):
-    merged_s = jnp.exp(_logp(s_layer, h_s, T) + shift_s[..., None])
-    merged_t = jnp.exp(_logp(t_layer, h_t, T) + shift_t[..., None])
-    return uld_scale_grad(merged_s, merged_t)
+  def one(index_BxR):
+    at = lambda x_BxG: jnp.take_along_axis(x_BxG, index_BxR, 1)
+    merged_s = jnp.exp(_logp(student, _gather(s_hidden, at(first_s_BxG)), T)
+                       + at(shift_s_BxG)[..., None])
+    merged_t = jnp.exp(_logp(t_layer, _gather(t_hidden, at(first_t_BxG)), T)
+                       + at(shift_t_BxG)[..., None])
+    uld, d_shift = uld_and_scale_grad(merged_s, merged_t)
+    return {"uld": uld, "d_shift": jax.lax.stop_gradient(d_shift)}
 
-  return _chunked_rows(one, n, jax.lax.stop_gradient(s_hidden_BxGxD),
-                       jax.lax.stop_gradient(t_hidden_BxGxD), shift_s_BxG, shift_t_BxG)
+  return span_groups.over_selected(one, span_BxG,
+                                   vocab_chunks.chunk_len(chunk_size, B, G, vocab))

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from distillax.data.cross_tokenizer.alignment import EXACT, SPAN
+from distillax.distill.cross_tokenizer import span_groups
+from distillax.distill.cross_tokenizer.uld import uld_distance
 from distillax.distill.divergences import REST_FLOOR
 
 # Span probabilities are kept below 1 - ~1e-12, so both Bernoulli outcomes stay finite.
@@ -50,17 +52,6 @@ class CrossTokenizerTerms(NamedTuple):
   uld: jax.Array           # sum over SPAN groups
   exact_groups: jax.Array  # how many EXACT groups were scored
   span_groups: jax.Array   # how many SPAN groups were scored
-
-
-def uld_distance(student_p_NxVs: jax.Array, teacher_p_NxVt: jax.Array) -> jax.Array:
-  """sum_k |sorted student probs - sorted teacher probs| per row, the shorter padded with 0."""
-  V = max(student_p_NxVs.shape[-1], teacher_p_NxVt.shape[-1])
-
-  def sorted_padded(p_NxV):
-    p_NxV = jnp.pad(p_NxV, ((0, 0), (0, V - p_NxV.shape[-1])))
-    return jnp.sort(p_NxV, axis=-1)  # the zeros sort first on both sides, as at the tail
-
-  return jnp.sum(jnp.abs(sorted_padded(student_p_NxVs) - sorted_padded(teacher_p_NxVt)), axis=-1)
 
 
 def _log1mexp(x: jax.Array) -> jax.Array:
@@ -141,9 +132,13 @@ def per_group_terms(student_logits_BxLxVs: jax.Array, teacher_logits_BxMxVt: jax
   merged_s = jnp.exp(first_s_GxVs + jnp.where(span, span_s - first_target_s, 0.0)[:, None])
   merged_t = jnp.exp(first_t_GxVt + jnp.where(span, span_t - first_target_t, 0.0)[:, None])
   terms = {"exact_kl": jnp.where(exact, exact_kl, 0.0),
-           "span_kl": jnp.where(span, bernoulli_kl(span_t, span_s), 0.0),
-           "uld": jnp.where(span, uld_distance(merged_s, merged_t), 0.0)}
-  return {name: value.reshape(B, G) for name, value in terms.items()}
+           "span_kl": jnp.where(span, bernoulli_kl(span_t, span_s), 0.0)}
+  terms = {name: value.reshape(B, G) for name, value in terms.items()}
+  rows = lambda merged_NxV, index_BxR: jnp.take_along_axis(
+      merged_NxV.reshape(B, G, -1), index_BxR[..., None], 1)
+  uld = lambda index_BxR: {"uld": uld_distance(rows(merged_s, index_BxR),
+                                               rows(merged_t, index_BxR))}
+  return {**terms, **span_groups.over_selected(uld, span.reshape(B, G))}
 
 
 def cross_tokenizer_terms(student_logits_BxLxVs: jax.Array, teacher_logits_BxMxVt: jax.Array,

@@ -13,9 +13,10 @@ tokenizer on both sides (every group one-to-one and exact) this is LogitKD's for
 
 Memory: with a chunk_size (distill.chunk_size; the recipes pass theirs) the terms go through
 the vocabulary-chunk engine (distill.cross_tokenizer_chunked): neither model's [tokens, V]
-logits exist whole, at the price of making each model's logits three times. chunk_size=None
-holds both whole ([B, L, Vs] and [B, M, Vt] fp32) and ULD's merged distributions ([B * (L + 1),
-max(Vs, Vt)]); the two agree (tests/distill/cross_tokenizer/test_chunked.py).
+logits exist whole, at the price of making each model's logits twice, and once more at the
+span groups' first positions. chunk_size=None holds both whole ([B, L, Vs] and [B, M, Vt] fp32)
+and ULD's merged distributions ([B * (L + 1), max(Vs, Vt)]); the two agree
+(tests/distill/cross_tokenizer/test_chunked.py).
 """
 
 from __future__ import annotations
