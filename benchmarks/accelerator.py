@@ -61,10 +61,12 @@ class Row:
 
 S = ":loss_impl=sliced"  # what train.loss_impl='auto' runs for these jobs
 ROWS = (
-    Row("train", "real", (f"train:full:8{S}", f"train:full:12{S}"),
+    Row("train", "real", (f"train:full:8{S}", f"train:save_dots_no_batch:4{S}",
+                          f"train:full:12{S}"),
         "the student's next-token training step"),
     Row("train_bf16", "real", (f"train:full:8{S}:param_dtype=bfloat16",
-                               f"train:save_dots_no_batch:8{S}:param_dtype=bfloat16",
+                               f"train:save_dots_no_batch:4{S}:param_dtype=bfloat16",
+                               f"train:save_dots_no_batch:2{S}:param_dtype=bfloat16",
                                f"train:full:16{S}:param_dtype=bfloat16"),
         "the train step with bf16 weights and Adam state (no fp32 master copy): the lever that "
         "frees the memory fp32 master weights and their Adam state take"),
@@ -85,7 +87,10 @@ ROWS = (
                           f"kd:full:4{S}:teacher_moe_impl=tokamax"),
         "KD from a 16-expert Qwen3-MoE-shaped teacher (grouped matmul: XLA's ragged_dot or "
         "tokamax's Mosaic kernel)"),
+    Row("moe_kd_int8_teacher", "moe", (f"kd:full:4{S}:teacher_moe_impl=ragged:teacher_int8=True",),
+        "KD from the 16-expert teacher with its matmuls in int8 (teacher.int8)"),
     Row("moe_train", "moe_student", (f"train:full:8{S}:moe_impl=ragged",
+                                     f"train:full:16{S}:moe_impl=ragged:param_dtype=bfloat16",
                                      f"train:full:4{S}:moe_impl=ragged"),
         "training a 16-expert Qwen3-MoE-shaped student (0.50B)"),
     Row("long_context", "real", (f"train:full:2:seq_len=8192{S}",
