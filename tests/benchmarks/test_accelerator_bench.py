@@ -63,7 +63,7 @@ def test_every_row_names_candidates_of_its_own_pair():
     for c in row.candidates:
       v = accelerator.tpu_levers.lever_grid.Variant.parse(
           accelerator.variant_of(row, c, quick=False), 2048)
-      assert v.option("pair") == row.pair and v.kind in ("train", "kd")
+      assert v.option("pair") == row.pair and v.kind in ("train", "kd", "on_policy")
 
 
 def test_run_script_with_expect_gpu_on_cpu_refuses_and_leaves_its_files_in_out(tmp_path):
