@@ -343,12 +343,15 @@ class Session:
     student = transformed(first.variant, factories(base(first.student_cfg), "student").make(),
                           first.tiny)
     self.state = first.engine.init_state(student, extras, 0)
+    # What the optimizer updates: every student parameter, or the adapters alone (LoRA).
+    self.trainable_params = sum(int(x.size) for x in jax.tree.leaves(self.state.params))
     self.peak_flops, _ = throughput.peak_flops_per_device()
 
   def time(self, low: Lowered, exe, steps: int) -> dict:
     v = low.variant
     if v.kind == on_policy_lever.KIND:  # sampling and the update timed apart
-      return {**on_policy_lever.timed(self, low, exe, steps), "memory_stats": memory_stats()}
+      return {**on_policy_lever.timed(self, low, exe, steps), "memory_stats": memory_stats(),
+              "trainable_params": self.trainable_params}
     batch = low.engine.runner.place_batch(host_batch(low, seed=1))
     t0 = time.perf_counter()
     self.state, metrics = exe(self.state, batch)
@@ -368,7 +371,7 @@ class Session:
             "tflops_per_s": model_flops / step_s / 1e12,
             "mfu_causal": throughput.mfu(model_flops, step_s, 1, self.peak_flops),
             "first_loss": first_loss, "final_loss": float(metrics["loss"]),
-            "memory_stats": memory_stats(),
+            "memory_stats": memory_stats(), "trainable_params": self.trainable_params,
             **({} if self.teacher_int8_s is None else {"teacher_int8_s": self.teacher_int8_s})}
 
   def profile(self, low: Lowered, exe, trace_dir) -> None:
