@@ -75,16 +75,20 @@ ROWS = (
         "weights, per-token activations; the sliced loss keeps its head in bf16)"),
     Row("qat_kd", "real", (f"kd:full:4{S}:qat=q4_0",),
         "the KD step with the student fake-quantized to llama.cpp's q4_0 (q8_0 activations)"),
-    # The teacher-forced share of the step, at 8 x 1023 scored tokens, is about the KD step's
-    # at 4 x 2048; the decode's KV cache (112 KiB a token in bf16) is freed before scoring.
+    # Compiled for a v5e without one (libtpu's deviceless compile of lever_grid.lower's step
+    # over the tpu:v5e-1 target's device): 15.53 GiB at 8 rows (past 0.97 of the chip's
+    # 15.75 GiB, where run_group stops), 15.07 GiB at 6, so ~0.23 GiB a row over ~13.7 GiB that
+    # any batch holds (the fp32 student, its Adam state and gradients, the bf16 teacher). The
+    # sampling-only program: 5.0 GiB at 6 rows.
     Row("on_policy", "real", tuple(f"on_policy:full:{b}:seq_len=1024:new_tokens=512"
-                                   for b in (16, 12, 8)),
+                                   for b in (6, 4, 2)),
         "on-policy distillation (configs/on_policy.py's GKD JSD): the student samples 512 "
         "tokens after a 512-token prompt inside the step, the teacher grades each; sampling "
         "timed apart from the update and set against the decode roofline"),
     # chunked: the sliced loss refuses an adapted student (trainers/recipe.py), so 'auto' runs
-    # the chunk engine. The base in nf4 frees ~8 GB of fp32 weights and Adam state.
-    Row("qlora", "real", ("train:full:16:lora=qlora", "train:full:12:lora=qlora",
+    # the chunk engine. The nf4 base holds no fp32 weights or Adam state: 16 x 2048 compiles to
+    # 6.4 GiB for a v5e (deviceless, as the on-policy row's figures).
+    Row("qlora", "real", ("train:full:32:lora=qlora", "train:full:16:lora=qlora",
                           "train:full:8:lora=qlora"),
         "QLoRA next-token training as configs/qlora.py runs it (frozen nf4 base in tiles of 32, "
         "rank-8 adapters on the attention and MLP matmuls, dropout 0.1); MFU counts the full "

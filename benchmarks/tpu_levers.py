@@ -82,9 +82,11 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   backend = jax.default_backend()
   peak, source = throughput.peak_flops_per_device()
+  bandwidth, bandwidth_source = throughput.hbm_bandwidth_per_device()
   write_row(out, {"row": "probe", "backend": backend, "device_kind": jax.devices()[0].device_kind,
                   "jax": jax.__version__, "versions": package_versions(),
                   "python": sys.version.split()[0], "peak_flops": peak, "peak_source": source,
+                  "hbm_bandwidth": bandwidth, "hbm_source": bandwidth_source,
                   "memory_limit": lever_grid.memory_limit(),
                   "since_start_s": time.perf_counter() - START, "matmul": matmul_probe(backend)})
   pair = lever_grid.pair_configs(args.pair, tiny=args.tiny)

@@ -71,7 +71,9 @@ def probe_lines(probe: dict | None) -> list[str]:
   installed = ", ".join(f"{k} {v}" for k, v in (probe.get("versions") or {}).items() if v)
   return [f"python {probe.get('python', '?')}; {installed}",
           f"{probe['backend']}: {probe['device_kind']}; memory limit "
-          f"{_gb(probe.get('memory_limit'))}; MFU against {probe['peak_source']}",
+          f"{_gb(probe.get('memory_limit'))}; MFU against {probe['peak_source']}"
+          + (f"; decode roofline against {probe['hbm_source']}" if probe.get("hbm_source")
+             else ""),
           f"bf16 {m['n']}^3 matmul: best {m['best_flops_per_s'] / 1e12:.1f} TFLOP/s, median "
           f"{m['median_flops_per_s'] / 1e12:.1f} TFLOP/s"]
 

@@ -58,6 +58,7 @@ def test_quick_rows_on_cpu(quick):
   probe = res["probe"]
   assert probe["backend"] == "cpu" and probe["versions"]["jax"] == probe["jax"]
   assert probe["matmul"]["best_flops_per_s"] >= probe["matmul"]["median_flops_per_s"] > 0
+  assert probe["hbm_bandwidth"] is None  # a CPU has no HBM: no decode roofline
   assert sorted(rows) == ["kd", "on_policy", "qlora", "train"]
   for name in ("train", "kd", "qlora"):
     row = rows[name]
