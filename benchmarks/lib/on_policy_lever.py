@@ -19,9 +19,11 @@ must read the student's weights once for all rows and each row's KV cache up to 
 so on a chip of HBM bandwidth BW the sampler cannot beat
   rows * BW / (weight bytes + rows * KV bytes per position * mean context)
 tokens/s, the mean context being P + (T - 1) / 2 over the T tokens (the prefill's compute and
-every FLOP ignored: an upper bound). Weight bytes are the student's arrays as stored (fp32
-master weights: 4 bytes a parameter; the input embedding table left out unless tied to the
-output layer, since its gather reads one row a token).
+every FLOP ignored: an upper bound). Weight bytes are a parameter's at the narrower of its
+stored and compute dtypes (the real student's fp32 master weights count 2 bytes, bf16: the
+sampling program compiled for a v5e holds a bf16 copy of them, 1.1 GiB beside their 2.2, made
+once before the decode loop), the input embedding table left out unless tied to the output
+layer, since its gather reads one row a token.
 """
 
 from __future__ import annotations
@@ -97,10 +99,10 @@ def lower_sampler(engine, v, vocab: int, abstract_state, abstract_batch):
 
 
 def decode_weight_bytes(cfg) -> int:
-  """Bytes of the weights one decode step reads: every parameter as stored, but the input
-  embedding table only when the output layer is tied to it."""
+  """Bytes of the weights one decode step reads: every parameter at the narrower of its stored
+  and compute dtypes, the input embedding table only when the output layer is tied to it."""
   read = param_count(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed_dim)
-  return int(read * jnp.dtype(cfg.param_dtype).itemsize)
+  return int(read * min(jnp.dtype(cfg.param_dtype).itemsize, jnp.dtype(cfg.dtype).itemsize))
 
 
 def kv_bytes_per_position(cfg, cache_dtype=None) -> int:

@@ -99,7 +99,7 @@ def test_quick_on_policy_row_times_sampling_apart(quick):
   those tokens over each time; the model FLOPs are the student's decode forward, its scoring
   forward and backward and the teacher's forward over 2 x (48 + 16 - 1) tokens; on CPU there
   is no HBM bandwidth, so no roofline, but the bytes a decode step reads are worked out: the
-  fp32 weights less the untied input embedding, plus 2 rows of KV cache (2 layers x K and V x
+  weights (fp32 stored and computed) less the untied input embedding, plus 2 rows of KV cache (2 layers x K and V x
   2 kv heads x 16 x 4 bytes a position) at the mean context 48 + 15 / 2."""
   proc, _, rows = quick
   best = rows["on_policy"]["best"]
@@ -122,20 +122,20 @@ def test_quick_on_policy_row_times_sampling_apart(quick):
 
 
 def test_decode_roofline_of_the_real_student_on_a_v5e():
-  """Qwen3-0.6B (fp32 master weights, tied embedding, bf16 KV cache), 16 rows, 512-token prompts
-  and 512 new tokens, on a v5e's 819 GB/s, worked by hand:
+  """Qwen3-0.6B (fp32 master weights read in bf16, tied embedding, bf16 KV cache), 16 rows,
+  512-token prompts and 512 new tokens, on a v5e's 819 GB/s, worked by hand:
     weights: embedding 151936 x 1024 = 155,582,464; each of 28 blocks q 1024 x 2048, k and v
     1024 x 1024, o 2048 x 1024, MLP 3 x 1024 x 3072, q/k norms 2 x 128, two norms 2 x 1024 =
-    15,730,944; final norm 1024: 596,049,920 parameters, 2,384,199,680 bytes;
+    15,730,944; final norm 1024: 596,049,920 parameters, 1,192,099,840 bytes in bf16;
     KV cache: 2 x 28 layers x 8 kv heads x 128 x 2 bytes = 114,688 bytes a position;
-    a decode step reads 2,384,199,680 + 16 x 114,688 x (512 + 511 / 2) = 3,792,568,320 bytes;
-    16 tokens a step: 16 x 819e9 / 3,792,568,320 = 3,455.2 tokens/s."""
+    a decode step reads 1,192,099,840 + 16 x 114,688 x (512 + 511 / 2) = 2,600,468,480 bytes;
+    16 tokens a step: 16 x 819e9 / 2,600,468,480 = 5,039.1 tokens/s."""
   cfg = get_preset("qwen3-0.6b", param_dtype="float32", dtype="bfloat16")
-  assert on_policy_lever.decode_weight_bytes(cfg) == 2_384_199_680
+  assert on_policy_lever.decode_weight_bytes(cfg) == 1_192_099_840
   assert on_policy_lever.kv_bytes_per_position(cfg) == 114_688
-  roof = on_policy_lever.decode_roofline(2_384_199_680, 114_688, 16, 512, 512, 819e9)
-  assert roof["decode_bytes_per_step"] == pytest.approx(3_792_568_320)
-  assert roof["roofline_tokens_per_s"] == pytest.approx(3455.2, abs=0.1)
+  roof = on_policy_lever.decode_roofline(1_192_099_840, 114_688, 16, 512, 512, 819e9)
+  assert roof["decode_bytes_per_step"] == pytest.approx(2_600_468_480)
+  assert roof["roofline_tokens_per_s"] == pytest.approx(5039.1, abs=0.1)
 
 
 def test_every_row_names_candidates_of_its_own_pair():
