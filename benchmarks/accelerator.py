@@ -1,5 +1,5 @@
-"""One chip: the train, KD, QAT, MoE and long-context steps of the benchmark pairs, each at the
-fastest batch and remat that fit the chip it runs on, with MFU.
+"""One chip: the train, KD, on-policy, QAT, QLoRA, MoE and long-context steps of the benchmark
+pairs, each at the fastest batch and remat that fit the chip it runs on, with MFU.
 
   python benchmarks/accelerator.py [--expect-tpu | --expect-gpu] [--quick] [--rows NAME,...]
       [--json PATH] [--out DIR]
@@ -18,7 +18,10 @@ a Qwen3-0.6B-shaped student with fp32 master weights and bf16 compute, vocabular
 Qwen3-MoE-shaped teacher of 16 experts (top-4, 1.38B) into the real student; `moe_student`, a
 16-expert Qwen3-MoE-shaped student (0.50B). Sequence 2048 unless a row says otherwise. MFU is
 model FLOPs (causal convention, framework.flops) over the datasheet peak; the probe's bf16 matmul
-rate is reported beside it.
+rate is reported beside it. The on-policy row times the sampler apart from the update and sets
+its tokens/s against the decode roofline of the chip's HBM bandwidth
+(benchmarks/lib/on_policy_lever.py); its tokens/s are completion tokens learned per second of
+the whole step.
 
 --expect-tpu / --expect-gpu: if JAX runs on anything else (a CPU fallback, or no backend at all),
 print one line and exit 3 before any row. --quick, or any CPU: the tiny pair runs every row's
@@ -82,6 +85,24 @@ ROWS = (
     Row("qat_kd_weights", "real", (f"kd:full:4{S}:qat=q4_0_weights",),
         "the KD step with only the student's weights fake-quantized to q4_0 (activations left "
         "in bf16): what the activations' q8_0 rounding costs"),
+    # Compiled for a v5e without one (libtpu's deviceless compile of lever_grid.lower's step
+    # over the tpu:v5e-1 target's device): 15.53 GiB at 8 rows (past 0.97 of the chip's
+    # 15.75 GiB, where run_group stops), 15.07 GiB at 6, so ~0.23 GiB a row over ~13.7 GiB that
+    # any batch holds (the fp32 student, its Adam state and gradients, the bf16 teacher). The
+    # sampling-only program: 5.0 GiB at 6 rows.
+    Row("on_policy", "real", tuple(f"on_policy:full:{b}:seq_len=1024:new_tokens=512"
+                                   for b in (6, 4, 2)),
+        "on-policy distillation (configs/on_policy.py's GKD JSD): the student samples 512 "
+        "tokens after a 512-token prompt inside the step, the teacher grades each; sampling "
+        "timed apart from the update and set against the decode roofline"),
+    # chunked: the sliced loss refuses an adapted student (trainers/recipe.py), so 'auto' runs
+    # the chunk engine. The nf4 base holds no fp32 weights or Adam state: 16 x 2048 compiles to
+    # 6.4 GiB for a v5e (deviceless, as the on-policy row's figures).
+    Row("qlora", "real", ("train:full:32:lora=qlora", "train:full:16:lora=qlora",
+                          "train:full:8:lora=qlora"),
+        "QLoRA next-token training as configs/qlora.py runs it (frozen nf4 base in tiles of 32, "
+        "rank-8 adapters on the attention and MLP matmuls, dropout 0.1); MFU counts the full "
+        "6N model FLOPs, though the frozen base computes no weight gradients"),
     Row("moe_kd", "moe", (f"kd:full:4{S}:teacher_moe_impl=ragged",
                           f"kd:full:2{S}:teacher_moe_impl=ragged",
                           f"kd:full:4{S}:teacher_moe_impl=tokamax"),
@@ -105,11 +126,15 @@ ROWS = (
 )
 
 
+QUICK_NEW_TOKENS = 16  # an on-policy candidate's completions at --quick (of 64 tokens)
+
+
 def variant_of(row: Row, candidate: str, quick: bool) -> str:
   text = f"{candidate}:pair={row.pair}"
   if quick:  # seconds-long sizes: the tiny pair at 64 tokens (tpu_levers --tiny)
     kind, remat, batch, *rest = text.split(":")
-    rest = [r for r in rest if not r.startswith("seq_len=")]
+    rest = [f"new_tokens={QUICK_NEW_TOKENS}" if r.startswith("new_tokens=") else r
+            for r in rest if not r.startswith("seq_len=")]
     text = ":".join([kind, remat, str(min(int(batch), 2)), *rest])
   return text
 

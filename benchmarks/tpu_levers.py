@@ -1,4 +1,5 @@
-"""One chip, one process: each performance lever of the train and KD steps, measured side by side.
+"""One chip, one process: each performance lever of the train, KD and on-policy steps, measured
+side by side.
 
   python benchmarks/tpu_levers.py --pair real --grid 'train:full:8,train:none:2,kd:full:8' \
       [--profile train:full:8] [--out DIR] [--tiny]
@@ -81,9 +82,11 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   backend = jax.default_backend()
   peak, source = throughput.peak_flops_per_device()
+  bandwidth, bandwidth_source = throughput.hbm_bandwidth_per_device()
   write_row(out, {"row": "probe", "backend": backend, "device_kind": jax.devices()[0].device_kind,
                   "jax": jax.__version__, "versions": package_versions(),
                   "python": sys.version.split()[0], "peak_flops": peak, "peak_source": source,
+                  "hbm_bandwidth": bandwidth, "hbm_source": bandwidth_source,
                   "memory_limit": lever_grid.memory_limit(),
                   "since_start_s": time.perf_counter() - START, "matmul": matmul_probe(backend)})
   pair = lever_grid.pair_configs(args.pair, tiny=args.tiny)
@@ -112,7 +115,9 @@ def main(argv=None) -> int:
     best = lever_grid.best_splash(args.splash_from, pair["student"].head_dim, seq_len)
     write_row(out, {"row": "splash_best", "options": best})
   variants = [lever_grid.Variant.parse(s, seq_len, best) for s in args.grid.split(",") if s]
-  order = args.kinds.split(",")  # the first kind runs while the others compile
+  # The first kind runs while the others compile; on-policy steps last.
+  order = args.kinds.split(",")
+  order += [k for k in lever_grid.KINDS if k not in order]
   variants.sort(key=lambda v: order.index(v.kind))
   with concurrent.futures.ThreadPoolExecutor(max_workers=args.threads) as pool:
     pending = {}
@@ -120,7 +125,7 @@ def main(argv=None) -> int:
       t0 = time.perf_counter()
       try:
         low = lever_grid.lower(v, lever_grid.pair_configs(v.option("pair", args.pair),
-                                                          tiny=args.tiny))
+                                                          tiny=args.tiny), tiny=args.tiny)
       except Exception as e:  # noqa: BLE001 - one variant's failure is its row
         write_row(out, {"row": v.name, "status": "error", "phase": "trace",
                         "error": f"{type(e).__name__}: {e}"[:1500]})
@@ -153,14 +158,14 @@ def run_group(group, pending, factories, out: Path, args) -> None:
     else:
       runnable.append((low, exe, row))
   profiles = set(filter(None, args.profile.split(",")))
-  runnable.sort(key=lambda r: lever_grid.layout_key(r[0]), reverse=True)  # scanned first
+  runnable.sort(key=lambda r: lever_grid.state_key(r[0]), reverse=True)  # scanned first
   session, key = None, None
   for low, exe, row in runnable:
     v = low.variant
-    if lever_grid.layout_key(low) != key:
+    if lever_grid.state_key(low) != key:
       session = None  # frees the last layout's state first
       session = lever_grid.Session(factories, low)
-      key = lever_grid.layout_key(low)
+      key = lever_grid.state_key(low)
     try:
       timing = session.time(low, exe, steps=2 if args.tiny else args.steps)
       write_row(out, {**row, "status": "ok", **timing})

@@ -1,5 +1,6 @@
 """The printed report of benchmarks/accelerator.py: the probe's lines, one line per row (its
-fastest candidate) and one per candidate.
+fastest candidate) and one per candidate, and the on-policy candidates' sampling against the
+decode roofline.
 
 Reads only the JSON payload (no JAX), so the report can be printed again from a saved file:
 `python benchmarks/lib/accelerator_table.py benchmarks/results/accelerator.json`.
@@ -36,9 +37,28 @@ COLUMNS = (
 )
 
 
-def table(rows: list[dict]) -> str:
-  cells = [[h for h, _ in COLUMNS]] + [[str(f(r)) for _, f in COLUMNS] for r in rows]
-  widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+def _rate(x: float | None) -> str:
+  return "" if x is None else f"{x:,.0f}"
+
+
+# The on-policy step apart: the sampler alone, the update (the step less its sampling), and
+# the sampler's completion tokens/s against the decode roofline of the chip's HBM bandwidth.
+ON_POLICY_COLUMNS = (
+    ("row", lambda r: r["row"]),
+    ("sampling ms", lambda r: _ms(r.get("sampling_s"))),
+    ("update ms", lambda r: _ms(r.get("update_s"))),
+    ("step ms", lambda r: _ms(r.get("step_s"))),
+    ("sampled tokens", lambda r: f"{r['sampled_tokens']:,}"),
+    ("sampling tokens/s", lambda r: _rate(r.get("sampled_tokens_per_s"))),
+    ("roofline tokens/s", lambda r: _rate(r.get("roofline_tokens_per_s"))),
+    ("of roofline", lambda r: _pct(r.get("roofline_fraction"))),
+    ("decode GB/step", lambda r: f"{r['decode_bytes_per_step'] / 1e9:.2f}"),
+)
+
+
+def table(rows: list[dict], columns=COLUMNS) -> str:
+  cells = [[h for h, _ in columns]] + [[str(f(r)) for _, f in columns] for r in rows]
+  widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
   lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
   lines.insert(1, "  ".join("-" * w for w in widths))
   return "\n".join(lines)
@@ -51,7 +71,9 @@ def probe_lines(probe: dict | None) -> list[str]:
   installed = ", ".join(f"{k} {v}" for k, v in (probe.get("versions") or {}).items() if v)
   return [f"python {probe.get('python', '?')}; {installed}",
           f"{probe['backend']}: {probe['device_kind']}; memory limit "
-          f"{_gb(probe.get('memory_limit'))}; MFU against {probe['peak_source']}",
+          f"{_gb(probe.get('memory_limit'))}; MFU against {probe['peak_source']}"
+          + (f"; decode roofline against {probe['hbm_source']}" if probe.get("hbm_source")
+             else ""),
           f"bf16 {m['n']}^3 matmul: best {m['best_flops_per_s'] / 1e12:.1f} TFLOP/s, median "
           f"{m['median_flops_per_s'] / 1e12:.1f} TFLOP/s"]
 
@@ -68,6 +90,12 @@ def report(payload: dict[str, Any]) -> str:
     lines.append(f"q4_0 QAT KD step / bf16 KD step (same batch): "
                  f"{payload['qat_kd_over_kd']:.3f}")
   lines += ["", "Every candidate:", table([c for r in payload["rows"] for c in r["candidates"]])]
+  sampled = [c for r in payload["rows"] for c in r["candidates"] if "sampling_s" in c]
+  if sampled:
+    bandwidth = next((c["hbm_source"] for c in sampled), "")
+    lines += ["", f"On-policy: sampling and the update apart; decode roofline at {bandwidth} "
+              f"(weights + KV cache read per decode step, benchmarks/lib/on_policy_lever.py):",
+              table(sampled, ON_POLICY_COLUMNS)]
   lines += [f"{c['status'].upper()} {c['row']}: {c['error'][:300]}" for r in payload["rows"]
             for c in r["candidates"] if c.get("error")]
   lines.append("MFU: model FLOPs (causal: half of each T x T attention product) over the "

@@ -1,6 +1,7 @@
 """The pieces of benchmarks/tpu_levers.py: the model pairs, timed model creation, one variant of
-the train or KD step (lowered, then compiled apart so several compile at once), and the session
-that runs the variants on one state."""
+the train, KD or on-policy step (lowered, then compiled apart so several compile at once), and
+the session that runs the variants on one state. The on-policy step's own pieces (its sampler
+timed apart, the decode roofline) are benchmarks/lib/on_policy_lever.py."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from benchmarks.lib import common
+from benchmarks.lib import common, on_policy_lever
 from benchmarks.lib.accelerator_measure import teacher_twice
 from distillax import partitioning as pt
+from distillax.configs import qlora
 from distillax.distill import LogitKD, make_distill_objective
 from distillax.framework import backends, build_engine, flops, throughput
 from distillax.framework.vocab_chunks import AUTO
@@ -26,6 +28,7 @@ from distillax.models.transformer import Transformer
 from distillax.quant import quantize_for_training
 from distillax.quant.int8_model import abstract_int8_model, int8_model
 from distillax.trainers import lm_objective
+from distillax.trainers.transforms import StudentTransforms
 
 
 def _real(tiny: bool) -> dict:
@@ -118,15 +121,19 @@ class ModelFactory:
     return nnx.merge(self.graphdef, state)
 
 
+KINDS = ("train", "kd", on_policy_lever.KIND)
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  kind: str  # 'train' | 'kd'
+  kind: str  # one of KINDS
   remat: str
   batch: int
   seq_len: int
   # Student model fields, or loss_impl / chunk, or the teacher's: teacher_remat, teacher_scan,
   # teacher_int8=True (its matmul weights int8 codes + scales, its matmuls int8: the
-  # teacher.int8 of a distill job, quant/int8_model.py).
+  # teacher.int8 of a distill job, quant/int8_model.py); lora=qlora (the student as
+  # configs/qlora.py adapts it); on_policy's new_tokens (on_policy_lever.py).
   options: tuple[tuple[str, str], ...] = ()
 
   @classmethod
@@ -135,8 +142,8 @@ class Variant:
     tiles benchmarks/splash_blocks.py measured, as its options)."""
     text = text.replace(":splash=best", f":{splash_best}" if splash_best else "")
     kind, remat, batch, *rest = text.split(":")
-    if kind not in ("train", "kd"):
-      raise ValueError(f"variant {text!r}: kind must be train or kd")
+    if kind not in KINDS:
+      raise ValueError(f"variant {text!r}: kind must be one of {', '.join(KINDS)}")
     opts = tuple(tuple(r.split("=", 1)) for r in rest)
     seq = dict(opts).get("seq_len")
     return cls(kind, remat, int(batch), int(seq) if seq else seq_len,
@@ -157,7 +164,7 @@ class Variant:
 
   def model_fields(self) -> dict[str, Any]:
     special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_moe_impl", "pair",
-               "qat", "teacher_int8")
+               "qat", "teacher_int8", "lora", "new_tokens")
     out = {"remat": self.remat}
     for k, v in self.options:
       if k not in special:
@@ -187,9 +194,14 @@ class Lowered:
   student_cfg: Any
   teacher_cfg: Any
   teacher_int8: bool = False
+  tiny: bool = False
+  sampler: Any = None  # on_policy: the trainer's sampling-only program, lowered
+  sampler_exe: Any = None  # ... and compiled (compile_timed)
 
 
-def objective_for(v: Variant):
+def objective_for(v: Variant, vocab: int):
+  if v.kind == on_policy_lever.KIND:
+    return on_policy_lever.objective(v, vocab)
   if v.kind == "train":
     loss_impl = v.option("loss_impl", "chunked")
     return functools.partial(lm_objective, loss_impl=loss_impl) if loss_impl != "chunked" \
@@ -200,11 +212,13 @@ def objective_for(v: Variant):
                                 sliced=v.option("loss_impl") == "sliced")
 
 
-def lower(v: Variant, pair: dict) -> Lowered:
-  """The variant's step built by `build_engine` (the trainer's), traced and lowered only."""
+def lower(v: Variant, pair: dict, tiny: bool = False) -> Lowered:
+  """The variant's step built by `build_engine` (the trainer's), traced and lowered only; an
+  on-policy variant's sampling-only program too. `tiny`: the pair is the tiny one (QLoRA takes
+  configs/qlora.py:tiny's tiles)."""
   student_cfg = pair["student"].replace(**v.model_fields())
   teacher_cfg = None
-  if v.kind == "kd":
+  if v.kind in ("kd", on_policy_lever.KIND):
     teacher_fields = {}
     if v.option("teacher_remat"):
       teacher_fields["remat"] = v.option("teacher_remat")
@@ -219,34 +233,61 @@ def lower(v: Variant, pair: dict) -> Lowered:
   if teacher_cfg is not None:
     teacher = abstract_model(teacher_cfg)
     extras["teacher"] = abstract_int8_model(teacher) if teacher_int8 else teacher
-  engine = build_engine(transformed(v, abstract_model(student_cfg)), extras, objective_for(v),
-                        common.benchmark_optimizer(), 1000, mesh, rules, "jit",
-                        common.batch_shapes(v.batch, v.seq_len), compile_now=False)
+  abstract_student = abstract_model(student_cfg)
+  student = nnx.eval_shape(lambda: transformed(v, abstract_student, tiny))
+  lora = lora_transforms(v, tiny)
+  shapes = (on_policy_lever.batch_shapes(v) if v.kind == on_policy_lever.KIND
+            else common.batch_shapes(v.batch, v.seq_len))
+  objective = lora.train_objective(objective_for(v, student_cfg.vocab_size))
+  engine = build_engine(student, extras, objective,
+                        common.benchmark_optimizer(), 1000, mesh, rules, "jit", shapes,
+                        trainable=lora.trainable(), compile_now=False)
   abstract_batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=backends.batch_sharding(
-      mesh, rules, len(s.shape), s.shape)) for k, s in common.batch_shapes(v.batch,
-                                                                          v.seq_len).items()}
-  lowered = engine.runner.call.lower(backends.sharded_abstract_state(engine.layout),
-                                     abstract_batch)
-  return Lowered(v, engine, lowered, student_cfg, teacher_cfg, teacher_int8)
+      mesh, rules, len(s.shape), s.shape)) for k, s in shapes.items()}
+  abstract_state = backends.sharded_abstract_state(engine.layout)
+  lowered = engine.runner.call.lower(abstract_state, abstract_batch)
+  sampler = (on_policy_lever.lower_sampler(engine, v, student_cfg.vocab_size, abstract_state,
+                                           abstract_batch)
+             if v.kind == on_policy_lever.KIND else None)
+  return Lowered(v, engine, lowered, student_cfg, teacher_cfg, teacher_int8, tiny, sampler)
 
 
 # qat=q4_0: llama.cpp's q4_0 weights and q8_0 activations everywhere but the output layer (the
 # top module, path ''), as the demo and README train for llama.cpp.
 QAT_RULES = {"q4_0": {"rules": [("", None, None, None), (".*", "q4_0", "q8_0", None)]},
              "q4_0_weights": {"rules": [("", None, None, None), (".*", "q4_0", None, None)]}}
+# lora=qlora: the adapters, nf4 base and tiles of configs/qlora.py (its :tiny tiles for the tiny
+# pair, whose head_dim is 16).
+LORA_CONFIGS = {"qlora": qlora.get_config}
 
 
-def transformed(v: Variant, student):
-  """The student as the variant trains it: fake-quantized (QAT) when it says so."""
+def lora_transforms(v: Variant, tiny: bool) -> StudentTransforms:
+  """The job's LoRA transforms (adapters, the trainable filter, adapter dropout) for a variant
+  with lora=NAME; none (every parameter trains) otherwise."""
+  name = v.option("lora")
+  if not name:
+    return StudentTransforms()
+  config = LORA_CONFIGS[name]("tiny" if tiny else None)
+  return StudentTransforms(lora=config.lora, seed=int(config.seed))
+
+
+def transformed(v: Variant, student, tiny: bool = False):
+  """The student as the variant trains it: adapted (LoRA/QLoRA) or fake-quantized (QAT) when it
+  says so."""
+  student = lora_transforms(v, tiny).apply(student)
   if v.option("qat"):
     return quantize_for_training(student, QAT_RULES[v.option("qat")])
   return student
 
 
 def compile_timed(low: Lowered):
+  """The step compiled (timed), and an on-policy variant's sampling program with it."""
   t0 = time.perf_counter()
   exe = low.lowered.compile()
-  return low, exe, time.perf_counter() - t0
+  seconds = time.perf_counter() - t0
+  if low.sampler is not None:
+    low.sampler_exe = low.sampler.compile()
+  return low, exe, seconds
 
 
 def compiled_peak(exe) -> int:
@@ -279,6 +320,12 @@ def layout_key(low: "Lowered") -> tuple:
           t.scan_layers if t is not None else None, low.teacher_int8)
 
 
+def state_key(low: "Lowered") -> tuple:
+  """layout_key and the student transforms that change the state's arrays besides QAT's
+  (adapters and a quantized base): variants with the same key share one state."""
+  return layout_key(low) + (low.variant.option("lora", ""),)
+
+
 class Session:
   """One train state shared by the variants of a group with one layout (the same arrays
   whatever the remat, batch or attention kernel): each variant's compiled step takes the state
@@ -294,14 +341,19 @@ class Session:
         extras["teacher"] = int8_model(extras["teacher"])
         jax.block_until_ready(nnx.state(extras["teacher"]))
         self.teacher_int8_s = time.perf_counter() - t0
-    student = transformed(first.variant, factories(base(first.student_cfg), "student").make())
+    student = transformed(first.variant, factories(base(first.student_cfg), "student").make(),
+                          first.tiny)
     self.state = first.engine.init_state(student, extras, 0)
+    # What the optimizer updates: every student parameter, or the adapters alone (LoRA).
+    self.trainable_params = sum(int(x.size) for x in jax.tree.leaves(self.state.params))
     self.peak_flops, _ = throughput.peak_flops_per_device()
 
   def time(self, low: Lowered, exe, steps: int) -> dict:
     v = low.variant
-    batch = low.engine.runner.place_batch(common.packed_batch(
-        v.batch, v.seq_len, low.student_cfg.vocab_size, seed=1))
+    if v.kind == on_policy_lever.KIND:  # sampling and the update timed apart
+      return {**on_policy_lever.timed(self, low, exe, steps), "memory_stats": memory_stats(),
+              "trainable_params": self.trainable_params}
+    batch = low.engine.runner.place_batch(host_batch(low, seed=1))
     t0 = time.perf_counter()
     self.state, metrics = exe(self.state, batch)
     first_loss = float(metrics["loss"])
@@ -320,13 +372,11 @@ class Session:
             "tflops_per_s": model_flops / step_s / 1e12,
             "mfu_causal": throughput.mfu(model_flops, step_s, 1, self.peak_flops),
             "first_loss": first_loss, "final_loss": float(metrics["loss"]),
-            "memory_stats": memory_stats(),
+            "memory_stats": memory_stats(), "trainable_params": self.trainable_params,
             **({} if self.teacher_int8_s is None else {"teacher_int8_s": self.teacher_int8_s})}
 
   def profile(self, low: Lowered, exe, trace_dir) -> None:
-    v = low.variant
-    batch = low.engine.runner.place_batch(common.packed_batch(
-        v.batch, v.seq_len, low.student_cfg.vocab_size, seed=2))
+    batch = low.engine.runner.place_batch(host_batch(low, seed=2))
     jax.profiler.start_trace(str(trace_dir))
     try:
       for _ in range(2):
@@ -334,6 +384,14 @@ class Session:
       jax.block_until_ready(metrics)
     finally:
       jax.profiler.stop_trace()
+
+
+def host_batch(low: Lowered, seed: int) -> dict:
+  """A batch of the variant's shapes: packed documents, or an on-policy step's prompts."""
+  v, vocab = low.variant, low.student_cfg.vocab_size
+  if v.kind == on_policy_lever.KIND:
+    return on_policy_lever.host_batch(v, vocab, seed)
+  return common.packed_batch(v.batch, v.seq_len, vocab, seed=seed)
 
 
 def best_splash(path: str, head_dim: int, seq_len: int) -> str:

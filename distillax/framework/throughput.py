@@ -1,4 +1,4 @@
-"""Peak FLOP/s per device, achieved TFLOP/s and MFU (model FLOPs utilisation).
+"""Peak FLOP/s and HBM bandwidth per device, achieved TFLOP/s and MFU (model FLOPs utilisation).
 
 Accelerator peaks come from a table of vendor figures (dense bf16 matmul, per chip) matched on
 `device.device_kind`. A CPU has no meaningful datasheet figure, so its peak is measured once per
@@ -20,31 +20,35 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-# Dense bf16 peak FLOP/s per chip (vendor figures without structured sparsity). Matched in order
-# against the lower-cased device_kind; the first entry whose every needle is present wins, so the
-# more specific variants come first.
-#   TPU v4  275 TFLOP/s  cloud.google.com/tpu/docs/v4  ("275 teraflops" bf16 per chip)
-#   TPU v5e 197 TFLOP/s  cloud.google.com/tpu/docs/v5e (device_kind "TPU v5 lite")
-#   TPU v5p 459 TFLOP/s  cloud.google.com/tpu/docs/v5p (device_kind "TPU v5" / "TPU v5p")
-#   TPU v6e 918 TFLOP/s  cloud.google.com/tpu/docs/v6e (Trillium, device_kind "TPU v6 lite")
-#   A100    312 TFLOP/s  NVIDIA A100 datasheet (bf16 tensor core, SXM and PCIe alike)
-#   H100    989 TFLOP/s SXM, 756 PCIe, 835 NVL  NVIDIA H100 datasheet (1979/1513/1671 "with
-#           sparsity", halved for dense)
-#   H200    989 TFLOP/s SXM, 835 NVL  NVIDIA H200 datasheet (1979/1671 with sparsity, halved)
-_PEAK_TABLE: tuple[tuple[tuple[str, ...], float, str], ...] = (
-    (("v6", "lite"), 918e12, "TPU v6e"),
-    (("v6e",), 918e12, "TPU v6e"),
-    (("v5", "lite"), 197e12, "TPU v5e"),
-    (("v5e",), 197e12, "TPU v5e"),
-    (("v5p",), 459e12, "TPU v5p"),
-    (("tpu", "v5"), 459e12, "TPU v5p"),
-    (("tpu", "v4"), 275e12, "TPU v4"),
-    (("h200", "nvl"), 835e12, "H200 NVL"),
-    (("h200",), 989e12, "H200 SXM"),
-    (("h100", "pcie"), 756e12, "H100 PCIe"),
-    (("h100", "nvl"), 835e12, "H100 NVL"),
-    (("h100",), 989e12, "H100 SXM"),
-    (("a100",), 312e12, "A100"),
+# Dense bf16 peak FLOP/s and HBM bandwidth (bytes/s) per chip (vendor figures; FLOP/s without
+# structured sparsity). Matched in order against the lower-cased device_kind; the first entry
+# whose every needle is present wins, so the more specific variants come first.
+#   TPU v4  275 TFLOP/s, 1200 GB/s  cloud.google.com/tpu/docs/v4 ("275 teraflops" bf16 per chip)
+#   TPU v5e 197 TFLOP/s, 819 GB/s   cloud.google.com/tpu/docs/v5e (device_kind "TPU v5 lite")
+#   TPU v5p 459 TFLOP/s, 2765 GB/s  cloud.google.com/tpu/docs/v5p (device_kind "TPU v5" / "v5p")
+#   TPU v6e 918 TFLOP/s, 1640 GB/s  cloud.google.com/tpu/docs/v6e (Trillium, "TPU v6 lite")
+#   A100    312 TFLOP/s; 2039 GB/s SXM 80GB, 1935 GB/s PCIe 80GB, 1555 GB/s 40GB  NVIDIA A100
+#           datasheet (bf16 tensor core, SXM and PCIe alike)
+#   H100    989 TFLOP/s SXM, 756 PCIe, 835 NVL; 3.35 TB/s SXM, 2.0 PCIe, 3.9 NVL  NVIDIA H100
+#           datasheet (1979/1513/1671 "with sparsity", halved for dense)
+#   H200    989 TFLOP/s SXM, 835 NVL; 4.8 TB/s both  NVIDIA H200 datasheet (1979/1671 with
+#           sparsity, halved)
+_PEAK_TABLE: tuple[tuple[tuple[str, ...], float, float, str], ...] = (
+    (("v6", "lite"), 918e12, 1640e9, "TPU v6e"),
+    (("v6e",), 918e12, 1640e9, "TPU v6e"),
+    (("v5", "lite"), 197e12, 819e9, "TPU v5e"),
+    (("v5e",), 197e12, 819e9, "TPU v5e"),
+    (("v5p",), 459e12, 2765e9, "TPU v5p"),
+    (("tpu", "v5"), 459e12, 2765e9, "TPU v5p"),
+    (("tpu", "v4"), 275e12, 1200e9, "TPU v4"),
+    (("h200", "nvl"), 835e12, 4.8e12, "H200 NVL"),
+    (("h200",), 989e12, 4.8e12, "H200 SXM"),
+    (("h100", "pcie"), 756e12, 2.0e12, "H100 PCIe"),
+    (("h100", "nvl"), 835e12, 3.9e12, "H100 NVL"),
+    (("h100",), 989e12, 3.35e12, "H100 SXM"),
+    (("a100", "80gb", "pcie"), 312e12, 1935e9, "A100 80GB PCIe"),
+    (("a100", "80gb"), 312e12, 2039e9, "A100 80GB SXM"),
+    (("a100",), 312e12, 1555e9, "A100 40GB"),
 )
 
 # Matmul sizes of the CPU probe: big enough to reach the BLAS kernel's steady rate, small enough
@@ -57,13 +61,24 @@ _cpu_probe_cache: dict[str, float] = {}
 _warned_kinds: set[str] = set()
 
 
+def _table_entry(device_kind: str):
+  kind = device_kind.lower()
+  for needles, peak, bandwidth, name in _PEAK_TABLE:
+    if all(needle in kind for needle in needles):
+      return peak, bandwidth, name
+  return None
+
+
 def table_peak(device_kind: str) -> tuple[float, str] | None:
   """(bf16 dense FLOP/s, name) from the table for a device_kind string, or None if unknown."""
-  kind = device_kind.lower()
-  for needles, peak, name in _PEAK_TABLE:
-    if all(needle in kind for needle in needles):
-      return peak, name
-  return None
+  found = _table_entry(device_kind)
+  return None if found is None else (found[0], found[2])
+
+
+def table_hbm_bandwidth(device_kind: str) -> tuple[float, str] | None:
+  """(HBM bytes/s, name) from the table for a device_kind string, or None if unknown."""
+  found = _table_entry(device_kind)
+  return None if found is None else (found[1], found[2])
 
 
 # The probe's matmul: fp32 at full precision, so its rate is the host's dense fp32 matmul rate.
@@ -128,6 +143,20 @@ def peak_flops_per_device(device: Any = None) -> tuple[float | None, str]:
     return None, f"unknown device kind {device.device_kind!r}"
   peak, name = found
   return peak, f"{name} bf16 dense datasheet peak ({peak / 1e12:.0f} TFLOP/s)"
+
+
+def hbm_bandwidth_per_device(device: Any = None) -> tuple[float | None, str]:
+  """(datasheet HBM bandwidth of one device in bytes/s or None, where the figure comes from):
+  what a memory-bound program (a decode step reads every weight and its KV cache) is held to.
+  A CPU has no HBM and an unknown accelerator no figure: None, and no roofline."""
+  device = device or jax.local_devices()[0]
+  if device.platform == "cpu":
+    return None, "cpu: no HBM bandwidth"
+  found = table_hbm_bandwidth(device.device_kind)
+  if found is None:
+    return None, f"unknown device kind {device.device_kind!r}"
+  bandwidth, name = found
+  return bandwidth, f"{name} HBM datasheet bandwidth ({bandwidth / 1e9:.0f} GB/s)"
 
 
 def tflops_per_device(model_flops_per_step: float, step_time_s: float, num_devices: int) -> float:

@@ -1,19 +1,24 @@
 """benchmarks/accelerator.py on this CPU: every row's candidates are compiled, run and the
-fastest kept, with FLOPs worked out by hand; --expect-gpu refuses a CPU fallback in one line
+fastest kept, with FLOPs worked out by hand; the on-policy row samples exactly its tokens and
+times sampling apart from the update, its decode roofline checked against a hand-worked figure;
+the QLoRA row trains the adapters alone; --expect-gpu refuses a CPU fallback in one line
 (through scripts/accelerator_run.sh, as a user runs it), and a backend that cannot start fails in
 one line too."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks import accelerator
+from benchmarks.lib import on_policy_lever
 from distillax.models.presets import get_preset
-from tests.support.bench import matmul_params
+from tests.support.bench import FAST_COMPILE, matmul_params, matmul_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "accelerator.py"
@@ -24,31 +29,46 @@ def run(args, env=None):
                         text=True, timeout=900, env=env)
 
 
-def test_quick_rows_on_cpu(tmp_path):
-  """The train and KD rows at quick sizes: each candidate ran, the best is the fastest, and its
-  model FLOPs are 6N + 6 L H Q T per token for the student (half of each T x T product: the
-  causal convention) plus 2N + 2 L H Q T for the frozen teacher's forward."""
-  path = tmp_path / "acc.json"
-  proc = run(["--quick", "--rows", "train,kd", "--json", str(path), "--threads", "2"])
+TINY = get_preset("tiny")
+TINY_TEACHER = get_preset("tiny", num_layers=4, embed_dim=96, num_heads=6, num_kv_heads=2,
+                          mlp_dim=192)
+
+
+def forward_per_token(cfg, length: int) -> int:
+  """2N + 2 L H Q T: a forward's model FLOPs per token (half of each T x T product)."""
+  return 2 * matmul_params(cfg) + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+  """One --quick run of the train, KD, on-policy and QLoRA rows (one process, one probe)."""
+  path = tmp_path_factory.mktemp("acc") / "acc.json"
+  proc = run(["--quick", "--rows", "train,kd,on_policy,qlora", "--json", str(path),
+              "--threads", "2"], env={**os.environ, **FAST_COMPILE})
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   res = json.loads(path.read_text())
+  return proc, res, {r["name"]: r for r in res["rows"]}
+
+
+def test_quick_rows_on_cpu(quick):
+  """The train, KD and QLoRA rows at quick sizes: each candidate ran, the best is the fastest,
+  and its model FLOPs are 6N + 6 L H Q T per token for the student (half of each T x T product:
+  the causal convention) plus 2N + 2 L H Q T for the frozen teacher's forward."""
+  proc, res, rows = quick
   probe = res["probe"]
   assert probe["backend"] == "cpu" and probe["versions"]["jax"] == probe["jax"]
   assert probe["matmul"]["best_flops_per_s"] >= probe["matmul"]["median_flops_per_s"] > 0
-  rows = {r["name"]: r for r in res["rows"]}
-  assert sorted(rows) == ["kd", "train"]
-  tiny = get_preset("tiny")
-  teacher = get_preset("tiny", num_layers=4, embed_dim=96, num_heads=6, num_kv_heads=2,
-                       mlp_dim=192)
-  for name, row in rows.items():
+  assert probe["hbm_bandwidth"] is None  # a CPU has no HBM: no decode roofline
+  assert sorted(rows) == ["kd", "on_policy", "qlora", "train"]
+  for name in ("train", "kd", "qlora"):
+    row = rows[name]
     ran = [c for c in row["candidates"] if c["status"] == "ok"]
     assert ran and row["best"] == max(ran, key=lambda c: c["tokens_per_s"])
     best = row["best"]
     tokens, T = best["batch"] * best["seq_len"], best["seq_len"]
-    per_token = 6 * matmul_params(tiny) + 6 * tiny.num_layers * tiny.num_heads * tiny.head_dim * T
+    per_token = 3 * forward_per_token(TINY, T)
     if name == "kd":
-      per_token += 2 * matmul_params(teacher) + (
-          2 * teacher.num_layers * teacher.num_heads * teacher.head_dim * T)
+      per_token += forward_per_token(TINY_TEACHER, T)
     assert best["model_flops"] == pytest.approx(tokens * per_token)
     assert best["tokens_per_s"] == pytest.approx(tokens / best["step_s"])
     assert best["mfu_causal"] == pytest.approx(
@@ -57,13 +77,74 @@ def test_quick_rows_on_cpu(tmp_path):
   assert "Each row at its fastest candidate" in proc.stdout and "kd (real)" in proc.stdout
 
 
+def test_quick_qlora_row_trains_the_adapters_alone(quick):
+  """configs/qlora.py:tiny on the tiny student: rank-8 adapters on every block matmul, A (in x 8)
+  and B (8 x out), are all the optimizer updates (the nf4 base is frozen)."""
+  _, _, rows = quick
+  best = rows["qlora"]["best"]
+  assert best["options"]["lora"] == "qlora"
+  rank = 8
+  adapters = TINY.num_layers * sum(math.prod(c) * rank + rank * math.prod(o)
+                                   for c, o in matmul_weights(TINY).values())
+  assert adapters == 2 * (6 * 64 * 8 + 8 * (64 + 32 + 32 + 64 + 128 + 128) + 128 * 8 + 8 * 64)
+  assert best["trainable_params"] == adapters
+  assert rows["train"]["best"]["trainable_params"] == TINY.num_layers * sum(
+      math.prod(c) * math.prod(o) for c, o in matmul_weights(TINY).values()) + (
+      2 * TINY.vocab_size * TINY.embed_dim + (2 * TINY.num_layers + 1) * TINY.embed_dim)
+
+
+def test_quick_on_policy_row_times_sampling_apart(quick):
+  """The on-policy row at quick sizes (2 prompts of 48 tokens, 16 sampled each): every timed
+  step sampled exactly 2 x 16 tokens; the update is the step less its sampling; the rates are
+  those tokens over each time; the model FLOPs are the student's decode forward, its scoring
+  forward and backward and the teacher's forward over 2 x (48 + 16 - 1) tokens; on CPU there
+  is no HBM bandwidth, so no roofline, but the bytes a decode step reads are worked out: the
+  weights (fp32 stored and computed) less the untied input embedding, plus 2 rows of KV cache (2 layers x K and V x
+  2 kv heads x 16 x 4 bytes a position) at the mean context 48 + 15 / 2."""
+  proc, _, rows = quick
+  best = rows["on_policy"]["best"]
+  assert (best["kind"], best["batch"], best["prompt_len"], best["new_tokens"]) == (
+      "on_policy", 2, 48, 16)
+  assert best["sampled_tokens"] == 2 * 16
+  assert best["update_s"] == pytest.approx(float(np.median(
+      np.subtract(best["step_s_all"], best["sampling_s_all"]))))
+  assert best["sampled_tokens_per_s"] == pytest.approx(32 / best["sampling_s"])
+  assert best["tokens_per_s"] == pytest.approx(32 / best["step_s"])
+  scored = 2 * (48 + 16 - 1)
+  assert best["model_flops"] == pytest.approx(scored * (
+      4 * forward_per_token(TINY, 63) + forward_per_token(TINY_TEACHER, 63)))
+  assert best["hbm_bandwidth"] is None and best["roofline_tokens_per_s"] is None
+  weights = (2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 256 * 64 + 64) * 4
+  assert best["decode_weight_bytes"] == weights
+  assert best["kv_bytes_per_position"] == 2 * 2 * 2 * 16 * 4
+  assert best["decode_bytes_per_step"] == pytest.approx(weights + 2 * 512 * (48 + 7.5))
+  assert "On-policy: sampling and the update apart" in proc.stdout
+
+
+def test_decode_roofline_of_the_real_student_on_a_v5e():
+  """Qwen3-0.6B (fp32 master weights read in bf16, tied embedding, bf16 KV cache), 16 rows,
+  512-token prompts and 512 new tokens, on a v5e's 819 GB/s, worked by hand:
+    weights: embedding 151936 x 1024 = 155,582,464; each of 28 blocks q 1024 x 2048, k and v
+    1024 x 1024, o 2048 x 1024, MLP 3 x 1024 x 3072, q/k norms 2 x 128, two norms 2 x 1024 =
+    15,730,944; final norm 1024: 596,049,920 parameters, 1,192,099,840 bytes in bf16;
+    KV cache: 2 x 28 layers x 8 kv heads x 128 x 2 bytes = 114,688 bytes a position;
+    a decode step reads 1,192,099,840 + 16 x 114,688 x (512 + 511 / 2) = 2,600,468,480 bytes;
+    16 tokens a step: 16 x 819e9 / 2,600,468,480 = 5,039.1 tokens/s."""
+  cfg = get_preset("qwen3-0.6b", param_dtype="float32", dtype="bfloat16")
+  assert on_policy_lever.decode_weight_bytes(cfg) == 1_192_099_840
+  assert on_policy_lever.kv_bytes_per_position(cfg) == 114_688
+  roof = on_policy_lever.decode_roofline(1_192_099_840, 114_688, 16, 512, 512, 819e9)
+  assert roof["decode_bytes_per_step"] == pytest.approx(2_600_468_480)
+  assert roof["roofline_tokens_per_s"] == pytest.approx(5039.1, abs=0.1)
+
+
 def test_every_row_names_candidates_of_its_own_pair():
   for row in accelerator.ROWS:
     assert row.pair in accelerator.tpu_levers.lever_grid.PAIRS, row.name
     for c in row.candidates:
       v = accelerator.tpu_levers.lever_grid.Variant.parse(
           accelerator.variant_of(row, c, quick=False), 2048)
-      assert v.option("pair") == row.pair and v.kind in ("train", "kd")
+      assert v.option("pair") == row.pair and v.kind in ("train", "kd", "on_policy")
 
 
 def test_run_script_with_expect_gpu_on_cpu_refuses_and_leaves_its_files_in_out(tmp_path):

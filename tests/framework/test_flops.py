@@ -245,6 +245,26 @@ def test_table_peaks_match_datasheets(kind, peak):
   assert throughput.table_peak(kind)[0] == pytest.approx(peak)
 
 
+@pytest.mark.parametrize("kind,bandwidth", [
+    ("TPU v4", 1200e9), ("TPU v5 lite", 819e9), ("TPU v5e", 819e9), ("TPU v5", 2765e9),
+    ("TPU v5p", 2765e9), ("TPU v6 lite", 1640e9), ("NVIDIA A100-SXM4-80GB", 2039e9),
+    ("NVIDIA A100 80GB PCIe", 1935e9), ("NVIDIA A100-SXM4-40GB", 1555e9),
+    ("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H100 PCIe", 2.0e12), ("NVIDIA H100 NVL", 3.9e12),
+    ("NVIDIA H200", 4.8e12), ("NVIDIA H200 NVL", 4.8e12),
+])
+def test_table_hbm_bandwidths_match_datasheets(kind, bandwidth):
+  assert throughput.table_hbm_bandwidth(kind)[0] == pytest.approx(bandwidth)
+
+
+def test_hbm_bandwidth_per_device_is_none_off_an_accelerator_it_knows():
+  """A decode roofline needs the chip's HBM bandwidth: a TPU v5e gives 819 GB/s; a CPU (no HBM)
+  and an accelerator missing from the table give None."""
+  assert throughput.hbm_bandwidth_per_device(FakeDevice("tpu", "TPU v5 lite"))[0] == 819e9
+  assert throughput.hbm_bandwidth_per_device(FakeDevice("cpu", "cpu"))[0] is None
+  bandwidth, source = throughput.hbm_bandwidth_per_device(FakeDevice("gpu", "Mystery 9"))
+  assert bandwidth is None and "Mystery 9" in source
+
+
 @dataclasses.dataclass
 class FakeDevice:
   platform: str

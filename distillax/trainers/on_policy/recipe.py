@@ -168,13 +168,19 @@ class OnPolicyRecipe(DistillRecipe):
     return run
 
   def step_flops(self) -> float:
-    """Model FLOPs of one on-policy step: the student's decode (about one forward over prompt +
-    completion), the student's scoring forward and backward, and the teacher's forward."""
-    n = self.batch_size * self.settings.num_samples
-    length = self.prompt_len + self.settings.max_new_tokens - 1
-    step = flops.train_step_flops(self.model_config, n, length,
-                                  teacher_cfg=self.teacher_model_config)["total"]
-    return step + flops.forward_flops(self.model_config, n, length)
+    return on_policy_step_flops(self.model_config, self.teacher_model_config,
+                                self.batch_size * self.settings.num_samples, self.prompt_len,
+                                self.settings.max_new_tokens)
 
 
-__all__ = ["OnPolicyRecipe", "settings_from_config"]
+def on_policy_step_flops(model_config, teacher_config, rows: int, prompt_len: int,
+                         max_new_tokens: int) -> float:
+  """Model FLOPs of one on-policy step over `rows` samples: the student's decode (about one
+  forward over prompt + completion), the student's scoring forward and backward, and the
+  teacher's forward."""
+  length = prompt_len + max_new_tokens - 1
+  step = flops.train_step_flops(model_config, rows, length, teacher_cfg=teacher_config)["total"]
+  return step + flops.forward_flops(model_config, rows, length)
+
+
+__all__ = ["OnPolicyRecipe", "on_policy_step_flops", "settings_from_config"]
