@@ -69,9 +69,8 @@ def train_section() -> ml_collections.ConfigDict:
   c.loss_impl = "auto"
   # What the trained student will be exported as, checked before anything compiles: "gguf"
   # refuses at start a student llama.cpp would run differently (a Gemma 3 student of blocks
-  # whose sliding layers break its five-in-six pattern, say); "" = not checked, unless QAT
-  # rules name llama.cpp's q4_0/q8_0 (a student trained for llama.cpp). Other students whose
-  # GGUF export would be refused get one warning line at start.
+  # whose sliding layers break its five-in-six pattern, say); "hf" or "" = not checked ("":
+  # a student whose GGUF export would be refused gets one warning line at start).
   c.export_format = ""
   return c
 

@@ -26,7 +26,6 @@ from distillax.errors import ConfigError, UserError
 from distillax.framework import optim
 from distillax.models.attention import tokamax as attention_tokamax
 from distillax.models.moe import kernels as moe_kernels
-from distillax.quant.config import GGML_WEIGHT_QTYPES, QuantConfig
 
 # (section, field, smallest allowed value, an example of a good value). Checked when a recipe is
 # made, so a value no run can use fails in one line naming it, not steps later in what it breaks
@@ -168,19 +167,12 @@ def check_model_conflicts(recipe) -> None:
 EXPORT_FORMATS = ("", "gguf", "hf")
 
 
-def _trained_for_llama_cpp(config) -> bool:
-  """QAT rules that fake-quantize to llama.cpp's own block formats (q4_0, q8_0)."""
-  if not (config.get("qat") and (config.qat.rules or config.qat.get("schedule"))):
-    return False
-  return any(rule.weight_qtype in GGML_WEIGHT_QTYPES
-             for rule in QuantConfig.from_config(config.qat).rules)
-
-
 def export_problems(recipe) -> list[str]:
-  """The GGUF export the trained student will need (train.export_format='gguf', or QAT rules in
-  llama.cpp's q4_0/q8_0), refused before anything trains when llama.cpp would run it otherwise
-  (edge/arch_checks.py, what `distillax export --format gguf` asks); a student that no job
-  said would go to llama.cpp is only warned about, once, at start."""
+  """The GGUF export the trained student will need (train.export_format='gguf': the demo's
+  stages, a job headed for llama.cpp), refused before anything trains when llama.cpp would run
+  it otherwise (edge/arch_checks.py, what `distillax export --format gguf` asks). Any other
+  student that will not export as GGUF gets one warning at start (QAT in q4_0/q8_0 included:
+  fake-quantizing to llama.cpp's formats does not say the job ends there)."""
   fmt = str(recipe.config.train.get("export_format", "") or "")
   if fmt not in EXPORT_FORMATS:
     return [f"train.export_format={fmt!r} is not an export format; use gguf, hf or '' (none "
@@ -188,11 +180,8 @@ def export_problems(recipe) -> list[str]:
   try:
     gguf_architecture(recipe.model_config)
   except UserError as e:
-    why = ("train.export_format='gguf'" if fmt == "gguf" else
-           "qat.rules train for llama.cpp's q4_0/q8_0" if _trained_for_llama_cpp(recipe.config)
-           else None)
-    if why is not None:
-      return [f"{why}, but this student cannot be exported as GGUF: {e}"]
+    if fmt == "gguf":
+      return [f"train.export_format='gguf', but this student cannot be exported as GGUF: {e}"]
     if fmt != "hf" and jax.process_index() == 0:
       logging.warning("this student will not export as GGUF (%s); --format hf will", e)
   return []
