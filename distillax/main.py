@@ -17,6 +17,7 @@ import os
 import sys
 
 # preset_devices under its old name too: tests/conftest.py sets up its devices through it.
+from distillax import interrupts
 from distillax.cli.devices import preset_devices as _preset_devices
 from distillax.cli.dispatch import JOBS
 from distillax.cli.error_lines import fail, parse_error_line
@@ -29,7 +30,23 @@ from distillax.cli.target_env import prepare_target_environment
 
 
 def main(argv: list[str] | None = None) -> int:
+  """The command's exit status: 0, 2 for a user's error (one line), 3 when Ctrl-C stopped it
+  (one line, whenever it came: distillax/interrupts.py)."""
   argv = list(sys.argv if argv is None else argv)
+  previous = interrupts.install()
+  try:
+    return _main(argv)
+  except KeyboardInterrupt:  # between a train run's steps, Ctrl-C saves the step instead
+    command = argv[1] if len(argv) > 1 and argv[1] in COMMANDS else None
+    resume = "; rerun the same command to resume" if command in ("train", "demo") else ""
+    print(f"distillax{' ' + command if command else ''}: interrupted{resume}", file=sys.stderr,
+          flush=True)
+    return interrupts.STOPPED_EXIT_CODE
+  finally:
+    interrupts.restore(previous)
+
+
+def _main(argv: list[str]) -> int:
   if len(argv) < 2:
     print(USAGE, file=sys.stderr)
     return 2
@@ -131,8 +148,11 @@ def _resolve(command: str, config, fv) -> tuple[object, dict]:
 
 
 def run() -> None:
-  """Console-script entry point."""
-  sys.exit(main())
+  """Console-script entry point. An interrupted command leaves without the interpreter's
+  teardown (interrupts.leave)."""
+  code = main()
+  interrupts.leave(code)
+  sys.exit(code)
 
 
 if __name__ == "__main__":

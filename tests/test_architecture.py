@@ -14,7 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "distillax")
 # Lowest first; a module's floor is that of its longest listed prefix.
-FLOORS = (("errors", "jsonio"), ("partitioning", "data"), ("framework", "models"),
+FLOORS = (("errors", "jsonio", "interrupts"), ("partitioning", "data"), ("framework", "models"),
           ("distill", "quant"), ("edge",), ("trainers",),
           ("configs", "demo", "plan", "eval", "export", "cache_teacher", "launch_local", "main",
            "__main__", "cli", "generate", "expert_load"))

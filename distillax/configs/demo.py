@@ -129,6 +129,7 @@ def get_config(arg: str | None = None):
   # below QAT's own noise, and QAT lost to PTQ on them while it beat PTQ on these.
   c.train.eval_batches, c.report_eval_batches = 4, 16
   c.train.log_every = 10
+  c.train.export_format = "gguf"  # the students go to llama.cpp: checked at each stage's start
   # Teacher: wider and deeper than the student, trained longer on the same data.
   # Sized so the whole demo fits ~10 minutes on 2 CPU cores: a ~1.6M-parameter teacher and a
   # ~0.45M student (teacher width a multiple of the student's, for feature pooling).

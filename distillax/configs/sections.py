@@ -67,6 +67,11 @@ def train_section() -> ml_collections.ConfigDict:
   # linear_softmax_cross_entropy_loss for lm and sequence_kd, the tokamax extra: a Mosaic kernel
   # on TPU, its XLA path elsewhere; no train accuracy). Every eval keeps the chunked engine.
   c.loss_impl = "auto"
+  # What the trained student will be exported as, checked before anything compiles: "gguf"
+  # refuses at start a student llama.cpp would run differently (a Gemma 3 student of blocks
+  # whose sliding layers break its five-in-six pattern, say); "hf" or "" = not checked ("":
+  # a student whose GGUF export would be refused gets one warning line at start).
+  c.export_format = ""
   return c
 
 

@@ -53,7 +53,8 @@ def _copy_common(c: ml_collections.ConfigDict, demo: ml_collections.ConfigDict) 
   c.partitioning = demo.partitioning.copy_and_resolve_references()
   c.data = demo.data.copy_and_resolve_references()
   c.optimizer = demo.optimizer.copy_and_resolve_references()
-  for key in ("batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "progress"):
+  for key in ("batch_size", "seq_len", "eval_every", "eval_batches", "log_every", "progress",
+              "export_format"):
     c.train[key] = demo.train[key]
   c.checkpoint.every_steps = demo.checkpoint.every_steps
 

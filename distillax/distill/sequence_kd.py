@@ -73,9 +73,10 @@ def _render_prompt(template, turns, source: str) -> str:
 
 
 def _document_prompt(document, tokenizer, template, head: list[int], prompt_len: int
-                     ) -> Prompt | None:
-  """The prompt of one train document; None when it gives none (empty, or a chat or prompt
-  whose whole prompt is longer than `prompt_len`: a chat cut short is no prompt)."""
+                     ) -> Prompt | int | None:
+  """The prompt of one train document; None when it gives none (empty), and the length of its
+  whole prompt when that is longer than `prompt_len` (a chat or prompt cut short is no
+  prompt)."""
   from distillax.data import records
   from distillax.data.chat import encode_chat
   if isinstance(document, str):
@@ -91,33 +92,43 @@ def _document_prompt(document, tokenizer, template, head: list[int], prompt_len:
   else:
     ids, kind, context = head + tokenizer.encode(document.prompt), "prompt_completion", (
         document.prompt)
-  if not ids or len(ids) > prompt_len:
+  if not ids:
     return None
+  if len(ids) > prompt_len:
+    return len(ids)
   return Prompt(np.asarray(ids, np.int32), kind, context)
 
 
 def take_prompt_records(data_cfg, tokenizer, *, count: int, prompt_len: int, seed: int,
-                        split: str = "train") -> list[Prompt]:
+                        split: str = "train", field: str = "sequence_kd.prompt_len"
+                        ) -> list[Prompt]:
   """Prompts from `count` train documents in a seeded order: the first `prompt_len` tokens
   ([BOS] + text) of a text document; the whole prompt of a chat or prompt/completion record,
-  skipped when longer than `prompt_len` tokens. split='eval': from the held-out documents."""
+  skipped when longer than `prompt_len` tokens. split='eval': from the held-out documents.
+  None at all is a UserError naming `field` (the config key of `prompt_len`) and the length
+  that admits the shortest prompt it skipped."""
   from distillax.data import resolve_data_config, split_documents
   from distillax.data.chat import template_for
   cfg = resolve_data_config(data_cfg)
   documents = split_documents(cfg, split)
   head = [tokenizer.bos_id] if cfg.add_bos and tokenizer.bos_id is not None else []
   template = template_for(tokenizer, str(cfg.get("chat_template") or ""))
-  prompts = []
+  prompts, shortest_skipped = [], None
   for index in np.random.default_rng(seed).permutation(len(documents)):
     prompt = _document_prompt(documents[int(index)], tokenizer, template, head, prompt_len)
-    if prompt is not None:
+    if isinstance(prompt, int):
+      shortest_skipped = min(prompt, shortest_skipped or prompt)
+    elif prompt is not None:
       prompts.append(prompt)
     if len(prompts) == count:
       break
   if not prompts:
-    raise UserError(f"no {split} document of data.source={cfg.source!r} gives a sequence-KD "
-                    f"prompt (non-empty, and for chats and prompts at most "
-                    f"sequence_kd.prompt_len={prompt_len} tokens); raise sequence_kd.prompt_len")
+    source = cfg.eval_source if split == "eval" and cfg.get("eval_source") else cfg.source
+    fix = (f"raise it, e.g. --config.{field}={shortest_skipped} (the shortest whole prompt "
+           f"there, chat template and generation prompt included, is {shortest_skipped} "
+           f"tokens)" if shortest_skipped else f"give documents with text in {source!r}")
+    raise UserError(f"no {split} document of {source!r} gives a prompt of at most "
+                    f"{field}={prompt_len} tokens; {fix}")
   return prompts
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 from absl import logging
 
+from distillax import interrupts
 from distillax import partitioning as pt
 from distillax.data import iterator_state_json, restore_iterator_state
 from distillax.errors import UserError
@@ -29,6 +30,7 @@ from distillax.framework.run import compile_cache, runtime
 from distillax.framework.run.checkpoint import Checkpointer
 from distillax.framework.eval_rules import HIGHER, ROLLBACK, STOP, EvalGuard
 from distillax.framework.evaluation import evaluate
+from distillax.framework.run.memory import check_step_fits
 from distillax.framework.run.metrics import MetricLogger
 from distillax.framework.run.preemption import PreemptionGuard
 from distillax.framework.run.profiling import ProfileWindow
@@ -37,7 +39,8 @@ from distillax.framework.throughput import Throughput, peak_flops_per_device
 from distillax.framework.run.writers import create_writers
 from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 from distillax.trainers.saved import SOURCES_KEY, check_fingerprints, check_sources_unchanged
-from distillax.trainers.workdir import (check_workdir, open_checkpointer, prepare_workdir,
+from distillax.trainers.workdir import (check_not_foreign, check_workdir, check_writable,
+                                        open_checkpointer, prepare_workdir, release_workdir,
                                         write_summary)
 
 
@@ -97,12 +100,14 @@ class Trainer:
     self.workdir = os.path.abspath(workdir)
     self.primary = runtime.is_primary()
     self.engines: Engines | None = None
+    self._claimed = None  # the WorkdirState this session made the job's (prepare_workdir)
     self.fingerprints: dict = {}  # of the sources reloaded on resume, recorded in every save
 
   def run(self) -> dict[str, Any]:
-    """Trains to `train.steps`; returns the summary (also written to summary.json), whose
-    `finished` is False when a signal stopped the run first. A workdir this job already
-    finished is left as it is: its summary comes back with `already_finished` True."""
+    """Trains to `train.steps`; returns the summary (also written to summary.json, at every end
+    of a session: `ended` says which, `reason` why when it failed), whose `finished` is False
+    when a signal stopped the run first. A workdir this job already finished is left as it is:
+    its summary comes back with `already_finished` True."""
     c = self.config
     # Another job's workdir fails first, before any work; then every config, data and shape
     # error surfaces, before the workdir is touched.
@@ -113,6 +118,8 @@ class Trainer:
       logging.warning("resuming %s with the same job computed another way: %s", self.workdir,
                       "; ".join(workdir_state.changes))
     check_recipe_data(self.recipe)
+    check_writable(self.workdir)
+    interrupts.check()
     self.recipe.startup.mark("checks")
     # Every program the run compiles is kept in <workdir>/compile_cache: a resumed run reads them.
     with compile_cache.in_workdir(self.workdir):
@@ -125,41 +132,56 @@ class Trainer:
     train_it = self.recipe.train_iterator()
     self.fingerprints = check_sources_unchanged(self.workdir, self.recipe,
                                                 self.engines.main.layout)
-    prepare_workdir(workdir_state, c, primary=self.primary)
     guard = EvalGuard(self.recipe.rollback_metric, float(c.train.rollback_threshold),
                       int(c.train.get("early_stop_evals", 0)))
+    check_not_foreign(workdir_state)  # after the config's own errors, before checkpoints/
     ckpt = open_checkpointer(self.workdir, c.checkpoint, guard.metric,
                              higher_is_better=guard.direction == HIGHER)
-    startup.mark("data and workdir")
-    run = self._start(ckpt, train_it, guard)  # models created (or restored) while it compiles
-    startup.mark("models" if run.step == 0 else "restore")
-    tools = _Tools(
-        MetricLogger(create_writers(self.workdir, is_primary=self.primary, resume_step=run.step,
-                                    console=not c.train.progress),
-                     log_every=int(c.train.log_every), throughput=_throughput(self.recipe)),
-        PreemptionGuard(),
-        ProfileWindow(self.workdir, max(int(c.profile.start_step), 0),
-                      int(c.profile.num_steps) if int(c.profile.start_step) >= 0 else 0,
-                      enabled=self.primary),
-        ProgressBar(int(c.train.steps), desc=self.recipe.name, initial=run.step,
-                    enabled=bool(c.train.progress) and self.primary))
-    tools.logger.restore_window(run.window)
+    startup.mark("data")
+    try:
+      run = self._start_and_claim(ckpt, train_it, guard, workdir_state)
+    except BaseException:
+      ckpt.close()
+      raise
+    tools = _make_tools(self.recipe, self.workdir, self.primary, run)
     startup.mark("metrics")
-    self.engines.at(run.step).runner.wait()
-    startup.mark("waiting for the step's compile")
     self._log_plan()
+    # summary.json is written however the session ends (_summary), except when it failed
+    # before its first step: a fresh workdir is then left free.
+    first, failure = run.step, None
     try:
       self._train(run, ckpt, tools)
+    except BaseException as e:
+      failure = e
+      raise
     finally:
-      tools.close(run.state, ckpt, finished=run.step >= int(c.train.steps) or run.early_stopped)
-    summary = {"step": run.step, "total_steps": int(c.train.steps),
-               "finished": run.step >= int(c.train.steps) or run.early_stopped,
-               "rollbacks": run.rollbacks, **(tools.logger.latest or {}), **run.last_eval}
-    if run.early_stopped:
-      summary["early_stopped"] = True
-    if self.primary:
-      write_summary(self.workdir, summary)
+      total = int(c.train.steps)
+      tools.close(run.state, ckpt, finished=failure is None and (
+          run.step >= total or run.early_stopped))
+      summary = _summary(run, total, tools, failure)
+      if failure is not None and run.step == first:
+        release_workdir(self._claimed)  # nothing trained, nothing saved: not this job's yet
+      elif self.primary:
+        write_summary(self.workdir, summary)
     return summary
+
+  def _start_and_claim(self, ckpt: Checkpointer, train_it, guard: EvalGuard,
+                       workdir_state) -> _Run:
+    """The run's first state (models created while the step compiles), then, once the compiled
+    step is known to fit the memory left, the workdir made this job's (job.json, config.json).
+    A failure before the first step leaves a fresh workdir free for the corrected command."""
+    startup = self.recipe.startup
+    interrupts.check()
+    run = self._start(ckpt, train_it, guard)
+    startup.mark("models" if run.step == 0 else "restore")
+    interrupts.check()
+    runner = self.engines.at(run.step).runner.wait()
+    startup.mark("waiting for the step's compile")
+    check_step_fits(runner.stats)
+    prepare_workdir(workdir_state, self.config, primary=self.primary)
+    self._claimed = workdir_state
+    startup.mark("memory and workdir")
+    return run
 
   def _train(self, run: _Run, ckpt: Checkpointer, tools: _Tools) -> None:
     total, eval_every = int(self.config.train.steps), int(self.config.train.eval_every)
@@ -207,7 +229,16 @@ class Trainer:
     """Evaluates (unless the loss is already not finite) and judges the watched figure: rolls
     back when the run diverged; the guard's verdict (eval_rules CONTINUE, ROLLBACK or STOP)."""
     tools.logger.flush()
-    run.last_eval = {} if bad_loss is not None else self._evaluate(run.state, run.step)
+    try:
+      run.last_eval = {} if bad_loss is not None else self._evaluate(run.state, run.step)
+    except Exception as e:
+      # The step is saved first, so the steps since the last checkpoint are not lost to an
+      # eval's error, and a user's error says so.
+      self._save(run, ckpt, tools)
+      if isinstance(e, UserError):
+        raise type(e)(f"{e} (step {run.step} was saved before this eval: the same command "
+                      f"resumes from it)") from None
+      raise
     run.eval_step = run.step
     if run.last_eval:
       tools.logger.write(run.step, run.last_eval)
@@ -268,14 +299,10 @@ class Trainer:
                window=extra.get("metrics_window"))
     run.resume_guard(extra)
     if run.rollbacks:
-      self.engines = self.recipe.build_engines(self._scaled_lr(run.rollbacks))
+      self.engines = self.recipe.build_engines(_scaled_lr(self.config, run.rollbacks))
     if data_state is not None:
       restore_iterator_state(train_it, data_state)
     return run
-
-  def _scaled_lr(self, rollbacks: int) -> float:
-    c = self.config
-    return float(c.optimizer.learning_rate) * float(c.train.rollback_lr_factor) ** rollbacks
 
   def _rollback(self, ckpt: Checkpointer, run: _Run, tools: _Tools, reason: str, *,
                 diverged: bool) -> None:
@@ -284,18 +311,18 @@ class Trainer:
     too). Past train.max_rollbacks, a UserError whose advice fits the cause."""
     c = self.config
     if run.rollbacks >= int(c.train.max_rollbacks):
-      lr = self._scaled_lr(run.rollbacks)
+      lr = _scaled_lr(self.config, run.rollbacks)
       advice = (f"lower optimizer.learning_rate (the last try ran at {lr:.3g})" if diverged else
                 f"{run.metric} worsened more than train.rollback_threshold="
                 f"{float(c.train.rollback_threshold):g} over its best: lower "
                 f"optimizer.learning_rate (the last try ran at {lr:.3g}), or raise "
                 f"train.rollback_threshold if that figure is noisy")
-      raise UserError(f"training diverged at step {run.step} ({reason}) after {run.rollbacks} "
+      raise Diverged(f"training diverged at step {run.step} ({reason}) after {run.rollbacks} "
                       f"rollbacks; {advice}, or raise train.max_rollbacks")
     ckpt.wait()
     from_step = run.step
     run.rollbacks += 1
-    self.engines = self.recipe.build_engines(self._scaled_lr(run.rollbacks))
+    self.engines = self.recipe.build_engines(_scaled_lr(self.config, run.rollbacks))
     self._restore_best(ckpt, run)
     scale = float(c.train.rollback_lr_factor) ** run.rollbacks
     message = (f"rollback {run.rollbacks} at step {from_step} ({reason}): back to step "
@@ -342,6 +369,51 @@ class Trainer:
                  engine.runner.backend,
                  pt.shard.format_bytes(stats.get("argument_size_in_bytes", 0)),
                  pt.shard.format_bytes(stats.get("temp_size_in_bytes", 0)))
+
+
+class Diverged(UserError):
+  """Training diverged past train.max_rollbacks: summary.json ends "diverged"."""
+
+
+def _scaled_lr(c, rollbacks: int) -> float:
+  return float(c.optimizer.learning_rate) * float(c.train.rollback_lr_factor) ** rollbacks
+
+
+def _make_tools(recipe: Recipe, workdir: str, primary: bool, run: _Run) -> _Tools:
+  c = recipe.config
+  tools = _Tools(
+      MetricLogger(create_writers(workdir, is_primary=primary, resume_step=run.step,
+                                  console=not c.train.progress),
+                   log_every=int(c.train.log_every), throughput=_throughput(recipe)),
+      PreemptionGuard(),
+      ProfileWindow(workdir, max(int(c.profile.start_step), 0),
+                    int(c.profile.num_steps) if int(c.profile.start_step) >= 0 else 0,
+                    enabled=primary),
+      ProgressBar(int(c.train.steps), desc=recipe.name, initial=run.step,
+                  enabled=bool(c.train.progress) and primary))
+  tools.logger.restore_window(run.window)
+  return tools
+
+
+def _summary(run: _Run, total: int, tools: _Tools, failure: BaseException | None) -> dict:
+  """summary.json: where the session ended and `ended`, how: finished (train.steps),
+  early_stopped (train.early_stop_evals), stopped (a signal; the step is saved), diverged (out
+  of rollbacks), interrupted (Ctrl-C outside the steps) or failed, with the error as
+  `reason` for the last three."""
+  if failure is None:
+    ended = ("early_stopped" if run.early_stopped else "finished" if run.step >= total
+             else "stopped")
+  else:
+    ended = ("diverged" if isinstance(failure, Diverged) else
+             "interrupted" if isinstance(failure, KeyboardInterrupt) else "failed")
+  summary = {"step": run.step, "total_steps": total,
+             "finished": ended in ("finished", "early_stopped"), "ended": ended,
+             "rollbacks": run.rollbacks, **(tools.logger.latest or {}), **run.last_eval}
+  if failure is not None:
+    summary["reason"] = str(failure) or type(failure).__name__
+  if run.early_stopped:
+    summary["early_stopped"] = True
+  return summary
 
 
 def _throughput(recipe: Recipe) -> Throughput:

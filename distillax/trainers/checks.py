@@ -6,8 +6,10 @@ Two checks, because they can see different things:
   an on_policy.top_p of 0), each named by the key the user sets, with a good value.
 - `check_recipe_data`, before anything compiles: what the config asks of its model and data
   (train.seq_len against model.max_seq_len, the warmup against train.steps, a split with no
-  token to train, a bad record). A user whose config conflicts with a small model and 20 chats
-  in three ways learns all three from one run, not from three reruns.
+  token to train, a bad record, the prompts of its `prompt_splits`: on-policy prompts that
+  on_policy.prompt_len cannot hold, train and held-out; the GGUF layout the trained student
+  will need). A user whose config conflicts with a small model and 20 chats in three ways
+  learns all three from one run, not from three reruns.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import math
 
 import jax
+from absl import logging
 
 from distillax.data.sources import resolve_files
 from distillax.data.survey import check_data
+from distillax.edge.arch_checks import gguf_architecture
 from distillax.errors import ConfigError, UserError
 from distillax.framework import optim
 from distillax.models.attention import tokamax as attention_tokamax
@@ -160,6 +164,29 @@ def check_model_conflicts(recipe) -> None:
     raise error
 
 
+EXPORT_FORMATS = ("", "gguf", "hf")
+
+
+def export_problems(recipe) -> list[str]:
+  """The GGUF export the trained student will need (train.export_format='gguf': the demo's
+  stages, a job headed for llama.cpp), refused before anything trains when llama.cpp would run
+  it otherwise (edge/arch_checks.py, what `distillax export --format gguf` asks). Any other
+  student that will not export as GGUF gets one warning at start (QAT in q4_0/q8_0 included:
+  fake-quantizing to llama.cpp's formats does not say the job ends there)."""
+  fmt = str(recipe.config.train.get("export_format", "") or "")
+  if fmt not in EXPORT_FORMATS:
+    return [f"train.export_format={fmt!r} is not an export format; use gguf, hf or '' (none "
+            f"checked), e.g. --config.train.export_format=gguf"]
+  try:
+    gguf_architecture(recipe.model_config)
+  except UserError as e:
+    if fmt == "gguf":
+      return [f"train.export_format='gguf', but this student cannot be exported as GGUF: {e}"]
+    if fmt != "hf" and jax.process_index() == 0:
+      logging.warning("this student will not export as GGUF (%s); --format hf will", e)
+  return []
+
+
 def check_recipe_data(recipe) -> None:
   """Reads every record of a recipe's data once, before anything compiles: a bad record or a
   split with no token to train (recipe.data_splits) is named in one message with every
@@ -170,6 +197,12 @@ def check_recipe_data(recipe) -> None:
                splits=recipe.data_splits)
   except UserError as e:
     problems.append(str(e))
+  for split in recipe.prompt_splits:
+    try:
+      recipe.prompts(split)
+    except UserError as e:
+      problems.append(str(e))
+  problems += export_problems(recipe)
   error = one_error(problems)
   if error is not None:
     raise error

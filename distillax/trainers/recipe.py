@@ -159,6 +159,9 @@ class Recipe:
   student_path: tuple[str, ...] = ()
   # The splits of `data` the job trains or evaluates on, which must each have a token to train.
   data_splits: tuple[str, ...] = ("train", "eval")
+  # The splits whose prompts the job reads (`self.prompts(split)`, on-policy jobs): read by
+  # check_recipe_data before anything compiles, so a prompt length none fits is said then.
+  prompt_splits: tuple[str, ...] = ()
   # The eval figures the rollback guard may watch (train.rollback_metric), each with a direction
   # in framework/eval_rules.py; the first is the job's own (the default): the figure its
   # objective lowers. Next-token training lowers the CE, so its perplexity. eval.generate adds

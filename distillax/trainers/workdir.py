@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from typing import Any
 
 from distillax.errors import UserError
@@ -52,6 +53,7 @@ NOT_JOB_IDENTITY: dict[str, str] = {
     "cache.": "read by `distillax cache-teacher` only, never by training",
     "eval.": "what each eval also measures (held-out generations), not what trains",
     "teacher.attention_impl": "how the teacher's forward computes: the same model, tested equal",
+    "train.export_format": "a check at start of what the trained student will be exported as",
     "train.loss_impl": "how the vocabulary losses are computed: every implementation computes "
                        "the same losses (framework/vocab_slices.py, vocab_chunks.py)",
     # The model fields declared as how the forward computes (models/config.py's field kinds).
@@ -264,6 +266,32 @@ def _model_changes(workdir: str, config) -> tuple[str, ...]:
                if _not_identity(k) is not None and there.get(k, _ABSENT) != here.get(k, _ABSENT))
 
 
+def check_writable(workdir: str) -> None:
+  """Refuses, before anything compiles, a workdir this process cannot create or write: makes
+  the (empty) directory, as the compile cache inside it would, and writes and removes a probe
+  file there (asking the permission bits is not enough: root passes them on /proc)."""
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=".distillax-probe-", dir=workdir)
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    raise _not_writable(workdir, e) from None
+
+
+def release_workdir(state: WorkdirState | None) -> None:
+  """Undoes what prepare_workdir wrote for a job that took a fresh workdir and then failed
+  before its first step (nothing trained, nothing saved): the corrected command, another job,
+  may take it."""
+  if state is None or state.has_job_file or state.summary is not None:
+    return
+  for name in (JOB_FILE, CONFIG_FILE):
+    try:
+      os.remove(os.path.join(state.workdir, name))
+    except FileNotFoundError:
+      pass
+
+
 def open_checkpointer(workdir: str, checkpoint_cfg, best_metric: str, *,
                       higher_is_better: bool = False) -> Checkpointer:
   """The run's checkpoint manager (`checkpoint` section); keeps the best by `best_metric` too
@@ -285,13 +313,18 @@ def _write_atomically(path: str, text: str) -> None:
   os.replace(tmp, path)
 
 
+def check_not_foreign(state: WorkdirState) -> None:
+  """Refuses a workdir whose config.json no distillax run wrote (this job may not take it)."""
+  if state.foreign:
+    raise UserError(f"{os.path.join(state.workdir, CONFIG_FILE)} was not written by a "
+                    f"distillax run; pass a new --workdir (or an empty directory)")
+
+
 def prepare_workdir(state: WorkdirState, config, *, primary: bool) -> None:
   """Creates the workdir and writes job.json (once) and config.json (atomically); call it only
   once `check_workdir` and the config, the data and the compiled step have passed every check."""
   workdir = state.workdir
-  if state.foreign:
-    raise UserError(f"{os.path.join(workdir, CONFIG_FILE)} was not written by a distillax run; "
-                    f"pass a new --workdir (or an empty directory)")
+  check_not_foreign(state)
   try:
     os.makedirs(workdir, exist_ok=True)
     if not os.access(workdir, os.W_OK):

@@ -30,6 +30,7 @@ from distillax.errors import ConfigError, UserError
 from distillax.framework.run.preemption import STOPPED_EXIT_CODE
 from distillax.framework.throughput import Throughput
 from distillax.trainers import LMRecipe, Trainer, recipe_for
+from tests.framework.event_reader import read_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 10
@@ -233,6 +234,86 @@ def test_a_second_ctrl_c_ends_the_process_at_once():
   assert "Ctrl-C again aborts at once" in proc.stderr
 
 
+# `python -m distillax train` with one point of its start held until the test says go (a file):
+# the line says the process is there, the test sends SIGINT, then lets it go on. "checks": the
+# wait runs inside a __del__, where Python loses a KeyboardInterrupt (prints "Exception ignored"
+# and carries on), as it did inside JAX's gc callback when a user pressed Ctrl-C at 3 s and the
+# run trained to its end. "compile": the wait holds the step's XLA compile (its worker thread),
+# where Ctrl-C once ended in a segfault.
+HELD_START = """
+import os, runpy, sys
+point, go = sys.argv[1], sys.argv[2]
+sys.argv = ["distillax"] + sys.argv[3:]
+
+def hold():
+  print("HELD AT", point, flush=True)
+  while not os.path.exists(go):
+    os.stat(os.path.dirname(go))  # a bytecode loop: Python runs signal handlers between them
+
+if point == "checks":
+  from distillax.trainers import base
+  class Held:
+    def __del__(self):
+      hold()
+  check = base.check_recipe_data
+  base.check_recipe_data = lambda recipe: (check(recipe), Held())[0]
+else:
+  from distillax.framework import step_program
+  compile_step = step_program.AotStep._compile
+  step_program.AotStep._compile = staticmethod(lambda lowered: (hold(), compile_step(lowered))[1])
+runpy.run_module("distillax", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("point", ["checks", "compile"])
+def test_ctrl_c_during_the_start_exits_3_with_one_line(tmp_path, point):
+  workdir, go = tmp_path / "run", tmp_path / "go"
+  cmd = [sys.executable, "-c", HELD_START, point, str(go), "train", "--workdir", str(workdir),
+         *ARGS]
+  proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True)
+  seen = []
+  for line in proc.stdout:
+    seen.append(line)
+    if line.startswith("HELD AT"):
+      break
+  assert seen and seen[-1].strip() == f"HELD AT {point}", "".join(seen)[-3000:]
+  proc.send_signal(signal.SIGINT)
+  go.write_text("")
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == STOPPED_EXIT_CODE, out[-3000:]
+  assert out.strip().splitlines() == [
+      "distillax train: interrupted; rerun the same command to resume"], out[-3000:]
+  # Nothing trained: the workdir is not this job's (no job.json, config.json, summary).
+  assert not any((workdir / name).exists() for name in ("job.json", "config.json",
+                                                          "summary.json", "metrics.jsonl"))
+
+
+def test_a_step_too_big_for_the_memory_left_is_one_line_and_the_workdir_stays_free(
+    tmp_path, capsys, monkeypatch):
+  """Issue 48: a teacher too big for the host ran out of memory inside the first step (a
+  44-line JaxRuntimeError) and left the workdir locked to the failed job. The compiled step's
+  figures are checked against the free memory (1 MiB here, for every device of the host) before
+  it runs: one line with them and a fix, exit 2, and no job.json, so another job may take it."""
+  from distillax import main as cli
+  from distillax.framework.run import memory
+  from distillax.trainers.workdir import check_workdir
+  monkeypatch.setattr(memory, "free_bytes", lambda device: (2.0 ** 20, 8))
+  workdir = tmp_path / "run"
+  code = cli.main(["distillax", "train", "--workdir", str(workdir), *ARGS])
+  captured = capsys.readouterr().err
+  err = [line for line in captured.strip().splitlines() if not re.match(r"I\d{4} ", line)]
+  assert code == 2 and len(err) == 1 and "Traceback" not in captured, err  # INFO lines aside
+  assert re.fullmatch(r"distillax train: error: the compiled step needs [\d.]+ [KM]iB of "
+                      r"temporaries (and [\d.]+ [KM]?i?B of new outputs )?per device beside its [\d.]+ [KM]iB of arguments; 8 devices share this "
+                      r"host's memory: [\d.]+ [KM]iB more than the models already take, but "
+                      r"1.00 MiB is free; lower train.batch_size .*", err[0]), err[0]
+  assert not (workdir / "job.json").exists() and not (workdir / "config.json").exists()
+  other = lm_config.get_config("tiny")
+  other.seed = 7  # another job
+  assert check_workdir(str(workdir), other).summary is None
+
+
 # ---- rollback -------------------------------------------------------------------------------
 
 class PoisonOnce:
@@ -302,6 +383,12 @@ def test_nan_loss_rolls_back_to_the_best_checkpoint(tmp_path, caplog):
       "step": 6, "rolled_back_to": 4, "rollbacks": 1, "learning_rate_scale": 0.5}
   assert [r["step"] for r in rows[:marker] if r.get("rolled_back")] == [5, 6]
   assert not any(r.get("rolled_back") for r in rows[marker + 1:])
+  # TensorBoard shows the one history too (issue 48): each step's loss once, the values of the
+  # rows metrics.jsonl did not mark, read back as TensorBoard reads (its purge rule).
+  board = read_scalars(str(tmp_path / "tensorboard"))
+  kept = [(r["step"], r["loss"]) for r in train if not r.get("rolled_back")]
+  assert [step for step, _ in board["loss"]] == [step for step, _ in kept] == list(range(1, 9))
+  np.testing.assert_allclose([v for _, v in board["loss"]], [v for _, v in kept], rtol=1e-6)
 
 
 class ScriptedEvals(Trainer):
@@ -339,6 +426,35 @@ def test_on_policy_guard_watches_the_reverse_kl_not_the_next_token_perplexity(tm
   assert "train.rollback_threshold=0.05" in message and "train.max_rollbacks" in message
   evals = [r for r in _rows(tmp_path) if "eval_perplexity" in r]
   assert [r["step"] for r in evals] == [2, 4, 6]
+  # The run's end is on record (issue 48: a run out of rollbacks wrote no summary.json).
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert {k: summary[k] for k in ("step", "finished", "ended", "reason", "rollbacks")} == {
+      "step": 6, "finished": False, "ended": "diverged", "reason": message, "rollbacks": 0}
+
+
+class FailingEval(LMRecipe):
+  """The lm recipe whose held-out data cannot be read when the first eval comes."""
+
+  def eval_iterator(self):
+    raise UserError("data.eval_source: the held-out file went away; restore it")
+
+
+def test_a_failing_eval_saves_its_step_first_and_the_summary_says_why(tmp_path):
+  """Issue 48: an eval that failed lost every step since the last checkpoint. The step is saved
+  before the error goes up, the error says so, and summary.json records the failure."""
+  config = lm_config.get_config("tiny")
+  config.train.steps, config.train.eval_every, config.train.log_every = 4, 2, 1
+  config.checkpoint.every_steps, config.checkpoint.async_save = 4, False  # no save due at 2
+  with pytest.raises(UserError) as failure:
+    Trainer(FailingEval(config), str(tmp_path)).run()
+  assert str(failure.value) == ("data.eval_source: the held-out file went away; restore it "
+                                "(step 2 was saved before this eval: the same command resumes "
+                                "from it)")
+  assert _checkpoint_steps(tmp_path) == [2]
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert {k: summary[k] for k in ("step", "finished", "ended", "reason")} == {
+      "step": 2, "finished": False, "ended": "failed", "reason": str(failure.value)}
+  assert [r["step"] for r in _rows(tmp_path) if "loss" in r] == [1, 2]
 
 
 class ScriptedAccuracy(Trainer):

@@ -24,7 +24,7 @@ COMPILE = "/jax/core/compile/backend_compile_duration"  # every compile request,
 HIT, MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
 PHASES = ("imports, config and runtime", "devices", "sources, mesh and tokenizer", "checks",
           "step lowering",
-          "data and workdir", "models", "metrics", "waiting for the step's compile",
+          "data", "models", "waiting for the step's compile", "memory and workdir", "metrics",
           "first batch", "first step")
 
 

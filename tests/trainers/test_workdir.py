@@ -266,3 +266,21 @@ def test_a_run_from_before_mixtures_of_experts_is_the_same_dense_job(run_copy, c
   assert "already finished at step 6" in capsys.readouterr().out
   assert _train(run_copy, *LM_TINY, "--config.model.num_experts=4") == 2
   assert "model.num_experts: <absent> there, 4 here" in _error_line(capsys)[0]
+
+
+def test_an_unwritable_workdir_is_refused_before_the_step_is_built(tmp_path, capsys,
+                                                                   monkeypatch):
+  """Issue 48: an unwritable --workdir was reported after the step's lowering, with its compile
+  running (10 s). It is found with the config's other checks now: no step is built. (A path
+  below a file, which root cannot write either.)"""
+  from distillax.trainers.recipe import Recipe
+
+  def no_step(self, *args, **kwargs):
+    raise AssertionError("the step was built before the workdir was checked")
+  monkeypatch.setattr(Recipe, "build_engines", no_step)
+  (tmp_path / "a_file").write_text("")
+  workdir = tmp_path / "a_file" / "run"
+  assert _train(workdir, *LM_TINY) == 2
+  lines = _error_line(capsys)
+  assert len(lines) == 1 and f"workdir {workdir} is not writable" in lines[0], lines
+  assert "pass --workdir pointing to a directory you can write" in lines[0]

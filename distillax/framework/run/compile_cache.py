@@ -28,6 +28,7 @@ from typing import Iterator
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+from distillax import interrupts
 from distillax.framework.step_program import wait_for_pending
 
 CACHE_DIR = "compile_cache"
@@ -52,7 +53,8 @@ def _switched(**settings) -> Iterator[None]:
   try:
     yield
   finally:
-    wait_for_pending()
+    if not interrupts.pending():  # Ctrl-C leaves at once: a compile may take minutes to end
+      wait_for_pending()
     for name, value in before.items():
       jax.config.update(name, value)
     compilation_cache.reset_cache()

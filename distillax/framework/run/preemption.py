@@ -32,11 +32,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from distillax import interrupts
+
 log = logging.getLogger(__name__)
 
 # The exit status of a command whose run a signal stopped before its last step (saved; rerunning
 # the same command resumes). 0 is a finished run, 2 a user error.
-STOPPED_EXIT_CODE = 3
+STOPPED_EXIT_CODE = interrupts.STOPPED_EXIT_CODE
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _INTERRUPT_NOTICE = (b"distillax: interrupted: saving a checkpoint at the end of this step, then "
                      b"stopping (Ctrl-C again aborts at once, without saving)\n")
@@ -68,6 +70,10 @@ class PreemptionGuard:
     # Under the preemption service the runtime owns SIGTERM.
     self._install([s for s in self._signals
                    if not (self._use_sync_point and s == signal.SIGTERM)])
+    if signal.SIGINT in self._signals and interrupts.pending():
+      # A Ctrl-C of the start whose KeyboardInterrupt was lost (distillax/interrupts.py).
+      self._signal_name = "SIGINT"
+      self._received.set()
 
   def _install(self, signals: list[int]) -> None:
     """Python runs handlers between bytecodes of the main thread: the process keeps running."""

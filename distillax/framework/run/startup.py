@@ -2,8 +2,8 @@
 
 A job marks the end of each phase of its start on its recipe's clock (the recipe: JAX's runtime
 start, where a chip opens, then sources, mesh and tokenizer; the loop: checks, the step's
-lowering, data and workdir, model creation, the wait for the step's compile, the first batch and
-the first step); each phase is the time since the previous mark, the first since the process
+lowering, data, model creation, the wait for the step's compile, the memory check and the
+workdir, metrics, the first batch and the first step); each phase is the time since the previous mark, the first since the process
 started (imports, config, the distributed runtime). The step compiles in the background meanwhile
 (framework/step_program.py), so its compile time is said beside the phases.
 """

@@ -9,9 +9,10 @@ a purge marker so its own reader hides those later events too. A resumed run the
 clean curve in both.
 
 Rolling back: the rows of the abandoned trajectory stay in metrics.jsonl, each marked
-`"rolled_back": true`, followed by the rollback's own row `{"step": N, "rolled_back_to": M, ...}`
-and the rows of steps M+1.. run again. A reader that wants one curve skips the marked rows;
-resuming never drops them.
+`"rolled_back": true` (superseded), followed by the rollback's own row `{"step": N,
+"rolled_back_to": M, ...}` and the rows of steps M+1.. run again. A reader that wants one curve
+skips the marked rows; resuming never drops them. TensorBoard gets a restart marker at step M+1,
+so its reader drops the abandoned events itself and shows one curve.
 """
 
 from __future__ import annotations
@@ -177,6 +178,16 @@ class TensorBoardWriter:
                                               flush_secs=flush_secs,
                                               filename_suffix=f".{earlier_files:04d}")
 
+  def mark_rolled_back(self, to_step: int) -> None:
+    """After a rollback to `to_step`: a restart marker (SessionLog START) at the next step, by
+    which TensorBoard's reader drops the abandoned trajectory's events at or after it, as it
+    does for a resumed run's purge_step: the run then shows one history."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+    self._writer.flush()
+    self._writer._get_file_writer().add_event(  # pylint: disable=protected-access
+        Event(step=int(to_step) + 1, session_log=SessionLog(status=SessionLog.START)))
+    self._writer.flush()
+
   def write_scalars(self, step: int, scalars: Mapping[str, float]):
     for name, value in scalars.items():
       self._writer.add_scalar(name, _as_float(value), global_step=int(step))
@@ -232,8 +243,8 @@ class MultiWriter:
       writer.write_scalars(step, scalars)
 
   def mark_rolled_back(self, to_step: int) -> None:
-    """JsonlWriter.mark_rolled_back where there is one (TensorBoard and the console keep the
-    abandoned rows as they were written)."""
+    """Each writer's mark_rolled_back where it has one (metrics.jsonl marks the abandoned rows,
+    TensorBoard gets a restart marker that hides them; the console keeps what it printed)."""
     for writer in self.writers:
       if hasattr(writer, "mark_rolled_back"):
         writer.mark_rolled_back(to_step)

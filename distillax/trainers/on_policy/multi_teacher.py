@@ -80,9 +80,9 @@ class MultiTeacherOnPolicyRecipe(OnPolicyRecipe, MultiTeacherDistillRecipe):
     try:
       records = take_prompt_records(data, self.tokenizer, count=count,
                                     prompt_len=self.prompt_len, seed=int(self.config.seed),
-                                    split=split)
+                                    split=split, field="on_policy.prompt_len")
     except UserError as e:
-      raise UserError(f"on_policy: {str(e).replace('sequence_kd.', 'on_policy.')}") from None
+      raise UserError(f"on_policy: {e}") from None
     return [r.tokens for r in records]
 
   def prompts(self, split: str = "train") -> list:

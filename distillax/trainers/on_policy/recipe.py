@@ -65,6 +65,7 @@ class OnPolicyRecipe(DistillRecipe):
   """The student learns from its own samples, graded token by token by the teacher."""
 
   sliced_loss = False  # its objective is not make_distill_objective's one LogitKD
+  prompt_splits = ("train", "eval")  # checked with the data: a prompt_len no prompt fits
   router_losses = True  # an MoE student's, from its forward over its own samples
 
   # The guard watches what on-policy training lowers, the reverse KL on the student's own
@@ -109,16 +110,21 @@ class OnPolicyRecipe(DistillRecipe):
     return shapes
 
   def prompts(self, split: str = "train") -> list:
-    """Prompt token ids from the train (or held-out: 'eval') documents, in a seeded order."""
-    c = self.config.on_policy
-    count = int(c.num_prompts if split == "train" else c.eval_prompts)
-    try:
-      records = take_prompt_records(self.config.data, self.tokenizer, count=count,
-                                    prompt_len=self.prompt_len, seed=int(self.config.seed),
-                                    split=split)
-    except UserError as e:
-      raise UserError(f"on_policy: {str(e).replace('sequence_kd.', 'on_policy.')}") from None
-    return [r.tokens for r in records]
+    """Prompt token ids from the train (or held-out: 'eval') documents, in a seeded order; read
+    once per split (the data check reads both before anything compiles: prompt_splits)."""
+    cache = self.__dict__.setdefault("_prompts", {})
+    if split not in cache:
+      c = self.config.on_policy
+      try:
+        records = take_prompt_records(
+            self.config.data, self.tokenizer, count=int(c.num_prompts if split == "train"
+                                                        else c.eval_prompts),
+            prompt_len=self.prompt_len, seed=int(self.config.seed), split=split,
+            field="on_policy.prompt_len")
+      except UserError as e:
+        raise UserError(f"on_policy: {e}") from None
+      cache[split] = [r.tokens for r in records]
+    return cache[split]
 
   def eval_teacher(self, extras):
     """The teacher model the held-out prompts are graded by."""

@@ -222,3 +222,45 @@ def test_a_sample_past_the_students_max_seq_len_is_one_line():
   with pytest.raises(ConfigError, match=r"on_policy.prompt_len=41 \+ on_policy.max_new_tokens=24 "
                      r"exceeds model.max_seq_len=64; shorten one of them"):
     sample_width(41, settings, model)
+
+
+@pytest.mark.parametrize("long_split", ["train", "eval"])
+def test_prompts_longer_than_prompt_len_fail_before_any_compile(tmp_path, capsys, monkeypatch,
+                                                                long_split):
+  """Issue 48: the held-out prompts were read at the first eval, after the compile and the
+  steps before it (all lost, and the workdir then belonged to the failed job). Now the train
+  and the eval prompts are read with the data check: one line naming the length that admits the
+  shortest prompt, exit 2, nothing compiled, and the workdir left free for the corrected
+  command."""
+  from distillax.trainers.on_policy.recipe import OnPolicyRecipe
+  from distillax.trainers.workdir import check_workdir
+
+  def no_compile(self, *args, **kwargs):
+    raise AssertionError("compiled before the prompts were checked")
+  monkeypatch.setattr(OnPolicyRecipe, "build_engines", no_compile)
+  words = "the student samples its own answers and the teacher grades each token of them"
+  prompts = {"short": [f"q{i}" for i in range(12)],
+             "long": [f"{words} {i} {words}" for i in range(12)]}
+  files = {kind: ct.write_jsonl(tmp_path / f"{kind}.jsonl", [
+      {"prompt": p, "completion": " yes"} for p in texts]) for kind, texts in prompts.items()}
+  train, held_out = ((files["long"], files["short"]) if long_split == "train"
+                     else (files["short"], files["long"]))
+  workdir = tmp_path / "run"
+  argv = ["distillax", "train", "--config", f"{CONFIG}:tiny", "--workdir", str(workdir),
+          f"--config.data.source={train}", f"--config.data.eval_source={held_out}",
+          "--config.data.layout=prompt_completion"]
+  code = cli.main(argv)
+  err = capsys.readouterr().err.strip().splitlines()
+  # The shortest long prompt, tokenized here as the recipe reads a prompt: [BOS] + its text.
+  config = op_config.get_config("tiny")
+  tokenizer = make_tokenizer(config.data.tokenizer)
+  shortest = min(1 + len(tokenizer.encode(p)) for p in prompts["long"])
+  assert shortest > config.on_policy.prompt_len
+  assert code == 2 and len(err) == 1, err
+  assert (f"no {long_split} document of '{files['long']}' gives a prompt of at most "
+          f"on_policy.prompt_len=8 tokens; raise it, e.g. --config.on_policy.prompt_len="
+          f"{shortest}") in err[0], err
+  assert not (workdir / "job.json").exists() and not (workdir / "config.json").exists()
+  config.data.source, config.data.eval_source = train, held_out
+  config.data.layout, config.on_policy.prompt_len = "prompt_completion", shortest
+  assert check_workdir(str(workdir), config).summary is None  # the corrected job may run there
