@@ -148,7 +148,9 @@ def parse_args(argv=None):
                       help="fail (exit 3, one line) unless JAX runs on a TPU")
   parser.add_argument("--json", default=None, help="result file (default: OUT/accelerator.json)")
   parser.add_argument("--rows", default="", help="comma-separated row names (default: all)")
-  parser.add_argument("--threads", type=int, default=12, help="parallel compiles")
+  # 12 parallel compiles of 22 candidates (on-policy's two programs each, QLoRA, MoE) ran the
+  # lent v5e host's 40 GB of RAM out; 17 candidates at 12 fitted.
+  parser.add_argument("--threads", type=int, default=6, help="parallel compiles")
   parser.add_argument("--candidates", type=int, default=0,
                       help="only each row's first N candidates (0: all), for a short call")
   parser.add_argument("--splash-from", default="",

@@ -78,6 +78,25 @@ def probe_lines(probe: dict | None) -> list[str]:
           f"{m['median_flops_per_s'] / 1e12:.1f} TFLOP/s"]
 
 
+def readme_table(payload: dict[str, Any]) -> str:
+  """The README's performance table: each row's fastest candidate, in markdown (the README
+  carries exactly this text for the committed chip run; tests/benchmarks check it)."""
+  probe = payload["probe"]
+  lines = [f"| step ({probe['device_kind']}, {probe['backend']}) | batch x tokens, remat | "
+           "step ms | tokens/s | MFU | compiled peak |", "|---|---|---|---|---|---|"]
+  for r in payload["rows"]:
+    b = r["best"]
+    if b:
+      extra = "".join(f", {k}={v}" for k, v in b["options"].items()
+                      if k not in ("pair", "loss_impl"))
+      lines.append(f"| {r['name']} ({r['pair']}) | {b['batch']} x {b['seq_len']}, {b['remat']}"
+                   f"{extra} | {_ms(b['step_s'])} | {b['tokens_per_s']:,.0f} | "
+                   f"{_pct(b['mfu_causal'])} | {_gb(b['compiled_peak'])} |")
+    else:
+      lines.append(f"| {r['name']} ({r['pair']}) | nothing that fits ran | | | | |")
+  return "\n".join(lines)
+
+
 def report(payload: dict[str, Any]) -> str:
   lines = probe_lines(payload.get("probe")) + [""]
   best = [dict(r["best"], row=f"{r['name']} ({r['pair']})") for r in payload["rows"]

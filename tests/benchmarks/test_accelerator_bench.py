@@ -182,3 +182,15 @@ def test_a_backend_that_cannot_start_fails_in_one_line(tmp_path):
   (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("accelerator.py:")]
   assert line.startswith("accelerator.py: FAIL: JAX could not start a backend: ")
   assert json.loads(path.read_text())["rows"] == []
+
+
+def test_readme_performance_table_is_the_committed_chip_run():
+  """The README's TPU table is the committed accelerator.json rendered, not hand-copied: a
+  chip rerun that changes a figure must change the README with it."""
+  from benchmarks.lib import accelerator_table
+  root = Path(__file__).resolve().parents[2]
+  payload = json.loads((root / "benchmarks" / "results" / "accelerator.json").read_text())
+  assert payload["probe"]["backend"] == "tpu" and not payload.get("quick")
+  table = accelerator_table.readme_table(payload)
+  assert table in (root / "README.md").read_text()
+  assert "| kd (real) | 4 x 2048, full | 625 | 13,097 | 52.9% | 16.4 GB |" in table
