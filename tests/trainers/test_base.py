@@ -355,18 +355,19 @@ def test_nan_loss_rolls_back_to_the_best_checkpoint(tmp_path, caplog):
 
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl") if l.strip()]
   train = [r for r in rows if "loss" in r]
+  aside = [json.loads(l) for l in open(tmp_path / "metrics.rolled_back.jsonl") if l.strip()]
   finite = lambda value: value is not None and math.isfinite(value)  # null: not finite (strict)
-  poisoned = [r for r in train if not finite(r["loss"])]
+  poisoned = [r for r in aside if "loss" in r and not finite(r["loss"])]
   assert poisoned and poisoned[0]["step"] == 5
   # Back to the step-4 checkpoint, then steps 5..8 again with half the learning rate.
   messages = [r.getMessage() for r in caplog.records if "rollback" in r.getMessage()]
   assert len(messages) == 1 and "back to step 4" in messages[0], messages
-  step5 = [r for r in train if r["step"] == 5]
+  step5 = [r for r in aside + train if r["step"] == 5 and "loss" in r]
   assert len(step5) == 2 and math.isfinite(step5[1]["loss"])
   assert step5[1]["learning_rate"] == pytest.approx(0.5 * step5[0]["learning_rate"], rel=1e-6)
   assert summary["rollbacks"] == 1 and summary["finished"] and summary["step"] == 8
   assert math.isfinite(summary["loss"]) and math.isfinite(summary["eval_loss"])
-  # Rows of the diverged trajectory (steps 5 and 6, one step late) stay in the log; every row
+  # Rows of the diverged trajectory (steps 5 and 6, one step late) are kept aside; every row
   # after the rollback is finite and the steps run 5..8 again.
   after = train[train.index(step5[1]):]
   assert [r["step"] for r in after] == [5, 6, 7, 8]
@@ -374,17 +375,19 @@ def test_nan_loss_rolls_back_to_the_best_checkpoint(tmp_path, caplog):
   # The diverged trajectory's checkpoints are set aside, the new ones are there.
   kept = {int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()}
   assert 8 in kept
-  # metrics.jsonl says which rows were abandoned: the rows of steps 5 and 6 before the rollback
-  # are marked, the rollback's own row follows (at step 6, whose row showed the NaN of step 5),
-  # and nothing after it is marked.
+  # metrics.jsonl is one history (issue 48): steps 1-4, the rollback's own row (at step 6,
+  # whose row showed the NaN of step 5), then 5-8 again; the abandoned rows of steps 5 and 6
+  # are in metrics.rolled_back.jsonl, marked.
   marker = next(i for i, r in enumerate(rows) if "rolled_back_to" in r)
   assert {k: rows[marker][k] for k in ("step", "rolled_back_to", "rollbacks",
                                         "learning_rate_scale")} == {
       "step": 6, "rolled_back_to": 4, "rollbacks": 1, "learning_rate_scale": 0.5}
-  assert [r["step"] for r in rows[:marker] if r.get("rolled_back")] == [5, 6]
-  assert not any(r.get("rolled_back") for r in rows[marker + 1:])
+  assert not any(r.get("rolled_back") for r in rows)
+  assert [r["step"] for r in rows[:marker] if "loss" in r] == [1, 2, 3, 4]
+  assert [r["step"] for r in aside if "loss" in r] == [5, 6]
+  assert all(r["rolled_back"] for r in aside)
   # TensorBoard shows the one history too (issue 48): each step's loss once, the values of the
-  # rows metrics.jsonl did not mark, read back as TensorBoard reads (its purge rule).
+  # rows of metrics.jsonl, read back as TensorBoard reads (its purge rule).
   board = read_scalars(str(tmp_path / "tensorboard"))
   kept = [(r["step"], r["loss"]) for r in train if not r.get("rolled_back")]
   assert [step for step, _ in board["loss"]] == [step for step, _ in kept] == list(range(1, 9))

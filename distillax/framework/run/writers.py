@@ -8,11 +8,12 @@ and drops later ones (written after the last checkpoint by the run that died), a
 a purge marker so its own reader hides those later events too. A resumed run therefore shows one
 clean curve in both.
 
-Rolling back: the rows of the abandoned trajectory stay in metrics.jsonl, each marked
-`"rolled_back": true` (superseded), followed by the rollback's own row `{"step": N,
-"rolled_back_to": M, ...}` and the rows of steps M+1.. run again. A reader that wants one curve
-skips the marked rows; resuming never drops them. TensorBoard gets a restart marker at step M+1,
-so its reader drops the abandoned events itself and shows one curve.
+Rolling back: the rows of the abandoned trajectory move out of metrics.jsonl into
+metrics.rolled_back.jsonl beside it, each marked `"rolled_back": true` (nothing is lost), and
+metrics.jsonl keeps one history: the rows up to the step rolled back to, the rollback's own row
+`{"step": N, "rolled_back_to": M, ...}`, then the rows of steps M+1.. run again. TensorBoard gets
+a restart marker at step M+1, so its reader drops the abandoned events itself and shows the same
+one curve.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def _parsed(line: str) -> dict | None:
   except json.JSONDecodeError:
     return None
   return row if isinstance(row, dict) else None
+
+
+def rolled_back_path(metrics_path: str) -> str:
+  """Where a rollback puts the abandoned rows of `metrics_path` (metrics.rolled_back.jsonl)."""
+  root, ext = os.path.splitext(metrics_path)
+  return f"{root}.rolled_back{ext}"
 
 
 def _rollback_history(row: dict) -> bool:
@@ -105,19 +112,24 @@ class JsonlWriter:
     os.replace(tmp, self.path)
 
   def mark_rolled_back(self, to_step: int) -> None:
-    """After a rollback to `to_step`: every row of a later step not marked yet gets
-    `"rolled_back": true` (the trajectory it belongs to was abandoned; the rows that follow
-    hold the same steps again), rewritten atomically. Nothing is dropped."""
+    """After a rollback to `to_step`: every row of a later step (not a rollback's own) moves to
+    metrics.rolled_back.jsonl, marked `"rolled_back": true`, so this file keeps one history;
+    the abandoned rows are written (and synced) before this file is rewritten atomically."""
     self._file.close()
     with open(self.path, encoding="utf-8") as f:
       lines = [line for line in f.read().split("\n") if line]
-    out = []
+    kept, abandoned = [], []
     for line in lines:
       row = _parsed(line)
       if row is not None and (row.get("step") or 0) > to_step and not _rollback_history(row):
-        line = jsonio.dumps({**row, ROLLED_BACK: True})
-      out.append(line)
-    self._rewrite(out)
+        abandoned.append(jsonio.dumps({**row, ROLLED_BACK: True}))
+      else:
+        kept.append(line)
+    with open(rolled_back_path(self.path), "a", encoding="utf-8") as f:
+      f.write("".join(line + "\n" for line in abandoned))
+      f.flush()
+      os.fsync(f.fileno())
+    self._rewrite(kept)
     self._file = open(self.path, "a", encoding="utf-8")
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]):

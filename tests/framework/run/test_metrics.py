@@ -228,7 +228,7 @@ def test_an_eval_inside_a_logging_window_is_not_step_time():
   assert rows[(4, False)]["step_time_s"] == pytest.approx(1.0)
 
 
-def test_a_rollback_row_marks_the_abandoned_rows_and_the_next_row_is_not_timed(tmp_path):
+def test_a_rollback_moves_the_abandoned_rows_aside_and_the_next_row_is_not_timed(tmp_path):
   clock = FakeClock()
   writer = writers.create_writers(str(tmp_path), is_primary=True, console=False)
   logger = metrics.MetricLogger(writer, throughput=Throughput(10, 1e9, 1), clock=clock)
@@ -243,18 +243,23 @@ def test_a_rollback_row_marks_the_abandoned_rows_and_the_next_row_is_not_timed(t
     logger.record(i, {"loss": jnp.float32(10 * i)})
   logger.close()
   rows = writers.read_jsonl(str(tmp_path / "metrics.jsonl"))
+  # One history (issue 48): steps 1-3, the rollback's own row, then 4-6 again.
   assert [(r["step"], r.get("loss"), r.get("rolled_back")) for r in rows] == [
-      (1, 1.0, None), (2, 2.0, None), (3, 3.0, None), (4, 4.0, True), (5, 5.0, True),
-      (5, None, True), (5, None, None), (4, 40.0, None), (5, 50.0, None), (6, 60.0, None)]
-  assert {k: rows[6][k] for k in ("rolled_back_to", "rollbacks", "learning_rate_scale")} == {
+      (1, 1.0, None), (2, 2.0, None), (3, 3.0, None), (5, None, None), (4, 40.0, None),
+      (5, 50.0, None), (6, 60.0, None)]
+  assert {k: rows[3][k] for k in ("rolled_back_to", "rollbacks", "learning_rate_scale")} == {
       "rolled_back_to": 3, "rollbacks": 1, "learning_rate_scale": 0.5}
+  # The abandoned rows (steps 4 and 5, and step 5's eval) are kept aside, marked.
+  aside = writers.read_jsonl(str(tmp_path / "metrics.rolled_back.jsonl"))
+  assert [(r["step"], r.get("loss"), r.get("eval_loss"), r["rolled_back"]) for r in aside] == [
+      (4, 4.0, None, True), (5, 5.0, None, True), (5, None, 9.0, True)]
   # Step 4 again: its interval holds the abandoned steps, so it gets no step time; 5 and 6 do.
-  assert "step_time_s" not in rows[7]
-  assert rows[8]["step_time_s"] == pytest.approx(1.0)
+  assert "step_time_s" not in rows[4]
+  assert rows[5]["step_time_s"] == pytest.approx(1.0)
   # A later resume at step 4 drops the rows after it but keeps the rollback's history.
   writers.create_writers(str(tmp_path), is_primary=True, console=False, resume_step=4).close()
   kept = writers.read_jsonl(str(tmp_path / "metrics.jsonl"))
-  assert kept == rows[:8]
+  assert kept == rows[:5]
 
 
 def test_metric_validation():
