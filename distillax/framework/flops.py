@@ -260,7 +260,7 @@ def chunked_linear_attention_extra(cfg: Any, batch: int, seq_len: int) -> float:
 def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cfg: Any = None,
                           *, causal: bool = True, remat: str = "none",
                           weights_train: bool = True, adapter_params: int = 0,
-                          fused: tuple[str, ...] = ()) -> float:
+                          fused: tuple[str, ...] = (), sliced: bool = False) -> float:
   """What a compiled train step runs as HLO matmuls minus what `train_step_flops` counts (the
   model-FLOPs convention of MFU): the figure `plan` adds to a job's model FLOPs to check the
   compiled step's matmuls against.
@@ -277,6 +277,8 @@ def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cf
   - `fused` (of FUSIBLE): parts that run inside a kernel, a custom call whose work the HLO does
     not show (splash or cuDNN attention, tokamax's fused cross-entropy): left out, forward,
     gradients and recomputation, the teacher's too.
+  - `sliced`: the vocabulary-slice losses (train.loss_impl='sliced', framework/vocab_slices.py)
+    recompute each slice's logits in the backward, the student's and a teacher's.
   """
   s = forward_flops_breakdown(student_cfg, batch, seq_len, causal=causal)
   attention = s["attn_scores"] + s["attn_values"]
@@ -291,8 +293,11 @@ def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cf
     out -= attention * (4 if remat in ("full", "save_dots_no_batch") else 3)
   if "logits" in fused:
     out -= s["logits"] * once
+  if sliced:
+    out += s["logits"]
   if teacher_cfg is not None:
     t = forward_flops_breakdown(teacher_cfg, batch, seq_len, causal=causal)
     out += chunked_linear_attention_extra(teacher_cfg, batch, seq_len)
     out -= (t["attn_scores"] + t["attn_values"]) if "attention" in fused else 0.0
+    out += t["logits"] if sliced else 0.0
   return out

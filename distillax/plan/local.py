@@ -61,6 +61,7 @@ def flops_check(recipe: Recipe, engine, compiled_per_device: float,
   expected = (model_flops + flops.hlo_matmul_adjustment(
       cfg, recipe.batch_size, recipe.seq_len, recipe.teacher_model_config,
       remat=str(getattr(cfg, "remat", "none")), fused=fused,
+      sliced=getattr(recipe, "loss_impl", "") == "sliced",
       weights_train=base_trains,
       adapter_params=0 if base_trains else sum(x.size for x in trained))) / devices
   expected_ratio = compiled_per_device / expected

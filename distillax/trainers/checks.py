@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 
 import jax
-from absl import logging
 
 from distillax.data.sources import resolve_files
 from distillax.data.survey import check_data
@@ -170,9 +169,10 @@ EXPORT_FORMATS = ("", "gguf", "hf")
 def export_problems(recipe) -> list[str]:
   """The GGUF export the trained student will need (train.export_format='gguf': the demo's
   stages, a job headed for llama.cpp), refused before anything trains when llama.cpp would run
-  it otherwise (edge/arch_checks.py, what `distillax export --format gguf` asks). Any other
-  student that will not export as GGUF gets one warning at start (QAT in q4_0/q8_0 included:
-  fake-quantizing to llama.cpp's formats does not say the job ends there)."""
+  it otherwise (edge/arch_checks.py, what `distillax export --format gguf` asks). Nothing is
+  said of other jobs (QAT in q4_0/q8_0 included: fake-quantizing to llama.cpp's formats does
+  not say the job ends there): a warning at every start of every MoE or derived student was
+  noise before the one line of a real error."""
   fmt = str(recipe.config.train.get("export_format", "") or "")
   if fmt not in EXPORT_FORMATS:
     return [f"train.export_format={fmt!r} is not an export format; use gguf, hf or '' (none "
@@ -182,8 +182,6 @@ def export_problems(recipe) -> list[str]:
   except UserError as e:
     if fmt == "gguf":
       return [f"train.export_format='gguf', but this student cannot be exported as GGUF: {e}"]
-    if fmt != "hf" and jax.process_index() == 0:
-      logging.warning("this student will not export as GGUF (%s); --format hf will", e)
   return []
 
 

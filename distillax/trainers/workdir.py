@@ -268,8 +268,13 @@ def _model_changes(workdir: str, config) -> tuple[str, ...]:
 
 def check_writable(workdir: str) -> None:
   """Refuses, before anything compiles, a workdir this process cannot create or write: makes
-  the (empty) directory, as the compile cache inside it would, and writes and removes a probe
-  file there (asking the permission bits is not enough: root passes them on /proc)."""
+  the directory, as the compile cache inside it would, writes and removes a probe file there
+  (asking the permission bits is not enough: root passes them on /proc), then removes the
+  directories it made, so a job refused later still leaves nothing behind."""
+  made, parent = [], os.path.abspath(workdir)
+  while not os.path.exists(parent):
+    made.append(parent)
+    parent = os.path.dirname(parent)
   try:
     os.makedirs(workdir, exist_ok=True)
     fd, probe = tempfile.mkstemp(prefix=".distillax-probe-", dir=workdir)
@@ -277,6 +282,12 @@ def check_writable(workdir: str) -> None:
     os.remove(probe)
   except OSError as e:
     raise _not_writable(workdir, e) from None
+  finally:
+    for folder in made:  # deepest first; only the empty folders this check made
+      try:
+        os.rmdir(folder)
+      except OSError:
+        break
 
 
 def release_workdir(state: WorkdirState | None) -> None:
