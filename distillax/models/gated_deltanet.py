@@ -22,7 +22,7 @@ from flax import nnx
 from distillax.errors import ConfigError
 from distillax.models import linear_attention as la
 from distillax.models.config import TransformerConfig
-from distillax.models.layers import normal_param
+from distillax.models.layers import next_params_key, normal_param
 from distillax.partitioning import constrain
 
 
@@ -50,7 +50,7 @@ class GatedDeltaNet(nnx.Module):
     self.conv = normal_param(rngs, (kernel, channels), kernel ** -0.5, pd, (None, None))
     self.dt_bias = nnx.Param(jnp.ones((Hv,), pd), logical_axes=("heads",))
     # Decay rates A in [1, 16) as Qwen3.5 initialises them (kept in log space).
-    rates = jax.random.uniform(rngs.params(), (Hv,), jnp.float32, 1.0, 16.0)
+    rates = jax.random.uniform(next_params_key(rngs), (Hv,), jnp.float32, 1.0, 16.0)
     self.A_log = nnx.Param(jnp.log(rates).astype(pd), logical_axes=("heads",))
     self.norm_scale = nnx.Param(jnp.ones((dv,), pd), logical_axes=("head_dim",))
     out_std = (Hv * dv) ** -0.5 / math.sqrt(2 * config.num_layers)

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from distillax import partitioning as pt
 from distillax.errors import ConfigError
 from distillax.models.config import TransformerConfig
+from distillax.models.layers import concrete_rngs
 from distillax.models.transformer import Transformer
 
 RulesLike = pt.RuleSet | str | Mapping[str, Any] | None
@@ -48,7 +49,7 @@ def resolve_rules(rules: RulesLike) -> pt.RuleSet:
 
 def abstract_model(config: TransformerConfig, seed: int = 0) -> Transformer:
   """The model with ShapeDtypeStructs instead of arrays (costs no memory)."""
-  return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed)))
+  return nnx.eval_shape(lambda: Transformer(config, rngs=concrete_rngs(seed)))
 
 
 def param_count(config: TransformerConfig) -> int:
@@ -67,7 +68,7 @@ def model_shardings(model: Transformer, mesh: Mesh, rules: RulesLike = None) -> 
 def _init_values(config: TransformerConfig, seed: int) -> dict:
   """Every variable of a fresh model (one function for all calls, the seed traced: JAX reuses
   the program it compiled for the same config and shardings)."""
-  return nnx.to_pure_dict(nnx.state(Transformer(config, rngs=nnx.Rngs(jax.random.key(seed)))))
+  return nnx.to_pure_dict(nnx.state(Transformer(config, rngs=concrete_rngs(jax.random.key(seed)))))
 
 
 def create_model(config: TransformerConfig, *, mesh: Mesh | None = None, rules: RulesLike = None,

@@ -18,10 +18,26 @@ from distillax.models.counter_normal import counter_normal
 from distillax.partitioning import constrain
 
 
+def next_params_key(rngs: nnx.Rngs) -> jax.Array:
+  """The next `params` key, its counter stepped eagerly where it is concrete (see
+  concrete_rngs): a traced counter made every step read the whole trace so far (nnx asks the
+  new count for its sharding, and a tracer's refusal names its origin), so an unrolled model's
+  creation took time quadratic in its size: 22-39 s to trace Qwen3.5's, about 4 s now."""
+  with jax.ensure_compile_time_eval():
+    return rngs.params()
+
+
+def concrete_rngs(seed) -> nnx.Rngs:
+  """nnx.Rngs whose counters are concrete even inside a trace (a traced `seed`'s key stays
+  traced): next_params_key then steps them without staging anything."""
+  with jax.ensure_compile_time_eval():
+    return nnx.Rngs(seed)
+
+
 def normal_param(rngs: nnx.Rngs, shape, stddev: float, dtype, logical_axes) -> nnx.Param:
   """N(0, stddev) values from the next `params` key (counter_normal.py: cheap to compile, the
   same bits on every backend), stored in `dtype`."""
-  value = counter_normal(rngs.params(), shape) * stddev
+  value = counter_normal(next_params_key(rngs), shape) * stddev
   return nnx.Param(value.astype(dtype), logical_axes=tuple(logical_axes))
 
 
