@@ -1,5 +1,7 @@
 """Transformers models as the parity tests use them (the hf extra: torch and transformers)."""
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -82,3 +84,18 @@ def widened_qwen35(model):
       if not name.endswith(("A_log", "dt_bias")):
         p.normal_(0.0, 0.3 if "norm" in name else 0.1)
   return model.eval()
+
+
+def assert_export_is_the_checkpoint(checkpoint_dir, exported_dir, tokens, want_logits) -> None:
+  """An export written back to Hugging Face: the same tensor names and values, bit for bit, as
+  the checkpoint it was imported from, and transformers' logits of it within 1e-5 of `want`."""
+  import transformers
+  from safetensors.numpy import load_file
+  theirs = load_file(str(Path(checkpoint_dir) / "model.safetensors"))
+  mine = load_file(str(Path(exported_dir) / "model.safetensors"))
+  assert sorted(mine) == sorted(theirs)
+  for name, array in theirs.items():
+    np.testing.assert_array_equal(mine[name], array, err_msg=name)
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+      exported_dir, attn_implementation="eager").eval()
+  assert np.max(np.abs(torch_logits(reloaded, tokens) - want_logits)) <= 1e-5

@@ -36,7 +36,8 @@ from distillax.models.hf.config_out import config_to_hf, hf_architecture  # noqa
 from distillax.models.presets import get_preset  # noqa: E402
 from distillax.models.transformer import layer_params  # noqa: E402
 from distillax.trainers.sources.kinds import BlocksSource, HFSource  # noqa: E402
-from tests.support.hf import cached_decode_delta, saved_with_logits, torch_logits  # noqa: E402
+from tests.support.hf import (  # noqa: E402
+    assert_export_is_the_checkpoint, cached_decode_delta, saved_with_logits, torch_logits)
 from tests.support.models import forward  # noqa: E402
 
 SHAPE = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -136,14 +137,7 @@ def test_deepseek_v3_exports_transformers_own_file(checkpoint, tmp_path):
   assert (written["model_type"], written["first_k_dense_replace"], written["kv_lora_rank"],
           written["q_lora_rank"]) == ("deepseek_v3", 1, 16, 24 if variant == "v3" else None)
   assert config_from_hf(config_to_hf(ours.config)) == ours.config
-  theirs = load_file(str(path / "model.safetensors"))
-  mine = load_file(str(tmp_path / "model.safetensors"))
-  assert sorted(mine) == sorted(theirs)
-  for name, array in theirs.items():
-    np.testing.assert_array_equal(mine[name], array, err_msg=name)
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-      tmp_path, attn_implementation="eager").eval()
-  assert np.max(np.abs(torch_logits(reloaded, TOKENS) - want)) <= 1e-5
+  assert_export_is_the_checkpoint(path, tmp_path, TOKENS, want)
 
 
 def test_multi_token_prediction_layers_are_skipped_with_one_line(v3, tmp_path, caplog):

@@ -19,7 +19,6 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from safetensors.numpy import load_file  # noqa: E402
 
 from distillax import partitioning as pt  # noqa: E402
 from distillax.errors import UserError  # noqa: E402
@@ -29,7 +28,8 @@ from distillax.models.hf.config_out import config_to_hf, hf_architecture  # noqa
 from distillax.models.presets import get_preset  # noqa: E402
 from distillax.models.transformer import layer_params  # noqa: E402
 from distillax.trainers.sources.kinds import BlocksSource, HFSource  # noqa: E402
-from tests.support.hf import cached_decode_delta, saved_with_logits, torch_logits  # noqa: E402
+from tests.support.hf import (  # noqa: E402
+    assert_export_is_the_checkpoint, cached_decode_delta, saved_with_logits)
 from tests.support.models import forward  # noqa: E402
 
 CONFIG = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -88,14 +88,7 @@ def test_glm45_exports_transformers_own_file(hf_checkpoint, ours, tmp_path):
   assert (written["model_type"], written["rope_parameters"]["partial_rotary_factor"],
           written["attention_bias"], written["use_qk_norm"]) == ("glm4_moe", 0.5, True, True)
   assert config_from_hf(config_to_hf(ours.config)) == ours.config
-  theirs = load_file(str(hf_checkpoint[0] / "model.safetensors"))
-  mine = load_file(str(tmp_path / "model.safetensors"))
-  assert sorted(mine) == sorted(theirs)
-  for name, array in theirs.items():
-    np.testing.assert_array_equal(mine[name], array, err_msg=name)
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-      tmp_path, attn_implementation="eager").eval()
-  assert np.max(np.abs(torch_logits(reloaded, TOKENS) - hf_checkpoint[1])) <= 1e-5
+  assert_export_is_the_checkpoint(hf_checkpoint[0], tmp_path, TOKENS, hf_checkpoint[1])
 
 
 def test_a_glm45_student_of_blocks_keeps_each_blocks_mlp(hf_checkpoint, ours):

@@ -21,7 +21,6 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from safetensors.numpy import load_file  # noqa: E402
 
 from distillax import partitioning as pt  # noqa: E402
 from distillax.edge.export import gguf_architecture  # noqa: E402
@@ -31,7 +30,8 @@ from distillax.models.hf.config import config_from_hf  # noqa: E402
 from distillax.models.hf.config_out import config_to_hf, hf_architecture  # noqa: E402
 from distillax.models.transformer import layer_params  # noqa: E402
 from distillax.trainers.sources.kinds import BlocksSource, HFSource  # noqa: E402
-from tests.support.hf import cached_decode_delta, saved_with_logits, torch_logits  # noqa: E402
+from tests.support.hf import (  # noqa: E402
+    assert_export_is_the_checkpoint, cached_decode_delta, saved_with_logits)
 from tests.support.models import forward  # noqa: E402
 
 CONFIG = dict(vocab_size=101, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -87,14 +87,7 @@ def test_qwen3_moe_with_dense_layers_exports_transformers_own_file(hf_checkpoint
   assert (written["mlp_only_layers"], written["decoder_sparse_step"],
           written["intermediate_size"]) == ([0, 2], 1, 40)
   assert config_from_hf(config_to_hf(ours.config)) == ours.config
-  theirs = load_file(str(hf_checkpoint[0] / "model.safetensors"))
-  mine = load_file(str(tmp_path / "model.safetensors"))
-  assert sorted(mine) == sorted(theirs)
-  for name, array in theirs.items():
-    np.testing.assert_array_equal(mine[name], array, err_msg=name)
-  reloaded = transformers.AutoModelForCausalLM.from_pretrained(
-      tmp_path, attn_implementation="eager").eval()
-  assert np.max(np.abs(torch_logits(reloaded, TOKENS) - hf_checkpoint[1])) <= 1e-5
+  assert_export_is_the_checkpoint(hf_checkpoint[0], tmp_path, TOKENS, hf_checkpoint[1])
 
 
 def test_a_student_of_a_dense_and_an_moe_block_keeps_each_blocks_mlp(hf_checkpoint, ours):
