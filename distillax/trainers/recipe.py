@@ -111,18 +111,6 @@ def check_router_losses(train, model_config: TransformerConfig, job: str, suppor
                         f"set --config.train.{name}=0")
 
 
-def _tokamax_refuses(config, model_config: TransformerConfig) -> str | None:
-  """Why tokamax's loss, which reads the output layer's weight as a plain (D, V) matrix, would
-  not compute this student's logits."""
-  if model_config.final_logit_softcap:
-    return f"model.final_logit_softcap={model_config.final_logit_softcap} soft-caps the logits"
-  if config.get("qat") and (config.qat.rules or config.qat.get("schedule")):
-    return "qat.rules fake-quantize the student (tokamax would read unquantized weights)"
-  if config.get("lora") and config.lora.module_regex:
-    return "lora.module_regex adapts the student (tokamax would read the base weights only)"
-  return None
-
-
 def sliced_loss_refusal(config) -> str | None:
   """Why the vocabulary-slice losses, which read the output layer's weight as stored, would not
   compute this student's logits: adapters on it, or QAT rules that quantize it (the rule for the
@@ -170,8 +158,6 @@ class Recipe:
   # Whether the objective adds train.moe_aux_loss / train.router_z_loss (every registered job
   # does; a new recipe says so once its objective takes them).
   router_losses: bool = False
-  # Whether the training objective is the next-token CE that train.loss_impl='tokamax' can run.
-  tokamax_loss: bool = False
   # Whether its train losses are ones train.loss_impl='sliced' computes (framework/vocab_slices).
   sliced_loss: bool = False
 
@@ -200,8 +186,7 @@ class Recipe:
           self.sources, student=dataclasses.replace(self.sources.student, cfg=self.model_config))
     src.check_run_shape(self.sources.student, self.model_config)
     check_router_losses(config.train, self.model_config, self.name, self.router_losses)
-    check_loss_impl(config.train.get("loss_impl", "auto"), self.name, self.tokamax_loss,
-                    _tokamax_refuses(config, self.model_config), sliced=self.sliced_loss,
+    check_loss_impl(config.train.get("loss_impl", "auto"), self.name, sliced=self.sliced_loss,
                     sliced_why_not=sliced_loss_refusal(config))
     self.loss_impl = resolve_loss_impl(config.train.get("loss_impl", "auto"), self.sliced_loss,
                                        sliced_loss_refusal(config))
