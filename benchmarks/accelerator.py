@@ -111,9 +111,11 @@ ROWS = (
     Row("moe_kd_int8_teacher", "moe", (f"kd:full:4{S}:teacher_moe_impl=ragged:teacher_int8=True",),
         "KD from the 16-expert teacher with its matmuls in int8 (teacher.int8)"),
     Row("moe_train", "moe_student", (f"train:full:8{S}:moe_impl=ragged",
+                                     f"train:full:8{S}:moe_impl=tokamax",
                                      f"train:full:16{S}:moe_impl=ragged:param_dtype=bfloat16",
                                      f"train:full:4{S}:moe_impl=ragged"),
-        "training a 16-expert Qwen3-MoE-shaped student (0.50B)"),
+        "training a 16-expert Qwen3-MoE-shaped student (0.50B; grouped matmul: XLA's "
+        "ragged_dot or tokamax's Mosaic kernel)"),
     Row("long_context", "real", (f"train:full:2:seq_len=8192{S}",
                                  f"train:full:1:seq_len=16384{S}:param_dtype=bfloat16",
                                  f"train:full:1:seq_len=8192{S}"),
