@@ -34,27 +34,6 @@ from distillax.models.moe.kernels import (RaggedDot, describe, grouped_ffn, ragg
                                           record)
 
 
-@jax.custom_vjp
-def permute_rows(x_NxD, perm_N, inverse_N):
-  """x_NxD[perm_N], for a permutation whose inverse is `inverse_N`: the gradient is the
-  cotangent's rows gathered back by the inverse. Autodiff would transpose the gather into a
-  scatter-add (it cannot know the indices are a permutation), which a TPU runs far slower than
-  a gather."""
-  return jnp.take(x_NxD, perm_N, axis=0)
-
-
-def _permute_rows_forward(x_NxD, perm_N, inverse_N):
-  return permute_rows(x_NxD, perm_N, inverse_N), (perm_N, inverse_N)
-
-
-def _permute_rows_backward(saved, g_NxD):
-  perm_N, inverse_N = saved
-  return jnp.take(g_NxD, inverse_N, axis=0), None, None
-
-
-permute_rows.defvjp(_permute_rows_forward, _permute_rows_backward)
-
-
 def _pack_by_destination(dest_N, n: int, capacity: int):
   """For rows bound to devices dest_N: the sort that groups them by device, each row's slot in
   its device's block, and per (device, slot) which sorted row fills it and whether one does."""
@@ -75,13 +54,12 @@ def _local_experts(rows_MxD, expert_M, E_local: int, weights, act, ragged_dot, b
   """Rows through the experts their ids name (expert_M = E_local marks a row for none: an
   empty slot or a dropped assignment), returned in their own order."""
   order_M = jnp.argsort(expert_M, stable=True)
-  inverse_M = jnp.argsort(order_M)
   group_sizes_E = jnp.sum(expert_M[:, None] == jnp.arange(E_local)[None, :], axis=0,
                           dtype=jnp.int32)
-  out_MxD = grouped_ffn(permute_rows(rows_MxD, order_M, inverse_M), group_sizes_E, *weights,
-                        act, ragged_dot=ragged_dot, biases=biases, up_act=up_act,
+  out_MxD = grouped_ffn(jnp.take(rows_MxD, order_M, axis=0), group_sizes_E, *weights, act,
+                        ragged_dot=ragged_dot, biases=biases, up_act=up_act,
                         sorted_experts_N=jnp.take(expert_M, order_M))
-  return permute_rows(out_MxD, inverse_M, order_M)
+  return jnp.take(out_MxD, jnp.argsort(order_M), axis=0)
 
 
 def _combine(out_NxD, weights_TxK):
@@ -104,19 +82,12 @@ def routed_experts(x_TxD, routing, gate_ExDxF, up_ExDxF, down_ExFxD, act, biases
   if not dropless:
     experts_N = jnp.where(routing.keep_TxK.reshape(-1), experts_N, E)
   order_N = jnp.argsort(experts_N, stable=True)
-  inverse_N = jnp.argsort(order_N)
-  # A compare and a sum, not jnp.bincount: that is a scatter-add, which a TPU serialises over
-  # the T*k updates into E bins. Dropped assignments (expert E) count in no group.
-  group_sizes_E = jnp.sum(experts_N[:, None] == jnp.arange(E)[None, :], axis=0,
-                          dtype=jnp.int32)
-  # Row n of the (token, expert) assignments is token n // k: x repeated k times, then sorted
-  # (the repeat's gradient sums each token's k rows; the sort's is a gather, permute_rows).
-  rows_NxD = permute_rows(jnp.repeat(x_TxD, k, axis=0), order_N, inverse_N)
-  out_NxD = grouped_ffn(rows_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,
-                        ragged_dot=ragged_dot, biases=biases, up_act=up_act,
-                        sorted_experts_N=jnp.take(experts_N, order_N),
+  group_sizes_E = jnp.bincount(experts_N, length=E).astype(jnp.int32)
+  out_NxD = grouped_ffn(jnp.take(x_TxD, order_N // k, axis=0), group_sizes_E, gate_ExDxF,
+                        up_ExDxF, down_ExFxD, act, ragged_dot=ragged_dot, biases=biases,
+                        up_act=up_act, sorted_experts_N=jnp.take(experts_N, order_N),
                         every_row_grouped=dropless)
-  return _combine(permute_rows(out_NxD, inverse_N, order_N), routing.weights_TxK)
+  return _combine(jnp.take(out_NxD, jnp.argsort(order_N), axis=0), routing.weights_TxK)
 
 
 def _exchange(x_TxD, weights_TxK, experts_TxK, gate, up, down, biases, *, axes, n, act, up_act,

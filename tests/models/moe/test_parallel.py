@@ -115,20 +115,3 @@ def test_split_over_asks_the_active_rules_only():
   rules = pt.rules_from_config({"strategy": "fsdp_ep"}).without_mesh_axes(["data"])
   with pt.use_rules(mesh, rules):
     assert pt.split_over("expert", 4) is None
-
-
-def test_permute_rows_gradient_is_the_gather_autodiff_would_scatter():
-  """permute_rows's hand-written gradient (a gather by the inverse permutation) equals autodiff's
-  of jnp.take (a scatter-add) bit for bit: a permutation's transpose moves values, adds none."""
-  rng = np.random.default_rng(11)
-  x = jnp.asarray(rng.normal(size=(12, 5)), jnp.float32)
-  g = jnp.asarray(rng.normal(size=(12, 5)), jnp.float32)
-  perm = jnp.asarray(rng.permutation(12), jnp.int32)
-  inverse = jnp.argsort(perm)
-  got, got_vjp = jax.vjp(lambda a: moe_parallel.permute_rows(a, perm, inverse), x)
-  want, want_vjp = jax.vjp(lambda a: jnp.take(a, perm, axis=0), x)
-  np.testing.assert_array_equal(got, want)
-  np.testing.assert_array_equal(got_vjp(g)[0], want_vjp(g)[0])
-  hlo = jax.jit(jax.grad(lambda a: jnp.sum(moe_parallel.permute_rows(a, perm, inverse) * g))
-                ).lower(x).as_text()
-  assert "scatter" not in hlo and "gather" in hlo
