@@ -9,13 +9,18 @@ part of the job.
 import json
 import os
 import shutil
+import socket
 
 import pytest
 
 from distillax.configs import distill, lm, sequence_kd
+from distillax.errors import UserError
+from distillax.framework.run.workdir_lock import LOCK_FILE
 from distillax.main import main
 from distillax.trainers.workdir import (JOB_FILE, NOT_JOB_IDENTITY, check_workdir, job_identity,
                                         read_summary, write_summary)
+
+from tests.support.lock_holder import holding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "distillax", "configs")
@@ -284,3 +289,59 @@ def test_an_unwritable_workdir_is_refused_before_the_step_is_built(tmp_path, cap
   lines = _error_line(capsys)
   assert len(lines) == 1 and f"workdir {workdir} is not writable" in lines[0], lines
   assert "pass --workdir pointing to a directory you can write" in lines[0]
+
+
+def test_a_workdir_another_process_holds_is_one_line_exit_2_and_unchanged(run_copy, capsys):
+  """Issue 55: the same job submitted twice (a requeue), or another job, while a process holds
+  the workdir: both used to run into one workdir at once. The second is refused before anything
+  compiles, naming the holder's pid and host, and the workdir is byte-identical."""
+  with holding(run_copy) as holder:
+    before = _snapshot(run_copy)
+    for argv in ([*LM_TINY, "--config.train.steps=8"], [*LM_TINY, "--config.seed=1"]):
+      capsys.readouterr()
+      assert _train(run_copy, *argv) == 2
+      lines = _error_line(capsys)
+      assert len(lines) == 1, lines
+      assert lines[0] == (
+          f"distillax train: error: workdir {run_copy} is in use by another distillax process "
+          f"(pid {holder.pid} on host {socket.gethostname()}); wait for it to end or stop it, "
+          f"or pass a new --workdir (if that process is gone, remove {run_copy / LOCK_FILE})")
+      assert _snapshot(run_copy) == before
+
+
+def test_a_new_workdir_another_process_holds_gets_nothing_from_the_second(tmp_path, capsys):
+  workdir = tmp_path / "new"
+  with holding(workdir):
+    assert _train(workdir, *LM_TINY) == 2
+    assert "is in use by another distillax process" in _error_line(capsys)[0]
+    assert os.listdir(workdir) == [LOCK_FILE]
+
+
+def test_a_crashed_holders_lock_is_taken_over_and_released(run_copy, capsys):
+  """A holder killed as a crash would leaves lock.json behind: the next command takes it over
+  (here: the finished job, reported as such) and removes it at its end."""
+  with holding(run_copy) as holder:
+    holder.kill()
+    assert (run_copy / LOCK_FILE).exists()
+    capsys.readouterr()
+    assert _train(run_copy, *LM_TINY) == 0
+    assert "already finished at step 6" in capsys.readouterr().out
+    assert not (run_copy / LOCK_FILE).exists()
+
+
+def test_the_workdir_is_locked_before_the_step_is_built(tmp_path, monkeypatch):
+  """The lock is held (by this process) from before the step's lowering to the session's end."""
+  from distillax.framework.run.workdir_lock import WorkdirLock
+  from distillax.trainers.recipe import Recipe
+  workdir, seen = tmp_path / "run", []
+  build = Recipe.build_engines
+
+  def checked(self, *args, **kwargs):
+    seen.append(json.loads((workdir / LOCK_FILE).read_text())["pid"])
+    with pytest.raises(UserError, match="is in use by another distillax process"):
+      WorkdirLock(str(workdir)).acquire(lambda w, e: e)
+    return build(self, *args, **kwargs)
+  monkeypatch.setattr(Recipe, "build_engines", checked)
+  assert _train(workdir, *LM_TINY, "--config.train.steps=3", "--config.train.eval_every=3") == 0
+  assert seen and seen[0] == os.getpid()
+  assert not (workdir / LOCK_FILE).exists() and (workdir / JOB_FILE).exists()
