@@ -112,7 +112,7 @@ class Trainer:
     The workdir is locked first (process 0 takes it for the job's processes), so another
     process's job, or this one submitted twice, is refused before anything compiles; a session
     that ends before its first step leaves a fresh workdir as it found it."""
-    lock = lock_workdir(self.workdir) if self.primary else None
+    lock = self._lock()
     workdir_state, failed = None, True
     try:
       workdir_state = check_workdir(self.workdir, self.config)
@@ -125,6 +125,22 @@ class Trainer:
         release_workdir(workdir_state)  # nothing trained, nothing saved: not this job's yet
       if lock is not None:
         lock.release(remove_made=fresh_failure)
+
+  def _lock(self):
+    """Process 0's lock on the workdir; every process of the job ends alike when it is refused
+    (process 0 with the line naming the holder)."""
+    lock, refused = None, None
+    if self.primary:
+      try:
+        lock = lock_workdir(self.workdir)
+      except UserError as e:
+        refused = e
+    if not runtime.primary_says(refused is None) and refused is None:
+      refused = UserError(f"process 0 could not take the lock of workdir {self.workdir}; its "
+                          f"line says why")
+    if refused is not None:
+      raise refused
+    return lock
 
   def _checked_run(self, workdir_state) -> dict[str, Any]:
     c = self.config

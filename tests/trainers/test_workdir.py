@@ -345,3 +345,36 @@ def test_the_workdir_is_locked_before_the_step_is_built(tmp_path, monkeypatch):
   assert _train(workdir, *LM_TINY, "--config.train.steps=3", "--config.train.eval_every=3") == 0
   assert seen and seen[0] == os.getpid()
   assert not (workdir / LOCK_FILE).exists() and (workdir / JOB_FILE).exists()
+
+
+def _two_processes(workdir, logs, *argv) -> tuple[int, list[str]]:
+  """(exit status, each process's last line) of `distillax train` as two real processes of one
+  job (4 CPU devices each)."""
+  import sys
+
+  from distillax.launch_local import launch
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env.pop("XLA_FLAGS", None)
+  status = launch([sys.executable, "-m", "distillax", "train", "--workdir", str(workdir), *argv],
+                  num_processes=2, devices_per_process=4, timeout_s=600, env=env,
+                  log_dir=str(logs))
+  return status, [(logs / f"process_{i}.log").read_text().strip().splitlines()[-1]
+                  for i in (0, 1)]
+
+
+def test_the_processes_of_one_job_share_its_lock_and_end_together_when_refused(run_copy,
+                                                                                tmp_path):
+  """Process 0 takes the lock for the job: its other process is not refused by it (the finished
+  job is reported by both), and when another process holds the workdir, both end at once, exit
+  2, each in one line (the other process used to fail 30 s later in a collective)."""
+  status, last = _two_processes(run_copy, tmp_path / "logs", *LM_TINY)
+  assert status == 0, last
+  assert last[0] == f"distillax train: already finished at step 6; workdir {run_copy}"
+  before = _snapshot(run_copy)
+  with holding(run_copy) as holder:
+    status, last = _two_processes(run_copy, tmp_path / "refused", *LM_TINY)
+  assert status == 2, last
+  assert f"is in use by another distillax process (pid {holder.pid} on host" in last[0], last
+  assert last[1] == (f"distillax train: error: process 0 could not take the lock of workdir "
+                     f"{run_copy}; its line says why"), last
+  assert _snapshot(run_copy) == before

@@ -95,6 +95,8 @@ class WorkdirLock:
 
   def _take(self) -> None:
     for _ in range(8):  # another process may replace the file between our open and our flock
+      # (again: a multi-process job's other processes probe a new workdir and remove it)
+      os.makedirs(self.workdir, exist_ok=True)
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
       try:
         locked = self._flock(fd)
