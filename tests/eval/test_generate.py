@@ -224,3 +224,32 @@ def test_generate_of_a_gguf_says_where_ggufs_run(tmp_path, capsys):
   assert f"--model {gguf} is a GGUF file, which runs in llama.cpp" in err[0], err
   assert f"distillax eval --model {gguf} --generate FILE" in err[0]
   assert "not a distillax run directory" not in err[0]
+
+
+def test_config_overrides_without_a_config_file_apply_to_the_runs_own_config(run, capsys,
+                                                                            tmp_path):
+  """Issue 55: `--config.KEY=VALUE` on eval, export and generate was "unknown flag" without
+  `--config FILE`. The run's own config.json is now the base: eval reads one batch fewer as
+  asked, export and generate on another placement give the same weights and tokens, and a
+  Hugging Face directory (no distillax config) is one line asking for --config FILE."""
+  from safetensors.numpy import load_file
+  workdir, export = run
+  summary = json.loads(open(os.path.join(workdir, "summary.json")).read())
+  capsys.readouterr()
+  assert main(["distillax", "eval", "--model", workdir, "--config.train.eval_batches=1"]) == 0
+  assert _json_line(capsys)["eval_tokens"] == summary["eval_tokens"] / 2
+  out = tmp_path / "dp"
+  assert main(["distillax", "export", "--workdir", workdir, "--output", str(out),
+               "--config.partitioning.strategy=dp"]) == 0
+  want, got = (load_file(os.path.join(d, "model.safetensors")) for d in (export, out))
+  assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+  argv = ["distillax", "generate", "--model", workdir, "--prompt", "def main(",
+          "--max_new_tokens", "8"]
+  capsys.readouterr()
+  assert main(argv) == 0
+  text = capsys.readouterr().out
+  assert main(argv + ["--config.partitioning.strategy=dp"]) == 0
+  assert capsys.readouterr().out == text
+  assert main(["distillax", "eval", "--model", export, "--config.train.eval_batches=1"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "is a Hugging Face checkpoint" in err[0] and "--config FILE" in err[0]
