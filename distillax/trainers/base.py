@@ -112,11 +112,25 @@ class Trainer:
     The workdir is locked first (process 0 takes it for the job's processes), so another
     process's job, or this one submitted twice, is refused before anything compiles; a session
     that ends before its first step leaves a fresh workdir as it found it."""
-    lock = self._lock()
+    lock = lock_workdir(self.workdir, primary=self.primary)
     workdir_state, failed = None, True
     try:
+      # Another job's workdir fails first, before any work; then every config, data and shape
+      # error surfaces, before the workdir is touched.
       workdir_state = check_workdir(self.workdir, self.config)
-      summary = self._checked_run(workdir_state)
+      if workdir_state.finished:
+        failed = False
+        return {**workdir_state.summary, "already_finished": True}
+      if workdir_state.changes and self.primary:
+        logging.warning("resuming %s with the same job computed another way: %s", self.workdir,
+                        "; ".join(workdir_state.changes))
+      check_recipe_data(self.recipe)
+      check_writable(self.workdir)
+      interrupts.check()
+      self.recipe.startup.mark("checks")
+      # Every program the run compiles is kept in <workdir>/compile_cache: a resume reads them.
+      with compile_cache.in_workdir(self.workdir):
+        summary = self._run(workdir_state)
       failed = False
       return summary
     finally:
@@ -125,39 +139,6 @@ class Trainer:
         release_workdir(workdir_state)  # nothing trained, nothing saved: not this job's yet
       if lock is not None:
         lock.release(remove_made=fresh_failure)
-
-  def _lock(self):
-    """Process 0's lock on the workdir; every process of the job ends alike when it is refused
-    (process 0 with the line naming the holder)."""
-    lock, refused = None, None
-    if self.primary:
-      try:
-        lock = lock_workdir(self.workdir)
-      except UserError as e:
-        refused = e
-    if not runtime.primary_says(refused is None) and refused is None:
-      refused = UserError(f"process 0 could not take the lock of workdir {self.workdir}; its "
-                          f"line says why")
-    if refused is not None:
-      raise refused
-    return lock
-
-  def _checked_run(self, workdir_state) -> dict[str, Any]:
-    c = self.config
-    # Another job's workdir fails first, before any work; then every config, data and shape
-    # error surfaces, before the workdir is touched.
-    if workdir_state.finished:
-      return {**workdir_state.summary, "already_finished": True}
-    if workdir_state.changes and self.primary:
-      logging.warning("resuming %s with the same job computed another way: %s", self.workdir,
-                      "; ".join(workdir_state.changes))
-    check_recipe_data(self.recipe)
-    check_writable(self.workdir)
-    interrupts.check()
-    self.recipe.startup.mark("checks")
-    # Every program the run compiles is kept in <workdir>/compile_cache: a resumed run reads them.
-    with compile_cache.in_workdir(self.workdir):
-      return self._run(workdir_state)
 
   def _run(self, workdir_state) -> dict[str, Any]:
     c, startup = self.config, self.recipe.startup

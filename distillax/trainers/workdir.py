@@ -26,6 +26,7 @@ from typing import Any
 
 from distillax.errors import UserError
 from distillax import jsonio
+from distillax.framework.run import runtime
 from distillax.framework.run.checkpoint import Checkpointer
 from distillax.framework.run.workdir_lock import LOCK_FILE, WorkdirLock
 from distillax.models.config import COMPUTE, fields_of_kind
@@ -301,11 +302,23 @@ def check_writable(workdir: str) -> None:
         break
 
 
-def lock_workdir(workdir: str) -> WorkdirLock:
+def lock_workdir(workdir: str, *, primary: bool = True) -> WorkdirLock | None:
   """The workdir's lock (framework/run/workdir_lock.py), taken before anything reads or writes
-  the job there: a second process is refused in one line naming the holder."""
-  lock = WorkdirLock(workdir)
-  lock.acquire(_not_writable)
+  the job there: a second process is refused in one line naming the holder. Process 0 takes it
+  for all the job's processes (None on the others), and when it is refused every process ends
+  alike (the others with a line pointing to process 0's), not in a collective's timeout."""
+  lock, refused = None, None
+  if primary:
+    try:
+      lock = WorkdirLock(workdir)
+      lock.acquire(_not_writable)
+    except UserError as e:
+      lock, refused = None, e
+  if not runtime.primary_says(refused is None) and refused is None:
+    refused = UserError(f"process 0 could not take the lock of workdir "
+                        f"{os.path.abspath(workdir)}; its line says why")
+  if refused is not None:
+    raise refused
   return lock
 
 
