@@ -329,22 +329,23 @@ def test_a_crashed_holders_lock_is_taken_over_and_released(run_copy, capsys):
     assert not (run_copy / LOCK_FILE).exists()
 
 
-def test_the_workdir_is_locked_before_the_step_is_built(tmp_path, monkeypatch):
-  """The lock is held (by this process) from before the step's lowering to the session's end."""
+def test_the_workdir_is_locked_before_the_step_is_built(tmp_path, monkeypatch, capsys):
+  """The lock is held (by this process) before the step's lowering; a start that then fails
+  leaves nothing of a new workdir, the folder included."""
   from distillax.framework.run.workdir_lock import WorkdirLock
   from distillax.trainers.recipe import Recipe
-  workdir, seen = tmp_path / "run", []
-  build = Recipe.build_engines
+  workdir, seen = tmp_path / "runs" / "run", []
 
   def checked(self, *args, **kwargs):
     seen.append(json.loads((workdir / LOCK_FILE).read_text())["pid"])
     with pytest.raises(UserError, match="is in use by another distillax process"):
       WorkdirLock(str(workdir)).acquire(lambda w, e: e)
-    return build(self, *args, **kwargs)
+    raise UserError("stopped here by the test")
   monkeypatch.setattr(Recipe, "build_engines", checked)
-  assert _train(workdir, *LM_TINY, "--config.train.steps=3", "--config.train.eval_every=3") == 0
-  assert seen and seen[0] == os.getpid()
-  assert not (workdir / LOCK_FILE).exists() and (workdir / JOB_FILE).exists()
+  assert _train(workdir, *LM_TINY) == 2
+  assert _error_line(capsys) == ["distillax train: error: stopped here by the test"]
+  assert seen == [os.getpid()]
+  assert os.listdir(tmp_path) == []
 
 
 def _two_processes(workdir, logs, *argv) -> tuple[int, list[str]]:
