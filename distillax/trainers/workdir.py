@@ -28,7 +28,7 @@ from distillax.errors import UserError
 from distillax import jsonio
 from distillax.framework.run import runtime
 from distillax.framework.run.checkpoint import Checkpointer
-from distillax.framework.run.workdir_lock import LOCK_FILE, WorkdirLock
+from distillax.framework.run.workdir_lock import WorkdirLock
 from distillax.models.config import COMPUTE, fields_of_kind
 
 CONFIG_FILE = "config.json"

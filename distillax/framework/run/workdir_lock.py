@@ -15,6 +15,7 @@ processes write into the same workdir by design. Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -52,6 +53,14 @@ def _is_stale(record: dict) -> bool:
           and not _pid_alive(pid))
 
 
+def _same_file(path: str, fd: int) -> bool:
+  """Whether `path` still names the file open as `fd`."""
+  try:
+    return os.stat(path).st_ino == os.fstat(fd).st_ino
+  except FileNotFoundError:
+    return False
+
+
 def _held_error(workdir: str, record: dict) -> UserError:
   pid, host = record.get("pid", "unknown"), record.get("host", "unknown")
   return UserError(f"workdir {workdir} is in use by another distillax process (pid {pid} on "
@@ -71,10 +80,6 @@ class WorkdirLock:
     self.path = os.path.join(self.workdir, LOCK_FILE)
     self._fd: int | None = None
     self._made: list[str] = []  # folders acquire created, deepest first
-
-  @property
-  def held(self) -> bool:
-    return self._fd is not None
 
   def acquire(self, not_writable) -> None:
     """Takes the lock or raises a UserError naming its holder; `not_writable(workdir, OSError)`
@@ -104,18 +109,18 @@ class WorkdirLock:
           record = _read_record(self.path)
           if not _is_stale(record):
             raise _held_error(self.workdir, record)
-          os.unlink(self.path)  # a dead holder's child keeps the old file's lock: a fresh file
+          # A dead holder's child keeps the old file's lock: a fresh file (unless another
+          # process replaced it meanwhile, whose file is left alone).
+          if _same_file(self.path, fd):
+            with contextlib.suppress(FileNotFoundError):
+              os.unlink(self.path)
           os.close(fd)
           continue
         if locked is None:  # no flock here: the record alone says who holds it
           record = _read_record(self.path)
           if record and record.get("pid") != os.getpid() and not _is_stale(record):
             raise _held_error(self.workdir, record)
-        try:
-          same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-          same = False
-        if not same:  # the file we locked was unlinked by its releasing holder: again
+        if not _same_file(self.path, fd):  # unlinked by its releasing holder: again
           os.close(fd)
           continue
       except BaseException:
