@@ -37,4 +37,17 @@ def run_config_base(command: str, flag_argv: list[str]):
     raise UserError(f"--{name} {run} is a Hugging Face checkpoint, which has no distillax config "
                     f"for --config.KEY=VALUE to set; add --config FILE naming the job, e.g. "
                     f"--config distillax/configs/lm.py:tiny")
-  return load_run_config(run, f"--{name}")
+  return _overridable(load_run_config(run, f"--{name}"))
+
+
+def _overridable(config):
+  """`config` whose None fields take a value of any type: config.json keeps no type for them
+  (config_flags refuses to override a NoneType field), and the job checks the values anyway."""
+  from ml_collections import config_dict
+  with config.unlocked():
+    for key, value in list(config.items()):
+      if isinstance(value, config_dict.ConfigDict):
+        _overridable(value)
+      elif value is None:
+        config[key] = config_dict.placeholder(object)
+  return config

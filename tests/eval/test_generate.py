@@ -239,6 +239,10 @@ def test_config_overrides_without_a_config_file_apply_to_the_runs_own_config(run
   capsys.readouterr()
   assert main(["distillax", "eval", "--model", workdir, "--config.train.eval_batches=1"]) == 0
   assert _json_line(capsys)["eval_tokens"] == summary["eval_tokens"] / 2
+  # A field config.json holds as null (no type kept) takes a value too.
+  assert main(["distillax", "eval", "--model", workdir, "--config.train.eval_batches=1",
+               "--config.data.seed=3"]) == 0
+  assert _json_line(capsys)["eval_tokens"] == summary["eval_tokens"] / 2
   out = tmp_path / "dp"
   assert main(["distillax", "export", "--workdir", workdir, "--output", str(out),
                "--config.partitioning.strategy=dp"]) == 0
