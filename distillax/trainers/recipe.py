@@ -277,6 +277,16 @@ class Recipe:
       engines.add_extra_eval(self.generation_eval)
     return engines
 
+  def accum_steps(self) -> int:
+    """Micro-batches per optimizer step (gradient accumulation inside the step)."""
+    return int(self.config.train.accum_steps)
+
+  def plan_lines(self, report: dict) -> list[str]:
+    """Lines `plan` prints about this job's own batches, after its figures (`report`:
+    plan.local.plan_report's); none by default."""
+    del report
+    return []
+
   def step_flops(self) -> float:
     """Model FLOPs of one train step (forward + backward, a frozen teacher's forward)."""
     return flops.train_step_flops(self.model_config, self.batch_size, self.seq_len,
@@ -297,7 +307,7 @@ class Recipe:
       self.transforms = transforms
     return build_engine(student, extras, self.objective(train=True), optimizer_cfg,
                         int(c.train.steps), self.mesh, self.rules, c.backend, self.batch_shapes(),
-                        accum_steps=int(c.train.accum_steps), trainable=self.trainable(),
+                        accum_steps=self.accum_steps(), trainable=self.trainable(),
                         compile_now=compile_now, eval_objective=self.objective(),
                         gradient_reduction=str(c.partitioning.get("gradient_reduction", "auto")),
                         # Checkpoints leave out what the sources give back on resume: every

@@ -264,3 +264,64 @@ def test_prompts_longer_than_prompt_len_fail_before_any_compile(tmp_path, capsys
   config.data.source, config.data.eval_source = train, held_out
   config.data.layout, config.on_policy.prompt_len = "prompt_completion", shortest
   assert check_workdir(str(workdir), config).summary is None  # the corrected job may run there
+
+
+def _prompt_files(tmp_path, train_words: int, eval_texts: list[str]):
+  """A prompt/completion train file whose prompts all need `train_words` words, and a held-out
+  one of `eval_texts`."""
+  train = [" ".join(["word"] * train_words) + f" {i}" for i in range(12)]
+  return (ct.write_jsonl(tmp_path / "train.jsonl", [{"prompt": p, "completion": " yes"}
+                                                     for p in train]),
+          ct.write_jsonl(tmp_path / "eval.jsonl", [{"prompt": p, "completion": " yes"}
+                                                   for p in eval_texts]))
+
+
+def test_the_suggested_prompt_len_fits_both_splits_when_followed(tmp_path, capsys):
+  """Issue 55 point 6: with train prompts too long for prompt_len and held-out ones longer
+  still, the check suggested each split's own length (36 for train, 55 for eval here), and
+  following the first failed on the second. Now every line suggests one setting that admits
+  both splits' shortest prompts (and a max_new_tokens that still fits the student's
+  max_seq_len), and the job configured with it reads its prompts."""
+  import re
+  train, held_out = _prompt_files(tmp_path, 4, [" ".join(["longer"] * 4) + f" {i}"
+                                                for i in range(8)])
+  argv = ["distillax", "train", "--config", f"{CONFIG}:tiny", "--workdir",
+          str(tmp_path / "run"), f"--config.data.source={train}",
+          f"--config.data.eval_source={held_out}", "--config.data.layout=prompt_completion"]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  suggested = dict(re.findall(r"--config\.on_policy\.(\w+)=(\d+)", err))
+  config = op_config.get_config("tiny")
+  tokenizer = make_tokenizer(config.data.tokenizer)
+  need = 1 + len(tokenizer.encode(" ".join(["longer"] * 4) + " 0"))
+  assert int(suggested["prompt_len"]) == need, err
+  config.data.source, config.data.eval_source = train, held_out
+  config.data.layout = "prompt_completion"
+  for field, value in suggested.items():
+    config.on_policy[field] = int(value)
+  recipe = recipe_for(config)
+  assert len(recipe.prompts("train")) > 0 and len(recipe.prompts("eval")) == 8
+
+
+def test_eval_prompts_left_out_are_said_with_their_count(tmp_path, caplog):
+  """Issue 55 point 6: on-policy eval used 2 of its 8 prompts and no line said so. Now one
+  warning line gives the count left out and the prompt_len that keeps them all, which does."""
+  import logging
+  short = [f"q{i}" for i in range(2)]
+  long = [" ".join(["longer"] * 3) + f" {i}" for i in range(6)]
+  train, held_out = _prompt_files(tmp_path, 1, short + long)
+  config = op_config.get_config("tiny")
+  config.data.source, config.data.eval_source = train, held_out
+  config.data.layout = "prompt_completion"
+  config.on_policy.prompt_len = 8
+  with caplog.at_level(logging.WARNING):
+    assert len(recipe_for(config).prompts("eval")) == 2
+  lines = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+  assert len(lines) == 1, lines
+  tokenizer = make_tokenizer(config.data.tokenizer)
+  longest = max(1 + len(tokenizer.encode(p)) for p in long)
+  assert lines[0] == (f"on_policy.prompt_len=8: 6 of the eval prompts are longer and left out, "
+                      f"2 used of the 8 asked for; --config.on_policy.prompt_len={longest} "
+                      f"keeps them all")
+  config.on_policy.prompt_len = longest
+  assert len(recipe_for(config).prompts("eval")) == 8
