@@ -202,14 +202,51 @@ def test_cli_q4_0_moe_student_with_overrides_writes_figures_and_samples(tmp_path
     ("--config.on_policy.lmbda=2.0", "on_policy.lmbda"),
     ("--config.on_policy.divergence=kl", "on_policy.divergence"),
     ("--config.on_policy.max_new_tokens=200", "max_seq_len"),
-    ("--config.on_policy.num_samples=0", "on_policy.num_samples")])
+    ("--config.on_policy.num_samples=0", "on_policy.num_samples"),
+    # tiny: 8 prompts x 2 samples = 16 completions a step
+    ("--config.on_policy.micro_batch=3", "on_policy.micro_batch=3 must be a multiple of "
+     "on_policy.num_samples=2 that divides the sampling batch (train.batch_size x num_samples "
+     "= 16 completions), e.g. 4, 8, 16"),
+    ("--config.on_policy.micro_batch=4 --config.train.accum_steps=2",
+     "on_policy.micro_batch=4 makes 4 micro-batches per step but train.accum_steps=2")])
 def test_bad_on_policy_fields_fail_in_one_line(tmp_path, capsys, override, fragment):
   workdir = tmp_path / "bad"
   code = cli.main(["distillax", "train", "--config", f"{CONFIG}:tiny", "--workdir",
-                   str(workdir), override])
+                   str(workdir), *override.split()])
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1 and fragment in err[0], err
   assert not workdir.exists()
+
+
+@pytest.mark.parametrize("micro_batch, accum_steps, want", [(0, 1, 1), (0, 2, 2), (4, 1, 4),
+                                                            (4, 4, 4), (16, 1, 1), (2, 1, 8)])
+def test_micro_batch_sets_the_steps_micro_batches(micro_batch, accum_steps, want):
+  """Issue 53: the update micro-batches of a step of 16 completions (8 prompts x 2 samples)."""
+  from distillax.trainers.on_policy.recipe import micro_batches
+  assert micro_batches(16, 2, micro_batch, accum_steps) == want
+
+
+def test_plan_line_sizes_the_sampler_per_device():
+  """8 completions of 6 + 4 tokens over 4 data devices: 2 rows x 10 positions of KV cache
+  (2 layers x K and V x 2 kv heads x 8 features x 2 bytes = 128 bytes a position: 2,560
+  bytes), and the fp32 weights' bf16 copy (400 -> 200 bytes a device, as cast)."""
+  import types
+  from distillax.models.config import TransformerConfig
+  from distillax.trainers.on_policy.recipe import sampling_memory, sampling_plan_line
+  from distillax.distill.on_policy.objective import OnPolicySettings
+  cfg = TransformerConfig(vocab_size=32, embed_dim=16, num_layers=2, num_heads=2,
+                          num_kv_heads=2, head_dim=8, mlp_dim=32, max_seq_len=16,
+                          dtype="bfloat16")
+  settings = OnPolicySettings(max_new_tokens=4, cast_weights=True)
+  assert sampling_memory(cfg, 2, 10, 400, settings) == {"kv_cache_bytes": 2560,
+                                                        "weights_copy_bytes": 200}
+  no_cast = sampling_memory(cfg, 2, 10, 400, OnPolicySettings(max_new_tokens=4))
+  assert no_cast["weights_copy_bytes"] == 0
+  line = sampling_plan_line(cfg, 8, 2, 6, settings, {"params_bytes_per_device": 400}, data=4)
+  assert line == ("on-policy batches: sampling 8 completions of 6 + 4 tokens at once (KV cache "
+                  f"{2560 / 2**30:.3g} GiB + the student's weights in bfloat16 "
+                  f"{200 / 2**30:.3g} GiB per device, before the update), update micro-batch 4 "
+                  "completions x 2 per step (in the compiled step's peak)")
 
 
 def test_a_sample_past_the_students_max_seq_len_is_one_line():
@@ -294,7 +331,8 @@ def test_the_suggested_prompt_len_fits_both_splits_when_followed(tmp_path, capsy
   config = op_config.get_config("tiny")
   tokenizer = make_tokenizer(config.data.tokenizer)
   need = 1 + len(tokenizer.encode(" ".join(["longer"] * 4) + " 0"))
-  assert int(suggested["prompt_len"]) == need, err
+  # Every line (one a split) suggests the same length: the one that admits both.
+  assert set(re.findall(r"--config\.on_policy\.prompt_len=(\d+)", err)) == {str(need)}, err
   config.data.source, config.data.eval_source = train, held_out
   config.data.layout = "prompt_completion"
   for field, value in suggested.items():
