@@ -285,6 +285,34 @@ def _with_keys(out: ObjectiveOutput, sums: Mapping, ratios: Mapping, on: float) 
                          ratios=all_ratios)
 
 
+def make_prepare(settings: OnPolicySettings, sampling_context: Callable) -> Callable:
+  """The objective's prepare: (student, extras, whole batch, step key) -> the step's samples as
+  scoring arrays under ROLLOUT (per sampled row) and their per-row statistics."""
+
+  def sample(student, batch, rng) -> dict[str, jax.Array]:
+    model, _ = unwrap_student(student)
+    with sampling_context():
+      rollout = sample_rollout(model, batch, jax.random.fold_in(rng, 1), settings)
+    scoring = route_scoring_batch(scoring_batch(rollout, settings.pad_id), batch,
+                                  settings.num_samples)
+    rows = completion_rows(rollout, settings.stops)
+    return {**{ROLLOUT + k: v for k, v in scoring.items()}, **rows,
+            SAMPLED_ROWS: jnp.ones_like(rows[REAL_ROWS])}
+
+  def prepare(student, extras, batch, rng) -> dict[str, jax.Array]:
+    """The step's whole sampling batch, drawn at once with the step's weights; with lmbda < 1
+    only on the lmbda share of steps (the rest get zeros of the same shapes)."""
+    del extras
+    if settings.lmbda == 1.0:
+      return sample(student, batch, rng)
+    shapes = jax.eval_shape(sample, student, batch, rng)
+    use = jax.random.bernoulli(jax.random.fold_in(rng, 2), settings.lmbda)
+    return jax.lax.cond(use, lambda: sample(student, batch, rng),
+                        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+  return prepare
+
+
 def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
                              off_policy: Objective | None = None,
                              chunk_size: int | None = vocab_chunks.AUTO,
@@ -308,26 +336,7 @@ def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
   if teachers is not None:  # the mixture is the teacher the leaf reads, at the leaf's temperature
     teachers = dataclasses.replace(teachers, temperature=float(leaf.temperature))
 
-  def sample(student, batch, rng) -> dict[str, jax.Array]:
-    model, _ = unwrap_student(student)
-    with sampling_context():
-      rollout = sample_rollout(model, batch, jax.random.fold_in(rng, 1), settings)
-    scoring = route_scoring_batch(scoring_batch(rollout, settings.pad_id), batch,
-                                  settings.num_samples)
-    rows = completion_rows(rollout, settings.stops)
-    return {**{ROLLOUT + k: v for k, v in scoring.items()}, **rows,
-            SAMPLED_ROWS: jnp.ones_like(rows[REAL_ROWS])}
-
-  def prepare(student, extras, batch, rng) -> dict[str, jax.Array]:
-    """The step's whole sampling batch, drawn at once with the step's weights; with lmbda < 1
-    only on the lmbda share of steps (the rest get zeros of the same shapes)."""
-    del extras
-    if settings.lmbda == 1.0:
-      return sample(student, batch, rng)
-    shapes = jax.eval_shape(sample, student, batch, rng)
-    use = jax.random.bernoulli(jax.random.fold_in(rng, 2), settings.lmbda)
-    return jax.lax.cond(use, lambda: sample(student, batch, rng),
-                        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+  prepare = make_prepare(settings, sampling_context)
 
   def on_policy(student, extras, batch, rng) -> ObjectiveOutput:
     """One micro-batch of the step's samples, scored and learned from."""

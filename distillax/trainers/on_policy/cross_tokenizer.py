@@ -55,10 +55,7 @@ class CrossTokenizerOnPolicyRecipe(CrossTokenizerDistillRecipe):
 
   rollback_metrics = DistillRecipe.rollback_metrics
   prompts = OnPolicyRecipe.prompts
-  _prompt_records = OnPolicyRecipe._prompt_records
-  _prompt_fix = OnPolicyRecipe._prompt_fix
   step_flops = OnPolicyRecipe.step_flops
-  accum_steps = OnPolicyRecipe.accum_steps
 
   def __init__(self, config, **kwargs):
     super().__init__(config, **kwargs)
@@ -70,9 +67,9 @@ class CrossTokenizerOnPolicyRecipe(CrossTokenizerDistillRecipe):
                         f"off-policy job, trainer='distill')")
     self.prompt_len = int(c.prompt_len)
     width = sample_width(self.prompt_len, self.settings, self.model_config)
-    self.micro_batches = micro_batches(self.batch_size * self.settings.num_samples,
-                                       self.settings.num_samples, int(c.get("micro_batch", 0)),
-                                       int(config.train.accum_steps))
+    self.accum_steps = micro_batches(self.batch_size * self.settings.num_samples,
+                                     self.settings.num_samples, int(c.get("micro_batch", 0)),
+                                     int(config.train.accum_steps))
     # The teacher's tokens of one sample; by default as many as the student's scoring inputs.
     self.teacher_len = int(config.distill.cross_tokenizer.teacher_seq_len) or width - 1
     if self.teacher_len + 1 > self.teacher_model_config.max_seq_len:

@@ -52,6 +52,38 @@ def settings_from_config(c, tokenizer) -> OnPolicySettings:
       vocab_limit=int(tokenizer.vocab_size))
 
 
+def prompt_records(recipe, split: str):
+  """The on-policy prompts of `split` (train: num_prompts, eval: eval_prompts) of `recipe`."""
+  c = recipe.config.on_policy
+  return take_prompt_records(
+      recipe.config.data, recipe.tokenizer,
+      count=int(c.num_prompts if split == "train" else c.eval_prompts),
+      prompt_len=recipe.prompt_len, seed=int(recipe.config.seed), split=split,
+      field="on_policy.prompt_len")
+
+
+def prompt_fix(recipe, error: NoPromptFits) -> str:
+  """`error`'s line with a prompt_len that works when followed: long enough for every prompt
+  split of `recipe` (train and eval), and a max_new_tokens that still fits model.max_seq_len."""
+  need = error.shortest
+  for other in recipe.prompt_splits:
+    if need is None or other == error.split:
+      continue
+    try:
+      prompt_records(recipe, other)
+    except NoPromptFits as e:
+      need = max(need, e.shortest or need)
+  if need is None:
+    return str(error)
+  room = int(recipe.model_config.max_seq_len) - need
+  also = ""
+  if recipe.settings.max_new_tokens > room > 0:
+    also = f" --config.on_policy.max_new_tokens={room}"
+  elif room <= 0:
+    also = f" (past model.max_seq_len={recipe.model_config.max_seq_len}: shorten the prompts)"
+  return error.line(need, also)
+
+
 def micro_batches(sampling_batch: int, num_samples: int, micro_batch: int,
                   accum_steps: int) -> int:
   """Update micro-batches per step: sampling_batch / micro_batch completions (on_policy.
@@ -105,9 +137,8 @@ class OnPolicyRecipe(DistillRecipe):
     self.prompt_len = int(c.prompt_len)
     sample_width(self.prompt_len, self.settings, self.model_config)
     self.sampling_batch = self.batch_size * self.settings.num_samples
-    self.micro_batches = micro_batches(self.sampling_batch, self.settings.num_samples,
-                                       int(c.get("micro_batch", 0)),
-                                       int(config.train.accum_steps))
+    self.accum_steps = micro_batches(self.sampling_batch, self.settings.num_samples,
+                                     int(c.get("micro_batch", 0)), int(config.train.accum_steps))
     # A plain student samples from its matmul weights cast to bf16 once, before the decode loop.
     plain = self.transforms.qat is None and self.transforms.lora is None
     self.settings = dataclasses.replace(self.settings, cast_weights=plain)
@@ -116,13 +147,10 @@ class OnPolicyRecipe(DistillRecipe):
                         "teacher.preset), not an offline cache: the teacher scores the "
                         "student's own samples")
 
-  def accum_steps(self) -> int:
-    return self.micro_batches
-
   def plan_lines(self, report: dict) -> list[str]:
     """The two batches and what the sampler holds per device while it runs."""
     data = int(self.mesh.shape.get(backends.DATA_AXIS, 1)) if self.mesh is not None else 1
-    return [sampling_plan_line(self.model_config, self.sampling_batch, self.micro_batches,
+    return [sampling_plan_line(self.model_config, self.sampling_batch, self.accum_steps,
                                self.prompt_len, self.settings, report, data)]
 
   def objective(self, *, train: bool = False) -> Objective:
@@ -157,39 +185,10 @@ class OnPolicyRecipe(DistillRecipe):
     if split not in cache:
       c = self.config.on_policy
       try:
-        cache[split] = [r.tokens for r in self._prompt_records(split)]
+        cache[split] = [r.tokens for r in prompt_records(self, split)]
       except NoPromptFits as e:
-        raise UserError(f"on_policy: {self._prompt_fix(e)}") from None
+        raise UserError(f"on_policy: {prompt_fix(self, e)}") from None
     return cache[split]
-
-  def _prompt_records(self, split: str):
-    c = self.config.on_policy
-    return take_prompt_records(
-        self.config.data, self.tokenizer,
-        count=int(c.num_prompts if split == "train" else c.eval_prompts),
-        prompt_len=self.prompt_len, seed=int(self.config.seed), split=split,
-        field="on_policy.prompt_len")
-
-  def _prompt_fix(self, error: NoPromptFits) -> str:
-    """`error`'s line with a prompt_len that works when followed: long enough for every
-    prompt split (train and eval), and a max_new_tokens that still fits model.max_seq_len."""
-    need = error.shortest
-    for other in self.prompt_splits:
-      if need is None or other == error.split:
-        continue
-      try:
-        self._prompt_records(other)
-      except NoPromptFits as e:
-        need = max(need, e.shortest or need)
-    if need is None:
-      return str(error)
-    room = int(self.model_config.max_seq_len) - need
-    also = ""
-    if self.settings.max_new_tokens > room > 0:
-      also = f" --config.on_policy.max_new_tokens={room}"
-    elif room <= 0:
-      also = f" (past model.max_seq_len={self.model_config.max_seq_len}: shorten the prompts)"
-    return error.line(need, also)
 
   def eval_teacher(self, extras):
     """The teacher model the held-out prompts are graded by."""
