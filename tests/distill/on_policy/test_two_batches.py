@@ -125,3 +125,27 @@ def test_weights_cast_once_to_the_compute_dtype_sample_the_same_tokens():
   b = jax.device_get(run(*nnx.split(cast)))
   np.testing.assert_array_equal(a.tokens_BxT, b.tokens_BxT)
   np.testing.assert_allclose(a.logprobs_BxT, b.logprobs_BxT, atol=1e-6)
+
+
+def test_the_decode_loop_reads_weights_cast_once_before_it():
+  """The program the step's sampling lowers to (before any compiler pass): with cast_weights,
+  every matmul weight of two or more dimensions is converted fp32 -> bf16 exactly once (before
+  the prefill and the decode loop); without it, again inside the loop (each decode step)."""
+  import dataclasses
+  import re
+  from distillax.distill.on_policy.objective import sample_rollout
+  student, _ = h.make_models(9, student_config=h.STUDENT_CONFIG.replace(dtype="bfloat16"))
+  graph, state = nnx.split(student)
+  shapes = ["x".join(map(str, x.shape)) for x in jax.tree.leaves(state) if x.ndim >= 2]
+  batch = _batch()
+
+  def converts(cast: bool) -> int:
+    settings = dataclasses.replace(SETTINGS, cast_weights=cast)
+    text = jax.jit(lambda st: sample_rollout(nnx.merge(graph, st), batch, jax.random.key(0),
+                                             settings).generated.tokens_BxT).lower(state).as_text()
+    found = re.findall(r"stablehlo.convert[^\n]*\(tensor<([\dx]+)xf32>\) -> tensor<[\dx]+xbf16>",
+                       text)
+    return sum(1 for shape in found if shape in shapes)
+
+  assert converts(True) == len(shapes)
+  assert converts(False) >= 2 * len(shapes)
