@@ -85,7 +85,22 @@ def test_backends_and_presets_sample_and_train_alike(reference, backend, strateg
   config, batches, (want_rows, want_params) = reference
   config = config.copy_and_resolve_references()
   config.backend, config.partitioning.strategy, config.mesh.model = backend, strategy, model
-  rows, params = _steps(config, batches)
+  _assert_alike(*_steps(config, batches), want_rows, want_params)
+
+
+def test_micro_batches_on_a_mesh_sample_and_train_alike(reference):
+  """Issue 53 on 8 devices (4 data x 2 model): the step samples its 8 completions at once and
+  learns from them 4 at a time (2 micro-batches): the same samples and update as the
+  reference's one micro-batch."""
+  config, batches, (want_rows, want_params) = reference
+  config = config.copy_and_resolve_references()
+  config.partitioning.strategy, config.mesh.model = "fsdp_tp", 2
+  config.on_policy.micro_batch = 4
+  assert recipe_for(config).accum_steps == 2
+  _assert_alike(*_steps(config, batches), want_rows, want_params)
+
+
+def _assert_alike(rows, params, want_rows, want_params):
   for got, want in zip(rows, want_rows):
     # Same samples: the completion statistics agree exactly, the losses to rounding.
     assert float(got["completion_length"]) == float(want["completion_length"])
