@@ -101,6 +101,14 @@ ROWS = (
         "step's weights, then learns from them in micro-batches (gradient accumulation), the "
         "teacher grading each token; sampling timed apart from the update and set against "
         "the decode roofline"),
+    # The same with bf16 weights and Adam state (no fp32 master copy, as train_bf16): ~3.6 GiB
+    # fewer held through sampling, room for more rows of KV cache and a larger micro-batch.
+    Row("on_policy_bf16", "real", tuple(
+        f"on_policy:full:{b}:seq_len=1024:new_tokens=512:micro={m}:param_dtype=bfloat16"
+        for b, m in ((64, 8), (48, 8), (32, 8), (64, 4))),
+        "the on-policy step with bf16 weights and Adam state: the lever that frees for the "
+        "sampler's KV cache and the update's micro-batch what fp32 master weights and their "
+        "Adam state take"),
     # chunked: the sliced loss refuses an adapted student (trainers/recipe.py), so 'auto' runs
     # the chunk engine. The nf4 base holds no fp32 weights or Adam state: 16 x 2048 compiles to
     # 6.4 GiB for a v5e (deviceless, as the on-policy row's figures).
