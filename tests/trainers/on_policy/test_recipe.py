@@ -378,3 +378,10 @@ def test_eval_prompts_left_out_are_said_with_their_count(tmp_path, caplog):
                       f"keeps them all")
   config.on_policy.prompt_len = longest
   assert len(recipe_for(config).prompts("eval")) == 8
+
+
+def test_only_a_plain_student_samples_from_weights_cast_once():
+  """A QAT student quantizes its stored weights and a LoRA one adds to them: casting them first
+  would change what they sample, so only a plain student gets the cast (issue 53)."""
+  assert recipe_for(op_config.get_config("tiny")).settings.cast_weights
+  assert not recipe_for(op_config.get_config("tiny,q4_0")).settings.cast_weights
