@@ -150,6 +150,9 @@ class Recipe:
   # The splits whose prompts the job reads (`self.prompts(split)`, on-policy jobs): read by
   # check_recipe_data before anything compiles, so a prompt length none fits is said then.
   prompt_splits: tuple[str, ...] = ()
+  # (self, plan report) -> lines `plan` prints about the job's own batches after its figures
+  # (on-policy's sampling and update batches); None: no such lines.
+  plan_lines = None
   # The eval figures the rollback guard may watch (train.rollback_metric), each with a direction
   # in framework/eval_rules.py; the first is the job's own (the default): the figure its
   # objective lowers. Next-token training lowers the CE, so its perplexity. eval.generate adds
@@ -176,6 +179,9 @@ class Recipe:
     # `self.config` (what config.json records) holds it in the model section.
     self.config = config = src.resolve_student(config, self.sources, model_overrides)
     self.workdir = workdir
+    # Micro-batches per optimizer step (gradient accumulation inside the step); a recipe with
+    # its own batches (on-policy's micro_batch) sets it from them.
+    self.accum_steps = int(config.train.accum_steps)
     self.mesh = mesh if mesh is not None else pt.create_mesh(config.mesh)
     self.rules = rules if rules is not None else pt.rules_from_config(config.partitioning)
     self.tokenizer = make_tokenizer(config.data.tokenizer)
@@ -282,7 +288,7 @@ class Recipe:
       self.transforms = transforms
     return build_engine(student, extras, self.objective(train=True), optimizer_cfg,
                         int(c.train.steps), self.mesh, self.rules, c.backend, self.batch_shapes(),
-                        accum_steps=int(c.train.accum_steps), trainable=self.trainable(),
+                        accum_steps=self.accum_steps, trainable=self.trainable(),
                         compile_now=compile_now, eval_objective=self.objective(),
                         gradient_reduction=str(c.partitioning.get("gradient_reduction", "auto")),
                         # Checkpoints leave out what the sources give back on resume: every
