@@ -94,8 +94,12 @@ ROWS = (
     # sampler holds the student's weights in bf16 (1.1 GiB) and 112 KiB of KV cache per row
     # and position (7 GiB at 64 rows of 1,024), beside the ~9.9 GiB of fp32 weights, Adam
     # state and teacher; the update's peak is that of `micro` rows.
+    # opt_state_dtype=bfloat16 (Adam's moments in bf16, optimizer.state_dtype) and an int8
+    # teacher free ~4 GiB of what sampling holds for more rows of KV cache.
     Row("on_policy", "real", tuple(f"on_policy:full:{b}:seq_len=1024:new_tokens=512:micro={m}"
-                                   for b, m in ((32, 4), (64, 4), (16, 4), (32, 2), (16, 2))),
+                                   for b, m in ((32, 4), (64, 4), (16, 4), (32, 2), (16, 2)))
+        + ("on_policy:full:64:seq_len=1024:new_tokens=512:micro=8:opt_state_dtype=bfloat16:"
+           "teacher_int8=True",),
         "on-policy distillation (configs/on_policy.py's GKD JSD): the student samples 512 "
         "tokens after a 512-token prompt for the whole sampling batch at once, with the "
         "step's weights, then learns from them in micro-batches (gradient accumulation), the "
@@ -130,11 +134,16 @@ ROWS = (
                                      f"train:full:4{S}:moe_impl=ragged"),
         "training a 16-expert Qwen3-MoE-shaped student (0.50B; grouped matmul: XLA's "
         "ragged_dot or tokamax's Mosaic kernel)"),
+    # Compiled for a v5e from a CPU host (benchmarks/compile_sizes.py): 16k with fp32 master
+    # weights 15.77 GiB with fp32 Adam moments, 13.55 GiB with bf16 ones; 32k 18.03 GiB with
+    # bf16 moments, 16.36 GiB with bf16 weights and moments (the candidate limit: 15.27 GiB).
     Row("long_context", "real", (f"train:full:2:seq_len=8192{S}",
+                                 f"train:full:1:seq_len=16384{S}:opt_state_dtype=bfloat16",
                                  f"train:full:1:seq_len=16384{S}:param_dtype=bfloat16",
                                  f"train:full:1:seq_len=8192{S}"),
-        "the student's training step at 8k and 16k tokens (splash attention; at 16k only with "
-        "bf16 weights and Adam state: the fp32 ones need 16.9 GB, 32k 16.05 GB of temporaries)"),
+        "the student's training step at 8k and 16k tokens (splash attention; at 16k with fp32 "
+        "master weights and bf16 Adam moments (optimizer.state_dtype), or bf16 weights and "
+        "Adam state)"),
     Row("continuity_train", "continuity", (f"train:full:8{S}",),
         "the first chip figures' 383M student, trained"),
     Row("continuity_kd", "continuity", (f"kd:full:4{S}", f"kd:full:8{S}"),
