@@ -94,12 +94,15 @@ ROWS = (
     # sampler holds the student's weights in bf16 (1.1 GiB) and 112 KiB of KV cache per row
     # and position (7 GiB at 64 rows of 1,024), beside the ~9.9 GiB of fp32 weights, Adam
     # state and teacher; the update's peak is that of `micro` rows.
-    # opt_state_dtype=bfloat16 (Adam's moments in bf16, optimizer.state_dtype) and an int8
-    # teacher free ~4 GiB of what sampling holds for more rows of KV cache.
-    Row("on_policy", "real", tuple(f"on_policy:full:{b}:seq_len=1024:new_tokens=512:micro={m}"
-                                   for b, m in ((32, 4), (64, 4), (16, 4), (32, 2), (16, 2)))
-        + ("on_policy:full:64:seq_len=1024:new_tokens=512:micro=8:opt_state_dtype=bfloat16:"
-           "teacher_int8=True",),
+    # Deviceless v5e compiles (benchmarks/compile_sizes.py) of the two-batch step: 32 rows
+    # sampled and micro-batches of 4, 18.0 GiB of temporaries (does not fit); with bf16 Adam
+    # moments (optimizer.state_dtype) and an int8 teacher, 32 rows and micro-batches of 8,
+    # 15.95 GiB (does not fit), 64 and 8, 21.3 GiB. Hence 16 rows first, and 32 with those
+    # levers at micro-batches of 4.
+    Row("on_policy", "real", tuple(
+        f"on_policy:full:{b}:seq_len=1024:new_tokens=512:micro={m}{extra}"
+        for b, m, extra in ((16, 4, ""), (32, 4, ":opt_state_dtype=bfloat16:teacher_int8=True"),
+                            (16, 2, ""), (32, 4, ""), (32, 2, ""), (64, 4, ""))),
         "on-policy distillation (configs/on_policy.py's GKD JSD): the student samples 512 "
         "tokens after a 512-token prompt for the whole sampling batch at once, with the "
         "step's weights, then learns from them in micro-batches (gradient accumulation), the "

@@ -68,7 +68,14 @@ def main(argv=None) -> int:
   limit = args.limit_bytes
   rows = []
   for text in args.variants:
-    row = compile_for(text, devices)
+    try:
+      row = compile_for(text, devices)
+    except Exception as e:  # noqa: BLE001 - the compiler's own out-of-memory refusal
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      rows.append({"variant": text, "does_not_fit": str(e).splitlines()[0]})
+      print(f"{text}: DOES NOT FIT ({str(e).splitlines()[0]})", flush=True)
+      continue
     rows.append(row)
     fits = " fits" if row["compiled_peak"] <= 0.97 * limit else " DOES NOT FIT"
     print(f"{row['variant']}: compiled peak {row['compiled_peak'] / GIB:.2f} GiB"
