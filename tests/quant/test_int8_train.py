@@ -62,16 +62,23 @@ def _step(model, tok):
   return np.asarray(logits), grads, step.lower(state).compile().as_text()
 
 
-_S8 = r"s8\[[^\]]*\](?:\{[^}]*\})?"
-
-
 def _int8_dots(hlo: str) -> list[str]:
-  """The compiled program's s8 x s8 -> s32 products: a fusion computation of two s8 parameters
-  giving s32 (XLA:CPU wraps each dot in one), or a dot / convolution (a TPU's) of s8 operands
-  written inline."""
-  fused = re.findall(rf"\(param_0[.\d]*: {_S8}, param_1[.\d]*: {_S8}\) -> s32\[", hlo)
-  inline = re.findall(rf"= s32\[[^\]]*\]\S* (?:dot|convolution)\({_S8} ", hlo)
-  return fused + inline
+  """The compiled program's products of two s8 operands (dot, or a TPU's convolution): each
+  operand's type read from its definition in the same computation, a parameter of the
+  computation's header or an instruction (compiled HLO prints operands by name only)."""
+  found, types = [], {}
+  for line in hlo.splitlines():
+    header = re.match(r"\s*(?:ENTRY )?%\S+ \((.*)\) -> .*\{\s*$", line)
+    if header:  # a computation starts: its parameters' types
+      types = dict(re.findall(r"([\w.\-]+): (\w+)\[", header.group(1)))
+      continue
+    defined = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\w+)\[", line)
+    if defined:
+      types[defined.group(1)] = defined.group(2)
+    product = re.search(r" (?:dot|convolution)\(%([\w.\-]+), %([\w.\-]+)\)", line)
+    if product and types.get(product.group(1)) == types.get(product.group(2)) == "s8":
+      found.append(line.strip())
+  return found
 
 
 def test_int8_matmul_qat_multiplies_int8_codes_and_trains_like_fake_quant(scanned):
