@@ -98,13 +98,31 @@ def nf4_values(codes: jax.Array) -> jax.Array:
   return level[0]
 
 
-def dequantize(qvalue: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
-  """Values on the quantization grid, in the scale's dtype (qwix's arithmetic; nf4 codes are
-  looked up by `nf4_values`, not by qwix's gather)."""
-  if qtype == "nf4":
-    values = nf4_values(qvalue).astype(scale.dtype)
-    return qwix_qarray.call_with_generic_broadcast(jnp.multiply, values, scale)
+def qwix_dequantize(qvalue: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
   return qwix.dequantize(qwix.QArray(qvalue, scale, None, qtype))
+
+
+def nf4_dequantize_by_selects(qvalue: jax.Array, scale: jax.Array) -> jax.Array:
+  """qwix's nf4 dequantization with the table read by `nf4_values`: the same arithmetic."""
+  values = nf4_values(qvalue).astype(scale.dtype)
+  return qwix_qarray.call_with_generic_broadcast(jnp.multiply, values, scale)
+
+
+def _nf4_dequantize_on_cpu(qvalue: jax.Array, scale: jax.Array) -> jax.Array:
+  """A CPU reads qwix's table by a gather at the cost of a load (the selects measured ~7%
+  slower QLoRA steps in benchmarks/peft.py) and fuses nothing into its matmuls anyway."""
+  return qwix_dequantize(qvalue, scale, "nf4")
+
+
+def dequantize(qvalue: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
+  """Values on the quantization grid, in the scale's dtype (qwix's arithmetic). nf4 codes are
+  read by selects (`nf4_values`) wherever the program is lowered for an accelerator, by qwix's
+  gather on a CPU: the same bits (`lax.platform_dependent` picks at lowering, so a deviceless
+  compile for a TPU takes the selects)."""
+  if qtype == "nf4":
+    return jax.lax.platform_dependent(qvalue, scale, cpu=_nf4_dequantize_on_cpu,
+                                      default=nf4_dequantize_by_selects)
+  return qwix_dequantize(qvalue, scale, qtype)
 
 
 def fake_quantize_weight(w: jax.Array, wq: WeightQuant) -> jax.Array:

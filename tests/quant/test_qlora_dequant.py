@@ -8,20 +8,15 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import qwix
 from flax import nnx
 
 from distillax.quant import LoRAParam, apply_lora
-from distillax.quant import weights as quant_weights
-from distillax.quant.fakequant import dequantize
+from distillax.quant import fakequant
+from distillax.quant.fakequant import nf4_dequantize_by_selects, qwix_dequantize
 from tests.quant.helpers import tokens
 from tests.support.models import FAN_IN, TINY, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
-
-def _qwix_dequantize(qvalue, scale, qtype):  # the unchanged path: qwix's gather
-  return qwix.dequantize(qwix.QArray(qvalue, scale, None, qtype))
 
 
 @pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.bfloat16])
@@ -29,8 +24,8 @@ def test_nf4_select_dequantize_is_qwix_table_bit_for_bit(scale_dtype):
   rng = np.random.default_rng(0)
   codes = jnp.asarray(rng.integers(0, 16, (3, 32, 24)), jnp.uint8)  # every code, tiles of 8
   scale = jnp.asarray(rng.uniform(0.01, 2.0, (3, 4, 24)), scale_dtype)
-  got = jax.jit(dequantize, static_argnums=2)(codes, scale, "nf4")
-  want = jax.jit(_qwix_dequantize, static_argnums=2)(codes, scale, "nf4")
+  got = jax.jit(nf4_dequantize_by_selects)(codes, scale)
+  want = jax.jit(qwix_dequantize, static_argnums=2)(codes, scale, "nf4")
   assert got.dtype == want.dtype == scale_dtype
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
@@ -63,9 +58,9 @@ def test_qlora_forward_and_adapter_grads_equal_the_gather_path(monkeypatch):
   qlora = apply_lora(model, module_regex=r"layers/.*", rank=4, dropout=0.0, base_qtype="nf4",
                      base_tile_size=8)
   tok = tokens(2, 16, TINY.vocab_size)
-  logits, grads, jaxpr = _forward_and_adapter_grads(qlora, tok)
-  monkeypatch.setattr(quant_weights, "dequantize", _qwix_dequantize)
-  logits_gather, grads_gather, jaxpr_gather = _forward_and_adapter_grads(qlora, tok)
+  logits_gather, grads_gather, jaxpr_gather = _forward_and_adapter_grads(qlora, tok)  # CPU's
+  monkeypatch.setattr(fakequant, "_nf4_dequantize_on_cpu", nf4_dequantize_by_selects)
+  logits, grads, jaxpr = _forward_and_adapter_grads(qlora, tok)  # an accelerator's
   np.testing.assert_array_equal(logits, logits_gather)
   for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(grads),
                                jax.tree_util.tree_leaves_with_path(grads_gather)):
