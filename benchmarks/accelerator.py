@@ -93,15 +93,33 @@ ROWS = (
         "forward and the remat's recompute, straight-through backward in bf16); set against "
         "`train`"),
     # Compiled for a v5e without one (libtpu's deviceless compile of lever_grid.lower's step
-    # over the tpu:v5e-1 target's device): 15.53 GiB at 8 rows (past 0.97 of the chip's
-    # 15.75 GiB, where run_group stops), 15.07 GiB at 6, so ~0.23 GiB a row over ~13.7 GiB that
-    # any batch holds (the fp32 student, its Adam state and gradients, the bf16 teacher). The
-    # sampling-only program: 5.0 GiB at 6 rows.
-    Row("on_policy", "real", tuple(f"on_policy:full:{b}:seq_len=1024:new_tokens=512"
-                                   for b in (6, 4, 2)),
+    # over the tpu:v5e-1 target's device), before issue 53's two batches: 15.53 GiB at 8 rows
+    # (past 0.97 of the chip's 15.75 GiB, where run_group stops), 15.07 GiB at 6, so ~0.23 GiB
+    # a row over ~13.7 GiB that any batch holds (the fp32 student, its Adam state and
+    # gradients, the bf16 teacher). Now the step samples its whole batch at once (BATCH rows,
+    # before the update: no gradients live yet) and learns in micro-batches of `micro`: the
+    # sampler holds the student's weights in bf16 (1.1 GiB) and 112 KiB of KV cache per row
+    # and position (7 GiB at 64 rows of 1,024), beside the ~9.9 GiB of fp32 weights, Adam
+    # state and teacher; the update's peak is that of `micro` rows.
+    # opt_state_dtype=bfloat16 (Adam's moments in bf16, optimizer.state_dtype) and an int8
+    # teacher free ~4 GiB of what sampling holds for more rows of KV cache.
+    Row("on_policy", "real", tuple(f"on_policy:full:{b}:seq_len=1024:new_tokens=512:micro={m}"
+                                   for b, m in ((32, 4), (64, 4), (16, 4), (32, 2), (16, 2)))
+        + ("on_policy:full:64:seq_len=1024:new_tokens=512:micro=8:opt_state_dtype=bfloat16:"
+           "teacher_int8=True",),
         "on-policy distillation (configs/on_policy.py's GKD JSD): the student samples 512 "
-        "tokens after a 512-token prompt inside the step, the teacher grades each; sampling "
-        "timed apart from the update and set against the decode roofline"),
+        "tokens after a 512-token prompt for the whole sampling batch at once, with the "
+        "step's weights, then learns from them in micro-batches (gradient accumulation), the "
+        "teacher grading each token; sampling timed apart from the update and set against "
+        "the decode roofline"),
+    # The same with bf16 weights and Adam state (no fp32 master copy, as train_bf16): ~3.6 GiB
+    # fewer held through sampling, room for more rows of KV cache and a larger micro-batch.
+    Row("on_policy_bf16", "real", tuple(
+        f"on_policy:full:{b}:seq_len=1024:new_tokens=512:micro={m}:param_dtype=bfloat16"
+        for b, m in ((64, 8), (48, 8), (32, 8), (64, 4))),
+        "the on-policy step with bf16 weights and Adam state: the lever that frees for the "
+        "sampler's KV cache and the update's micro-batch what fp32 master weights and their "
+        "Adam state take"),
     # chunked: the sliced loss refuses an adapted student (trainers/recipe.py), so 'auto' runs
     # the chunk engine. The nf4 base holds no fp32 weights or Adam state: 16 x 2048 compiles to
     # 6.4 GiB for a v5e (deviceless, as the on-policy row's figures).
@@ -123,14 +141,21 @@ ROWS = (
     Row("moe_kd_int8_teacher", "moe", (f"kd:full:4{S}:teacher_moe_impl=ragged:teacher_int8=True",),
         "KD from the 16-expert teacher with its matmuls in int8 (teacher.int8)"),
     Row("moe_train", "moe_student", (f"train:full:8{S}:moe_impl=ragged",
+                                     f"train:full:8{S}:moe_impl=tokamax",
                                      f"train:full:16{S}:moe_impl=ragged:param_dtype=bfloat16",
                                      f"train:full:4{S}:moe_impl=ragged"),
-        "training a 16-expert Qwen3-MoE-shaped student (0.50B)"),
+        "training a 16-expert Qwen3-MoE-shaped student (0.50B; grouped matmul: XLA's "
+        "ragged_dot or tokamax's Mosaic kernel)"),
+    # Compiled for a v5e from a CPU host (benchmarks/compile_sizes.py): 16k with fp32 master
+    # weights 15.77 GiB with fp32 Adam moments, 13.55 GiB with bf16 ones; 32k 18.03 GiB with
+    # bf16 moments, 16.36 GiB with bf16 weights and moments (the candidate limit: 15.27 GiB).
     Row("long_context", "real", (f"train:full:2:seq_len=8192{S}",
+                                 f"train:full:1:seq_len=16384{S}:opt_state_dtype=bfloat16",
                                  f"train:full:1:seq_len=16384{S}:param_dtype=bfloat16",
                                  f"train:full:1:seq_len=8192{S}"),
-        "the student's training step at 8k and 16k tokens (splash attention; at 16k only with "
-        "bf16 weights and Adam state: the fp32 ones need 16.9 GB, 32k 16.05 GB of temporaries)"),
+        "the student's training step at 8k and 16k tokens (splash attention; at 16k with fp32 "
+        "master weights and bf16 Adam moments (optimizer.state_dtype), or bf16 weights and "
+        "Adam state)"),
     Row("continuity_train", "continuity", (f"train:full:8{S}",),
         "the first chip figures' 383M student, trained"),
     Row("continuity_kd", "continuity", (f"kd:full:4{S}", f"kd:full:8{S}"),
@@ -147,7 +172,10 @@ def variant_of(row: Row, candidate: str, quick: bool) -> str:
     kind, remat, batch, *rest = text.split(":")
     rest = [f"new_tokens={QUICK_NEW_TOKENS}" if r.startswith("new_tokens=") else r
             for r in rest if not r.startswith("seq_len=")]
-    text = ":".join([kind, remat, str(min(int(batch), 2)), *rest])
+    micro = [r for r in rest if r.startswith("micro=")]
+    if micro:  # accumulation kept: 4 rows sampled at once, learned 2 at a time
+      rest = [f"micro={min(int(micro[0].split('=')[1]), 2)}" if r in micro else r for r in rest]
+    text = ":".join([kind, remat, str(min(int(batch), 4 if micro else 2)), *rest])
   return text
 
 

@@ -18,8 +18,12 @@ import signal
 import sys
 import threading
 
-# The exit status of a command a signal stopped (Ctrl-C, SIGTERM): rerunning it resumes.
+# The exit status of a command a signal stopped (Ctrl-C, SIGTERM) with something saved:
+# rerunning it resumes.
 STOPPED_EXIT_CODE = 3
+# The exit status of a command Ctrl-C ended with nothing to resume (128 + SIGINT, what a shell
+# reports for a program SIGINT killed): never 3, which `plan` uses for DOES NOT FIT.
+INTERRUPTED_EXIT_CODE = 130
 
 _state = {"pending": False}
 

@@ -23,25 +23,27 @@ from distillax.cli.dispatch import JOBS
 from distillax.cli.error_lines import fail, parse_error_line
 from distillax.cli.flags import (COMMAND_FLAGS, COMMANDS, CONFIG_OPTIONAL, FLAGS, PATH_FLAGS,
                                  USAGE, flag_value)
+from distillax.cli.interrupted import interrupted
 from distillax.cli.help_text import command_help, overview_help, version_line
 from distillax.cli.model_preset import split_model_preset, with_model_preset
+from distillax.cli.run_base import RUN_FLAG, has_overrides, run_config_base
 from distillax.cli.host_platforms import skip_absent_tpu
 from distillax.cli.target_env import prepare_target_environment
 
 
 def main(argv: list[str] | None = None) -> int:
-  """The command's exit status: 0, 2 for a user's error (one line), 3 when Ctrl-C stopped it
-  (one line, whenever it came: distillax/interrupts.py)."""
+  """The command's exit status: 0, 2 for a user's error (one line); after Ctrl-C (one line,
+  whenever it came: distillax/interrupts.py) 3 when a rerun resumes from a saved step, 130 when
+  nothing was saved (distillax/cli/interrupted.py)."""
   argv = list(sys.argv if argv is None else argv)
   previous = interrupts.install()
   try:
     return _main(argv)
   except KeyboardInterrupt:  # between a train run's steps, Ctrl-C saves the step instead
     command = argv[1] if len(argv) > 1 and argv[1] in COMMANDS else None
-    resume = "; rerun the same command to resume" if command in ("train", "demo") else ""
-    print(f"distillax{' ' + command if command else ''}: interrupted{resume}", file=sys.stderr,
-          flush=True)
-    return interrupts.STOPPED_EXIT_CODE
+    line, code = interrupted(command, flag_value(argv[2:], "workdir"))
+    print(line, file=sys.stderr, flush=True)
+    return code
   finally:
     interrupts.restore(previous)
 
@@ -113,8 +115,13 @@ def _parse(command: str, argv: list[str]):
   # config_flags discovers `--config.a.b` overrides by scanning sys.argv when the flag is defined.
   saved_argv, sys.argv = sys.argv, flag_argv
   try:
-    config_flags.DEFINE_config_file("config", None, "job config file[:arg]", flag_values=fv,
-                                    lock_config=True)
+    if (config_arg is None and command in RUN_FLAG and model_preset is None
+        and has_overrides(flag_argv)):  # the run's own config.json is what they change
+      config_flags.DEFINE_config_dict("config", run_config_base(command, flag_argv),
+                                      "the run's config", flag_values=fv, lock_config=True)
+    else:
+      config_flags.DEFINE_config_file("config", None, "job config file[:arg]", flag_values=fv,
+                                      lock_config=True)
     for name in COMMAND_FLAGS[command] + ("verbose",):
       kind, default, _, text = FLAGS[name]
       getattr(flags, f"DEFINE_{kind}")(name, default, text, flag_values=fv)

@@ -48,9 +48,10 @@ SELECTION = (
     ("tests/models/moe/test_kernels.py::test_grouped_matmul_equals_dense_in_values_and_gradients",
      "the grouped matmul ('ragged': the TPU's ragged_dot; 'tokamax': its Mosaic kernel) "
      "against the dense experts, f32 and bf16, values and gradients"),
-    ("tests/framework/test_token_loss_impl.py::test_tokamax_loss_equals_the_chunked_engine"
-     "[tiny-False]",
-     "train.loss_impl='tokamax': tokamax's Mosaic fused loss against the chunk engine (bf16)"),
+    ("tests/models/moe/test_training_steps.py",
+     "a tiny MoE student's f32 training steps with the default kernel (the TPU's ragged_dot) "
+     "against the dense experts on the host CPU: losses and gradient norms, dropless and with "
+     "capacity drops (rows a TPU leaves undefined)"),
     ("tests/framework/test_vocab_slices.py::"
      "test_sums_and_gradients_equal_the_whole_logits_formulas",
      "vocabulary slices (CE and forward KL) against float64 formulas over whole logits"),

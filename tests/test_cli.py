@@ -92,3 +92,45 @@ def test_jax_keeps_a_tpu_hosts_chip_and_runs_a_host_without_one_on_cpu(monkeypat
   assert host_platforms.cpu_only_platforms() == platforms
   monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")
   assert host_platforms.cpu_only_platforms() is None
+
+
+@pytest.mark.parametrize("command", ["plan", "export", "eval"])
+def test_ctrl_c_outside_a_run_exits_130_never_plans_does_not_fit_3(command, monkeypatch,
+                                                                    capsys, tmp_path):
+  """Issue 55: `plan` interrupted by Ctrl-C exited 3, which is also its DOES NOT FIT. A command
+  Ctrl-C ends with nothing to resume exits 130 (128 + SIGINT) with one line and no advice to
+  rerun. The Ctrl-C lands where a user's would: inside the command's job."""
+  from distillax.cli import dispatch
+  from distillax.interrupts import INTERRUPTED_EXIT_CODE
+
+  def pressed(config, flags):
+    raise KeyboardInterrupt
+  monkeypatch.setitem(dispatch.JOBS, command, pressed)
+  argv = {"plan": ["--config", LM],
+          "export": ["--config", LM, "--workdir", str(tmp_path), "--output", str(tmp_path / "o")],
+          "eval": ["--config", LM, "--model", str(tmp_path)]}[command]
+  capsys.readouterr()
+  assert main(["distillax", command, *argv]) == INTERRUPTED_EXIT_CODE == 130
+  assert capsys.readouterr().err.strip().splitlines() == [f"distillax {command}: interrupted"]
+
+
+def test_ctrl_c_before_trains_job_resumes_only_where_a_step_was_saved(tmp_path, monkeypatch,
+                                                                     capsys):
+  """A train command interrupted before its run started: 3 and "resume from step N" when its
+  workdir holds a checkpoint (an earlier session's), else 130 and "nothing was saved"."""
+  from distillax.cli import dispatch
+  from distillax.interrupts import INTERRUPTED_EXIT_CODE, STOPPED_EXIT_CODE
+
+  def pressed(config, flags):
+    raise KeyboardInterrupt
+  monkeypatch.setitem(dispatch.JOBS, "train", pressed)
+  argv = ["distillax", "train", "--config", LM, "--workdir", str(tmp_path / "run")]
+  capsys.readouterr()
+  assert main(argv) == INTERRUPTED_EXIT_CODE
+  assert capsys.readouterr().err.strip().splitlines() == [
+      "distillax train: interrupted before its first step; nothing was saved"]
+  (tmp_path / "run" / "checkpoints" / "4").mkdir(parents=True)
+  (tmp_path / "run" / "checkpoints" / "8").mkdir()
+  assert main(argv) == STOPPED_EXIT_CODE
+  assert capsys.readouterr().err.strip().splitlines() == [
+      "distillax train: interrupted; rerun the same command to resume from step 8"]

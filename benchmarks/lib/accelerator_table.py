@@ -45,6 +45,12 @@ def _rate(x: float | None) -> str:
 # the sampler's completion tokens/s against the decode roofline of the chip's HBM bandwidth.
 ON_POLICY_COLUMNS = (
     ("row", lambda r: r["row"]),
+    # Issue 53's two batches: completions sampled at once / per update micro-batch (a JSON
+    # from before them sampled and learned the same rows).
+    ("sampled / micro", lambda r: f"{r.get('sampling_batch', r['batch'])} / "
+                                  f"{r.get('micro_batch', r['batch'])}"),
+    ("sampler peak GiB", lambda r: f"{r['sampler_memory']['peak_bytes'] / 2**30:.2f}"
+                                   if r.get("sampler_memory") else "-"),
     ("sampling ms", lambda r: _ms(r.get("sampling_s"))),
     ("update ms", lambda r: _ms(r.get("update_s"))),
     ("step ms", lambda r: _ms(r.get("step_s"))),
@@ -53,6 +59,7 @@ ON_POLICY_COLUMNS = (
     ("roofline tokens/s", lambda r: _rate(r.get("roofline_tokens_per_s"))),
     ("of roofline", lambda r: _pct(r.get("roofline_fraction"))),
     ("decode GB/step", lambda r: f"{r['decode_bytes_per_step'] / 1e9:.2f}"),
+    ("learned tokens/s", lambda r: _rate(r.get("tokens_per_s"))),
 )
 
 

@@ -134,7 +134,8 @@ class Variant:
   # Student model fields, or loss_impl / chunk, or the teacher's: teacher_remat, teacher_scan,
   # teacher_int8=True (its matmul weights int8 codes + scales, its matmuls int8: the
   # teacher.int8 of a distill job, quant/int8_model.py); lora=qlora (the student as
-  # configs/qlora.py adapts it); on_policy's new_tokens (on_policy_lever.py).
+  # configs/qlora.py adapts it); on_policy's new_tokens and micro (on_policy_lever.py);
+  # opt_state_dtype=bfloat16 (optimizer.state_dtype: Adam's moments in bf16).
   options: tuple[tuple[str, str], ...] = ()
 
   @classmethod
@@ -165,7 +166,7 @@ class Variant:
 
   def model_fields(self) -> dict[str, Any]:
     special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_moe_impl", "pair",
-               "qat", "teacher_int8", "lora", "new_tokens")
+               "qat", "teacher_int8", "lora", "new_tokens", "micro", "opt_state_dtype")
     out = {"remat": self.remat}
     for k, v in self.options:
       if k not in special:
@@ -240,9 +241,11 @@ def lower(v: Variant, pair: dict, tiny: bool = False) -> Lowered:
   shapes = (on_policy_lever.batch_shapes(v) if v.kind == on_policy_lever.KIND
             else common.batch_shapes(v.batch, v.seq_len))
   objective = lora.train_objective(objective_for(v, student_cfg.vocab_size))
-  engine = build_engine(student, extras, objective,
-                        common.benchmark_optimizer(), 1000, mesh, rules, "jit", shapes,
-                        trainable=lora.trainable(), compile_now=False)
+  accum = on_policy_lever.accum_steps(v) if v.kind == on_policy_lever.KIND else 1
+  optimizer = common.benchmark_optimizer()
+  optimizer.state_dtype = v.option("opt_state_dtype", optimizer.state_dtype)
+  engine = build_engine(student, extras, objective, optimizer, 1000, mesh, rules, "jit", shapes,
+                        accum_steps=accum, trainable=lora.trainable(), compile_now=False)
   abstract_batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=backends.batch_sharding(
       mesh, rules, len(s.shape), s.shape)) for k, s in shapes.items()}
   abstract_state = backends.sharded_abstract_state(engine.layout)
@@ -321,6 +324,7 @@ def layout_key(low: "Lowered") -> tuple:
   """What decides the state's arrays: variants with the same key share one state."""
   t = low.teacher_cfg
   return (low.variant.option("pair", ""), low.variant.option("qat", ""),
+          low.variant.option("opt_state_dtype", "float32"),
           low.student_cfg.scan_layers, low.student_cfg.param_dtype,
           t.scan_layers if t is not None else None, low.teacher_int8)
 

@@ -1,5 +1,8 @@
-"""The on-policy candidates of the lever grid, `on_policy:REMAT:BATCH[:seq_len=W][:new_tokens=T]`:
-BATCH prompts of W - T tokens, each continued by T sampled tokens, then scored and learned from.
+"""The on-policy candidates of the lever grid,
+`on_policy:REMAT:BATCH[:seq_len=W][:new_tokens=T][:micro=M]`: BATCH prompts of W - T tokens,
+each continued by T sampled tokens, all sampled at once (the sampling batch), then scored and
+learned from in micro-batches of M completions (BATCH / M of them, gradient accumulation; the
+trainer's on_policy.micro_batch; default M = BATCH, one micro-batch).
 
 What runs is what the on-policy trainer runs, built from its own pieces: the step is
 `make_on_policy_objective` with configs/on_policy.py's divergence (the student samples inside
@@ -35,12 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.lib import common
 from distillax.configs.on_policy import on_policy_section
 from distillax.distill.on_policy.eval import prompt_arrays
 from distillax.distill.on_policy.losses import on_policy_strategy
 from distillax.distill.on_policy.objective import (PROMPT_LENGTHS, PROMPT_TOKENS, ROW_IDS,
                                                    OnPolicySettings, make_on_policy_objective)
-from distillax.framework import throughput
+from distillax.framework import backends, throughput
 from distillax.framework.vocab_chunks import AUTO
 from distillax.models import param_count
 from distillax.models.attention.layer import KVCache
@@ -53,6 +57,19 @@ NEW_TOKENS = 512  # the default T of a candidate without new_tokens=
 
 def new_tokens(v) -> int:
   return int(v.option("new_tokens", NEW_TOKENS))
+
+
+def micro_batch(v) -> int:
+  """Completions per update micro-batch (`micro=`; default the whole sampling batch)."""
+  return int(v.option("micro", v.batch))
+
+
+def accum_steps(v) -> int:
+  """Update micro-batches per step: the sampling batch over the micro-batch."""
+  M = micro_batch(v)
+  if M < 1 or v.batch % M:
+    raise ValueError(f"variant {v.name}: micro={M} must divide the sampling batch {v.batch}")
+  return v.batch // M
 
 
 def prompt_len(v) -> int:
@@ -69,7 +86,7 @@ def settings(v, vocab: int) -> OnPolicySettings:
   c = on_policy_section()
   return OnPolicySettings(max_new_tokens=new_tokens(v), num_samples=int(c.num_samples),
                           temperature=float(c.sampling_temperature), eos_id=vocab - 1,
-                          pad_id=0, lmbda=1.0, vocab_limit=vocab - 1)
+                          pad_id=0, lmbda=1.0, vocab_limit=vocab - 1, cast_weights=True)
 
 
 def objective(v, vocab: int):
@@ -97,6 +114,15 @@ def host_batch(v, vocab: int, seed: int) -> dict[str, np.ndarray]:
 def lower_sampler(engine, v, vocab: int, abstract_state, abstract_batch):
   """The trainer's sampling-only program for this variant, lowered (compiled with the step)."""
   return sampling_program(engine, settings(v, vocab)).lower(abstract_state, abstract_batch)
+
+
+def sampler_memory(low) -> dict | None:
+  """The sampling-only program's compiled memory (what sampling the whole batch holds at
+  once), None where the compiler gives no figures."""
+  if low.sampler_exe is None:
+    return None
+  stats = backends.compiled_stats(low.sampler_exe)
+  return {"peak_bytes": common.peak_bytes(stats), **stats} if stats else None
 
 
 def decode_weight_bytes(cfg) -> int:
@@ -159,7 +185,9 @@ def figures(low, sampling: list[float], whole: list[float], sampled: list[int],
   roof = decode_roofline(decode_weight_bytes(cfg), kv_bytes_per_position(cfg), v.batch, P, T,
                          bandwidth)
   rate = tokens / sampling_s
-  return {"step_s": step_s, "step_s_all": whole, "sampling_s": sampling_s,
+  return {"sampling_batch": v.batch, "micro_batch": micro_batch(v),
+          "accum_steps": accum_steps(v), "sampler_memory": sampler_memory(low),
+          "step_s": step_s, "step_s_all": whole, "sampling_s": sampling_s,
           "sampling_s_all": sampling, "update_s": float(np.median(np.subtract(whole, sampling))),
           "prompt_len": P, "new_tokens": T, "sampled_tokens": tokens,
           "tokens_per_s": tokens / step_s, "sampled_tokens_per_s": rate,

@@ -13,11 +13,13 @@ import sys
 
 def _train(config, flags: dict) -> int:
   """0 when the run finished (now or earlier); STOPPED_EXIT_CODE when a signal (SIGTERM, Ctrl-C)
-  stopped it first, with a checkpoint to resume from."""
+  stopped it first, with a checkpoint to resume from; INTERRUPTED_EXIT_CODE when Ctrl-C came
+  before anything was saved (cli/interrupted.py)."""
   import jax
   from absl import logging
 
   from distillax.cli.extend import schedule_note
+  from distillax.cli.interrupted import interrupted
   from distillax.errors import UserError
   from distillax.framework.run.preemption import STOPPED_EXIT_CODE
   from distillax.trainers import Trainer, recipe_for
@@ -32,9 +34,9 @@ def _train(config, flags: dict) -> int:
       logging.warning("%s", note)
     summary = Trainer(recipe, workdir).run()
   except KeyboardInterrupt:  # outside the steps (compiling, say); between steps Ctrl-C saves
-    print("distillax train: interrupted; rerun the same command to resume", file=sys.stderr,
-          flush=True)
-    return STOPPED_EXIT_CODE
+    line, code = interrupted("train", where)
+    print(line, file=sys.stderr, flush=True)
+    return code
   step, total = summary.get("step"), int(config.train.steps)
   if summary.get("already_finished"):
     line, code = f"already finished at step {step}; workdir {where}", 0

@@ -4,6 +4,13 @@ flags.py so that help never disagrees with the flags a command defines."""
 from __future__ import annotations
 
 from distillax.cli.flags import ABOUT, COMMAND_FLAGS, COMMANDS, CONFIG_OPTIONAL, FLAGS, USAGE
+from distillax.cli.run_base import RUN_FLAG
+
+RUN_BASE_NOTE = ("; optional: given, it replaces the run's own config.json as the base (its "
+                 "data, mesh, partitioning and eval sizes; the run's checkpoint still decides "
+                 "the model)")
+RUN_OVERRIDE_NOTE = ("; without --config FILE, a field of the run's own config.json (e.g. "
+                     "--config.train.eval_batches=1)")
 
 
 def version_line() -> str:
@@ -35,9 +42,11 @@ def command_help(command: str) -> str:
   lines = [f"usage: distillax {command} {config} [--config.key=value ...] [flags]", "",
            ABOUT[command] + ".", "", "flags:",
            _help_line("--config FILE[:ARG]", "job config and its argument, e.g. "
-                                             "distillax/configs/lm.py:tiny"),
+                                             "distillax/configs/lm.py:tiny"
+                      + (RUN_BASE_NOTE if command in RUN_FLAG else "")),
            _help_line("--config.KEY=VALUE", "set one config field (type-checked against the "
-                                            "file's value), e.g. --config.train.steps=100"),
+                                            "file's value), e.g. --config.train.steps=100"
+                      + (RUN_OVERRIDE_NOTE if command in RUN_FLAG else "")),
            _help_line("--config.model.preset=NAME", "the model's shape from a preset (e.g. "
                                                     "qwen3-0.6b); how it runs and its "
                                                     "vocab_size stay the config's")]

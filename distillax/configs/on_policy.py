@@ -14,6 +14,22 @@ On-policy QAD: a q4_0-weight / q8_0-activation student that samples in its fake-
   distillax train --config distillax/configs/on_policy.py:tiny,q4_0 --workdir runs/opq_tiny
 A seconds-long run with a fresh tiny teacher:
   distillax train --config distillax/configs/on_policy.py:tiny --workdir runs/op_tiny
+
+Two batches. Each optimizer step samples its whole sampling batch at once, with the step's
+weights: train.batch_size prompts x on_policy.num_samples completions, S in all. It then learns
+from them in micro-batches of on_policy.micro_batch completions (S / micro_batch of them, by
+gradient accumulation: the same update as one micro-batch of S, still strictly on-policy).
+How to choose them:
+  - the sampling batch as large as the sampler's memory allows: a decode step reads the
+    student's weights once for all its rows, so few rows leave the chip's bandwidth idle (6
+    rows ran at 32% of a v5e's decode roofline). Sampling needs the student's matmul weights in
+    bf16 and a bf16 KV cache of S x (prompt_len + max_new_tokens) positions, and runs before
+    the update's activations exist, so it competes with the weights, optimizer state and
+    teacher only, not with the update;
+  - the micro-batch as large as the update fits (what one micro-batch's scoring forward,
+    backward and teacher forward hold beside the weights, optimizer state and teacher);
+  - `distillax plan` prints both: the sampler's memory at S and the compiled step's peak.
+    benchmarks/accelerator.py's on_policy row measures candidate pairs on a chip.
 """
 
 import ml_collections
@@ -32,6 +48,11 @@ def on_policy_section() -> ml_collections.ConfigDict:
   c.temperature = 1.0  # temperature of both models' distributions inside the divergence
   c.lmbda = 1.0  # share of steps on student samples; the rest trains `distill` on the data
   c.num_samples = 1  # completions the student samples per prompt each step
+  # Completions per update micro-batch; the step samples all train.batch_size x num_samples of
+  # its completions at once (the sampling batch) and learns from them in micro-batches of this
+  # many (gradient accumulation, train.accum_steps set from it). 0: train.accum_steps decides.
+  # A multiple of num_samples that divides the sampling batch. See the module doc.
+  c.micro_batch = 0
   # Prompt tokens per text document (BOS included); chat and prompt/completion records give
   # their whole prompt (chat template + generation prompt) and are skipped when longer.
   c.prompt_len = 32

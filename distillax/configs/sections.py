@@ -63,9 +63,7 @@ def train_section() -> ml_collections.ConfigDict:
   # How the train losses over the vocabulary run: auto (sliced where it may, else chunked) |
   # chunked (the vocabulary-chunk engine, chunks of positions) | sliced (slices of the vocabulary
   # over every position: next-token CE, and a distill job's LogitKD forward KL with one teacher;
-  # an output layer neither adapted nor quantized) | tokamax (its fused
-  # linear_softmax_cross_entropy_loss for lm and sequence_kd, the tokamax extra: a Mosaic kernel
-  # on TPU, its XLA path elsewhere; no train accuracy). Every eval keeps the chunked engine.
+  # an output layer neither adapted nor quantized). Every eval keeps the chunked engine.
   c.loss_impl = "auto"
   # What the trained student will be exported as, checked before anything compiles: "gguf"
   # refuses at start a student llama.cpp would run differently (a Gemma 3 student of blocks

@@ -99,36 +99,57 @@ def _document_prompt(document, tokenizer, template, head: list[int], prompt_len:
   return Prompt(np.asarray(ids, np.int32), kind, context)
 
 
+class NoPromptFits(UserError):
+  """No document of a split gives a prompt of at most `prompt_len` tokens; `shortest`: the
+  shortest whole prompt skipped (None: no document has text). `line(need)` words the error
+  with the length to suggest (a caller that checks several splits suggests one for all)."""
+
+  def __init__(self, split: str, source: str, field: str, prompt_len: int,
+               shortest: int | None):
+    self.split, self.source, self.field = split, source, field
+    self.prompt_len, self.shortest = prompt_len, shortest
+    super().__init__(self.line(shortest))
+
+  def line(self, need: int | None, also: str = "") -> str:
+    fix = (f"raise it, e.g. --config.{self.field}={need}{also} (the shortest whole prompt "
+           f"there, chat template and generation prompt included, is {self.shortest} tokens)"
+           if self.shortest else f"give documents with text in {self.source!r}")
+    return (f"no {self.split} document of {self.source!r} gives a prompt of at most "
+            f"{self.field}={self.prompt_len} tokens; {fix}")
+
+
 def take_prompt_records(data_cfg, tokenizer, *, count: int, prompt_len: int, seed: int,
                         split: str = "train", field: str = "sequence_kd.prompt_len"
                         ) -> list[Prompt]:
   """Prompts from `count` train documents in a seeded order: the first `prompt_len` tokens
   ([BOS] + text) of a text document; the whole prompt of a chat or prompt/completion record,
   skipped when longer than `prompt_len` tokens. split='eval': from the held-out documents.
-  None at all is a UserError naming `field` (the config key of `prompt_len`) and the length
-  that admits the shortest prompt it skipped."""
+  None at all is a NoPromptFits naming `field` (the config key of `prompt_len`) and the length
+  that admits the shortest prompt it skipped. Fewer than `count` because some were skipped is
+  said in one warning line with the counts (nothing is left out silently)."""
+  from absl import logging
   from distillax.data import resolve_data_config, split_documents
   from distillax.data.chat import template_for
   cfg = resolve_data_config(data_cfg)
   documents = split_documents(cfg, split)
   head = [tokenizer.bos_id] if cfg.add_bos and tokenizer.bos_id is not None else []
   template = template_for(tokenizer, str(cfg.get("chat_template") or ""))
-  prompts, shortest_skipped = [], None
+  prompts, skipped = [], []
   for index in np.random.default_rng(seed).permutation(len(documents)):
     prompt = _document_prompt(documents[int(index)], tokenizer, template, head, prompt_len)
     if isinstance(prompt, int):
-      shortest_skipped = min(prompt, shortest_skipped or prompt)
+      skipped.append(prompt)
     elif prompt is not None:
       prompts.append(prompt)
     if len(prompts) == count:
       break
   if not prompts:
     source = cfg.eval_source if split == "eval" and cfg.get("eval_source") else cfg.source
-    fix = (f"raise it, e.g. --config.{field}={shortest_skipped} (the shortest whole prompt "
-           f"there, chat template and generation prompt included, is {shortest_skipped} "
-           f"tokens)" if shortest_skipped else f"give documents with text in {source!r}")
-    raise UserError(f"no {split} document of {source!r} gives a prompt of at most "
-                    f"{field}={prompt_len} tokens; {fix}")
+    raise NoPromptFits(split, source, field, prompt_len, min(skipped) if skipped else None)
+  if skipped and len(prompts) < count:
+    logging.warning("%s=%d: %d of the %s prompts are longer and left out, %d used of the %d "
+                    "asked for; --config.%s=%d keeps them all", field, prompt_len, len(skipped),
+                    split, len(prompts), count, field, max(skipped))
   return prompts
 
 

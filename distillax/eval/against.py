@@ -52,11 +52,11 @@ def _per_token(graph_model, state_model, graph_twin, state_twin, batch):
     outputs.append(out.logits_BxLxV.reshape(-1, out.logits_BxLxV.shape[-1]))
   quant_NxV, fp_NxV = outputs
   targets_N = batch[TARGETS].reshape(-1)
+  nll_model_N, nll_against_N = fidelity.target_nll_pair(quant_NxV, fp_NxV, targets_N)
   return {"kl": fidelity.per_token_kl(fp_NxV, quant_NxV),
           "top1": fidelity.same_top1(fp_NxV, quant_NxV),
           "top_p": fidelity.in_top_p(fp_NxV, quant_NxV, TOP_P),
-          "nll_model": fidelity.target_nll(quant_NxV, targets_N),
-          "nll_against": fidelity.target_nll(fp_NxV, targets_N)}
+          "nll_model": nll_model_N, "nll_against": nll_against_N}
 
 
 def _eval_batches(config, model_dir: str):

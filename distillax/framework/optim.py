@@ -4,6 +4,11 @@ AdamW with decoupled weight decay, masked off parameters whose path matches `no_
 scales, biases, embeddings by default: decaying them hurts small models and buys nothing), global
 norm clipping, and one of three schedules. Only trainable parameters reach the optimizer, so frozen
 parts (a teacher, base weights under LoRA) hold no optimizer state.
+
+`state_dtype='bfloat16'` stores Adam's two moments in bfloat16 (computed in float32 each step,
+rounded when stored): half the optimizer's memory, which is what lets the real student's fp32
+master weights train at 16k tokens on one 16 GB chip. The update it gives differs from the
+float32 moments' by the moments' rounding (2^-9 relative).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -20,6 +26,7 @@ from distillax.errors import ConfigError
 from distillax.partitioning.shard import path_str
 
 SCHEDULES = ("constant", "warmup_cosine", "warmup_linear")
+STATE_DTYPES = ("float32", "bfloat16")
 
 
 def default_optimizer_config() -> ml_collections.ConfigDict:
@@ -34,6 +41,7 @@ def default_optimizer_config() -> ml_collections.ConfigDict:
   c.weight_decay = 0.1  # decoupled weight decay (AdamW)
   c.no_decay = r"(norm|bias|embed)"  # regex over param paths excluded from weight decay
   c.grad_clip_norm = 1.0  # global-norm clipping; 0 disables
+  c.state_dtype = "float32"  # Adam moments stored as float32 | bfloat16 (half the memory)
   return c
 
 
@@ -58,6 +66,10 @@ def check_optimizer_config(cfg) -> None:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
       raise ConfigError(f"optimizer.{key}={value!r} must be {must}, e.g. "
                         f"--config.optimizer.{key}={defaults[key]!r}")
+  state_dtype = cfg.get("state_dtype", defaults.state_dtype)
+  if state_dtype not in STATE_DTYPES:
+    raise ConfigError(f"optimizer.state_dtype={state_dtype!r}; choose one of "
+                      f"{', '.join(STATE_DTYPES)}")
 
 
 def make_schedule(cfg, total_steps: int) -> optax.Schedule:
@@ -96,6 +108,43 @@ def make_optimizer(cfg, total_steps: int, params: Any = None
   parts = []
   if float(cfg.get("grad_clip_norm", 0.0)) > 0:
     parts.append(optax.clip_by_global_norm(float(cfg.grad_clip_norm)))
-  parts.append(optax.adamw(schedule, b1=float(cfg.b1), b2=float(cfg.b2), eps=float(cfg.eps),
-                           weight_decay=float(cfg.weight_decay), mask=mask))
+  b1, b2, eps = float(cfg.b1), float(cfg.b2), float(cfg.eps)
+  if cfg.get("state_dtype", "float32") == "bfloat16":
+    parts += [scale_by_adam_stored_in(jnp.bfloat16, b1, b2, eps),
+              optax.add_decayed_weights(float(cfg.weight_decay), mask),
+              optax.scale_by_learning_rate(schedule)]  # optax.adamw's chain, moments in bf16
+  else:
+    parts.append(optax.adamw(schedule, b1=b1, b2=b2, eps=eps,
+                             weight_decay=float(cfg.weight_decay), mask=mask))
   return optax.chain(*parts), schedule
+
+
+def scale_by_adam_stored_in(dtype, b1: float, b2: float, eps: float
+                            ) -> optax.GradientTransformation:
+  """optax.scale_by_adam with both moments stored in `dtype` (optax's mu_dtype covers the first
+  only): each step reads them to float32, updates and bias-corrects there, and stores them
+  rounded. The state is optax's ScaleByAdamState, so checkpoints and the optimizer-state
+  shardings (mirrored from the parameters) treat it as they treat Adam's."""
+  f32 = jnp.float32
+
+  def init(params):
+    zeros = lambda p: jnp.zeros(p.shape, dtype)
+    return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32),
+                                  mu=jax.tree.map(zeros, params), nu=jax.tree.map(zeros, params))
+
+  def update(updates, state, params=None):
+    del params
+    count = optax.safe_int32_increment(state.count)
+    mu = jax.tree.map(lambda g, m: b1 * m.astype(f32) + (1 - b1) * g.astype(f32),
+                      updates, state.mu)
+    nu = jax.tree.map(lambda g, v: b2 * v.astype(f32) + (1 - b2) * jnp.square(g.astype(f32)),
+                      updates, state.nu)
+    mu_scale = 1 / (1 - b1 ** count.astype(f32))
+    nu_scale = 1 / (1 - b2 ** count.astype(f32))
+    new_updates = jax.tree.map(
+        lambda g, m, v: (m * mu_scale / (jnp.sqrt(v * nu_scale) + eps)).astype(g.dtype),
+        updates, mu, nu)
+    store = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)
+    return new_updates, optax.ScaleByAdamState(count=count, mu=store(mu), nu=store(nu))
+
+  return optax.GradientTransformation(init, update)

@@ -17,6 +17,12 @@ layout (on-policy sampling keys each row by its global row id) is built with
 `Objective(fn, rng_per_worker=False)`: every worker then gets the step's key unchanged. The flag
 lives on the frozen `Objective` with its function, and a wrapper replaces the function only
 (`objective.wrapped(...)`), so no wrapper can drop it.
+
+Work done once per step on the whole batch (on-policy sampling: every completion of the step
+drawn at once, from the step's weights, by one decode) is the objective's `prepare`: it runs
+before the micro-batch split, outside the gradient, with the step's key, and returns arrays
+added to the batch (leading dimension: rows the micro-batches split). It runs before any
+micro-batch's activations exist, so the compiler can give its memory (a KV cache) to them.
 """
 
 from __future__ import annotations
@@ -58,9 +64,19 @@ class Objective:
   fn: ObjectiveFn
   # False: every data-parallel worker gets the step's key unchanged (draws keyed per row).
   rng_per_worker: bool = True
+  # (student, extras, whole batch, step key) -> arrays added to the batch, once per step before
+  # the micro-batch split, without gradient (see the module doc); None: nothing to prepare.
+  prepare: Callable[..., dict[str, jax.Array]] | None = None
 
   def __call__(self, student, extras, batch, rng) -> ObjectiveOutput:
-    return self.fn(student, extras, batch, rng)
+    """The objective on one batch learned whole: its prepare (if any), then its function."""
+    return self.fn(student, extras, self.prepared(student, extras, batch, rng), rng)
+
+  def prepared(self, student, extras, batch, rng) -> Batch:
+    """`batch` with what `prepare` adds (unchanged without one)."""
+    if self.prepare is None:
+      return batch
+    return {**batch, **self.prepare(student, extras, batch, rng)}
 
   def wrapped(self, wrap: Callable[[ObjectiveFn], ObjectiveFn]) -> "Objective":
     """The same objective (flags kept) with its function wrapped, e.g. in adapter dropout."""
@@ -105,10 +121,12 @@ def make_train_step(defs: ModelDefs, objective: Objective, tx: optax.GradientTra
       # Each worker draws its own randomness (dropout) for its own rows of the batch.
       step_rng = jax.random.fold_in(step_rng, jax.lax.axis_index(axis_name))
     params32 = master_dtype_params(state.params)
+    if objective.prepare is not None:  # the step's weights as stored: what loss_fn's cast gives
+      batch = objective.prepared(*defs.merge(state.params, state.frozen), batch, step_rng)
 
     def loss_fn(p32, micro_batch, rng):
       student, extras = defs.merge(_storage_cast(p32, state.params), state.frozen)
-      out = objective(student, extras, micro_batch, rng)
+      out = objective.fn(student, extras, micro_batch, rng)
       return out.loss_sum, out
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)

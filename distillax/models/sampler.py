@@ -147,6 +147,30 @@ def _step_keys(key: jax.Array, steps: int) -> jax.Array:
   return jax.random.split(key, steps)
 
 
+# Weights some layers read at float32 rather than the compute dtype (attention sinks, the linear
+# attention's convolution, adapters): never narrowed by weights_in_compute_dtype.
+_KEPT_WIDE = frozenset({"sinks", "conv", "lora_a", "lora_b"})
+
+
+def weights_in_compute_dtype(model: Transformer) -> Transformer:
+  """The model over a copy of its matmul weights (float parameters of two or more dimensions)
+  in its compute dtype, cast once: a decode loop then reads bf16 weights at each of its steps
+  rather than reading the fp32 master weights and casting them again at every token. Exact for
+  the weights every layer casts to the compute dtype where it uses them (vectors such as norm
+  scales, and _KEPT_WIDE, stay as stored). A plain Transformer only: a fake-quantized or adapted
+  model quantizes or adds to its stored weights, which this would change."""
+  dtype = jnp.dtype(model.config.dtype)
+  graph, state = nnx.split(model)
+
+  def cast(path, x):
+    wide = (jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2
+            and x.dtype.itemsize > dtype.itemsize)
+    named = {str(getattr(k, "key", k)) for k in path}
+    return x.astype(dtype) if wide and not named & _KEPT_WIDE else x
+
+  return nnx.merge(graph, jax.tree_util.tree_map_with_path(cast, state))
+
+
 def decode(model: Transformer, prompt_BxP: jax.Array, lengths_B: jax.Array, key: jax.Array,
            cfg: SamplingConfig, cache_dtype=None) -> GenerationOutput:
   """Continues each prompt (right-padded, real lengths `lengths_B`) by `cfg.max_new_tokens`

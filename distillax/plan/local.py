@@ -195,6 +195,8 @@ def print_figures(recipe: Recipe, r: dict) -> None:
   print(f"  peak per device ~ {fmt(r['peak_bytes_per_device'])}")
   print("  KV cache per sampled token (every layer, per sequence): " + ", ".join(
       f"{name} {fmt(n)}" for name, n in r["kv_cache_bytes_per_token"].items()))
+  for line in recipe.plan_lines(r) if recipe.plan_lines else ():
+    print(f"  {line}")
   check = r["flops_check"]
   judged = (f"not checked: {check['unchecked']}" if check["unchecked"] else
             f"{check['expected_ratio']:.2f}x with remat and fused kernels")

@@ -68,15 +68,12 @@ def fused_kernels(hlo_text: str) -> dict[str, int]:
   return dict(sorted(found.items()))
 
 
-def _fused_parts(attention: list, losses: dict) -> tuple[str, ...]:
+def _fused_parts(attention: list) -> tuple[str, ...]:
   """The parts of the step that ran inside kernels (flops.FUSIBLE), whose matmuls the HLO does
-  not show: attention when every traced call took a fused kernel, the output layer when
-  tokamax's Mosaic cross-entropy took every token loss."""
+  not show: attention when every traced call took a fused kernel."""
   fused = []
   if attention and all(impl in flops.FUSED_ATTENTION for _, impl, _ in attention):
     fused.append("attention")
-  if losses and all(k.startswith("tokamax") and "mosaic" in k for k in losses):
-    fused.append("logits")
   return tuple(fused)
 
 
@@ -161,7 +158,7 @@ def compile_on(config, target: targets.Target, devices: list, model_overrides=No
         raise
       return {"recipe": recipe, "out_of_memory": line}
   kernels = fused_kernels(engine.runner.compiled_text())
-  report = plan_report(recipe, engine, fused=_fused_parts(choices, token_losses),
+  report = plan_report(recipe, engine, fused=_fused_parts(choices),
                        unchecked=_experts_in_kernels(experts, kernels))
   report.update(recipe=recipe, target=target.name, platform=target.platform,
                 memory_bytes_per_device=target.memory_bytes, kernels=kernels,

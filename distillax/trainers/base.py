@@ -40,8 +40,8 @@ from distillax.framework.run.writers import create_writers
 from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 from distillax.trainers.saved import SOURCES_KEY, check_fingerprints, check_sources_unchanged
 from distillax.trainers.workdir import (check_not_foreign, check_workdir, check_writable,
-                                        open_checkpointer, prepare_workdir, release_workdir,
-                                        write_summary)
+                                        lock_workdir, open_checkpointer, prepare_workdir,
+                                        release_workdir, write_summary)
 
 
 @dataclasses.dataclass
@@ -100,30 +100,45 @@ class Trainer:
     self.workdir = os.path.abspath(workdir)
     self.primary = runtime.is_primary()
     self.engines: Engines | None = None
-    self._claimed = None  # the WorkdirState this session made the job's (prepare_workdir)
+    self._stepped = False  # this session trained a step (a failure then keeps the workdir's)
     self.fingerprints: dict = {}  # of the sources reloaded on resume, recorded in every save
 
   def run(self) -> dict[str, Any]:
     """Trains to `train.steps`; returns the summary (also written to summary.json, at every end
     of a session: `ended` says which, `reason` why when it failed), whose `finished` is False
     when a signal stopped the run first. A workdir this job already finished is left as it is:
-    its summary comes back with `already_finished` True."""
-    c = self.config
-    # Another job's workdir fails first, before any work; then every config, data and shape
-    # error surfaces, before the workdir is touched.
-    workdir_state = check_workdir(self.workdir, c)
-    if workdir_state.finished:
-      return {**workdir_state.summary, "already_finished": True}
-    if workdir_state.changes and self.primary:
-      logging.warning("resuming %s with the same job computed another way: %s", self.workdir,
-                      "; ".join(workdir_state.changes))
-    check_recipe_data(self.recipe)
-    check_writable(self.workdir)
-    interrupts.check()
-    self.recipe.startup.mark("checks")
-    # Every program the run compiles is kept in <workdir>/compile_cache: a resumed run reads them.
-    with compile_cache.in_workdir(self.workdir):
-      return self._run(workdir_state)
+    its summary comes back with `already_finished` True.
+
+    The workdir is locked first (process 0 takes it for the job's processes), so another
+    process's job, or this one submitted twice, is refused before anything compiles; a session
+    that ends before its first step leaves a fresh workdir as it found it."""
+    lock = lock_workdir(self.workdir, primary=self.primary)
+    workdir_state, failed = None, True
+    try:
+      # Another job's workdir fails first, before any work; then every config, data and shape
+      # error surfaces, before the workdir is touched.
+      workdir_state = check_workdir(self.workdir, self.config)
+      if workdir_state.finished:
+        failed = False
+        return {**workdir_state.summary, "already_finished": True}
+      if workdir_state.changes and self.primary:
+        logging.warning("resuming %s with the same job computed another way: %s", self.workdir,
+                        "; ".join(workdir_state.changes))
+      check_recipe_data(self.recipe)
+      check_writable(self.workdir)
+      interrupts.check()
+      self.recipe.startup.mark("checks")
+      # Every program the run compiles is kept in <workdir>/compile_cache: a resume reads them.
+      with compile_cache.in_workdir(self.workdir):
+        summary = self._run(workdir_state)
+      failed = False
+      return summary
+    finally:
+      fresh_failure = failed and not self._stepped
+      if fresh_failure and self.primary:
+        release_workdir(workdir_state)  # nothing trained, nothing saved: not this job's yet
+      if lock is not None:
+        lock.release(remove_made=fresh_failure)
 
   def _run(self, workdir_state) -> dict[str, Any]:
     c, startup = self.config, self.recipe.startup
@@ -159,9 +174,8 @@ class Trainer:
       tools.close(run.state, ckpt, finished=failure is None and (
           run.step >= total or run.early_stopped))
       summary = _summary(run, total, tools, failure)
-      if failure is not None and run.step == first:
-        release_workdir(self._claimed)  # nothing trained, nothing saved: not this job's yet
-      elif self.primary:
+      self._stepped = failure is None or run.step != first
+      if self._stepped and self.primary:  # else run() leaves a fresh workdir as it found it
         write_summary(self.workdir, summary)
     return summary
 
@@ -179,7 +193,6 @@ class Trainer:
     startup.mark("waiting for the step's compile")
     check_step_fits(runner.stats)
     prepare_workdir(workdir_state, self.config, primary=self.primary)
-    self._claimed = workdir_state
     startup.mark("memory and workdir")
     return run
 

@@ -189,7 +189,7 @@ def check_recipe_data(recipe) -> None:
   """Reads every record of a recipe's data once, before anything compiles: a bad record or a
   split with no token to train (recipe.data_splits) is named in one message with every
   conflict between the config and its model, not a failure (or a wait) steps in."""
-  problems = model_conflicts(recipe)
+  problems = model_conflicts(recipe) + _source_file_problems(recipe)
   try:
     check_data(recipe.config.data, recipe.tokenizer, process_count=jax.process_count(),
                splits=recipe.data_splits)
@@ -204,3 +204,17 @@ def check_recipe_data(recipe) -> None:
   error = one_error(problems)
   if error is not None:
     raise error
+
+
+def _source_file_problems(recipe) -> list[str]:
+  """A weight file a source lacks (a safetensors shard, say), found before the step compiles
+  rather than when the models are created beside its compile (issue 55: 13-18 s here)."""
+  problems = []
+  for source in (recipe.sources.student, recipe.sources.teacher, recipe.teacher_source):
+    try:
+      if source is not None:
+        source.check_files()
+    except UserError as e:
+      if str(e) not in problems:
+        problems.append(str(e))
+  return problems

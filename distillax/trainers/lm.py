@@ -7,11 +7,10 @@ import functools
 from typing import Mapping
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from distillax.data import batch as batch_spec
-from distillax.framework import losses, token_loss_impl
+from distillax.framework import losses
 from distillax.framework.step import Objective, ObjectiveOutput
 from distillax.models.moe import layer as moe
 from distillax.trainers.recipe import Recipe
@@ -24,18 +23,13 @@ def lm_objective(student: nnx.Module, extras: Mapping[str, nnx.Module], batch, r
   """Cross-entropy on every target the loss mask keeps (padding and document edges excluded);
   for a mixture of experts also the weighted router losses and the expert-load metrics.
   loss_impl: 'chunked' or 'sliced' (the vocabulary-chunk engine over token chunks or over
-  vocabulary slices; both also sum the argmax accuracy) or 'tokamax' (the loss only)."""
+  vocabulary slices; both also sum the argmax accuracy)."""
   del extras, rng
   out = student(batch[batch_spec.INPUTS], **losses.model_inputs(batch), return_logits=False)
   targets_BxL, mask_BxL = batch[batch_spec.TARGETS], batch[batch_spec.LOSS_MASK]
   sums, ratios = {}, {}
-  if loss_impl == "tokamax":
-    loss_sum = token_loss_impl.cross_entropy_sum(out.final_hidden_BxLxD, targets_BxL, mask_BxL,
-                                                 student.output_weight_DxV())
-    tokens = jnp.sum(mask_BxL.astype(jnp.float32))
-  else:
-    loss_sum, sums["accuracy"], tokens = losses.model_cross_entropy_sums(  # never (B, L, V)
-        student, out.final_hidden_BxLxD, targets_BxL, mask_BxL, sliced=loss_impl == "sliced")
+  loss_sum, sums["accuracy"], tokens = losses.model_cross_entropy_sums(  # never (B, L, V)
+      student, out.final_hidden_BxLxD, targets_BxL, mask_BxL, sliced=loss_impl == "sliced")
   if out.router_stats is not None:
     extra, router_sums, ratios = moe.objective_terms(out.router_stats, tokens, moe_aux_loss,
                                                      router_z_loss)
@@ -49,7 +43,6 @@ class LMRecipe(Recipe):
   with the config's LoRA / QAT transforms)."""
 
   router_losses = True
-  tokamax_loss = True
   sliced_loss = True
   # Its eval objective (lm_objective, chunked) also reports the argmax accuracy.
   rollback_metrics = ("eval_perplexity", "eval_loss", "eval_objective", "eval_accuracy")

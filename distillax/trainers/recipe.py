@@ -111,18 +111,6 @@ def check_router_losses(train, model_config: TransformerConfig, job: str, suppor
                         f"set --config.train.{name}=0")
 
 
-def _tokamax_refuses(config, model_config: TransformerConfig) -> str | None:
-  """Why tokamax's loss, which reads the output layer's weight as a plain (D, V) matrix, would
-  not compute this student's logits."""
-  if model_config.final_logit_softcap:
-    return f"model.final_logit_softcap={model_config.final_logit_softcap} soft-caps the logits"
-  if config.get("qat") and (config.qat.rules or config.qat.get("schedule")):
-    return "qat.rules fake-quantize the student (tokamax would read unquantized weights)"
-  if config.get("lora") and config.lora.module_regex:
-    return "lora.module_regex adapts the student (tokamax would read the base weights only)"
-  return None
-
-
 def sliced_loss_refusal(config) -> str | None:
   """Why the vocabulary-slice losses, which read the output layer's weight as stored, would not
   compute this student's logits: adapters on it, or QAT rules that quantize it (the rule for the
@@ -162,6 +150,9 @@ class Recipe:
   # The splits whose prompts the job reads (`self.prompts(split)`, on-policy jobs): read by
   # check_recipe_data before anything compiles, so a prompt length none fits is said then.
   prompt_splits: tuple[str, ...] = ()
+  # (self, plan report) -> lines `plan` prints about the job's own batches after its figures
+  # (on-policy's sampling and update batches); None: no such lines.
+  plan_lines = None
   # The eval figures the rollback guard may watch (train.rollback_metric), each with a direction
   # in framework/eval_rules.py; the first is the job's own (the default): the figure its
   # objective lowers. Next-token training lowers the CE, so its perplexity. eval.generate adds
@@ -170,8 +161,6 @@ class Recipe:
   # Whether the objective adds train.moe_aux_loss / train.router_z_loss (every registered job
   # does; a new recipe says so once its objective takes them).
   router_losses: bool = False
-  # Whether the training objective is the next-token CE that train.loss_impl='tokamax' can run.
-  tokamax_loss: bool = False
   # Whether its train losses are ones train.loss_impl='sliced' computes (framework/vocab_slices).
   sliced_loss: bool = False
 
@@ -190,6 +179,9 @@ class Recipe:
     # `self.config` (what config.json records) holds it in the model section.
     self.config = config = src.resolve_student(config, self.sources, model_overrides)
     self.workdir = workdir
+    # Micro-batches per optimizer step (gradient accumulation inside the step); a recipe with
+    # its own batches (on-policy's micro_batch) sets it from them.
+    self.accum_steps = int(config.train.accum_steps)
     self.mesh = mesh if mesh is not None else pt.create_mesh(config.mesh)
     self.rules = rules if rules is not None else pt.rules_from_config(config.partitioning)
     self.tokenizer = make_tokenizer(config.data.tokenizer)
@@ -200,8 +192,7 @@ class Recipe:
           self.sources, student=dataclasses.replace(self.sources.student, cfg=self.model_config))
     src.check_run_shape(self.sources.student, self.model_config)
     check_router_losses(config.train, self.model_config, self.name, self.router_losses)
-    check_loss_impl(config.train.get("loss_impl", "auto"), self.name, self.tokamax_loss,
-                    _tokamax_refuses(config, self.model_config), sliced=self.sliced_loss,
+    check_loss_impl(config.train.get("loss_impl", "auto"), self.name, sliced=self.sliced_loss,
                     sliced_why_not=sliced_loss_refusal(config))
     self.loss_impl = resolve_loss_impl(config.train.get("loss_impl", "auto"), self.sliced_loss,
                                        sliced_loss_refusal(config))
@@ -297,7 +288,7 @@ class Recipe:
       self.transforms = transforms
     return build_engine(student, extras, self.objective(train=True), optimizer_cfg,
                         int(c.train.steps), self.mesh, self.rules, c.backend, self.batch_shapes(),
-                        accum_steps=int(c.train.accum_steps), trainable=self.trainable(),
+                        accum_steps=self.accum_steps, trainable=self.trainable(),
                         compile_now=compile_now, eval_objective=self.objective(),
                         gradient_reduction=str(c.partitioning.get("gradient_reduction", "auto")),
                         # Checkpoints leave out what the sources give back on resume: every

@@ -124,9 +124,13 @@ def load_trained_model(workdir: str, mesh, rules) -> nnx.Module:
   """The plain student Transformer of `workdir`'s newest valid checkpoint, sharded for
   `mesh`/`rules` (LoRA merged, fake quantization and training-only parts off). Reads the
   student's arrays only: no teacher, no optimizer state."""
+  return _trained_model_and_step(workdir, mesh, rules)[0]
+
+
+def _trained_model_and_step(workdir: str, mesh, rules) -> tuple[nnx.Module, int]:
   source = RunSource(os.path.abspath(workdir), "", base_of=student_source)
   cfg = source.model_config()
-  return source.load(cfg, mesh, rules, seed=int(source.run_config.seed))
+  return source.load_with_step(cfg, mesh, rules, seed=int(source.run_config.seed))
 
 
 def load_as_trained(workdir: str, mesh, rules, *, full_precision: bool = False
@@ -134,9 +138,9 @@ def load_as_trained(workdir: str, mesh, rules, *, full_precision: bool = False
   """(student, the form it computes in, in words) of `workdir`'s newest valid checkpoint, for
   inference: the forward the run trained and `distillax eval` judges, i.e. fake-quantized
   under QAT (from qat.start_step on), which its GGUF export reproduces in llama.cpp; the plain
-  weights with `full_precision`. LoRA is merged either way."""
-  model = load_trained_model(workdir, mesh, rules)
-  step = int((newest_meta(os.path.abspath(workdir)) or {}).get("step") or 0)
+  weights with `full_precision`. LoRA is merged either way. The step named, and whose QAT stage
+  applies, is the one whose weights were read (an older one when the newest cannot be read)."""
+  model, step = _trained_model_and_step(workdir, mesh, rules)
   # The rules of that step's qat.schedule stage (the last stage's once the run finished).
   transforms = StudentTransforms.from_config(load_run_config(workdir, "--model")).at_step(step)
   fake_quant = transforms.fake_quant_at(step) and not full_precision

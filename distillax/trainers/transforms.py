@@ -79,10 +79,15 @@ class StudentTransforms:
     """The form a loaded student computes in, in words (`distillax generate`, `eval` and
     `export` print it, so nobody judges one form believing it is another)."""
     if fake_quant and self.qat is not None:
-      weights = "/".join(dict.fromkeys(str(r.weight_qtype) for r in self.qat.rules))
+      # A rule whose weight type is None keeps what it matches in full precision (the
+      # embedding, say): named as that, never as a type "None".
+      weights = "/".join(dict.fromkeys(str(r.weight_qtype) for r in self.qat.rules
+                                       if r.weight_qtype))
       acts = "/".join(dict.fromkeys(str(r.act_qtype) for r in self.qat.rules if r.act_qtype))
-      form = f"fake-quant {weights} weights" + (f", {acts} activations" if acts else "") + \
-          " (qat.rules: the forward QAT trains)"
+      kept = any(not r.weight_qtype for r in self.qat.rules)
+      form = (f"fake-quant {weights or 'no'} weights" + (f", {acts} activations" if acts else "")
+              + (", the rest full precision" if kept and weights else "")
+              + " (qat.rules: the forward QAT trains)")
     elif self.qat is not None:
       form = "full precision (qat.rules' fake quantization off)"
     else:

@@ -8,6 +8,7 @@ code that creates or writes its top-level files.
     <workdir>/checkpoints/    orbax checkpoints
     <workdir>/tensorboard/    TensorBoard event files
     <workdir>/compile_cache/  JAX's persistent compilation cache (framework/run/compile_cache.py)
+    <workdir>/lock.json       while a session runs: its lock (framework/run/workdir_lock.py)
 
 A workdir belongs to one job. `check_workdir` compares this config's identity with the one the
 workdir holds before anything runs: the same job resumes (or is reported already finished), a
@@ -25,13 +26,19 @@ from typing import Any
 
 from distillax.errors import UserError
 from distillax import jsonio
+from distillax.framework.run import runtime
 from distillax.framework.run.checkpoint import Checkpointer
+from distillax.framework.run.workdir_lock import WorkdirLock
 from distillax.models.config import COMPUTE, fields_of_kind
 
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
 CHECKPOINT_DIR = "checkpoints"
 JOB_FILE = "job.json"
+# What a session writes into a fresh workdir before its first step; a session that fails or
+# is interrupted before that step removes those of them that were not there before it.
+SESSION_ENTRIES = (JOB_FILE, CONFIG_FILE, SUMMARY_FILE, CHECKPOINT_DIR, "compile_cache",
+                   "tensorboard", "metrics.jsonl", "metrics.rolled_back.jsonl")
 
 # The config fields that do not make a run another job: how long it runs, how it logs and
 # evaluates, and where it writes outputs. Rerunning with any of them changed resumes the workdir.
@@ -139,6 +146,7 @@ class WorkdirState:
   # Fields of the model section that differ from the earlier session's config.json without
   # making another job (how the forward computes), each as "name: there -> here (why)".
   changes: tuple[str, ...] = ()
+  existing: frozenset = frozenset()  # the names in the workdir before this session
 
 
 def _stored_identity(workdir: str) -> tuple[dict | None, bool, bool]:
@@ -234,8 +242,12 @@ def check_workdir(workdir: str, config, *, owner: str | None = None) -> WorkdirS
   UserError naming the first differing fields; the same job's comes back with its summary."""
   workdir = os.path.abspath(workdir)
   stored, has_job_file, foreign = _stored_identity(workdir)
+  try:
+    existing = frozenset(os.listdir(workdir))
+  except OSError:
+    existing = frozenset()
   if stored is None:
-    return WorkdirState(workdir, foreign=foreign)
+    return WorkdirState(workdir, foreign=foreign, existing=existing)
   # A job.json written before a field joined NOT_JOB_IDENTITY still holds it: not compared.
   stored = {k: v for k, v in stored.items() if _not_identity(k) is None}
   error = _other_job_error(owner or f"workdir {workdir}", stored, job_identity(config))
@@ -247,7 +259,7 @@ def check_workdir(workdir: str, config, *, owner: str | None = None) -> WorkdirS
                   and (int(summary.get("step") or 0) >= int(config.train.steps)
                        or summary.get("early_stopped")))
   return WorkdirState(workdir, has_job_file, summary=summary, finished=finished,
-                      changes=_model_changes(workdir, config))
+                      changes=_model_changes(workdir, config), existing=existing)
 
 
 def _model_changes(workdir: str, config) -> tuple[str, ...]:
@@ -290,17 +302,45 @@ def check_writable(workdir: str) -> None:
         break
 
 
+def lock_workdir(workdir: str, *, primary: bool = True) -> WorkdirLock | None:
+  """The workdir's lock (framework/run/workdir_lock.py), taken before anything reads or writes
+  the job there: a second process is refused in one line naming the holder. Process 0 takes it
+  for all the job's processes (None on the others), and when it is refused every process ends
+  alike (the others with a line pointing to process 0's), not in a collective's timeout."""
+  lock, refused = None, None
+  if primary:
+    try:
+      lock = WorkdirLock(workdir)
+      lock.acquire(_not_writable)
+    except UserError as e:
+      lock, refused = None, e
+  if not runtime.primary_says(refused is None) and refused is None:
+    refused = UserError(f"process 0 could not take the lock of workdir "
+                        f"{os.path.abspath(workdir)}; its line says why")
+  if refused is not None:
+    raise refused
+  return lock
+
+
 def release_workdir(state: WorkdirState | None) -> None:
-  """Undoes what prepare_workdir wrote for a job that took a fresh workdir and then failed
-  before its first step (nothing trained, nothing saved): the corrected command, another job,
-  may take it."""
+  """Undoes what a session wrote into a workdir it found fresh (no job.json, no summary) and
+  then failed or was interrupted in before its first step (nothing trained, nothing saved):
+  the files and folders of SESSION_ENTRIES that were not there before it, so the corrected
+  command, another job, may take it, and a refused start leaves nothing behind."""
   if state is None or state.has_job_file or state.summary is not None:
     return
-  for name in (JOB_FILE, CONFIG_FILE):
-    try:
-      os.remove(os.path.join(state.workdir, name))
-    except FileNotFoundError:
-      pass
+  import shutil
+  for name in SESSION_ENTRIES:
+    if name in state.existing:
+      continue
+    path = os.path.join(state.workdir, name)
+    if os.path.isdir(path):
+      shutil.rmtree(path, ignore_errors=True)
+    else:
+      try:
+        os.remove(path)
+      except FileNotFoundError:
+        pass
 
 
 def open_checkpointer(workdir: str, checkpoint_cfg, best_metric: str, *,

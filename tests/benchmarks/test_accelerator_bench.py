@@ -94,30 +94,34 @@ def test_quick_qlora_row_trains_the_adapters_alone(quick):
 
 
 def test_quick_on_policy_row_times_sampling_apart(quick):
-  """The on-policy row at quick sizes (2 prompts of 48 tokens, 16 sampled each): every timed
-  step sampled exactly 2 x 16 tokens; the update is the step less its sampling; the rates are
-  those tokens over each time; the model FLOPs are the student's decode forward, its scoring
-  forward and backward and the teacher's forward over 2 x (48 + 16 - 1) tokens; on CPU there
-  is no HBM bandwidth, so no roofline, but the bytes a decode step reads are worked out: the
-  weights (fp32 stored and computed) less the untied input embedding, plus 2 rows of KV cache (2 layers x K and V x
-  2 kv heads x 16 x 4 bytes a position) at the mean context 48 + 15 / 2."""
+  """The on-policy row at quick sizes (4 prompts of 48 tokens, 16 sampled each, all 4 at once,
+  learned 2 at a time): the JSON records both batches and the sampler's compiled memory; every
+  timed step sampled exactly 4 x 16 tokens; the update is the step less its sampling; the rates
+  are those tokens over each time; the model FLOPs are the student's decode forward, its
+  scoring forward and backward and the teacher's forward over 4 x (48 + 16 - 1) tokens; on CPU
+  there is no HBM bandwidth, so no roofline, but the bytes a decode step reads are worked out:
+  the weights (fp32 stored and computed) less the untied input embedding, plus 4 rows of KV
+  cache (2 layers x K and V x 2 kv heads x 16 x 4 bytes a position) at the mean context
+  48 + 15 / 2."""
   proc, _, rows = quick
   best = rows["on_policy"]["best"]
   assert (best["kind"], best["batch"], best["prompt_len"], best["new_tokens"]) == (
-      "on_policy", 2, 48, 16)
-  assert best["sampled_tokens"] == 2 * 16
+      "on_policy", 4, 48, 16)
+  assert (best["sampling_batch"], best["micro_batch"], best["accum_steps"]) == (4, 2, 2)
+  assert best["sampler_memory"]["peak_bytes"] > 0
+  assert best["sampled_tokens"] == 4 * 16
   assert best["update_s"] == pytest.approx(float(np.median(
       np.subtract(best["step_s_all"], best["sampling_s_all"]))))
-  assert best["sampled_tokens_per_s"] == pytest.approx(32 / best["sampling_s"])
-  assert best["tokens_per_s"] == pytest.approx(32 / best["step_s"])
-  scored = 2 * (48 + 16 - 1)
+  assert best["sampled_tokens_per_s"] == pytest.approx(64 / best["sampling_s"])
+  assert best["tokens_per_s"] == pytest.approx(64 / best["step_s"])
+  scored = 4 * (48 + 16 - 1)
   assert best["model_flops"] == pytest.approx(scored * (
       4 * forward_per_token(TINY, 63) + forward_per_token(TINY_TEACHER, 63)))
   assert best["hbm_bandwidth"] is None and best["roofline_tokens_per_s"] is None
   weights = (2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 256 * 64 + 64) * 4
   assert best["decode_weight_bytes"] == weights
   assert best["kv_bytes_per_position"] == 2 * 2 * 2 * 16 * 4
-  assert best["decode_bytes_per_step"] == pytest.approx(weights + 2 * 512 * (48 + 7.5))
+  assert best["decode_bytes_per_step"] == pytest.approx(weights + 4 * 512 * (48 + 7.5))
   assert "On-policy: sampling and the update apart" in proc.stdout
 
 
@@ -145,6 +149,8 @@ def test_every_row_names_candidates_of_its_own_pair():
       v = accelerator.tpu_levers.lever_grid.Variant.parse(
           accelerator.variant_of(row, c, quick=False), 2048)
       assert v.option("pair") == row.pair and v.kind in ("train", "kd", "on_policy")
+      if v.kind == "on_policy":  # both batches: the micro-batch divides the sampling batch
+        assert on_policy_lever.accum_steps(v) * on_policy_lever.micro_batch(v) == v.batch
 
 
 def test_run_script_with_expect_gpu_on_cpu_refuses_and_leaves_its_files_in_out(tmp_path):

@@ -42,6 +42,7 @@ def run(tmp_path_factory):
   held_out.write_text("".join(json.dumps(r) + "\n" for r in HELD_OUT))
   assert main(["distillax", "train", "--config", LM, "--workdir", str(workdir),
                "--config.train.steps=4", "--config.train.eval_every=2",
+               "--config.checkpoint.every_steps=2",  # steps 2 and 4: a fallback has one
                f"--config.eval.generate={held_out}",
                f"--config.eval.max_new_tokens={GENERATE_TOKENS}"]) == 0
   assert main(["distillax", "export", "--config", LM, "--workdir", str(workdir), "--output",
@@ -224,3 +225,67 @@ def test_generate_of_a_gguf_says_where_ggufs_run(tmp_path, capsys):
   assert f"--model {gguf} is a GGUF file, which runs in llama.cpp" in err[0], err
   assert f"distillax eval --model {gguf} --generate FILE" in err[0]
   assert "not a distillax run directory" not in err[0]
+
+
+def test_config_overrides_without_a_config_file_apply_to_the_runs_own_config(run, capsys,
+                                                                            tmp_path):
+  """Issue 55: `--config.KEY=VALUE` on eval, export and generate was "unknown flag" without
+  `--config FILE`. The run's own config.json is now the base: eval reads one batch fewer as
+  asked, export and generate on another placement give the same weights and tokens, and a
+  Hugging Face directory (no distillax config) is one line asking for --config FILE."""
+  from safetensors.numpy import load_file
+  workdir, export = run
+  summary = json.loads(open(os.path.join(workdir, "summary.json")).read())
+  capsys.readouterr()
+  assert main(["distillax", "eval", "--model", workdir, "--config.train.eval_batches=1"]) == 0
+  assert _json_line(capsys)["eval_tokens"] == summary["eval_tokens"] / 2
+  # A field config.json holds as null (no type kept) takes a value too.
+  assert main(["distillax", "eval", "--model", workdir, "--config.train.eval_batches=1",
+               "--config.data.seed=3"]) == 0
+  assert _json_line(capsys)["eval_tokens"] == summary["eval_tokens"] / 2
+  out = tmp_path / "dp"
+  assert main(["distillax", "export", "--workdir", workdir, "--output", str(out),
+               "--config.partitioning.strategy=dp"]) == 0
+  want, got = (load_file(os.path.join(d, "model.safetensors")) for d in (export, out))
+  assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
+  argv = ["distillax", "generate", "--model", workdir, "--prompt", "def main(",
+          "--max_new_tokens", "8"]
+  capsys.readouterr()
+  assert main(argv) == 0
+  text = capsys.readouterr().out
+  assert main(argv + ["--config.partitioning.strategy=dp"]) == 0
+  assert capsys.readouterr().out == text
+  assert main(["distillax", "eval", "--model", export, "--config.train.eval_batches=1"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "is a Hugging Face checkpoint" in err[0] and "--config FILE" in err[0]
+
+
+def test_a_fallback_from_an_unreadable_checkpoint_names_the_step_it_loads(run, capsys,
+                                                                         tmp_path):
+  """Issue 55: after falling back from an unreadable newest checkpoint, export and generate
+  said "checkpoint step 4" and used step 2's weights (eval said 2). Each names the step whose
+  weights it read, and the export is bit for bit that of the run without step 4."""
+  import shutil
+  from safetensors.numpy import load_file
+  workdir, _ = run
+  broken, older = tmp_path / "broken", tmp_path / "older"
+  for copy in (broken, older):
+    shutil.copytree(workdir, copy)
+  data = sorted((broken / "checkpoints" / "4" / "state" / "d").iterdir())
+  data[0].write_bytes(data[0].read_bytes()[:10])  # truncated, as a killed copy leaves it
+  shutil.rmtree(older / "checkpoints" / "4")
+  capsys.readouterr()
+  assert main(["distillax", "eval", "--model", str(broken)]) == 0
+  assert f"{broken} evaluated as full precision; checkpoint step 2" in capsys.readouterr().err
+  assert main(["distillax", "generate", "--model", str(broken), "--prompt", "def main(",
+               "--max_new_tokens", "4"]) == 0
+  assert (f"distillax generate: {broken} loaded as full precision; checkpoint step 2"
+          in capsys.readouterr().err.splitlines())
+  for run_dir in (broken, older):
+    assert main(["distillax", "export", "--workdir", str(run_dir), "--output",
+                 str(tmp_path / f"hf_{run_dir.name}")]) == 0
+    assert (f"distillax export: {run_dir} loaded as full precision; checkpoint step 2"
+            in capsys.readouterr().out.splitlines())
+  want, got = (load_file(str(tmp_path / f"hf_{d}" / "model.safetensors"))
+               for d in ("older", "broken"))
+  assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)

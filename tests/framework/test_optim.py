@@ -66,3 +66,30 @@ def test_global_norm_clipping_caps_the_update_direction():
   clipped = tx.update(grads, tx.init(params), params)[0]
   # With b1=b2=0 Adam's update is sign(g) where g != 0: clipping keeps the direction.
   np.testing.assert_allclose(clipped["w"][:2], [-1.0, -1.0], atol=1e-6)
+
+
+def test_bf16_moments_follow_adamw_and_store_half_the_bytes():
+  """optimizer.state_dtype='bfloat16': the moments are stored in bfloat16 and the updates follow
+  optax.adamw's (float32 moments) to the moments' rounding, over steps with weight decay and a
+  warmup; 'float32' is optax.adamw itself."""
+  rng = np.random.default_rng(4)
+  params = {"w": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32),
+            "norm": {"scale": jnp.ones((8,), jnp.float32)}}
+  cfg = dict(learning_rate=0.05, warmup_steps=2, weight_decay=0.1, grad_clip_norm=1.0)
+  tx32, _ = optim.make_optimizer(_cfg(**cfg), 10, params)
+  tx16, _ = optim.make_optimizer(_cfg(state_dtype="bfloat16", **cfg), 10, params)
+  s32, s16 = tx32.init(params), tx16.init(params)
+  leaves = lambda s: [x for x in jax.tree.leaves(s) if x.ndim]
+  assert {x.dtype for x in leaves(s16)} == {jnp.dtype(jnp.bfloat16)}
+  assert sum(x.nbytes for x in leaves(s16)) * 2 == sum(x.nbytes for x in leaves(s32))
+  for step in range(5):
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+    u32, s32 = tx32.update(grads, s32, params)
+    u16, s16 = tx16.update(grads, s16, params)
+    for a, b in zip(jax.tree.leaves(u16), jax.tree.leaves(u32)):
+      # Adam's update is m / sqrt(v), each moment rounded to 2^-9: ~3e-3 relative at most.
+      np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-4, err_msg=f"step {step}")
+    params = jax.tree.map(lambda p, u: p + u, params, u32)
+  with pytest.raises(ConfigError, match=r"optimizer.state_dtype='float16'; choose one of "
+                                        r"float32, bfloat16"):
+    optim.make_optimizer(_cfg(state_dtype="float16"), 10, params)

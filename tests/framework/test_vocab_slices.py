@@ -170,13 +170,9 @@ def test_sliced_refuses_what_it_does_not_compute(strategy, message):
 ])
 def test_the_config_refuses_sliced_in_one_line(job, sliced, why_not, message):
   with pytest.raises(ConfigError) as e:
-    token_loss_impl.check_loss_impl("sliced", job, False, None, sliced=sliced,
-                                    sliced_why_not=why_not)
+    token_loss_impl.check_loss_impl("sliced", job, sliced=sliced, sliced_why_not=why_not)
   assert message in str(e.value) and "\n" not in str(e.value)
-  # tokamax's objections (a soft-cap) are not the slices': they apply it inside each slice
-  token_loss_impl.check_loss_impl("sliced", "lm", True,
-                                  "model.final_logit_softcap=30.0 soft-caps the logits",
-                                  sliced=True)
+  token_loss_impl.check_loss_impl("sliced", "lm", sliced=True)
   assert token_loss_impl.resolve_loss_impl("auto", sliced, why_not) == (
       "sliced" if sliced and not why_not else "chunked")
 

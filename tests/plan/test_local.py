@@ -126,6 +126,10 @@ def test_on_policy_plan_reads_the_step_behind_its_sampling_clock(capsys):
   lines = {}
   for timed in (True, False):
     assert main(base + [f"--config.on_policy.time_sampling={timed}"]) == 0
-    lines[timed] = _collectives_line(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    lines[timed] = _collectives_line(out)
+    # Issue 53: both batches, the sampler's memory per device (8 rows over 4 data devices).
+    assert "on-policy batches: sampling 8 completions of 6 + 4 tokens at once (KV cache " \
+        in out and "update micro-batch 8 completions x 1 per step" in out, out
   assert "none" not in lines[True] and "all-gather" in lines[True], lines[True]
   assert lines[True] == lines[False]

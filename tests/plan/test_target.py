@@ -65,7 +65,6 @@ def _moe():
   c = _tiny(lm)
   c.model.num_experts, c.model.moe_mlp_dim = 4, 64  # ragged_dot experts (model.moe_impl)
   c.partitioning.strategy = "fsdp_ep"  # one expert per device: the all_to_all exchange
-  c.train.loss_impl = "tokamax"  # tokamax's Mosaic CE kernel, each device's rows
   return c
 
 
@@ -89,8 +88,7 @@ BY_LAYER = {"lm": {"layers 0-1 of 2": _SPLASH}, "qat_q4_0": {"layers 0-1 of 2": 
 def test_tiny_jobs_compile_for_a_tpu_with_splash(job):
   """`auto` attention on a TPU target resolves to splash (the target's platform, not the host's
   'cpu'), and Mosaic lowers it: the kernels are in the compiled step. The report says what
-  each layer of each model ran, and how the token losses ran (the MoE job with
-  train.loss_impl=tokamax: tokamax's Mosaic cross-entropy kernels, from this CPU host)."""
+  each layer of each model ran, and how the token losses ran."""
   target, devices = _devices("tpu:v5e-4")
   report = compile_on(TINY_JOBS[job](), target, devices)
   assert report["devices"] == 4 and report["mesh"] == "4x1"
@@ -106,20 +104,13 @@ def test_tiny_jobs_compile_for_a_tpu_with_splash(job):
   assert report["peak_bytes_per_device"] <= report["memory_bytes_per_device"]
   assert report["by_layer"] == BY_LAYER[job], report["by_layer"]
   (loss, n), = report["loss"].items()  # the student's token losses: one traced call
-  if job == "moe":  # train.loss_impl=tokamax: its Mosaic kernel, forward and backward
-    assert (loss, n) == ("tokamax linear_softmax_cross_entropy_loss (mosaic_tpu, each "
-                         "device's rows)", 1)
-    assert {"mosaic:linear_softmax_cross_entropy_loss_fwd_pallas_mosaic_tpu",
-            "mosaic:linear_softmax_cross_entropy_loss_bwd_pallas_mosaic_tpu"} <= set(
-                report["kernels"]), report["kernels"]
-  else:
-    # train.loss_impl='auto': the vocabulary slices (framework/vocab_slices.py), one slice here,
-    # where the job's losses and output layer allow them (not LoRA's adapted head, nor the
-    # on-policy objective)
-    engine = ("chunked (vocabulary-chunk engine, 1 chunk(s) of 128 positions"
-              if job in ("lora", "on_policy") else "sliced (vocabulary slices: 1 of ")
-    assert loss.startswith(engine), loss
-    assert not any("cross_entropy" in k for k in report["kernels"]), report["kernels"]
+  # train.loss_impl='auto': the vocabulary slices (framework/vocab_slices.py), one slice here,
+  # where the job's losses and output layer allow them (not LoRA's adapted head, nor the
+  # on-policy objective)
+  engine = ("chunked (vocabulary-chunk engine, 1 chunk(s) of 128 positions"
+            if job in ("lora", "on_policy") else "sliced (vocabulary slices: 1 of ")
+  assert loss.startswith(engine), loss
+  assert not any("cross_entropy" in k for k in report["kernels"]), report["kernels"]
   if job == "moe":  # the experts' grouped matmuls lower to Mosaic's ragged-dot kernels
     assert any(k.startswith("mosaic:ragged-dot") for k in report["kernels"]), report["kernels"]
     assert report["moe"] == {"ragged (jax.lax.ragged_dot), experts split 4 ways over data "
@@ -251,8 +242,7 @@ def test_gpu_target_compiles_tiny_with_tokamax_kernels():
   attention lowers (sm90, read from the target's device, not the host's CPU) to mosaic_gpu
   calls, three per layer (forward and its two backward kernels); 4 experts on
   moe_impl=tokamax, whose Triton ragged_dot kernels lower as Pallas Triton calls (3 grouped
-  matmuls forward, 6 backward, per layer); train.loss_impl=tokamax, whose cross-entropy takes
-  its XLA path (it adds no kernel). One compile for the three (the suite's time budget):
+  matmuls forward, 6 backward, per layer). One compile for the two (the suite's time budget):
   blockwise attention, pure JAX, is checked against the reference on CPU and compiled for TPU
   targets. Runs in a subprocess: the plugin is found at JAX's import (make test installs it in
   <venv>/aot-gpu, off the default path)."""
@@ -261,8 +251,7 @@ def test_gpu_target_compiles_tiny_with_tokamax_kernels():
   out = subprocess.run(
       [sys.executable, "-m", "distillax", "plan", "--config", LM_TINY, "--target", "gpu:h100x1",
        "--config.model.attention_impl=tokamax", "--config.model.dtype=bfloat16",
-       "--config.model.num_experts=4", "--config.model.moe_impl=tokamax",
-       "--config.train.loss_impl=tokamax"],
+       "--config.model.num_experts=4", "--config.model.moe_impl=tokamax"],
       env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
   text = out.stdout
@@ -275,9 +264,6 @@ def test_gpu_target_compiles_tiny_with_tokamax_kernels():
           "split (one GSPMD program), 2 traced call(s)") in text
   assert ("\n  layers 0-1 of 2: attention tokamax; experts tokamax (on gpu: the first of "
           "triton, xla that takes the call), experts not split (one GSPMD program)\n") in text
-  # tokamax 0.0.12's cross-entropy has no GPU kernel: its XLA path, no kernel of its own
-  assert ("token loss: tokamax linear_softmax_cross_entropy_loss (xla, whole logits), 1 traced "
-          "call(s)") in text
   peak = next(line for line in text.splitlines() if "peak per device" in line)
   assert not peak.strip().endswith(" 0 B"), peak
 

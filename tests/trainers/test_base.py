@@ -28,6 +28,7 @@ from distillax.configs import lm as lm_config
 from distillax.configs import on_policy as op_config
 from distillax.errors import ConfigError, UserError
 from distillax.framework.run.preemption import STOPPED_EXIT_CODE
+from distillax.interrupts import INTERRUPTED_EXIT_CODE
 from distillax.framework.throughput import Throughput
 from distillax.trainers import LMRecipe, Trainer, recipe_for
 from tests.framework.event_reader import read_scalars
@@ -266,8 +267,10 @@ runpy.run_module("distillax", run_name="__main__")
 
 
 @pytest.mark.parametrize("point", ["checks", "compile"])
-def test_ctrl_c_during_the_start_exits_3_with_one_line(tmp_path, point):
-  workdir, go = tmp_path / "run", tmp_path / "go"
+def test_ctrl_c_during_the_start_exits_130_with_one_line_and_leaves_nothing(tmp_path, point):
+  """Nothing was saved: no advice to resume, not the exit status of a stopped run (3, also
+  plan's DOES NOT FIT), and the new workdir is gone again (issue 55 item 13)."""
+  workdir, go = tmp_path / "runs" / "run", tmp_path / "go"
   cmd = [sys.executable, "-c", HELD_START, point, str(go), "train", "--workdir", str(workdir),
          *ARGS]
   proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -281,12 +284,11 @@ def test_ctrl_c_during_the_start_exits_3_with_one_line(tmp_path, point):
   proc.send_signal(signal.SIGINT)
   go.write_text("")
   out, _ = proc.communicate(timeout=600)
-  assert proc.returncode == STOPPED_EXIT_CODE, out[-3000:]
+  assert proc.returncode == INTERRUPTED_EXIT_CODE == 130, out[-3000:]
   assert out.strip().splitlines() == [
-      "distillax train: interrupted; rerun the same command to resume"], out[-3000:]
-  # Nothing trained: the workdir is not this job's (no job.json, config.json, summary).
-  assert not any((workdir / name).exists() for name in ("job.json", "config.json",
-                                                          "summary.json", "metrics.jsonl"))
+      "distillax train: interrupted before its first step; nothing was saved"], out[-3000:]
+  # Nothing trained: not even the folders it made (runs/run, its compile cache) are left.
+  assert sorted(os.listdir(tmp_path)) == ["go"]
 
 
 def test_a_step_too_big_for_the_memory_left_is_one_line_and_the_workdir_stays_free(

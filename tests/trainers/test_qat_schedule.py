@@ -100,3 +100,16 @@ def test_bad_schedules_are_one_line_config_errors(qat, message):
                      .replace(")", r"\)")) as error:
     QuantConfig.from_config(qat)
   assert "\n" not in str(error.value)
+
+
+def test_the_loaded_form_names_no_none_quantization_type():
+  """Issue 55: `generate` on the README's QAT run said "fake-quant None/q4_0 weights": its first
+  rule keeps the embedding in full precision (weight type None), which is said as that."""
+  from distillax.trainers.transforms import StudentTransforms
+  config = lm_config.get_config("tiny")
+  with config.unlocked():
+    config.qat = {"rules": (("", None, None, None), (".*", "q4_0", "q8_0", None)),
+                  "start_step": 0, "schedule": ()}
+  form = StudentTransforms.from_config(config).describe(fake_quant=True, lora_merged=True)
+  assert form == ("fake-quant q4_0 weights, q8_0 activations, the rest full precision "
+                  "(qat.rules: the forward QAT trains)")

@@ -360,3 +360,36 @@ def test_kept_experts_read_one_tuple_for_all_per_student_or_per_teacher_layer():
   assert kept_experts(((0, 1), (2, 3)), (1, 0), teacher) == ((0, 1), (2, 3))  # per student
   # expert-load prints one tuple per teacher layer: a one-block student takes its block's.
   assert kept_experts(((0, 1), (2, 3)), (1,), teacher) == ((2, 3),)
+
+
+def test_a_missing_weight_file_is_found_before_the_step_is_built(capsys, tmp_path, checkpoint,
+                                                                 monkeypatch):
+  """Issue 55: a shard the index lists but the directory lacks (or no safetensors file at all)
+  was found when the models were created, after the step's compile (13-18 s there), and left
+  checkpoints/ and compile_cache/ in the new workdir. One line now, before any step is built,
+  and no workdir."""
+  import shutil
+  from distillax.trainers.recipe import Recipe
+
+  def no_step(self, *args, **kwargs):
+    raise AssertionError("the step was built before the weight files were checked")
+  monkeypatch.setattr(Recipe, "build_engines", no_step)
+  path, _ = checkpoint
+  sharded, bare = tmp_path / "sharded", tmp_path / "bare"
+  for folder in (sharded, bare):
+    shutil.copytree(path, folder)
+  first = "model-00001-of-00002.safetensors"
+  os.rename(sharded / "model.safetensors", sharded / first)
+  with hf.safe_open(str(sharded / first), framework="numpy") as f:
+    names = sorted(f.keys())
+  weight_map = {n: first for n in names[1:]}
+  weight_map[names[0]] = "model-00002-of-00002.safetensors"  # the shard that was not copied
+  (sharded / hf.INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+  os.remove(bare / "model.safetensors")
+  capsys.readouterr()
+  for folder, fragment in ((sharded, f"{sharded}/model-00002-of-00002.safetensors (listed in "
+                                     f"{hf.INDEX_FILE}) not found"),
+                           (bare, f"no *.safetensors file in {bare}")):
+    code, err = _cli(capsys, tmp_path, f"--config.train.init_from={folder}",
+                     config="lm.py:tiny")
+    assert code == 2 and len(err) == 1 and fragment in err[0], err

@@ -9,13 +9,18 @@ part of the job.
 import json
 import os
 import shutil
+import socket
 
 import pytest
 
 from distillax.configs import distill, lm, sequence_kd
+from distillax.errors import UserError
+from distillax.framework.run.workdir_lock import LOCK_FILE
 from distillax.main import main
 from distillax.trainers.workdir import (JOB_FILE, NOT_JOB_IDENTITY, check_workdir, job_identity,
                                         read_summary, write_summary)
+
+from tests.support.lock_holder import holding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "distillax", "configs")
@@ -284,3 +289,93 @@ def test_an_unwritable_workdir_is_refused_before_the_step_is_built(tmp_path, cap
   lines = _error_line(capsys)
   assert len(lines) == 1 and f"workdir {workdir} is not writable" in lines[0], lines
   assert "pass --workdir pointing to a directory you can write" in lines[0]
+
+
+def test_a_workdir_another_process_holds_is_one_line_exit_2_and_unchanged(run_copy, capsys):
+  """Issue 55: the same job submitted twice (a requeue), or another job, while a process holds
+  the workdir: both used to run into one workdir at once. The second is refused before anything
+  compiles, naming the holder's pid and host, and the workdir is byte-identical."""
+  with holding(run_copy) as holder:
+    before = _snapshot(run_copy)
+    for argv in ([*LM_TINY, "--config.train.steps=8"], [*LM_TINY, "--config.seed=1"]):
+      capsys.readouterr()
+      assert _train(run_copy, *argv) == 2
+      lines = _error_line(capsys)
+      assert len(lines) == 1, lines
+      assert lines[0] == (
+          f"distillax train: error: workdir {run_copy} is in use by another distillax process "
+          f"(pid {holder.pid} on host {socket.gethostname()}); wait for it to end or stop it, "
+          f"or pass a new --workdir (if that process is gone, remove {run_copy / LOCK_FILE})")
+      assert _snapshot(run_copy) == before
+
+
+def test_a_new_workdir_another_process_holds_gets_nothing_from_the_second(tmp_path, capsys):
+  workdir = tmp_path / "new"
+  with holding(workdir):
+    assert _train(workdir, *LM_TINY) == 2
+    assert "is in use by another distillax process" in _error_line(capsys)[0]
+    assert os.listdir(workdir) == [LOCK_FILE]
+
+
+def test_a_crashed_holders_lock_is_taken_over_and_released(run_copy, capsys):
+  """A holder killed as a crash would leaves lock.json behind: the next command takes it over
+  (here: the finished job, reported as such) and removes it at its end."""
+  with holding(run_copy) as holder:
+    holder.kill()
+    assert (run_copy / LOCK_FILE).exists()
+    capsys.readouterr()
+    assert _train(run_copy, *LM_TINY) == 0
+    assert "already finished at step 6" in capsys.readouterr().out
+    assert not (run_copy / LOCK_FILE).exists()
+
+
+def test_the_workdir_is_locked_before_the_step_is_built(tmp_path, monkeypatch, capsys):
+  """The lock is held (by this process) before the step's lowering; a start that then fails
+  leaves nothing of a new workdir, the folder included."""
+  from distillax.framework.run.workdir_lock import WorkdirLock
+  from distillax.trainers.recipe import Recipe
+  workdir, seen = tmp_path / "runs" / "run", []
+
+  def checked(self, *args, **kwargs):
+    seen.append(json.loads((workdir / LOCK_FILE).read_text())["pid"])
+    with pytest.raises(UserError, match="is in use by another distillax process"):
+      WorkdirLock(str(workdir)).acquire(lambda w, e: e)
+    raise UserError("stopped here by the test")
+  monkeypatch.setattr(Recipe, "build_engines", checked)
+  assert _train(workdir, *LM_TINY) == 2
+  assert _error_line(capsys) == ["distillax train: error: stopped here by the test"]
+  assert seen == [os.getpid()]
+  assert os.listdir(tmp_path) == []
+
+
+def _two_processes(workdir, logs, *argv) -> tuple[int, list[str]]:
+  """(exit status, each process's last line) of `distillax train` as two real processes of one
+  job (4 CPU devices each)."""
+  import sys
+
+  from distillax.launch_local import launch
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env.pop("XLA_FLAGS", None)
+  status = launch([sys.executable, "-m", "distillax", "train", "--workdir", str(workdir), *argv],
+                  num_processes=2, devices_per_process=4, timeout_s=600, env=env,
+                  log_dir=str(logs))
+  return status, [(logs / f"process_{i}.log").read_text().strip().splitlines()[-1]
+                  for i in (0, 1)]
+
+
+def test_the_processes_of_one_job_share_its_lock_and_end_together_when_refused(run_copy,
+                                                                                tmp_path):
+  """Process 0 takes the lock for the job: its other process is not refused by it (the finished
+  job is reported by both), and when another process holds the workdir, both end at once, exit
+  2, each in one line (the other process used to fail 30 s later in a collective)."""
+  status, last = _two_processes(run_copy, tmp_path / "logs", *LM_TINY)
+  assert status == 0, last
+  assert last[0] == f"distillax train: already finished at step 6; workdir {run_copy}"
+  before = _snapshot(run_copy)
+  with holding(run_copy) as holder:
+    status, last = _two_processes(run_copy, tmp_path / "refused", *LM_TINY)
+  assert status == 2, last
+  assert f"is in use by another distillax process (pid {holder.pid} on host" in last[0], last
+  assert last[1] == (f"distillax train: error: process 0 could not take the lock of workdir "
+                     f"{run_copy}; its line says why"), last
+  assert _snapshot(run_copy) == before

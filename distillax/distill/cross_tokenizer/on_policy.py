@@ -6,9 +6,9 @@ cannot read the student's ids: its tokens of the sampled text, and the byte alig
 are built on the host (data.cross_tokenizer_samples) between sampling and scoring. So a step is
 two programs on the mesh with the host in between (trainers/on_policy/host_step.py):
 
-  1. `sample_completions`: the student samples, with the key the in-step sampler would use (the
-     step's key, folded with the micro-batch number under accumulation, then with 1, then per
-     row and sample): a cross-tokenizer run draws what a same-tokenizer one would;
+  1. `sample_completions`: the student samples the step's whole batch at once, with the key the
+     same-tokenizer step samples with (the step's key folded with 1, then per row and sample,
+     whatever the micro-batches): a cross-tokenizer run draws what a same-tokenizer one would;
   2. the host turns the samples into the teacher's rows and the alignment;
   3. the train step: `make_cross_tokenizer_on_policy_objective` rebuilds on-policy's scoring
      batch from the samples and runs the cross-tokenizer objective
@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from distillax.data.cross_tokenizer import rows
 from distillax.distill.on_policy.objective import (PROMPT_LENGTHS, PROMPT_TOKENS, ROW_IDS, OnPolicySettings,
-                                         Rollout, completion_stats, frozen_copy, scoring_batch)
+                                         Rollout, completion_stats, frozen_copy, row_keys,
+                                         scoring_batch)
 from distillax.framework.step import Objective, ObjectiveOutput
 from distillax.models.sampler import GenerationOutput, decode
 
@@ -40,28 +41,21 @@ COMPLETION_LENGTHS = "completion_lengths_BxS"
 SAMPLED_KEYS = (*rows.TEACHER_KEYS, rows.TEACHER_GROUP, rows.STUDENT_GROUP, rows.GROUP_KIND)
 
 
-def sampling_keys(step_rng: jax.Array, row_ids_B: jax.Array, num_samples: int,
-                  accum_steps: int) -> jax.Array:
-  """(B * num_samples,) keys: row r of the global batch is in micro-batch r % accum_steps
-  (framework.step.split_microbatches), whose objective key is fold_in(step key, micro) (the step
-  key itself without accumulation); on-policy samples with fold_in(that, 1), then per row and
-  sample (on_policy.row_keys)."""
-  ids_N = (row_ids_B[:, None] * num_samples + jnp.arange(num_samples)[None]).reshape(-1)
-  if accum_steps == 1:
-    return jax.vmap(jax.random.fold_in, (None, 0))(jax.random.fold_in(step_rng, 1), ids_N)
-  micro_N = jnp.repeat(jnp.arange(row_ids_B.shape[0]) % accum_steps, num_samples)
-  sampling_N = jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(step_rng, i), 1))(micro_N)
-  return jax.vmap(jax.random.fold_in)(sampling_N, ids_N)
+def sampling_keys(step_rng: jax.Array, row_ids_B: jax.Array, num_samples: int) -> jax.Array:
+  """(B * num_samples,) keys: those of the same-tokenizer step, which samples its whole batch
+  with fold_in(step key, 1), then per row and sample (on_policy.row_keys), whatever the
+  micro-batches it learns in."""
+  return row_keys(jax.random.fold_in(step_rng, 1), row_ids_B, num_samples)
 
 
-def sample_completions(model, batch, step_rng: jax.Array, settings: OnPolicySettings,
-                       accum_steps: int = 1) -> GenerationOutput:
+def sample_completions(model, batch, step_rng: jax.Array,
+                       settings: OnPolicySettings) -> GenerationOutput:
   """The student's completions of the batch's prompts ([B * S] rows, prompt-major), drawn as
   the same-tokenizer on-policy step draws them."""
   S = int(settings.num_samples)
   prompt_NxP = jnp.repeat(batch[PROMPT_TOKENS].astype(jnp.int32), S, axis=0)
   lengths_N = jnp.repeat(batch[PROMPT_LENGTHS].astype(jnp.int32), S, axis=0)
-  keys_N = sampling_keys(step_rng, batch[ROW_IDS].astype(jnp.int32), S, int(accum_steps))
+  keys_N = sampling_keys(step_rng, batch[ROW_IDS].astype(jnp.int32), S)
   return decode(frozen_copy(model), prompt_NxP, jnp.maximum(lengths_N, 1), keys_N,
                 settings.sampling(), settings.cache_dtype)
 

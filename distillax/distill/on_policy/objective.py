@@ -1,14 +1,24 @@
 """On-policy distillation as a step objective: the student writes, the teacher grades each token.
 
-Inside the compiled train step, per (micro-)batch of prompts:
+Inside the compiled train step, two batches:
 
-  1. the student samples `num_samples` completions per prompt with its current weights (the
-     fake-quantized forward under QAT, adapters under LoRA) through the same KV-cached decode
-     as models/sampler.py (`decode`), behind stop_gradient: no gradient flows through sampling;
-  2. teacher and student each score prompt + completion in one forward; only completion tokens
-     count (prompt, padding and everything after a row's stop token are masked);
-  3. the loss is `GeneralizedJSD` or `SampledTokenKL` (losses.py) over those tokens,
-     through the same shared, chunked pass over the vocabulary as every logit loss.
+  1. the sampling batch, once per step (the objective's `prepare`, framework/step.py): the
+     student samples `num_samples` completions of every prompt of the step at once, with the
+     step's weights (the fake-quantized forward under QAT, adapters under LoRA), through the
+     same KV-cached decode as models/sampler.py (`decode`), behind stop_gradient: no gradient
+     flows through sampling. A decode step reads the weights once for all its rows, so the
+     more rows sample together, the nearer the chip's bandwidth runs them;
+  2. the update micro-batches (train.accum_steps of them, gradient accumulation): per
+     micro-batch of those samples, teacher and student each score prompt + completion in one
+     forward; only completion tokens count (prompt, padding and everything after a row's stop
+     token are masked); the loss is `GeneralizedJSD` or `SampledTokenKL` (losses.py) over those
+     tokens, through the same shared, chunked pass over the vocabulary as every logit loss.
+
+Every sample of a step comes from the weights that step updates, so the run stays strictly
+on-policy whatever the number of micro-batches, and the step's loss, gradients and update are
+those of the same samples learned in one micro-batch (sums over tokens, framework/step.py).
+Sampling runs before any micro-batch's activations exist: its KV cache's memory (bf16 at the
+compute dtype, P + max_new_tokens long, the widths the step really runs) is free again for them.
 
 Randomness: the sampling key of a row is the step's key folded with the row's global id
 (`row_ids_B` in the batch) and its sample number, so every backend and data-parallel layout
@@ -16,9 +26,10 @@ draws the same samples (the objective is built with `rng_per_worker=False`, see
 framework/step.py), and a resumed run (the step's key is a function of the checkpointed RNG and
 the step) draws exactly what an uninterrupted one would.
 
-`lmbda` mixing (GKD): with probability lmbda a (micro-)batch is on-policy, otherwise the data's
-own completions are teacher-forced through `off_policy` (the distill objective); lmbda = 0 is
-the off-policy objective itself (no sampling is even traced), lmbda = 1 never consults it.
+`lmbda` mixing (GKD): with probability lmbda a step is on-policy (all its micro-batches),
+otherwise the data's own completions are teacher-forced through `off_policy` (the distill
+objective) and nothing is sampled; lmbda = 0 is the off-policy objective itself (no sampling is
+even traced), lmbda = 1 never consults it.
 
 The batch (trainers/on_policy/recipe.py builds it) carries the packed keys of the distill objective and
   prompt_tokens_BxP  int32  prompts, right-padded with pad_id
@@ -39,6 +50,9 @@ on_policy (the share of (micro-)batches that sampled). An MoE student's router l
 (moe_aux_loss, router_z_loss, weighted into the loss by `router_loss_weights`) and expert loads
 (expert_load_max_over_mean_l{i}, expert_tokens_dropped_l{i}) come from its scoring forward, as
 in the distill objective.
+
+Called whole (`Objective.__call__`: prepare, then the function), the objective samples and
+learns from one batch, as a step of one micro-batch does.
 """
 
 from __future__ import annotations
@@ -63,7 +77,8 @@ from distillax.errors import ConfigError
 from distillax.data import batch as batch_spec
 from distillax.framework.step import Objective, ObjectiveOutput
 from distillax.models.moe import layer as moe
-from distillax.models.sampler import GenerationOutput, SamplingConfig, decode, right_align
+from distillax.models.sampler import (GenerationOutput, SamplingConfig, decode, right_align,
+                                      weights_in_compute_dtype)
 
 PROMPT_TOKENS = "prompt_tokens_BxP"
 PROMPT_LENGTHS = "prompt_lengths_B"
@@ -73,6 +88,12 @@ PROMPT_KEYS = (PROMPT_TOKENS, PROMPT_LENGTHS, ROW_IDS)
 # What each on-policy (micro-)batch reports as ratios, whatever its branch.
 TOKEN_METRICS = ("reverse_kl", "teacher_nll", "student_nll")
 SEQUENCE_METRICS = ("completion_length", "eos_rate")
+# The step's samples in its batch (what the objective's prepare adds, once per step): the
+# scoring batch's keys under this prefix, per sampled row, so micro-batches split them.
+ROLLOUT = "rollout/"
+LENGTH_ROWS, ENDED_ROWS, REAL_ROWS = (ROLLOUT + "length_N", ROLLOUT + "ended_N",
+                                      ROLLOUT + "real_N")
+SAMPLED_ROWS = ROLLOUT + "on_policy_N"  # 1 on every row when the step sampled, else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +111,9 @@ class OnPolicySettings:
   lmbda: float = 1.0
   cache_dtype: str | None = None
   vocab_limit: int | None = None  # the tokenizer's vocab_size: padded rows are never sampled
+  # Sample from a copy of the matmul weights in the compute dtype, cast once before the decode
+  # loop (models/sampler.weights_in_compute_dtype): for a plain student only (not QAT, LoRA).
+  cast_weights: bool = False
 
   def __post_init__(self):
     if self.num_samples < 1:
@@ -140,7 +164,10 @@ def sample_rollout(model: nnx.Module, batch: Mapping[str, jax.Array], key: jax.A
   prompt_NxP = jnp.repeat(batch[PROMPT_TOKENS].astype(jnp.int32), S, axis=0)
   lengths_N = jnp.repeat(batch[PROMPT_LENGTHS].astype(jnp.int32), S, axis=0)
   keys_N = row_keys(key, batch[ROW_IDS].astype(jnp.int32), S)
-  generated = decode(frozen_copy(model), prompt_NxP, jnp.maximum(lengths_N, 1), keys_N,
+  model = frozen_copy(model)
+  if settings.cast_weights:
+    model = weights_in_compute_dtype(model)
+  generated = decode(model, prompt_NxP, jnp.maximum(lengths_N, 1), keys_N,
                      settings.sampling(), settings.cache_dtype)
   return Rollout(prompt_NxP, lengths_N, generated)
 
@@ -185,17 +212,28 @@ def route_scoring_batch(scoring: dict, batch: Mapping[str, jax.Array],
   return {**scoring, TEACHER_INDEX: jnp.broadcast_to(index_N[:, None], shape)}
 
 
-def completion_stats(rollout: Rollout, stops: tuple[int, ...]) -> dict[str, tuple]:
-  """Per-sequence ratios: mean completion length and the share that ended on a stop token."""
+def completion_rows(rollout: Rollout, stops: tuple[int, ...]) -> dict[str, jax.Array]:
+  """Per sampled row: its counted length, whether it ended on a stop token, whether it is real
+  (each 0 for an empty row); completion_stats sums them."""
   gen, real_N = rollout.generated, (rollout.prompt_lengths_N > 0).astype(jnp.float32)
   last_N = jnp.take_along_axis(gen.tokens_BxT, jnp.maximum(gen.lengths_B - 1, 0)[:, None],
                                axis=1)[:, 0]
   ended_N = jnp.zeros_like(real_N, dtype=bool)
   for stop in stops:
     ended_N = ended_N | (last_N == stop)
-  rows = jnp.sum(real_N)
-  return {"completion_length": (jnp.sum(gen.lengths_B * real_N), rows),
-          "eos_rate": (jnp.sum(ended_N * real_N), rows)}
+  return {LENGTH_ROWS: gen.lengths_B * real_N, ENDED_ROWS: ended_N * real_N, REAL_ROWS: real_N}
+
+
+def stats_of_rows(rows: Mapping[str, jax.Array]) -> dict[str, tuple]:
+  """completion_length and eos_rate as (numerator, denominator) sums of completion_rows."""
+  real = jnp.sum(rows[REAL_ROWS])
+  return {"completion_length": (jnp.sum(rows[LENGTH_ROWS]), real),
+          "eos_rate": (jnp.sum(rows[ENDED_ROWS]), real)}
+
+
+def completion_stats(rollout: Rollout, stops: tuple[int, ...]) -> dict[str, tuple]:
+  """Per-sequence ratios: mean completion length and the share that ended on a stop token."""
+  return stats_of_rows(completion_rows(rollout, stops))
 
 
 def score_values(leaf: Strategy, logits: TokenLogits) -> dict[str, jax.Array]:
@@ -247,6 +285,34 @@ def _with_keys(out: ObjectiveOutput, sums: Mapping, ratios: Mapping, on: float) 
                          ratios=all_ratios)
 
 
+def make_prepare(settings: OnPolicySettings, sampling_context: Callable) -> Callable:
+  """The objective's prepare: (student, extras, whole batch, step key) -> the step's samples as
+  scoring arrays under ROLLOUT (per sampled row) and their per-row statistics."""
+
+  def sample(student, batch, rng) -> dict[str, jax.Array]:
+    model, _ = unwrap_student(student)
+    with sampling_context():
+      rollout = sample_rollout(model, batch, jax.random.fold_in(rng, 1), settings)
+    scoring = route_scoring_batch(scoring_batch(rollout, settings.pad_id), batch,
+                                  settings.num_samples)
+    rows = completion_rows(rollout, settings.stops)
+    return {**{ROLLOUT + k: v for k, v in scoring.items()}, **rows,
+            SAMPLED_ROWS: jnp.ones_like(rows[REAL_ROWS])}
+
+  def prepare(student, extras, batch, rng) -> dict[str, jax.Array]:
+    """The step's whole sampling batch, drawn at once with the step's weights; with lmbda < 1
+    only on the lmbda share of steps (the rest get zeros of the same shapes)."""
+    del extras
+    if settings.lmbda == 1.0:
+      return sample(student, batch, rng)
+    shapes = jax.eval_shape(sample, student, batch, rng)
+    use = jax.random.bernoulli(jax.random.fold_in(rng, 2), settings.lmbda)
+    return jax.lax.cond(use, lambda: sample(student, batch, rng),
+                        lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+  return prepare
+
+
 def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
                              off_policy: Objective | None = None,
                              chunk_size: int | None = vocab_chunks.AUTO,
@@ -270,18 +336,20 @@ def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
   if teachers is not None:  # the mixture is the teacher the leaf reads, at the leaf's temperature
     teachers = dataclasses.replace(teachers, temperature=float(leaf.temperature))
 
+  prepare = make_prepare(settings, sampling_context)
+
   def on_policy(student, extras, batch, rng) -> ObjectiveOutput:
+    """One micro-batch of the step's samples, scored and learned from."""
+    del rng
     model, _ = unwrap_student(student)
-    with sampling_context():
-      rollout = sample_rollout(model, batch, jax.random.fold_in(rng, 1), settings)
-    scoring = route_scoring_batch(scoring_batch(rollout, settings.pad_id), batch,
-                                  settings.num_samples)
+    scoring = {k[len(ROLLOUT):]: v for k, v in batch.items()
+               if k.startswith(ROLLOUT) and k not in ROW_KEYS}
     if teachers is not None:
       extras = {**extras, teacher_key: teacher_set(extras, teachers, model.config.vocab_size)}
     out = score_rollout(leaf, student, extras, scoring, chunk_size=chunk_size,
                         teacher_key=teacher_key, router_loss_weights=router_loss_weights,
                         teachers=teachers)
-    out.ratios.update(completion_stats(rollout, settings.stops))
+    out.ratios.update(stats_of_rows(batch))
     return out
 
   def objective(student, extras, batch, rng) -> ObjectiveOutput:
@@ -291,15 +359,18 @@ def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
     shapes = [jax.eval_shape(f, student, extras, batch, rng) for f in (on_policy, off_policy)]
     sums = {k: None for s in shapes for k in s.sums}
     ratios = {k: None for s in shapes for k in s.ratios}
-    use = jax.random.bernoulli(jax.random.fold_in(rng, 2), settings.lmbda)
-    return jax.lax.cond(use, lambda: _with_keys(on_policy(student, extras, batch, rng), sums,
-                                                ratios, 1.0),
+    return jax.lax.cond(batch[SAMPLED_ROWS][0] > 0,
+                        lambda: _with_keys(on_policy(student, extras, batch, rng), sums,
+                                           ratios, 1.0),
                         lambda: _with_keys(off_policy(student, extras, batch, rng), sums,
                                            ratios, 0.0))
 
-  return Objective(objective, rng_per_worker=False)
+  return Objective(objective, rng_per_worker=False, prepare=prepare)
+
+
+ROW_KEYS = (LENGTH_ROWS, ENDED_ROWS, REAL_ROWS, SAMPLED_ROWS)
 
 
 __all__ = ["OnPolicySettings", "PROMPT_KEYS", "PROMPT_LENGTHS", "PROMPT_TEACHER", "PROMPT_TOKENS",
-           "ROW_IDS", "Rollout", "completion_stats", "frozen_copy", "make_on_policy_objective",
+           "ROLLOUT", "ROW_IDS", "Rollout", "completion_rows", "completion_stats", "frozen_copy", "make_on_policy_objective",
            "route_scoring_batch", "row_keys", "sample_rollout", "score_rollout", "scoring_batch"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from typing import Any
 
 import jax
@@ -32,9 +33,15 @@ ITEMS = (STATE, DATA, META)
 META_FILENAME = "meta.json"
 
 
+# tensorstore appends each driver's whole JSON spec to its errors: " [tensorstore_spec='{...}']",
+# then " [tensorstore_spec[1]='{...}']" for the next driver, and so on.
+_TENSORSTORE_SPEC = re.compile(r" \[tensorstore_spec(\[\d+\])?=")
+
+
 def short_problem(e: BaseException, limit: int = 400) -> str:
-  """One line from an exception; tensorstore appends its whole JSON spec, which helps nobody."""
-  text = f"{type(e).__name__}: {e}".split(" [tensorstore_spec=")[0].splitlines()[0]
+  """One line from an exception, without tensorstore's JSON specs (which help nobody); cut
+  where a spec would begin, never inside one, when still too long."""
+  text = _TENSORSTORE_SPEC.split(f"{type(e).__name__}: {e}", maxsplit=1)[0].splitlines()[0]
   return text if len(text) <= limit else text[:limit] + " ..."
 
 

@@ -73,3 +73,14 @@ def _env_int(name: str) -> int | None:
 def is_primary() -> bool:
   """Only process 0 writes logs, metrics and summaries; every process joins checkpoints."""
   return jax.process_index() == 0
+
+
+def primary_says(ok: bool) -> bool:
+  """Process 0's `ok`, on every process (a broadcast: every process must call it); `ok` itself
+  for a single process. What one process decides for the job (the workdir's lock, say) then
+  ends every process alike, not the others later in a collective's timeout."""
+  if jax.process_count() == 1:
+    return ok
+  import numpy as np
+  from jax.experimental import multihost_utils
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))

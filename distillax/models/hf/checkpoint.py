@@ -87,6 +87,15 @@ def _tensor_files(path: Path) -> dict[str, Path]:
   return names
 
 
+def check_files(path: str | os.PathLike) -> None:
+  """Raises the UserError `load` would for a missing config.json, a missing safetensors file or
+  a shard its index lists but the directory lacks, reading no weight: a job checks its sources
+  with this before its step compiles."""
+  path = Path(path)
+  _read_json(path / "config.json")
+  _tensor_files(path)
+
+
 def _text_tower(files: dict[str, Path], hf_config) -> tuple[dict[str, Path], dict[str, str]]:
   """A multimodal wrapper's text decoder tensors under the names of its text-only class
   ('model.language_model.x' as 'model.x', or transformers 4's 'language_model.model.x', as

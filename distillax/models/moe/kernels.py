@@ -71,21 +71,26 @@ def ragged_dot_for(impl: str) -> RaggedDot | None:
 
 def grouped_ffn(xs_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,
                 ragged_dot: RaggedDot | None = None, biases=None, up_act=None,
-                sorted_experts_N=None):
+                sorted_experts_N=None, every_row_grouped: bool = False):
   """The gated MLP of each expert over its contiguous group of rows (rows past the groups'
   total come out zero): act(gate) * up, or act(gate) * up_act(up) (gpt-oss). `biases`: None or
   (gate_ExF, up_ExF, down_ExD), added to each row by its expert `sorted_experts_N` (rows past
   the groups take the last expert's: their output is never used). `ragged_dot` None: looked up
   as `jax.lax.ragged_dot` when called, so QAT's interception of it (quant/intercept.py) sees
-  these matmuls too."""
+  these matmuls too. every_row_grouped: the caller knows the groups cover every row (a dropless
+  dispatch), so no row needs masking."""
   ragged_dot = ragged_dot or jax.lax.ragged_dot
   # A grouped matmul leaves the rows past the groups' total undefined on a TPU (zeros on the
-  # CPU): measured on a v5e, garbage (NaN in bf16) in them, and in the input gradient's, reached
-  # the dropped tokens' gradients. Zeroed here on the way in (which zeroes their gradient on the
-  # way back) and on the way out.
-  in_groups_Nx1 = (jnp.arange(xs_NxD.shape[0]) < jnp.sum(group_sizes_E))[:, None]
-  grouped = lambda lhs, rhs: jnp.where(in_groups_Nx1, ragged_dot(
-      jnp.where(in_groups_Nx1, lhs, 0), rhs, group_sizes_E), 0)
+  # CPU): measured on a v5e, garbage (NaN in bf16) in them, and in the input gradient's (the
+  # transpose is another grouped matmul over the same groups), reached the dropped tokens'
+  # gradients. Zeroed here on the way in (which zeroes their gradient on the way back) and on
+  # the way out.
+  if every_row_grouped:
+    grouped = lambda lhs, rhs: ragged_dot(lhs, rhs, group_sizes_E)
+  else:
+    in_groups_Nx1 = (jnp.arange(xs_NxD.shape[0]) < jnp.sum(group_sizes_E))[:, None]
+    grouped = lambda lhs, rhs: jnp.where(in_groups_Nx1, ragged_dot(
+        jnp.where(in_groups_Nx1, lhs, 0), rhs, group_sizes_E), 0)
   gate_NxF = grouped(xs_NxD, gate_ExDxF)
   up_NxF = grouped(xs_NxD, up_ExDxF)
   bias = lambda b_ExX: jnp.take(b_ExX, sorted_experts_N, axis=0, mode="clip")

@@ -44,35 +44,9 @@ from distillax.models.moe.shared import SharedExpert
 from distillax.partitioning import constrain
 
 
-def ragged_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act,
-                   biases=None, up_act=None):
-  """Dropless grouped-matmul dispatch: sort the T*k assignments by expert, run each expert's
-  group with `ragged_dot`, undo the sort and sum each token's k weighted outputs.
-  The hidden is act(gate) * up (gpt-oss: * up_act(up)); biases: None or gpt-oss's
-  (gate_ExF, up_ExF, down_ExD)."""
-  T, D = x_TxD.shape
-  E, k = gate_ExDxF.shape[0], routing.experts_TxK.shape[1]
-  experts_N = routing.experts_TxK.reshape(-1)  # N = T*k assignments, token-major
-  if routing.keep_TxK is not None:  # dropped assignments sort past every group: no work
-    experts_N = jnp.where(routing.keep_TxK.reshape(-1), experts_N, E)
-  order_N = jnp.argsort(experts_N, stable=True)
-  group_sizes_E = jnp.bincount(experts_N, length=E).astype(jnp.int32)
-  xs_NxD = jnp.take(x_TxD, order_N // k, axis=0)
-  gate_NxF = jax.lax.ragged_dot(xs_NxD, gate_ExDxF, group_sizes_E)
-  up_NxF = jax.lax.ragged_dot(xs_NxD, up_ExDxF, group_sizes_E)
-  if biases is not None:  # each sorted row adds its expert's biases (a dropped row, sorted
-    # past every group as expert E, gets expert E-1's: its output is weighted 0 anyway)
-    sorted_N = jnp.take(experts_N, order_N)
-    bias = lambda b_ExX: jnp.take(b_ExX, sorted_N, axis=0, mode="clip")
-    gate_NxF, up_NxF = gate_NxF + bias(biases[0]), up_NxF + bias(biases[1])
-  if up_act is not None:
-    up_NxF = up_act(up_NxF)
-  out_NxD = jax.lax.ragged_dot(act(gate_NxF) * up_NxF, down_ExFxD, group_sizes_E)
-  if biases is not None:
-    out_NxD = out_NxD + bias(biases[2])
-  out_TxKxD = jnp.take(out_NxD, jnp.argsort(order_N), axis=0).reshape(T, k, D)
-  w_TxK = routing.weights_TxK.astype(out_TxKxD.dtype)
-  return jnp.einsum("TKD,TK->TD", out_TxKxD, w_TxK)
+# The ragged dispatch and tokamax's are one function (models/moe/parallel.py) over two grouped
+# matmuls: a single place masks the rows a TPU leaves undefined.
+ragged_experts = routed_experts
 
 
 def dense_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act,
@@ -94,7 +68,7 @@ def dense_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act
   return jnp.einsum("TED,TE->TD", out_TxExD, combine_TxE.astype(out_TxExD.dtype))
 
 
-_DISPATCH = {"ragged": ragged_experts, "dense": dense_experts,
+_DISPATCH = {"ragged": routed_experts, "dense": dense_experts,
              "tokamax": functools.partial(routed_experts, ragged_dot=tokamax_ragged_dot)}
 
 

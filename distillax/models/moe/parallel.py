@@ -56,10 +56,10 @@ def _local_experts(rows_MxD, expert_M, E_local: int, weights, act, ragged_dot, b
   order_M = jnp.argsort(expert_M, stable=True)
   group_sizes_E = jnp.sum(expert_M[:, None] == jnp.arange(E_local)[None, :], axis=0,
                           dtype=jnp.int32)
-  out_MxD = grouped_ffn(jnp.take(rows_MxD, order_M, axis=0), group_sizes_E, *weights, act,
-                        ragged_dot=ragged_dot, biases=biases, up_act=up_act,
+  out_MxD = grouped_ffn(jnp.take(rows_MxD, order_M, axis=0, mode="clip"), group_sizes_E,
+                        *weights, act, ragged_dot=ragged_dot, biases=biases, up_act=up_act,
                         sorted_experts_N=jnp.take(expert_M, order_M))
-  return jnp.take(out_MxD, jnp.argsort(order_M), axis=0)
+  return jnp.take(out_MxD, jnp.argsort(order_M), axis=0, mode="clip")
 
 
 def _combine(out_NxD, weights_TxK):
@@ -72,16 +72,25 @@ def _combine(out_NxD, weights_TxK):
 def routed_experts(x_TxD, routing, gate_ExDxF, up_ExDxF, down_ExFxD, act, biases=None,
                    up_act=None, *, ragged_dot: RaggedDot | None = None):
   """The dropless grouped-matmul dispatch with every expert on this device (the signature of
-  models/moe/layer.py's dispatches): what `moe_impl='tokamax'` runs when the experts are not split,
-  and what each device runs on the rows it received when they are."""
+  models/moe/layer.py's dispatches; `ragged_dot` None: jax.lax.ragged_dot): the T*k (token,
+  expert) assignments sorted by expert, each expert's contiguous group through one grouped
+  matmul, the sort undone and each token's k weighted outputs summed. An assignment dropped for
+  capacity sorts past every group (expert E): no work, and its rows are masked (grouped_ffn)."""
+  # Row gathers take mode='clip': every index is in bounds, and jnp.take's default fill adds a
+  # select over the gathered rows (13 ms of a 0.50B MoE student's 8 x 2048 step on a v5e).
   E, k = gate_ExDxF.shape[0], routing.experts_TxK.shape[1]
-  experts_N = routing.experts_TxK.reshape(-1)
-  if routing.keep_TxK is not None:  # dropped for capacity: no expert, weight 0
+  experts_N = routing.experts_TxK.reshape(-1)  # N = T*k assignments, token-major
+  dropless = routing.keep_TxK is None
+  if not dropless:
     experts_N = jnp.where(routing.keep_TxK.reshape(-1), experts_N, E)
-  rows_NxD = jnp.take(x_TxD, jnp.arange(experts_N.shape[0]) // k, axis=0)
-  out_NxD = _local_experts(rows_NxD, experts_N, E, (gate_ExDxF, up_ExDxF, down_ExFxD), act,
-                           ragged_dot, biases, up_act)
-  return _combine(out_NxD, routing.weights_TxK)
+  order_N = jnp.argsort(experts_N, stable=True)
+  group_sizes_E = jnp.bincount(experts_N, length=E).astype(jnp.int32)
+  out_NxD = grouped_ffn(jnp.take(x_TxD, order_N // k, axis=0, mode="clip"), group_sizes_E,
+                        gate_ExDxF, up_ExDxF, down_ExFxD, act, ragged_dot=ragged_dot, biases=biases,
+                        up_act=up_act, sorted_experts_N=jnp.take(experts_N, order_N),
+                        every_row_grouped=dropless)
+  return _combine(jnp.take(out_NxD, jnp.argsort(order_N), axis=0, mode="clip"),
+                  routing.weights_TxK)
 
 
 def _exchange(x_TxD, weights_TxK, experts_TxK, gate, up, down, biases, *, axes, n, act, up_act,
@@ -94,7 +103,7 @@ def _exchange(x_TxD, weights_TxK, experts_TxK, gate, up, down, biases, *, axes, 
   experts_N = experts_TxK.reshape(-1)
   order_N, dest_sorted_N, slot_N, source_nxC, filled_nxC = _pack_by_destination(
       experts_N // E_local, n, capacity)
-  rows_NxD = jnp.take(x_TxD, order_N // k, axis=0)
+  rows_NxD = jnp.take(x_TxD, order_N // k, axis=0, mode="clip")
   send_nxCxD = jnp.where(filled_nxC[..., None], rows_NxD[source_nxC], 0).astype(x_TxD.dtype)
   local_nxC = jnp.where(filled_nxC, (experts_N[order_N] % E_local)[source_nxC], E_local)
   recv_nxCxD = jax.lax.all_to_all(send_nxCxD, axes, 0, 0, tiled=True)

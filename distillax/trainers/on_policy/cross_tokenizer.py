@@ -27,7 +27,8 @@ from distillax.errors import ConfigError
 from distillax.framework.step import Objective
 from distillax.trainers.distill.recipe import DistillRecipe
 from distillax.trainers.distill.cross_tokenizer import CrossTokenizerDistillRecipe
-from distillax.trainers.on_policy.recipe import OnPolicyRecipe, sample_width, settings_from_config
+from distillax.trainers.on_policy.recipe import (OnPolicyRecipe, micro_batches, sample_width,
+                                                 settings_from_config)
 from distillax.trainers.on_policy.host_step import HostStep
 from distillax.trainers.on_policy.parts import OnPolicyIterator
 from distillax.trainers.recipe import Recipe
@@ -66,6 +67,9 @@ class CrossTokenizerOnPolicyRecipe(CrossTokenizerDistillRecipe):
                         f"off-policy job, trainer='distill')")
     self.prompt_len = int(c.prompt_len)
     width = sample_width(self.prompt_len, self.settings, self.model_config)
+    self.accum_steps = micro_batches(self.batch_size * self.settings.num_samples,
+                                     self.settings.num_samples, int(c.get("micro_batch", 0)),
+                                     int(config.train.accum_steps))
     # The teacher's tokens of one sample; by default as many as the student's scoring inputs.
     self.teacher_len = int(config.distill.cross_tokenizer.teacher_seq_len) or width - 1
     if self.teacher_len + 1 > self.teacher_model_config.max_seq_len:
@@ -107,6 +111,5 @@ class CrossTokenizerOnPolicyRecipe(CrossTokenizerDistillRecipe):
     # Adapter dropout is for the learner's forward, not for sampling.
     context = (lambda: quant.lora_dropout(None)) if self.transforms.lora is not None else None
     engine.runner = HostStep(engine, self.settings, self.aligner,
-                             accum_steps=int(self.config.train.accum_steps),
                              sampling_context=context).runner()
     return engine

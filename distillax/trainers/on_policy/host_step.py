@@ -35,7 +35,7 @@ from distillax.framework import backends
 from distillax.framework.engine import Engine
 
 
-def sampling_program(engine: Engine, settings: OnPolicySettings, accum_steps: int,
+def sampling_program(engine: Engine, settings: OnPolicySettings,
                      sampling_context: Callable | None = None) -> Callable:
   """(global state, global prompt batch) -> (tokens [B * S, T], lengths [B * S]), replicated."""
   defs, mesh, rules = engine.layout.defs, engine.mesh, engine.rules
@@ -45,8 +45,7 @@ def sampling_program(engine: Engine, settings: OnPolicySettings, accum_steps: in
     with pt.use_rules(mesh, rules), context():
       student, _ = defs.merge(state.params, state.frozen)
       step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-      generated = sample_completions(unwrap_student(student)[0], batch, step_rng, settings,
-                                     accum_steps)
+      generated = sample_completions(unwrap_student(student)[0], batch, step_rng, settings)
       return generated.tokens_BxT, generated.lengths_B
   return jax.jit(run, out_shardings=NamedSharding(mesh, P()))
 
@@ -55,11 +54,11 @@ class HostStep:
   """The runner's call and place_batch (see the module doc)."""
 
   def __init__(self, engine: Engine, settings: OnPolicySettings, host_fn: Callable, *,
-               accum_steps: int = 1, sampling_context: Callable | None = None,
+               sampling_context: Callable | None = None,
                clock: Callable[[], float] = time.perf_counter):
     self.engine, self.inner, self.host_fn, self.clock = engine, engine.runner, host_fn, clock
     self.num_samples = int(settings.num_samples)
-    self.sample = sampling_program(engine, settings, accum_steps, sampling_context)
+    self.sample = sampling_program(engine, settings, sampling_context)
     self.place_global = backends.global_batch_placer(engine.mesh, engine.rules)
 
   def place_batch(self, host_batch):

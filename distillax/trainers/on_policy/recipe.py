@@ -13,6 +13,8 @@ watches, and writes a few completions to <workdir>/on_policy_samples/.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from absl import logging
 
@@ -22,11 +24,12 @@ from distillax.distill.on_policy.objective import (PROMPT_LENGTHS, PROMPT_TOKENS
                                          OnPolicySettings, make_on_policy_objective)
 from distillax.distill.on_policy.eval import OnPolicyEvaluator
 from distillax.distill.on_policy.losses import on_policy_strategy
-from distillax.distill.sequence_kd import stop_ids, take_prompt_records
+from distillax.distill.sequence_kd import NoPromptFits, stop_ids, take_prompt_records
 from distillax.errors import ConfigError, UserError
-from distillax.framework import flops
+from distillax.framework import backends, flops
 from distillax.framework.engine import with_extra_eval
 from distillax.framework.step import Objective
+from distillax.models.attention.layer import kv_cache_bytes_per_token
 from distillax.trainers.distill.recipe import DistillRecipe
 from distillax.trainers.on_policy.parts import OnPolicyIterator, SamplingClock, write_samples
 from distillax.trainers.registry import register
@@ -47,6 +50,60 @@ def settings_from_config(c, tokenizer) -> OnPolicySettings:
       top_p=float(c.top_p) if float(c.top_p) < 1 else None, eos_id=tokenizer.eos_id,
       stop_ids=stops, pad_id=int(tokenizer.pad_id), lmbda=float(c.lmbda),
       vocab_limit=int(tokenizer.vocab_size))
+
+
+def prompt_records(recipe, split: str):
+  """The on-policy prompts of `split` (train: num_prompts, eval: eval_prompts) of `recipe`."""
+  c = recipe.config.on_policy
+  return take_prompt_records(
+      recipe.config.data, recipe.tokenizer,
+      count=int(c.num_prompts if split == "train" else c.eval_prompts),
+      prompt_len=recipe.prompt_len, seed=int(recipe.config.seed), split=split,
+      field="on_policy.prompt_len")
+
+
+def prompt_fix(recipe, error: NoPromptFits) -> str:
+  """`error`'s line with a prompt_len that works when followed: long enough for every prompt
+  split of `recipe` (train and eval), and a max_new_tokens that still fits model.max_seq_len."""
+  need = error.shortest
+  for other in recipe.prompt_splits:
+    if need is None or other == error.split:
+      continue
+    try:
+      prompt_records(recipe, other)
+    except NoPromptFits as e:
+      need = max(need, e.shortest or need)
+  if need is None:
+    return str(error)
+  room = int(recipe.model_config.max_seq_len) - need
+  also = ""
+  if recipe.settings.max_new_tokens > room > 0:
+    also = f" --config.on_policy.max_new_tokens={room}"
+  elif room <= 0:
+    also = f" (past model.max_seq_len={recipe.model_config.max_seq_len}: shorten the prompts)"
+  return error.line(need, also)
+
+
+def micro_batches(sampling_batch: int, num_samples: int, micro_batch: int,
+                  accum_steps: int) -> int:
+  """Update micro-batches per step: sampling_batch / micro_batch completions (on_policy.
+  micro_batch), or train.accum_steps when micro_batch is 0; each wrong pair refused in one
+  line."""
+  if micro_batch == 0:
+    return accum_steps
+  divisors = [m for m in range(num_samples, sampling_batch + 1, num_samples)
+              if sampling_batch % m == 0]
+  if micro_batch < 0 or micro_batch % num_samples or sampling_batch % micro_batch:
+    raise ConfigError(f"on_policy.micro_batch={micro_batch} must be a multiple of "
+                      f"on_policy.num_samples={num_samples} that divides the sampling batch "
+                      f"(train.batch_size x num_samples = {sampling_batch} completions), e.g. "
+                      f"{', '.join(map(str, divisors[-3:]))}; or 0 to leave train.accum_steps "
+                      f"in charge")
+  accum = sampling_batch // micro_batch
+  if accum_steps not in (1, accum):
+    raise ConfigError(f"on_policy.micro_batch={micro_batch} makes {accum} micro-batches per step "
+                      f"but train.accum_steps={accum_steps}; set only one of them")
+  return accum
 
 
 def sample_width(prompt_len: int, settings: OnPolicySettings, model_config) -> int:
@@ -79,10 +136,22 @@ class OnPolicyRecipe(DistillRecipe):
     self.settings = settings_from_config(c, self.tokenizer)
     self.prompt_len = int(c.prompt_len)
     sample_width(self.prompt_len, self.settings, self.model_config)
+    self.sampling_batch = self.batch_size * self.settings.num_samples
+    self.accum_steps = micro_batches(self.sampling_batch, self.settings.num_samples,
+                                     int(c.get("micro_batch", 0)), int(config.train.accum_steps))
+    # A plain student samples from its matmul weights cast to bf16 once, before the decode loop.
+    plain = self.transforms.qat is None and self.transforms.lora is None
+    self.settings = dataclasses.replace(self.settings, cast_weights=plain)
     if self.teacher_model_config is None:
       raise ConfigError("on_policy needs a teacher model (teacher.workdir, teacher.hf_path or "
                         "teacher.preset), not an offline cache: the teacher scores the "
                         "student's own samples")
+
+  def plan_lines(self, report: dict) -> list[str]:
+    """The two batches and what the sampler holds per device while it runs."""
+    data = int(self.mesh.shape.get(backends.DATA_AXIS, 1)) if self.mesh is not None else 1
+    return [sampling_plan_line(self.model_config, self.sampling_batch, self.accum_steps,
+                               self.prompt_len, self.settings, report, data)]
 
   def objective(self, *, train: bool = False) -> Objective:
     """Train: sampling + scoring (with lmbda mixing); eval: the distill loss on the data."""
@@ -116,14 +185,9 @@ class OnPolicyRecipe(DistillRecipe):
     if split not in cache:
       c = self.config.on_policy
       try:
-        records = take_prompt_records(
-            self.config.data, self.tokenizer, count=int(c.num_prompts if split == "train"
-                                                        else c.eval_prompts),
-            prompt_len=self.prompt_len, seed=int(self.config.seed), split=split,
-            field="on_policy.prompt_len")
-      except UserError as e:
-        raise UserError(f"on_policy: {e}") from None
-      cache[split] = [r.tokens for r in records]
+        cache[split] = [r.tokens for r in prompt_records(self, split)]
+      except NoPromptFits as e:
+        raise UserError(f"on_policy: {prompt_fix(self, e)}") from None
     return cache[split]
 
   def eval_teacher(self, extras):
@@ -177,6 +241,34 @@ class OnPolicyRecipe(DistillRecipe):
     return on_policy_step_flops(self.model_config, self.teacher_model_config,
                                 self.batch_size * self.settings.num_samples, self.prompt_len,
                                 self.settings.max_new_tokens)
+
+
+def sampling_memory(model_config, rows: int, width: int, params_bytes: int,
+                    settings: OnPolicySettings) -> dict[str, int]:
+  """Bytes the sampler holds while it decodes `rows` samples of `width` positions: its KV cache
+  (the compute dtype, or settings.cache_dtype) and, when it casts them (cast_weights), the
+  student's weights in the compute dtype (`params_bytes` as stored, scaled down)."""
+  kv = rows * width * kv_cache_bytes_per_token(model_config, settings.cache_dtype)
+  stored = jax.numpy.dtype(model_config.param_dtype).itemsize
+  compute = jax.numpy.dtype(model_config.dtype).itemsize
+  weights = params_bytes * compute // stored if settings.cast_weights and compute < stored else 0
+  return {"kv_cache_bytes": int(kv), "weights_copy_bytes": int(weights)}
+
+
+def sampling_plan_line(model_config, sampling_batch: int, accum: int, prompt_len: int,
+                       settings: OnPolicySettings, report: dict, data: int = 1) -> str:
+  """plan's line about the two batches (per device: the `data`-parallel share of the rows)."""
+  width = prompt_len + settings.max_new_tokens
+  memory = sampling_memory(model_config, -(-sampling_batch // data), width,
+                           int(report["params_bytes_per_device"]), settings)
+  gib = lambda n: f"{n / 2**30:.3g} GiB"
+  copy = (f" + the student's weights in {model_config.dtype} {gib(memory['weights_copy_bytes'])}"
+          if memory["weights_copy_bytes"] else "")
+  return (f"on-policy batches: sampling {sampling_batch} completions of {prompt_len} + "
+          f"{settings.max_new_tokens} tokens at once (KV cache {gib(memory['kv_cache_bytes'])}"
+          f"{copy} per device, before the update), update micro-batch "
+          f"{sampling_batch // accum} completions x {accum} per step (in the compiled step's "
+          f"peak)")
 
 
 def on_policy_step_flops(model_config, teacher_config, rows: int, prompt_len: int,

@@ -99,6 +99,12 @@ class ModelSource:
   def fingerprint(self) -> dict:
     return {"kind": self.kind, "source": self.named(), "config": self.model_config().to_dict()}
 
+  def check_files(self) -> None:
+    """Raises a UserError for a weight file `load` would miss (before anything compiles)."""
+    of = getattr(self, "of", None)
+    if of is not None:
+      of.check_files()
+
   def _checked(self, model: nnx.Module, cfg: TransformerConfig) -> nnx.Module:
     if model.config != cfg:
       raise ConfigError(f"{self.named()} holds a model of another shape ({model.config}); make "
@@ -156,6 +162,9 @@ class HFSource(ModelSource):
     model = hf.load(self.path, mesh=mesh, rules=rules, **{k: getattr(cfg, k) for k in RUN_FIELDS})
     return self._checked(model, cfg)
 
+  def check_files(self) -> None:
+    hf.check_files(self.path)
+
   def tokenizer_file(self):
     file = os.path.join(self.path, "tokenizer.json")
     return file if os.path.isfile(file) else None
@@ -194,11 +203,17 @@ class RunSource(ModelSource):
     return self._config
 
   def load(self, cfg, mesh, rules, *, seed):
+    return self.load_with_step(cfg, mesh, rules, seed=seed)[0]
+
+  def load_with_step(self, cfg, mesh, rules, *, seed):
+    """(`load`'s model, the checkpoint step it was read from: an older step than the newest
+    when that one cannot be read)."""
+    del seed  # the run's weights are all in its checkpoint
     from distillax.trainers.sources import runs  # runs.py asks sources for a LoRA run's base
-    model = runs.load_run_student(self, mesh, rules)
+    model, step = runs.load_run_student(self, mesh, rules)
     if model.config != cfg:
       model = self._checked(place(model, mesh, rules, abstract_model(cfg)), cfg)
-    return model
+    return model, step
 
   def tokenizer_file(self):
     return files.hf_tokenizer_file(str(self.run_config.data.tokenizer))

@@ -63,9 +63,10 @@ def checkpoint_fingerprint(workdir: str) -> dict:
   return {"step": step, "files": files.files_fingerprint(state_dir, names) if names else []}
 
 
-def load_run_student(source, mesh, rules) -> nnx.Module:
-  """The plain student Transformer of `source` (a RunSource) at its newest valid checkpoint,
-  sharded for `mesh`/`rules`: LoRA merged, fake quantization off, no training-only parts."""
+def load_run_student(source, mesh, rules) -> tuple[nnx.Module, int]:
+  """(the plain student Transformer of `source` (a RunSource) at its newest valid checkpoint,
+  sharded for `mesh`/`rules`: LoRA merged, fake quantization off, no training-only parts; the
+  step it was read from: an older one when the newest cannot be read)."""
   run = source.run_config
   cfg, seed = source.model_config(), int(run.seed)
   transforms = StudentTransforms.from_config(run)
@@ -79,7 +80,7 @@ def load_run_student(source, mesh, rules) -> nnx.Module:
   for key in reversed(path):
     target = {key: target}
   with checkpoints_of(source.workdir, source.field) as ckpt:
-    _, restored = ckpt.restore_arrays({"params": target})
+    step, restored = ckpt.restore_arrays({"params": target})
   values = restored["params"]
   for key in path:
     values = values[key]
@@ -90,7 +91,7 @@ def load_run_student(source, mesh, rules) -> nnx.Module:
   else:
     nnx.replace_by_pure_dict(train_state, values)
     model = nnx.merge(graph, train_state, rest_state)
-  return transforms.strip(model)
+  return transforms.strip(model), step
 
 
 def _state_of(model, trainable, values):

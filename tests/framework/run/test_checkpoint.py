@@ -484,3 +484,14 @@ def test_two_processes_save_restore_and_agree_on_preemption_step(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
   _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+
+
+def test_an_unreadable_steps_problem_is_one_line_without_tensorstores_specs():
+  """Issue 55: the warning for an unreadable step ended in a piece of tensorstore's JSON spec
+  ("[tensorstore_spec[1]='{ ..."): every numbered spec is cut, not only the first form."""
+  from distillax.framework.run.checkpoint_items import short_problem
+  problem = ('OUT_OF_RANGE: Error reading "params.lm_head/.zarray": Requested byte range '
+             '[0, 99481) is not valid for value of size 10')
+  for specs in (""" [tensorstore_spec='{"driver":"zarr"}'] [tensorstore_spec[1]='{"a":1}']""",
+                """ [tensorstore_spec[1]='{"base":{"driver":"zarr"}}']"""):
+    assert short_problem(ValueError(problem + specs)) == f"ValueError: {problem}"

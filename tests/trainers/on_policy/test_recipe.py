@@ -85,7 +85,22 @@ def test_backends_and_presets_sample_and_train_alike(reference, backend, strateg
   config, batches, (want_rows, want_params) = reference
   config = config.copy_and_resolve_references()
   config.backend, config.partitioning.strategy, config.mesh.model = backend, strategy, model
-  rows, params = _steps(config, batches)
+  _assert_alike(*_steps(config, batches), want_rows, want_params)
+
+
+def test_micro_batches_on_a_mesh_sample_and_train_alike(reference):
+  """Issue 53 on 8 devices (4 data x 2 model): the step samples its 8 completions at once and
+  learns from them 4 at a time (2 micro-batches): the same samples and update as the
+  reference's one micro-batch."""
+  config, batches, (want_rows, want_params) = reference
+  config = config.copy_and_resolve_references()
+  config.partitioning.strategy, config.mesh.model = "fsdp_tp", 2
+  config.on_policy.micro_batch = 4
+  assert recipe_for(config).accum_steps == 2
+  _assert_alike(*_steps(config, batches), want_rows, want_params)
+
+
+def _assert_alike(rows, params, want_rows, want_params):
   for got, want in zip(rows, want_rows):
     # Same samples: the completion statistics agree exactly, the losses to rounding.
     assert float(got["completion_length"]) == float(want["completion_length"])
@@ -202,14 +217,51 @@ def test_cli_q4_0_moe_student_with_overrides_writes_figures_and_samples(tmp_path
     ("--config.on_policy.lmbda=2.0", "on_policy.lmbda"),
     ("--config.on_policy.divergence=kl", "on_policy.divergence"),
     ("--config.on_policy.max_new_tokens=200", "max_seq_len"),
-    ("--config.on_policy.num_samples=0", "on_policy.num_samples")])
+    ("--config.on_policy.num_samples=0", "on_policy.num_samples"),
+    # tiny: 8 prompts x 2 samples = 16 completions a step
+    ("--config.on_policy.micro_batch=3", "on_policy.micro_batch=3 must be a multiple of "
+     "on_policy.num_samples=2 that divides the sampling batch (train.batch_size x num_samples "
+     "= 16 completions), e.g. 4, 8, 16"),
+    ("--config.on_policy.micro_batch=4 --config.train.accum_steps=2",
+     "on_policy.micro_batch=4 makes 4 micro-batches per step but train.accum_steps=2")])
 def test_bad_on_policy_fields_fail_in_one_line(tmp_path, capsys, override, fragment):
   workdir = tmp_path / "bad"
   code = cli.main(["distillax", "train", "--config", f"{CONFIG}:tiny", "--workdir",
-                   str(workdir), override])
+                   str(workdir), *override.split()])
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1 and fragment in err[0], err
   assert not workdir.exists()
+
+
+@pytest.mark.parametrize("micro_batch, accum_steps, want", [(0, 1, 1), (0, 2, 2), (4, 1, 4),
+                                                            (4, 4, 4), (16, 1, 1), (2, 1, 8)])
+def test_micro_batch_sets_the_steps_micro_batches(micro_batch, accum_steps, want):
+  """Issue 53: the update micro-batches of a step of 16 completions (8 prompts x 2 samples)."""
+  from distillax.trainers.on_policy.recipe import micro_batches
+  assert micro_batches(16, 2, micro_batch, accum_steps) == want
+
+
+def test_plan_line_sizes_the_sampler_per_device():
+  """8 completions of 6 + 4 tokens over 4 data devices: 2 rows x 10 positions of KV cache
+  (2 layers x K and V x 2 kv heads x 8 features x 2 bytes = 128 bytes a position: 2,560
+  bytes), and the fp32 weights' bf16 copy (400 -> 200 bytes a device, as cast)."""
+  import types
+  from distillax.models.config import TransformerConfig
+  from distillax.trainers.on_policy.recipe import sampling_memory, sampling_plan_line
+  from distillax.distill.on_policy.objective import OnPolicySettings
+  cfg = TransformerConfig(vocab_size=32, embed_dim=16, num_layers=2, num_heads=2,
+                          num_kv_heads=2, head_dim=8, mlp_dim=32, max_seq_len=16,
+                          dtype="bfloat16")
+  settings = OnPolicySettings(max_new_tokens=4, cast_weights=True)
+  assert sampling_memory(cfg, 2, 10, 400, settings) == {"kv_cache_bytes": 2560,
+                                                        "weights_copy_bytes": 200}
+  no_cast = sampling_memory(cfg, 2, 10, 400, OnPolicySettings(max_new_tokens=4))
+  assert no_cast["weights_copy_bytes"] == 0
+  line = sampling_plan_line(cfg, 8, 2, 6, settings, {"params_bytes_per_device": 400}, data=4)
+  assert line == ("on-policy batches: sampling 8 completions of 6 + 4 tokens at once (KV cache "
+                  f"{2560 / 2**30:.3g} GiB + the student's weights in bfloat16 "
+                  f"{200 / 2**30:.3g} GiB per device, before the update), update micro-batch 4 "
+                  "completions x 2 per step (in the compiled step's peak)")
 
 
 def test_a_sample_past_the_students_max_seq_len_is_one_line():
@@ -264,3 +316,72 @@ def test_prompts_longer_than_prompt_len_fail_before_any_compile(tmp_path, capsys
   config.data.source, config.data.eval_source = train, held_out
   config.data.layout, config.on_policy.prompt_len = "prompt_completion", shortest
   assert check_workdir(str(workdir), config).summary is None  # the corrected job may run there
+
+
+def _prompt_files(tmp_path, train_words: int, eval_texts: list[str]):
+  """A prompt/completion train file whose prompts all need `train_words` words, and a held-out
+  one of `eval_texts`."""
+  train = [" ".join(["word"] * train_words) + f" {i}" for i in range(12)]
+  return (ct.write_jsonl(tmp_path / "train.jsonl", [{"prompt": p, "completion": " yes"}
+                                                     for p in train]),
+          ct.write_jsonl(tmp_path / "eval.jsonl", [{"prompt": p, "completion": " yes"}
+                                                   for p in eval_texts]))
+
+
+def test_the_suggested_prompt_len_fits_both_splits_when_followed(tmp_path, capsys):
+  """Issue 55 point 6: with train prompts too long for prompt_len and held-out ones longer
+  still, the check suggested each split's own length (36 for train, 55 for eval here), and
+  following the first failed on the second. Now every line suggests one setting that admits
+  both splits' shortest prompts (and a max_new_tokens that still fits the student's
+  max_seq_len), and the job configured with it reads its prompts."""
+  import re
+  train, held_out = _prompt_files(tmp_path, 4, [" ".join(["longer"] * 4) + f" {i}"
+                                                for i in range(8)])
+  argv = ["distillax", "train", "--config", f"{CONFIG}:tiny", "--workdir",
+          str(tmp_path / "run"), f"--config.data.source={train}",
+          f"--config.data.eval_source={held_out}", "--config.data.layout=prompt_completion"]
+  assert cli.main(argv) == 2
+  err = capsys.readouterr().err.strip()
+  suggested = dict(re.findall(r"--config\.on_policy\.(\w+)=(\d+)", err))
+  config = op_config.get_config("tiny")
+  tokenizer = make_tokenizer(config.data.tokenizer)
+  need = 1 + len(tokenizer.encode(" ".join(["longer"] * 4) + " 0"))
+  # Every line (one a split) suggests the same length: the one that admits both.
+  assert set(re.findall(r"--config\.on_policy\.prompt_len=(\d+)", err)) == {str(need)}, err
+  config.data.source, config.data.eval_source = train, held_out
+  config.data.layout = "prompt_completion"
+  for field, value in suggested.items():
+    config.on_policy[field] = int(value)
+  recipe = recipe_for(config)
+  assert len(recipe.prompts("train")) > 0 and len(recipe.prompts("eval")) == 8
+
+
+def test_eval_prompts_left_out_are_said_with_their_count(tmp_path, caplog):
+  """Issue 55 point 6: on-policy eval used 2 of its 8 prompts and no line said so. Now one
+  warning line gives the count left out and the prompt_len that keeps them all, which does."""
+  import logging
+  short = [f"q{i}" for i in range(2)]
+  long = [" ".join(["longer"] * 3) + f" {i}" for i in range(6)]
+  train, held_out = _prompt_files(tmp_path, 1, short + long)
+  config = op_config.get_config("tiny")
+  config.data.source, config.data.eval_source = train, held_out
+  config.data.layout = "prompt_completion"
+  config.on_policy.prompt_len = 8
+  with caplog.at_level(logging.WARNING):
+    assert len(recipe_for(config).prompts("eval")) == 2
+  lines = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+  assert len(lines) == 1, lines
+  tokenizer = make_tokenizer(config.data.tokenizer)
+  longest = max(1 + len(tokenizer.encode(p)) for p in long)
+  assert lines[0] == (f"on_policy.prompt_len=8: 6 of the eval prompts are longer and left out, "
+                      f"2 used of the 8 asked for; --config.on_policy.prompt_len={longest} "
+                      f"keeps them all")
+  config.on_policy.prompt_len = longest
+  assert len(recipe_for(config).prompts("eval")) == 8
+
+
+def test_only_a_plain_student_samples_from_weights_cast_once():
+  """A QAT student quantizes its stored weights and a LoRA one adds to them: casting them first
+  would change what they sample, so only a plain student gets the cast (issue 53)."""
+  assert recipe_for(op_config.get_config("tiny")).settings.cast_weights
+  assert not recipe_for(op_config.get_config("tiny,q4_0")).settings.cast_weights
