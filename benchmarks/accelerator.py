@@ -85,6 +85,13 @@ ROWS = (
     Row("qat_kd_weights", "real", (f"kd:full:4{S}:qat=q4_0_weights",),
         "the KD step with only the student's weights fake-quantized to q4_0 (activations left "
         "in bf16): what the activations' q8_0 rounding costs"),
+    Row("train_int8", "real", (f"train:full:8{S}:qat=int8",
+                               f"train:save_dots_no_batch:4{S}:qat=int8",
+                               f"train:full:12{S}:qat=int8"),
+        "the train step as int8 QAT whose matmuls run in int8 (qat.int8_matmul: int8 weights "
+        "per channel and activations per token multiplied as s8 x s8 -> s32 dots in the "
+        "forward and the remat's recompute, straight-through backward in bf16); set against "
+        "`train`"),
     # Compiled for a v5e without one (libtpu's deviceless compile of lever_grid.lower's step
     # over the tpu:v5e-1 target's device), before issue 53's two batches: 15.53 GiB at 8 rows
     # (past 0.97 of the chip's 15.75 GiB, where run_group stops), 15.07 GiB at 6, so ~0.23 GiB
@@ -124,6 +131,11 @@ ROWS = (
         "QLoRA next-token training as configs/qlora.py runs it (frozen nf4 base in tiles of 32, "
         "rank-8 adapters on the attention and MLP matmuls, dropout 0.1); MFU counts the full "
         "6N model FLOPs, though the frozen base computes no weight gradients"),
+    Row("lora", "real", ("train:full:16:lora=lora", "train:full:8:lora=lora",
+                         "train:full:32:lora=lora"),
+        "LoRA next-token training as configs/lora.py runs it (a frozen bf16-computed fp32 base, "
+        "rank-8 adapters on the attention and MLP matmuls, dropout 0.1): QLoRA's peer without "
+        "the nf4 base"),
     Row("moe_kd", "moe", (f"kd:full:4{S}:teacher_moe_impl=ragged",
                           f"kd:full:2{S}:teacher_moe_impl=ragged",
                           f"kd:full:4{S}:teacher_moe_impl=tokamax"),
@@ -211,9 +223,14 @@ def summary(levers: list[dict], chosen: list[Row], names: dict[str, list[str]]) 
   out = {"benchmark": "accelerator", "probe": probe, "rows": rows,
          "inits": [r for r in levers if str(r.get("row", "")).startswith("init/")]}
   by_name = {r["name"]: r["best"] for r in rows}
-  if by_name.get("kd") and by_name.get("qat_kd") and (
-      by_name["kd"]["batch"] == by_name["qat_kd"]["batch"]):
-    out["qat_kd_over_kd"] = by_name["qat_kd"]["step_s"] / by_name["kd"]["step_s"]
+  for name in ("qat_kd", "qat_kd_weights"):  # step time at the same batch (issue 54: <= 1.15)
+    if by_name.get("kd") and by_name.get(name) and (
+        by_name["kd"]["batch"] == by_name[name]["batch"]):
+      out[f"{name}_over_kd"] = by_name[name]["step_s"] / by_name["kd"]["step_s"]
+  for name in ("qlora", "lora", "train_int8"):  # tokens/s at each one's best batch
+    if by_name.get("train") and by_name.get(name):
+      out[f"{name}_over_train"] = (by_name[name]["tokens_per_s"]
+                                   / by_name["train"]["tokens_per_s"])
   return out
 
 

@@ -34,6 +34,13 @@ SELECTION = (
     ("tests/quant/test_ggml_rounding.py",
      "q4_0 / q8_0 rounding (weights, activations, a q4_0 QAT forward) against numpy "
      "transcriptions of ggml's quantizers, bit for bit: the TPU's division, fp16 conversion"),
+    ("tests/quant/test_int8_train.py::"
+     "test_int8_matmul_qat_multiplies_int8_codes_and_trains_like_fake_quant",
+     "int8 QAT with qat.int8_matmul: the TPU's compiled step multiplies s8 x s8 (its int8 "
+     "convolutions; a deviceless v5e compile of the tiny train_int8 row has 26), logits and "
+     "gradients near fake-quant int8 QAT's"),
+    ("tests/quant/test_qlora_dequant.py::test_nf4_select_dequantize_is_qwix_table_bit_for_bit",
+     "QLoRA's nf4 base dequantized by selects against qwix's table gather, bit for bit"),
     ("tests/models/attention/test_impls.py::test_splash_kernel_matches_reference",
      "splash attention's Mosaic kernel (tiles 1024/1024/512 fused, the default; 512/1024/512 "
      "fused; 512/512/512 two-kernel backward) against the reference: f32 and bf16, causal, "

@@ -57,6 +57,13 @@ class QuantRule:
       raise ConfigError(f"{where}: tile_size={self.tile_size!r} must be a positive integer "
                         f"or None (per-channel)")
 
+  @property
+  def int8_matmul_eligible(self) -> bool:
+    """int8 weights per channel and int8 activations: what QuantConfig.int8_matmul runs as
+    int8 dots."""
+    return (self.weight_qtype == "int8" and self.act_qtype == "int8"
+            and self.tile_size is None)
+
   def matches(self, module_path: str) -> bool:
     return re.fullmatch(self.module_path, module_path) is not None
 
@@ -96,15 +103,25 @@ class QuantConfig:
   rules: tuple[QuantRule, ...] = ()
   start_step: int = 0  # full-precision steps before the trainer swaps to the fake-quant model
   schedule: tuple[tuple[int, tuple[QuantRule, ...]], ...] = ()  # progressive stages; () = off
+  # Rules of int8 weights and int8 activations per channel (tile_size None) multiply int8
+  # codes in their forward (s8 x s8 -> s32 dots; quant/int8_train.py) instead of rounded
+  # values in the compute dtype; straight-through backward either way.
+  int8_matmul: bool = False
 
   def __post_init__(self):
     if not isinstance(self.start_step, int) or self.start_step < 0:
       raise ConfigError(f"qat.start_step={self.start_step!r} must be a non-negative integer")
+    if not isinstance(self.int8_matmul, bool):
+      raise ConfigError(f"qat.int8_matmul={self.int8_matmul!r} must be True or False")
     object.__setattr__(self, "rules", tuple(self.rules))
     object.__setattr__(self, "schedule", tuple((s, tuple(r)) for s, r in self.schedule))
     if self.schedule:
       object.__setattr__(self, "rules", self.schedule[-1][1])
       object.__setattr__(self, "start_step", self.schedule[0][0])
+    if self.int8_matmul and self.rules and not any(r.int8_matmul_eligible for r in self.rules):
+      raise ConfigError("qat.int8_matmul=True but no qat rule has weight_qtype='int8', "
+                        "act_qtype='int8' and tile_size=None (the matmuls it runs in int8); "
+                        "add one, e.g. ('.*', 'int8', 'int8', None), or set it False")
 
   def rule_for(self, module_path: str) -> QuantRule | None:
     """The first rule matching `module_path`, or None."""
@@ -116,8 +133,9 @@ class QuantConfig:
   def stages(self) -> tuple[tuple[int, "QuantConfig"], ...]:
     """((first step, that stage's rules as a one-stage QuantConfig), ...) in step order."""
     if not self.schedule:
-      return ((self.start_step, QuantConfig(self.rules)),)
-    return tuple((step, QuantConfig(rules)) for step, rules in self.schedule)
+      return ((self.start_step, QuantConfig(self.rules, int8_matmul=self.int8_matmul)),)
+    return tuple((step, QuantConfig(rules, int8_matmul=self.int8_matmul))
+                 for step, rules in self.schedule)
 
   def stage_at(self, step: int) -> "QuantConfig | None":
     """The rules the forward at `step` fake-quantizes with; None before fake quantization."""
@@ -128,10 +146,12 @@ class QuantConfig:
     return current
 
   def to_dict(self) -> dict[str, Any]:
+    extra = {"int8_matmul": True} if self.int8_matmul else {}
     if self.schedule:
       return {"rules": [], "start_step": 0,
-              "schedule": [[s, [r.to_dict() for r in rules]] for s, rules in self.schedule]}
-    return {"rules": [r.to_dict() for r in self.rules], "start_step": self.start_step}
+              "schedule": [[s, [r.to_dict() for r in rules]] for s, rules in self.schedule],
+              **extra}
+    return {"rules": [r.to_dict() for r in self.rules], "start_step": self.start_step, **extra}
 
   @classmethod
   def from_config(cls, cfg: Mapping[str, Any] | "QuantConfig") -> "QuantConfig":
@@ -141,10 +161,10 @@ class QuantConfig:
       return cfg
     if isinstance(cfg, ml_collections.ConfigDict):
       cfg = cfg.to_dict()
-    unknown = sorted(set(cfg) - {"rules", "start_step", "schedule"})
+    unknown = sorted(set(cfg) - {"rules", "start_step", "schedule", "int8_matmul"})
     if unknown:
       raise ConfigError(f"unknown qat config field(s) {unknown}; known: rules, start_step, "
-                        f"schedule")
+                        f"schedule, int8_matmul")
     rules = tuple(_rule(r, f"qat.rules[{i}]") for i, r in enumerate(cfg.get("rules") or ()))
     start_step = int(cfg.get("start_step", 0))
     schedule = _schedule(cfg.get("schedule") or ())
@@ -156,7 +176,8 @@ class QuantConfig:
       raise ConfigError(f"qat.start_step={start_step} and qat.schedule are both set; the first "
                         f"stage's step is where fake quantization starts: set "
                         f"--config.qat.start_step=0")
-    return cls(rules=rules, start_step=start_step, schedule=schedule)
+    return cls(rules=rules, start_step=start_step, schedule=schedule,
+               int8_matmul=cfg.get("int8_matmul", False))
 
   @classmethod
   def simple(cls, weight_qtype: str, act_qtype: str | None = None, tile_size: int | None = None,

@@ -22,12 +22,15 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import qwix
 from flax import nnx
+from qwix._src.core import numerics as qwix_numerics
+from qwix._src.core import qarray as qwix_qarray
 
 from distillax import partitioning as pt
 from distillax.errors import UserError
-from distillax.quant import ggml, intercept
+from distillax.quant import ggml, int8_train, intercept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +47,9 @@ class WeightQuant:
   tile_size: int | None = None
   compute_dtype: str = "float32"  # weights are rounded in the dtype the matmul uses
   act_qtype: str | None = None
+  # int8 weights and activations multiplied as int8 codes (quant/int8_train.py): the weight is
+  # read unrounded and rounded by its matmul (QuantConfig.int8_matmul).
+  int8_matmul: bool = False
 
   def axes(self, stored_ndim: int) -> tuple[tuple[int, ...], dict[int, int]]:
     """(channelwise axes, {tiled axis: tile}) for a stored array of rank `stored_ndim`."""
@@ -69,9 +75,54 @@ def quantize_weight(w: jax.Array, wq: WeightQuant) -> tuple[jax.Array, jax.Array
   return q.qvalue, q.scale
 
 
-def dequantize(qvalue: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
-  """Values on the quantization grid, in the scale's dtype."""
+@functools.cache
+def _nf4_table() -> tuple[float, ...]:
+  """qwix's nf4 values as float32 numbers (read once, outside any trace)."""
+  with jax.ensure_compile_time_eval():
+    return tuple(np.asarray(qwix_numerics.get_nf4_buckets(), np.float32).tolist())
+
+
+def nf4_values(codes: jax.Array) -> jax.Array:
+  """qwix's nf4 table at `codes` (0..15), float32, by a tree of 15 selects on the code's bits.
+
+  Why not the table lookup qwix does (`numerics.nf4_to_fp`, a gather over the raveled
+  array): a gather does not fuse into the matmul that reads the weight, so a QLoRA base was
+  dequantized into a full weight-sized array by a slow per-element gather in the forward, the
+  backward and the remat's recompute. Selects between constants are elementwise: the compiler
+  fuses them into the operand of the matmul. The values are the table's, bit for bit."""
+  level = [jnp.float32(v) for v in _nf4_table()]
+  codes = codes.astype(jnp.uint8)
+  for bit in range(4):  # lowest bit first: pairs (2i, 2i + 1), then pairs of pairs, ...
+    on = (codes & (1 << bit)) != 0
+    level = [jnp.where(on, level[i + 1], level[i]) for i in range(0, len(level), 2)]
+  return level[0]
+
+
+def qwix_dequantize(qvalue: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
   return qwix.dequantize(qwix.QArray(qvalue, scale, None, qtype))
+
+
+def nf4_dequantize_by_selects(qvalue: jax.Array, scale: jax.Array) -> jax.Array:
+  """qwix's nf4 dequantization with the table read by `nf4_values`: the same arithmetic."""
+  values = nf4_values(qvalue).astype(scale.dtype)
+  return qwix_qarray.call_with_generic_broadcast(jnp.multiply, values, scale)
+
+
+def _nf4_dequantize_on_cpu(qvalue: jax.Array, scale: jax.Array) -> jax.Array:
+  """A CPU reads qwix's table by a gather at the cost of a load (the selects measured ~7%
+  slower QLoRA steps in benchmarks/peft.py) and fuses nothing into its matmuls anyway."""
+  return qwix_dequantize(qvalue, scale, "nf4")
+
+
+def dequantize(qvalue: jax.Array, scale: jax.Array, qtype: str) -> jax.Array:
+  """Values on the quantization grid, in the scale's dtype (qwix's arithmetic). nf4 codes are
+  read by selects (`nf4_values`) wherever the program is lowered for an accelerator, by qwix's
+  gather on a CPU: the same bits (`lax.platform_dependent` picks at lowering, so a deviceless
+  compile for a TPU takes the selects)."""
+  if qtype == "nf4":
+    return jax.lax.platform_dependent(qvalue, scale, cpu=_nf4_dequantize_on_cpu,
+                                      default=nf4_dequantize_by_selects)
+  return qwix_dequantize(qvalue, scale, qtype)
 
 
 def fake_quantize_weight(w: jax.Array, wq: WeightQuant) -> jax.Array:
@@ -187,7 +238,7 @@ class QuantSiteParam(nnx.Param):
   def __getitem__(self, index) -> Any:
     value = super().__getitem__(index)
     meta = self.get_metadata()
-    if meta.get("round_on_read", True):
+    if meta.get("round_on_read", True) and not meta["quant"].int8_matmul:
       value = stored_placement(ste_weight(value, meta["quant"]), meta.get("logical_axes"))
     intercept.note_read(self, value)
     return value
@@ -196,8 +247,21 @@ class QuantSiteParam(nnx.Param):
   def quant(self) -> WeightQuant:
     return self.get_metadata()["quant"]
 
+  def _rounded_operand(self, operands, index) -> list:
+    """The operands with the weight rounded here: an int8_matmul weight is read unrounded,
+    and a matmul the int8 path does not take multiplies it fake-quantized."""
+    ops = list(operands)
+    if self.quant.int8_matmul:
+      ops[index] = ste_weight(ops[index], self.quant)
+    return ops
+
   def intercepted_einsum(self, spec, operands, index, kwargs):
     wq = self.quant
+    if wq.int8_matmul:
+      y = int8_train.einsum(spec, operands, index, kwargs)
+      if y is not None:
+        return y
+      operands = self._rounded_operand(operands, index)
     if wq.act_qtype is None:
       return jnp.einsum(spec, *operands, **kwargs)
     parts, out = einsum_parts(spec, [o.ndim for o in operands])
@@ -219,6 +283,7 @@ class QuantSiteParam(nnx.Param):
       channelwise = tuple(i for i in range(x.ndim) if i not in contract)
       xq = ste_activation(x, wq.act_qtype, channelwise, tiled)
       lhs, rhs = (xq, rhs) if x_side == 0 else (lhs, xq)
+    lhs, rhs = self._rounded_operand((lhs, rhs), index)
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, **kwargs)
 
   def intercepted_ragged_dot(self, x_MxK, w_GxKxN, group_sizes_G, kwargs, dot):
@@ -227,4 +292,5 @@ class QuantSiteParam(nnx.Param):
     if wq.act_qtype is not None:
       tiled = ((1, wq.tile_size),) if wq.tile_size else ()
       x_MxK = ste_activation(x_MxK, wq.act_qtype, (0,), tiled)
+    _, w_GxKxN = self._rounded_operand((x_MxK, w_GxKxN), 1)
     return dot(x_MxK, w_GxKxN, group_sizes_G, **kwargs)

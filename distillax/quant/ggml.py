@@ -145,10 +145,58 @@ def quantize(w: jnp.ndarray, qtype: str, contract_axes: Sequence[int]
 
 
 def fake_quantize(w: jnp.ndarray, qtype: str, contract_axes: Sequence[int]) -> jnp.ndarray:
-  """The weight rounded to its ggml blocks, in its own dtype (exact for float32)."""
+  """The weight rounded to its ggml blocks, in its own dtype (exact for float32).
+
+  Where the contracted axes are consecutive (every weight of our models), the blocks are cut
+  where they lie (`_blocks_in_place`) and rounded by `_rounded_in_place`: the same numbers as
+  `quantize_blocks` then `dequantize_blocks` on GGUF's rows, without moving the contracted
+  axes last (a transpose of the whole weight, then blocks of 32 along the minor axis, which a
+  TPU pads to its 128 lanes) and without q4_0's gather of each block's first largest element.
+  """
+  in_place = _blocks_in_place(w, contract_axes)
+  if in_place is not None:
+    blocks, axis = in_place
+    return _rounded_in_place(blocks, qtype, axis).reshape(w.shape).astype(w.dtype)
   rows, layout = _to_rows(w, contract_axes, f"{qtype} weight")
   values = dequantize_blocks(*quantize_blocks(rows, qtype), qtype)
   return _from_rows(values, layout).astype(w.dtype)
+
+
+def _blocks_in_place(x: jnp.ndarray, contract_axes: Sequence[int]):
+  """(x reshaped to (..., n_blocks, 32, ...) where its contracted axes were, the block axis)
+  when those axes are consecutive: row-major flattening of consecutive axes is a reshape, so
+  the blocks are GGUF's. None otherwise, or when they do not hold whole blocks (`_to_rows`
+  says why)."""
+  contract = sorted(a % x.ndim for a in contract_axes)
+  if not contract or contract != list(range(contract[0], contract[-1] + 1)):
+    return None
+  n = int(np.prod([x.shape[a] for a in contract]))
+  if n % BLOCK:
+    return None
+  shape = x.shape[:contract[0]] + (n // BLOCK, BLOCK) + x.shape[contract[-1] + 1:]
+  return x.reshape(shape), contract[0] + 1
+
+
+def _rounded_in_place(blocks: jnp.ndarray, qtype: str, axis: int) -> jnp.ndarray:
+  """float32 values of the ggml blocks running along `axis`: `quantize_blocks` and
+  `dequantize_blocks`, step for step in float32. q4_0's first element of largest magnitude is
+  picked by reductions: the first index where |x| is the block's max, then a sum of the block
+  with every other element replaced by -0.0 (x + -0.0 is x exactly, the sign of a zero kept)."""
+  blocks = blocks.astype(jnp.float32)
+  magnitude = jnp.abs(blocks)
+  amax = jnp.max(magnitude, axis=axis, keepdims=True)
+  if qtype == "q8_0":
+    d = amax / jnp.float32(127)
+    codes = _roundf(blocks * _reciprocal(d)).astype(jnp.int8).astype(jnp.float32)  # -0 -> 0
+  elif qtype == "q4_0":
+    index = jax.lax.broadcasted_iota(jnp.int32, blocks.shape, axis)
+    first = jnp.min(jnp.where(magnitude == amax, index, BLOCK), axis=axis, keepdims=True)
+    m = jnp.sum(jnp.where(index == first, blocks, jnp.float32(-0.0)), axis=axis, keepdims=True)
+    d = m / jnp.float32(-8)
+    codes = jnp.clip(jnp.trunc(blocks * _reciprocal(d) + jnp.float32(8.5)), 0, 15) - 8.0
+  else:
+    raise UserError(f"{qtype!r} is not a ggml block type; use one of {', '.join(WEIGHT_QTYPES)}")
+  return _f16_rounded(d) * codes
 
 
 def fake_quantize_activation(x: jnp.ndarray, qtype: str,

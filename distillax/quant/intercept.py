@@ -196,9 +196,12 @@ class Interceptor(qwix.QuantizationProvider):
 
 # ---- installing and removing interception ------------------------------------------------------
 
-def unintercepted_type(model: nnx.Module) -> type:
-  cls = type(model)
+def unintercepted_type_of(cls: type) -> type:
   return getattr(cls, "_unquantized_type", cls)
+
+
+def unintercepted_type(model: nnx.Module) -> type:
+  return unintercepted_type_of(type(model))
 
 
 def install(model: nnx.Module, provider: qwix.QuantizationProvider,

@@ -31,6 +31,7 @@ where configured: the forward of a fake-quant model that took no steps, and exac
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 import jax
@@ -38,6 +39,7 @@ from flax import nnx
 
 from distillax.errors import ConfigError
 from distillax.quant import intercept
+from distillax.quant import round_once as round_once_module
 from distillax.quant.config import QuantConfig
 from distillax.quant.fakequant import QuantSiteParam, WeightQuant, fake_quantize_weight
 from distillax.quant.graph import get_path, set_path
@@ -54,14 +56,17 @@ def weight_quants(qcfg: QuantConfig, sites: list[MatmulSite], compute_dtype: str
   """{weight name: (site, how)} for every weight whose matmul module matches a rule with a
   weight type (first match wins; a rule with weight_qtype None exempts). An MoE's router stays
   in full precision whatever the rules (`MatmulSite.is_router`); its experts are quantized like
-  any weight, per expert."""
+  any weight, per expert. With `qcfg.int8_matmul`, int8 x int8 per-channel weights multiply
+  as int8 codes (`WeightQuant.int8_matmul`)."""
   plans = {}
   for site in sites:
     rule = qcfg.rule_for(site.module_path)
     if rule is None or rule.weight_qtype is None or site.is_router:
       continue
-    plans[site.name] = (site, site.quant(rule.weight_qtype, rule.tile_size, compute_dtype,
-                                         rule.act_qtype))
+    wq = site.quant(rule.weight_qtype, rule.tile_size, compute_dtype, rule.act_qtype)
+    if qcfg.int8_matmul and rule.int8_matmul_eligible:
+      wq = dataclasses.replace(wq, int8_matmul=True)
+    plans[site.name] = (site, wq)
   return plans
 
 
@@ -96,8 +101,10 @@ def _user_metadata(var: nnx.Variable) -> dict:
           if k not in ("hijax", "ref", "eager_sharding", "quant", "round_on_read")}
 
 
-def _mark(model: nnx.Module, plans, *, round_on_read: bool, values=None) -> nnx.Module:
-  """A copy whose planned weights are QuantSiteParams (optionally with new values)."""
+def _mark(model: nnx.Module, plans, *, round_on_read: bool, values=None,
+          round_once: bool = False) -> nnx.Module:
+  """A copy whose planned weights are QuantSiteParams (optionally with new values); with
+  `round_once`, rounded once per forward before the layer loop (`round_once.install`)."""
   marked = intercept.strip(model)
   for name, (site, wq) in plans.items():
     var = get_path(marked, site.weight_path)
@@ -109,18 +116,21 @@ def _mark(model: nnx.Module, plans, *, round_on_read: bool, values=None) -> nnx.
              QuantSiteParam(value, quant=wq, round_on_read=round_on_read, **_user_metadata(var)))
   if any(wq.act_qtype for _, wq in plans.values()):
     marked = intercept.install(marked, intercept.Interceptor())
-  return marked
+  return round_once_module.install(marked) if round_once and round_on_read else marked
 
 
 def quantize_for_training(model: nnx.Module, qcfg: QuantConfig | Mapping[str, Any],
-                          sample_tokens: jax.Array | None = None) -> nnx.Module:
+                          sample_tokens: jax.Array | None = None, *,
+                          round_once: bool = True) -> nnx.Module:
   """The model with a fake-quantized forward (straight-through backward); same state.
 
   `sample_tokens` (int32 [B, L]) only shapes an abstract trace that finds the matmuls; a dummy
-  is used when omitted. Nothing is computed.
+  is used when omitted. Nothing is computed. `round_once` (the default) rounds every weight
+  once per forward, before the layer loop and outside its remat (quant/round_once.py); False
+  rounds each where it is read, inside the loop: the same numbers, for comparison.
   """
   _, plans = _prepare(model, qcfg, sample_tokens)
-  return _mark(model, plans, round_on_read=True)
+  return _mark(model, plans, round_on_read=True, round_once=round_once)
 
 
 def full_precision(model: nnx.Module) -> nnx.Module:
@@ -160,4 +170,8 @@ def quantize_post_training(model: nnx.Module, qcfg: QuantConfig | Mapping[str, A
                            sample_tokens: jax.Array | None = None) -> nnx.Module:
   """PTQ: weights rounded once to their grid, activations rounded where configured."""
   _, plans = _prepare(model, qcfg, sample_tokens)
+  # PTQ's weights are stored rounded: their matmuls multiply the rounded values (rounding them
+  # to int8 codes again would move some).
+  plans = {name: (site, dataclasses.replace(wq, int8_matmul=False))
+           for name, (site, wq) in plans.items()}
   return _mark(model, plans, round_on_read=False, values=rounded_weights(model, plans))

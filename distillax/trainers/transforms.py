@@ -27,7 +27,9 @@ class StudentTransforms:
     if qat and (qat.rules or qat.get("schedule")):  # a run from before qat.schedule has none
       qat_cfg = quant.QuantConfig.from_config({"rules": list(qat.rules),
                                                "start_step": int(qat.start_step),
-                                               "schedule": list(qat.get("schedule") or ())})
+                                               "schedule": list(qat.get("schedule") or ()),
+                                               "int8_matmul": bool(qat.get("int8_matmul",
+                                                                           False))})
     return cls(lora=lora if lora and lora.module_regex else None, qat=qat_cfg,
                seed=int(config.seed))
 

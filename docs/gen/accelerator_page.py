@@ -62,8 +62,9 @@ def _chip_body(data: dict) -> list[str]:
   missing = [r["name"] for r in data["rows"] if not r["best"]]
   if missing:
     lines += [f"No candidate ran for: {', '.join(missing)}.", ""]
-  if data.get("qat_kd_over_kd") is not None:
-    lines += [f"q4_0 QAT KD step / bf16 KD step (same batch): {data['qat_kd_over_kd']:.3f}", ""]
+  ratios = accelerator_table.ratio_lines(data)
+  if ratios:
+    lines += [line for ratio in ratios for line in (ratio, "")]
   candidates = [c for r in data["rows"] for c in r["candidates"]]
   lines += ["## Every candidate", ""] + _table(candidates)
   errors = [c for c in candidates if c.get("error")]

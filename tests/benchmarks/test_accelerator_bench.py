@@ -200,3 +200,24 @@ def test_readme_performance_table_is_the_committed_chip_run():
   table = accelerator_table.readme_table(payload)
   assert table in (root / "README.md").read_text()
   assert "| kd (real) | 4 x 2048, full | 625 | 13,097 | 52.9% | 16.4 GB |" in table
+
+
+def test_summary_sets_the_quantized_rows_against_their_plain_ones():
+  """Issue 54's ratios, hand-worked: QAT KD rows by step time against KD at the same batch,
+  QLoRA, LoRA and int8 training by tokens/s against the train row (each at its best)."""
+  def ok(name, batch, step_s, tokens_per_s):
+    return {"row": name, "status": "ok", "batch": batch, "step_s": step_s,
+            "tokens_per_s": tokens_per_s}
+  levers = [ok("kd", 4, 0.5, 100.0), ok("qat", 4, 0.55, 90.0), ok("qatw", 4, 0.6, 80.0),
+            ok("train", 8, 1.0, 200.0), ok("qlora32", 32, 2.0, 210.0),
+            ok("qlora16", 16, 1.0, 230.0), ok("lora", 16, 1.0, 260.0),
+            ok("int8", 8, 1.0, 240.0)]
+  names = {"kd": ["kd"], "qat_kd": ["qat"], "qat_kd_weights": ["qatw"], "train": ["train"],
+           "qlora": ["qlora32", "qlora16"], "lora": ["lora"], "train_int8": ["int8"]}
+  chosen = [r for r in accelerator.ROWS if r.name in names]
+  out = accelerator.summary(levers, chosen, names)
+  assert out["qat_kd_over_kd"] == pytest.approx(1.1)
+  assert out["qat_kd_weights_over_kd"] == pytest.approx(1.2)
+  assert out["qlora_over_train"] == pytest.approx(230 / 200)
+  assert out["lora_over_train"] == pytest.approx(1.3)
+  assert out["train_int8_over_train"] == pytest.approx(1.2)

@@ -19,9 +19,10 @@ from tests.support.models import FAN_IN, TINY1, logits, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 # (shape, contracted axes): odd free dims, contractions over one axis (first, middle or last)
-# and over two (attention's output weight, (heads, head_dim, embed)).
+# and over two (attention's output weight, (heads, head_dim, embed)): blocks cut where they lie;
+# and over two apart, which ggml.fake_quantize first moves last as GGUF's rows.
 SHAPES = [((7, 96), (1,)), ((96, 5), (0,)), ((3, 64, 5), (1,)), ((4, 16, 13), (0, 1)),
-          ((2, 3, 32, 7), (2,))]
+          ((2, 3, 32, 7), (2,)), ((2, 5, 32), (0, 2))]
 
 
 def assert_same_blocks(got_rows, want_rows, scales_f16):
