@@ -152,8 +152,8 @@ ROWS = (
     # Compiled for a v5e from a CPU host (benchmarks/compile_sizes.py): 16k with fp32 master
     # weights 15.77 GiB with fp32 Adam moments, 13.55 GiB with bf16 ones; 32k 18.03 GiB with
     # bf16 moments, 16.36 GiB with bf16 weights and moments (the candidate limit: 15.27 GiB).
-    Row("long_context", "real", (f"train:full:2:seq_len=8192{S}",
-                                 f"train:full:1:seq_len=16384{S}:opt_state_dtype=bfloat16",
+    Row("long_context", "real", (f"train:full:1:seq_len=16384{S}:opt_state_dtype=bfloat16",
+                                 f"train:full:2:seq_len=8192{S}",
                                  f"train:full:1:seq_len=16384{S}:param_dtype=bfloat16",
                                  f"train:full:1:seq_len=8192{S}"),
         "the student's training step at 8k and 16k tokens (splash attention; at 16k with fp32 "
