@@ -108,8 +108,9 @@ ROWS = (
     # levers at micro-batches of 4.
     Row("on_policy", "real", tuple(
         f"on_policy:full:{b}:seq_len=1024:new_tokens=512:micro={m}{extra}"
-        for b, m, extra in ((16, 4, ""), (32, 4, ":opt_state_dtype=bfloat16:teacher_int8=True"),
-                            (16, 2, ""), (32, 4, ""), (32, 2, ""), (64, 4, ""))),
+        for b, m, extra in ((16, 4, ":opt_state_dtype=bfloat16:teacher_int8=True"), (8, 4, ""),
+                            (12, 4, ":opt_state_dtype=bfloat16:teacher_int8=True"), (8, 2, ""),
+                            (16, 4, ""), (32, 4, ""))),
         "on-policy distillation (configs/on_policy.py's GKD JSD): the student samples 512 "
         "tokens after a 512-token prompt for the whole sampling batch at once, with the "
         "step's weights, then learns from them in micro-batches (gradient accumulation), the "
