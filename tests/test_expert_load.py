@@ -111,7 +111,8 @@ def test_expert_load_refusals_are_one_line_and_write_nothing(moe_run, tmp_path, 
 def test_the_documented_pruning_recipe_gives_a_run_that_eval_and_expert_load_read(tmp_path,
                                                                                   capsys):
   """docs/guides/moe.md's recipe as a user runs it: expert-load on the config's teacher prints a
-  keep flag, a distillation with those kept experts trains, and then `eval --model` and
+  keep flag, a distillation with those kept experts and router distillation trains, and then
+  `eval --model` and
   `expert-load --model` read the pruned run (they used to refuse it: its config.json still named
   the kept experts). eval's loss is the run's own final eval row (same batches, same weights)."""
   assert main(["distillax", "expert-load", "--config", f"{DISTILL_MOE}:tiny", "--batches", "1",
@@ -123,8 +124,8 @@ def test_the_documented_pruning_recipe_gives_a_run_that_eval_and_expert_load_rea
   assert main(["distillax", "train", "--config", f"{DISTILL_MOE}:tiny", "--workdir", str(run),
                "--config.partitioning.strategy=fsdp", "--config.mesh.data=-1",
                "--config.mesh.model=1", "--config.student.from_teacher.layers=(0, 1)", flag,
-               "--config.train.steps=1", "--config.optimizer.warmup_steps=0",
-               "--config.train.eval_batches=1"]) == 0
+               "--config.distill.router.weight=1", "--config.train.steps=1",
+               "--config.optimizer.warmup_steps=0", "--config.train.eval_batches=1"]) == 0
   capsys.readouterr()
   trained = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
   final_eval = [row for row in trained if "eval_loss" in row][-1]
@@ -133,6 +134,10 @@ def test_the_documented_pruning_recipe_gives_a_run_that_eval_and_expert_load_rea
   evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert evaluated["eval_tokens"] == final_eval["eval_tokens"]
   np.testing.assert_allclose(evaluated["eval_loss"], final_eval["eval_loss"], rtol=1e-5)
+  # Router distillation (moe.md's --config.distill.router.weight=1) reads the kept-expert map
+  # from the run, as training did (it used to refuse: no kept-expert map).
+  np.testing.assert_allclose(evaluated["eval_router_kd"], final_eval["eval_router_kd"],
+                             rtol=1e-5)
 
   out = tmp_path / "load.json"
   assert main(["distillax", "expert-load", "--model", str(run), "--batches", "1",
