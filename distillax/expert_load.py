@@ -148,7 +148,8 @@ def run_expert_load(config, model_dir: str | None, *, json_path: str | None = No
   from distillax.trainers import check_recipe_data
   recipe, source, cfg = _model_source(config, model_dir, model_overrides)
   _check(source, cfg, keep_top, int(batches), json_path)
-  check_recipe_data(recipe)
+  # The batches run through the measured model (the --config's teacher, say): its positions.
+  check_recipe_data(recipe, routed=(cfg, _named(source)))
   model = source.load(cfg, recipe.mesh, recipe.rules, seed=int(recipe.config.seed))
   data = recipe.train_iterator()
   counts_NxE, tokens = count_assignments(model, (next(data) for _ in range(int(batches))))

@@ -188,3 +188,19 @@ def test_keep_top_of_a_teacher_routing_in_groups_is_refused_up_front(tmp_path, c
   assert ("routes within model.router_groups=4 groups of consecutive experts, and train refuses "
           "a student that keeps a subset of them") in err[0]
   assert not out.exists()
+
+
+@pytest.mark.parametrize("student", [[], ["--config.model.max_seq_len=256"]])
+def test_expert_load_refuses_batches_longer_than_the_routed_models_positions(tmp_path, capsys,
+                                                                             student):
+  """The --config's teacher (tiny_moe, 128 positions) is the model routed: 256-token batches
+  are refused naming it, whatever the unused student allows (it blamed model.max_seq_len, and
+  once that was raised routed the batches past the teacher's positions without a word)."""
+  out = tmp_path / "load.json"
+  code = main(["distillax", "expert-load", "--config", f"{DISTILL_MOE}:tiny",
+               "--config.train.seq_len=256", *student, "--json", str(out)])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1, err
+  assert ("train.seq_len=256 exceeds the max_seq_len=128 of teacher.preset=tiny_moe, the model "
+          "the batches are routed through; lower it (e.g. --config.train.seq_len=128)") in err[0]
+  assert "model.max_seq_len" not in err[0] and not out.exists()
