@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from typing import Callable
 
 import jax
@@ -49,7 +50,8 @@ def limited_to(rows: int | None):
 
 
 def over_token_rows(objective: Objective | ObjectiveFn, rows: int | None) -> Objective:
-  """The objective with its token losses over the tokenizer's `rows` ids (flags kept)."""
+  """The objective with its token losses over the tokenizer's `rows` ids (flags kept; the
+  number recorded as its `token_rows`)."""
 
   def wrap(fn: ObjectiveFn) -> ObjectiveFn:
     def objective_over_token_rows(student, extras, batch, rng):
@@ -57,7 +59,8 @@ def over_token_rows(objective: Objective | ObjectiveFn, rows: int | None) -> Obj
         return fn(student, extras, batch, rng)
     return objective_over_token_rows
 
-  return as_objective(objective).wrapped(wrap)
+  wrapped = as_objective(objective).wrapped(wrap)
+  return dataclasses.replace(wrapped, token_rows=None if rows is None else int(rows))
 
 
 def effective(rows: int | None, vocab: int) -> int | None:
