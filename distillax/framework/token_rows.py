@@ -26,9 +26,10 @@ import jax.numpy as jnp
 
 from distillax.framework.step import Objective, ObjectiveFn, as_objective
 
-# A padded column's logit: exp() of it is 0 next to any real logit, and, unlike -inf, it keeps
-# p * (log p - log q) at 0 where both models mask the column.
-MASKED_LOGIT = -1e30
+# A padded column's logit: exp() of it is 0 next to any real logit (float32's exp underflows
+# below -104), and, unlike -inf, it keeps p * (log p - log q) at 0 where both models mask the
+# column, and a square of it finite (a metric over raw logits reads them through `zeroed`).
+MASKED_LOGIT = -1e4
 
 _TOKEN_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "distillax_token_rows", default=None)
@@ -76,6 +77,12 @@ def masked(logits_NxV: jax.Array, rows: int | None) -> jax.Array:
     return logits_NxV
   is_token_V = jnp.arange(logits_NxV.shape[-1]) < rows
   return jnp.where(is_token_V, logits_NxV, jnp.asarray(MASKED_LOGIT, logits_NxV.dtype))
+
+
+def zeroed(logits_NxV: jax.Array) -> jax.Array:
+  """`logits_NxV` with its masked columns 0, for a metric over raw logits (a cosine) to see the
+  token columns alone."""
+  return jnp.where(logits_NxV == jnp.asarray(MASKED_LOGIT, logits_NxV.dtype), 0, logits_NxV)
 
 
 def masked_logits_fn(logits_fn: Callable, rows: int | None) -> Callable:

@@ -147,3 +147,20 @@ def test_the_sliced_kd_equals_the_chunk_engine_under_fsdp(padded_kd):
   chip.assert_close(out.loss_sum, want_out.loss_sum, rtol=1e-5)
   for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
     chip.assert_close(g, w, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_logit_metrics_read_the_token_columns_alone(padded_kd):
+  """The eval objective's logit metrics over both models' first 40 columns: teacher_ce,
+  top1_agreement and logit_cosine equal numpy's there (the cosine read the masked columns as
+  raw logits, a square of -1e30: NaN in the demo's eval)."""
+  kd, rows, student, extras, batch, _ = padded_kd
+  out, _ = _run(make_distill_objective(kd, metrics=True), student, extras, batch, rows)
+  forward = lambda m: f64(m(batch["inputs_BxL"], positions_BxL=batch["positions_BxL"],
+                            segment_ids_BxL=batch["segment_ids_BxL"]).logits_BxLxV)[..., :rows]
+  s, t = forward(student), forward(extras["teacher"])
+  m, y = f64(batch["loss_mask_BxL"]), np.asarray(batch["targets_BxL"])
+  teacher_nll = -np.take_along_axis(np_log_softmax(t), y[..., None], -1)[..., 0]
+  cosine = np.sum(s * t, -1) / (np.linalg.norm(s, axis=-1) * np.linalg.norm(t, axis=-1))
+  chip.assert_close(out.sums["teacher_ce"], np.sum(teacher_nll * m), rtol=1e-5)
+  chip.assert_close(out.sums["logit_cosine"], np.sum(cosine * m), rtol=1e-5)
+  assert float(out.sums["top1_agreement"]) == np.sum((s.argmax(-1) == t.argmax(-1)) * m)
