@@ -106,7 +106,8 @@ def run_cache_teacher(config, workdir: str | None, *, kind: str | None = None,
                                rows_per_file=int(cc.rows_per_file), kind=cc.kind,
                                hidden_dtype=cc.dtype,
                                place=global_batch_placer(recipe.mesh, recipe.rules),
-                               fetch=_host_rows(recipe.mesh, recipe.rules))
+                               fetch=_host_rows(recipe.mesh, recipe.rules),
+                               vocab_limit=recipe.tokenizer.vocab_size)
   finally:
     progress.close()
   what = (f"top-{top_k} at T={temperature:g}" if cc.kind == "topk"

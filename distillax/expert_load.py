@@ -13,10 +13,14 @@ unless --config is given) and counts, per layer, the (token, expert) choices of 
 over the real tokens: the router's top k, before any capacity drops. Shares are those counts
 over each layer's total (each layer's shares sum to 1).
 
-Prints a table (rows: layers, columns: experts, in %) and with --keep_top N the
-`--config.student.from_teacher.experts=...` flag that keeps each layer's N most loaded experts
-(one tuple per teacher layer, which a student of any of the teacher's blocks takes as printed). --json FILE writes the same as strict JSON. Pruning by load and then distilling is
-the recipe NVIDIA used for Nemotron-3-Nano.
+Prints a table (rows: the model's routed layers, by its own layer numbers; columns: experts,
+in %) and with --keep_top N the `--config.student.from_teacher.experts=...` flag that keeps
+each layer's N most loaded experts: one tuple per layer of the model, () for a dense one
+(DeepSeek V3's and GLM-4.5's first layers), which `train` takes as printed for a student of
+any of its blocks. A model that routes within groups of experts (model.router_groups > 1,
+DeepSeek's n_group) is refused --keep_top up front: `train` refuses any subset of its experts.
+--json FILE writes the same as strict JSON. Pruning by load and then distilling is the recipe
+NVIDIA used for Nemotron-3-Nano.
 """
 
 from __future__ import annotations
@@ -73,6 +77,12 @@ def _check(source, cfg, keep_top: int | None, batches: int, json_path: str | Non
   if keep_top is not None and not cfg.num_experts_per_tok <= keep_top <= cfg.num_experts:
     raise UserError(f"--keep_top={keep_top} must be from {cfg.num_experts_per_tok} (the experts "
                     f"each token is routed to) to {cfg.num_experts} (all of them)")
+  if keep_top is not None and cfg.router_groups > 1:
+    raise UserError(f"--keep_top={keep_top}: {_named(source)} routes within "
+                    f"model.router_groups={cfg.router_groups} groups of consecutive experts, "
+                    f"and train refuses a student that keeps a subset of them "
+                    f"(student.from_teacher.experts); derive it keeping every expert, or run "
+                    f"expert-load without --keep_top to see the loads")
   if batches < 1:
     raise UserError(f"--batches={batches} must be at least 1")
   if json_path and (os.path.isdir(json_path)
@@ -104,15 +114,31 @@ def top_experts(counts_NxE: np.ndarray, n: int) -> list[list[int]]:
   return [sorted(int(e) for e in np.argsort(-row, kind="stable")[:n]) for row in counts_NxE]
 
 
-def _table(shares_NxE: np.ndarray) -> list[str]:
-  """Rows: layers; columns: experts (16 per block), shares in %."""
+def routed_layers(cfg) -> list[int]:
+  """The model's own numbers of its routed layers (the rows of the counts, in order)."""
+  return [i for i in range(cfg.num_layers) if cfg.layer_is_moe(i)]
+
+
+def keep_flag(cfg, keep: list[list[int]]) -> str:
+  """The student.from_teacher.experts flag `train` takes: one tuple per layer of the model, the
+  routed layers' kept experts and () for a dense layer, shell-quoted."""
+  per_layer = dict(zip(routed_layers(cfg), keep))
+  rows = ", ".join("(" + ", ".join(map(str, per_layer.get(i, ()))) +
+                   ("," if len(per_layer.get(i, ())) == 1 else "") + ")"
+                   for i in range(cfg.num_layers))
+  return f"--config.student.from_teacher.experts='({rows},)'"
+
+
+def _table(shares_NxE: np.ndarray, layers: list[int]) -> list[str]:
+  """Rows: the routed layers, by the model's layer numbers; columns: experts (16 per block),
+  shares in %."""
   lines = []
   E = shares_NxE.shape[1]
   for start in range(0, E, 16):
     cols = range(start, min(start + 16, E))
     lines.append("layer " + "".join(f"{'e' + str(e):>7}" for e in cols))
-    for i, row in enumerate(shares_NxE):
-      lines.append(f"{i:>5} " + "".join(f"{100 * row[e]:>6.1f}%" for e in cols))
+    for layer, row in zip(layers, shares_NxE):
+      lines.append(f"{layer:>5} " + "".join(f"{100 * row[e]:>6.1f}%" for e in cols))
   return lines
 
 
@@ -122,7 +148,8 @@ def run_expert_load(config, model_dir: str | None, *, json_path: str | None = No
   from distillax.trainers import check_recipe_data
   recipe, source, cfg = _model_source(config, model_dir, model_overrides)
   _check(source, cfg, keep_top, int(batches), json_path)
-  check_recipe_data(recipe)
+  # The batches run through the measured model (the --config's teacher, say): its positions.
+  check_recipe_data(recipe, routed=(cfg, _named(source)))
   model = source.load(cfg, recipe.mesh, recipe.rules, seed=int(recipe.config.seed))
   data = recipe.train_iterator()
   counts_NxE, tokens = count_assignments(model, (next(data) for _ in range(int(batches))))
@@ -135,14 +162,16 @@ def run_expert_load(config, model_dir: str | None, *, json_path: str | None = No
             "share": shares_NxE.tolist()}
   lines = [f"distillax expert-load: {_named(source)}: {tokens} tokens ({batches} batches of "
            f"{recipe.batch_size}x{recipe.seq_len}), {cfg.num_experts} experts, k="
-           f"{cfg.num_experts_per_tok}; share of each layer's routed tokens"] + _table(shares_NxE)
+           f"{cfg.num_experts_per_tok}; share of each layer's routed tokens"] + _table(
+               shares_NxE, routed_layers(cfg))
+  dense = [i for i in range(cfg.num_layers) if not cfg.layer_is_moe(i)]
+  if dense:
+    lines.append(f"layers {', '.join(map(str, dense))} are dense (no experts)")
   if keep_top is not None:
     keep = top_experts(counts_NxE, keep_top)
-    result.update(keep_top=keep_top, keep=keep)
-    rows = ", ".join("(" + ", ".join(map(str, row)) + ("," if len(row) == 1 else "") + ")"
-                     for row in keep)
-    lines.append(f"keep the {keep_top} most loaded experts of each layer: "
-                 f"--config.student.from_teacher.experts='({rows},)'")
+    result.update(keep_top=keep_top, keep=keep, layers=routed_layers(cfg))
+    lines.append(f"keep the {keep_top} most loaded experts of each layer (one tuple per layer"
+                 f"{', () for a dense one' if dense else ''}): {keep_flag(cfg, keep)}")
   if jax.process_index() == 0:
     print("\n".join(lines), flush=True)
     if json_path:

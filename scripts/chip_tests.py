@@ -64,6 +64,12 @@ SELECTION = (
      "the vocabulary-chunk engine against whole logits: the TPU's f32 arithmetic"),
     ("tests/framework/test_chunked_loss.py::test_lm_objective_is_the_chunked_loss",
      "the lm objective's loss against whole logits"),
+    ("tests/framework/test_token_rows.py::test_lm_losses_take_their_softmax_over_the_token_rows",
+     "a padded vocabulary's columns masked in both engines: CE and accuracy against float64 "
+     "numpy over the token columns, the padded rows' gradient exactly zero"),
+    ("tests/framework/test_token_rows.py::test_logit_kd_masks_the_same_rows_of_both_models",
+     "LogitKD over the token columns of both models, whole, chunked and sliced, against float64 "
+     "numpy"),
 )
 TPU_BUDGET_S = 270.0
 HUNG_S = 180  # a test still running after this long gets its stacks printed

@@ -357,3 +357,27 @@ def test_config_reference_covers_every_trainer_and_every_section(monkeypatch):
           for dotted in config_reference.flatten(value, f"{key}."):
             assert f"`{dotted}`" in page, (argv, dotted)
   assert "on_policy" in seen
+
+
+def test_every_command_of_a_fixed_mesh_names_its_devices(monkeypatch, tmp_path):
+  """A command whose config fixes a mesh of N > 1 devices (data x model, no -1 to fill) runs as
+  printed on a one-device CPU host only with `--devices N`; every page and config docstring
+  prints it so (distill_deepseek.py:tiny and distill_moe.py:tiny,qwen35 once did not). A
+  --target compile has the target's devices."""
+  monkeypatch.chdir(tmp_path)
+  os.symlink(ROOT / "distillax", tmp_path / "distillax")
+  commands = [(str(p.relative_to(DOCS)), argv) for p in PAGES for argv in _page_commands(p)]
+  missing, checked = [], 0
+  for where, argv in commands + ALL:
+    if argv[1] not in flags.COMMANDS or "--target" in argv:
+      continue
+    config, given = _parse(argv[1], argv)
+    if config is None or "mesh" not in config:
+      continue
+    data, model = int(config.mesh.data), int(config.mesh.model)
+    devices = given["devices"].value if "devices" in given else None
+    if data > 0 and model > 0 and data * model > 1:
+      checked += 1
+      if devices != data * model:
+        missing.append(f"{where}: {' '.join(argv)} (mesh {data}x{model})")
+  assert checked >= 4 and not missing, "\n".join(missing)

@@ -3,6 +3,7 @@ dropped-assignment metric its metrics.jsonl holds): per-layer shares that sum to
 numpy count of the routers' top k on the same tokens, the keep flag, and one-line refusals that
 write nothing."""
 
+import ast
 import json
 import os
 import shlex
@@ -13,6 +14,7 @@ import pytest
 from flax import nnx
 
 from distillax.data import batch as batch_spec
+from distillax.errors import ConfigError
 from distillax.eval.loss import run_recipe
 from distillax.framework import losses
 from distillax.main import main
@@ -109,7 +111,8 @@ def test_expert_load_refusals_are_one_line_and_write_nothing(moe_run, tmp_path, 
 def test_the_documented_pruning_recipe_gives_a_run_that_eval_and_expert_load_read(tmp_path,
                                                                                   capsys):
   """docs/guides/moe.md's recipe as a user runs it: expert-load on the config's teacher prints a
-  keep flag, a distillation with those kept experts trains, and then `eval --model` and
+  keep flag, a distillation with those kept experts and router distillation trains, and then
+  `eval --model` and
   `expert-load --model` read the pruned run (they used to refuse it: its config.json still named
   the kept experts). eval's loss is the run's own final eval row (same batches, same weights)."""
   assert main(["distillax", "expert-load", "--config", f"{DISTILL_MOE}:tiny", "--batches", "1",
@@ -121,8 +124,8 @@ def test_the_documented_pruning_recipe_gives_a_run_that_eval_and_expert_load_rea
   assert main(["distillax", "train", "--config", f"{DISTILL_MOE}:tiny", "--workdir", str(run),
                "--config.partitioning.strategy=fsdp", "--config.mesh.data=-1",
                "--config.mesh.model=1", "--config.student.from_teacher.layers=(0, 1)", flag,
-               "--config.train.steps=1", "--config.optimizer.warmup_steps=0",
-               "--config.train.eval_batches=1"]) == 0
+               "--config.distill.router.weight=1", "--config.train.steps=1",
+               "--config.optimizer.warmup_steps=0", "--config.train.eval_batches=1"]) == 0
   capsys.readouterr()
   trained = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
   final_eval = [row for row in trained if "eval_loss" in row][-1]
@@ -131,6 +134,10 @@ def test_the_documented_pruning_recipe_gives_a_run_that_eval_and_expert_load_rea
   evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert evaluated["eval_tokens"] == final_eval["eval_tokens"]
   np.testing.assert_allclose(evaluated["eval_loss"], final_eval["eval_loss"], rtol=1e-5)
+  # Router distillation (moe.md's --config.distill.router.weight=1) reads the kept-expert map
+  # from the run, as training did (it used to refuse: no kept-expert map).
+  np.testing.assert_allclose(evaluated["eval_router_kd"], final_eval["eval_router_kd"],
+                             rtol=1e-5)
 
   out = tmp_path / "load.json"
   assert main(["distillax", "expert-load", "--model", str(run), "--batches", "1",
@@ -138,3 +145,62 @@ def test_the_documented_pruning_recipe_gives_a_run_that_eval_and_expert_load_rea
   shares = np.asarray(json.loads(out.read_text())["share"])
   assert shares.shape == (2, 3)  # the student's two layers, three kept experts each
   np.testing.assert_allclose(shares.sum(axis=1), [1.0, 1.0], rtol=1e-12)
+
+
+def test_keep_top_of_a_teacher_with_dense_layers_prints_a_flag_train_takes(tmp_path, capsys):
+  """A Qwen3-MoE teacher whose layers 0 and 2 are dense (issue 55): the table's rows are its
+  layers 1 and 3, and the flag holds one tuple per teacher layer, () for the dense ones, which
+  the derived student's source takes as printed, for all four blocks or for two of them."""
+  from distillax.models.presets import get_preset
+  from distillax.trainers.sources import experts as kept
+  out = tmp_path / "load.json"
+  assert main(["distillax", "expert-load", "--config", f"{DISTILL_MOE}:tiny",
+               "--config.teacher.preset=tiny_qwen3_moe", "--batches", "1", "--keep_top", "3",
+               "--json", str(out)]) == 0
+  printed = capsys.readouterr().out.splitlines()
+  assert [line.split()[0] for line in printed[2:4]] == ["1", "3"], printed
+  assert "layers 0, 2 are dense (no experts)" in printed
+  line = next(line for line in printed if "experts=" in line)
+  flag = next(word for word in shlex.split(line.split(": ", 1)[1])
+              if word.startswith("--config.student.from_teacher.experts="))
+  value = ast.literal_eval(flag.split("=", 1)[1])
+  keep = json.loads(out.read_text())["keep"]
+  assert value == ((), tuple(keep[0]), (), tuple(keep[1]))
+  teacher = get_preset("tiny_qwen3_moe")
+  for layers in ((0, 1, 2, 3), (1, 2)):
+    per_layer = kept.kept_experts(value, layers, teacher)
+    assert per_layer == tuple(value[t] for t in layers)
+    assert kept.with_kept_experts(teacher.select_layers(layers), per_layer).num_experts == 3
+  # Before: one tuple per routed layer, which train refused.
+  with pytest.raises(ConfigError, match="one such tuple per student layer"):
+    kept.kept_experts(tuple(map(tuple, keep)), (0, 1, 2, 3), teacher)
+
+
+def test_keep_top_of_a_teacher_routing_in_groups_is_refused_up_front(tmp_path, capsys):
+  """DeepSeek V3 routes within groups of experts, whose subsets train refuses: --keep_top says
+  so in one line before routing anything, and writes nothing."""
+  out = tmp_path / "load.json"
+  code = main(["distillax", "expert-load", "--config",
+               f"{os.path.dirname(LM)}/distill_deepseek.py:tiny", "--keep_top", "4",
+               "--json", str(out)])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1, err
+  assert ("routes within model.router_groups=4 groups of consecutive experts, and train refuses "
+          "a student that keeps a subset of them") in err[0]
+  assert not out.exists()
+
+
+@pytest.mark.parametrize("student", [[], ["--config.model.max_seq_len=256"]])
+def test_expert_load_refuses_batches_longer_than_the_routed_models_positions(tmp_path, capsys,
+                                                                             student):
+  """The --config's teacher (tiny_moe, 128 positions) is the model routed: 256-token batches
+  are refused naming it, whatever the unused student allows (it blamed model.max_seq_len, and
+  once that was raised routed the batches past the teacher's positions without a word)."""
+  out = tmp_path / "load.json"
+  code = main(["distillax", "expert-load", "--config", f"{DISTILL_MOE}:tiny",
+               "--config.train.seq_len=256", *student, "--json", str(out)])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert code == 2 and len(err) == 1, err
+  assert ("train.seq_len=256 exceeds the max_seq_len=128 of teacher.preset=tiny_moe, the model "
+          "the batches are routed through; lower it (e.g. --config.train.seq_len=128)") in err[0]
+  assert "model.max_seq_len" not in err[0] and not out.exists()

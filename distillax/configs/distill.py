@@ -15,8 +15,8 @@ Llama 3.1 8B (bf16, frozen) into Llama 3.2 1B at pod scale (`at_pod_scale`), siz
 by its own compiler:
   distillax plan --config distillax/configs/distill.py:llama --target tpu:v5e-8 \
       --config.train.batch_size=16
-Any preset pair the same way: the teacher's preset and the student's (its shape; how it runs and
-its vocabulary stay the config's), e.g.
+Any preset pair the same way: the teacher's preset and the student's (its shape and, unless the
+config's table is the teacher preset's, its vocabulary; how it runs stays the config's), e.g.
   distillax plan --config distillax/configs/distill.py:llama --target gpu:h100x8 \
       --config.teacher.preset=qwen3-1.7b --config.model.preset=qwen3-0.6b
 """

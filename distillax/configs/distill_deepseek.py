@@ -16,7 +16,8 @@ local disk:
 A seconds-long run on 8 devices: a fresh tiny DeepSeek V3 teacher (a dense layer, then 8 experts
 over a data axis of 4, latent attention) into a tiny dense Qwen3-shape student, tensor parallel
 over a model axis of 2 (ep_tp):
-  distillax train --config distillax/configs/distill_deepseek.py:tiny --workdir runs/ds_tiny
+  distillax train --config distillax/configs/distill_deepseek.py:tiny --workdir runs/ds_tiny \
+      --devices 8
 """
 
 from distillax.configs import distill

@@ -18,17 +18,20 @@ safetensors, tokenizer.json; nothing to convert) and chats on local disk:
       --config.data.tokenizer=hf:models/Qwen3-30B-A3B
 A seconds-long run on 8 devices: a fresh tiny MoE teacher (4 experts, top-2, over a data axis
 of 4) into a tiny dense student (ep_tp: tensor parallel over a model axis of 2):
-  distillax train --config distillax/configs/distill_moe.py:tiny --workdir runs/moe_kd_tiny
+  distillax train --config distillax/configs/distill_moe.py:tiny --workdir runs/moe_kd_tiny \
+      --devices 8
 Gemma 4 (`:gemma4`): the 26B-A4B-shape teacher (8 of 128 experts beside a dense MLP per layer)
 into the dense E2B-shape student (one 262,144-token vocabulary), and its tiny run (tiny_gemma4_moe
 into tiny_gemma4):
   distillax plan --config distillax/configs/distill_moe.py:gemma4 --devices 64 --memory_gb 95
-  distillax train --config distillax/configs/distill_moe.py:tiny,gemma4 --workdir runs/g4_kd_tiny
+  distillax train --config distillax/configs/distill_moe.py:tiny,gemma4 --workdir runs/g4_kd_tiny \
+      --devices 8
 Qwen3.5 (`:qwen35`): the 35B-A3B-shape teacher (8 of 256 experts beside a gated shared expert
 per layer, Gated DeltaNet and gated attention layers) into the dense 0.8B-shape student (one
 248,320-token vocabulary), and its tiny run (tiny_qwen35_moe into a 2-layer tiny_qwen35):
   distillax plan --config distillax/configs/distill_moe.py:qwen35 --devices 64 --memory_gb 95
-  distillax train --config distillax/configs/distill_moe.py:tiny,qwen35 --workdir runs/q35_kd_tiny
+  distillax train --config distillax/configs/distill_moe.py:tiny,qwen35 --workdir runs/q35_kd_tiny \
+      --devices 8
 """
 
 from distillax.configs import distill

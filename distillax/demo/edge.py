@@ -54,11 +54,12 @@ def speed_tokens(batches, decode_tokens: int) -> dict:
 
 
 def measure(paths: dict, segs, speed: dict, greedy_prompts, greedy_tokens: int,
-            n_threads: int | None) -> dict:
+            n_threads: int | None, vocab_limit: int | None = None) -> dict:
   """Each row's llama.cpp figures (measurements.file_figures: one child process per file):
   val_loss / val_perplexity over the segments, bytes, tokens/s, memory, and the kernel path and
   KV cache behind them; the QAT row's per-segment CE sums and greedy. With a q4_0_qat file,
-  also the deployed row."""
+  also the deployed row. vocab_limit: the tokenizer's size (the losses' softmax is over its ids,
+  as distillax's: the files hold unused tokens past them)."""
   rows = {}
   # (row, the EDGE_ROWS entry whose file it runs, kernel path, float32 KV cache)
   runs = [(row, row, "reference", True) for row in paths]
@@ -69,7 +70,7 @@ def measure(paths: dict, segs, speed: dict, greedy_prompts, greedy_tokens: int,
     figures = measurements.file_figures(
         paths[source], segs, speed, n_threads=n_threads, kernels=kernels,
         exact_cache=exact_cache, greedy_prompts=greedy_prompts if qat else (),
-        greedy_tokens=greedy_tokens)
+        greedy_tokens=greedy_tokens, vocab_limit=vocab_limit)
     segment_nll, greedy = figures.pop("segment_nll"), figures.pop("greedy")
     rows[row] = {"format": EDGE_ROWS[source][1], "source_stage": EDGE_ROWS[source][0],
                  **figures}

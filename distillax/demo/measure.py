@@ -295,7 +295,8 @@ def edge_rows(d: DemoInputs, paths: dict, qat_tokens: PerToken):
   segs = edge.segments(d.batches)
   rows = edge.measure(paths, segs, {**edge.speed_tokens(d.batches, int(c.edge_decode_tokens)),
                                     "rounds": int(c.edge_speed_rounds)},
-                      prompts, n, int(c.edge_threads) or None)
+                      prompts, n, int(c.edge_threads) or None,
+                      vocab_limit=d.tokenizer.vocab_size)
   qat = rows["q4_0_qat"]
   diff = edge.max_segment_diff(segs, qat.pop("segment_nll"), qat_tokens.nll_BxL[0])
   return rows, edge.greedy_agreement(qat.pop("greedy"), ours), diff

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from distillax.data import batch as batch_spec
 from distillax.distill.logits import TokenLogits
 from distillax.errors import ConfigError
-from distillax.framework import vocab_chunks
+from distillax.framework import token_rows, vocab_chunks
 from distillax.models.transformer import ModelOutput
 
 # Metric names the objective itself reports; a strategy may not take one of them as its name.
@@ -91,21 +91,25 @@ class DistillInputs:
     weighted loss is differentiable. Chunked, it is the vocabulary-chunk engine's, which forms
     the student's logit gradient in the same pass as the loss."""
     tokens, mask_BxL = self._tokens(), self.batch[batch_spec.LOSS_MASK]
+    # Both models' columns past the tokenizer's ids (a padded vocabulary's) leave every softmax
+    # (framework/token_rows.py): the teacher's columns are the student's, so the same ones.
+    rows = token_rows.active()
     if self.chunk_size is None:
       t_logits = None if self.teacher is None else self.teacher.logits_BxLxV
       if t_logits is not None:  # a padded teacher: its rows past the student's are cut
-        t_logits = t_logits[..., :self.student.logits_BxLxV.shape[-1]]
-      return vocab_chunks.whole_sums(fn, weights, tokens, mask_BxL, self.student.logits_BxLxV,
-                                     t_logits)
+        t_logits = token_rows.masked(t_logits[..., :self.student.logits_BxLxV.shape[-1]], rows)
+      return vocab_chunks.whole_sums(fn, weights, tokens, mask_BxL,
+                                     token_rows.masked(self.student.logits_BxLxV, rows), t_logits)
     self._check_chunk_inputs()
     teacher = t_hidden = None
     if self.teacher is not None:
       teacher = student_vocab_layer(vocab_chunks.OutputLayer.of_model(self.teacher_model),
                                     self.teacher_model.config.vocab_size,
-                                    self.student_model.config.vocab_size)
+                                    self.student_model.config.vocab_size).over_token_rows(rows)
       t_hidden = self.teacher.final_hidden_BxLxD
     return vocab_chunks.vocab_chunk_sums(
-        fn, weights, tokens, mask_BxL, vocab_chunks.OutputLayer.of_model(self.student_model),
+        fn, weights, tokens, mask_BxL,
+        vocab_chunks.OutputLayer.of_model(self.student_model).over_token_rows(rows),
         self.student.final_hidden_BxLxD, teacher, t_hidden, chunk_size=self.chunk_size)
 
   def _check_chunk_inputs(self) -> None:

@@ -25,7 +25,7 @@ from distillax.distill import divergences
 from distillax.distill.base import LogitStrategy, check_common
 from distillax.distill.logits import STUDENT, TEACHER, TokenLogits
 from distillax.errors import ConfigError
-from distillax.framework import losses, vocab_slices
+from distillax.framework import losses, token_rows, vocab_slices
 
 # Batch keys an offline teacher cache adds (teacher_cache.py writes them, CachedLogitKD reads).
 TOPK_IDS = "teacher_topk_ids_BxLxK"  # int32 token ids of the teacher's top-k at temperature T
@@ -182,6 +182,7 @@ def _extra_metric_values(logits: TokenLogits) -> dict[str, jax.Array]:
   if t is not None:
     out["teacher_ce"] = logits.nll(TEACHER)
     out["top1_agreement"] = (s_top1 == jnp.argmax(t, axis=-1)).astype(jnp.float32)
+    s, t = token_rows.zeroed(s), token_rows.zeroed(t)  # over the token columns alone
     norms = jnp.sqrt(jnp.sum(s * s, axis=-1)) * jnp.sqrt(jnp.sum(t * t, axis=-1))
     out["logit_cosine"] = jnp.sum(s * t, axis=-1) / jnp.maximum(norms, 1e-30)
   else:

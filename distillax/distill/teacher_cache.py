@@ -49,7 +49,7 @@ from distillax.data import batch as batch_spec
 from distillax.distill.logit_kd import TEACHER_NLL, TOPK_IDS, TOPK_LOGPROBS
 from distillax.distill.teacher_head import TEACHER_HIDDEN, head_of, save_head
 from distillax.errors import ConfigError, UserError
-from distillax.framework import losses
+from distillax.framework import losses, token_rows
 
 CACHE_INFO = "cache_info.json"
 SHARD_INFO = "cache_shard-{:05d}.json"  # one writing process's files and rows
@@ -98,7 +98,7 @@ def decode_hidden_row(record: bytes, hidden_dtype: str = "bfloat16") -> dict[str
 
 
 def _teacher_fn(teacher: nnx.Module, kind: str, top_k: int, temperature: float,
-                hidden_dtype: str):
+                hidden_dtype: str, rows: int | None = None):
   graphdef, state = nnx.split(teacher)
 
   @jax.jit
@@ -111,7 +111,9 @@ def _teacher_fn(teacher: nnx.Module, kind: str, top_k: int, temperature: float,
         hidden = jax.lax.bitcast_convert_type(hidden, jnp.uint16)
       return {TEACHER_HIDDEN: hidden}
     out = model(batch[batch_spec.INPUTS], **losses.model_inputs(batch))
-    logits = out.logits_BxLxV.astype(jnp.float32)
+    # Over the tokenizer's ids, as the losses that read the cache take theirs
+    # (framework/token_rows.py): a padded row is never one of the top k.
+    logits = token_rows.masked(out.logits_BxLxV.astype(jnp.float32), rows)
     logp_T = jax.nn.log_softmax(logits / temperature, axis=-1)
     top_logp, top_ids = jax.lax.top_k(logp_T, top_k)
     nll = losses.token_nll(logits, batch[batch_spec.TARGETS])
@@ -141,8 +143,8 @@ def write_teacher_cache(teacher: nnx.Module, batches: Iterable[Mapping[str, np.n
                         directory: str, *, top_k: int = 0, temperature: float = 2.0,
                         rows_per_file: int = 4096, kind: str = "topk",
                         hidden_dtype: str = "bfloat16",
-                        place: Callable | None = None, fetch: Callable | None = None
-                        ) -> CacheInfo:
+                        place: Callable | None = None, fetch: Callable | None = None,
+                        vocab_limit: int | None = None) -> CacheInfo:
   """Runs `teacher` over `batches` (host numpy dicts with the framework's batch keys: this
   process's share of each global batch) and writes the cache to `directory` (created; must not
   already hold a cache). kind 'topk' keeps `top_k` log-probs at `temperature`; 'hidden' keeps
@@ -150,7 +152,9 @@ def write_teacher_cache(teacher: nnx.Module, batches: Iterable[Mapping[str, np.n
 
   place: host batch -> the teacher's input (default: jnp arrays on this process's devices);
   fetch: a teacher output -> this process's rows as numpy (default: jax.device_get). With
-  several processes every one calls this together (the teacher runs on the global batch)."""
+  several processes every one calls this together (the teacher runs on the global batch).
+  vocab_limit: the tokenizer's ids; the top k and the teacher's NLL are over them (a padded
+  vocabulary's rows past them left out, as training's losses leave them out)."""
   vocab = teacher.config.vocab_size
   _check_args(vocab, kind, top_k, temperature, hidden_dtype, rows_per_file)
   os.makedirs(directory, exist_ok=True)
@@ -159,7 +163,7 @@ def write_teacher_cache(teacher: nnx.Module, batches: Iterable[Mapping[str, np.n
                     f"directory or delete the old cache")
   place = place or (lambda batch: {k: jnp.asarray(v) for k, v in batch.items()})
   fetch = fetch or (lambda x: np.asarray(jax.device_get(x)))
-  run = _teacher_fn(teacher, kind, top_k, float(temperature), hidden_dtype)
+  run = _teacher_fn(teacher, kind, top_k, float(temperature), hidden_dtype, vocab_limit)
   outputs = ({**host, **{k: fetch(v) for k, v in run(place(host)).items()}}
              for host in ({k: np.asarray(v) for k, v in b.items()} for b in batches))
   shard = _write_rows(outputs, directory, rows_per_file)

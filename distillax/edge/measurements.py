@@ -54,15 +54,16 @@ def segments(batches) -> list[Segment]:
 def file_figures(path: str | os.PathLike, segs: Sequence[Segment], speed: Mapping[str, Any], *,
                  n_threads: int | None = None, kernels: str = "reference",
                  exact_cache: bool = True, greedy_prompts: Sequence[Sequence[int]] = (),
-                 greedy_tokens: int = 32) -> dict[str, Any]:
+                 greedy_tokens: int = 32, vocab_limit: int | None = None) -> dict[str, Any]:
   """One file in one child process: val_loss / val_perplexity over the segments' trained
   tokens, the file's bytes, the KV cache type, the RUN_FIGURES (speed of `speed`'s prompt and
   decode tokens, memory, kernel path, llama.cpp's system info), each segment's CE sum
-  ("segment_nll") and llama.cpp's greedy continuation of each of greedy_prompts ("greedy")."""
+  ("segment_nll") and llama.cpp's greedy continuation of each of greedy_prompts ("greedy").
+  vocab_limit: the tokenizer's size, whose ids the losses take their softmax over."""
   r = gguf_runtime.measure_in_subprocess(
       path, sequences=[s[3:] for s in segs], speed=dict(speed), n_threads=n_threads,
       greedy_prompts=greedy_prompts, greedy_tokens=greedy_tokens, kernels=kernels,
-      exact_cache=exact_cache)
+      exact_cache=exact_cache, vocab_limit=vocab_limit)
   nll, tokens = float(sum(r["nll"])), float(sum(sum(s[-1]) for s in segs))
   out = {"val_loss": nll / tokens, "val_perplexity": math.exp(nll / tokens),
          "file_bytes": os.path.getsize(path), "kv_cache": "f32" if exact_cache else "f16",

@@ -157,10 +157,12 @@ def tokenize(llm, text: str, add_bos: bool = False) -> list[int]:
 
 
 def sequence_nll(llm, inputs: Sequence[int], targets: Sequence[int],
-                 mask: Sequence[float]) -> float:
+                 mask: Sequence[float], vocab_limit: int | None = None) -> float:
   """sum(mask * -log p(target)) over one sequence evaluated from position 0 in llama.cpp: the
-  log-softmax in float64 of its float32 logits, as distillax's cross_entropy_sums weighs it."""
-  z = logits(llm, inputs).astype(np.float64)
+  log-softmax in float64 of its float32 logits, as distillax's cross_entropy_sums weighs it.
+  vocab_limit: the tokenizer's size: the softmax over the ids below it, as distillax's losses
+  take theirs (a file padded with unused tokens to the model's rows); None: every row."""
+  z = logits(llm, inputs).astype(np.float64)[:, :vocab_limit]
   z -= z.max(axis=-1, keepdims=True)
   logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
   picked = logp[np.arange(len(targets)), np.asarray(targets, np.int64)]
@@ -220,7 +222,8 @@ def child_main(spec_path: str, out_path: str) -> None:
   if spec["sequences"] or spec["greedy_prompts"]:
     llm = load(spec["path"], **opts)
     try:
-      out["nll"] = [sequence_nll(llm, *s) for s in spec["sequences"]]
+      out["nll"] = [sequence_nll(llm, *s, vocab_limit=spec.get("vocab_limit"))
+                    for s in spec["sequences"]]
       out["greedy"] = [greedy(llm, p, spec["greedy_tokens"]) for p in spec["greedy_prompts"]]
     finally:
       llm.close()
@@ -249,11 +252,12 @@ def measure_in_subprocess(path: str | os.PathLike, *, sequences: Sequence[Any] =
                           greedy_prompts: Sequence[Sequence[int]] = (), greedy_tokens: int = 32,
                           speed: dict[str, Any] | None = None, n_threads: int | None = None,
                           exact_cache: bool = True, kernels: str = "reference",
-                          timeout_s: float = 1800) -> dict[str, Any]:
+                          timeout_s: float = 1800, vocab_limit: int | None = None
+                          ) -> dict[str, Any]:
   """llama.cpp's own figures for one GGUF file, from a fresh child process.
 
   sequences: (inputs, targets, loss mask) triples, each evaluated from position 0 -> "nll", their
-  NLL sums; greedy_prompts -> "greedy", `greedy_tokens` argmax tokens after each; speed:
+  NLL sums (over the ids below `vocab_limit`, the tokenizer's, when given); greedy_prompts -> "greedy", `greedy_tokens` argmax tokens after each; speed:
   {"prompt": ids, "decode": ids, "rounds": n} -> prompt_tokens_per_s, decode_tokens_per_s (see
   `time_prompt_and_decode`). Always: peak_rss_bytes of the child (its own peak
   resident memory: llama.cpp's buffers and the mapped weights it touched) and
@@ -267,7 +271,8 @@ def measure_in_subprocess(path: str | os.PathLike, *, sequences: Sequence[Any] =
           "exact_cache": bool(exact_cache), "kernels": kernels,
           "sequences": [[[int(t) for t in inputs], [int(t) for t in targets],
                          [float(m) for m in mask]] for inputs, targets, mask in sequences],
-          "greedy_prompts": [[int(t) for t in p] for p in greedy_prompts]}
+          "greedy_prompts": [[int(t) for t in p] for p in greedy_prompts],
+          "vocab_limit": None if vocab_limit is None else int(vocab_limit)}
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       [_REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
   with tempfile.TemporaryDirectory() as tmp:

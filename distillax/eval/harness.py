@@ -46,7 +46,7 @@ class DistillaxLM(TemplateLM):
   def scorer(self) -> TokenScorer:
     if self._scorer is None:
       self._scorer = TokenScorer(self.loaded.model, batch_size=self.batch_size,
-                                 mesh=self.loaded.placement[0])
+                                 mesh=self.loaded.placement[0], vocab_limit=self.tok.vocab_size)
     return self._scorer
 
   @property

@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 from distillax import partitioning as pt
 from distillax.data import batch as batch_spec
 from distillax.errors import UserError
-from distillax.framework import backends, losses
+from distillax.framework import backends, losses, token_rows
 from distillax.framework.step import EVAL_RATIOS, make_eval_step
 
 # exp() of anything above this overflows a float64.
@@ -68,10 +68,12 @@ def _compiled(engine, name: str, body):
   return engine.evals[name]
 
 
-def _token_values(defs):
+def _token_values(defs, rows: int | None = None):
+  """The student's per-token NLL and top-1, over the `rows` token ids its objective counts."""
   def values(state, batch):
     student, _ = defs.merge(state.params, state.frozen)
-    logits_BxLxV = student(batch[batch_spec.INPUTS], **losses.model_inputs(batch)).logits_BxLxV
+    logits_BxLxV = token_rows.masked(
+        student(batch[batch_spec.INPUTS], **losses.model_inputs(batch)).logits_BxLxV, rows)
     return (losses.token_nll(logits_BxLxV, batch[batch_spec.TARGETS]),
             jnp.argmax(logits_BxLxV, axis=-1).astype(jnp.int32))
   return values
@@ -111,7 +113,9 @@ def evaluate(engine, state, batches: Iterable[Mapping[str, np.ndarray]], *,
   objective}. With per_token, (those means, PerToken).
   `engine` is a framework.engine.Engine."""
   sums = _compiled(engine, "sums", make_eval_step(engine.layout.defs, engine.objective))
-  values = _compiled(engine, "per_token", _token_values(engine.layout.defs)) if per_token else None
+  rows = getattr(engine.objective, "token_rows", None)  # as the eval objective counts them
+  values = (_compiled(engine, "per_token", _token_values(engine.layout.defs, rows)) if per_token
+            else None)
   gstate = engine.global_state(state)
   place = backends.global_batch_placer(engine.mesh, engine.rules)
   totals, nll, top1 = None, [], []

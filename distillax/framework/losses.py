@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from distillax.data import batch as batch_spec
-from distillax.framework import token_loss_impl, vocab_chunks, vocab_slices
+from distillax.framework import token_loss_impl, token_rows, vocab_chunks, vocab_slices
 
 
 def token_nll(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
@@ -35,10 +35,17 @@ def _next_token_values(logits_NxV, teacher_logits_NxV, tokens) -> dict[str, jax.
 
 def sliced_head(model) -> vocab_slices.Head:
   """A model's output layer as vocab_slices reads it (plain: not fake-quantized, not adapted;
-  the recipe checks that before it asks)."""
+  the recipe checks that before it asks), over the token rows of the objective traced now."""
   weight, vocab_axis = model.output_layer()
   return vocab_slices.Head(weight, vocab_axis, model.config.dtype,
-                           model.config.final_logit_softcap)
+                           model.config.final_logit_softcap,
+                           token_rows.effective(token_rows.active(), weight.shape[vocab_axis]))
+
+
+def chunk_layer(model) -> vocab_chunks.OutputLayer:
+  """A model's output layer as the vocabulary-chunk engine reads it, over the token rows of the
+  objective traced now (framework/token_rows.py)."""
+  return vocab_chunks.OutputLayer.of_model(model).over_token_rows(token_rows.active())
 
 
 def flat_tokens(x_BxL):
@@ -49,7 +56,8 @@ def model_cross_entropy_sums(model, hidden_BxLxD, targets_BxL, mask_BxL, *,
                              chunk_size: int = vocab_chunks.AUTO, sliced: bool = False):
   """`cross_entropy_sums` of the model's logits from its final hidden states: the (B, L, V) fp32
   logits never exist. Through the vocabulary-chunk engine, or over vocabulary slices
-  (`sliced`, vocab_slices.py: the same sums, a weight gradient written once per slice)."""
+  (`sliced`, vocab_slices.py: the same sums, a weight gradient written once per slice); both
+  over the token rows of the objective traced now (framework/token_rows.py)."""
   if sliced:
     head = sliced_head(model)
     spec = vocab_slices.Spec(accuracy=True)
@@ -59,8 +67,8 @@ def model_cross_entropy_sums(model, hidden_BxLxD, targets_BxL, mask_BxL, *,
     return loss, sums["correct"], jnp.sum(mask_BxL.astype(jnp.float32))
   tokens = {batch_spec.TARGETS: targets_BxL, batch_spec.LOSS_MASK: mask_BxL}
   loss, sums = vocab_chunks.vocab_chunk_sums(
-      _next_token_values, {"loss": 1.0}, tokens, mask_BxL,
-      vocab_chunks.OutputLayer.of_model(model), hidden_BxLxD, chunk_size=chunk_size)
+      _next_token_values, {"loss": 1.0}, tokens, mask_BxL, chunk_layer(model), hidden_BxLxD,
+      chunk_size=chunk_size)
   return loss, sums["correct"], jnp.sum(mask_BxL.astype(jnp.float32))
 
 

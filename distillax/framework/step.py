@@ -67,6 +67,9 @@ class Objective:
   # (student, extras, whole batch, step key) -> arrays added to the batch, once per step before
   # the micro-batch split, without gradient (see the module doc); None: nothing to prepare.
   prepare: Callable[..., dict[str, jax.Array]] | None = None
+  # The tokenizer's ids its token losses take their softmax over (framework/token_rows.py), for
+  # evaluation's per-token values to count the same rows; None: every row of the vocabulary.
+  token_rows: int | None = None
 
   def __call__(self, student, extras, batch, rng) -> ObjectiveOutput:
     """The objective on one batch learned whole: its prepare (if any), then its function."""

@@ -36,7 +36,7 @@ from jax import custom_derivatives
 
 from distillax import partitioning as pt
 from distillax.errors import ConfigError
-from distillax.framework import token_loss_impl
+from distillax.framework import token_loss_impl, token_rows
 
 AUTO = -1  # chunk_size: sized per device from the vocabulary, the batch and the rules
 CHUNK_BUDGET_BYTES = 128 * 2**20  # fp32 logits of one model for one chunk, on one device
@@ -57,6 +57,11 @@ class OutputLayer:
     """Through the model's own `logits_from_hidden` (plain, fake-quantized or adapted)."""
     graphdef, state = nnx.split(model)
     return cls(lambda state, h: nnx.merge(graphdef, state).logits_from_hidden(h), state)
+
+  def over_token_rows(self, rows: int | None) -> "OutputLayer":
+    """This layer with the columns at or past `rows` (a padded vocabulary's) masked in every
+    chunk's logits (framework/token_rows.py): they leave every softmax, with no gradient."""
+    return OutputLayer(token_rows.masked_logits_fn(self.logits_fn, rows), self.params)
 
 
 # ---- chunk sizes --------------------------------------------------------------------------------

@@ -20,6 +20,11 @@ and d loss / d s_v = kd_weight (q_v - p_t,v) / T + ce_weight (softmax(s)_v - [v 
 student's softmax at T. A plain output layer only: logits = softcap(h @ W) with W the tied
 embedding (V, D) or the head (D, V); a fake-quantized or adapted head goes through the token
 chunks.
+
+A padded vocabulary (the student head's `token_rows` < V, framework/token_rows.py): its columns
+past the tokens leave every sum above, of both models (the teacher's columns are the student's),
+and get a zero gradient, by the per-slice column mask that already leaves out the last slice's
+overlap: the slices are the same, and no array of its own is formed.
 """
 
 from __future__ import annotations
@@ -43,10 +48,18 @@ class Head:
   vocab_axis: int
   dtype: str
   softcap: float | None = None
+  # The tokenizer's ids: columns at or past it are a padded vocabulary's, left out of every
+  # softmax (framework/token_rows.py); None: every column is a token.
+  token_rows: int | None = None
 
   @property
   def vocab(self) -> int:
     return self.weight.shape[self.vocab_axis]
+
+  @property
+  def columns(self) -> int:
+    """How many columns the losses count: the token rows, at most the vocabulary."""
+    return self.vocab if self.token_rows is None else min(self.vocab, int(self.token_rows))
 
 
 def _logits(weight_slice, h_NxD, vocab_axis: int, dtype, softcap):
@@ -92,9 +105,11 @@ def _slices(vocab: int, size: int):
   return count, starts
 
 
-def _new_columns(j, start, size):
-  """Which columns of slice j (starting at `start`) no earlier slice covered."""
-  return start + jnp.arange(size) >= j * size
+def _new_columns(j, start, size, columns: int):
+  """Which columns of slice j (starting at `start`) count: no earlier slice covered them, and
+  they are below `columns` (a padded vocabulary's columns past the tokens never count)."""
+  cols = start + jnp.arange(size)
+  return (cols >= j * size) & (cols < columns)
 
 
 def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
@@ -107,7 +122,7 @@ def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
   size = slice_size_for(h_s_NxD.shape[0], student.vocab, spec.slice_size)
   t_w = None if teacher is None else jax.lax.stop_gradient(teacher.weight)
   h_t = None if teacher is None else jax.lax.stop_gradient(h_t_NxD)
-  static = (spec, size, student.vocab_axis, student.dtype, student.softcap,
+  static = (spec, size, student.vocab_axis, student.dtype, student.softcap, student.columns,
             None if teacher is None else (teacher.vocab_axis, teacher.dtype, teacher.softcap))
   loss, sums = _sliced(static, student.weight, h_s_NxD, t_w, h_t, targets_N,
                        mask_N.astype(jnp.float32))
@@ -118,9 +133,8 @@ def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
 
 def _stats(static, w_s, h_s, w_t, h_t, targets_N):
   """Per-token statistics after one pass over every slice."""
-  spec, size, axis, dtype, cap, t_static = static
-  vocab = w_s.shape[axis]
-  count, starts = _slices(vocab, size)
+  spec, size, axis, dtype, cap, columns, t_static = static
+  count, starts = _slices(w_s.shape[axis], size)
   N = h_s.shape[0]
   neg = jnp.full((N,), -jnp.inf, jnp.float32)
   zero = jnp.zeros((N,), jnp.float32)
@@ -133,7 +147,7 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
 
   def body(carry, xs):
     j, start = xs
-    new = _new_columns(j, start, size)
+    new = _new_columns(j, start, size, columns)
     s = _logits(jax.lax.dynamic_slice_in_dim(w_s, start, size, axis), h_s, axis, dtype, cap)
     s = jnp.where(new, s, -jnp.inf)
     c = dict(carry)
@@ -192,16 +206,15 @@ def _values(spec: Spec, st, targets_N, mask_N):
 
 def _grads(static, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g):
   """(d loss / d w_s in fp32, d loss / d h_s in fp32) for a loss cotangent g."""
-  spec, size, axis, dtype, cap, t_static = static
-  vocab = w_s.shape[axis]
-  count, starts = _slices(vocab, size)
+  spec, size, axis, dtype, cap, columns, t_static = static
+  count, starts = _slices(w_s.shape[axis], size)
   T = spec.temperature
   scale_N = g * mask_N
 
   def body(carry, xs):
     dw, dh = carry
     j, start = xs
-    new = _new_columns(j, start, size)
+    new = _new_columns(j, start, size, columns)
     w_j = jax.lax.dynamic_slice_in_dim(w_s, start, size, axis)
     s, back = jax.vjp(lambda w, h: _logits(w, h, axis, dtype, cap), w_j, h_s)
     cols = start + jnp.arange(size)

@@ -8,8 +8,8 @@ real positions unchanged (causal attention never looks right).
 
 The output projection runs over chunks of `chunk_len` positions inside the jit (a `lax.map`),
 so no [batch, length, vocab] fp32 array of a large vocabulary is held whole. Log-probabilities
-are over the model's whole vocabulary (padded rows included), as the model's own softmax and an
-exported Hugging Face copy of it compute them.
+are over the tokenizer's ids (`vocab_limit`): a vocabulary padded past them has rows no text
+names, which training's losses and every export leave out, so a run and its export score alike.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distillax.errors import UserError
+from distillax.models.sampler import mask_padded_ids
 
 
 def length_bucket(length: int, min_len: int, max_len: int) -> int:
@@ -32,7 +33,8 @@ def length_bucket(length: int, min_len: int, max_len: int) -> int:
   return min(bucket, max_len)
 
 
-def _scores(graphdef, state, inputs_BxL, targets_BxL, chunk_len: int):
+def _scores(graphdef, state, inputs_BxL, targets_BxL, chunk_len: int,
+            vocab_limit: int | None = None):
   """(logprob_BxL, is_argmax_BxL) of each target given the inputs up to its position."""
   model = nnx.merge(graphdef, state)
   hidden_BxLxD = model(inputs_BxL, return_logits=False).final_hidden_BxLxD
@@ -43,7 +45,8 @@ def _scores(graphdef, state, inputs_BxL, targets_BxL, chunk_len: int):
 
   def chunk(args):
     h_BxCxD, t_BxC = args
-    logits_BxCxV = model.logits_from_hidden(h_BxCxD).astype(jnp.float32)
+    logits_BxCxV = mask_padded_ids(model.logits_from_hidden(h_BxCxD).astype(jnp.float32),
+                                   vocab_limit)
     target_BxC = jnp.take_along_axis(logits_BxCxV, t_BxC[..., None], -1)[..., 0]
     logprob_BxC = target_BxC - jax.nn.logsumexp(logits_BxCxV, axis=-1)
     return logprob_BxC, jnp.argmax(logits_BxCxV, axis=-1) == t_BxC
@@ -54,7 +57,7 @@ def _scores(graphdef, state, inputs_BxL, targets_BxL, chunk_len: int):
 
 
 # One jit for every scorer: two scorers of the same model structure share its compilations.
-_compiled_scores = jax.jit(_scores, static_argnums=(0, 4))
+_compiled_scores = jax.jit(_scores, static_argnums=(0, 4, 5))
 
 
 class TokenScorer:
@@ -62,7 +65,7 @@ class TokenScorer:
   log-probability of r[t] after r[:t], and whether r[t] was the model's top choice there."""
 
   def __init__(self, model, *, batch_size: int = 8, min_len: int = 32, chunk_len: int = 128,
-               mesh: Mesh | None = None):
+               mesh: Mesh | None = None, vocab_limit: int | None = None):
     if batch_size < 1:
       raise UserError(f"batch_size={batch_size} must be at least 1")
     self.graphdef, self.state = nnx.split(model)
@@ -74,6 +77,8 @@ class TokenScorer:
       self.sharding = NamedSharding(mesh, P(rows, None))
     self.max_len = int(model.config.max_seq_len)
     self.batch_size, self.min_len, self.chunk_len = batch_size, min_len, chunk_len
+    # The tokenizer's ids: a padded vocabulary's rows past them leave the softmax (None: all).
+    self.vocab_limit = None if vocab_limit is None else int(vocab_limit)
     self.compiled_shapes: set[tuple[int, int]] = set()
 
   def __call__(self, rows: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -107,7 +112,8 @@ class TokenScorer:
       inputs_BxL, targets_BxL = (jax.device_put(x, self.sharding) if self.sharding is not None
                                  else jnp.asarray(x) for x in (inputs_BxL, targets_BxL))
       pending.append((picked, _compiled_scores(self.graphdef, self.state, inputs_BxL,
-                                               targets_BxL, math.gcd(self.chunk_len, L))))
+                                               targets_BxL, math.gcd(self.chunk_len, L),
+                                               self.vocab_limit)))
     for picked, scores in pending:
       logprob_BxL, argmax_BxL = jax.device_get(scores)
       for b, i in enumerate(picked):

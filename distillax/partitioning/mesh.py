@@ -20,8 +20,11 @@ from distillax.errors import ConfigError
 AXES = ("data", "model")
 
 
-def resolve_axis_sizes(data: int, model: int, num_devices: int) -> tuple[int, int]:
-  """Fills a -1 axis with what is left and checks the product against the device count."""
+def resolve_axis_sizes(data: int, model: int, num_devices: int, *, simulable: bool = False
+                       ) -> tuple[int, int]:
+  """Fills a -1 axis with what is left and checks the product against the device count.
+  `simulable`: the devices are CPU devices, whose count `--devices N` sets, so a mesh larger
+  than them is best run as the config lays it out, on N simulated devices."""
   sizes = [int(data), int(model)]
   if sizes.count(-1) > 1:
     raise ConfigError(
@@ -38,6 +41,12 @@ def resolve_axis_sizes(data: int, model: int, num_devices: int) -> tuple[int, in
           f"mesh.{AXES[1 - i]}={other} does not divide the {num_devices} available devices, so "
           f"mesh.{AXES[i]}=-1 cannot be filled; pick a divisor of {num_devices}")
     sizes[i] = num_devices // other
+  if math.prod(sizes) > num_devices and simulable:
+    raise ConfigError(
+        f"mesh {sizes[0]}x{sizes[1]} (data x model) needs {math.prod(sizes)} devices but "
+        f"{num_devices} are available; on this CPU host add --devices {math.prod(sizes)} "
+        f"({math.prod(sizes)} simulated CPU devices: the layout the config sets), or set "
+        f"--config.mesh.data and --config.mesh.model so their product is {num_devices}")
   if math.prod(sizes) != num_devices:
     hint = ("fewer devices than the mesh needs" if math.prod(sizes) > num_devices
             else "devices left unused")
@@ -65,7 +74,8 @@ def create_mesh(mesh_config=None, *, devices: Sequence[jax.Device] | None = None
         f"mesh.dcn_data x mesh.dcn_model = {n_slices} slices does not divide the {len(devices)} "
         f"devices; set them to the number of slices in your pod")
   per_slice = len(devices) // n_slices
-  data, model = resolve_axis_sizes(get("data", -1), get("model", 1), per_slice)
+  data, model = resolve_axis_sizes(get("data", -1), get("model", 1), per_slice,
+                                   simulable=n_slices == 1 and devices[0].platform == "cpu")
   axis_types = (axis_type,) * len(AXES)
   if n_slices == 1:
     try:

@@ -77,30 +77,22 @@ def flops_check(recipe: Recipe, engine, compiled_per_device: float,
           "warning": warning, "unchecked": unchecked}
 
 
-def plan_report(recipe: Recipe, engine, fused: tuple[str, ...] = (),
-                unchecked: str | None = None) -> dict:
-  """Figures of `recipe`'s compiled `engine` (also used by tests and benchmarks). `fused`: the
-  parts of the step a target compile ran in kernels (flops.FUSIBLE: splash attention, a fused
-  cross-entropy), whose matmuls the compiled HLO does not show; `unchecked`: why its matmul
-  FLOPs cannot be checked (`flops_check`)."""
-  layout, runner = engine.layout, engine.runner
+def analytic_report(recipe: Recipe, engine) -> dict:
+  """The figures of `recipe`'s step that need no compile: where the arrays live and what each
+  device holds, the model FLOPs, the KV cache and the vocabularies (what `plan --target`
+  still prints when the compiler runs out of memory)."""
+  layout = engine.layout
   a, sh = layout.abstract, layout.shardings
   params = _tree_bytes(a.params, sh.params)
   frozen = _tree_bytes(a.frozen, sh.frozen)
   opt = _tree_bytes(a.opt_state, sh.opt_state)
   stored = _tree_bytes(layout.stored_abstract, layout.stored_shardings)[0]
   whole = _tree_bytes(a, sh)[0]
-  stats = dict(runner.stats)
-  hlo = runner.compiled_text()
-  model_flops = recipe.step_flops()
-  compiled_flops = matmul_flops(hlo)["flops"]
-  peak = (stats.get("argument_size_in_bytes", 0) + stats.get("temp_size_in_bytes", 0) +
-          stats.get("output_size_in_bytes", 0) - stats.get("alias_size_in_bytes", 0))
   return {
       # The mesh's devices, not jax.device_count(): a target compile's host sees 1.
       "devices": int(engine.mesh.devices.size), "mesh": pt.mesh_shape_str(engine.mesh),
-      "strategy": engine.rules.name, "backend": runner.backend,
-      "gradient_reduction": runner.gradient_reduction,
+      "strategy": engine.rules.name, "backend": engine.runner.backend,
+      "gradient_reduction": engine.runner.gradient_reduction,
       "params_total_bytes": params[0], "params_bytes_per_device": params[1],
       "frozen_total_bytes": frozen[0], "frozen_bytes_per_device": frozen[1],
       # Each frozen extra model (a teacher; several teachers one by one): (total, per device).
@@ -110,15 +102,42 @@ def plan_report(recipe: Recipe, engine, fused: tuple[str, ...] = (),
       # One checkpoint step's arrays: what the run changes; the frozen models that came from a
       # source (teacher, LoRA base) are reloaded from it on resume, never written.
       "checkpoint_bytes": stored, "reloaded_bytes": whole - stored,
-      "compiled": stats, "peak_bytes_per_device": peak,
-      "model_flops_per_step": model_flops, "collectives": collective_stats(hlo),
+      "model_flops_per_step": recipe.step_flops(),
+      "kv_cache_bytes_per_token": _kv_cache_per_token(recipe),
+      "vocabulary": _vocabularies(recipe),
+  }
+
+
+def plan_report(recipe: Recipe, engine, fused: tuple[str, ...] = (),
+                unchecked: str | None = None) -> dict:
+  """Figures of `recipe`'s compiled `engine` (also used by tests and benchmarks): the analytic
+  ones and the compiler's. `fused`: the parts of the step a target compile ran in kernels
+  (flops.FUSIBLE: splash attention, a fused cross-entropy), whose matmuls the compiled HLO does
+  not show; `unchecked`: why its matmul FLOPs cannot be checked (`flops_check`)."""
+  runner = engine.runner
+  stats = dict(runner.stats)
+  hlo = runner.compiled_text()
+  compiled_flops = matmul_flops(hlo)["flops"]
+  peak = (stats.get("argument_size_in_bytes", 0) + stats.get("temp_size_in_bytes", 0) +
+          stats.get("output_size_in_bytes", 0) - stats.get("alias_size_in_bytes", 0))
+  return {
+      **analytic_report(recipe, engine),
+      "compiled": stats, "peak_bytes_per_device": peak, "collectives": collective_stats(hlo),
       # Dots and convolutions, each times its loops' trip counts (XLA's own figure counts a
       # loop body once).
       "hlo_matmul_flops_per_device": compiled_flops,
       "flops_check": flops_check(recipe, engine, compiled_flops, fused, unchecked),
       "compile_seconds": runner.compile_seconds,
-      "kv_cache_bytes_per_token": _kv_cache_per_token(recipe),
   }
+
+
+def _vocabularies(recipe: Recipe) -> dict[str, int]:
+  """Rows of each model's output layer and the tokenizer's ids (the rows the losses count)."""
+  out = {"student": int(recipe.model_config.vocab_size)}
+  if recipe.teacher_model_config is not None:
+    out["teacher"] = int(recipe.teacher_model_config.vocab_size)
+  out["tokenizer"] = int(recipe.tokenizer.vocab_size)
+  return out
 
 
 def _kv_cache_per_token(recipe: Recipe) -> dict[str, int]:
@@ -164,19 +183,22 @@ def run_plan(config, devices: int | None = None, memory_gb: float | None = None,
   layout = engine.layout
   rows = pt.describe(layout.abstract.params, layout.logical.params, recipe.mesh, recipe.rules)
   print(pt.format_plan(rows, f"trainable parameters ({recipe.model_config.__class__.__name__})"))
-  r = plan_report(recipe, engine)
+  r = plan_report(recipe, engine, unchecked=_experts_on_cpu(recipe))
   print_figures(recipe, r)
   if memory_gb is None:
     return 0
   return print_verdict(r["peak_bytes_per_device"], memory_gb * 2**30, f"{memory_gb:g} GiB")
 
 
-def print_figures(recipe: Recipe, r: dict) -> None:
-  """The per-device figures of a plan report, as `plan` and `plan --target` print them."""
-  c = r["compiled"]
+def print_analytic(recipe: Recipe, r: dict) -> None:
+  """The figures of an analytic report (or a whole plan report) that need no compile."""
   print(f"\nplan: {r['devices']} devices, mesh {r['mesh']} (data x model), strategy "
         f"{r['strategy']}, backend {r['backend']}, batch {recipe.batch_size} x "
         f"{recipe.seq_len}, gradients reduced {r['gradient_reduction'].replace('_', ' ')}")
+  vocab = r["vocabulary"]
+  models = ", ".join(f"{name} {n:,} rows" for name, n in vocab.items() if name != "tokenizer")
+  print(f"  vocabulary     {models}; the tokenizer's {vocab['tokenizer']:,} ids (the losses' "
+        f"softmax)")
   print(f"  parameters     {fmt(r['params_total_bytes']):>12} total, "
         f"{fmt(r['params_bytes_per_device']):>12} per device")
   if r["frozen_total_bytes"]:
@@ -189,12 +211,19 @@ def print_figures(recipe: Recipe, r: dict) -> None:
   reloaded = (f" (+{fmt(r['reloaded_bytes'])} of frozen models reloaded from their sources, not "
               f"stored)" if r["reloaded_bytes"] else "")
   print(f"  checkpoint     {fmt(r['checkpoint_bytes']):>12} per save{reloaded}")
+  print("  KV cache per sampled token (every layer, per sequence): " + ", ".join(
+      f"{name} {fmt(n)}" for name, n in r["kv_cache_bytes_per_token"].items()))
+  print(f"  model FLOPs per step {r['model_flops_per_step']:.4g} (analytic)")
+
+
+def print_figures(recipe: Recipe, r: dict) -> None:
+  """The per-device figures of a plan report, as `plan` and `plan --target` print them."""
+  print_analytic(recipe, r)
+  c = r["compiled"]
   print(f"  compiled step per device: arguments {fmt(c.get('argument_size_in_bytes', 0))}, "
         f"temporaries/activations {fmt(c.get('temp_size_in_bytes', 0))}, outputs "
         f"{fmt(c.get('output_size_in_bytes', 0))} (aliased {fmt(c.get('alias_size_in_bytes', 0))})")
   print(f"  peak per device ~ {fmt(r['peak_bytes_per_device'])}")
-  print("  KV cache per sampled token (every layer, per sequence): " + ", ".join(
-      f"{name} {fmt(n)}" for name, n in r["kv_cache_bytes_per_token"].items()))
   for line in recipe.plan_lines(r) if recipe.plan_lines else ():
     print(f"  {line}")
   check = r["flops_check"]
@@ -203,8 +232,7 @@ def print_figures(recipe: Recipe, r: dict) -> None:
   xla = c.get("flops")
   xla = (f"XLA's count {xla:.4g} (loop bodies once)" if xla is not None and math.isfinite(xla)
          and xla >= 0 else "XLA gives no count of its own for this target")
-  print(f"  model FLOPs per step {r['model_flops_per_step']:.4g} (analytic); per device: "
-        f"{r['hlo_matmul_flops_per_device']:.4g} in the compiled matmuls "
+  print(f"  compiled matmul FLOPs per device {r['hlo_matmul_flops_per_device']:.4g} "
         f"({check['ratio']:.2f}x the analytic, {judged}), {xla}")
   if check["warning"]:
     print(f"  {check['warning']}")
@@ -214,7 +242,27 @@ def print_figures(recipe: Recipe, r: dict) -> None:
   print(f"  collectives per step per device: {parts or 'none'}; total "
         f"{fmt(coll['total']['bytes'])}"
         + (" (a loop's trip count is unknown: counted once)" if coll["trip_count_unknown"] else ""))
+  if coll.get("all-to-all", {}).get("count") and _has_experts(recipe):
+    print("  all-to-all: the experts' token exchange, fixed-size dropless buffers padded by "
+          "design to the rows any routing could send (models/moe/parallel.py), not the rows "
+          "a balanced routing moves")
   print(f"  compiled in {r['compile_seconds']:.1f}s")
+
+
+def _experts_on_cpu(recipe: Recipe) -> str | None:
+  """Why the CPU plan's FLOPs of a mixture of experts are not judged: XLA:CPU has no grouped
+  matmul, and jax lowers the experts' ragged dots there as dense ones (every expert over every
+  routed row, masked), E / k times the work the model's FLOPs count. None: judged."""
+  if jax.default_backend() != "cpu" or not _has_experts(recipe):
+    return None
+  return ("the CPU lowers the experts' grouped matmuls densely (every expert over every routed "
+          "row), more work than the model's FLOPs count")
+
+
+def _has_experts(recipe: Recipe) -> bool:
+  """Whether the student or the teacher in the step is a mixture of experts."""
+  teacher = recipe.teacher_model_config
+  return bool(recipe.model_config.num_experts or (teacher is not None and teacher.num_experts))
 
 
 def print_verdict(peak: float, budget: float, what: str) -> int:

@@ -31,8 +31,8 @@ from distillax.framework.run import compile_cache
 from distillax.models import layer_scope
 from distillax.models.attention import impl as attention_impl
 from distillax.models.moe import kernels as moe_kernels
-from distillax.plan.local import (DOES_NOT_FIT_EXIT_CODE, fmt, plan_report, print_figures,
-                            print_verdict)
+from distillax.plan.local import (DOES_NOT_FIT_EXIT_CODE, analytic_report, fmt, plan_report,
+                                  print_analytic, print_figures, print_verdict)
 from distillax.trainers import recipe_for
 
 # Custom calls that are the compiler's own bookkeeping, not kernels.
@@ -203,6 +203,9 @@ def run_target_plan(config, target_spec: str, *, slices: int | None = None,
     return run_search(config, target, devices, budget, what)
   report = compile_on(config, target, devices, model_overrides)
   if "out_of_memory" in report:
+    # What sizing needs without the compiler: the arrays each device holds, FLOPs, vocabularies.
+    recipe = report["recipe"]
+    print_analytic(recipe, analytic_report(recipe, recipe.build_engines(compile_now=False).main))
     print(f"  DOES NOT FIT: the {target.platform.upper()} compiler ran out of memory: "
           f"{report['out_of_memory']}")
     return DOES_NOT_FIT_EXIT_CODE

@@ -110,13 +110,15 @@ def check_data_paths(data) -> None:
         raise ConfigError(f"data.{key}: {e}") from None
 
 
-def model_conflicts(recipe) -> list[str]:
-  """What the config asks that its model (or its own run length) cannot give."""
+def model_conflicts(recipe, *, routed=None) -> list[str]:
+  """What the config asks that its model (or its own run length) cannot give. `routed`: (model
+  config, its name) of the model a job other than training runs the batches through
+  (expert-load's teacher), whose positions are checked instead of the student's."""
   out = []
-  cfg, limit = recipe.config, recipe.model_config.max_seq_len
-  if recipe.seq_len > limit:
-    out.append(f"train.seq_len={recipe.seq_len} exceeds model.max_seq_len={limit}; lower the "
-               f"first (e.g. --config.train.seq_len={limit}) or raise the second")
+  cfg = recipe.config
+  position = _positions_conflict(recipe, routed)
+  if position:
+    out.append(position)
   try:
     optim.make_schedule(cfg.optimizer, int(cfg.train.steps))
   except ConfigError as e:  # the warmup outlasts the run, an unknown schedule
@@ -124,6 +126,32 @@ def model_conflicts(recipe) -> list[str]:
   out += _vmap_moe_conflicts(recipe)
   out += _tokamax_conflicts(recipe)
   return out
+
+
+def _positions_conflict(recipe, routed=None) -> str | None:
+  """train.seq_len past the positions of the model the batches run through, and what may be
+  raised: model.max_seq_len of a fresh student; a student with weights from a source (teacher
+  blocks, a checkpoint, a run) has the source's, which no model.* flag changes."""
+  L = recipe.seq_len
+  if routed is not None:
+    cfg, name = routed
+    if L <= cfg.max_seq_len:
+      return None
+    return (f"train.seq_len={L} exceeds the max_seq_len={cfg.max_seq_len} of {name}, the model "
+            f"the batches are routed through; lower it (e.g. --config.train.seq_len="
+            f"{cfg.max_seq_len})")
+  limit, source = recipe.model_config.max_seq_len, recipe.sources.student
+  if L <= limit:
+    return None
+  if source.kind == "fresh":
+    return (f"train.seq_len={L} exceeds model.max_seq_len={limit}; lower the first (e.g. "
+            f"--config.train.seq_len={limit}) or raise the second")
+  longer = ("a teacher of more positions (its max_seq_len)" if source.kind == "teacher"
+            else "a source of more positions")
+  return (f"train.seq_len={L} exceeds the student's max_seq_len={limit}, which comes with "
+          f"{source.named()} (model.max_seq_len cannot change a shape its source gives); lower "
+          f"train.seq_len (e.g. --config.train.seq_len={limit}), or derive the student from "
+          f"{longer}")
 
 
 def _tokamax_conflicts(recipe) -> list[str]:
@@ -185,11 +213,12 @@ def export_problems(recipe) -> list[str]:
   return []
 
 
-def check_recipe_data(recipe) -> None:
+def check_recipe_data(recipe, *, routed=None) -> None:
   """Reads every record of a recipe's data once, before anything compiles: a bad record or a
   split with no token to train (recipe.data_splits) is named in one message with every
-  conflict between the config and its model, not a failure (or a wait) steps in."""
-  problems = model_conflicts(recipe) + _source_file_problems(recipe)
+  conflict between the config and its model, not a failure (or a wait) steps in. `routed`:
+  as model_conflicts."""
+  problems = model_conflicts(recipe, routed=routed) + _source_file_problems(recipe)
   try:
     check_data(recipe.config.data, recipe.tokenizer, process_count=jax.process_count(),
                splits=recipe.data_splits)

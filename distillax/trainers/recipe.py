@@ -24,7 +24,7 @@ from flax import nnx
 from distillax import partitioning as pt
 from distillax.data import batch_shapes, make_eval_iterator, make_tokenizer, make_train_iterator
 from distillax.errors import ConfigError
-from distillax.framework import eval_rules, flops
+from distillax.framework import eval_rules, flops, token_rows
 from distillax.framework.engine import Engine, build_engine, with_extra_eval
 from distillax.framework.run.startup import StartupClock
 from distillax.framework.state import Reloaded
@@ -286,10 +286,14 @@ class Recipe:
       student, extras = self.build(abstract=True, quantize=quantize)
     finally:
       self.transforms = transforms
-    return build_engine(student, extras, self.objective(train=True), optimizer_cfg,
+    # Every token loss takes its softmax over the tokenizer's ids, as the model's export does
+    # (framework/token_rows.py): a padded vocabulary's rows never count.
+    over_tokens = lambda objective: token_rows.over_token_rows(objective,
+                                                               self.tokenizer.vocab_size)
+    return build_engine(student, extras, over_tokens(self.objective(train=True)), optimizer_cfg,
                         int(c.train.steps), self.mesh, self.rules, c.backend, self.batch_shapes(),
                         accum_steps=self.accum_steps, trainable=self.trainable(),
-                        compile_now=compile_now, eval_objective=self.objective(),
+                        compile_now=compile_now, eval_objective=over_tokens(self.objective()),
                         gradient_reduction=str(c.partitioning.get("gradient_reduction", "auto")),
                         # Checkpoints leave out what the sources give back on resume: every
                         # frozen extra (the teacher) and the student's frozen base (LoRA's).

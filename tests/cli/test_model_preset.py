@@ -61,3 +61,21 @@ def test_a_student_preset_with_a_student_source_or_unknown_name_is_one_line(caps
           "student.hf_path='/nowhere' gives the student its weights") in line, line
   line = _error(capsys, "--config.model.preset=llama9")
   assert "--config.model.preset='llama9': no such preset; choose one of tiny," in line, line
+
+
+def test_a_preset_pair_of_another_family_plans_with_its_own_vocabulary():
+  """distill.py:llama's model section came with Llama 3's 128,256-row table; naming a Qwen3
+  student and teacher replaces it with Qwen3's 151,936 for both models (issue 55: they were
+  planned with Llama's), while a student whose table is its teacher preset's keeps it."""
+  from distillax.trainers import recipe_for
+  config = _config(f"{DISTILL}:llama", "--config.model.preset=qwen3-0.6b",
+                   "--config.teacher.preset=qwen3-1.7b")
+  assert config.model.vocab_size == get_preset("qwen3-0.6b").vocab_size == 151_936
+  recipe = recipe_for(config)
+  assert recipe.model_config.vocab_size == recipe.teacher_model_config.vocab_size == 151_936
+  deepseek = _config(f"{ROOT}/distillax/configs/distill_deepseek.py",
+                     "--config.model.preset=qwen3-0.6b")
+  assert deepseek.model.vocab_size == get_preset("deepseek-v3").vocab_size == 129_280
+  chosen = _config(f"{DISTILL}:llama", "--config.model.preset=qwen3-0.6b",
+                   "--config.teacher.preset=qwen3-1.7b", "--config.model.vocab_size=151_680")
+  assert chosen.model.vocab_size == 151_680

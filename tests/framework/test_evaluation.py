@@ -123,3 +123,29 @@ def test_perplexity_overflow_and_empty_eval():
   assert huge["loss"] == 5e5 and huge["perplexity"] == math.inf
   with pytest.raises(UserError, match="no tokens.*train.eval_batches"):
     evaluation.loss_and_perplexity(0.0, 0)
+
+
+def test_per_token_values_count_the_rows_the_objective_counts():
+  """An eval objective over the tokenizer's first 100 of the model's 128 rows (as every recipe
+  wraps its own, framework/token_rows.py): the per-token NLL and top-1 are numpy's over those
+  100 logits, and their masked mean is the eval loss (issue 55: the demo compared a GGUF, which
+  holds only those rows, with the per-token values of all 128)."""
+  from distillax.framework import token_rows
+  mesh, rules = mesh_and_rules("fsdp_tp", 4, 2)
+  model = create_model(TINY, mesh=mesh, rules=rules, seed=3)
+  batches = packed_batches(2, seed=5, vocab=100)
+  engine = tiny_engine(model, batches[0], mesh, rules,
+                       objective=token_rows.over_token_rows(lm_objective, 100))
+  means, tokens = evaluation.evaluate(engine, engine.init_state(model, {}, seed=0), batches,
+                                      per_token=True)
+  total = 0.0
+  for batch, nll_BxL, top1_BxL in zip(batches, tokens.nll_BxL, tokens.top1_BxL):
+    logits = np.asarray(model(batch["inputs_BxL"], **losses.model_inputs(batch)).logits_BxLxV,
+                        np.float64)[..., :100]
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    want = -np.take_along_axis(log_probs, batch["targets_BxL"][..., None], -1)[..., 0]
+    np.testing.assert_allclose(nll_BxL, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(top1_BxL, logits.argmax(-1))
+    total += float(np.sum(nll_BxL.astype(np.float64) * batch["loss_mask_BxL"]))
+  assert total / means["eval_tokens"] == pytest.approx(means["eval_loss"], rel=1e-6)

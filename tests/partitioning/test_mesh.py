@@ -28,6 +28,16 @@ def test_axis_size_errors_are_precise(data, model, needle):
     create_mesh({"data": data, "model": model})
 
 
+def test_a_mesh_larger_than_the_cpu_devices_suggests_simulating_them():
+  """On CPU devices the fix that keeps the config's layout is --devices N (issue 55: the line
+  suggested only a mesh of the devices at hand, e.g. 1x1)."""
+  with pytest.raises(ConfigError) as e:
+    create_mesh({"data": 4, "model": 4})
+  assert ("mesh 4x4 (data x model) needs 16 devices but 8 are available; on this CPU host add "
+          "--devices 16 (16 simulated CPU devices: the layout the config sets), or set "
+          "--config.mesh.data and --config.mesh.model so their product is 8") == str(e.value)
+
+
 def test_explicit_axis_type_is_passed_through():
   mesh = create_mesh({"data": 4, "model": 2}, axis_type=AxisType.Explicit)
   assert all(t == AxisType.Explicit for t in mesh.axis_types)

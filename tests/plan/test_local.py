@@ -24,6 +24,24 @@ def test_plan_reports_sharded_bytes_and_fit(capsys):
   assert "gradients reduced per use" in out
   # Its compiled matmuls agree with the analytic model: no warning.
   assert "x the analytic, " in out and "WARNING" not in out
+  # Each model's vocabulary, and the tokenizer's ids the losses count (issue 55).
+  assert "  vocabulary     student 384 rows; the tokenizer's 259 ids (the losses' softmax)" in out
+
+
+def test_a_cpu_plan_of_experts_does_not_judge_their_dense_lowering(capsys):
+  """A tiny mixture of experts (8 experts, top-2) under fsdp_ep on 8 CPU devices: XLA:CPU runs
+  the experts' grouped matmuls densely, so its compiled FLOPs are not judged against the
+  model's (it warned '2.03x' of a tiny MoE job); the all-to-all line says its buffers are
+  padded by design."""
+  code = main(["distillax", "plan", "--config", f"{ROOT}/distillax/configs/lm.py:tiny",
+               "--devices", "8", "--config.model.num_experts=8", "--config.model.moe_mlp_dim=32",
+               "--config.partitioning.strategy=fsdp_ep"])
+  out = capsys.readouterr().out
+  assert code == 0, out
+  assert "WARNING" not in out, out
+  assert ("not checked: the CPU lowers the experts' grouped matmuls densely (every expert over "
+          "every routed row), more work than the model's FLOPs count") in out, out
+  assert "all-to-all x" in out and "padded by design" in out, out
 
 
 def test_plan_warns_when_the_compiled_flops_disagree_with_the_analytic_model(capsys,

@@ -144,12 +144,17 @@ def test_cli_tpu_target_prints_the_compilers_figures(capsys):
 
 def test_a_step_the_tpu_compiler_cannot_fit_is_reported_not_raised(capsys):
   """Activations of 2^18 x 128 tokens exceed a v5e's 16 GiB: libtpu refuses the compile
-  (RESOURCE_EXHAUSTED); plan prints DOES NOT FIT with the compiler's line and exits 3."""
+  (RESOURCE_EXHAUSTED); plan prints DOES NOT FIT with the compiler's line and exits 3, after
+  the figures that need no compile (issue 55: it printed the compiler's line alone)."""
   code = main(["distillax", "plan", "--config", LM_TINY, "--target", "tpu:v5e-4",
                f"--config.train.seq_len={SEQ}", "--config.train.batch_size=262144"])
   out = capsys.readouterr().out
   assert code == DOES_NOT_FIT_EXIT_CODE == 3, out
   assert "DOES NOT FIT: the TPU compiler ran out of memory" in out and "HBM" in out
+  lines = [line.split()[0] for line in out.splitlines() if line.startswith("  ")]
+  for figure in ("vocabulary", "parameters", "optimizer", "checkpoint", "KV", "model"):
+    assert figure in lines, out
+  assert "plan: 4 devices, mesh 4x1" in out and "model FLOPs per step" in out
 
 
 def test_search_finds_a_batch_and_remat_that_compile_and_fit():

@@ -393,3 +393,17 @@ def test_a_missing_weight_file_is_found_before_the_step_is_built(capsys, tmp_pat
     code, err = _cli(capsys, tmp_path, f"--config.train.init_from={folder}",
                      config="lm.py:tiny")
     assert code == 2 and len(err) == 1 and fragment in err[0], err
+
+
+def test_a_derived_student_shorter_than_seq_len_is_told_what_may_change(capsys, tmp_path):
+  """A student of teacher blocks has the teacher's 128 positions: the line says where they come
+  from and what to change (train.seq_len, or a teacher of more positions), not to raise
+  model.max_seq_len, which the source refuses (issue 55)."""
+  code, err = _cli(capsys, tmp_path, "--config.teacher.preset=tiny_moe",
+                   "--config.student.from_teacher.layers=(0,1)", "--config.train.seq_len=256")
+  assert code == 2 and len(err) == 1, err
+  assert ("train.seq_len=256 exceeds the student's max_seq_len=128, which comes with "
+          "student.from_teacher.layers=(0, 1) (model.max_seq_len cannot change a shape its "
+          "source gives); lower train.seq_len (e.g. --config.train.seq_len=128), or derive the "
+          "student from a teacher of more positions (its max_seq_len)") in err[0], err
+  assert "raise the second" not in err[0]

@@ -33,7 +33,7 @@ from distillax.distill.cross_tokenizer.losses import AlignedTargets, cross_token
 from distillax.distill.cross_tokenizer.chunked import chunked_terms
 from distillax.distill.student import unwrap_student
 from distillax.errors import ConfigError
-from distillax.framework import losses, vocab_chunks
+from distillax.framework import losses, token_rows, vocab_chunks
 from distillax.framework.vocab_chunks import OutputLayer
 from distillax.framework.step import ObjectiveOutput
 
@@ -45,7 +45,11 @@ def _teacher_inputs(batch) -> dict:
 
 def _whole(model, teacher, batch, aligned, mask_BxL, ids, T, weights):
   """Both models' logits whole ([B, L, Vs] and [B, M, Vt] fp32; distill.cross_tokenizer)."""
-  s_logits = model(batch[batch_spec.INPUTS], **losses.model_inputs(batch)).logits_BxLxV
+  # The student's padded rows leave its softmax (framework/token_rows.py); the teacher's
+  # tokenizer is another one, whose rows the step does not know: they stay.
+  s_logits = token_rows.masked(
+      model(batch[batch_spec.INPUTS], **losses.model_inputs(batch)).logits_BxLxV,
+      token_rows.active())
   t_out = teacher(batch[rows.TEACHER_INPUTS], **_teacher_inputs(batch))
   t_logits = jax.lax.stop_gradient(t_out.logits_BxLxV)
   terms = cross_tokenizer_terms(s_logits, t_logits, aligned, *map(jnp.asarray, ids), T)
@@ -61,7 +65,8 @@ def _chunked(model, teacher, batch, aligned, mask_BxL, ids, T, weights, chunk_si
                    return_logits=False).final_hidden_BxLxD
   t_hidden = teacher(batch[rows.TEACHER_INPUTS], **_teacher_inputs(batch),
                      return_logits=False).final_hidden_BxLxD
-  return chunked_terms(OutputLayer.of_model(model), s_hidden, OutputLayer.of_model(teacher),
+  student = OutputLayer.of_model(model).over_token_rows(token_rows.active())
+  return chunked_terms(student, s_hidden, OutputLayer.of_model(teacher),
                        t_hidden, aligned, mask_BxL, *map(jnp.asarray, ids), temperature=T,
                        weights=weights, chunk_size=chunk_size)
 

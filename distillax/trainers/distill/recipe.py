@@ -6,6 +6,8 @@ projection) by weight; the `teacher` section names where the teacher comes from 
 
 from __future__ import annotations
 
+import os
+
 from flax import nnx
 
 from distillax.distill import (TEACHER, AttentionTransfer, DistillStudent, FeaturePooling,
@@ -99,7 +101,23 @@ class DistillRecipe(Recipe):
 
   def strategy(self) -> Strategy:
     return strategy_from_config(self.config.distill, self.model_config, self.teacher_model_config,
-                                self.sources.student)
+                                self.derived_from())
+
+  def derived_from(self) -> src.ModelSource:
+    """The student's source as RouterKD reads its layer and kept-expert maps. A run whose
+    student was derived from teacher blocks is read back from its checkpoint, with
+    student.from_teacher cleared (sources.as_loaded), so `eval` and `expert-load --model` of it
+    take the maps from the run's config.json, as its training did."""
+    source = self.sources.student
+    if (isinstance(source, src.BlocksSource) or not self.workdir
+        or not os.path.isfile(os.path.join(self.workdir, "config.json"))):
+      return source
+    derived = src.load_run_config(self.workdir).get("student", {}).get("from_teacher", {})
+    layers = tuple(int(i) for i in (derived.get("layers") or ()))
+    if not layers:
+      return source
+    return src.BlocksSource(self.teacher_source, layers,
+                            experts=tuple(derived.get("experts") or ()))
 
   def objective(self, *, train: bool = False) -> Objective:
     """Train: the loss terms and hard_ce; eval adds the logit metrics that cost extra passes

@@ -29,10 +29,12 @@ def _index(x) -> bool:
 def kept_experts(experts: Sequence[Any], layers: Sequence[int], teacher: TransformerConfig
                  ) -> tuple[tuple[int, ...], ...] | None:
   """Per student layer, the teacher experts it keeps, in student order; None = all of them.
+  A block the teacher runs as a dense MLP (DeepSeek V3's and GLM-4.5's first layers) keeps ().
 
   `experts`: () (all), one tuple of teacher expert indices for every layer, one tuple per
   student layer (block `layers[i]` of the teacher), or, for a student of fewer blocks, one per
-  teacher layer (as `distillax expert-load --keep_top` prints them)."""
+  teacher layer (as `distillax expert-load --keep_top` prints them); a dense block's tuple is
+  () (any tuple given for it is ignored: it has no experts)."""
   experts = tuple(experts or ())
   if not experts:
     return None
@@ -44,16 +46,22 @@ def kept_experts(experts: Sequence[Any], layers: Sequence[int], teacher: Transfo
   if not E:
     raise ConfigError(f"{FIELD}={experts!r} keeps experts, but the teacher is dense "
                       f"(model.num_experts=0); clear {FIELD}")
+  routed = [teacher.layer_is_moe(t) for t in layers]
+  is_row = lambda row, moe: isinstance(row, (tuple, list)) and all(_index(e) for e in row) and (
+      bool(row) or not moe)
   if all(_index(e) for e in experts):
     per_layer = (experts,) * num_layers
-  elif (len(experts) == num_layers and all(isinstance(row, (tuple, list)) and row
-                                          and all(_index(e) for e in row) for row in experts)):
+  elif len(experts) == num_layers and all(is_row(r, moe) for r, moe in zip(experts, routed)):
     per_layer = tuple(tuple(row) for row in experts)
   else:
+    example = tuple((0, 1) if moe else () for moe in routed)
     raise ConfigError(f"{FIELD}={experts!r} must list teacher expert indices (0..{E - 1}) kept "
                       f"in every layer, e.g. (0, 3, 5), or one such tuple per student layer "
-                      f"({num_layers}) or teacher layer ({teacher.num_layers}), e.g. "
-                      f"{((0, 1),) * num_layers}")
+                      f"({num_layers}) or teacher layer ({teacher.num_layers}), () for a dense "
+                      f"layer, e.g. {example}")
+  per_layer = tuple(row if moe else () for row, moe in zip(per_layer, routed))
+  if not any(routed):
+    return None
   for i, row in enumerate(per_layer):
     outside = sorted({e for e in row if e >= E})
     if outside:
@@ -63,11 +71,11 @@ def kept_experts(experts: Sequence[Any], layers: Sequence[int], teacher: Transfo
     if twice:
       raise ConfigError(f"{FIELD} keeps expert(s) {twice} twice in student layer {i}; list "
                         f"each kept expert once")
-  counts = sorted({len(row) for row in per_layer})
+  counts = sorted({len(row) for row, moe in zip(per_layer, routed) if moe})
   if len(counts) > 1:
-    raise ConfigError(f"{FIELD} keeps {[len(r) for r in per_layer]} experts in the student "
-                      f"layers; every layer must keep the same number (model.num_experts is one "
-                      f"number)")
+    raise ConfigError(f"{FIELD} keeps {[len(r) for r, moe in zip(per_layer, routed) if moe]} "
+                      f"experts in the routed student layers; every layer must keep the same "
+                      f"number (model.num_experts is one number)")
   if counts[0] < k:
     raise ConfigError(f"{FIELD} keeps {counts[0]} experts per layer, but the teacher routes "
                       f"each token to {k} (model.num_experts_per_tok={k}); keep at least {k}")
@@ -81,7 +89,7 @@ def with_kept_experts(cfg: TransformerConfig, kept) -> TransformerConfig:
     raise ConfigError(f"{FIELD} keeps a subset of each layer's experts, but the teacher routes "
                       f"within model.router_groups={cfg.router_groups} groups of consecutive "
                       f"experts that a subset breaks; clear {FIELD} (keep every expert)")
-  return cfg if kept is None else cfg.replace(num_experts=len(kept[0]))
+  return cfg if kept is None else cfg.replace(num_experts=max(len(row) for row in kept))
 
 
 def slice_layer(values: dict, kept_layer: Sequence[int] | None) -> dict:
