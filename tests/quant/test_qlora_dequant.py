@@ -1,7 +1,7 @@
 """QLoRA's nf4 base dequantized by selects (fakequant.nf4_values) instead of qwix's table
-gather: the same weights bit for bit, the same forward bit for bit and adapter gradients up
-to float rounding, and no gather
-left inside the scanned layer."""
+gather: the same weights bit for bit (on a TPU, within one bf16 ulp: its compiler folds casts),
+the same forward bit for bit and adapter gradients up to float rounding, and no gather left
+inside the scanned layer."""
 
 import jax
 import jax.extend
@@ -14,6 +14,7 @@ from distillax.quant import LoRAParam, apply_lora
 from distillax.quant import fakequant
 from distillax.quant.fakequant import nf4_dequantize_by_selects, qwix_dequantize
 from tests.quant.helpers import tokens
+from tests.support import chip
 from tests.support.models import FAN_IN, TINY, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -27,7 +28,15 @@ def test_nf4_select_dequantize_is_qwix_table_bit_for_bit(scale_dtype):
   got = jax.jit(nf4_dequantize_by_selects)(codes, scale)
   want = jax.jit(qwix_dequantize, static_argnums=2)(codes, scale, "nf4")
   assert got.dtype == want.dtype == scale_dtype
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  if chip.on_tpu() and scale_dtype == jnp.bfloat16:
+    # Measured on a v5e (benchmarks/results/tpu/chip_tests_call6.json): 401 of 2,304 bf16
+    # weights one bf16 ulp apart (2^-7 relative at most), the rest equal. The TPU compiler folds
+    # the casts around the scale's multiply that the CPU keeps (DESIGN: on a real accelerator),
+    # so one path rounds once where the other rounds twice. Within one ulp, never more.
+    np.testing.assert_allclose(got, want, rtol=2.0 ** -7, atol=0)
+  else:
+    np.testing.assert_array_equal(got, want)
 
 
 def _forward_and_adapter_grads(model, tok):
