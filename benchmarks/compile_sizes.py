@@ -2,7 +2,7 @@
 compile, no chip): each one's compiled peak against the chip's memory, before a chip call.
 
   python benchmarks/compile_sizes.py 'train:full:1:seq_len=16384:loss_impl=sliced:pair=real' ...
-      [--target tpu:v5e-1] [--json PATH]
+      [--target tpu:v5e-1] [--json PATH (default benchmarks/results/compile_sizes.json)]
 
 A candidate is a lever-grid variant (benchmarks/lib/lever_grid.py, as benchmarks/accelerator.py
 names them, the pair option included). The step is the one the chip would run: lever_grid.lower
@@ -29,6 +29,7 @@ from distillax import partitioning as pt  # noqa: E402
 from distillax.framework import backends, targets  # noqa: E402
 
 GIB = 2 ** 30
+RESULTS = Path(__file__).resolve().parent / "results"
 # The lent v5e's bytes_limit (jax.devices()[0].memory_stats(), benchmarks/results/tpu/): what
 # benchmarks/accelerator.py holds a candidate's compiled peak against (at most 0.97 of it).
 V5E_BYTES_LIMIT = 16_909_336_064
@@ -58,7 +59,8 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("variants", nargs="+")
   parser.add_argument("--target", default="tpu:v5e-1")
-  parser.add_argument("--json", default="")
+  parser.add_argument("--json", default=str(RESULTS / "compile_sizes.json"),
+                      help="result file (default: benchmarks/results/compile_sizes.json)")
   parser.add_argument("--limit-bytes", type=int, default=V5E_BYTES_LIMIT,
                       help="the chip's memory (default: the lent v5e's)")
   parser.add_argument("--devices", default=None, help=argparse.SUPPRESS)  # the prologue's
@@ -80,8 +82,7 @@ def main(argv=None) -> int:
     fits = " fits" if row["compiled_peak"] <= 0.97 * limit else " DOES NOT FIT"
     print(f"{row['variant']}: compiled peak {row['compiled_peak'] / GIB:.2f} GiB"
           f"{fits} ({row['compile_s']:.0f} s)", flush=True)
-  if args.json:
-    Path(args.json).write_text(json.dumps({"target": args.target, "rows": rows}, indent=1) + "\n")
+  Path(args.json).write_text(json.dumps({"target": args.target, "rows": rows}, indent=1) + "\n")
   return 0
 
 
