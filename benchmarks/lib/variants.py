@@ -60,8 +60,10 @@ def build_variant(name: str, what: str, config_module: str, c):
   recipe = recipe_for(c)  # mesh, rules, model config
   engine = recipe.build_engines().main  # the compiled step (QAT from step 0: the only engine)
   student, extras = recipe.build(abstract=False)
-  batch = common.packed_batch(c.train.batch_size, c.train.seq_len,
-                              recipe.model_config.vocab_size, seed=1)
+  # Ids the job's tokenizer makes: the losses take their softmax over its rows only
+  # (framework/token_rows.py), so a target past them would be an impossible token.
+  token_rows = min(recipe.model_config.vocab_size, int(recipe.tokenizer.vocab_size))
+  batch = common.packed_batch(c.train.batch_size, c.train.seq_len, token_rows, seed=1)
   stepper = common.Stepper(engine, student, batch, extras, seed=int(c.seed))
   jax.block_until_ready(stepper.state)
   row = {"variant": name, "what": what, "config": config_module + ".py",
