@@ -87,9 +87,12 @@ def pair_configs(name: str, tiny: bool = False) -> dict:
   return PAIRS[name](tiny)
 
 
-def one_chip():
-  """A (1, 1) mesh over the first device and the dp rules (one chip: nothing is split)."""
-  mesh = pt.create_mesh({"data": 1, "model": 1}, devices=jax.devices()[:1])
+def one_chip(device=None):
+  """A (1, 1) mesh over `device` (default: the first of this host's) and the dp rules (one
+  chip: nothing is split). benchmarks/compile_sizes.py passes a TPU target's compile-only
+  device."""
+  mesh = pt.create_mesh({"data": 1, "model": 1},
+                        devices=[device] if device is not None else jax.devices()[:1])
   return mesh, pt.rules_from_config({"strategy": "dp"})
 
 
@@ -214,10 +217,10 @@ def objective_for(v: Variant, vocab: int):
                                 sliced=v.option("loss_impl") == "sliced")
 
 
-def lower(v: Variant, pair: dict, tiny: bool = False) -> Lowered:
+def lower(v: Variant, pair: dict, tiny: bool = False, device=None) -> Lowered:
   """The variant's step built by `build_engine` (the trainer's), traced and lowered only; an
   on-policy variant's sampling-only program too. `tiny`: the pair is the tiny one (QLoRA takes
-  configs/qlora.py:tiny's tiles)."""
+  configs/qlora.py:tiny's tiles); `device`: the chip it is lowered for (one_chip)."""
   student_cfg = pair["student"].replace(**v.model_fields())
   teacher_cfg = None
   if v.kind in ("kd", on_policy_lever.KIND):
@@ -230,7 +233,7 @@ def lower(v: Variant, pair: dict, tiny: bool = False) -> Lowered:
       teacher_fields["moe_impl"] = v.option("teacher_moe_impl")
     teacher_cfg = pair["teacher"].replace(**teacher_fields)
   teacher_int8 = teacher_cfg is not None and _value(v.option("teacher_int8", "False")) is True
-  mesh, rules = one_chip()
+  mesh, rules = one_chip(device)
   extras = {}
   if teacher_cfg is not None:
     teacher = abstract_model(teacher_cfg)
