@@ -17,6 +17,7 @@ from flax import nnx
 
 from distillax.errors import ConfigError
 from distillax.models import layer_scope
+from distillax.models.attention.cache_slot import StackedSlot
 from distillax.models.attention.chunked import chunk_segments
 from distillax.models.attention.layer import Attention, KVCache
 from distillax.models.attention.mla import LatentAttention
@@ -321,15 +322,20 @@ class Transformer(nnx.Module):
     block_fn = self._block_fn(graphdef, wants)
     ropes = jnp.asarray(self.config.layer_ropes(), jnp.int32) if "rope_tables" in ctx else None
 
-    def body(x_BxLxD, layer):
-      layer_state, window, layer_kv, rope = layer
+    def body(carry, layer):
+      x_BxLxD, stacks = carry
+      layer_state, window, rope, index = layer
       ctx_i = _layer_rope(ctx, rope)
-      x_BxLxD, new_kv, p, st, _ = block_fn(layer_state, x_BxLxD, ctx_i, window, layer_kv)
-      return x_BxLxD, (x_BxLxD if want_hidden else None, new_kv, p, st)
+      slot = None if stacks is None else StackedSlot(stacks, index)
+      x_BxLxD, slot, p, st, _ = block_fn(layer_state, x_BxLxD, ctx_i, window, slot)
+      stacks = None if slot is None else slot.stacks
+      return (x_BxLxD, stacks), (x_BxLxD if want_hidden else None, p, st)
 
+    # The cache rides in the carry, written in place (attention/cache_slot.py says why).
+    stacks = None if cache_kv is None else tuple(cache_kv)
+    layers = (state, windows, ropes, jnp.arange(self.config.num_layers, dtype=jnp.int32))
     with layer_scope.serving(range(self.config.num_layers), self.config.num_layers):
-      x_BxLxD, (xs, new_kv, probs, stats) = jax.lax.scan(body, x_BxLxD,
-                                                         (state, windows, cache_kv, ropes))
+      (x_BxLxD, new_kv), (xs, probs, stats) = jax.lax.scan(body, (x_BxLxD, stacks), layers)
     return x_BxLxD, xs, new_kv, probs, stats
 
 

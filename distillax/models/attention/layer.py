@@ -27,6 +27,7 @@ from flax import nnx
 from distillax.models.attention import impl as attention_impl
 from distillax.models.config import TransformerConfig
 from distillax.models.attention.blockwise import blockwise_attention
+from distillax.models.attention.cache_slot import StackedSlot
 from distillax.models.attention.fused import cudnn_attention, splash_attention
 from distillax.models.attention.tokamax import tokamax_attention
 from distillax.models.layers import RMSNorm, apply_rope, normal_param
@@ -303,14 +304,18 @@ class Attention(nnx.Module):
     if cache_kv is None:
       return k_BxLxKxH, v_BxLxKxH, None
     dt = self.config.jnp_dtype
-    k_cache, v_cache = cache_kv
-    start = (0, cache_index, 0, 0)
-    k_cache = jax.lax.dynamic_update_slice(k_cache, k_BxLxKxH.astype(k_cache.dtype), start)
-    v_cache = jax.lax.dynamic_update_slice(v_cache, v_BxLxKxH.astype(v_cache.dtype), start)
+    if isinstance(cache_kv, StackedSlot):  # a scan over the layers carries the whole stack
+      new_cache = cache_kv.written((k_BxLxKxH, v_BxLxKxH), cache_index)
+      k_cache, v_cache = new_cache.layer_parts()
+    else:
+      k_cache, v_cache = cache_kv
+      start = (0, cache_index, 0, 0)
+      k_cache = jax.lax.dynamic_update_slice(k_cache, k_BxLxKxH.astype(k_cache.dtype), start)
+      v_cache = jax.lax.dynamic_update_slice(v_cache, v_BxLxKxH.astype(v_cache.dtype), start)
+      new_cache = (k_cache, v_cache)
     # A cache as wide as its widest layer (Gemma 4) holds ours first, heads and features.
     K, Dh = self.num_kv_heads, self.head_dim
-    return (k_cache[..., :K, :Dh].astype(dt), v_cache[..., :K, :Dh].astype(dt),
-            (k_cache, v_cache))
+    return k_cache[..., :K, :Dh].astype(dt), v_cache[..., :K, :Dh].astype(dt), new_cache
 
   def _attend(self, q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking: dict, *, cached: bool,
               return_probs: bool):

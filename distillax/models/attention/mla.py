@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from distillax.models.attention.cache_slot import StackedSlot
 from distillax.models.attention.layer import attend
 from distillax.models.config import TransformerConfig
 from distillax.models.layers import RMSNorm, apply_rope, normal_param
@@ -101,6 +102,10 @@ class LatentAttention(nnx.Module):
       attn_BxLxHxV, probs = self._expanded(q_nope, q_rope, c_BxLx1xR[:, :, 0],
                                            k_rope_BxLx1xP, masking, return_probs)
       new_cache = None
+    elif isinstance(cache_kv, StackedSlot):  # a scan over the layers carries the whole stack
+      new_cache = cache_kv.written((c_BxLx1xR, k_rope_BxLx1xP), cache_index)
+      attn_BxLxHxV, probs = self._absorbed(q_nope, q_rope, *new_cache.layer_parts(), masking,
+                                           return_probs)
     else:
       new_cache = tuple(jax.lax.dynamic_update_slice(cache, part.astype(cache.dtype),
                                                      (0, cache_index, 0, 0))

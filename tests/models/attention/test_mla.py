@@ -43,7 +43,11 @@ def test_the_cache_holds_the_latent_and_the_rope_key_not_keys_and_values():
   assert kv_cache_bytes_per_token(expanded) == 61 * 128 * 192 * 2 * 2
 
 
-def test_cached_greedy_in_the_latent_equals_the_expanded_recomputation(model):
+@pytest.mark.parametrize("scan", [False, True])
+def test_cached_greedy_in_the_latent_equals_the_expanded_recomputation(model, scan):
+  if scan:  # the layers' latents ride in the scan's carry (attention/cache_slot.py); scanned
+    # layers must all have experts
+    model = random_model(CONFIG.replace(moe_layers=(0, 1), scan_layers=True), seed=3)
   steps = 6
   got = generate(model, PROMPTS, LENGTHS, max_new_tokens=steps)
   want, _ = _uncached_greedy(model, PROMPTS, LENGTHS, steps)
