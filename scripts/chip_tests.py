@@ -31,6 +31,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (test id or prefix: a file, a function with all its parameters, or one parametrized case;
 #  why its claim depends on the hardware)
 SELECTION = (
+    ("tests/models/attention/test_decode.py",
+     "the decode kernel's Mosaic build (the stacked cache read in place, blocks past the filled "
+     "slots skipped, soft-cap, window, padded rows) against the reference attention, and a "
+     "scanned model decoding through it against uncached recomputation"),
     ("tests/quant/test_ggml_rounding.py",
      "q4_0 / q8_0 rounding (weights, activations, a q4_0 QAT forward) against numpy "
      "transcriptions of ggml's quantizers, bit for bit: the TPU's division, fp16 conversion"),

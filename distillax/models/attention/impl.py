@@ -13,8 +13,10 @@ decided in one pure function, so models never look at the platform themselves.
   on CPU (the tests' check); refused on a TPU (splash is the TPU's).
 - `auto`: a fused kernel where the platform has one that supports what the call needs, blockwise
   otherwise; the reference when probabilities are asked for. Decode steps against a KV cache
-  (one query per row) use the reference: their scores are (B, H, 1, S), small; a cache prefill
-  runs blockwise (the fused kernels here assume queries and keys start at the same index).
+  (one query per row) run decode.py's Pallas kernel on a TPU when the cache is a scanned
+  stack (it reads the stack in place), the reference elsewhere: their scores are (B, H, 1, S),
+  small; a cache prefill runs blockwise (the fused kernels here assume queries and keys start
+  at the same index).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class AttentionNeeds:
   dtype: str = "float32"  # compute dtype of queries, keys and values
   head_dim: int = 64
   sinks: bool = False  # a learned per-head logit joins the softmax denominator (gpt-oss)
+  stacked_cache: bool = False  # the KV cache is the layers' stack, readable in place (decode.py)
 
 
 def cudnn_unsupported(needs: AttentionNeeds) -> str | None:
@@ -108,6 +111,17 @@ def _tokamax(platform: str, needs: AttentionNeeds) -> tuple[str, str]:
 _UNSUPPORTED = {"cudnn": cudnn_unsupported, "splash": splash_unsupported}
 
 
+def decode_unsupported(requested: str, platform: str, needs: AttentionNeeds) -> str | None:
+  """Why the TPU decode kernel (decode.py) cannot serve a one-query call against a cache."""
+  if platform != "tpu" or requested not in ("auto", "splash"):
+    return "the decode kernel runs on a TPU under attention_impl 'auto' or 'splash'"
+  if not needs.stacked_cache:
+    return "the cache is not a scanned stack"
+  if needs.sinks:
+    return "the decode kernel has no attention sinks"
+  return None
+
+
 def _explicit_fused(requested: str, platform: str, needs: AttentionNeeds) -> tuple[str, str]:
   want = _FUSED_PLATFORM[requested]
   if platform != want:
@@ -132,7 +146,10 @@ def choose(requested: str, platform: str, needs: AttentionNeeds) -> tuple[str, s
     return "reference", "attention probabilities requested: only the reference path forms them"
   if needs.cached:
     if needs.query_len == 1:
-      return "reference", "one query per row against the KV cache: its scores are small"
+      why = decode_unsupported(requested, platform, needs)
+      if why is None:
+        return "decode", "one query per row: the Pallas kernel reads the stacked cache in place"
+      return "reference", f"one query per row against the KV cache ({why})"
     if requested == "reference":
       return "reference", "as configured"
     return "blockwise", "KV-cache prefill: the fused kernels assume queries and keys start together"

@@ -28,11 +28,12 @@ from distillax.models.attention import impl as attention_impl
 from distillax.models.config import TransformerConfig
 from distillax.models.attention.blockwise import blockwise_attention
 from distillax.models.attention.cache_slot import StackedSlot
+from distillax.models.attention.decode import key_block, stacked_decode_attention
 from distillax.models.attention.fused import cudnn_attention, splash_attention
 from distillax.models.attention.tokamax import tokamax_attention
 from distillax.models.layers import RMSNorm, apply_rope, normal_param
 from distillax.models.layers import softcap as _softcap
-from distillax.partitioning import constrain
+from distillax.partitioning import active_rules, constrain
 
 _MASKED = -1e30  # finite, so a fully masked row can never produce NaNs
 
@@ -229,6 +230,33 @@ def attend(cfg: TransformerConfig, q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking: d
   return fused(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, **masking, windows=windows, **common), None
 
 
+def attend_stacked(cfg: TransformerConfig, q_Bx1xKxGxH, slot: StackedSlot, masking: dict,
+                   cache_index, *, sinks: bool):
+  """One query per row attended by decode.py's kernel straight from the stacked cache `slot`
+  (this call's keys already written), or None where attention_impl picks another path."""
+  k_stack = slot.stacks[0]
+  B, _, K, G, Dh = q_Bx1xKxGxH.shape
+  S = k_stack.shape[2]
+  needs = attention_impl.AttentionNeeds(
+      cached=True, query_len=1, key_len=S, segments=masking["q_segment_BxL"] is not None,
+      window=cfg.sliding_window is not None, softcap=cfg.attn_logit_softcap is not None,
+      dtype=cfg.dtype, head_dim=Dh, sinks=sinks,
+      stacked_cache=k_stack.shape[3:] == (K, Dh) and key_block(S) is not None)
+  active = active_rules()
+  if active is not None and active.mesh.size > 1:
+    return None  # a Pallas call the compiler cannot partition: shard_map it first (not yet)
+  if attention_impl.resolve(cfg.attention_impl, needs) != "decode":
+    return None
+  mask_BxS = attention_mask(masking["q_index_BxL"], masking["k_index_BxS"],
+                            masking["q_segment_BxL"], masking["k_segment_BxS"])
+  mask_BxS = window_mask(mask_BxS, masking["q_index_BxL"], masking["k_index_BxS"],
+                         masking["window"])[:, 0]
+  out_BxKxGxH = stacked_decode_attention(
+      q_Bx1xKxGxH[:, 0], *slot.stacks, slot.layer, mask_BxS, cache_index + 1,
+      scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap)
+  return out_BxKxGxH[:, None]
+
+
 class Attention(nnx.Module):
   """Multi-head attention over `num_kv_heads` key/value heads shared by groups of query heads."""
 
@@ -347,18 +375,27 @@ class Attention(nnx.Module):
     if self.temperature:  # Llama 4's RoPE-free layers
       q_BxLxHxK = _temperature_scaled(q_BxLxHxK, positions_BxL, cfg)
     q_BxLxHxK = constrain(q_BxLxHxK, ("batch", "length", "heads", "head_dim"))
-    if shared_kv is not None:
-      (k_BxSxKxH, v_BxSxKxH), new_cache = shared_kv, None
-    else:
-      k_BxSxKxH, v_BxSxKxH, new_cache = self._keys_values(
-          *self._own_keys_values(x_BxLxD, sin_cos), cache_kv, cache_index)
     # Query head h = kv_head * G + g uses kv head h // G (the layout of HF checkpoints).
     q_BxLxKxGxH = q_BxLxHxK.reshape(B, L, K, G, Dh)
     masking = dict(q_index_BxL=q_index_BxL, k_index_BxS=k_index_BxS, q_segment_BxL=q_segment_BxL,
                    k_segment_BxS=k_segment_BxS, window=window)
-    attn_BxLxKxGxH, probs_BxKxGxLxS = self._attend(
-        q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking, cached=cache_index is not None,
-        return_probs=return_probs)
+    decoded = None
+    if shared_kv is not None:
+      (k_BxSxKxH, v_BxSxKxH), new_cache = shared_kv, None
+    else:
+      own_kv = self._own_keys_values(x_BxLxD, sin_cos)
+      if isinstance(cache_kv, StackedSlot) and L == 1 and not return_probs and not return_kv:
+        new_cache = cache_kv.written(own_kv, cache_index)
+        decoded = attend_stacked(cfg, q_BxLxKxGxH, new_cache, masking, cache_index,
+                                 sinks=self.sinks is not None)
+      if decoded is None:
+        k_BxSxKxH, v_BxSxKxH, new_cache = self._keys_values(*own_kv, cache_kv, cache_index)
+    if decoded is not None:
+      attn_BxLxKxGxH, probs_BxKxGxLxS = decoded, None
+    else:
+      attn_BxLxKxGxH, probs_BxKxGxLxS = self._attend(
+          q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking, cached=cache_index is not None,
+          return_probs=return_probs)
     attn_BxLxHxK = constrain(attn_BxLxKxGxH.astype(dt).reshape(B, L, K * G, Dh),
                              ("batch", "length", "heads", "head_dim"))
     if self.out_gate is not None:

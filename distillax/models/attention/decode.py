@@ -1,0 +1,121 @@
+"""One decoded token per row against a stacked KV cache: a Pallas TPU kernel that reads the
+layer's keys and values straight out of the stack, and only the blocks that hold tokens.
+
+Why: a decode step reads every weight once for all rows, and each row's cache. The reference
+path attends a layer's cache sliced out of the stack (attention/cache_slot.py): on a v5e the
+compiler copies that slice before the dot, so each cached key and value was read, written and
+read again, and every slot of the cache was read whether filled or not. The real 0.6B student
+decoding 32 rows of 536 to 768 slots took 2.8x its roofline per cached slot (benchmarks/results/
+tpu/sampler_decode_call3.json). Here the kernel's BlockSpecs index the stack at the layer (a
+scalar prefetched into SMEM), so the DMA reads the cache once; blocks past the last filled
+slot map to the last filled block, which Pallas does not fetch again, and are skipped.
+
+The cache is read as rows of (slot, kv head), H features each: the stack's own bytes (its
+(K, H) tiles), so no copy makes them. One matmul of a row's K*G queries against a block's rows
+scores every query against every head; each query keeps its own head's columns (the rest are
+masked out of the softmax, so the values' matmul takes only its own head). A decode matmul is
+bound by streaming the cache through the MXU, not by its FLOPs, so the K-fold products cost
+nothing that matters.
+
+Masking is what reference_attention's is (causal, segments, window), computed outside as one
+(B, S) bool: the kernel sees which slots a row may attend. Soft-capped logits are supported;
+attention sinks are not (the caller falls back to the reference).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+_MASKED = -1e30
+_BLOCKS = (1024, 512, 256, 128)  # slots per key block, the largest that divides the cache
+
+
+def key_block(length: int) -> int | None:
+  """Slots per key block for a cache of `length` slots, or None where no block fits (then the
+  caller attends by the reference path)."""
+  for block in _BLOCKS:
+    if length % block == 0:
+      return block
+  return length if length <= _BLOCKS[0] and length % 8 == 0 else None
+
+
+def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref, *,
+            scale: float, softcap: float | None, K: int, G: int):
+  s = pl.program_id(1)
+
+  @pl.when(s == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, _MASKED, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  @pl.when(s < sref[1])
+  def _block():
+    # Column j of the block is slot j // K, kv head j % K: query row r (head r // G) keeps
+    # its own head's columns of the slots it may attend.
+    scores = jax.lax.dot_general(q_ref[0], k_ref[0, 0], (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32) * scale  # (K*G, blk*K)
+    if softcap is not None:
+      scores = softcap * jnp.tanh(scores / softcap)
+    row_head = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, scores.shape, 0), G)
+    col_head = jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1), K)
+    keep = (row_head == col_head) & (valid_ref[0] > 0)
+    scores = jnp.where(keep, scores, _MASKED)
+    m_prev = m_ref[...]
+    m_new = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
+    p = jnp.where(keep, jnp.exp(scores - m_new), 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
+    v = v_ref[0, 0]
+    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v.dtype), v,
+                                                  preferred_element_type=jnp.float32)
+    m_ref[...] = m_new
+
+  @pl.when(s == pl.num_programs(1) - 1)
+  def _out():
+    o_ref[0] = (acc_ref[...] / jnp.maximum(l_ref[...], 1e-30)).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret"))
+def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled, *,
+                             scale: float, softcap: float | None = None,
+                             interpret: bool = False) -> jax.Array:
+  """(B, K, G, H) attention outputs (float32) of one query position per row against layer
+  `layer` of the stacks. valid_BxS: which slots each row attends; filled: how many slots from
+  the start may be valid (the blocks past it are neither read nor computed)."""
+  N, B, S, K, H = k_NxBxSxKxH.shape
+  G = q_BxKxGxH.shape[2]
+  block = key_block(S)
+  if block is None:
+    raise ValueError(f"no key block divides a cache of {S} slots")
+  blocks_needed = jnp.clip((filled + block - 1) // block, 1, S // block)
+  sref = jnp.stack([jnp.asarray(layer, jnp.int32), blocks_needed.astype(jnp.int32)])
+  # (slot, head) rows: the stack's own bytes (its (K, H) tiles), so the reshape is free.
+  k_rows = k_NxBxSxKxH.reshape(N, B, S * K, H)
+  v_rows = v_NxBxSxKxH.reshape(N, B, S * K, H)
+  valid_Bx1xSK = jnp.repeat(valid_BxS.astype(jnp.int32), K, axis=1)[:, None, :]
+  q_BxKGxH = q_BxKxGxH.astype(k_NxBxSxKxH.dtype).reshape(B, K * G, H)
+  last = lambda s, sref: jnp.minimum(s, sref[1] - 1)
+  rows = block * K
+  cache_spec = pl.BlockSpec((1, 1, rows, H), lambda b, s, sref: (sref[0], b, last(s, sref), 0))
+  out = pl.pallas_call(
+      functools.partial(_kernel, scale=scale, softcap=softcap, K=K, G=G),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=1, grid=(B, S // block),
+          in_specs=[pl.BlockSpec((1, K * G, H), lambda b, s, sref: (b, 0, 0)),
+                    cache_spec, cache_spec,
+                    pl.BlockSpec((1, 1, rows), lambda b, s, sref: (b, 0, last(s, sref)))],
+          out_specs=pl.BlockSpec((1, K * G, H), lambda b, s, sref: (b, 0, 0)),
+          scratch_shapes=[pltpu.VMEM((K * G, 1), jnp.float32),
+                          pltpu.VMEM((K * G, 1), jnp.float32),
+                          pltpu.VMEM((K * G, H), jnp.float32)]),
+      out_shape=jax.ShapeDtypeStruct((B, K * G, H), jnp.float32),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+      interpret=interpret,
+  )(sref, q_BxKGxH, k_rows, v_rows, valid_Bx1xSK)
+  return out.reshape(B, K, G, H)
