@@ -33,15 +33,19 @@ from jax.experimental.pallas import tpu as pltpu
 
 _MASKED = -1e30
 _BLOCKS = (1024, 512, 256, 128)  # slots per key block, the largest that divides the cache
+# Bytes of one key block: keys and values, each double-buffered, stay within the 16 MiB of
+# VMEM a kernel gets by default (a float32 cache of 1,024-slot blocks at 8 x 128 needs 16.05).
+_BLOCK_BYTES = 2 * 2 ** 20
 
 
-def key_block(length: int) -> int | None:
-  """Slots per key block for a cache of `length` slots, or None where no block fits (then the
-  caller attends by the reference path)."""
-  for block in _BLOCKS:
+def key_block(length: int, row_bytes: int = 0) -> int | None:
+  """Slots per key block for a cache of `length` slots of `row_bytes` each (every kv head's
+  features), or None where no block fits (then the caller attends by the reference path)."""
+  fits = [b for b in _BLOCKS if b * row_bytes <= _BLOCK_BYTES] or [_BLOCKS[-1]]
+  for block in fits:
     if length % block == 0:
       return block
-  return length if length <= _BLOCKS[0] and length % 8 == 0 else None
+  return length if length <= fits[0] and length % 8 == 0 else None
 
 
 def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref, *,
@@ -90,7 +94,7 @@ def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_B
   the start may be valid (the blocks past it are neither read nor computed)."""
   N, B, S, K, H = k_NxBxSxKxH.shape
   G = q_BxKxGxH.shape[2]
-  block = key_block(S)
+  block = key_block(S, K * H * k_NxBxSxKxH.dtype.itemsize)
   if block is None:
     raise ValueError(f"no key block divides a cache of {S} slots")
   blocks_needed = jnp.clip((filled + block - 1) // block, 1, S // block)

@@ -241,7 +241,8 @@ def attend_stacked(cfg: TransformerConfig, q_Bx1xKxGxH, slot: StackedSlot, maski
       cached=True, query_len=1, key_len=S, segments=masking["q_segment_BxL"] is not None,
       window=cfg.sliding_window is not None, softcap=cfg.attn_logit_softcap is not None,
       dtype=cfg.dtype, head_dim=Dh, sinks=sinks,
-      stacked_cache=k_stack.shape[3:] == (K, Dh) and key_block(S) is not None)
+      stacked_cache=(k_stack.shape[3:] == (K, Dh)
+                     and key_block(S, K * Dh * k_stack.dtype.itemsize) is not None))
   active = active_rules()
   if active is not None and active.mesh.size > 1:
     return None  # a Pallas call the compiler cannot partition: shard_map it first (not yet)

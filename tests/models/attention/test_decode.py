@@ -61,9 +61,11 @@ def test_decode_kernel_matches_reference(case):
   chip.assert_close(np.asarray(got), np.asarray(want[:, 0]), dtype=dtype, atol=2e-6, rtol=2e-5)
 
 
-def test_key_blocks_divide_the_cache_or_refuse():
-  assert [key_block(n) for n in (1024, 1536, 384, 13, 16, 4096)] == [1024, 512, 128, None, 16,
-                                                                     1024]
+def test_key_blocks_divide_the_cache_within_their_bytes_or_refuse():
+  bf16_rows = 8 * 128 * 2  # the real student's 8 kv heads of 128 features
+  assert [key_block(n, bf16_rows) for n in (1024, 1536, 384, 13, 16, 4096)] == [
+      1024, 512, 128, None, 16, 1024]
+  assert key_block(1024, 2 * bf16_rows) == 512  # float32: 1,024 slots would be 4 MiB a block
 
 
 def test_decode_is_chosen_on_a_tpu_for_a_stacked_cache_only():
