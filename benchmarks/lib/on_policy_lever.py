@@ -47,7 +47,7 @@ from distillax.distill.on_policy.objective import (PROMPT_LENGTHS, PROMPT_TOKENS
 from distillax.framework import backends, throughput
 from distillax.framework.vocab_chunks import AUTO
 from distillax.models import param_count
-from distillax.models.attention.layer import KVCache
+from distillax.models.attention.kv_cache import kv_cache_bytes_per_token
 from distillax.trainers.on_policy.parts import sampling_program
 from distillax.trainers.on_policy.recipe import on_policy_step_flops
 
@@ -86,7 +86,13 @@ def settings(v, vocab: int) -> OnPolicySettings:
   c = on_policy_section()
   return OnPolicySettings(max_new_tokens=new_tokens(v), num_samples=int(c.num_samples),
                           temperature=float(c.sampling_temperature), eos_id=vocab - 1,
-                          pad_id=0, lmbda=1.0, vocab_limit=vocab - 1, cast_weights=True)
+                          pad_id=0, lmbda=1.0, vocab_limit=vocab - 1, cast_weights=True,
+                          cache_dtype=cache_dtype(v))
+
+
+def cache_dtype(v) -> str | None:
+  """`kv_int8=True`: the sampler's KV cache in int8 (configs/on_policy.py kv_cache_dtype)."""
+  return "int8" if v.option("kv_int8", "False") == "True" else None
 
 
 def objective(v, vocab: int):
@@ -134,9 +140,7 @@ def decode_weight_bytes(cfg) -> int:
 
 def kv_bytes_per_position(cfg, cache_dtype=None) -> int:
   """Bytes of keys and values one token adds to the sampler's KV cache (every layer)."""
-  cache = jax.eval_shape(lambda: KVCache.zeros(cfg, 1, 1, cache_dtype))
-  return int(cache.k_NxBxSxKxH.size * cache.k_NxBxSxKxH.dtype.itemsize
-             + cache.v_NxBxSxKxH.size * cache.v_NxBxSxKxH.dtype.itemsize)
+  return kv_cache_bytes_per_token(cfg, cache_dtype)
 
 
 def decode_roofline(weight_bytes: int, kv_bytes: int, rows: int, prompt: int, new: int,
@@ -182,8 +186,8 @@ def figures(low, sampling: list[float], whole: list[float], sampled: list[int],
   tokens = int(np.median(sampled))
   model_flops = on_policy_step_flops(cfg, low.teacher_cfg, v.batch, P, T)
   bandwidth, source = throughput.hbm_bandwidth_per_device()
-  roof = decode_roofline(decode_weight_bytes(cfg), kv_bytes_per_position(cfg), v.batch, P, T,
-                         bandwidth)
+  roof = decode_roofline(decode_weight_bytes(cfg), kv_bytes_per_position(cfg, cache_dtype(v)),
+                         v.batch, P, T, bandwidth)
   rate = tokens / sampling_s
   return {"sampling_batch": v.batch, "micro_batch": micro_batch(v),
           "accum_steps": accum_steps(v), "sampler_memory": sampler_memory(low),

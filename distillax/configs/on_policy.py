@@ -61,6 +61,10 @@ def on_policy_section() -> ml_collections.ConfigDict:
   c.sampling_temperature = 1.0  # the student's sampling temperature (0 = greedy)
   c.top_k = 0  # sample from the student's top-k tokens only (0 = off)
   c.top_p = 1.0  # nucleus sampling mass (1 = off)
+  # The sampler's KV cache: '' (the compute dtype) or 'int8' (codes and a scale per token and
+  # kv head: half the bytes each decode step reads, keys and values within half a code; needs
+  # a scanned attention stack). The learner scores every sample with the exact model.
+  c.kv_cache_dtype = ""
   c.eval_prompts = 16  # held-out prompts the student completes at every eval (fixed seed)
   c.eval_seed = 0  # sampling seed of the eval completions (the same at every eval)
   c.samples_to_write = 4  # eval completions written to <workdir>/on_policy_samples/ per eval

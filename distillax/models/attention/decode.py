@@ -48,8 +48,12 @@ def key_block(length: int, row_bytes: int = 0) -> int | None:
   return length if length <= fits[0] and length % 8 == 0 else None
 
 
-def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref, *,
-            scale: float, softcap: float | None, K: int, G: int):
+def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, *rest, scale: float, softcap: float | None,
+            K: int, G: int, quantized: bool):
+  if quantized:  # int8 codes with one scale per (slot, head) row
+    ks_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref = rest
+  else:
+    o_ref, m_ref, l_ref, acc_ref = rest
   s = pl.program_id(1)
 
   @pl.when(s == 0)
@@ -62,8 +66,12 @@ def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref, 
   def _block():
     # Column j of the block is slot j // K, kv head j % K: query row r (head r // G) keeps
     # its own head's columns of the slots it may attend.
-    scores = jax.lax.dot_general(q_ref[0], k_ref[0, 0], (((1,), (1,)), ((), ())),
+    q = q_ref[0]
+    k = k_ref[0, 0].astype(q.dtype) if quantized else k_ref[0, 0]
+    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32) * scale  # (K*G, blk*K)
+    if quantized:
+      scores = scores * ks_ref[0, 0]
     if softcap is not None:
       scores = softcap * jnp.tanh(scores / softcap)
     row_head = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, scores.shape, 0), G)
@@ -75,8 +83,9 @@ def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref, 
     p = jnp.where(keep, jnp.exp(scores - m_new), 0.0)
     alpha = jnp.exp(m_prev - m_new)
     l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-    v = v_ref[0, 0]
-    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(p.astype(v.dtype), v,
+    v = v_ref[0, 0].astype(q.dtype) if quantized else v_ref[0, 0]
+    weights = p * vs_ref[0, 0] if quantized else p
+    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(weights.astype(v.dtype), v,
                                                   preferred_element_type=jnp.float32)
     m_ref[...] = m_new
 
@@ -86,12 +95,14 @@ def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, o_ref, m_ref, l_ref, acc_ref, 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret"))
-def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled, *,
-                             scale: float, softcap: float | None = None,
-                             interpret: bool = False) -> jax.Array:
+def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled,
+                             k_scale_NxBx1xSK=None, v_scale_NxBx1xSK=None, *, scale: float,
+                             softcap: float | None = None, interpret: bool = False) -> jax.Array:
   """(B, K, G, H) attention outputs (float32) of one query position per row against layer
   `layer` of the stacks. valid_BxS: which slots each row attends; filled: how many slots from
-  the start may be valid (the blocks past it are neither read nor computed)."""
+  the start may be valid (the blocks past it are neither read nor computed). An int8 cache
+  passes its codes as the stacks and its scales (kv_cache.KVCache); the queries then run in
+  their own dtype against the codes, each row's product times its scale."""
   N, B, S, K, H = k_NxBxSxKxH.shape
   G = q_BxKxGxH.shape[2]
   block = key_block(S, K * H * k_NxBxSxKxH.dtype.itemsize)
@@ -103,17 +114,22 @@ def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_B
   k_rows = k_NxBxSxKxH.reshape(N, B, S * K, H)
   v_rows = v_NxBxSxKxH.reshape(N, B, S * K, H)
   valid_Bx1xSK = jnp.repeat(valid_BxS.astype(jnp.int32), K, axis=1)[:, None, :]
-  q_BxKGxH = q_BxKxGxH.astype(k_NxBxSxKxH.dtype).reshape(B, K * G, H)
+  quantized = k_scale_NxBx1xSK is not None
+  q_dtype = q_BxKxGxH.dtype if quantized else k_NxBxSxKxH.dtype
+  q_BxKGxH = q_BxKxGxH.astype(q_dtype).reshape(B, K * G, H)
   last = lambda s, sref: jnp.minimum(s, sref[1] - 1)
   rows = block * K
   cache_spec = pl.BlockSpec((1, 1, rows, H), lambda b, s, sref: (sref[0], b, last(s, sref), 0))
+  scale_spec = pl.BlockSpec((1, 1, 1, rows), lambda b, s, sref: (sref[0], b, 0, last(s, sref)))
+  scales = (k_scale_NxBx1xSK, v_scale_NxBx1xSK) if quantized else ()
   out = pl.pallas_call(
-      functools.partial(_kernel, scale=scale, softcap=softcap, K=K, G=G),
+      functools.partial(_kernel, scale=scale, softcap=softcap, K=K, G=G, quantized=quantized),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1, grid=(B, S // block),
           in_specs=[pl.BlockSpec((1, K * G, H), lambda b, s, sref: (b, 0, 0)),
                     cache_spec, cache_spec,
-                    pl.BlockSpec((1, 1, rows), lambda b, s, sref: (b, 0, last(s, sref)))],
+                    pl.BlockSpec((1, 1, rows), lambda b, s, sref: (b, 0, last(s, sref))),
+                    *[scale_spec] * len(scales)],
           out_specs=pl.BlockSpec((1, K * G, H), lambda b, s, sref: (b, 0, 0)),
           scratch_shapes=[pltpu.VMEM((K * G, 1), jnp.float32),
                           pltpu.VMEM((K * G, 1), jnp.float32),
@@ -121,5 +137,5 @@ def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_B
       out_shape=jax.ShapeDtypeStruct((B, K * G, H), jnp.float32),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
-  )(sref, q_BxKGxH, k_rows, v_rows, valid_Bx1xSK)
+  )(sref, q_BxKGxH, k_rows, v_rows, valid_Bx1xSK, *scales)
   return out.reshape(B, K, G, H)

@@ -21,7 +21,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from distillax.models.attention import impl as attention_impl
@@ -29,6 +28,7 @@ from distillax.models.config import TransformerConfig
 from distillax.models.attention.blockwise import blockwise_attention
 from distillax.models.attention.cache_slot import StackedSlot
 from distillax.models.attention.decode import key_block, stacked_decode_attention
+from distillax.models.attention.kv_cache import KVCache, kv_cache_bytes_per_token  # noqa: F401
 from distillax.models.attention.fused import cudnn_attention, splash_attention
 from distillax.models.attention.tokamax import tokamax_attention
 from distillax.models.layers import RMSNorm, apply_rope, normal_param
@@ -36,104 +36,6 @@ from distillax.models.layers import softcap as _softcap
 from distillax.partitioning import active_rules, constrain
 
 _MASKED = -1e30  # finite, so a fully masked row can never produce NaNs
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-  """Keys/values of every attention layer (stacked on a leading layer axis) plus each slot's
-  segment id; for Gated DeltaNet layers (Qwen3.5), their conv inputs and recurrent states.
-
-  `end_index` is the next slot to write; slots past it are never attended (causality).
-  A hybrid model's k/v stack holds its attention layers only, conv/state its linear layers
-  (in layer order each); other models have no conv/state (None). Multi-head latent attention
-  (DeepSeek, mla.py) caches what it compresses, not keys and values: k holds each token's
-  normed latent (K = 1, H = kv_lora_rank), v its turned RoPE key (K = 1, H = qk_rope_head_dim).
-  """
-
-  k_NxBxSxKxH: jax.Array
-  v_NxBxSxKxH: jax.Array
-  segment_ids_BxS: jax.Array
-  end_index: jax.Array  # int32 scalar
-  conv_NxBxPxC: jax.Array | None = None  # the last linear_conv_kernel - 1 conv inputs
-  state_NxBxHxKxV: jax.Array | None = None  # float32 delta-rule state per value head
-
-  @classmethod
-  def zeros(cls, config: TransformerConfig, batch: int, length: int, dtype=None) -> "KVCache":
-    dtype = jnp.dtype(dtype or config.dtype)
-    if config.kv_lora_rank:  # the latent and the RoPE key of every layer
-      lead = (config.num_layers, batch, length, 1)
-      axes = ("layers", "batch", "length", None, None)
-      return cls(constrain(jnp.zeros(lead + (config.kv_lora_rank,), dtype), axes),
-                 constrain(jnp.zeros(lead + (config.qk_rope_head_dim,), dtype), axes),
-                 jnp.zeros((batch, length), jnp.int32), jnp.zeros((), jnp.int32))
-    linear = config.num_linear_layers
-    owners = [i for i in range(config.num_layers)
-              if config.layer_owns_kv(i) and not config.layer_is_linear(i)]
-    # Gemma 4's wider full layers: one width for all, each layer using its first heads and
-    # features.
-    head_dim = max([config.layer_head_dim(i) for i in owners] or [config.head_dim])
-    kv_heads = max([config.layer_num_kv_heads(i) for i in owners] or [config.num_kv_heads])
-    shape = (len(owners), batch, length, kv_heads, head_dim)
-    k = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
-    v = constrain(jnp.zeros(shape, dtype), ("layers", "batch", "length", "kv_heads", "head_dim"))
-    conv = state = None
-    if linear:
-      Hk, Hv = config.linear_num_key_heads, config.linear_num_value_heads
-      channels = 2 * Hk * config.linear_key_head_dim + Hv * config.linear_value_head_dim
-      conv = jnp.zeros((linear, batch, config.linear_conv_kernel - 1, channels), dtype)
-      state = constrain(jnp.zeros((linear, batch, Hv, config.linear_key_head_dim,
-                                   config.linear_value_head_dim), jnp.float32),
-                        ("layers", "batch", "heads", None, None))
-    return cls(k, v, jnp.zeros((batch, length), jnp.int32), jnp.zeros((), jnp.int32),
-               conv, state)
-
-  @property
-  def length(self) -> int:
-    return self.segment_ids_BxS.shape[1]
-
-  def layer_caches(self, config: TransformerConfig):
-    """What each layer reads: the stacked (k, v) for a scanned stack, else one entry per
-    layer, (k, v) of an attention layer or (conv, state) of a Gated DeltaNet layer (None for a
-    Gemma 4 layer that shares another's keys/values: it caches nothing)."""
-    if config.scan_layers:
-      return self.k_NxBxSxKxH, self.v_NxBxSxKxH
-    counts, caches = [0, 0], []
-    for i in range(config.num_layers):
-      if not config.layer_owns_kv(i):
-        caches.append(None)
-        continue
-      linear = config.layer_is_linear(i)
-      j = counts[linear]
-      counts[linear] += 1
-      caches.append((self.conv_NxBxPxC[j], self.state_NxBxHxKxV[j]) if linear
-                    else (self.k_NxBxSxKxH[j], self.v_NxBxSxKxH[j]))
-    return caches
-
-  def updated(self, config: TransformerConfig, layer_caches, segment_ids_BxS,
-              end_index) -> "KVCache":
-    """The cache after a call: `layer_caches` as `layer_caches` gives them, written back."""
-    if config.scan_layers:
-      return dataclasses.replace(self, k_NxBxSxKxH=layer_caches[0], v_NxBxSxKxH=layer_caches[1],
-                                 segment_ids_BxS=segment_ids_BxS, end_index=end_index)
-    kinds = [config.layer_is_linear(i) for i in range(config.num_layers)]
-    kinds, layer_caches = zip(*[(kind, c) for kind, c in zip(kinds, layer_caches)
-                                if c is not None])  # sharing layers cache nothing
-    stack = lambda linear, part, old: (
-        jnp.stack([c[part] for c, lin in zip(layer_caches, kinds) if lin == linear])
-        if linear in kinds else old)
-    return KVCache(stack(False, 0, self.k_NxBxSxKxH), stack(False, 1, self.v_NxBxSxKxH),
-                   segment_ids_BxS, end_index, stack(True, 0, self.conv_NxBxPxC),
-                   stack(True, 1, self.state_NxBxHxKxV))
-
-
-def kv_cache_bytes_per_token(config: TransformerConfig, dtype=None) -> int:
-  """Bytes a KVCache holds per cached token (every layer; the compute dtype unless `dtype`):
-  full keys and values, or multi-head latent attention's latent and RoPE key. Read off the
-  cache's own shapes, abstractly; a Gated DeltaNet layer's state is per sequence, not counted."""
-  cache = jax.eval_shape(lambda: KVCache.zeros(config, 1, 1, dtype))
-  return sum(int(np.prod(x.shape)) * x.dtype.itemsize
-             for x in (cache.k_NxBxSxKxH, cache.v_NxBxSxKxH))
 
 
 def attention_mask(q_index_BxL, k_index_BxS, q_segment_BxL, k_segment_BxS) -> jax.Array:
@@ -252,9 +154,10 @@ def attend_stacked(cfg: TransformerConfig, q_Bx1xKxGxH, slot: StackedSlot, maski
                             masking["q_segment_BxL"], masking["k_segment_BxS"])
   mask_BxS = window_mask(mask_BxS, masking["q_index_BxL"], masking["k_index_BxS"],
                          masking["window"])[:, 0]
+  k_stack, v_stack, *scales = slot.stacks
   out_BxKxGxH = stacked_decode_attention(
-      q_Bx1xKxGxH[:, 0], *slot.stacks, slot.layer, mask_BxS, cache_index + 1,
-      scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap)
+      q_Bx1xKxGxH[:, 0], k_stack, v_stack, slot.layer, mask_BxS, cache_index + 1,
+      *scales, scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap)
   return out_BxKxGxH[:, None]
 
 
@@ -334,8 +237,8 @@ class Attention(nnx.Module):
       return k_BxLxKxH, v_BxLxKxH, None
     dt = self.config.jnp_dtype
     if isinstance(cache_kv, StackedSlot):  # a scan over the layers carries the whole stack
-      new_cache = cache_kv.written((k_BxLxKxH, v_BxLxKxH), cache_index)
-      k_cache, v_cache = new_cache.layer_parts()
+      new_cache = cache_kv.with_tokens(k_BxLxKxH, v_BxLxKxH, cache_index)
+      k_cache, v_cache = new_cache.keys_values(dt)
     else:
       k_cache, v_cache = cache_kv
       start = (0, cache_index, 0, 0)
@@ -386,7 +289,7 @@ class Attention(nnx.Module):
     else:
       own_kv = self._own_keys_values(x_BxLxD, sin_cos)
       if isinstance(cache_kv, StackedSlot) and L == 1 and not return_probs and not return_kv:
-        new_cache = cache_kv.written(own_kv, cache_index)
+        new_cache = cache_kv.with_tokens(*own_kv, cache_index)
         decoded = attend_stacked(cfg, q_BxLxKxGxH, new_cache, masking, cache_index,
                                  sinks=self.sinks is not None)
       if decoded is None:

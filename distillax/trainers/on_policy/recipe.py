@@ -43,13 +43,16 @@ def settings_from_config(c, tokenizer) -> OnPolicySettings:
     if int(c[name]) < 1:
       raise ConfigError(f"on_policy.{name}={c[name]} must be >= 1")
   on_policy_strategy(str(c.divergence), beta=float(c.beta), temperature=float(c.temperature))
+  if str(c.kv_cache_dtype) not in ("", "int8"):
+    raise ConfigError(f"on_policy.kv_cache_dtype={c.kv_cache_dtype!r}: use '' (the compute "
+                      f"dtype) or 'int8'")
   stops = tuple(sorted(i for i in stop_ids(tokenizer) if i != tokenizer.eos_id))
   return OnPolicySettings(
       max_new_tokens=int(c.max_new_tokens), num_samples=int(c.num_samples),
       temperature=float(c.sampling_temperature), top_k=int(c.top_k) or None,
       top_p=float(c.top_p) if float(c.top_p) < 1 else None, eos_id=tokenizer.eos_id,
       stop_ids=stops, pad_id=int(tokenizer.pad_id), lmbda=float(c.lmbda),
-      vocab_limit=int(tokenizer.vocab_size))
+      vocab_limit=int(tokenizer.vocab_size), cache_dtype=str(c.kv_cache_dtype) or None)
 
 
 def prompt_records(recipe, split: str):

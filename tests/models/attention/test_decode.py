@@ -9,13 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from distillax.errors import UserError
 from distillax.models.attention import impl as attention_impl
 from distillax.models.attention import layer as attention_layer
+from distillax.models.attention.cache_slot import dequantize_rows, quantize_rows
 from distillax.models.attention.decode import key_block, stacked_decode_attention
 from distillax.models.attention.impl import AttentionNeeds, choose
+from distillax.models.attention.kv_cache import KVCache
 from distillax.models.attention.layer import reference_attention
 from distillax.models.presets import get_preset
-from distillax.models.sampler import generate
+from distillax.models.sampler import SamplingConfig, decode, generate
 from distillax.models.transformer import with_layer_layout
 from tests.models.test_sampler import _uncached_greedy
 from tests.support import chip
@@ -104,3 +107,83 @@ def test_scanned_model_decoding_through_the_kernel_equals_uncached_greedy(
   assert calls, "the decode steps did not run the kernel"
   want, _ = _uncached_greedy(model, prompts, lengths, steps)
   np.testing.assert_array_equal(np.asarray(got.tokens_BxT), want)
+
+
+def test_int8_cache_kernel_matches_reference_on_its_dequantized_values():
+  """An int8 cache's codes and per-(slot, head) scales through the kernel against the reference
+  attention over the same codes dequantized: the kernel's scaling after its products is the
+  reference's before them (bf16 queries, as a decode step runs)."""
+  N, B, S, K, G, H = chip.pick(cpu=(2, 2, 256, 2, 2, 128), tpu=(2, 4, 1024, 8, 2, 128))
+  rng = np.random.default_rng(2)
+  raw = [jnp.asarray(rng.normal(size=(N, B, S, K, H)) * rng.uniform(0.1, 3, (N, B, S, K, 1)),
+                     jnp.float32) for _ in range(2)]
+  (k, ks), (v, vs) = (quantize_rows(x.reshape(N * B, S, K, H)) for x in raw)
+  k, v = k.reshape(N, B, S, K, H), v.reshape(N, B, S, K, H)
+  ks, vs = ks.reshape(N, B, 1, S * K), vs.reshape(N, B, 1, S * K)
+  q = jnp.asarray(rng.normal(size=(B, K, G, H)), jnp.bfloat16)
+  filled = S - 37
+  valid = jnp.broadcast_to(jnp.arange(S) < filled, (B, S))
+  with chip.precision(jnp.bfloat16):
+    got = stacked_decode_attention(q, k, v, 1, valid, filled, ks, vs, scale=H ** -0.5,
+                                   interpret=chip.interpret())
+  deq = lambda codes, scale: dequantize_rows(codes[1], scale[1].reshape(B, S, K), jnp.float32)
+  index = jnp.broadcast_to(jnp.arange(S), (B, S))
+  want, _ = reference_attention(q.astype(jnp.float32)[:, None], deq(k, ks), deq(v, vs),
+                                q_index_BxL=jnp.full((B, 1), filled - 1), k_index_BxS=index,
+                                scale=H ** -0.5)
+  chip.assert_bf16(np.asarray(got), np.asarray(want[:, 0]))
+
+
+def test_int8_codes_are_within_half_a_step_of_each_feature():
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 5, 2, 64)) * 4, jnp.float32)
+  codes, scale = quantize_rows(x)
+  assert codes.dtype == jnp.int8 and scale.shape == (3, 5, 2)
+  back = dequantize_rows(codes, scale, jnp.float32)
+  assert np.all(np.abs(np.asarray(back - x)) <= np.asarray(scale)[..., None] / 2 + 1e-6)
+  assert np.all(np.abs(np.asarray(codes)).max(-1) == 127)  # each row's largest hits the edge
+
+
+def test_an_int8_cache_decodes_through_kernel_and_reference_alike_and_near_the_exact_cache(
+    monkeypatch):
+  """A scanned tiny model's int8-cached greedy decode: the kernel's tokens (interpreter on CPU)
+  are those of the reference over the dequantized cache; and the first decode step's logits
+  are near those of the exact cache (each key and value off by at most half a code)."""
+  model = with_layer_layout(random_model(get_preset("tiny", qk_norm=True), seed=3), True)
+  prompts = np.array([[5, 9, 2, 7, 3, 1], [42, 17, 0, 0, 0, 0]], np.int32)
+  lengths = np.array([6, 2], np.int32)
+  via = lambda kernel: _int8_greedy(model, prompts, lengths, kernel, monkeypatch)
+  np.testing.assert_array_equal(via(True), via(False))
+  exact, int8 = (_first_step_logits(model, prompts, dtype) for dtype in (None, "int8"))
+  chip.assert_scaled(int8, exact, 2e-2, "first decode step's logits")
+
+
+def test_an_int8_cache_needs_a_scanned_attention_stack():
+  with pytest.raises(UserError, match="int8 KV cache needs a scanned stack"):
+    KVCache.zeros(get_preset("tiny"), 2, 8, "int8")
+
+
+def _int8_greedy(model, prompts, lengths, kernel: bool, monkeypatch):
+  calls = []
+
+  def counted(*args, **kwargs):
+    calls.append(1)
+    return stacked_decode_attention(*args, **kwargs, interpret=chip.interpret())
+
+  with monkeypatch.context() as m:
+    if kernel:
+      m.setattr(attention_impl, "decode_unsupported",
+                lambda requested, platform, needs: None if needs.stacked_cache else "no")
+      m.setattr(attention_layer, "stacked_decode_attention", counted)
+    out = decode(model, jnp.asarray(prompts), jnp.asarray(lengths), jax.random.key(0),
+                 SamplingConfig(10), cache_dtype="int8")
+  assert bool(calls) == kernel
+  return np.asarray(out.tokens_BxT)
+
+
+def _first_step_logits(model, prompts, cache_dtype):
+  B, P = prompts.shape
+  cache = KVCache.zeros(model.config, B, P + 2, cache_dtype)
+  out = model(jnp.asarray(prompts), cache=cache, return_logits=False)
+  step = model(jnp.asarray(prompts[:, -1:]), positions_BxL=jnp.full((B, 1), P, jnp.int32),
+               cache=out.cache)
+  return np.asarray(step.logits_BxLxV[:, 0], np.float32)

@@ -218,6 +218,7 @@ def test_cli_q4_0_moe_student_with_overrides_writes_figures_and_samples(tmp_path
     ("--config.on_policy.divergence=kl", "on_policy.divergence"),
     ("--config.on_policy.max_new_tokens=200", "max_seq_len"),
     ("--config.on_policy.num_samples=0", "on_policy.num_samples"),
+    ("--config.on_policy.kv_cache_dtype=fp8", "on_policy.kv_cache_dtype='fp8'"),
     # tiny: 8 prompts x 2 samples = 16 completions a step
     ("--config.on_policy.micro_batch=3", "on_policy.micro_batch=3 must be a multiple of "
      "on_policy.num_samples=2 that divides the sampling batch (train.batch_size x num_samples "
@@ -257,6 +258,11 @@ def test_plan_line_sizes_the_sampler_per_device():
                                                         "weights_copy_bytes": 200}
   no_cast = sampling_memory(cfg, 2, 10, 400, OnPolicySettings(max_new_tokens=4))
   assert no_cast["weights_copy_bytes"] == 0
+  # An int8 cache (a scanned stack): 2 layers x K and V x 2 kv heads x (8 one-byte codes + a
+  # 4-byte scale) = 96 bytes a position, 1,920 for 2 rows x 10.
+  int8 = sampling_memory(cfg.replace(scan_layers=True), 2, 10, 400,
+                         OnPolicySettings(max_new_tokens=4, cache_dtype="int8"))
+  assert int8["kv_cache_bytes"] == 1920
   line = sampling_plan_line(cfg, 8, 2, 6, settings, {"params_bytes_per_device": 400}, data=4)
   assert line == ("on-policy batches: sampling 8 completions of 6 + 4 tokens at once (KV cache "
                   f"{2560 / 2**30:.3g} GiB + the student's weights in bfloat16 "
