@@ -213,18 +213,20 @@ class Eagle3Head(nnx.Module):
     shape = (batch, length, c.num_kv_heads, c.head_dim)
     return jnp.zeros(shape, c.jnp_dtype), jnp.zeros(shape, c.jnp_dtype)
 
-  def extend(self, cache, start, tokens_BxC, hidden_BxCxD):
+  def extend(self, cache, start, tokens_BxC, hidden_BxCxD, valid_from=0):
     """Writes C passes at slots start.. (positions start+1..) and runs them: each sees the
-    slots before it and itself; slots past are never read (a rolled-back draft's stale
-    entries are overwritten before anything attends to them). Returns (hidden, cache)."""
+    slots from `valid_from` (a left-padded prompt's first real slot) to itself; slots past are
+    never read (a rolled-back draft's stale entries are overwritten before anything attends to
+    them). Returns (hidden, cache)."""
     B, C = tokens_BxC.shape
     positions_BxC = start + 1 + jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32), (B, C))
     q, k, v, residual = self.qkv(tokens_BxC, hidden_BxCxD, positions_BxC)
     ck = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, start, 0, 0))
     cv = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, start, 0, 0))
     S = ck.shape[1]
-    mask_BxCxS = jnp.broadcast_to(jnp.arange(S)[None, :] <= (start + jnp.arange(C))[:, None],
-                                  (B, C, S))
+    slots_S = jnp.arange(S)[None, :]
+    mask_CxS = (slots_S <= (start + jnp.arange(C))[:, None]) & (slots_S >= valid_from)
+    mask_BxCxS = jnp.broadcast_to(mask_CxS, (B, C, S))
     hidden = self.finish(_attend(q, ck, cv, mask_BxCxS, self.scale), residual)
     return hidden, (ck, cv)
 
