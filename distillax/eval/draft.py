@@ -81,19 +81,6 @@ def acceptance_table(target, draft, prompts: list[list[int]], *, proposals: int,
   return table
 
 
-def load_head_run(workdir: str):
-  """(head, target, recipe) of a draft run's newest checkpoint (the head with the vocabulary map
-  it trained with; the target from the run's teacher source)."""
-  from distillax.distill.draft import TEACHER
-  from distillax.trainers import load_run_config, recipe_for, restore_run_state
-  config = load_run_config(workdir, "--draft")
-  recipe = recipe_for(config, workdir=workdir)
-  engine = recipe.build_engines(compile_now=False).main
-  state = restore_run_state(workdir, recipe, engine)
-  head, extras = engine.layout.defs.merge(state.params, state.frozen)
-  return head, extras[TEACHER], recipe
-
-
 def _held_out_prompts(config, tokenizer, count: int) -> list[list[int]]:
   from distillax.distill.sequence_kd import NoPromptFits, take_prompt_records
   try:
@@ -127,7 +114,8 @@ def run_eval_draft(config, draft_dir: str, model_dir: str | None, *, proposals: 
     if model_dir:
       raise UserError(f"--draft {draft_dir} is an EAGLE-3 head run, which reads its own "
                       f"target (its teacher section); drop --model {model_dir}")
-    head, target, recipe = load_head_run(draft_dir)
+    from distillax.trainers.draft import load_draft_run
+    head, target, recipe = load_draft_run(draft_dir, "--draft")
     draft, tokenizer, run_config = HeadDraft(head), recipe.tokenizer, recipe.config
     k = proposals or int(recipe.settings.ttt_steps)
     what = f"EAGLE-3 head {draft_dir} ({len(head.config.aux_layers)} target layers " \

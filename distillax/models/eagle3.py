@@ -43,11 +43,17 @@ class VocabMap(nnx.Variable):
   """The draft vocabulary's target ids (int32, ascending): frozen, part of the checkpoint."""
 
 
-def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-  """EAGLE-3's low, middle and high layer (vLLM's and speculators' default: 2, L // 2, L - 3),
-  kept inside a shallow target."""
-  pick = lambda i: min(max(i, 1), num_layers)
-  return pick(2), pick(num_layers // 2), pick(num_layers - 3)
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+  """EAGLE-3's low, middle and high layer: vLLM's and speculators' default (2, L // 2, L - 3)
+  where those are three distinct blocks' outputs; in a shallower target, three distinct ones
+  spread over its depth (speculators refuses repeated ids)."""
+  L = num_layers
+  ids = (2, L // 2, L - 3)
+  if len(set(ids)) == 3 and min(ids) >= 1:
+    return ids
+  if L >= 4:
+    return tuple(int(round(1 + i * (L - 2) / 2)) for i in range(3))
+  return tuple(range(max(0, L - 2), L + 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,10 +71,12 @@ class Eagle3Config:
     """The head for `target`; aux_layers () = default_aux_layers, draft_vocab_size 0 = the
     target's whole vocabulary. Refused in one line where EAGLE-3 cannot read the target."""
     aux = tuple(int(i) for i in aux_layers) or default_aux_layers(target.num_layers)
-    if len(aux) < 1 or any(not 0 <= i <= target.num_layers for i in aux):
-      raise ConfigError(f"draft.aux_layers={aux} must be hidden-state indices 0..{target.num_layers}"
-                        f" of the target (id i: the stream entering block i), e.g. "
-                        f"{default_aux_layers(target.num_layers)}")
+    if len(aux) < 1 or len(set(aux)) != len(aux) or any(
+        not 0 <= i <= target.num_layers for i in aux):
+      raise ConfigError(f"draft.aux_layers={aux} must be distinct hidden-state indices "
+                        f"0..{target.num_layers} of the target (id i: the stream entering "
+                        f"block i), e.g. "
+                        f"{default_aux_layers(target.num_layers)}, each once")
     vocab = int(draft_vocab_size) or target.vocab_size
     if not 1 <= vocab <= target.vocab_size:
       raise ConfigError(f"draft.vocab_size={draft_vocab_size} must be between 1 and the "

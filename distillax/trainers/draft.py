@@ -23,7 +23,7 @@ from flax import nnx
 
 from distillax.data import batch as batch_spec
 from distillax.distill.draft import TEACHER, DraftSettings, make_draft_objective
-from distillax.errors import ConfigError
+from distillax.errors import ConfigError, UserError
 from distillax.framework import flops
 from distillax.framework.step import Objective
 from distillax.models.eagle3 import Eagle3Config, Eagle3Head
@@ -125,6 +125,22 @@ class DraftRecipe(DistillRecipe):
                             self.seq_len, self.settings.ttt_steps)
 
 
+def load_draft_run(workdir: str, field: str = "--workdir"):
+  """(head, target, recipe) of a draft run's newest checkpoint: the head with the vocabulary
+  map it trained with, the target from the run's teacher source."""
+  from distillax.trainers.saved import restore_run_state
+  from distillax.trainers.sources import load_run_config
+  config = load_run_config(workdir, field)
+  if str(config.get("trainer")) != "draft":
+    raise UserError(f"{field} {workdir} is a trainer={config.get('trainer')!r} run, not an "
+                    f"EAGLE-3 head (trainer='draft', distillax/configs/draft_eagle3.py)")
+  recipe = DraftRecipe(config, workdir=workdir)
+  engine = recipe.build_engines(compile_now=False).main
+  state = restore_run_state(workdir, recipe, engine)
+  head, extras = engine.layout.defs.merge(state.params, state.frozen)
+  return head, extras[TEACHER], recipe
+
+
 def init_from_target(head: Eagle3Head, target, d2t_ids) -> Eagle3Head:
   """`head` with the target's embedding, its output layer's columns of the draft ids as the LM
   head, its final norm's scale as the head's, and the draft vocabulary's map."""
@@ -171,4 +187,4 @@ def draft_step_flops(config: Eagle3Config, target, batch: int, seq_len: int,
 
 
 __all__ = ["DraftRecipe", "draft_step_flops", "frequent_ids", "head_flops_per_token",
-           "head_params", "init_from_target"]
+           "head_params", "init_from_target", "load_draft_run"]
