@@ -81,13 +81,15 @@ def acceptance_table(target, draft, prompts: list[list[int]], *, proposals: int,
   return table
 
 
-def _held_out_prompts(config, tokenizer, count: int) -> list[list[int]]:
+def held_out_prompts(config, tokenizer, count: int, prompt_len: int = PROMPT_LEN
+                     ) -> list[list[int]]:
+  """`count` held-out prompts of the config's data (seeded order), as token ids."""
   from distillax.distill.sequence_kd import NoPromptFits, take_prompt_records
   try:
-    records = take_prompt_records(config.data, tokenizer, count=count, prompt_len=PROMPT_LEN,
+    records = take_prompt_records(config.data, tokenizer, count=count, prompt_len=prompt_len,
                                   seed=int(config.seed), split="eval", field="prompt_len")
   except NoPromptFits as e:
-    raise UserError(f"eval --draft: no held-out prompt of at most {PROMPT_LEN} tokens ({e})") \
+    raise UserError(f"eval --draft: no held-out prompt of at most {prompt_len} tokens ({e})") \
         from None
   return [list(r.tokens) for r in records]
 
@@ -138,7 +140,7 @@ def run_eval_draft(config, draft_dir: str, model_dir: str | None, *, proposals: 
                       f"data section holds the held-out prompts")
     k = proposals or 4
     what = f"whole model {draft_dir}"
-  held_out = _held_out_prompts(run_config, tokenizer, prompts)
+  held_out = held_out_prompts(run_config, tokenizer, prompts)
   room = target.config.max_seq_len - max(len(p) for p in held_out) - k - 1
   cut = "" if max_new_tokens <= room else f" (cut from {max_new_tokens} to fit max_seq_len)"
   max_new_tokens = min(max_new_tokens, room)
