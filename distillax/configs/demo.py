@@ -86,6 +86,8 @@ def _text_eval_settings() -> ml_collections.ConfigDict:
 def _draft_settings() -> ml_collections.ConfigDict:
   """The draft stage (demo/draft.py): an EAGLE-3 head for the teacher."""
   c = draft_section()
+  # The byte tokenizer's 256 most frequent ids of its 259 (a multiple of the mesh's model axis)
+  c.vocab_size = 256
   c.steps = 200  # steps of the head against the frozen teacher
   c.learning_rate = 3e-3  # the head's peak lr
   c.prompts = 32  # held-out prompts continued with each draft (head, distilled student)

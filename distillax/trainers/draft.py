@@ -154,23 +154,25 @@ def init_from_target(head: Eagle3Head, target, d2t_ids) -> Eagle3Head:
 
 
 def head_params(config: Eagle3Config) -> dict[str, int]:
-  """Parameters of the head: trained (fc, the layer, norms; the LM head when trained) and the
-  whole head as served (the embedding, shared with the target, left out)."""
+  """Parameters of the head: trained (fc, the layer, norms; the LM head when trained), served
+  (all of it but the embedding, which is the target's table) and matmul (what its FLOPs
+  multiply: fc, q/k/v/o, the MLP, the LM head)."""
   c = config.layer
   D, H, G, K, F = c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim
   A = len(config.aux_layers)
-  layer = 2 * D * (H + 2 * G) * K + H * K * D + 3 * D * F + 4 * D
+  matmul = A * D * D + 2 * D * (H + 2 * G) * K + H * K * D + 3 * D * F
+  norms = 4 * D + (2 * K if c.qk_norm else 0)
   lm_head = D * config.draft_vocab_size
-  return {"trained": A * D * D + layer + (lm_head if config.train_lm_head else 0),
-          "served": A * D * D + layer + lm_head}
+  return {"trained": matmul + norms + (lm_head if config.train_lm_head else 0),
+          "served": matmul + norms + lm_head, "matmul": matmul + lm_head}
 
 
 def head_flops_per_token(config: Eagle3Config, context: int) -> float:
   """Forward FLOPs of one head pass (one proposed token) attending to `context` positions:
-  2 per multiply-add of fc, the layer, the LM head, and the attention's scores and sums."""
+  2 per multiply-add of its matmuls (fc, the layer, the LM head over the draft vocabulary) and
+  of the attention's scores and weighted sums."""
   c = config.layer
-  attention = 4 * c.num_heads * c.head_dim * context
-  return 2.0 * (head_params(config)["served"]) + attention
+  return 2.0 * head_params(config)["matmul"] + 4.0 * c.num_heads * c.head_dim * context
 
 
 def draft_step_flops(config: Eagle3Config, target, batch: int, seq_len: int,
