@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import os
 
+import jax
+
+from distillax import partitioning as pt
 from distillax.configs import sections
 from distillax.configs.draft_eagle3 import draft_section
 from distillax.demo.markdown import table_lines
@@ -52,7 +55,6 @@ def _per_token_flops(model_config, context: int) -> float:
 
 def _params(model) -> int:
   from flax import nnx
-  import jax
   return int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
 
 
@@ -64,8 +66,12 @@ def measure(demo, pipeline, tokenizer) -> dict:
   from distillax.trainers import load_trained_model
   from distillax.trainers.draft import head_flops_per_token, head_params, load_draft_run
   d = demo.draft
-  head, teacher, recipe = load_draft_run(pipeline.stage_dir("draft_head"))
-  student = load_trained_model(pipeline.stage_dir("student_kd"), recipe.mesh, recipe.rules)
+  # One device: every row is a batch-1 decode of these small models, which a mesh only slows.
+  mesh = pt.create_mesh({"data": 1, "model": 1}, devices=jax.devices()[:1])
+  rules = pt.rules_from_config({"strategy": "dp"})
+  head, teacher, recipe = load_draft_run(pipeline.stage_dir("draft_head"), mesh=mesh,
+                                         rules=rules)
+  student = load_trained_model(pipeline.stage_dir("student_kd"), mesh, rules)
   prompts = held_out_prompts(recipe.config, tokenizer, int(d.prompts),
                              prompt_len=int(demo.on_policy.prompt_len))
   k = int(d.ttt_steps)
@@ -122,4 +128,4 @@ def markdown(section: dict, demo) -> list[str]:
                    f"not a tenth ({c['flops_ratio'] / 0.1:.1f}x over)")
     words = "The head falls short of beating the student at a tenth of its FLOPs: " + \
         "; ".join(short) + "."
-  return lines + ["", words]
+  return lines + ["", words, ""]

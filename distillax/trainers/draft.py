@@ -14,6 +14,7 @@ docs/guides/drafts.md).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -21,12 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from distillax import partitioning as pt
 from distillax.data import batch as batch_spec
 from distillax.distill.draft import TEACHER, DraftSettings, make_draft_objective
 from distillax.errors import ConfigError, UserError
 from distillax.framework import flops
 from distillax.framework.step import Objective
 from distillax.models.eagle3 import Eagle3Config, Eagle3Head
+from distillax.models.init import INIT_COMPILE_OPTIONS
 from distillax.trainers import sources as src
 from distillax.trainers.distill.recipe import DistillRecipe
 from distillax.trainers.registry import register
@@ -114,8 +117,8 @@ class DraftRecipe(DistillRecipe):
       return nnx.eval_shape(make), {
           TEACHER: self.teacher_source.abstract(self.teacher_model_config, seed)}
     target = self.load_teacher()
-    head = init_from_target(make(), target, self.draft_ids())
-    return src.place(head, self.mesh, self.rules), {TEACHER: target}
+    head = created_head(self.head_config, target, self.draft_ids(), self.mesh, self.rules, seed)
+    return head, {TEACHER: target}
 
   def export_model(self, student):
     return student
@@ -125,20 +128,41 @@ class DraftRecipe(DistillRecipe):
                             self.seq_len, self.settings.ttt_steps)
 
 
-def load_draft_run(workdir: str, field: str = "--workdir"):
+def load_draft_run(workdir: str, field: str = "--workdir", *, mesh=None, rules=None):
   """(head, target, recipe) of a draft run's newest checkpoint: the head with the vocabulary
-  map it trained with, the target from the run's teacher source."""
+  map it trained with, the target from the run's teacher source; on `mesh`/`rules` (default:
+  the run's own)."""
   from distillax.trainers.saved import restore_run_state
   from distillax.trainers.sources import load_run_config
   config = load_run_config(workdir, field)
   if str(config.get("trainer")) != "draft":
     raise UserError(f"{field} {workdir} is a trainer={config.get('trainer')!r} run, not an "
                     f"EAGLE-3 head (trainer='draft', distillax/configs/draft_eagle3.py)")
-  recipe = DraftRecipe(config, workdir=workdir)
+  recipe = DraftRecipe(config, workdir=workdir, mesh=mesh, rules=rules)
   engine = recipe.build_engines(compile_now=False).main
   state = restore_run_state(workdir, recipe, engine)
   head, extras = engine.layout.defs.merge(state.params, state.frozen)
   return head, extras[TEACHER], recipe
+
+
+def created_head(config: Eagle3Config, target, d2t_ids, mesh, rules, seed: int) -> Eagle3Head:
+  """A fresh head started from `target` (init_from_target), created already sharded on `mesh`
+  by one compiled program (an eager build dispatches every op on every device)."""
+  make = lambda: Eagle3Head(config, rngs=nnx.Rngs(seed + 2))
+  graph, abstract = nnx.split(nnx.eval_shape(make))
+  shardings = pt.tree_shardings(nnx.to_pure_dict(abstract), pt.logical_tree(abstract), mesh,
+                                rules)
+  t_graph, t_state = nnx.split(target)
+
+  @functools.partial(jax.jit, out_shardings=shardings,
+                     compiler_options=INIT_COMPILE_OPTIONS)
+  def values(t_state, d2t):
+    head = init_from_target(make(), nnx.merge(t_graph, t_state), d2t)
+    return nnx.to_pure_dict(nnx.state(head))
+
+  with jax.set_mesh(mesh):
+    nnx.replace_by_pure_dict(abstract, values(t_state, jnp.asarray(d2t_ids, jnp.int32)))
+  return nnx.merge(graph, abstract)
 
 
 def init_from_target(head: Eagle3Head, target, d2t_ids) -> Eagle3Head:
