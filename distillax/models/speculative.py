@@ -83,8 +83,9 @@ class HeadDraft:
 
   def init(self, length: int, pad, tokens_P, aux_PxA, first):
     cache = self.head.cache_zeros(1, length)
-    return self.accept({"cache": cache, "h": None, "slot": 0, "pad": pad},
-                       aux_PxA, jnp.concatenate([tokens_P[1:], first[None]]), tokens_P.shape[0] - 1, 0)
+    next_P = jnp.concatenate([tokens_P[1:], first[None]])  # slot s pairs with token s + 1
+    return self.accept({"cache": cache, "h": None, "slot": 0, "pad": pad}, aux_PxA, next_P,
+                       tokens_P.shape[0] - 1, 0)
 
   def propose(self, state, k: int, key, cfg: SamplingConfig, vocab: int):
     head, h, cache, slot = self.head, state["h"], state["cache"], state["slot"]
