@@ -93,19 +93,18 @@ class HeadDraft:
     tokens, qs = [], []
     for i in range(k):
       logits_Vd = head.logits(h[None, None])[0, 0]
-      if cfg.temperature == 0:
+      if cfg.temperature == 0:  # greedy acceptance reads the proposals only
         choice = jnp.argmax(logits_Vd)
-        q_Vd = jax.nn.one_hot(choice, logits_Vd.shape[-1])
       else:
         q_Vd = jax.nn.softmax(logits_Vd / cfg.temperature)
         choice = jax.random.categorical(jax.random.fold_in(key, i), logits_Vd / cfg.temperature)
+        qs.append(jnp.zeros((vocab,), jnp.float32).at[d2t].set(q_Vd))
       tokens.append(d2t[choice])
-      qs.append(jnp.zeros((vocab,), jnp.float32).at[d2t].set(q_Vd))
       if i + 1 < k:
         out, cache = head.extend(cache, slot + 1 + i, tokens[-1][None, None], h[None, None],
                                  valid_from=state["pad"])
         h = out[0, 0]
-    return jnp.stack(tokens), jnp.stack(qs), state
+    return jnp.stack(tokens), jnp.stack(qs) if qs else None, state
 
   def accept(self, state, aux_CxA, emitted_C, n, start):
     fused = self.head.fuse(aux_CxA[None])
@@ -147,15 +146,14 @@ class ModelDraft:
       if i == k:
         break
       logits_V = _to_width(mask_padded_ids(out.logits_BxLxV[:, 0], cfg.vocab_limit)[0], vocab)
-      if cfg.temperature == 0:
+      if cfg.temperature == 0:  # greedy acceptance reads the proposals only
         token = jnp.argmax(logits_V).astype(jnp.int32)
-        qs.append(jax.nn.one_hot(token, vocab))
       else:
         qs.append(jax.nn.softmax(logits_V / cfg.temperature))
         token = jax.random.categorical(jax.random.fold_in(key, i),
                                        logits_V / cfg.temperature).astype(jnp.int32)
       tokens.append(token)
-    return jnp.stack(tokens), jnp.stack(qs), {**state, "cache": cache}
+    return jnp.stack(tokens), jnp.stack(qs) if qs else None, {**state, "cache": cache}
 
   def accept(self, state, aux, emitted_C, n, start):
     del aux
@@ -178,7 +176,8 @@ def _check_rolls_back(model: Transformer, role: str):
 
 
 def _accept(p_KxV, q_KxV, d_K, proposals, key, cfg: SamplingConfig):
-  """(accepted count n, bonus token) of one round; p_KxV has k + 1 rows."""
+  """(accepted count n, bonus token) of one round; p_KxV has k + 1 rows (greedy: the target's
+  logits; q_KxV is then None)."""
   k = d_K.shape[0]
   if cfg.temperature == 0:
     choice_K1 = jnp.argmax(p_KxV, axis=-1).astype(jnp.int32)
