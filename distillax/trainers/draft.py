@@ -194,7 +194,8 @@ def head_params(config: Eagle3Config) -> dict[str, int]:
 def head_flops_per_token(config: Eagle3Config, context: int) -> float:
   """Forward FLOPs of one head pass (one proposed token) attending to `context` positions:
   2 per multiply-add of its matmuls (fc, the layer, the LM head over the draft vocabulary) and
-  of the attention's scores and weighted sums."""
+  of the attention's scores and weighted sums. fc is counted in every pass, an upper bound at
+  inference (where it runs once per verified position, not per proposal)."""
   c = config.layer
   return 2.0 * head_params(config)["matmul"] + 4.0 * c.num_heads * c.head_dim * context
 
@@ -202,14 +203,17 @@ def head_flops_per_token(config: Eagle3Config, context: int) -> float:
 def draft_step_flops(config: Eagle3Config, target, batch: int, seq_len: int,
                      steps: int) -> float:
   """Model FLOPs of one draft step: the target's forward (its output layer at the draft ids
-  only, once per TTT step), and the head's forward and backward (3x) at each TTT step over
-  every position (causal attention: half the context on average)."""
+  only, once per TTT step); the head's fc once per position, forward and weight gradient (its
+  input, the target's layers, takes no gradient); and at each TTT step the rest of the head's
+  forward and backward (3x), attention over half the context on average (causal)."""
   tokens = batch * seq_len
-  head = 3.0 * steps * tokens * head_flops_per_token(config, seq_len // 2 + steps)
+  fc = 2.0 * len(config.aux_layers) * config.layer.embed_dim ** 2
+  per_step = head_flops_per_token(config, seq_len // 2 + steps) - fc
+  head = 2.0 * fc + 3.0 * steps * per_step
   body = flops.forward_flops_breakdown(target, batch, seq_len)
   teacher = body["total"] - body["logits"] + steps * 2.0 * tokens * target.embed_dim * (
       config.draft_vocab_size)
-  return teacher + head
+  return teacher + tokens * head
 
 
 __all__ = ["DraftRecipe", "draft_step_flops", "frequent_ids", "head_flops_per_token",

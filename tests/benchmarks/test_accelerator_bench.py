@@ -99,9 +99,9 @@ def test_quick_draft_row_trains_the_eagle3_head(quick):
   6 heads of 16, 2 kv heads, MLP 192, 256 ids) as the frozen target: the optimizer updates the
   head's fc (3 x 96 -> 96), its q/k/v (2 x 96 wide in), o, MLP and four norms, never the
   embedding or the LM head (the target's); the model FLOPs per token are the target's forward
-  with its output layer at the 64 draft ids once per TTT step (3), plus 3 TTT steps of the
-  head's forward and backward (3x): its matmuls and LM head, and attention over 64 / 2 + 3
-  positions."""
+  with its output layer at the 64 draft ids once per TTT step (3), the fc once (forward and
+  weight gradient), and 3 TTT steps of the rest of the head's forward and backward (3x): its
+  layer, its LM head, and attention over 64 / 2 + 3 positions."""
   _, res, rows = quick
   best = rows["draft"]["best"]
   assert (best["kind"], best["batch"], best["seq_len"]) == ("draft", 2, 64)
@@ -109,7 +109,8 @@ def test_quick_draft_row_trains_the_eagle3_head(quick):
   matmul = 3 * D * D + 2 * D * (H + 2 * G) * K + H * K * D + 3 * D * F
   assert best["trainable_params"] == matmul + 4 * D
   target = forward_per_token(TINY_TEACHER, 64) - 2 * 256 * D + 3 * 2 * D * V
-  head = 3 * 3 * (2 * (matmul + D * V) + 4 * H * K * (32 + 3))
+  fc = 2 * 3 * D * D  # once per position: forward and weight gradient (no input gradient)
+  head = 2 * fc + 3 * 3 * (2 * (matmul - 3 * D * D + D * V) + 4 * H * K * (32 + 3))
   assert best["model_flops"] == pytest.approx(2 * 64 * (target + head))
   assert best["mfu_causal"] == pytest.approx(
       best["model_flops"] / best["step_s"] / res["probe"]["peak_flops"])
@@ -171,7 +172,7 @@ def test_every_row_names_candidates_of_its_own_pair():
     for c in row.candidates:
       v = accelerator.tpu_levers.lever_grid.Variant.parse(
           accelerator.variant_of(row, c, quick=False), 2048)
-      assert v.option("pair") == row.pair and v.kind in ("train", "kd", "on_policy")
+      assert v.option("pair") == row.pair and v.kind in ("train", "kd", "on_policy", "draft")
       if v.kind == "on_policy":  # both batches: the micro-batch divides the sampling batch
         assert on_policy_lever.accum_steps(v) * on_policy_lever.micro_batch(v) == v.batch
 
