@@ -125,6 +125,22 @@ def test_export_speculators_loads_in_speculators_with_the_same_draft_logits(run,
   assert min(np.abs(mine[j] - mine[j - 1]).max() for j in (1, 2)) > 1e-3  # the steps differ
 
 
+@pytest.mark.parametrize("override,says", [
+    ("--config.train.init_from={run}", "clear train.init_from"),
+    ("--config.draft.aux_layers=(1,1,2)", "must be distinct hidden-state indices"),
+    ("--config.draft.vocab_size=300", "more than the tokenizer's 259 ids"),
+    ("--config.draft.ttt_steps=0", "draft.ttt_steps=0 must be >= 1"),
+])
+def test_a_bad_draft_job_is_refused_in_one_line_before_anything_is_written(run, tmp_path, capsys,
+                                                                           override, says):
+  capsys.readouterr()
+  assert main(["distillax", "train", "--config", DRAFT, "--workdir", str(tmp_path / "run"),
+               override.format(run=run)]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and says in err[0], err
+  assert not (tmp_path / "run").exists()
+
+
 def test_export_speculators_refuses_a_run_that_is_not_a_draft(tmp_path, capsys, run):
   config = json.loads(open(os.path.join(run, "config.json")).read())
   config["trainer"] = "lm"

@@ -219,7 +219,7 @@ def _decode_row(target: Transformer, draft, k: int, cfg: SamplingConfig, aux_lay
 
   def round_(state):
     rkey = jax.random.fold_in(key, state["rounds"] + 1)
-    d_K, q_KxV, d_state = draft.propose(state["d"], k, rkey, cfg, vocab)
+    d_K, q_KxV, d_state = draft.propose(state["d"], k, jax.random.fold_in(rkey, 0), cfg, vocab)
     start = state["t_cache"].end_index
     tokens = jnp.concatenate([state["last"][None], d_K])[None]
     positions = (start - pad + jnp.arange(k + 1, dtype=jnp.int32))[None]
@@ -227,7 +227,7 @@ def _decode_row(target: Transformer, draft, k: int, cfg: SamplingConfig, aux_lay
                  cache=state["t_cache"], return_hidden_states=want)
     p_KxV = _target_probs(out.logits_BxLxV[0], cfg) if cfg.temperature else \
         mask_padded_ids(out.logits_BxLxV[0], cfg.vocab_limit)
-    n, bonus = _accept(p_KxV, q_KxV, d_K, proposals, jax.random.fold_in(rkey, 7), cfg)
+    n, bonus = _accept(p_KxV, q_KxV, d_K, proposals, jax.random.fold_in(rkey, 1), cfg)
     i = jnp.arange(k + 1)
     emitted = jnp.where(i < n, jnp.concatenate([d_K, d_K[-1:]]), bonus).astype(jnp.int32)
     aux = aux_features(out.hidden_states, aux_layers)[0] if want else None

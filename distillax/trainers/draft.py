@@ -70,6 +70,12 @@ class DraftRecipe(DistillRecipe):
     if "draft" not in config:
       raise ConfigError("trainer='draft' needs the draft section; use "
                         "distillax/configs/draft_eagle3.py")
+    student = config.get("student") or {}
+    if config.train.get("init_from") or student.get("hf_path") or tuple(
+        (student.get("from_teacher") or {}).get("layers", ())):
+      raise ConfigError("trainer='draft' starts its head from the target (teacher section): "
+                        "clear train.init_from, student.hf_path and student.from_teacher.layers "
+                        "(a draft run resumes from its own workdir)")
     super().__init__(config, **kwargs)
     if self.transforms.qat is not None or self.transforms.lora is not None:
       raise ConfigError("trainer='draft' trains a full-precision head: clear qat.rules and "
