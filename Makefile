@@ -52,11 +52,17 @@ $(VENV)/.demo: pyproject.toml constraints.txt | $(BIN)/python
 # without a GPU it logs "Could not find cuda drivers" at every `import jax`; only
 # `plan --target gpu:...` looks there, distillax/cli/target_env.py), and hold
 # model.moe_impl='tokamax' to 'ragged' (the tokamax extra; tests/models/moe/test_kernels.py).
+# speculators (the speculators extra) goes into $(SPECULATORS) with --no-deps: it asks for an
+# older transformers than the hf extra's pin; tests/support/speculators.py puts it on the path.
 AOT_GPU := $(VENV)/aot-gpu
+SPECULATORS := $(VENV)/speculators
 $(VENV)/.test: pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,hf,edge,aot,tokamax,eval,docs]' 2>&1 | grep -v "is ignored" || true
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(AOT_GPU) -c constraints.txt \
 	  jax-cuda12-plugin jax-cuda12-pjrt 2>&1 | grep -v "is ignored" || true
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(SPECULATORS) -c constraints.txt \
+	  speculators openai sniffio hs-connectors loguru 2>&1 | grep -v "is ignored" || true
+	PYTHONPATH=$(SPECULATORS) $(BIN)/python -c "from speculators.models.eagle3 import Eagle3DraftModel"
 	$(BIN)/python -c "import distillax, jax, pytest, xdist, torch, transformers, gguf, llama_cpp, libtpu, tokamax, lm_eval, sacrebleu, rouge_score, accelerate, mkdocs, material, mkdocstrings_handlers.python"
 	test -d $(AOT_GPU)/jax_plugins/xla_cuda12
 	touch $@ $(VENV)/.core $(VENV)/.demo $(VENV)/.docs

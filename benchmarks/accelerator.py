@@ -166,6 +166,11 @@ ROWS = (
         "the student's training step at 8k and 16k tokens (splash attention; at 16k with fp32 "
         "master weights and bf16 Adam moments (optimizer.state_dtype), or bf16 weights and "
         "Adam state)"),
+    # The EAGLE-3 head (configs/draft_eagle3.py's job) against the frozen Qwen3-1.7B-shaped
+    # teacher: 3 TTT steps, a 32k draft vocabulary; the target's forward is most of the FLOPs.
+    Row("draft", "real", ("draft:none:8", "draft:none:4", "draft:none:16"),
+        "the EAGLE-3 draft head's step (trainer='draft'): one decoder layer over the frozen "
+        "target's hidden states at three layers, 3 steps of training-time test, 32k draft ids"),
     Row("continuity_train", "continuity", (f"train:full:8{S}",),
         "the first chip figures' 383M student, trained"),
     Row("continuity_kd", "continuity", (f"kd:full:4{S}", f"kd:full:8{S}"),

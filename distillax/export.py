@@ -1,5 +1,6 @@
 """`distillax export`: the trained student of a run as Hugging Face safetensors, GGUF for
-llama.cpp (edge/export.py) or quantized.
+llama.cpp (edge/export.py) or quantized; an EAGLE-3 head run (trainer='draft') in the
+speculators format vLLM serves (--format speculators, models/hf/speculators.py).
 
   distillax export --config distillax/configs/lm.py --workdir runs/lm --output out/lm_hf
   distillax export --config distillax/configs/qat.py --workdir runs/qat --output out/int4 \
@@ -41,7 +42,7 @@ import jax
 from distillax import partitioning as pt
 from distillax.errors import UserError
 
-FORMATS = ("hf", "quantized", "gguf")
+FORMATS = ("hf", "quantized", "gguf", "speculators")
 
 
 def check_same_job(config, workdir: str, model_overrides=None) -> None:
@@ -128,6 +129,8 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str,
     raise UserError("--output is required: the directory to write the exported model to")
   if fmt not in FORMATS:
     raise UserError(f"--format={fmt!r} is unknown; use one of {', '.join(FORMATS)}")
+  if fmt == "speculators":
+    return _export_speculators(workdir, output, gguf_quant)
   from distillax.edge.export import check_export_args, export_run
   gguf_quant = check_export_args(fmt, gguf_quant)
   check_output(output)
@@ -166,6 +169,42 @@ def run_export(config, workdir: str | None, output: str | None, fmt: str,
   if primary:
     print(f"distillax export: wrote {output}; "
           f"{quant.format_size_report(quant.size_report(output))}")
+  return 0
+
+
+def _export_speculators(workdir: str, output: str, quant: str | None) -> int:
+  """An EAGLE-3 head run (trainer='draft') in the speculators format vLLM serves
+  (models/hf/speculators.py). Its config names the target (the verifier): the run's
+  teacher.hf_path, or else the target written as a Hugging Face checkpoint to
+  <output>/verifier (a run's or a preset's target)."""
+  if quant is not None:
+    raise UserError("--quant applies to --format gguf; drop it for --format speculators")
+  from distillax.trainers import load_run_config
+  if str(load_run_config(workdir, "--workdir").get("trainer")) != "draft":
+    raise UserError(f"--format speculators writes an EAGLE-3 head; --workdir {workdir} is not a "
+                    f"draft run (trainer='draft', distillax/configs/draft_eagle3.py): use "
+                    f"--format hf for it")
+  check_output(output)
+  from distillax.models.hf import speculators
+  from distillax.trainers.draft import load_draft_run
+  head, target, recipe = load_draft_run(workdir)
+  speculators.check_exportable(head)
+  verifier = recipe.config.teacher.hf_path
+  if verifier:  # the served target is that checkpoint
+    verifier = os.path.abspath(verifier)
+  else:  # a run's or a preset's target: written beside the head, as vLLM will serve it
+    from distillax.models.hf import checkpoint as hf
+    tokenizer, template = _run_tokenizer(workdir)
+    verifier = os.path.abspath(os.path.join(output, "verifier"))
+    hf.save(real_token_rows(target, tokenizer.vocab_size), verifier, tokenizer=tokenizer,
+            chat_template=template)
+  speculators.save(head, target.config, output, target_vocab=int(recipe.tokenizer.vocab_size),
+                   proposals=int(recipe.settings.ttt_steps), verifier_path=verifier)
+  if jax.process_index() == 0:
+    print(f"distillax export: wrote {output} (speculators eagle3: config.json, "
+          f"model.safetensors; draft vocabulary {head.config.draft_vocab_size} of "
+          f"{recipe.tokenizer.vocab_size}, target layers {list(head.config.aux_layers)}; "
+          f"verifier {verifier})")
   return 0
 
 

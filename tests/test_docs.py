@@ -39,6 +39,7 @@ GUIDE_COMMANDS = {
                                "distillax/configs/distill_features.py",
                                "distillax/configs/sequence_kd.py"],
     "guides/on-policy.md": ["distillax/configs/on_policy.py"],
+    "guides/drafts.md": ["distillax/configs/draft_eagle3.py"],
     "guides/lora.md": ["distillax/configs/lora.py", "distillax/configs/qlora.py"],
     "guides/teacher-caches.md": ["distillax/configs/distill_cached.py"],
     "guides/multi-teacher.md": ["distillax/configs/distill_multi_teacher.py"],

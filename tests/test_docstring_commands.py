@@ -51,7 +51,7 @@ def test_every_documented_path_is_resolved_from_the_current_directory(tmp_path, 
   for where, argv in ALL:
     config, _ = _parse(argv[1], argv)
     if config is None:  # generate / eval / export of a run: the flags are their only paths
-      assert (argv[1] in ("generate", "eval") and "--model" in argv) or (
+      assert (argv[1] in ("generate", "eval") and ("--model" in argv or "--draft" in argv)) or (
           argv[1] == "export" and "--workdir" in argv), (where, argv)
       continue
     resolved = resolve_paths(config)

@@ -80,6 +80,18 @@ def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path,
     assert 0 <= row["kl_mean"] <= row["kl_p99"] <= row["kl_max"] and 0 < row["same_top1"] <= 1
     assert row["tokens"] == report["setup"]["val_tokens"] and 0.5 < row["perplexity_ratio"] < 2
   assert (workdir / "loss_curves.png").stat().st_size > 10_000
+  # The draft stage: the EAGLE-3 head and the distilled student as drafts for the teacher,
+  # each acceptance length within [1, k + 1] tokens per teacher forward, and the verdict said.
+  drafts = report["draft"]
+  assert set(drafts["rows"]) == {"draft_head", "student_kd"}
+  for row in drafts["rows"].values():
+    assert len(row["acceptance"]) == drafts["k"] and row["params"] > 0
+    assert all(1.0 <= a <= j + 1 for j, a in enumerate(row["acceptance"], 1))
+  assert drafts["check"]["flops_ratio"] == pytest.approx(
+      drafts["rows"]["draft_head"]["flops_per_token"]
+      / drafts["rows"]["student_kd"]["flops_per_token"])
+  assert "Speculative-decoding drafts for the teacher" in markdown
+  assert ("The head beats" in markdown) != ("falls short" in markdown)
   # One evaluation route: each trained stage's row holds what `distillax eval --model <stage>`
   # prints and what its trainer's last eval wrote to summary.json, to the last digit; the
   # table's numbers are the same route over the report's larger validation set.
@@ -105,7 +117,7 @@ def test_demo_tiny_runs_every_stage_reports_and_reuses_finished_stages(tmp_path,
                       lambda pipeline: reported.append(pipeline) or built[0])
   capsys.readouterr()
   assert main(argv) == 0
-  assert capsys.readouterr().out.count("finished earlier, reusing") == len(TRAINED_STAGES)
+  assert capsys.readouterr().out.count("finished earlier, reusing") == len(TRAINED_STAGES) + 1
   assert len(reported) == 1 and reported[0].workdir == str(workdir)
   assert all(stage_finished(s, reported[0].stage_dir(s), stage_config(reported[0].config, s,
                                                                       str(workdir)))

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from benchmarks.lib import common, on_policy_lever
+from benchmarks.lib import common, draft_lever, on_policy_lever
 from benchmarks.lib.accelerator_measure import teacher_twice
 from distillax import partitioning as pt
 from distillax.configs import lora as lora_config
@@ -125,7 +125,7 @@ class ModelFactory:
     return nnx.merge(self.graphdef, state)
 
 
-KINDS = ("train", "kd", on_policy_lever.KIND)
+KINDS = ("train", "kd", on_policy_lever.KIND, draft_lever.KIND)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +171,7 @@ class Variant:
   def model_fields(self) -> dict[str, Any]:
     special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_moe_impl", "pair",
                "qat", "teacher_int8", "lora", "new_tokens", "micro", "opt_state_dtype",
-               "kv_int8")
+               "kv_int8", "ttt", "draft_vocab")
     out = {"remat": self.remat}
     for k, v in self.options:
       if k not in special:
@@ -204,9 +204,12 @@ class Lowered:
   tiny: bool = False
   sampler: Any = None  # on_policy: the trainer's sampling-only program, lowered
   sampler_exe: Any = None  # ... and compiled (compile_timed)
+  head_cfg: Any = None  # draft: the EAGLE-3 head's config (draft_lever.py)
 
 
 def objective_for(v: Variant, vocab: int):
+  if v.kind == draft_lever.KIND:
+    return draft_lever.objective(v)
   if v.kind == on_policy_lever.KIND:
     return on_policy_lever.objective(v, vocab)
   if v.kind == "train":
@@ -224,8 +227,12 @@ def lower(v: Variant, pair: dict, tiny: bool = False, device=None) -> Lowered:
   on-policy variant's sampling-only program too. `tiny`: the pair is the tiny one (QLoRA takes
   configs/qlora.py:tiny's tiles); `device`: the chip it is lowered for (one_chip)."""
   student_cfg = pair["student"].replace(**v.model_fields())
+  head_cfg = None
+  if v.kind == draft_lever.KIND:  # the head over the teacher; ids drawn from its vocabulary
+    student_cfg = pair["teacher"]
+    head_cfg = draft_lever.head_config(v, pair["teacher"], tiny)
   teacher_cfg = None
-  if v.kind in ("kd", on_policy_lever.KIND):
+  if v.kind in ("kd", on_policy_lever.KIND, draft_lever.KIND):
     teacher_fields = {}
     if v.option("teacher_remat"):
       teacher_fields["remat"] = v.option("teacher_remat")
@@ -240,8 +247,11 @@ def lower(v: Variant, pair: dict, tiny: bool = False, device=None) -> Lowered:
   if teacher_cfg is not None:
     teacher = abstract_model(teacher_cfg)
     extras["teacher"] = abstract_int8_model(teacher) if teacher_int8 else teacher
-  abstract_student = abstract_model(student_cfg)
-  student = nnx.eval_shape(lambda: transformed(v, abstract_student, tiny))
+  if head_cfg is not None:
+    student = draft_lever.abstract_head(head_cfg)
+  else:
+    abstract_student = abstract_model(student_cfg)
+    student = nnx.eval_shape(lambda: transformed(v, abstract_student, tiny))
   lora = lora_transforms(v, tiny)
   shapes = (on_policy_lever.batch_shapes(v) if v.kind == on_policy_lever.KIND
             else common.batch_shapes(v.batch, v.seq_len))
@@ -258,7 +268,8 @@ def lower(v: Variant, pair: dict, tiny: bool = False, device=None) -> Lowered:
   sampler = (on_policy_lever.lower_sampler(engine, v, student_cfg.vocab_size, abstract_state,
                                            abstract_batch)
              if v.kind == on_policy_lever.KIND else None)
-  return Lowered(v, engine, lowered, student_cfg, teacher_cfg, teacher_int8, tiny, sampler)
+  return Lowered(v, engine, lowered, student_cfg, teacher_cfg, teacher_int8, tiny, sampler,
+                 head_cfg=head_cfg)
 
 
 # qat=q4_0: llama.cpp's q4_0 weights and q8_0 activations everywhere but the output layer (the
@@ -328,7 +339,8 @@ def init_config(cfg):
 def layout_key(low: "Lowered") -> tuple:
   """What decides the state's arrays: variants with the same key share one state."""
   t = low.teacher_cfg
-  return (low.variant.option("pair", ""), low.variant.option("qat", ""),
+  return (low.variant.kind == draft_lever.KIND, low.variant.option("pair", ""),
+          low.variant.option("qat", ""),
           low.variant.option("opt_state_dtype", "float32"),
           low.student_cfg.scan_layers, low.student_cfg.param_dtype,
           t.scan_layers if t is not None else None, low.teacher_int8)
@@ -355,8 +367,11 @@ class Session:
         extras["teacher"] = int8_model(extras["teacher"])
         jax.block_until_ready(nnx.state(extras["teacher"]))
         self.teacher_int8_s = time.perf_counter() - t0
-    student = transformed(first.variant, factories(base(first.student_cfg), "student").make(),
-                          first.tiny)
+    if first.head_cfg is not None:  # the EAGLE-3 head, started from the teacher's parts
+      student = draft_lever.make_head(first.head_cfg, extras["teacher"])
+    else:
+      student = transformed(first.variant,
+                            factories(base(first.student_cfg), "student").make(), first.tiny)
     self.state = first.engine.init_state(student, extras, 0)
     # What the optimizer updates: every student parameter, or the adapters alone (LoRA).
     self.trainable_params = sum(int(x.size) for x in jax.tree.leaves(self.state.params))
@@ -379,8 +394,10 @@ class Session:
       jax.block_until_ready(metrics)
       times.append(time.perf_counter() - t0)
     step_s = float(np.median(times))
-    model_flops = flops.train_step_flops(low.student_cfg, v.batch, v.seq_len,
-                                         low.teacher_cfg)["total"]
+    model_flops = (draft_lever.step_flops(v, low.head_cfg, low.teacher_cfg)
+                   if low.head_cfg is not None else
+                   flops.train_step_flops(low.student_cfg, v.batch, v.seq_len,
+                                          low.teacher_cfg)["total"])
     return {"step_s": step_s, "step_s_all": times, "warmup_s": warmup_s,
             "tokens_per_s": v.batch * v.seq_len / step_s, "model_flops": model_flops,
             "tflops_per_s": model_flops / step_s / 1e12,

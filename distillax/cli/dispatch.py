@@ -98,13 +98,22 @@ def _eval(config, flags: dict) -> int:
   """The exact eval loss; with --tasks, lm-eval tasks; with --generate, BLEU / chrF / ROUGE-L
   of greedy completions; with --against, fidelity to a full-precision twin."""
   from distillax.errors import UserError
-  chosen = [f"--{k}" for k in ("tasks", "against", "generate") if flags[k] is not None]
+  chosen = [f"--{k}" for k in ("tasks", "against", "generate", "draft")
+            if flags[k] is not None]
   if len(chosen) > 1:
     raise UserError(f"{' and '.join(chosen)} are separate evaluations; run one at a time")
   if chosen:
     import jax
     if jax.process_count() > 1:
       raise UserError(f"eval {chosen[0]} runs in one process; launch it without --num_processes")
+  if flags["draft"] is not None:
+    from distillax.eval.draft import run_eval_draft
+    return run_eval_draft(config, flags["draft"], flags["model"], proposals=flags["proposals"],
+                          max_new_tokens=flags["max_new_tokens"],
+                          temperature=flags["temperature"])
+  for name in ("proposals",):
+    if flags[name] is not None:
+      raise UserError(f"--{name} sets how --draft runs; add --draft DIR")
   if str(flags["model"] or "").endswith(".gguf") and flags["generate"] is None and (
       flags["against"] is None):
     raise UserError(f"--model {flags['model']} is a GGUF file, which eval runs in llama.cpp with "

@@ -29,7 +29,8 @@ ABOUT = {
     "eval": "print the exact eval loss and perplexity of --model (a run, or a Hugging Face "
             "directory with a --config naming the data) on its validation split; with --tasks, "
             "lm-evaluation-harness tasks' metrics (the eval extra); with --against, how far "
-            "it moved from its full-precision twin",
+            "it moved from its full-precision twin; with --draft, a speculative-decoding draft's "
+            "acceptance lengths",
     "expert-load": "print each mixture-of-experts layer's share of routed tokens per expert on "
                    "the job's train data, for --model or the --config's teacher; --keep_top N "
                    "prints the student.from_teacher.experts that keeps the N most loaded",
@@ -45,11 +46,11 @@ COMMAND_FLAGS = {
     "generate": ("model", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p",
                  "seed", "full_precision", "devices"),
     "eval": ("model", "tasks", "num_fewshot", "limit", "output", "against", "generate",
-             "max_new_tokens", "devices") + _DISTRIBUTED,
+             "max_new_tokens", "draft", "proposals", "temperature", "devices") + _DISTRIBUTED,
     "expert-load": ("model", "json", "keep_top", "batches", "devices"),
 }
 # Flags that name a directory: made absolute (from the current directory) before a job sees them.
-PATH_FLAGS = ("workdir", "output", "model", "json", "against", "generate")
+PATH_FLAGS = ("workdir", "output", "model", "json", "against", "generate", "draft")
 # name -> (absl flag kind, default, placeholder in --help, help)
 FLAGS = {
     "workdir": ("string", None, "DIR", "the run's directory (config.json, metrics, checkpoints); "
@@ -80,8 +81,14 @@ FLAGS = {
                                        "directory) to compare --model's next-token "
                                        "distributions with: KL, top-1 / top-p agreement, "
                                        "perplexity ratio"),
+    "draft": ("string", None, "DIR", "eval: a speculative-decoding draft (an EAGLE-3 head run, or "
+                                     "a whole model with --model naming its target); prints the "
+                                     "mean acceptance length at 1..--proposals tokens"),
+    "proposals": ("integer", None, "K", "eval --draft: most tokens the draft proposes a round "
+                                        "(default: the head's draft.ttt_steps; 4 for a model)"),
     "format": ("string", "hf", "FORMAT", "hf (safetensors) | gguf (llama.cpp) | quantized "
-                                         "(legacy: only distillax reads it)"),
+                                         "(legacy: only distillax reads it) | speculators (an "
+                                         "EAGLE-3 head for vLLM)"),
     "quant": ("string", None, "TYPE", "--format gguf: f32 (default) | f16 | q8_0 | q4_0 (q8_0/q4_0 "
                                       "where qat.rules say, every matmul without rules)"),
     "coordinator_address": ("string", None, "HOST:PORT", "address of process 0 (multi-process)"),

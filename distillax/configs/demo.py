@@ -17,6 +17,7 @@ import ml_collections
 
 from distillax.configs import sections
 from distillax.configs.common import base_config, model_config, parse_arg
+from distillax.configs.draft_eagle3 import draft_section
 from distillax.configs.on_policy import on_policy_section
 
 # llama.cpp's q4_0 weights with q8_0 activations (what its CPU kernels compute for q4_0 files),
@@ -82,6 +83,18 @@ def _text_eval_settings() -> ml_collections.ConfigDict:
   return c
 
 
+def _draft_settings() -> ml_collections.ConfigDict:
+  """The draft stage (demo/draft.py): an EAGLE-3 head for the teacher."""
+  c = draft_section()
+  # The byte tokenizer's 256 most frequent ids of its 259 (a multiple of the mesh's model axis)
+  c.vocab_size = 256
+  c.steps = 200  # steps of the head against the frozen teacher
+  c.learning_rate = 3e-3  # the head's peak lr
+  c.prompts = 32  # held-out prompts continued with each draft (head, distilled student)
+  c.new_tokens = 48  # greedy tokens per prompt
+  return c
+
+
 def _shrink_to_tiny(c: ml_collections.ConfigDict) -> None:
   """`demo.py:tiny`: every stage, the report and the edge rows in seconds (the tests' demo)."""
   c.teacher_model = model_config("tiny", vocab_size=0)
@@ -100,6 +113,8 @@ def _shrink_to_tiny(c: ml_collections.ConfigDict) -> None:
   c.on_policy.prompt_len, c.on_policy.max_new_tokens, c.on_policy.eval_prompts = 8, 8, 8
   c.text_eval.prompts, c.text_eval.prompt_chars, c.text_eval.new_tokens = 8, 24, 8
   c.text_eval.task_limit = 4
+  c.draft.steps, c.draft.ttt_steps, c.draft.prompts, c.draft.new_tokens = 2, 2, 4, 8
+  c.draft.vocab_batches = 2
 
 
 def get_config(arg: str | None = None):
@@ -153,6 +168,7 @@ def get_config(arg: str | None = None):
   c.progressive_qat = ((20, INT8_RULES), (40, Q4_0_RULES))
   c.on_policy = _on_policy_settings()
   c.text_eval = _text_eval_settings()
+  c.draft = _draft_settings()
   _edge_settings(c)
   c.sample_prompts = ("def ", "import ", "class ")  # samples printed at the end
   c.sample_tokens = 48  # tokens generated per sample

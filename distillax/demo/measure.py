@@ -36,7 +36,7 @@ from distillax import partitioning as pt
 from distillax import quant
 from distillax.data import batch as batch_spec
 from distillax.data import make_eval_iterator, make_tokenizer
-from distillax.demo import edge, on_policy, progressive
+from distillax.demo import draft, edge, on_policy, progressive
 from distillax.demo.stages import TRAINED_STAGES, seed_stage
 from distillax.eval.loss import restore_onto, run_recipe
 from distillax.framework.evaluation import PerToken, evaluate
@@ -360,8 +360,10 @@ def measure_all(pipeline) -> dict:
   all_checks["qat_recovery_mean"] = statistics.fmean(recoveries)
   all_checks["qat_recovery_sd"] = (statistics.stdev(recoveries) if len(recoveries) > 1
                                    else float("nan"))
+  drafts = draft.measure(d.config, d.pipeline, d.tokenizer)
   return {"setup": setup(d), "stages": stages, "edge": edge_figures, "checks": all_checks,
-          "samples": samples(d), "on_policy": op_rows, "progressive_qat": prog_rows}
+          "samples": samples(d), "on_policy": op_rows, "progressive_qat": prog_rows,
+          "draft": drafts}
 
 
 __all__ = ["DemoInputs", "ROWS", "ROW_SOURCES", "measure_all", "top1_agreement"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 
-from distillax.demo import edge, on_policy, progressive
+from distillax.demo import draft, edge, on_policy, progressive
 from distillax.demo.measure import ROWS
 from distillax.demo.stages import TRAINED_STAGES
 from distillax.demo.markdown import table_lines
@@ -206,9 +206,13 @@ def _progressive_markdown(c, sections: dict) -> list[str]:
   return progressive.markdown(sections["progressive_qat"], c)
 
 
+def _draft_markdown(c, sections: dict) -> list[str]:
+  return draft.markdown(sections["draft"], c)
+
+
 # report.md, top to bottom: each renderer (demo config, sections) -> lines.
 MARKDOWN_SECTIONS = (_stages_markdown, _edge_markdown, _progressive_markdown,
-                     _on_policy_markdown, _samples_markdown)
+                     _on_policy_markdown, _draft_markdown, _samples_markdown)
 
 
 def report_markdown(c, sections: dict) -> str:

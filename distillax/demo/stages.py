@@ -14,7 +14,7 @@ import ml_collections
 
 from distillax.configs import sections
 from distillax.configs.common import base_config
-from distillax.demo import on_policy
+from distillax.demo import draft, on_policy
 from distillax.trainers.workdir import check_workdir
 
 # The quantized stage keeps its name student_qat_int4 (and the report its PTQ row
@@ -40,10 +40,11 @@ def seed_stage(stage: str, k: int) -> str:
 
 
 def all_stages(demo: ml_collections.ConfigDict) -> tuple[str, ...]:
-  """Every trained stage of this demo config, in training order."""
+  """Every trained stage of this demo config, in training order: the students' rows, the
+  draft head for the teacher (demo/draft.py), the extra seeds."""
   extra = tuple(seed_stage(s, k) for k in range(1, int(demo.get("qat_seeds", 1)))
                 for s in SEED_STAGES)
-  return TRAINED_STAGES + extra
+  return TRAINED_STAGES + draft.STAGES + extra
 
 
 def _copy_common(c: ml_collections.ConfigDict, demo: ml_collections.ConfigDict) -> None:
@@ -75,6 +76,8 @@ def stage_config(demo: ml_collections.ConfigDict, stage: str, workdir: str
     c.train.steps = demo.teacher_steps
     c.optimizer.learning_rate = demo.teacher_learning_rate
     return c
+  if stage in draft.STAGES:
+    return draft.stage_config(c, demo, workdir)
   c.model = demo.student_model.copy_and_resolve_references()
   c.train.steps = demo.student_steps
   if stage == "student_scratch":

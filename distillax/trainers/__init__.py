@@ -7,7 +7,7 @@
 (distill/recipe.py; with `teacher.cache_dir`, distill/cached.py; with
 distill.objective='cross_tokenizer', distill/cross_tokenizer.py), sequence_kd (sequence_kd.py),
 on_policy (on_policy/recipe.py; with distill.objective='cross_tokenizer',
-on_policy/cross_tokenizer.py), distill_multi_teacher and on_policy_multi_teacher (several
+on_policy/cross_tokenizer.py), draft (draft.py: an EAGLE-3 speculative-decoding head), distill_multi_teacher and on_policy_multi_teacher (several
 teachers). Importing this package registers them all. Every model's weights
 come from `sources` (one room).
 """
@@ -17,6 +17,7 @@ from distillax.trainers.distill.recipe import DistillRecipe, strategy_from_confi
 from distillax.trainers.distill.cached import CachedDistillRecipe
 from distillax.trainers.distill.cross_tokenizer import CrossTokenizerDistillRecipe
 from distillax.trainers.distill.multi_teacher import MultiTeacherDistillRecipe
+from distillax.trainers.draft import DraftRecipe
 from distillax.trainers.lm import LMRecipe, lm_objective
 from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 from distillax.trainers.on_policy.recipe import OnPolicyRecipe
@@ -29,7 +30,7 @@ from distillax.trainers.sources import (is_hf_checkpoint, load_run_config, resol
 from distillax.trainers.saved import load_as_trained, load_trained_model, restore_run_state
 
 __all__ = ["CachedDistillRecipe", "CrossTokenizerDistillRecipe", "CrossTokenizerOnPolicyRecipe",
-           "DistillRecipe", "Engines", "MultiTeacherDistillRecipe", "MultiTeacherOnPolicyRecipe",
+           "DistillRecipe", "DraftRecipe", "Engines", "MultiTeacherDistillRecipe", "MultiTeacherOnPolicyRecipe",
            "LMRecipe", "OnPolicyRecipe", "Recipe", "RunSource", "SequenceKDRecipe", "Trainer",
            "check_recipe_data", "is_hf_checkpoint", "load_run_config", "load_as_trained",
            "load_trained_model", "lm_objective", "hf_checkpoint_recipe", "recipe_class",

@@ -41,9 +41,10 @@ def forward_per_token(cfg, length: int) -> int:
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-  """One --quick run of the train, KD, on-policy and QLoRA rows (one process, one probe)."""
+  """One --quick run of the train, KD, on-policy, QLoRA and draft rows (one process, one
+  probe)."""
   path = tmp_path_factory.mktemp("acc") / "acc.json"
-  proc = run(["--quick", "--rows", "train,kd,on_policy,qlora", "--json", str(path),
+  proc = run(["--quick", "--rows", "train,kd,on_policy,qlora,draft", "--json", str(path),
               "--threads", "2"], env={**os.environ, **FAST_COMPILE})
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   res = json.loads(path.read_text())
@@ -59,7 +60,7 @@ def test_quick_rows_on_cpu(quick):
   assert probe["backend"] == "cpu" and probe["versions"]["jax"] == probe["jax"]
   assert probe["matmul"]["best_flops_per_s"] >= probe["matmul"]["median_flops_per_s"] > 0
   assert probe["hbm_bandwidth"] is None  # a CPU has no HBM: no decode roofline
-  assert sorted(rows) == ["kd", "on_policy", "qlora", "train"]
+  assert sorted(rows) == ["draft", "kd", "on_policy", "qlora", "train"]
   for name in ("train", "kd", "qlora"):
     row = rows[name]
     ran = [c for c in row["candidates"] if c["status"] == "ok"]
@@ -91,6 +92,29 @@ def test_quick_qlora_row_trains_the_adapters_alone(quick):
   assert rows["train"]["best"]["trainable_params"] == TINY.num_layers * sum(
       math.prod(c) * math.prod(o) for c, o in matmul_weights(TINY).values()) + (
       2 * TINY.vocab_size * TINY.embed_dim + (2 * TINY.num_layers + 1) * TINY.embed_dim)
+
+
+def test_quick_draft_row_trains_the_eagle3_head(quick):
+  """The draft row at quick sizes (2 x 64 tokens) on the tiny pair's teacher (D 96, 4 layers,
+  6 heads of 16, 2 kv heads, MLP 192, 256 ids) as the frozen target: the optimizer updates the
+  head's fc (3 x 96 -> 96), its q/k/v (2 x 96 wide in), o, MLP and four norms, never the
+  embedding or the LM head (the target's); the model FLOPs per token are the target's forward
+  with its output layer at the 64 draft ids once per TTT step (3), the fc once (forward and
+  weight gradient), and 3 TTT steps of the rest of the head's forward and backward (3x): its
+  layer, its LM head, and attention over 64 / 2 + 3 positions."""
+  _, res, rows = quick
+  best = rows["draft"]["best"]
+  assert (best["kind"], best["batch"], best["seq_len"]) == ("draft", 2, 64)
+  D, H, G, K, F, V = 96, 6, 2, 16, 192, 64
+  matmul = 3 * D * D + 2 * D * (H + 2 * G) * K + H * K * D + 3 * D * F
+  assert best["trainable_params"] == matmul + 4 * D
+  target = forward_per_token(TINY_TEACHER, 64) - 2 * 256 * D + 3 * 2 * D * V
+  fc = 2 * 3 * D * D  # once per position: forward and weight gradient (no input gradient)
+  head = 2 * fc + 3 * 3 * (2 * (matmul - 3 * D * D + D * V) + 4 * H * K * (32 + 3))
+  assert best["model_flops"] == pytest.approx(2 * 64 * (target + head))
+  assert best["mfu_causal"] == pytest.approx(
+      best["model_flops"] / best["step_s"] / res["probe"]["peak_flops"])
+  assert best["final_loss"] < best["first_loss"]
 
 
 def test_quick_on_policy_row_times_sampling_apart(quick):
@@ -148,7 +172,7 @@ def test_every_row_names_candidates_of_its_own_pair():
     for c in row.candidates:
       v = accelerator.tpu_levers.lever_grid.Variant.parse(
           accelerator.variant_of(row, c, quick=False), 2048)
-      assert v.option("pair") == row.pair and v.kind in ("train", "kd", "on_policy")
+      assert v.option("pair") == row.pair and v.kind in ("train", "kd", "on_policy", "draft")
       if v.kind == "on_policy":  # both batches: the micro-batch divides the sampling batch
         assert on_policy_lever.accum_steps(v) * on_policy_lever.micro_batch(v) == v.batch
 

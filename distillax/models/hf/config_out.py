@@ -282,6 +282,12 @@ def _rope_to_hf(config: TransformerConfig) -> dict[str, Any]:
           "original_max_position_embeddings": config.rope_original_max_len}
 
 
+def rope_parameters(config: TransformerConfig) -> dict[str, Any]:
+  """transformers' `rope_parameters` of a model whose layers all turn one RoPE (the EAGLE-3
+  head's transformer_layer_config, models/hf/speculators.py)."""
+  return _rope_to_hf(config)
+
+
 def config_to_hf(config: TransformerConfig) -> dict[str, Any]:
   arch = hf_architecture(config)
   rope = _rope_to_hf(config)
