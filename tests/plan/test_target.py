@@ -84,13 +84,24 @@ BY_LAYER = {"lm": {"layers 0-1 of 2": _SPLASH}, "qat_q4_0": {"layers 0-1 of 2": 
                 "ragged (jax.lax.ragged_dot), experts split 4 ways over data (all_to_all)")}}}
 
 
+_LM_REPORT = []
+
+
+def _lm_report():
+  """The lm job compiled for tpu:v5e-4, once per module: the same program is the lm case of the
+  tiny jobs, the unrolled model of the trip-count test and the step the CLI test plans."""
+  if not _LM_REPORT:
+    _LM_REPORT.append(compile_on(TINY_JOBS["lm"](), *_devices("tpu:v5e-4")))
+  return _LM_REPORT[0]
+
+
 @pytest.mark.parametrize("job", sorted(TINY_JOBS))
 def test_tiny_jobs_compile_for_a_tpu_with_splash(job):
   """`auto` attention on a TPU target resolves to splash (the target's platform, not the host's
   'cpu'), and Mosaic lowers it: the kernels are in the compiled step. The report says what
   each layer of each model ran, and how the token losses ran."""
   target, devices = _devices("tpu:v5e-4")
-  report = compile_on(TINY_JOBS[job](), target, devices)
+  report = _lm_report() if job == "lm" else compile_on(TINY_JOBS[job](), target, devices)
   assert report["devices"] == 4 and report["mesh"] == "4x1"
   assert report["compiled"]["argument_size_in_bytes"] > 0
   assert report["peak_bytes_per_device"] > 0
@@ -128,7 +139,17 @@ def test_splash_lowers_on_v5p_and_v6e(target_name):
   assert "mosaic:splash_mqa_fwd_segmented_residuals" in report["kernels"], report["kernels"]
 
 
-def test_cli_tpu_target_prints_the_compilers_figures(capsys):
+def test_cli_tpu_target_prints_the_compilers_figures(capsys, monkeypatch):
+  """The plan's lines from the TPU compiler's figures. The command line's config is the lm tiny
+  job's (asserted field by field), so its compile is the module's one of that job."""
+  import distillax.plan.target as plan_target
+
+  def compile_once(config, target, devices, model_overrides=None):
+    assert config.to_dict() == TINY_JOBS["lm"]().to_dict()
+    assert (target.name, len(devices)) == ("tpu:v5e-4", 4)
+    return _lm_report()
+
+  monkeypatch.setattr(plan_target, "compile_on", compile_once)
   code = main(["distillax", "plan", "--config", LM_TINY, "--target", "tpu:v5e-4",
                f"--config.train.seq_len={SEQ}", "--config.model.dtype=bfloat16"])
   out = capsys.readouterr().out
@@ -157,20 +178,30 @@ def test_a_step_the_tpu_compiler_cannot_fit_is_reported_not_raised(capsys):
   assert "plan: 4 devices, mesh 4x1" in out and "model FLOPs per step" in out
 
 
-def test_search_finds_a_batch_and_remat_that_compile_and_fit():
+def test_search_finds_a_batch_and_remat_that_compile_and_fit(monkeypatch):
   """A 10 MiB budget on v5e-4 (tiny lm, 128 tokens): from the config's 2 sequences per device
   the search doubles the batch with remat=full until a compile does not fit, then tries cheaper
   policies at the largest batch that did. What it returns compiles again and fits; twice its
   batch did not."""
+  import distillax.plan.target as plan_target
   target, devices = _devices("tpu:v5e-4")
   budget = 10 * 2**20
+  compiled = []  # (config, report) of every compile of the search
+
+  def compile_on_recorded(config, *args, **kwargs):
+    compiled.append((config.copy_and_resolve_references(), compile_on(config, *args, **kwargs)))
+    return compiled[-1][1]
+
+  monkeypatch.setattr(plan_target, "compile_on", compile_on_recorded)
   found = search_fit(_tiny(lm), target, devices, budget, max_per_device=4)
   assert found["batch"] is not None and found["remat"] in ("none", "save_dots",
                                                            "save_dots_no_batch", "full")
+  # The config it returns is _tiny(lm) with the batch and remat found, and the compiler's own
+  # report of that config's compile (the search compiled it: no second compile) fits.
   again = _tiny(lm)
   again.train.batch_size, again.model.remat = found["batch"], found["remat"]
-  report = compile_on(again, target, devices)
-  assert report["peak_bytes_per_device"] <= budget
+  (report,) = [r for c, r in compiled if c.to_dict() == again.to_dict()]
+  assert "out_of_memory" not in report and report["peak_bytes_per_device"] <= budget
   doubled = [t for t in found["trials"] if t["batch"] == 2 * found["batch"]]
   assert found["per_device_batch"] == 4 or (doubled and not doubled[0]["fits"])
 
@@ -205,10 +236,14 @@ def test_tpu_trip_counts_match_the_unrolled_program():
   its layers unrolled, where every layer is in the HLO (XLA's own figure counts the body once)."""
   target, devices = _devices("tpu:v5e-4")
   flops, unknown = {}, {}
+  assert TINY_JOBS["lm"]().model.scan_layers is False  # the lm job's layers are unrolled
   for scan in (True, False):
     c = _tiny(lm)
-    c.model.scan_layers, c.model.attention_impl = scan, "splash"
-    report = compile_on(c, target, devices)
+    c.model.scan_layers = scan
+    # `auto` is splash here (asserted); unrolled, the step is the lm job's: compiled once
+    report = compile_on(c, target, devices) if scan else _lm_report()
+    assert list(report["attention"]) and all(
+        choice.startswith("splash (") for choice in report["attention"]), report["attention"]
     flops[scan] = report["hlo_matmul_flops_per_device"]
     unknown[scan] = report["collectives"]["trip_count_unknown"]
   assert unknown == {True: False, False: False}
