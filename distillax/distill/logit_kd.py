@@ -211,7 +211,7 @@ def sliced_leaf(token_leaves, teachers, metrics: bool) -> tuple[float, "LogitKD"
 
 def sliced_loss_and_sums(weight: float, leaf: "LogitKD", inputs) -> tuple[jax.Array, dict]:
   """LogitKD's weighted loss and its sums (the chunked path's names) over vocabulary slices."""
-  if inputs.teacher_model is None or not hasattr(inputs.teacher_model, "output_layer"):
+  if inputs.teacher_model is None or not hasattr(inputs.teacher_model, "output_operands"):
     raise ConfigError("train.loss_impl='sliced' needs a live teacher model (not a hidden-state "
                       "cache or a teacher set); set --config.train.loss_impl=chunked")
   T, a = float(leaf.temperature), float(leaf.alpha)
@@ -219,11 +219,10 @@ def sliced_loss_and_sums(weight: float, leaf: "LogitKD", inputs) -> tuple[jax.Ar
                            temperature=T)
   mask_BxL = inputs.batch[batch_spec.LOSS_MASK]
   flat = losses.flat_tokens
-  student = losses.sliced_head(inputs.student_model)
+  student, h_s = losses.sliced_head(inputs.student_model, inputs.student.final_hidden_BxLxD)
+  teacher, h_t = losses.sliced_head(inputs.teacher_model, inputs.teacher.final_hidden_BxLxD)
   loss, sums = vocab_slices.token_sums(
-      spec, student, flat(inputs.student.final_hidden_BxLxD),
-      flat(inputs.batch[batch_spec.TARGETS]), flat(mask_BxL),
-      losses.sliced_head(inputs.teacher_model), flat(inputs.teacher.final_hidden_BxLxD))
+      spec, student, h_s, flat(inputs.batch[batch_spec.TARGETS]), flat(mask_BxL), teacher, h_t)
   losses.token_loss_impl.record(vocab_slices.describe(spec, student, mask_BxL.size))
   return loss, {leaf.name: a * T * T * sums["kl"] + (1.0 - a) * sums["nll"],
                 f"{leaf.name}_divergence": sums["kl"], "hard_ce": sums["nll"]}

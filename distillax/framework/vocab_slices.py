@@ -17,9 +17,13 @@ Per token (fp32), s and t the student's and teacher's logits, y the target, T th
   kl  = sum_v p_t (t_v - s_v) / T - logsumexp(t / T) + logsumexp(s / T),  p_t = softmax(t / T)
   loss = kd_weight * kl + ce_weight * nll  (masked; LogitKD: kd_weight = alpha T^2)
 and d loss / d s_v = kd_weight (q_v - p_t,v) / T + ce_weight (softmax(s)_v - [v = y]), with q the
-student's softmax at T. A plain output layer only: logits = softcap(h @ W) with W the tied
-embedding (V, D) or the head (D, V); a fake-quantized or adapted head goes through the token
-chunks.
+student's softmax at T. The output layer: logits = softcap(h @ W + sum_i x_i @ B_i) with W the
+tied embedding (V, D) or the head (D, V), read as the step multiplies it (a QAT head's rounded
+weight and rounded input), and the extra matmuls (`Head.more`) a LoRA adapter on it adds
+(x = scaling * dropout(h) @ A, B (rank, V)): the model gives its operands
+(`Transformer.output_operands`), so an adapted or fake-quantized student's logits are its own.
+A weight the caller does not differentiate (a LoRA base, a frozen tied embedding) gets no
+gradient accumulator and no weight-sized matmul per slice in the backward pass.
 
 A padded vocabulary (the student head's `token_rows` < V, framework/token_rows.py): its columns
 past the tokens leave every sum above, of both models (the teacher's columns are the student's),
@@ -35,6 +39,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import custom_derivatives
 
 SLICE_BUDGET_BYTES = 256 * 2**20  # fp32 logits of one model for one slice, all positions
 
@@ -51,6 +56,9 @@ class Head:
   # The tokenizer's ids: columns at or past it are a padded vocabulary's, left out of every
   # softmax (framework/token_rows.py); None: every column is a token.
   token_rows: int | None = None
+  # Further matmuls summed into the logits before the soft-cap: (input (N, K), weight (K, V))
+  # pairs, e.g. a LoRA adapter's (scaling * dropout(h) @ A, B). Their inputs are flat like h.
+  more: tuple = ()
 
   @property
   def vocab(self) -> int:
@@ -62,11 +70,14 @@ class Head:
     return self.vocab if self.token_rows is None else min(self.vocab, int(self.token_rows))
 
 
-def _logits(weight_slice, h_NxD, vocab_axis: int, dtype, softcap):
+def _logits(weight_slices, hs, vocab_axes, dtype, softcap):
+  """fp32 logits of one slice: softcap(sum of each part's h @ weight slice)."""
   dt = jnp.dtype(dtype)
-  eq = "ND,SD->NS" if vocab_axis == 0 else "ND,DS->NS"
-  z = jnp.einsum(eq, h_NxD.astype(dt), weight_slice.astype(dt),
-                 preferred_element_type=jnp.float32)
+  z = None
+  for w, h, axis in zip(weight_slices, hs, vocab_axes):
+    eq = "ND,SD->NS" if axis == 0 else "ND,DS->NS"
+    z_i = jnp.einsum(eq, h.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
+    z = z_i if z is None else z + z_i
   if softcap is not None:
     z = softcap * jnp.tanh(z / softcap)
   return z
@@ -81,6 +92,16 @@ class Spec:
   temperature: float = 1.0
   accuracy: bool = False  # also count argmax hits (the first maximum, as jnp.argmax)
   slice_size: int = 0  # columns per slice; 0: from SLICE_BUDGET_BYTES
+
+
+def _parts(head: Head, h_NxD):
+  """(weights, inputs, vocab axes) of the head's matmuls, the main one first."""
+  return ((head.weight,) + tuple(w for _, w in head.more), (h_NxD,) + tuple(x for x, _ in head.more),
+          (head.vocab_axis,) + (1,) * len(head.more))
+
+
+def _sliced_parts(ws, start, size, axes):
+  return tuple(jax.lax.dynamic_slice_in_dim(w, start, size, a) for w, a in zip(ws, axes))
 
 
 def slice_size_for(tokens: int, vocab: int, requested: int = 0) -> int:
@@ -120,12 +141,14 @@ def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
   if teacher is None and spec.kd_weight:
     raise ValueError("kd_weight > 0 needs a teacher")
   size = slice_size_for(h_s_NxD.shape[0], student.vocab, spec.slice_size)
-  t_w = None if teacher is None else jax.lax.stop_gradient(teacher.weight)
-  h_t = None if teacher is None else jax.lax.stop_gradient(h_t_NxD)
-  static = (spec, size, student.vocab_axis, student.dtype, student.softcap, student.columns,
-            None if teacher is None else (teacher.vocab_axis, teacher.dtype, teacher.softcap))
-  loss, sums = _sliced(static, student.weight, h_s_NxD, t_w, h_t, targets_N,
-                       mask_N.astype(jnp.float32))
+  w_s, h_s, axes = _parts(student, h_s_NxD)
+  w_t = h_t = t_static = None
+  if teacher is not None:
+    w_t, h_t, t_axes = _parts(teacher, h_t_NxD)
+    w_t, h_t = jax.lax.stop_gradient((w_t, h_t))
+    t_static = (t_axes, teacher.dtype, teacher.softcap)
+  static = (spec, size, axes, student.dtype, student.softcap, student.columns, t_static)
+  loss, sums = _sliced(static, w_s, h_s, w_t, h_t, targets_N, mask_N.astype(jnp.float32))
   return loss, jax.tree.map(jax.lax.stop_gradient, sums)
 
 
@@ -133,9 +156,9 @@ def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
 
 def _stats(static, w_s, h_s, w_t, h_t, targets_N):
   """Per-token statistics after one pass over every slice."""
-  spec, size, axis, dtype, cap, columns, t_static = static
-  count, starts = _slices(w_s.shape[axis], size)
-  N = h_s.shape[0]
+  spec, size, axes, dtype, cap, columns, t_static = static
+  count, starts = _slices(w_s[0].shape[axes[0]], size)
+  N = h_s[0].shape[0]
   neg = jnp.full((N,), -jnp.inf, jnp.float32)
   zero = jnp.zeros((N,), jnp.float32)
   init = {"m1": neg, "l1": zero, "target": zero}
@@ -148,7 +171,7 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
   def body(carry, xs):
     j, start = xs
     new = _new_columns(j, start, size, columns)
-    s = _logits(jax.lax.dynamic_slice_in_dim(w_s, start, size, axis), h_s, axis, dtype, cap)
+    s = _logits(_sliced_parts(w_s, start, size, axes), h_s, axes, dtype, cap)
     s = jnp.where(new, s, -jnp.inf)
     c = dict(carry)
     c["m1"], c["l1"] = _lse_step(carry["m1"], carry["l1"], s)
@@ -162,9 +185,8 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
       c["best"] = jnp.where(better, best_j, carry["best"])
       c["arg"] = jnp.where(better, arg_j, carry["arg"])
     if t_static is not None:
-      t_axis, t_dtype, t_cap = t_static
-      t = _logits(jax.lax.dynamic_slice_in_dim(w_t, start, size, t_axis), h_t, t_axis, t_dtype,
-                  t_cap)
+      t_axes, t_dtype, t_cap = t_static
+      t = _logits(_sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
       t = jnp.where(new, t, -jnp.inf)
       c["mq"], c["lq"] = _lse_step(carry["mq"], carry["lq"], s / T)
       mt = jnp.maximum(carry["mt"], jnp.max(t / T, axis=-1))
@@ -204,39 +226,58 @@ def _values(spec: Spec, st, targets_N, mask_N):
 
 # ---- the backward pass: the slices again, from the saved log-sum-exps -------------------------
 
-def _grads(static, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g):
-  """(d loss / d w_s in fp32, d loss / d h_s in fp32) for a loss cotangent g."""
-  spec, size, axis, dtype, cap, columns, t_static = static
-  count, starts = _slices(w_s.shape[axis], size)
+def _grads(static, trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g):
+  """(d loss / d each trained weight part (None for the others), d loss / d each input part),
+  in fp32, for a loss cotangent g. `trained`: which weight parts the caller differentiates."""
+  spec, size, axes, dtype, cap, columns, t_static = static
+  count, starts = _slices(w_s[0].shape[axes[0]], size)
   T = spec.temperature
   scale_N = g * mask_N
+  on = [i for i, t in enumerate(trained) if t]
 
   def body(carry, xs):
-    dw, dh = carry
+    dws, dhs = carry
     j, start = xs
     new = _new_columns(j, start, size, columns)
-    w_j = jax.lax.dynamic_slice_in_dim(w_s, start, size, axis)
-    s, back = jax.vjp(lambda w, h: _logits(w, h, axis, dtype, cap), w_j, h_s)
+    w_j = _sliced_parts(w_s, start, size, axes)
+
+    def logits(w_on, hs):
+      parts = list(w_j)
+      for i, w in zip(on, w_on):
+        parts[i] = w
+      return _logits(parts, hs, axes, dtype, cap)
+
+    s, back = jax.vjp(logits, [w_j[i] for i in on], h_s)
     cols = start + jnp.arange(size)
     dz = spec.ce_weight * (jnp.exp(s - lse["s1"][:, None]) -
                            (cols == targets_N[:, None]).astype(jnp.float32))
     if t_static is not None:
-      t_axis, t_dtype, t_cap = t_static
-      t = _logits(jax.lax.dynamic_slice_in_dim(w_t, start, size, t_axis), h_t, t_axis, t_dtype,
-                  t_cap)
+      t_axes, t_dtype, t_cap = t_static
+      t = _logits(_sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
       q = jnp.exp(s / T - lse["sT"][:, None])
       p = jnp.exp(t / T - lse["t"][:, None])
       dz = dz + spec.kd_weight / T * (q - p)
     dz = jnp.where(new, dz * scale_N[:, None], 0.0)
-    dw_j, dh_j = back(dz)
-    old = jax.lax.dynamic_slice_in_dim(dw, start, size, axis)
-    keep = new if axis == 1 else new[:, None]
-    dw = jax.lax.dynamic_update_slice_in_dim(
-        dw, jnp.where(keep, dw_j.astype(jnp.float32), old), start, axis)
-    return (dw, dh + dh_j.astype(jnp.float32)), None
+    dw_on, dh_j = back(dz)
+    dws = [_write_slice(dw, dw_j, start, size, axes[i], new)
+           for dw, dw_j, i in zip(dws, dw_on, on)]
+    return (dws, [a + d.astype(jnp.float32) for a, d in zip(dhs, dh_j)]), None
 
-  init = (jnp.zeros(w_s.shape, jnp.float32), jnp.zeros(h_s.shape, jnp.float32))
-  return jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
+  init = ([jnp.zeros(w_s[i].shape, jnp.float32) for i in on],
+          [jnp.zeros(h.shape, jnp.float32) for h in h_s])
+  dws, dhs = jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
+  full = [None] * len(w_s)
+  for i, dw in zip(on, dws):
+    full[i] = dw
+  return full, dhs
+
+
+def _write_slice(dw, dw_j, start, size, axis, new):
+  """dw with the slice's new columns (the last slice's overlap kept) set from dw_j."""
+  old = jax.lax.dynamic_slice_in_dim(dw, start, size, axis)
+  keep = new if axis == 1 else new[:, None]
+  return jax.lax.dynamic_update_slice_in_dim(
+      dw, jnp.where(keep, dw_j.astype(jnp.float32), old), start, axis)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -247,18 +288,23 @@ def _sliced(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
 
 
 def _sliced_fwd(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
+  # symbolic zeros: which weight parts the caller differentiates (a frozen one gets no dw)
+  trained = tuple(w.perturbed for w in w_s)
+  w_s, h_s, w_t, h_t, targets_N, mask_N = custom_derivatives.custom_vjp_primal_tree_values(
+      (w_s, h_s, w_t, h_t, targets_N, mask_N))
   loss, sums, lse = _values(static[0], _stats(static, w_s, h_s, w_t, h_t, targets_N), targets_N,
                             mask_N)
-  return (loss, sums), (w_s, h_s, w_t, h_t, targets_N, mask_N, lse)
+  return (loss, sums), (trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse)
 
 
 def _sliced_bwd(static, res, cotangents):
-  w_s, h_s, w_t, h_t, targets_N, mask_N, lse = res
+  trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse = res
   g = cotangents[0]
-  dw, dh = _grads(static, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g)
-  zeros = lambda x: None if x is None else jnp.zeros_like(x)
-  return (dw.astype(w_s.dtype), dh.astype(h_s.dtype), zeros(w_t), zeros(h_t),
-          jnp.zeros(targets_N.shape, jax.dtypes.float0), jnp.zeros_like(mask_N))
+  if isinstance(g, custom_derivatives.SymbolicZero):
+    g = jnp.zeros(g.shape, g.dtype)
+  dws, dhs = _grads(static, trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g)
+  return (tuple(None if dw is None else dw.astype(w.dtype) for dw, w in zip(dws, w_s)),
+          tuple(dh.astype(h.dtype) for dh, h in zip(dhs, h_s)), None, None, None, None)
 
 
-_sliced.defvjp(_sliced_fwd, _sliced_bwd)
+_sliced.defvjp(_sliced_fwd, _sliced_bwd, symbolic_zeros=True)
