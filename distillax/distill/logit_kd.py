@@ -195,15 +195,16 @@ def _extra_metric_values(logits: TokenLogits) -> dict[str, jax.Array]:
 
 def sliced_leaf(token_leaves, teachers, metrics: bool) -> tuple[float, "LogitKD"]:
   """The one (weight, LogitKD) that train.loss_impl='sliced' computes, or a one-line refusal:
-  a forward-KL LogitKD over the whole vocabulary, one live teacher, train objective only."""
+  a LogitKD over the whole vocabulary (any divergence), one live teacher, train objective
+  only."""
   if metrics:
     raise ValueError("vocabulary slices compute train objectives (metrics=False) only")
   ok = (len(token_leaves) == 1 and isinstance(token_leaves[0][1], LogitKD)
-        and token_leaves[0][1].divergence == "forward_kl" and token_leaves[0][1].top_k is None)
+        and token_leaves[0][1].top_k is None)
   if not ok or teachers is not None:
     names = ", ".join(f"{type(leaf).__name__}({leaf.name})" for _, leaf in token_leaves)
-    raise ConfigError(f"train.loss_impl='sliced' computes one forward-KL LogitKD (top_k None) "
-                      f"from one teacher; this job has {names or 'no logit term'}"
+    raise ConfigError(f"train.loss_impl='sliced' computes one LogitKD (top_k None) from one "
+                      f"teacher; this job has {names or 'no logit term'}"
                       f"{' and several teachers' if teachers is not None else ''}; set "
                       f"--config.train.loss_impl=chunked")
   return token_leaves[0]
@@ -216,7 +217,7 @@ def sliced_loss_and_sums(weight: float, leaf: "LogitKD", inputs) -> tuple[jax.Ar
                       "cache or a teacher set); set --config.train.loss_impl=chunked")
   T, a = float(leaf.temperature), float(leaf.alpha)
   spec = vocab_slices.Spec(kd_weight=weight * a * T * T, ce_weight=weight * (1.0 - a),
-                           temperature=T)
+                           temperature=T, divergence=leaf.divergence, beta=float(leaf.beta))
   mask_BxL = inputs.batch[batch_spec.LOSS_MASK]
   flat = losses.flat_tokens
   student, h_s = losses.sliced_head(inputs.student_model, inputs.student.final_hidden_BxLxD)
@@ -224,5 +225,6 @@ def sliced_loss_and_sums(weight: float, leaf: "LogitKD", inputs) -> tuple[jax.Ar
   loss, sums = vocab_slices.token_sums(
       spec, student, h_s, flat(inputs.batch[batch_spec.TARGETS]), flat(mask_BxL), teacher, h_t)
   losses.token_loss_impl.record(vocab_slices.describe(spec, student, mask_BxL.size))
-  return loss, {leaf.name: a * T * T * sums["kl"] + (1.0 - a) * sums["nll"],
-                f"{leaf.name}_divergence": sums["kl"], "hard_ce": sums["nll"]}
+  div = sums["divergence"]
+  return loss, {leaf.name: a * T * T * div + (1.0 - a) * sums["nll"],
+                f"{leaf.name}_divergence": div, "hard_ce": sums["nll"]}

@@ -1,6 +1,7 @@
 """Token losses over slices of the vocabulary: every position's logits for a slice of columns at
 a time, for the losses that need only per-token normalisers and sums over the vocabulary:
-next-token cross-entropy and forward-KL logit distillation (LogitKD's default).
+next-token cross-entropy and logit distillation (LogitKD's forward KL, reverse KL or jsd at a
+temperature, slice_divergences.py).
 
 Why a second schedule beside the token chunks of vocab_chunks.py. A token chunk sees the whole
 vocabulary for a few hundred positions, so the output layer's weight gradient, a (V, D) fp32
@@ -8,16 +9,16 @@ array, is read and written once per chunk: on a TPU v5e at vocabulary 151,936 th
 157 ms of a 1,070 ms train step (benchmarks/results/tpu/levers_call1.jsonl). A vocabulary slice
 sees every position for a few thousand columns: its slice of the weight gradient is written
 once, and what is carried from slice to slice is per token: the running maximum, the sum of
-exponentials, and for KD the teacher-weighted difference of the two models' logits (online
-softmax, as flash attention keeps it). The backward pass recomputes each slice's logits from
+exponentials, and for KD a weighted difference of the two models' logits (online softmax, as
+flash attention keeps it; a jsd takes a second pass once both normalisers are known). The backward pass recomputes each slice's logits from
 the saved log-sum-exps, so nothing of size (tokens, V) is ever held.
 
 Per token (fp32), s and t the student's and teacher's logits, y the target, T the temperature:
   nll = logsumexp(s) - s_y
-  kl  = sum_v p_t (t_v - s_v) / T - logsumexp(t / T) + logsumexp(s / T),  p_t = softmax(t / T)
-  loss = kd_weight * kl + ce_weight * nll  (masked; LogitKD: kd_weight = alpha T^2)
-and d loss / d s_v = kd_weight (q_v - p_t,v) / T + ce_weight (softmax(s)_v - [v = y]), with q the
-student's softmax at T. The output layer: logits = softcap(h @ W + sum_i x_i @ B_i) with W the
+  loss = kd_weight * D(softmax(t / T), softmax(s / T)) + ce_weight * nll
+         (masked; LogitKD: kd_weight = alpha T^2; D and its gradient: slice_divergences.py)
+and d loss / d s_v = kd_weight d D / d s_v + ce_weight (softmax(s)_v - [v = y]). The output
+layer: logits = softcap(h @ W + sum_i x_i @ B_i) with W the
 tied embedding (V, D) or the head (D, V), read as the step multiplies it (a QAT head's rounded
 weight and rounded input), and the extra matmuls (`Head.more`) a LoRA adapter on it adds
 (x = scaling * dropout(h) @ A, B (rank, V)): the model gives its operands
@@ -40,6 +41,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import custom_derivatives
+
+from distillax.framework import slice_divergences
 
 SLICE_BUDGET_BYTES = 256 * 2**20  # fp32 logits of one model for one slice, all positions
 
@@ -85,11 +88,14 @@ def _logits(weight_slices, hs, vocab_axes, dtype, softcap):
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """What the loss weighs (static): kd_weight * kl at `temperature` + ce_weight * nll."""
+  """What the loss weighs (static): kd_weight * divergence at `temperature` + ce_weight * nll;
+  the divergence one of slice_divergences.DIVERGENCES (beta: the jsd's teacher weight)."""
 
   kd_weight: float = 0.0
   ce_weight: float = 1.0
   temperature: float = 1.0
+  divergence: str = "forward_kl"
+  beta: float = 0.5
   accuracy: bool = False  # also count argmax hits (the first maximum, as jnp.argmax)
   slice_size: int = 0  # columns per slice; 0: from SLICE_BUDGET_BYTES
 
@@ -136,10 +142,11 @@ def _new_columns(j, start, size, columns: int):
 def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
                teacher: Head | None = None, h_t_NxD=None):
   """(loss, sums): loss = sum over masked tokens of the weighted terms (differentiable in the
-  student's weight and hidden states); sums of 'nll', 'kl' (with a teacher) and 'correct' (with
-  spec.accuracy) over the masked tokens, as metrics."""
+  student's weight and hidden states); sums of 'nll', 'divergence' (with a teacher) and
+  'correct' (with spec.accuracy) over the masked tokens, as metrics."""
   if teacher is None and spec.kd_weight:
     raise ValueError("kd_weight > 0 needs a teacher")
+  slice_divergences.check(spec.divergence, spec.beta)
   size = slice_size_for(h_s_NxD.shape[0], student.vocab, spec.slice_size)
   w_s, h_s, axes = _parts(student, h_s_NxD)
   w_t = h_t = t_static = None
@@ -154,9 +161,42 @@ def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
 
 # ---- the forward pass: one scan over the slices, online statistics per token -------------------
 
+def _forward(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
+  """(loss, sums, what the backward pass reads per token) after the passes over the slices: one,
+  and a second for a jsd (its per-column terms need both normalisers first)."""
+  spec = static[0]
+  st = _stats(static, w_s, h_s, w_t, h_t, targets_N)
+  lse = {"s1": st["m1"] + jnp.log(st["l1"])}
+  if w_t is not None:
+    lse.update(slice_divergences.normalisers(st["kd"]))
+    if spec.divergence == "jsd":
+      lse["kl"], lse["jq"] = _jsd_pass(static, w_s, h_s, w_t, h_t, lse)
+    else:
+      lse["kl"] = slice_divergences.kl_value(spec.divergence, st["kd"], lse)
+  nll = lse["s1"] - st["target"]
+  sums = {"nll": jnp.sum(nll * mask_N)}
+  loss_N = spec.ce_weight * nll
+  if w_t is not None:
+    sums["divergence"] = jnp.sum(lse["kl"] * mask_N)
+    loss_N = loss_N + spec.kd_weight * lse["kl"]
+  if spec.accuracy:
+    sums["correct"] = jnp.sum((st["arg"] == targets_N).astype(jnp.float32) * mask_N)
+  return jnp.sum(loss_N * mask_N), sums, lse
+
+
+def _slice_logits(static, w_s, h_s, w_t, h_t, start):
+  """(student, teacher or None) fp32 logits of the slice starting at `start`."""
+  _, size, axes, dtype, cap, _, t_static = static
+  s = _logits(_sliced_parts(w_s, start, size, axes), h_s, axes, dtype, cap)
+  if t_static is None:
+    return s, None
+  t_axes, t_dtype, t_cap = t_static
+  return s, _logits(_sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
+
+
 def _stats(static, w_s, h_s, w_t, h_t, targets_N):
   """Per-token statistics after one pass over every slice."""
-  spec, size, axes, dtype, cap, columns, t_static = static
+  spec, size, axes, _, _, columns, t_static = static
   count, starts = _slices(w_s[0].shape[axes[0]], size)
   N = h_s[0].shape[0]
   neg = jnp.full((N,), -jnp.inf, jnp.float32)
@@ -165,16 +205,15 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
   if spec.accuracy:
     init.update(best=neg, arg=jnp.zeros((N,), jnp.int32))
   if t_static is not None:
-    init.update(mq=neg, lq=zero, mt=neg, lt=zero, at=zero)
-  T = spec.temperature
+    init["kd"] = slice_divergences.init(spec.divergence, N)
 
   def body(carry, xs):
     j, start = xs
     new = _new_columns(j, start, size, columns)
-    s = _logits(_sliced_parts(w_s, start, size, axes), h_s, axes, dtype, cap)
+    s, t = _slice_logits(static, w_s, h_s, w_t, h_t, start)
     s = jnp.where(new, s, -jnp.inf)
     c = dict(carry)
-    c["m1"], c["l1"] = _lse_step(carry["m1"], carry["l1"], s)
+    c["m1"], c["l1"] = slice_divergences.lse_step(carry["m1"], carry["l1"], s)
     cols = start + jnp.arange(size)
     hit = (cols == targets_N[:, None]) & new
     c["target"] = carry["target"] + jnp.sum(jnp.where(hit, s, 0.0), axis=-1)
@@ -184,44 +223,28 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
       better = best_j > carry["best"]
       c["best"] = jnp.where(better, best_j, carry["best"])
       c["arg"] = jnp.where(better, arg_j, carry["arg"])
-    if t_static is not None:
-      t_axes, t_dtype, t_cap = t_static
-      t = _logits(_sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
-      t = jnp.where(new, t, -jnp.inf)
-      c["mq"], c["lq"] = _lse_step(carry["mq"], carry["lq"], s / T)
-      mt = jnp.maximum(carry["mt"], jnp.max(t / T, axis=-1))
-      w = jnp.exp(t / T - mt[:, None])
-      keep = jnp.exp(carry["mt"] - mt)
-      c["mt"] = mt
-      c["lt"] = carry["lt"] * keep + jnp.sum(w, axis=-1)
-      c["at"] = carry["at"] * keep + jnp.sum(jnp.where(new, w * (t - s) / T, 0.0), axis=-1)
+    if t is not None:
+      c["kd"] = slice_divergences.step(spec.divergence, carry["kd"], s,
+                                       jnp.where(new, t, -jnp.inf), new, spec.temperature)
     return c, None
 
   return jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
 
 
-def _lse_step(m, l, z_NxS):
-  """One slice more of an online log-sum-exp (max m, sum of exp(z - m) l)."""
-  m_new = jnp.maximum(m, jnp.max(z_NxS, axis=-1))
-  return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z_NxS - m_new[:, None]), axis=-1)
+def _jsd_pass(static, w_s, h_s, w_t, h_t, lse):
+  """(jsd, (1 - beta) KL(Q || M)) per token: the second pass over the slices."""
+  spec, size, axes, _, _, columns, _ = static
+  count, starts = _slices(w_s[0].shape[axes[0]], size)
 
+  def body(carry, xs):
+    j, start = xs
+    s, t = _slice_logits(static, w_s, h_s, w_t, h_t, start)
+    terms = slice_divergences.jsd_terms(s, t, _new_columns(j, start, size, columns), lse,
+                                        spec.temperature, spec.beta)
+    return tuple(a + b for a, b in zip(carry, terms)), None
 
-def _values(spec: Spec, st, targets_N, mask_N):
-  """(loss, sums, lse) from the statistics: the per-token terms summed over the mask."""
-  lse1 = st["m1"] + jnp.log(st["l1"])
-  nll = lse1 - st["target"]
-  sums = {"nll": jnp.sum(nll * mask_N)}
-  lse = {"s1": lse1}
-  loss_N = spec.ce_weight * nll
-  if "mt" in st:
-    lse["sT"] = st["mq"] + jnp.log(st["lq"])
-    lse["t"] = st["mt"] + jnp.log(st["lt"])
-    kl = st["at"] / st["lt"] - lse["t"] + lse["sT"]
-    sums["kl"] = jnp.sum(kl * mask_N)
-    loss_N = loss_N + spec.kd_weight * kl
-  if spec.accuracy:
-    sums["correct"] = jnp.sum((st["arg"] == targets_N).astype(jnp.float32) * mask_N)
-  return jnp.sum(loss_N * mask_N), sums, lse
+  zero = jnp.zeros((h_s[0].shape[0],), jnp.float32)
+  return jax.lax.scan(body, (zero, zero), (jnp.arange(count), starts))[0]
 
 
 # ---- the backward pass: the slices again, from the saved log-sum-exps -------------------------
@@ -231,7 +254,6 @@ def _grads(static, trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g):
   in fp32, for a loss cotangent g. `trained`: which weight parts the caller differentiates."""
   spec, size, axes, dtype, cap, columns, t_static = static
   count, starts = _slices(w_s[0].shape[axes[0]], size)
-  T = spec.temperature
   scale_N = g * mask_N
   on = [i for i, t in enumerate(trained) if t]
 
@@ -254,9 +276,8 @@ def _grads(static, trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g):
     if t_static is not None:
       t_axes, t_dtype, t_cap = t_static
       t = _logits(_sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
-      q = jnp.exp(s / T - lse["sT"][:, None])
-      p = jnp.exp(t / T - lse["t"][:, None])
-      dz = dz + spec.kd_weight / T * (q - p)
+      dz = dz + spec.kd_weight * slice_divergences.logit_grad(spec.divergence, spec.beta, s, t,
+                                                              lse, spec.temperature)
     dz = jnp.where(new, dz * scale_N[:, None], 0.0)
     dw_on, dh_j = back(dz)
     dws = [_write_slice(dw, dw_j, start, size, axes[i], new)
@@ -282,9 +303,7 @@ def _write_slice(dw, dw_j, start, size, axis, new):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _sliced(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
-  loss, sums, _ = _values(static[0], _stats(static, w_s, h_s, w_t, h_t, targets_N), targets_N,
-                          mask_N)
-  return loss, sums
+  return _forward(static, w_s, h_s, w_t, h_t, targets_N, mask_N)[:2]
 
 
 def _sliced_fwd(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
@@ -292,8 +311,7 @@ def _sliced_fwd(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
   trained = tuple(w.perturbed for w in w_s)
   w_s, h_s, w_t, h_t, targets_N, mask_N = custom_derivatives.custom_vjp_primal_tree_values(
       (w_s, h_s, w_t, h_t, targets_N, mask_N))
-  loss, sums, lse = _values(static[0], _stats(static, w_s, h_s, w_t, h_t, targets_N), targets_N,
-                            mask_N)
+  loss, sums, lse = _forward(static, w_s, h_s, w_t, h_t, targets_N, mask_N)
   return (loss, sums), (trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse)
 
 

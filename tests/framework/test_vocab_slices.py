@@ -25,23 +25,36 @@ from tests.support import chip
 from tests.support.models import random_model
 
 
-def _numpy_terms(s, t, y, T):
-  """Per-token NLL, KL(p_t^T || p_s^T) and argmax hit from whole float64 logits."""
+def _divergence(kind, lp, lq, beta, xp):
+  """D(P || Q) per row from whole log-probabilities (P the teacher), in numpy or jax.numpy."""
+  kl = lambda a, b: xp.sum(xp.exp(a) * (a - b), axis=-1)
+  if kind == "forward_kl":
+    return kl(lp, lq)
+  if kind == "reverse_kl":
+    return kl(lq, lp)
+  log_m = xp.logaddexp(np.log(beta) + lp, np.log1p(-beta) + lq)
+  return beta * kl(lp, log_m) + (1.0 - beta) * kl(lq, log_m)
+
+
+def _numpy_terms(s, t, y, T, kind, beta):
+  """Per-token NLL, the divergence at T and the argmax hit, from whole float64 logits."""
   logp = np_log_softmax(s)
   nll = -logp[np.arange(len(y)), y]
   lt, ls = np_log_softmax(f64(t) / T), np_log_softmax(f64(s) / T)
-  kl = np.sum(np.exp(lt) * (lt - ls), axis=-1)
-  return nll, kl, (np.argmax(s, -1) == y).astype(np.float64)
+  return nll, _divergence(kind, lt, ls, beta, np), (np.argmax(s, -1) == y).astype(np.float64)
 
 
-@pytest.mark.parametrize("slice_size,vocab_axis,softcap", [(128, 0, None), (96, 1, 5.0),
-                                                           (1000, 0, None)])
-def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_axis, softcap):
+@pytest.mark.parametrize("slice_size,vocab_axis,softcap,divergence", [
+    (128, 0, None, "forward_kl"), (96, 1, 5.0, "reverse_kl"), (128, 1, None, "jsd"),
+    (1000, 0, None, "forward_kl")])
+def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_axis, softcap,
+                                                             divergence):
   """V = 300 in slices of 128 (the last one shifted back over 44 columns already seen), 96
-  (an untied head, soft-capped logits) or one slice; a teacher head 20 columns wider than the
-  student's (a padded table: only the student's columns count). Sums within 1e-5 of float64
-  numpy; the weight and hidden-state gradients within 1e-5 of jax.grad through whole logits."""
-  N, D, Dt, V, T = 37, 16, 24, 300, 2.0
+  (an untied head, soft-capped logits) or one slice; forward KL, reverse KL and a jsd of beta
+  0.3; a teacher head 20 columns wider than the student's (a padded table: only the student's
+  columns count). Sums within 1e-5 of float64 numpy; the weight and hidden-state gradients
+  within 1e-5 of jax.grad through whole logits (jax.nn.log_softmax)."""
+  N, D, Dt, V, T, beta = 37, 16, 24, 300, 2.0, 0.3
   k = jax.random.split(jax.random.key(0), 6)
   w = jax.random.normal(k[0], (V, D) if vocab_axis == 0 else (D, V)) * 0.3
   h = jax.random.normal(k[1], (N, D))
@@ -50,16 +63,16 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
   y = jax.random.randint(k[4], (N,), 0, V)
   mask = (jax.random.uniform(k[5], (N,)) > 0.2).astype(jnp.float32)
   spec = vocab_slices.Spec(kd_weight=0.7 * T * T, ce_weight=0.3, temperature=T, accuracy=True,
-                           slice_size=slice_size)
+                           slice_size=slice_size, divergence=divergence, beta=beta)
   cap = (lambda z: z) if softcap is None else (lambda z: softcap * jnp.tanh(z / softcap))
 
   def whole(w, h):
     s = cap(h @ (w.T if vocab_axis == 0 else w))
     t = (h_t @ w_t)[:, :V]
-    nll = jax.nn.logsumexp(s, -1) - jnp.take_along_axis(s, y[:, None], -1)[:, 0]
-    p = jax.nn.softmax(t / T, -1)
-    kl = jnp.sum(p * (jax.nn.log_softmax(t / T, -1) - jax.nn.log_softmax(s / T, -1)), -1)
-    return jnp.sum((spec.kd_weight * kl + spec.ce_weight * nll) * mask), s
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(s, -1), y[:, None], -1)[:, 0]
+    div = _divergence(divergence, jax.nn.log_softmax(t / T, -1), jax.nn.log_softmax(s / T, -1),
+                      beta, jnp)
+    return jnp.sum((spec.kd_weight * div + spec.ce_weight * nll) * mask), s
 
   def sliced(w, h):
     return vocab_slices.token_sums(spec, vocab_slices.Head(w, vocab_axis, "float32", softcap), h,
@@ -69,10 +82,10 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
     (loss, sums), grads = jax.value_and_grad(sliced, argnums=(0, 1), has_aux=True)(w, h)
     (want_loss, s), want_grads = jax.value_and_grad(whole, argnums=(0, 1), has_aux=True)(w, h)
     t = (h_t @ w_t)[:, :V]
-  nll, kl, hit = _numpy_terms(s, t, np.asarray(y), T)
+  nll, div, hit = _numpy_terms(s, t, np.asarray(y), T, divergence, beta)
   m = f64(mask)
   chip.assert_close(sums["nll"], np.sum(nll * m), rtol=1e-5)
-  chip.assert_close(sums["kl"], np.sum(kl * m), rtol=1e-5)
+  chip.assert_close(sums["divergence"], np.sum(div * m), rtol=1e-5)
   assert float(sums["correct"]) == np.sum(hit * m)
   chip.assert_close(loss, want_loss, rtol=1e-5)
   for g, want in zip(grads, want_grads):
@@ -80,8 +93,7 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
 
 
 @pytest.mark.parametrize("strategy,message", [
-    (LogitKD(divergence="reverse_kl"), "this job has LogitKD(logit_kd)"),
-    (LogitKD(top_k=4), "one forward-KL LogitKD (top_k None)"),
+    (LogitKD(top_k=4), "one LogitKD (top_k None) from one teacher; this job has LogitKD"),
 ])
 def test_sliced_refuses_what_it_does_not_compute(strategy, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
