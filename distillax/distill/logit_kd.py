@@ -16,6 +16,7 @@ bucket (see divergences.py); the student stays normalised over the full vocabula
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -195,16 +196,15 @@ def _extra_metric_values(logits: TokenLogits) -> dict[str, jax.Array]:
 
 def sliced_leaf(token_leaves, teachers, metrics: bool) -> tuple[float, "LogitKD"]:
   """The one (weight, LogitKD) that train.loss_impl='sliced' computes, or a one-line refusal:
-  a LogitKD over the whole vocabulary (any divergence), one live teacher, train objective
-  only."""
+  a LogitKD (any divergence, over the whole vocabulary or the teacher's top-k), one live
+  teacher, train objective only."""
   if metrics:
     raise ValueError("vocabulary slices compute train objectives (metrics=False) only")
-  ok = (len(token_leaves) == 1 and isinstance(token_leaves[0][1], LogitKD)
-        and token_leaves[0][1].top_k is None)
+  ok = len(token_leaves) == 1 and isinstance(token_leaves[0][1], LogitKD)
   if not ok or teachers is not None:
     names = ", ".join(f"{type(leaf).__name__}({leaf.name})" for _, leaf in token_leaves)
-    raise ConfigError(f"train.loss_impl='sliced' computes one LogitKD (top_k None) from one "
-                      f"teacher; this job has {names or 'no logit term'}"
+    raise ConfigError(f"train.loss_impl='sliced' computes one LogitKD from one teacher; this "
+                      f"job has {names or 'no logit term'}"
                       f"{' and several teachers' if teachers is not None else ''}; set "
                       f"--config.train.loss_impl=chunked")
   return token_leaves[0]
@@ -216,11 +216,15 @@ def sliced_loss_and_sums(weight: float, leaf: "LogitKD", inputs) -> tuple[jax.Ar
     raise ConfigError("train.loss_impl='sliced' needs a live teacher model (not a hidden-state "
                       "cache or a teacher set); set --config.train.loss_impl=chunked")
   T, a = float(leaf.temperature), float(leaf.alpha)
-  spec = vocab_slices.Spec(kd_weight=weight * a * T * T, ce_weight=weight * (1.0 - a),
-                           temperature=T, divergence=leaf.divergence, beta=float(leaf.beta))
   mask_BxL = inputs.batch[batch_spec.LOSS_MASK]
   flat = losses.flat_tokens
   student, h_s = losses.sliced_head(inputs.student_model, inputs.student.final_hidden_BxLxD)
+  top_k = leaf.top_k if leaf.top_k is not None and leaf.top_k < student.vocab else 0
+  buckets = functools.partial(_bucket_divergence, leaf.divergence, float(leaf.beta),
+                              student.vocab) if top_k else None
+  spec = vocab_slices.Spec(kd_weight=weight * a * T * T, ce_weight=weight * (1.0 - a),
+                           temperature=T, divergence=leaf.divergence, beta=float(leaf.beta),
+                           top_k=top_k, bucket_divergence=buckets)
   teacher, h_t = losses.sliced_head(inputs.teacher_model, inputs.teacher.final_hidden_BxLxD)
   loss, sums = vocab_slices.token_sums(
       spec, student, h_s, flat(inputs.batch[batch_spec.TARGETS]), flat(mask_BxL), teacher, h_t)
@@ -228,3 +232,10 @@ def sliced_loss_and_sums(weight: float, leaf: "LogitKD", inputs) -> tuple[jax.Ar
   div = sums["divergence"]
   return loss, {leaf.name: a * T * T * div + (1.0 - a) * sums["nll"],
                 f"{leaf.name}_divergence": div, "hard_ce": sums["nll"]}
+
+
+def _bucket_divergence(kind: str, beta: float, vocab: int, t_top_logp_NxK, s_buckets_NxK1):
+  """LogitKD(top_k)'s divergence from the teacher's top-k log-probs and the student's buckets
+  (what vocab_slices' top-k pass hands it)."""
+  return divergences.divergence(kind, divergences.teacher_buckets(t_top_logp_NxK, vocab),
+                                s_buckets_NxK1, beta)

@@ -118,7 +118,7 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
   teachers: several teachers (multi_teacher.py), passed as extras under `teachers.keys` and
     folded into one teacher per token (mixture or routing); logit strategies only.
   sliced: the logit term over vocabulary slices (framework/vocab_slices.py; train.loss_impl
-    'sliced'): one full-vocabulary LogitKD (any divergence), one teacher, train objectives.
+    'sliced'): one LogitKD (any divergence, top_k or not), one teacher, train objectives.
   """
   if not isinstance(strategy, Strategy):
     raise ConfigError(f"make_distill_objective needs a distillation strategy, got {strategy!r}")

@@ -36,10 +36,11 @@ def check(divergence: str, beta: float) -> None:
 
 def init(divergence: str, N: int) -> dict[str, jax.Array]:
   """The per-token carries of the first pass: both models' running maximum and sum of
-  exponentials at T, and for the KLs the weighted sum of the logit difference."""
+  exponentials at T, and for the KLs the weighted sum of the logit difference (a jsd and the
+  top-k buckets, `divergence` 'normalisers', carry the normalisers only)."""
   neg, zero = jnp.full((N,), -jnp.inf, jnp.float32), jnp.zeros((N,), jnp.float32)
   carry = {"mq": neg, "lq": zero, "mt": neg, "lt": zero}
-  if divergence != "jsd":
+  if divergence in ("forward_kl", "reverse_kl"):
     carry["a"] = zero
   return carry
 

@@ -1,7 +1,7 @@
 """Token losses over slices of the vocabulary: every position's logits for a slice of columns at
 a time, for the losses that need only per-token normalisers and sums over the vocabulary:
 next-token cross-entropy and logit distillation (LogitKD's forward KL, reverse KL or jsd at a
-temperature, slice_divergences.py).
+temperature, slice_divergences.py; over the teacher's top-k and a rest bucket, slice_buckets.py).
 
 Why a second schedule beside the token chunks of vocab_chunks.py. A token chunk sees the whole
 vocabulary for a few hundred positions, so the output layer's weight gradient, a (V, D) fp32
@@ -10,8 +10,9 @@ array, is read and written once per chunk: on a TPU v5e at vocabulary 151,936 th
 sees every position for a few thousand columns: its slice of the weight gradient is written
 once, and what is carried from slice to slice is per token: the running maximum, the sum of
 exponentials, and for KD a weighted difference of the two models' logits (online softmax, as
-flash attention keeps it; a jsd takes a second pass once both normalisers are known). The backward pass recomputes each slice's logits from
-the saved log-sum-exps, so nothing of size (tokens, V) is ever held.
+flash attention keeps it; a jsd takes a second pass once both normalisers are known). The
+backward pass recomputes each slice's logits from the saved log-sum-exps, so nothing of size
+(tokens, V) is ever held.
 
 Per token (fp32), s and t the student's and teacher's logits, y the target, T the temperature:
   nll = logsumexp(s) - s_y
@@ -37,12 +38,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import custom_derivatives
 
-from distillax.framework import slice_divergences
+from distillax.framework import slice_buckets, slice_divergences
 
 SLICE_BUDGET_BYTES = 256 * 2**20  # fp32 logits of one model for one slice, all positions
 
@@ -96,14 +98,19 @@ class Spec:
   temperature: float = 1.0
   divergence: str = "forward_kl"
   beta: float = 0.5
+  # > 0: the divergence over the teacher's top-k tokens plus a rest bucket (slice_buckets.py),
+  # computed by `bucket_divergence(teacher top-k log-probs (N, K), student buckets (N, K + 1))`.
+  top_k: int = 0
+  bucket_divergence: Any = None
   accuracy: bool = False  # also count argmax hits (the first maximum, as jnp.argmax)
   slice_size: int = 0  # columns per slice; 0: from SLICE_BUDGET_BYTES
 
 
 def _parts(head: Head, h_NxD):
   """(weights, inputs, vocab axes) of the head's matmuls, the main one first."""
-  return ((head.weight,) + tuple(w for _, w in head.more), (h_NxD,) + tuple(x for x, _ in head.more),
-          (head.vocab_axis,) + (1,) * len(head.more))
+  weights = (head.weight,) + tuple(w for _, w in head.more)
+  inputs = (h_NxD,) + tuple(x for x, _ in head.more)
+  return weights, inputs, (head.vocab_axis,) + (1,) * len(head.more)
 
 
 def _sliced_parts(ws, start, size, axes):
@@ -147,6 +154,8 @@ def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
   if teacher is None and spec.kd_weight:
     raise ValueError("kd_weight > 0 needs a teacher")
   slice_divergences.check(spec.divergence, spec.beta)
+  if spec.top_k and (teacher is None or spec.bucket_divergence is None):
+    raise ValueError("top_k > 0 needs a teacher and a bucket_divergence")
   size = slice_size_for(h_s_NxD.shape[0], student.vocab, spec.slice_size)
   w_s, h_s, axes = _parts(student, h_s_NxD)
   w_t = h_t = t_static = None
@@ -169,7 +178,10 @@ def _forward(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
   lse = {"s1": st["m1"] + jnp.log(st["l1"])}
   if w_t is not None:
     lse.update(slice_divergences.normalisers(st["kd"]))
-    if spec.divergence == "jsd":
+    if spec.top_k:
+      lse["kl"], saved = _bucket_pass(static, w_s, h_s, st["top"], lse)
+      lse.update(saved)
+    elif spec.divergence == "jsd":
       lse["kl"], lse["jq"] = _jsd_pass(static, w_s, h_s, w_t, h_t, lse)
     else:
       lse["kl"] = slice_divergences.kl_value(spec.divergence, st["kd"], lse)
@@ -205,7 +217,9 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
   if spec.accuracy:
     init.update(best=neg, arg=jnp.zeros((N,), jnp.int32))
   if t_static is not None:
-    init["kd"] = slice_divergences.init(spec.divergence, N)
+    init["kd"] = slice_divergences.init("normalisers" if spec.top_k else spec.divergence, N)
+  if spec.top_k:
+    init["top"] = slice_buckets.top_init(N, spec.top_k)
 
   def body(carry, xs):
     j, start = xs
@@ -224,11 +238,36 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
       c["best"] = jnp.where(better, best_j, carry["best"])
       c["arg"] = jnp.where(better, arg_j, carry["arg"])
     if t is not None:
-      c["kd"] = slice_divergences.step(spec.divergence, carry["kd"], s,
-                                       jnp.where(new, t, -jnp.inf), new, spec.temperature)
+      t = jnp.where(new, t, -jnp.inf)
+      kind = "normalisers" if spec.top_k else spec.divergence
+      c["kd"] = slice_divergences.step(kind, carry["kd"], s, t, new, spec.temperature)
+    if spec.top_k:
+      c["top"] = slice_buckets.top_step(carry["top"], t / spec.temperature, start)
     return c, None
 
   return jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
+
+
+def _bucket_pass(static, w_s, h_s, top, lse):
+  """(the top-k buckets' divergence per token, what the backward pass reads): the second pass,
+  over the student's slices only, gathers its logits at the teacher's top-k ids and the rest's
+  log-sum-exp."""
+  spec, size, axes, dtype, cap, columns, _ = static
+  count, starts = _slices(w_s[0].shape[axes[0]], size)
+  T = spec.temperature
+
+  def body(carry, xs):
+    j, start = xs
+    s = _logits(_sliced_parts(w_s, start, size, axes), h_s, axes, dtype, cap)
+    new = _new_columns(j, start, size, columns)
+    return slice_buckets.gather_step(carry, s, new, top["ids"], j, start, size, columns, T), None
+
+  init = slice_buckets.gather_init(*top["ids"].shape)
+  got = jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
+  rest = got["m"] + jnp.log(got["l"])
+  value, grads = slice_buckets.divergence_and_grads(
+      spec.bucket_divergence, top["top"] - lse["t"][:, None], got["s_top"], rest, lse["sT"], T)
+  return value, {**grads, "rest": rest, "ids": top["ids"]}
 
 
 def _jsd_pass(static, w_s, h_s, w_t, h_t, lse):
@@ -273,7 +312,10 @@ def _grads(static, trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g):
     cols = start + jnp.arange(size)
     dz = spec.ce_weight * (jnp.exp(s - lse["s1"][:, None]) -
                            (cols == targets_N[:, None]).astype(jnp.float32))
-    if t_static is not None:
+    if spec.top_k:
+      dz = dz + spec.kd_weight * slice_buckets.logit_grad(lse, s, lse["ids"], j, start, size,
+                                                          columns, spec.temperature)
+    elif t_static is not None:
       t_axes, t_dtype, t_cap = t_static
       t = _logits(_sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
       dz = dz + spec.kd_weight * slice_divergences.logit_grad(spec.divergence, spec.beta, s, t,

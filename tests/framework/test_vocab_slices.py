@@ -5,6 +5,8 @@ own whole logits, loss and every trained gradient. The masked and sharded object
 test_token_rows.py. The engine comparison also runs on a TPU in the chip run
 (scripts/chip_tests.sh, tests/support/chip.py)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 from flax import nnx
 
 from distillax.data import batch as batch_spec
-from distillax.distill import LogitKD, make_distill_objective
+from distillax.distill import LogitKD, divergences, make_distill_objective
 from distillax.errors import ConfigError
 from distillax.framework import losses, token_loss_impl, vocab_slices
 from distillax.models.presets import get_preset
@@ -44,16 +46,24 @@ def _numpy_terms(s, t, y, T, kind, beta):
   return nll, _divergence(kind, lt, ls, beta, np), (np.argmax(s, -1) == y).astype(np.float64)
 
 
-@pytest.mark.parametrize("slice_size,vocab_axis,softcap,divergence", [
-    (128, 0, None, "forward_kl"), (96, 1, 5.0, "reverse_kl"), (128, 1, None, "jsd"),
-    (1000, 0, None, "forward_kl")])
+def _buckets(kind, beta, V, t_top_logp, s_buckets):
+  """The top-k buckets' divergence as LogitKD(top_k) takes it (distill/divergences.py)."""
+  return divergences.divergence(kind, divergences.teacher_buckets(t_top_logp, V), s_buckets,
+                                beta)
+
+
+@pytest.mark.parametrize("slice_size,vocab_axis,softcap,divergence,top_k", [
+    (128, 0, None, "forward_kl", 0), (96, 1, 5.0, "reverse_kl", 0), (128, 1, None, "jsd", 0),
+    (1000, 0, None, "forward_kl", 0), (96, 0, None, "reverse_kl", 8), (128, 1, 5.0, "jsd", 150)])
 def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_axis, softcap,
-                                                             divergence):
+                                                             divergence, top_k):
   """V = 300 in slices of 128 (the last one shifted back over 44 columns already seen), 96
   (an untied head, soft-capped logits) or one slice; forward KL, reverse KL and a jsd of beta
-  0.3; a teacher head 20 columns wider than the student's (a padded table: only the student's
-  columns count). Sums within 1e-5 of float64 numpy; the weight and hidden-state gradients
-  within 1e-5 of jax.grad through whole logits (jax.nn.log_softmax)."""
+  0.3, over the whole vocabulary or the teacher's top 8 or 150 (wider than a slice) plus a rest
+  bucket; a teacher head 20 columns wider than the student's (a padded table: only the
+  student's columns count). Sums within 1e-5 of float64 numpy (the top-k divergence: of the
+  whole-logits one, distill/divergences.py); the weight and hidden-state gradients within 1e-5
+  of jax.grad through whole logits (jax.nn.log_softmax)."""
   N, D, Dt, V, T, beta = 37, 16, 24, 300, 2.0, 0.3
   k = jax.random.split(jax.random.key(0), 6)
   w = jax.random.normal(k[0], (V, D) if vocab_axis == 0 else (D, V)) * 0.3
@@ -62,17 +72,23 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
   h_t = jax.random.normal(k[3], (N, Dt))
   y = jax.random.randint(k[4], (N,), 0, V)
   mask = (jax.random.uniform(k[5], (N,)) > 0.2).astype(jnp.float32)
+  bucket_fn = functools.partial(_buckets, divergence, beta, V) if top_k else None
   spec = vocab_slices.Spec(kd_weight=0.7 * T * T, ce_weight=0.3, temperature=T, accuracy=True,
-                           slice_size=slice_size, divergence=divergence, beta=beta)
+                           slice_size=slice_size, divergence=divergence, beta=beta, top_k=top_k,
+                           bucket_divergence=bucket_fn)
   cap = (lambda z: z) if softcap is None else (lambda z: softcap * jnp.tanh(z / softcap))
 
   def whole(w, h):
     s = cap(h @ (w.T if vocab_axis == 0 else w))
     t = (h_t @ w_t)[:, :V]
     nll = -jnp.take_along_axis(jax.nn.log_softmax(s, -1), y[:, None], -1)[:, 0]
-    div = _divergence(divergence, jax.nn.log_softmax(t / T, -1), jax.nn.log_softmax(s / T, -1),
-                      beta, jnp)
-    return jnp.sum((spec.kd_weight * div + spec.ce_weight * nll) * mask), s
+    lt, ls = jax.nn.log_softmax(t / T, -1), jax.nn.log_softmax(s / T, -1)
+    if top_k:
+      top, ids = jax.lax.top_k(lt, top_k)
+      div = bucket_fn(top, divergences.student_buckets(ls, ids))
+    else:
+      div = _divergence(divergence, lt, ls, beta, jnp)
+    return jnp.sum((spec.kd_weight * div + spec.ce_weight * nll) * mask), (s, div)
 
   def sliced(w, h):
     return vocab_slices.token_sums(spec, vocab_slices.Head(w, vocab_axis, "float32", softcap), h,
@@ -80,10 +96,13 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
 
   with jax.default_matmul_precision("highest"):
     (loss, sums), grads = jax.value_and_grad(sliced, argnums=(0, 1), has_aux=True)(w, h)
-    (want_loss, s), want_grads = jax.value_and_grad(whole, argnums=(0, 1), has_aux=True)(w, h)
+    (want_loss, (s, whole_div)), want_grads = jax.value_and_grad(whole, argnums=(0, 1),
+                                                                has_aux=True)(w, h)
     t = (h_t @ w_t)[:, :V]
   nll, div, hit = _numpy_terms(s, t, np.asarray(y), T, divergence, beta)
   m = f64(mask)
+  if top_k:
+    div = f64(whole_div)
   chip.assert_close(sums["nll"], np.sum(nll * m), rtol=1e-5)
   chip.assert_close(sums["divergence"], np.sum(div * m), rtol=1e-5)
   assert float(sums["correct"]) == np.sum(hit * m)
@@ -92,12 +111,12 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
     chip.assert_close(g, want, atol=1e-5 * float(jnp.max(jnp.abs(want))))
 
 
-@pytest.mark.parametrize("strategy,message", [
-    (LogitKD(top_k=4), "one LogitKD (top_k None) from one teacher; this job has LogitKD"),
-])
-def test_sliced_refuses_what_it_does_not_compute(strategy, message):
-  with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-    make_distill_objective(strategy, metrics=False, sliced=True)
+def test_sliced_refuses_what_it_does_not_compute():
+  """Two logit terms (a weighted sum of LogitKDs) are not one LogitKD."""
+  both = LogitKD(name="a") + LogitKD(name="b", temperature=1.0)
+  with pytest.raises(ConfigError, match="computes one LogitKD from one teacher; this job has "
+                                        r"LogitKD\(a\), LogitKD\(b\)"):
+    make_distill_objective(both, metrics=False, sliced=True)
 
 
 def _dense_and_sliced(model, batch, trained):
