@@ -4,7 +4,7 @@ traced token loss ran, for `plan`.
 - 'chunked': the vocabulary-chunk engine (vocab_chunks.py), which every distillation term can
   use: the logits of a chunk of positions at a time, plus the argmax accuracy.
 - 'sliced': the vocabulary-slice engine (vocab_slices.py), faster on a TPU, for the losses it
-  computes (next-token CE, one LogitKD with one live teacher), over any student output
+  computes (next-token CE, one LogitKD from a live teacher or a top-k cache), over any student output
   layer (soft-capped, fake-quantized or adapted).
 - 'auto' (the default): 'sliced' where it may run, else 'chunked'.
 
@@ -38,7 +38,7 @@ def recorded_choices():
 
 def check_loss_impl(value, job: str, sliced: bool = False) -> None:
   """`train.loss_impl`: one of LOSS_IMPLS. 'sliced' (framework/vocab_slices.py) for a job whose
-  train losses it computes (`sliced`: next-token CE, one LogitKD with a live teacher), whatever the
+  train losses it computes (`sliced`: next-token CE, one LogitKD, live or cached), whatever the
   student's output layer (plain, fake-quantized or adapted: `Transformer.output_operands`).
   'auto': 'sliced' where it may run, else 'chunked' (resolve_loss_impl)."""
   if value not in LOSS_IMPLS:

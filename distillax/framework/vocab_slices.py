@@ -147,15 +147,20 @@ def _new_columns(j, start, size, columns: int):
 
 
 def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
-               teacher: Head | None = None, h_t_NxD=None):
+               teacher: Head | None = None, h_t_NxD=None, teacher_top=None):
   """(loss, sums): loss = sum over masked tokens of the weighted terms (differentiable in the
   student's weight and hidden states); sums of 'nll', 'divergence' (with a teacher) and
-  'correct' (with spec.accuracy) over the masked tokens, as metrics."""
-  if teacher is None and spec.kd_weight:
+  'correct' (with spec.accuracy; 'agreement' too with a top-k teacher: the student's argmax is
+  the teacher's top-1) over the masked tokens, as metrics. teacher_top: the teacher's top-k
+  (ids (N, K), log-probs at T (N, K)) given instead of its head (an offline cache)."""
+  given = teacher_top is not None
+  if teacher is None and not given and spec.kd_weight:
     raise ValueError("kd_weight > 0 needs a teacher")
   slice_divergences.check(spec.divergence, spec.beta)
-  if spec.top_k and (teacher is None or spec.bucket_divergence is None):
-    raise ValueError("top_k > 0 needs a teacher and a bucket_divergence")
+  if given != bool(spec.top_k and teacher is None):
+    raise ValueError("spec.top_k takes the teacher's head or its given top-k, one of them")
+  if spec.top_k and spec.bucket_divergence is None:
+    raise ValueError("top_k > 0 needs a bucket_divergence")
   size = slice_size_for(h_s_NxD.shape[0], student.vocab, spec.slice_size)
   w_s, h_s, axes = _parts(student, h_s_NxD)
   w_t = h_t = t_static = None
@@ -164,22 +169,30 @@ def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
     w_t, h_t = jax.lax.stop_gradient((w_t, h_t))
     t_static = (t_axes, teacher.dtype, teacher.softcap)
   static = (spec, size, axes, student.dtype, student.softcap, student.columns, t_static)
-  loss, sums = _sliced(static, w_s, h_s, w_t, h_t, targets_N, mask_N.astype(jnp.float32))
+  top = None if not given else (teacher_top[0].astype(jnp.int32),
+                                jax.lax.stop_gradient(teacher_top[1].astype(jnp.float32)))
+  loss, sums = _sliced(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N.astype(jnp.float32))
   return loss, jax.tree.map(jax.lax.stop_gradient, sums)
 
 
 # ---- the forward pass: one scan over the slices, online statistics per token -------------------
 
-def _forward(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
+def _forward(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N):
   """(loss, sums, what the backward pass reads per token) after the passes over the slices: one,
   and a second for a jsd (its per-column terms need both normalisers first)."""
   spec = static[0]
   st = _stats(static, w_s, h_s, w_t, h_t, targets_N)
   lse = {"s1": st["m1"] + jnp.log(st["l1"])}
-  if w_t is not None:
+  kd = w_t is not None or top is not None
+  if top is not None:  # the teacher's top-k given: log-probs already
+    lse["sT"] = st["kd"]["mq"] + jnp.log(st["kd"]["lq"])
+    lse["kl"], saved = _bucket_pass(static, w_s, h_s, top[0], top[1], lse)
+    lse.update(saved)
+  elif w_t is not None:
     lse.update(slice_divergences.normalisers(st["kd"]))
     if spec.top_k:
-      lse["kl"], saved = _bucket_pass(static, w_s, h_s, st["top"], lse)
+      t_top_logp = st["top"]["top"] - lse["t"][:, None]
+      lse["kl"], saved = _bucket_pass(static, w_s, h_s, st["top"]["ids"], t_top_logp, lse)
       lse.update(saved)
     elif spec.divergence == "jsd":
       lse["kl"], lse["jq"] = _jsd_pass(static, w_s, h_s, w_t, h_t, lse)
@@ -188,11 +201,13 @@ def _forward(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
   nll = lse["s1"] - st["target"]
   sums = {"nll": jnp.sum(nll * mask_N)}
   loss_N = spec.ce_weight * nll
-  if w_t is not None:
+  if kd:
     sums["divergence"] = jnp.sum(lse["kl"] * mask_N)
     loss_N = loss_N + spec.kd_weight * lse["kl"]
   if spec.accuracy:
     sums["correct"] = jnp.sum((st["arg"] == targets_N).astype(jnp.float32) * mask_N)
+    if "ids" in lse:
+      sums["agreement"] = jnp.sum((st["arg"] == lse["ids"][:, 0]).astype(jnp.float32) * mask_N)
   return jnp.sum(loss_N * mask_N), sums, lse
 
 
@@ -218,8 +233,10 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
     init.update(best=neg, arg=jnp.zeros((N,), jnp.int32))
   if t_static is not None:
     init["kd"] = slice_divergences.init("normalisers" if spec.top_k else spec.divergence, N)
-  if spec.top_k:
-    init["top"] = slice_buckets.top_init(N, spec.top_k)
+    if spec.top_k:
+      init["top"] = slice_buckets.top_init(N, spec.top_k)
+  elif spec.top_k:  # the teacher's top-k given: the student's normaliser at T alone
+    init["kd"] = {"mq": neg, "lq": zero}
 
   def body(carry, xs):
     j, start = xs
@@ -241,14 +258,17 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
       t = jnp.where(new, t, -jnp.inf)
       kind = "normalisers" if spec.top_k else spec.divergence
       c["kd"] = slice_divergences.step(kind, carry["kd"], s, t, new, spec.temperature)
-    if spec.top_k:
-      c["top"] = slice_buckets.top_step(carry["top"], t / spec.temperature, start)
+      if spec.top_k:
+        c["top"] = slice_buckets.top_step(carry["top"], t / spec.temperature, start)
+    elif spec.top_k:
+      c["kd"] = dict(zip(("mq", "lq"), slice_divergences.lse_step(
+          carry["kd"]["mq"], carry["kd"]["lq"], s / spec.temperature)))
     return c, None
 
   return jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
 
 
-def _bucket_pass(static, w_s, h_s, top, lse):
+def _bucket_pass(static, w_s, h_s, ids_NxK, t_top_logp_NxK, lse):
   """(the top-k buckets' divergence per token, what the backward pass reads): the second pass,
   over the student's slices only, gathers its logits at the teacher's top-k ids and the rest's
   log-sum-exp."""
@@ -260,14 +280,14 @@ def _bucket_pass(static, w_s, h_s, top, lse):
     j, start = xs
     s = _logits(_sliced_parts(w_s, start, size, axes), h_s, axes, dtype, cap)
     new = _new_columns(j, start, size, columns)
-    return slice_buckets.gather_step(carry, s, new, top["ids"], j, start, size, columns, T), None
+    return slice_buckets.gather_step(carry, s, new, ids_NxK, j, start, size, columns, T), None
 
-  init = slice_buckets.gather_init(*top["ids"].shape)
+  init = slice_buckets.gather_init(*ids_NxK.shape)
   got = jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
   rest = got["m"] + jnp.log(got["l"])
   value, grads = slice_buckets.divergence_and_grads(
-      spec.bucket_divergence, top["top"] - lse["t"][:, None], got["s_top"], rest, lse["sT"], T)
-  return value, {**grads, "rest": rest, "ids": top["ids"]}
+      spec.bucket_divergence, t_top_logp_NxK, got["s_top"], rest, lse["sT"], T)
+  return value, {**grads, "rest": rest, "ids": ids_NxK}
 
 
 def _jsd_pass(static, w_s, h_s, w_t, h_t, lse):
@@ -344,16 +364,16 @@ def _write_slice(dw, dw_j, start, size, axis, new):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sliced(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
-  return _forward(static, w_s, h_s, w_t, h_t, targets_N, mask_N)[:2]
+def _sliced(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N):
+  return _forward(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N)[:2]
 
 
-def _sliced_fwd(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
+def _sliced_fwd(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N):
   # symbolic zeros: which weight parts the caller differentiates (a frozen one gets no dw)
   trained = tuple(w.perturbed for w in w_s)
-  w_s, h_s, w_t, h_t, targets_N, mask_N = custom_derivatives.custom_vjp_primal_tree_values(
-      (w_s, h_s, w_t, h_t, targets_N, mask_N))
-  loss, sums, lse = _forward(static, w_s, h_s, w_t, h_t, targets_N, mask_N)
+  w_s, h_s, w_t, h_t, top, targets_N, mask_N = custom_derivatives.custom_vjp_primal_tree_values(
+      (w_s, h_s, w_t, h_t, top, targets_N, mask_N))
+  loss, sums, lse = _forward(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N)
   return (loss, sums), (trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse)
 
 
@@ -364,7 +384,7 @@ def _sliced_bwd(static, res, cotangents):
     g = jnp.zeros(g.shape, g.dtype)
   dws, dhs = _grads(static, trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g)
   return (tuple(None if dw is None else dw.astype(w.dtype) for dw, w in zip(dws, w_s)),
-          tuple(dh.astype(h.dtype) for dh, h in zip(dhs, h_s)), None, None, None, None)
+          tuple(dh.astype(h.dtype) for dh, h in zip(dhs, h_s)), None, None, None, None, None)
 
 
 _sliced.defvjp(_sliced_fwd, _sliced_bwd, symbolic_zeros=True)

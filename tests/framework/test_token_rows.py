@@ -13,7 +13,8 @@ from flax import nnx
 
 from distillax import partitioning as pt
 from distillax.data import batch as batch_spec
-from distillax.distill import LogitKD, make_distill_objective
+from distillax.distill import (TEACHER_NLL, TOPK_IDS, TOPK_LOGPROBS, CachedLogitKD, LogitKD,
+                               make_distill_objective)
 from distillax.framework import (losses, token_loss_impl, token_rows, vocab_chunks,
                                  vocab_slices)
 from distillax.framework.step import ObjectiveOutput
@@ -162,6 +163,30 @@ def test_the_sliced_kd_under_fsdp_equals_whole_logits(padded_kd):
        token_loss_impl.recorded_choices() as ran:
     out, got = _run(make_distill_objective(kd, metrics=False, sliced=True), student, extras,
                     batch, rows)
+  assert [k.split(" (")[0] for k in ran] == ["sliced"]
+  chip.assert_close(out.loss_sum, want_out.loss_sum, rtol=1e-5)
+  assert sorted(out.sums) == sorted(want_out.sums)
+  for k in out.sums:
+    chip.assert_close(out.sums[k], want_out.sums[k], rtol=1e-5, err_msg=k)
+  for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
+    chip.assert_close(g, w, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_cached_top_k_kd_over_slices_equals_whole_logits(padded_kd):
+  """A top-k cache (the teacher's top 8 log-probs at T over its 40 token columns, its NLL) read
+  by CachedLogitKD (reverse KL), with the metrics a cached train step reports: over vocabulary
+  slices the loss, the logit_kd / logit_kd_divergence / hard_ce / teacher_ce / top1_agreement
+  sums and every gradient equal the whole-logits objective's."""
+  _, rows, student, extras, batch, _ = padded_kd
+  t = extras["teacher"](batch["inputs_BxL"], positions_BxL=batch["positions_BxL"],
+                        segment_ids_BxL=batch["segment_ids_BxL"]).logits_BxLxV[..., :rows]
+  top_logp, ids = jax.lax.top_k(jax.nn.log_softmax(t / 2.0, -1), 8)
+  nll = -jnp.take_along_axis(jax.nn.log_softmax(t, -1), batch["targets_BxL"][..., None], -1)
+  cached = {**batch, TOPK_IDS: ids, TOPK_LOGPROBS: top_logp, TEACHER_NLL: nll[..., 0]}
+  kd = CachedLogitKD(temperature=2.0, alpha=0.7, divergence="reverse_kl")
+  want_out, want = _run(make_distill_objective(kd, chunk_size=None), student, {}, cached, rows)
+  with token_loss_impl.recorded_choices() as ran:
+    out, got = _run(make_distill_objective(kd, sliced=True), student, {}, cached, rows)
   assert [k.split(" (")[0] for k in ran] == ["sliced"]
   chip.assert_close(out.loss_sum, want_out.loss_sum, rtol=1e-5)
   assert sorted(out.sums) == sorted(want_out.sums)

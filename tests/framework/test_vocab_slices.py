@@ -54,7 +54,8 @@ def _buckets(kind, beta, V, t_top_logp, s_buckets):
 
 @pytest.mark.parametrize("slice_size,vocab_axis,softcap,divergence,top_k", [
     (128, 0, None, "forward_kl", 0), (96, 1, 5.0, "reverse_kl", 0), (128, 1, None, "jsd", 0),
-    (1000, 0, None, "forward_kl", 0), (96, 0, None, "reverse_kl", 8), (128, 1, 5.0, "jsd", 150)])
+    (1000, 0, None, "forward_kl", 0), (96, 0, None, "reverse_kl", 8), (128, 1, 5.0, "jsd", 150),
+    (96, 1, None, "forward_kl", -8)])  # -8: the teacher's top 8 given, as a cache holds them
 def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_axis, softcap,
                                                              divergence, top_k):
   """V = 300 in slices of 128 (the last one shifted back over 44 columns already seen), 96
@@ -62,8 +63,10 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
   0.3, over the whole vocabulary or the teacher's top 8 or 150 (wider than a slice) plus a rest
   bucket; a teacher head 20 columns wider than the student's (a padded table: only the
   student's columns count). Sums within 1e-5 of float64 numpy (the top-k divergence: of the
-  whole-logits one, distill/divergences.py); the weight and hidden-state gradients within 1e-5
-  of jax.grad through whole logits (jax.nn.log_softmax)."""
+  whole-logits one, distill/divergences.py), also with the teacher's top-k read from arrays (an
+  offline cache) instead of its head; the weight and hidden-state gradients within 1e-5 of
+  jax.grad through whole logits (jax.nn.log_softmax)."""
+  given, top_k = top_k < 0, abs(top_k)
   N, D, Dt, V, T, beta = 37, 16, 24, 300, 2.0, 0.3
   k = jax.random.split(jax.random.key(0), 6)
   w = jax.random.normal(k[0], (V, D) if vocab_axis == 0 else (D, V)) * 0.3
@@ -91,8 +94,12 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
     return jnp.sum((spec.kd_weight * div + spec.ce_weight * nll) * mask), (s, div)
 
   def sliced(w, h):
-    return vocab_slices.token_sums(spec, vocab_slices.Head(w, vocab_axis, "float32", softcap), h,
-                                   y, mask, vocab_slices.Head(w_t, 1, "float32"), h_t)
+    student = vocab_slices.Head(w, vocab_axis, "float32", softcap)
+    if given:
+      top_logp, ids = jax.lax.top_k(jax.nn.log_softmax((h_t @ w_t)[:, :V] / T, -1), top_k)
+      return vocab_slices.token_sums(spec, student, h, y, mask, teacher_top=(ids, top_logp))
+    return vocab_slices.token_sums(spec, student, h, y, mask, vocab_slices.Head(w_t, 1, "float32"),
+                                   h_t)
 
   with jax.default_matmul_precision("highest"):
     (loss, sums), grads = jax.value_and_grad(sliced, argnums=(0, 1), has_aux=True)(w, h)
@@ -106,6 +113,8 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
   chip.assert_close(sums["nll"], np.sum(nll * m), rtol=1e-5)
   chip.assert_close(sums["divergence"], np.sum(div * m), rtol=1e-5)
   assert float(sums["correct"]) == np.sum(hit * m)
+  if top_k:  # the student's argmax against the teacher's top-1
+    assert float(sums["agreement"]) == np.sum((np.argmax(s, -1) == np.argmax(t, -1)) * m)
   chip.assert_close(loss, want_loss, rtol=1e-5)
   for g, want in zip(grads, want_grads):
     chip.assert_close(g, want, atol=1e-5 * float(jnp.max(jnp.abs(want))))
