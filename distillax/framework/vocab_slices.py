@@ -1,7 +1,8 @@
 """Token losses over slices of the vocabulary: every position's logits for a slice of columns at
 a time, for the losses that need only per-token normalisers and sums over the vocabulary:
 next-token cross-entropy and logit distillation (LogitKD's forward KL, reverse KL or jsd at a
-temperature, slice_divergences.py; over the teacher's top-k and a rest bucket, slice_buckets.py).
+temperature, slice_divergences.py; over the teacher's top-k and a rest bucket, slice_buckets.py,
+the top-k found over the teacher's slices or read from an offline cache).
 
 Why a second schedule beside the token chunks of vocab_chunks.py. A token chunk sees the whole
 vocabulary for a few hundred positions, so the output layer's weight gradient, a (V, D) fp32
@@ -124,6 +125,11 @@ def slice_size_for(tokens: int, vocab: int, requested: int = 0) -> int:
   return int(min(size, vocab))
 
 
+def slice_count(tokens: int, vocab: int, requested: int = 0) -> int:
+  """How many slices the losses over `tokens` positions and `vocab` columns take."""
+  return math.ceil(vocab / slice_size_for(tokens, vocab, requested))
+
+
 def describe(spec: Spec, head: Head, tokens: int) -> str:
   """How the loss ran, for plan's report."""
   size = slice_size_for(tokens, head.vocab, spec.slice_size)
@@ -179,7 +185,8 @@ def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
 
 def _forward(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N):
   """(loss, sums, what the backward pass reads per token) after the passes over the slices: one,
-  and a second for a jsd (its per-column terms need both normalisers first)."""
+  and a second for a jsd (its per-column terms need both normalisers first) or for top-k
+  buckets (the student's logits at the teacher's top-k ids, known after the first)."""
   spec = static[0]
   st = _stats(static, w_s, h_s, w_t, h_t, targets_N)
   lse = {"s1": st["m1"] + jnp.log(st["l1"])}
