@@ -57,8 +57,8 @@ SELECTION = (
      "vocabulary slices (CE and forward KL) against float64 formulas over whole logits"),
     ("tests/framework/test_vocab_slices.py::"
      "test_adapted_and_fake_quantized_heads_over_slices_equal_their_whole_logits",
-     "train.loss_impl='sliced' over LoRA, QLoRA and QAT heads (the TPU's rounding of int4/int8 "
-     "tiles and q4_0/q8_0 blocks) against the model's own whole logits: loss, trained gradients"),
+     "train.loss_impl='sliced' over LoRA, QLoRA and QAT heads (the TPU's rounding of q4_0/q8_0 "
+     "blocks) against the model's own whole logits: loss, trained gradients"),
     ("tests/framework/test_chunked_loss.py::"
      "test_chunked_lm_loss_equals_unchunked_values_and_gradients",
      "the vocabulary-chunk engine against whole logits: the TPU's f32 arithmetic"),

@@ -156,7 +156,6 @@ def _dense_and_sliced(model, batch, trained):
 @pytest.mark.parametrize("preset,transform", [
     ("tiny", "lora"),  # the untied head adapted, dropout 0.5 active
     ("tiny_gemma", "qlora"),  # the tied embedding adapted over an nf4 base; soft-capped logits
-    ("tiny", "int4/int8"),  # QAT: int4 weights in tiles of 16, int8 inputs
     ("tiny_gemma", "q4_0/q8_0"),  # QAT: llama.cpp's blocks, the tied embedding as the head
 ])
 def test_adapted_and_fake_quantized_heads_over_slices_equal_their_whole_logits(
@@ -178,8 +177,7 @@ def test_adapted_and_fake_quantized_heads_over_slices_equal_their_whole_logits(
     trained = LoRAParam
   else:
     weight, act = transform.split("/")
-    model = quantize_for_training(model, QuantConfig.simple(
-        weight, act, 16 if weight == "int4" else None))
+    model = quantize_for_training(model, QuantConfig.simple(weight, act))
     trained = nnx.Param
   monkeypatch.setattr(vocab_slices, "slice_size_for", lambda tokens, vocab, requested=0: 96)
   (want_loss, want), (loss, got) = _dense_and_sliced(model, _batch(B=4, L=13), trained)
