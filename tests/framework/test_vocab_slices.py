@@ -54,19 +54,17 @@ def _buckets(kind, beta, V, t_top_logp, s_buckets):
 
 @pytest.mark.parametrize("slice_size,vocab_axis,softcap,divergence,top_k", [
     (128, 0, None, "forward_kl", 0), (96, 1, 5.0, "reverse_kl", 0), (128, 1, None, "jsd", 0),
-    (1000, 0, None, "forward_kl", 0), (96, 0, None, "reverse_kl", 8), (128, 1, 5.0, "jsd", 150),
-    (96, 1, None, "forward_kl", -8)])  # -8: the teacher's top 8 given, as a cache holds them
+    (1000, 0, None, "forward_kl", 0), (128, 1, 5.0, "jsd", 150)])
 def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_axis, softcap,
                                                              divergence, top_k):
   """V = 300 in slices of 128 (the last one shifted back over 44 columns already seen), 96
   (an untied head, soft-capped logits) or one slice; forward KL, reverse KL and a jsd of beta
-  0.3, over the whole vocabulary or the teacher's top 8 or 150 (wider than a slice) plus a rest
+  0.3, over the whole vocabulary or the teacher's top 150 (wider than a slice) plus a rest
   bucket; a teacher head 20 columns wider than the student's (a padded table: only the
   student's columns count). Sums within 1e-5 of float64 numpy (the top-k divergence: of the
-  whole-logits one, distill/divergences.py), also with the teacher's top-k read from arrays (an
-  offline cache) instead of its head; the weight and hidden-state gradients within 1e-5 of
-  jax.grad through whole logits (jax.nn.log_softmax)."""
-  given, top_k = top_k < 0, abs(top_k)
+  whole-logits one, distill/divergences.py; a top-k read from a cache: test_token_rows.py); the
+  weight and hidden-state gradients within 1e-5 of jax.grad through whole logits
+  (jax.nn.log_softmax)."""
   N, D, Dt, V, T, beta = 37, 16, 24, 300, 2.0, 0.3
   k = jax.random.split(jax.random.key(0), 6)
   w = jax.random.normal(k[0], (V, D) if vocab_axis == 0 else (D, V)) * 0.3
@@ -94,12 +92,8 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
     return jnp.sum((spec.kd_weight * div + spec.ce_weight * nll) * mask), (s, div)
 
   def sliced(w, h):
-    student = vocab_slices.Head(w, vocab_axis, "float32", softcap)
-    if given:
-      top_logp, ids = jax.lax.top_k(jax.nn.log_softmax((h_t @ w_t)[:, :V] / T, -1), top_k)
-      return vocab_slices.token_sums(spec, student, h, y, mask, teacher_top=(ids, top_logp))
-    return vocab_slices.token_sums(spec, student, h, y, mask, vocab_slices.Head(w_t, 1, "float32"),
-                                   h_t)
+    return vocab_slices.token_sums(spec, vocab_slices.Head(w, vocab_axis, "float32", softcap), h,
+                                   y, mask, vocab_slices.Head(w_t, 1, "float32"), h_t)
 
   with jax.default_matmul_precision("highest"):
     (loss, sums), grads = jax.value_and_grad(sliced, argnums=(0, 1), has_aux=True)(w, h)
