@@ -59,10 +59,10 @@ SELECTION = (
     ("tests/framework/test_vocab_slices.py::"
      "test_sums_and_gradients_equal_the_whole_logits_formulas",
      "vocabulary slices (CE and forward KL) against float64 formulas over whole logits"),
-    ("tests/framework/test_vocab_slices.py::test_lm_objective_sliced_equals_the_chunk_engine",
-     "train.loss_impl='sliced' against the chunk engine: loss, accuracy, every gradient"),
-    ("tests/framework/test_vocab_slices.py::test_distill_objective_sliced_equals_the_chunk_engine",
-     "LogitKD over vocabulary slices against the chunk engine, one device"),
+    ("tests/framework/test_vocab_slices.py::"
+     "test_adapted_and_fake_quantized_heads_over_slices_equal_their_whole_logits",
+     "train.loss_impl='sliced' over LoRA, QLoRA and QAT heads (the TPU's rounding of q4_0/q8_0 "
+     "blocks) against the model's own whole logits: loss, trained gradients"),
     ("tests/framework/test_chunked_loss.py::"
      "test_chunked_lm_loss_equals_unchunked_values_and_gradients",
      "the vocabulary-chunk engine against whole logits: the TPU's f32 arithmetic"),
@@ -70,7 +70,8 @@ SELECTION = (
      "the lm objective's loss against whole logits"),
     ("tests/framework/test_token_rows.py::test_lm_losses_take_their_softmax_over_the_token_rows",
      "a padded vocabulary's columns masked in both engines: CE and accuracy against float64 "
-     "numpy over the token columns, the padded rows' gradient exactly zero"),
+     "numpy over the token columns, gradients against whole logits, the padded rows' exactly "
+     "zero"),
     ("tests/framework/test_token_rows.py::test_logit_kd_masks_the_same_rows_of_both_models",
      "LogitKD over the token columns of both models, whole, chunked and sliced, against float64 "
      "numpy"),

@@ -16,6 +16,7 @@ bucket (see divergences.py); the student stays normalised over the full vocabula
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -194,36 +195,72 @@ def _extra_metric_values(logits: TokenLogits) -> dict[str, jax.Array]:
 
 
 def sliced_leaf(token_leaves, teachers, metrics: bool) -> tuple[float, "LogitKD"]:
-  """The one (weight, LogitKD) that train.loss_impl='sliced' computes, or a one-line refusal:
-  a forward-KL LogitKD over the whole vocabulary, one live teacher, train objective only."""
-  if metrics:
-    raise ValueError("vocabulary slices compute train objectives (metrics=False) only")
-  ok = (len(token_leaves) == 1 and isinstance(token_leaves[0][1], LogitKD)
-        and token_leaves[0][1].divergence == "forward_kl" and token_leaves[0][1].top_k is None)
+  """The one (weight, LogitKD or CachedLogitKD) that train.loss_impl='sliced' computes, or a
+  one-line refusal: any divergence, over the whole vocabulary or a top-k, one teacher (live or a
+  top-k cache); train objectives, whose metrics a cached one reports too (hard_ce, and the
+  cache's teacher_ce and top-1 agreement: no teacher logits needed)."""
+  ok = len(token_leaves) == 1 and isinstance(token_leaves[0][1], (LogitKD, CachedLogitKD))
   if not ok or teachers is not None:
     names = ", ".join(f"{type(leaf).__name__}({leaf.name})" for _, leaf in token_leaves)
-    raise ConfigError(f"train.loss_impl='sliced' computes one forward-KL LogitKD (top_k None) "
-                      f"from one teacher; this job has {names or 'no logit term'}"
+    raise ConfigError(f"train.loss_impl='sliced' computes one LogitKD from one teacher; this "
+                      f"job has {names or 'no logit term'}"
                       f"{' and several teachers' if teachers is not None else ''}; set "
                       f"--config.train.loss_impl=chunked")
+  if metrics and not isinstance(token_leaves[0][1], CachedLogitKD):
+    raise ConfigError("train.loss_impl='sliced' reports no metrics of a teacher's logits "
+                      "(teacher_ce, top1_agreement, logit_cosine); set "
+                      "--config.train.loss_impl=chunked")
   return token_leaves[0]
 
 
-def sliced_loss_and_sums(weight: float, leaf: "LogitKD", inputs) -> tuple[jax.Array, dict]:
-  """LogitKD's weighted loss and its sums (the chunked path's names) over vocabulary slices."""
-  if inputs.teacher_model is None or not hasattr(inputs.teacher_model, "output_layer"):
+def _sliced_teacher(leaf, inputs, student_vocab: int):
+  """(teacher head and its flat input, or None; the teacher's given top-k, or None; top_k)."""
+  flat = losses.flat_tokens
+  if isinstance(leaf, CachedLogitKD):
+    ids, logp = flat(inputs.batch[TOPK_IDS]), flat(inputs.batch[TOPK_LOGPROBS])
+    if ids.shape[-1] >= student_vocab:
+      raise ConfigError(f"train.loss_impl='sliced' takes a top-k cache of fewer ids than the "
+                        f"vocabulary; this one keeps {ids.shape[-1]}: set "
+                        f"--config.train.loss_impl=chunked")
+    return None, (ids, logp), ids.shape[-1]
+  if inputs.teacher_model is None or not hasattr(inputs.teacher_model, "output_operands"):
     raise ConfigError("train.loss_impl='sliced' needs a live teacher model (not a hidden-state "
                       "cache or a teacher set); set --config.train.loss_impl=chunked")
+  head = losses.sliced_head(inputs.teacher_model, inputs.teacher.final_hidden_BxLxD)
+  return head, None, leaf.top_k if leaf.top_k is not None and leaf.top_k < student_vocab else 0
+
+
+def sliced_loss_and_sums(weight: float, leaf, inputs, metrics: bool = False
+                         ) -> tuple[jax.Array, dict]:
+  """The LogitKD's weighted loss and its sums (the chunked path's names) over vocabulary
+  slices; with metrics (a cached LogitKD) the cache's teacher_ce and top1_agreement too."""
   T, a = float(leaf.temperature), float(leaf.alpha)
-  spec = vocab_slices.Spec(kd_weight=weight * a * T * T, ce_weight=weight * (1.0 - a),
-                           temperature=T)
   mask_BxL = inputs.batch[batch_spec.LOSS_MASK]
   flat = losses.flat_tokens
-  student = losses.sliced_head(inputs.student_model)
+  student, h_s = losses.sliced_head(inputs.student_model, inputs.student.final_hidden_BxLxD)
+  teacher, given, top_k = _sliced_teacher(leaf, inputs, student.vocab)
+  buckets = functools.partial(_bucket_divergence, leaf.divergence, float(leaf.beta),
+                              student.vocab) if top_k else None
+  spec = vocab_slices.Spec(kd_weight=weight * a * T * T, ce_weight=weight * (1.0 - a),
+                           temperature=T, divergence=leaf.divergence, beta=float(leaf.beta),
+                           top_k=top_k, bucket_divergence=buckets, accuracy=metrics)
   loss, sums = vocab_slices.token_sums(
-      spec, student, flat(inputs.student.final_hidden_BxLxD),
-      flat(inputs.batch[batch_spec.TARGETS]), flat(mask_BxL),
-      losses.sliced_head(inputs.teacher_model), flat(inputs.teacher.final_hidden_BxLxD))
+      spec, student, h_s, flat(inputs.batch[batch_spec.TARGETS]), flat(mask_BxL),
+      *(teacher or (None, None)), teacher_top=given)
   losses.token_loss_impl.record(vocab_slices.describe(spec, student, mask_BxL.size))
-  return loss, {leaf.name: a * T * T * sums["kl"] + (1.0 - a) * sums["nll"],
-                f"{leaf.name}_divergence": sums["kl"], "hard_ce": sums["nll"]}
+  div = sums["divergence"]
+  out = {leaf.name: a * T * T * div + (1.0 - a) * sums["nll"],
+         f"{leaf.name}_divergence": div, "hard_ce": sums["nll"]}
+  if metrics:
+    out["top1_agreement"] = sums["agreement"]
+    if TEACHER_NLL in inputs.batch:
+      nll = inputs.batch[TEACHER_NLL].astype(jnp.float32)
+      out["teacher_ce"] = jnp.sum(jnp.where(mask_BxL > 0, nll, 0.0))
+  return loss, out
+
+
+def _bucket_divergence(kind: str, beta: float, vocab: int, t_top_logp_NxK, s_buckets_NxK1):
+  """LogitKD(top_k)'s divergence from the teacher's top-k log-probs and the student's buckets
+  (what vocab_slices' top-k pass hands it)."""
+  return divergences.divergence(kind, divergences.teacher_buckets(t_top_logp_NxK, vocab),
+                                s_buckets_NxK1, beta)

@@ -83,7 +83,8 @@ def hard_ce_objective(student, extras, batch, rng, *, chunk_size=vocab_chunks.AU
 
 def cached_objective(strategy: Strategy, *, chunk_size: int | None = vocab_chunks.AUTO,
                      metrics: bool = True,
-                     router_loss_weights: tuple[float, float] = (0.0, 0.0), teachers=None):
+                     router_loss_weights: tuple[float, float] = (0.0, 0.0), teachers=None,
+                     sliced: bool = False):
   """Train batches (with the cached teacher arrays) get the strategy (and an MoE student's
   router losses weighted by `router_loss_weights`); eval batches from the validation split get
   hard CE. The branch is on the batch's keys, fixed at trace time.
@@ -91,9 +92,11 @@ def cached_objective(strategy: Strategy, *, chunk_size: int | None = vocab_chunk
   The cache's teacher_ce and top-1 come with the batch, so a cached train step reports them
   with metrics=True at the cost of one argmax over the student's logits (the validation split
   has no cache columns: they are reported nowhere else). `teachers`: several teachers, one of
-  them the cache (multi_teacher.py)."""
+  them the cache (multi_teacher.py). `sliced`: the cached LogitKD over vocabulary slices
+  (make_distill_objective's `sliced`)."""
   distill = make_distill_objective(strategy, chunk_size=chunk_size, metrics=metrics,
-                                   router_loss_weights=router_loss_weights, teachers=teachers)
+                                   router_loss_weights=router_loss_weights, teachers=teachers,
+                                   sliced=sliced)
 
   def objective(student, extras, batch, rng):
     if TOPK_IDS in batch or TEACHER_HIDDEN in batch:

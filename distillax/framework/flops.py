@@ -280,7 +280,9 @@ def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cf
   - `sliced`: the vocabulary-slice losses (train.loss_impl='sliced', framework/vocab_slices.py)
     recompute each slice's student logits in the backward (a teacher's slice logits are
     recomputed too, but the compilers keep them: the tiny KD step's TPU matmuls read 0.85x
-    with them counted, 0.87x without).
+    with them counted, 0.87x without). Not where the compiler merges the recompute with the
+    forward's logits: the TPU compiler does over one slice (plan/local.one_slice_merged; the
+    tiny LoRA step's TPU matmuls are then the same over one slice as over token chunks).
   """
   s = forward_flops_breakdown(student_cfg, batch, seq_len, causal=causal)
   attention = s["attn_scores"] + s["attn_values"]

@@ -33,13 +33,16 @@ def _next_token_values(logits_NxV, teacher_logits_NxV, tokens) -> dict[str, jax.
   return {"loss": token_nll(logits_NxV, targets_N) * mask_N, "correct": correct_N * mask_N}
 
 
-def sliced_head(model) -> vocab_slices.Head:
-  """A model's output layer as vocab_slices reads it (plain: not fake-quantized, not adapted;
-  the recipe checks that before it asks), over the token rows of the objective traced now."""
-  weight, vocab_axis = model.output_layer()
-  return vocab_slices.Head(weight, vocab_axis, model.config.dtype,
+def sliced_head(model, hidden_BxLxD) -> tuple[vocab_slices.Head, jax.Array]:
+  """(the model's output layer as vocab_slices reads it, its flat input): the matmuls the model
+  runs (`output_operands`: a QAT head rounded, a LoRA head's adapter as a second matmul), over
+  the token rows of the objective traced now."""
+  (h, weight, vocab_axis), *more = model.output_operands(hidden_BxLxD)
+  head = vocab_slices.Head(weight, vocab_axis, model.config.dtype,
                            model.config.final_logit_softcap,
-                           token_rows.effective(token_rows.active(), weight.shape[vocab_axis]))
+                           token_rows.effective(token_rows.active(), weight.shape[vocab_axis]),
+                           more=tuple((flat_tokens(x), w) for x, w, _ in more))
+  return head, flat_tokens(h)
 
 
 def chunk_layer(model) -> vocab_chunks.OutputLayer:
@@ -59,10 +62,10 @@ def model_cross_entropy_sums(model, hidden_BxLxD, targets_BxL, mask_BxL, *,
   (`sliced`, vocab_slices.py: the same sums, a weight gradient written once per slice); both
   over the token rows of the objective traced now (framework/token_rows.py)."""
   if sliced:
-    head = sliced_head(model)
+    head, h_NxD = sliced_head(model, hidden_BxLxD)
     spec = vocab_slices.Spec(accuracy=True)
-    loss, sums = vocab_slices.token_sums(spec, head, flat_tokens(hidden_BxLxD),
-                                         flat_tokens(targets_BxL), flat_tokens(mask_BxL))
+    loss, sums = vocab_slices.token_sums(spec, head, h_NxD, flat_tokens(targets_BxL),
+                                         flat_tokens(mask_BxL))
     token_loss_impl.record(vocab_slices.describe(spec, head, targets_BxL.size))
     return loss, sums["correct"], jnp.sum(mask_BxL.astype(jnp.float32))
   tokens = {batch_spec.TARGETS: targets_BxL, batch_spec.LOSS_MASK: mask_BxL}

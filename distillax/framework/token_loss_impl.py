@@ -2,10 +2,10 @@
 traced token loss ran, for `plan`.
 
 - 'chunked': the vocabulary-chunk engine (vocab_chunks.py), which every distillation term can
-  use: the logits of a chunk of positions at a time, any output layer (soft-cap, fake-quantized
-  or adapted head), plus the argmax accuracy.
+  use: the logits of a chunk of positions at a time, plus the argmax accuracy.
 - 'sliced': the vocabulary-slice engine (vocab_slices.py), faster on a TPU, for the losses it
-  computes (next-token CE, a forward-KL LogitKD with one teacher).
+  computes (next-token CE, one LogitKD from a live teacher or a top-k cache), over any student output
+  layer (soft-capped, fake-quantized or adapted).
 - 'auto' (the default): 'sliced' where it may run, else 'chunked'.
 
 'tokamax' (tokamax 0.0.12's fused `linear_softmax_cross_entropy_loss`) was removed: on a TPU v5e
@@ -36,30 +36,24 @@ def recorded_choices():
   return _COUNTER.counted()
 
 
-def check_loss_impl(value, job: str, sliced: bool = False,
-                    sliced_why_not: str | None = None) -> None:
+def check_loss_impl(value, job: str, sliced: bool = False) -> None:
   """`train.loss_impl`: one of LOSS_IMPLS. 'sliced' (framework/vocab_slices.py) for a job whose
-  train losses it computes (`sliced`: next-token CE, forward-KL LogitKD) over an output layer it
-  can read (`sliced_why_not`). 'auto': 'sliced' where it may run, else 'chunked'
-  (resolve_loss_impl)."""
+  train losses it computes (`sliced`: next-token CE, one LogitKD, live or cached), whatever the
+  student's output layer (plain, fake-quantized or adapted: `Transformer.output_operands`).
+  'auto': 'sliced' where it may run, else 'chunked' (resolve_loss_impl)."""
   if value not in LOSS_IMPLS:
     why = f": {REMOVED[value]}" if value in REMOVED else ""
     raise ConfigError(f"train.loss_impl={value!r}{why}; choose one of {', '.join(LOSS_IMPLS)}")
-  if value != "sliced":
-    return
-  if not sliced:
+  if value == "sliced" and not sliced:
     raise ConfigError(f"train.loss_impl='sliced': the {job} job's train losses are not ones "
-                      f"vocabulary slices compute (next-token CE, and LogitKD's forward KL "
+                      f"vocabulary slices compute (next-token CE, and one LogitKD "
                       f"with one teacher); set --config.train.loss_impl=chunked")
-  if sliced_why_not:
-    raise ConfigError(f"train.loss_impl='sliced' cannot take this output layer: "
-                      f"{sliced_why_not}; set --config.train.loss_impl=chunked")
 
 
-def resolve_loss_impl(value, sliced: bool, sliced_why_not: str | None) -> str:
-  """What train.loss_impl runs: 'auto' is 'sliced' where the job's losses and output layer allow
-  it (on the TPU v5e it was 1.20x the chunked engine's KD step, 1.22x its train step:
+def resolve_loss_impl(value, sliced: bool) -> str:
+  """What train.loss_impl runs: 'auto' is 'sliced' where the job's losses allow it (on the TPU
+  v5e it was 1.20x the chunked engine's KD step, 1.22x its train step:
   benchmarks/results/tpu/levers_call2.jsonl), else 'chunked'."""
   if value != "auto":
     return value
-  return "sliced" if sliced and not sliced_why_not else "chunked"
+  return "sliced" if sliced else "chunked"

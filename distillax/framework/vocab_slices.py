@@ -1,6 +1,8 @@
 """Token losses over slices of the vocabulary: every position's logits for a slice of columns at
 a time, for the losses that need only per-token normalisers and sums over the vocabulary:
-next-token cross-entropy and forward-KL logit distillation (LogitKD's default).
+next-token cross-entropy and logit distillation (LogitKD's forward KL, reverse KL or jsd at a
+temperature, slice_divergences.py; over the teacher's top-k and a rest bucket, slice_buckets.py,
+the top-k found over the teacher's slices or read from an offline cache).
 
 Why a second schedule beside the token chunks of vocab_chunks.py. A token chunk sees the whole
 vocabulary for a few hundred positions, so the output layer's weight gradient, a (V, D) fp32
@@ -8,18 +10,23 @@ array, is read and written once per chunk: on a TPU v5e at vocabulary 151,936 th
 157 ms of a 1,070 ms train step (benchmarks/results/tpu/levers_call1.jsonl). A vocabulary slice
 sees every position for a few thousand columns: its slice of the weight gradient is written
 once, and what is carried from slice to slice is per token: the running maximum, the sum of
-exponentials, and for KD the teacher-weighted difference of the two models' logits (online
-softmax, as flash attention keeps it). The backward pass recomputes each slice's logits from
-the saved log-sum-exps, so nothing of size (tokens, V) is ever held.
+exponentials, and for KD a weighted difference of the two models' logits (online softmax, as
+flash attention keeps it; a jsd takes a second pass once both normalisers are known). The
+backward pass recomputes each slice's logits from the saved log-sum-exps, so nothing of size
+(tokens, V) is ever held.
 
 Per token (fp32), s and t the student's and teacher's logits, y the target, T the temperature:
   nll = logsumexp(s) - s_y
-  kl  = sum_v p_t (t_v - s_v) / T - logsumexp(t / T) + logsumexp(s / T),  p_t = softmax(t / T)
-  loss = kd_weight * kl + ce_weight * nll  (masked; LogitKD: kd_weight = alpha T^2)
-and d loss / d s_v = kd_weight (q_v - p_t,v) / T + ce_weight (softmax(s)_v - [v = y]), with q the
-student's softmax at T. A plain output layer only: logits = softcap(h @ W) with W the tied
-embedding (V, D) or the head (D, V); a fake-quantized or adapted head goes through the token
-chunks.
+  loss = kd_weight * D(softmax(t / T), softmax(s / T)) + ce_weight * nll
+         (masked; LogitKD: kd_weight = alpha T^2; D and its gradient: slice_divergences.py)
+and d loss / d s_v = kd_weight d D / d s_v + ce_weight (softmax(s)_v - [v = y]). The output
+layer: logits = softcap(h @ W + sum_i x_i @ B_i) with W the
+tied embedding (V, D) or the head (D, V), read as the step multiplies it (a QAT head's rounded
+weight and rounded input), and the extra matmuls (`Head.more`) a LoRA adapter on it adds
+(x = scaling * dropout(h) @ A, B (rank, V)): the model gives its operands
+(`Transformer.output_operands`), so an adapted or fake-quantized student's logits are its own.
+A weight the caller does not differentiate (a LoRA base, a frozen tied embedding) gets no
+gradient accumulator and no weight-sized matmul per slice in the backward pass.
 
 A padded vocabulary (the student head's `token_rows` < V, framework/token_rows.py): its columns
 past the tokens leave every sum above, of both models (the teacher's columns are the student's),
@@ -32,9 +39,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import custom_derivatives
+
+from distillax.framework import slice_buckets, slice_divergences
 
 SLICE_BUDGET_BYTES = 256 * 2**20  # fp32 logits of one model for one slice, all positions
 
@@ -51,6 +62,9 @@ class Head:
   # The tokenizer's ids: columns at or past it are a padded vocabulary's, left out of every
   # softmax (framework/token_rows.py); None: every column is a token.
   token_rows: int | None = None
+  # Further matmuls summed into the logits before the soft-cap: (input (N, K), weight (K, V))
+  # pairs, e.g. a LoRA adapter's (scaling * dropout(h) @ A, B). Their inputs are flat like h.
+  more: tuple = ()
 
   @property
   def vocab(self) -> int:
@@ -62,11 +76,14 @@ class Head:
     return self.vocab if self.token_rows is None else min(self.vocab, int(self.token_rows))
 
 
-def _logits(weight_slice, h_NxD, vocab_axis: int, dtype, softcap):
+def _logits(weight_slices, hs, vocab_axes, dtype, softcap):
+  """fp32 logits of one slice: softcap(sum of each part's h @ weight slice)."""
   dt = jnp.dtype(dtype)
-  eq = "ND,SD->NS" if vocab_axis == 0 else "ND,DS->NS"
-  z = jnp.einsum(eq, h_NxD.astype(dt), weight_slice.astype(dt),
-                 preferred_element_type=jnp.float32)
+  z = None
+  for w, h, axis in zip(weight_slices, hs, vocab_axes):
+    eq = "ND,SD->NS" if axis == 0 else "ND,DS->NS"
+    z_i = jnp.einsum(eq, h.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
+    z = z_i if z is None else z + z_i
   if softcap is not None:
     z = softcap * jnp.tanh(z / softcap)
   return z
@@ -74,13 +91,31 @@ def _logits(weight_slice, h_NxD, vocab_axis: int, dtype, softcap):
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-  """What the loss weighs (static): kd_weight * kl at `temperature` + ce_weight * nll."""
+  """What the loss weighs (static): kd_weight * divergence at `temperature` + ce_weight * nll;
+  the divergence one of slice_divergences.DIVERGENCES (beta: the jsd's teacher weight)."""
 
   kd_weight: float = 0.0
   ce_weight: float = 1.0
   temperature: float = 1.0
+  divergence: str = "forward_kl"
+  beta: float = 0.5
+  # > 0: the divergence over the teacher's top-k tokens plus a rest bucket (slice_buckets.py),
+  # computed by `bucket_divergence(teacher top-k log-probs (N, K), student buckets (N, K + 1))`.
+  top_k: int = 0
+  bucket_divergence: Any = None
   accuracy: bool = False  # also count argmax hits (the first maximum, as jnp.argmax)
   slice_size: int = 0  # columns per slice; 0: from SLICE_BUDGET_BYTES
+
+
+def _parts(head: Head, h_NxD):
+  """(weights, inputs, vocab axes) of the head's matmuls, the main one first."""
+  weights = (head.weight,) + tuple(w for _, w in head.more)
+  inputs = (h_NxD,) + tuple(x for x, _ in head.more)
+  return weights, inputs, (head.vocab_axis,) + (1,) * len(head.more)
+
+
+def _sliced_parts(ws, start, size, axes):
+  return tuple(jax.lax.dynamic_slice_in_dim(w, start, size, a) for w, a in zip(ws, axes))
 
 
 def slice_size_for(tokens: int, vocab: int, requested: int = 0) -> int:
@@ -88,6 +123,11 @@ def slice_size_for(tokens: int, vocab: int, requested: int = 0) -> int:
   budget, a multiple of 128 (a TPU lane tile), at most the vocabulary."""
   size = requested or max(128, SLICE_BUDGET_BYTES // (4 * max(tokens, 1)) // 128 * 128)
   return int(min(size, vocab))
+
+
+def slice_count(tokens: int, vocab: int, requested: int = 0) -> int:
+  """How many slices the losses over `tokens` positions and `vocab` columns take."""
+  return math.ceil(vocab / slice_size_for(tokens, vocab, requested))
 
 
 def describe(spec: Spec, head: Head, tokens: int) -> str:
@@ -113,45 +153,105 @@ def _new_columns(j, start, size, columns: int):
 
 
 def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
-               teacher: Head | None = None, h_t_NxD=None):
+               teacher: Head | None = None, h_t_NxD=None, teacher_top=None):
   """(loss, sums): loss = sum over masked tokens of the weighted terms (differentiable in the
-  student's weight and hidden states); sums of 'nll', 'kl' (with a teacher) and 'correct' (with
-  spec.accuracy) over the masked tokens, as metrics."""
-  if teacher is None and spec.kd_weight:
+  student's weight and hidden states); sums of 'nll', 'divergence' (with a teacher) and
+  'correct' (with spec.accuracy; 'agreement' too with a top-k teacher: the student's argmax is
+  the teacher's top-1) over the masked tokens, as metrics. teacher_top: the teacher's top-k
+  (ids (N, K), log-probs at T (N, K)) given instead of its head (an offline cache)."""
+  given = teacher_top is not None
+  if teacher is None and not given and spec.kd_weight:
     raise ValueError("kd_weight > 0 needs a teacher")
+  slice_divergences.check(spec.divergence, spec.beta)
+  if given != bool(spec.top_k and teacher is None):
+    raise ValueError("spec.top_k takes the teacher's head or its given top-k, one of them")
+  if spec.top_k and spec.bucket_divergence is None:
+    raise ValueError("top_k > 0 needs a bucket_divergence")
   size = slice_size_for(h_s_NxD.shape[0], student.vocab, spec.slice_size)
-  t_w = None if teacher is None else jax.lax.stop_gradient(teacher.weight)
-  h_t = None if teacher is None else jax.lax.stop_gradient(h_t_NxD)
-  static = (spec, size, student.vocab_axis, student.dtype, student.softcap, student.columns,
-            None if teacher is None else (teacher.vocab_axis, teacher.dtype, teacher.softcap))
-  loss, sums = _sliced(static, student.weight, h_s_NxD, t_w, h_t, targets_N,
-                       mask_N.astype(jnp.float32))
+  w_s, h_s, axes = _parts(student, h_s_NxD)
+  w_t = h_t = t_static = None
+  if teacher is not None:
+    w_t, h_t, t_axes = _parts(teacher, h_t_NxD)
+    w_t, h_t = jax.lax.stop_gradient((w_t, h_t))
+    t_static = (t_axes, teacher.dtype, teacher.softcap)
+  static = (spec, size, axes, student.dtype, student.softcap, student.columns, t_static)
+  top = None if not given else (teacher_top[0].astype(jnp.int32),
+                                jax.lax.stop_gradient(teacher_top[1].astype(jnp.float32)))
+  loss, sums = _sliced(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N.astype(jnp.float32))
   return loss, jax.tree.map(jax.lax.stop_gradient, sums)
 
 
 # ---- the forward pass: one scan over the slices, online statistics per token -------------------
 
+def _forward(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N):
+  """(loss, sums, what the backward pass reads per token) after the passes over the slices: one,
+  and a second for a jsd (its per-column terms need both normalisers first) or for top-k
+  buckets (the student's logits at the teacher's top-k ids, known after the first)."""
+  spec = static[0]
+  st = _stats(static, w_s, h_s, w_t, h_t, targets_N)
+  lse = {"s1": st["m1"] + jnp.log(st["l1"])}
+  kd = w_t is not None or top is not None
+  if top is not None:  # the teacher's top-k given: log-probs already
+    lse["sT"] = st["kd"]["mq"] + jnp.log(st["kd"]["lq"])
+    lse["kl"], saved = _bucket_pass(static, w_s, h_s, top[0], top[1], lse)
+    lse.update(saved)
+  elif w_t is not None:
+    lse.update(slice_divergences.normalisers(st["kd"]))
+    if spec.top_k:
+      t_top_logp = st["top"]["top"] - lse["t"][:, None]
+      lse["kl"], saved = _bucket_pass(static, w_s, h_s, st["top"]["ids"], t_top_logp, lse)
+      lse.update(saved)
+    elif spec.divergence == "jsd":
+      lse["kl"], lse["jq"] = _jsd_pass(static, w_s, h_s, w_t, h_t, lse)
+    else:
+      lse["kl"] = slice_divergences.kl_value(spec.divergence, st["kd"], lse)
+  nll = lse["s1"] - st["target"]
+  sums = {"nll": jnp.sum(nll * mask_N)}
+  loss_N = spec.ce_weight * nll
+  if kd:
+    sums["divergence"] = jnp.sum(lse["kl"] * mask_N)
+    loss_N = loss_N + spec.kd_weight * lse["kl"]
+  if spec.accuracy:
+    sums["correct"] = jnp.sum((st["arg"] == targets_N).astype(jnp.float32) * mask_N)
+    if "ids" in lse:
+      sums["agreement"] = jnp.sum((st["arg"] == lse["ids"][:, 0]).astype(jnp.float32) * mask_N)
+  return jnp.sum(loss_N * mask_N), sums, lse
+
+
+def _slice_logits(static, w_s, h_s, w_t, h_t, start):
+  """(student, teacher or None) fp32 logits of the slice starting at `start`."""
+  _, size, axes, dtype, cap, _, t_static = static
+  s = _logits(_sliced_parts(w_s, start, size, axes), h_s, axes, dtype, cap)
+  if t_static is None:
+    return s, None
+  t_axes, t_dtype, t_cap = t_static
+  return s, _logits(_sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
+
+
 def _stats(static, w_s, h_s, w_t, h_t, targets_N):
   """Per-token statistics after one pass over every slice."""
-  spec, size, axis, dtype, cap, columns, t_static = static
-  count, starts = _slices(w_s.shape[axis], size)
-  N = h_s.shape[0]
+  spec, size, axes, _, _, columns, t_static = static
+  count, starts = _slices(w_s[0].shape[axes[0]], size)
+  N = h_s[0].shape[0]
   neg = jnp.full((N,), -jnp.inf, jnp.float32)
   zero = jnp.zeros((N,), jnp.float32)
   init = {"m1": neg, "l1": zero, "target": zero}
   if spec.accuracy:
     init.update(best=neg, arg=jnp.zeros((N,), jnp.int32))
   if t_static is not None:
-    init.update(mq=neg, lq=zero, mt=neg, lt=zero, at=zero)
-  T = spec.temperature
+    init["kd"] = slice_divergences.init("normalisers" if spec.top_k else spec.divergence, N)
+    if spec.top_k:
+      init["top"] = slice_buckets.top_init(N, spec.top_k)
+  elif spec.top_k:  # the teacher's top-k given: the student's normaliser at T alone
+    init["kd"] = {"mq": neg, "lq": zero}
 
   def body(carry, xs):
     j, start = xs
     new = _new_columns(j, start, size, columns)
-    s = _logits(jax.lax.dynamic_slice_in_dim(w_s, start, size, axis), h_s, axis, dtype, cap)
+    s, t = _slice_logits(static, w_s, h_s, w_t, h_t, start)
     s = jnp.where(new, s, -jnp.inf)
     c = dict(carry)
-    c["m1"], c["l1"] = _lse_step(carry["m1"], carry["l1"], s)
+    c["m1"], c["l1"] = slice_divergences.lse_step(carry["m1"], carry["l1"], s)
     cols = start + jnp.arange(size)
     hit = (cols == targets_N[:, None]) & new
     c["target"] = carry["target"] + jnp.sum(jnp.where(hit, s, 0.0), axis=-1)
@@ -161,104 +261,137 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
       better = best_j > carry["best"]
       c["best"] = jnp.where(better, best_j, carry["best"])
       c["arg"] = jnp.where(better, arg_j, carry["arg"])
-    if t_static is not None:
-      t_axis, t_dtype, t_cap = t_static
-      t = _logits(jax.lax.dynamic_slice_in_dim(w_t, start, size, t_axis), h_t, t_axis, t_dtype,
-                  t_cap)
+    if t is not None:
       t = jnp.where(new, t, -jnp.inf)
-      c["mq"], c["lq"] = _lse_step(carry["mq"], carry["lq"], s / T)
-      mt = jnp.maximum(carry["mt"], jnp.max(t / T, axis=-1))
-      w = jnp.exp(t / T - mt[:, None])
-      keep = jnp.exp(carry["mt"] - mt)
-      c["mt"] = mt
-      c["lt"] = carry["lt"] * keep + jnp.sum(w, axis=-1)
-      c["at"] = carry["at"] * keep + jnp.sum(jnp.where(new, w * (t - s) / T, 0.0), axis=-1)
+      kind = "normalisers" if spec.top_k else spec.divergence
+      c["kd"] = slice_divergences.step(kind, carry["kd"], s, t, new, spec.temperature)
+      if spec.top_k:
+        c["top"] = slice_buckets.top_step(carry["top"], t / spec.temperature, start)
+    elif spec.top_k:
+      c["kd"] = dict(zip(("mq", "lq"), slice_divergences.lse_step(
+          carry["kd"]["mq"], carry["kd"]["lq"], s / spec.temperature)))
     return c, None
 
   return jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
 
 
-def _lse_step(m, l, z_NxS):
-  """One slice more of an online log-sum-exp (max m, sum of exp(z - m) l)."""
-  m_new = jnp.maximum(m, jnp.max(z_NxS, axis=-1))
-  return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z_NxS - m_new[:, None]), axis=-1)
+def _bucket_pass(static, w_s, h_s, ids_NxK, t_top_logp_NxK, lse):
+  """(the top-k buckets' divergence per token, what the backward pass reads): the second pass,
+  over the student's slices only, gathers its logits at the teacher's top-k ids and the rest's
+  log-sum-exp."""
+  spec, size, axes, dtype, cap, columns, _ = static
+  count, starts = _slices(w_s[0].shape[axes[0]], size)
+  T = spec.temperature
+
+  def body(carry, xs):
+    j, start = xs
+    s = _logits(_sliced_parts(w_s, start, size, axes), h_s, axes, dtype, cap)
+    new = _new_columns(j, start, size, columns)
+    return slice_buckets.gather_step(carry, s, new, ids_NxK, j, start, size, columns, T), None
+
+  init = slice_buckets.gather_init(*ids_NxK.shape)
+  got = jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
+  rest = got["m"] + jnp.log(got["l"])
+  value, grads = slice_buckets.divergence_and_grads(
+      spec.bucket_divergence, t_top_logp_NxK, got["s_top"], rest, lse["sT"], T)
+  return value, {**grads, "rest": rest, "ids": ids_NxK}
 
 
-def _values(spec: Spec, st, targets_N, mask_N):
-  """(loss, sums, lse) from the statistics: the per-token terms summed over the mask."""
-  lse1 = st["m1"] + jnp.log(st["l1"])
-  nll = lse1 - st["target"]
-  sums = {"nll": jnp.sum(nll * mask_N)}
-  lse = {"s1": lse1}
-  loss_N = spec.ce_weight * nll
-  if "mt" in st:
-    lse["sT"] = st["mq"] + jnp.log(st["lq"])
-    lse["t"] = st["mt"] + jnp.log(st["lt"])
-    kl = st["at"] / st["lt"] - lse["t"] + lse["sT"]
-    sums["kl"] = jnp.sum(kl * mask_N)
-    loss_N = loss_N + spec.kd_weight * kl
-  if spec.accuracy:
-    sums["correct"] = jnp.sum((st["arg"] == targets_N).astype(jnp.float32) * mask_N)
-  return jnp.sum(loss_N * mask_N), sums, lse
+def _jsd_pass(static, w_s, h_s, w_t, h_t, lse):
+  """(jsd, (1 - beta) KL(Q || M)) per token: the second pass over the slices."""
+  spec, size, axes, _, _, columns, _ = static
+  count, starts = _slices(w_s[0].shape[axes[0]], size)
+
+  def body(carry, xs):
+    j, start = xs
+    s, t = _slice_logits(static, w_s, h_s, w_t, h_t, start)
+    terms = slice_divergences.jsd_terms(s, t, _new_columns(j, start, size, columns), lse,
+                                        spec.temperature, spec.beta)
+    return tuple(a + b for a, b in zip(carry, terms)), None
+
+  zero = jnp.zeros((h_s[0].shape[0],), jnp.float32)
+  return jax.lax.scan(body, (zero, zero), (jnp.arange(count), starts))[0]
 
 
 # ---- the backward pass: the slices again, from the saved log-sum-exps -------------------------
 
-def _grads(static, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g):
-  """(d loss / d w_s in fp32, d loss / d h_s in fp32) for a loss cotangent g."""
-  spec, size, axis, dtype, cap, columns, t_static = static
-  count, starts = _slices(w_s.shape[axis], size)
-  T = spec.temperature
+def _grads(static, trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g):
+  """(d loss / d each trained weight part (None for the others), d loss / d each input part),
+  in fp32, for a loss cotangent g. `trained`: which weight parts the caller differentiates."""
+  spec, size, axes, dtype, cap, columns, t_static = static
+  count, starts = _slices(w_s[0].shape[axes[0]], size)
   scale_N = g * mask_N
+  on = [i for i, t in enumerate(trained) if t]
 
   def body(carry, xs):
-    dw, dh = carry
+    dws, dhs = carry
     j, start = xs
     new = _new_columns(j, start, size, columns)
-    w_j = jax.lax.dynamic_slice_in_dim(w_s, start, size, axis)
-    s, back = jax.vjp(lambda w, h: _logits(w, h, axis, dtype, cap), w_j, h_s)
+    w_j = _sliced_parts(w_s, start, size, axes)
+
+    def logits(w_on, hs):
+      parts = list(w_j)
+      for i, w in zip(on, w_on):
+        parts[i] = w
+      return _logits(parts, hs, axes, dtype, cap)
+
+    s, back = jax.vjp(logits, [w_j[i] for i in on], h_s)
     cols = start + jnp.arange(size)
     dz = spec.ce_weight * (jnp.exp(s - lse["s1"][:, None]) -
                            (cols == targets_N[:, None]).astype(jnp.float32))
-    if t_static is not None:
-      t_axis, t_dtype, t_cap = t_static
-      t = _logits(jax.lax.dynamic_slice_in_dim(w_t, start, size, t_axis), h_t, t_axis, t_dtype,
-                  t_cap)
-      q = jnp.exp(s / T - lse["sT"][:, None])
-      p = jnp.exp(t / T - lse["t"][:, None])
-      dz = dz + spec.kd_weight / T * (q - p)
+    if spec.top_k:
+      dz = dz + spec.kd_weight * slice_buckets.logit_grad(lse, s, lse["ids"], j, start, size,
+                                                          columns, spec.temperature)
+    elif t_static is not None:
+      t_axes, t_dtype, t_cap = t_static
+      t = _logits(_sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
+      dz = dz + spec.kd_weight * slice_divergences.logit_grad(spec.divergence, spec.beta, s, t,
+                                                              lse, spec.temperature)
     dz = jnp.where(new, dz * scale_N[:, None], 0.0)
-    dw_j, dh_j = back(dz)
-    old = jax.lax.dynamic_slice_in_dim(dw, start, size, axis)
-    keep = new if axis == 1 else new[:, None]
-    dw = jax.lax.dynamic_update_slice_in_dim(
-        dw, jnp.where(keep, dw_j.astype(jnp.float32), old), start, axis)
-    return (dw, dh + dh_j.astype(jnp.float32)), None
+    dw_on, dh_j = back(dz)
+    dws = [_write_slice(dw, dw_j, start, size, axes[i], new)
+           for dw, dw_j, i in zip(dws, dw_on, on)]
+    return (dws, [a + d.astype(jnp.float32) for a, d in zip(dhs, dh_j)]), None
 
-  init = (jnp.zeros(w_s.shape, jnp.float32), jnp.zeros(h_s.shape, jnp.float32))
-  return jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
+  init = ([jnp.zeros(w_s[i].shape, jnp.float32) for i in on],
+          [jnp.zeros(h.shape, jnp.float32) for h in h_s])
+  dws, dhs = jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
+  full = [None] * len(w_s)
+  for i, dw in zip(on, dws):
+    full[i] = dw
+  return full, dhs
+
+
+def _write_slice(dw, dw_j, start, size, axis, new):
+  """dw with the slice's new columns (the last slice's overlap kept) set from dw_j."""
+  old = jax.lax.dynamic_slice_in_dim(dw, start, size, axis)
+  keep = new if axis == 1 else new[:, None]
+  return jax.lax.dynamic_update_slice_in_dim(
+      dw, jnp.where(keep, dw_j.astype(jnp.float32), old), start, axis)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sliced(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
-  loss, sums, _ = _values(static[0], _stats(static, w_s, h_s, w_t, h_t, targets_N), targets_N,
-                          mask_N)
-  return loss, sums
+def _sliced(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N):
+  return _forward(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N)[:2]
 
 
-def _sliced_fwd(static, w_s, h_s, w_t, h_t, targets_N, mask_N):
-  loss, sums, lse = _values(static[0], _stats(static, w_s, h_s, w_t, h_t, targets_N), targets_N,
-                            mask_N)
-  return (loss, sums), (w_s, h_s, w_t, h_t, targets_N, mask_N, lse)
+def _sliced_fwd(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N):
+  # symbolic zeros: which weight parts the caller differentiates (a frozen one gets no dw)
+  trained = tuple(w.perturbed for w in w_s)
+  w_s, h_s, w_t, h_t, top, targets_N, mask_N = custom_derivatives.custom_vjp_primal_tree_values(
+      (w_s, h_s, w_t, h_t, top, targets_N, mask_N))
+  loss, sums, lse = _forward(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N)
+  return (loss, sums), (trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse)
 
 
 def _sliced_bwd(static, res, cotangents):
-  w_s, h_s, w_t, h_t, targets_N, mask_N, lse = res
+  trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse = res
   g = cotangents[0]
-  dw, dh = _grads(static, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g)
-  zeros = lambda x: None if x is None else jnp.zeros_like(x)
-  return (dw.astype(w_s.dtype), dh.astype(h_s.dtype), zeros(w_t), zeros(h_t),
-          jnp.zeros(targets_N.shape, jax.dtypes.float0), jnp.zeros_like(mask_N))
+  if isinstance(g, custom_derivatives.SymbolicZero):
+    g = jnp.zeros(g.shape, g.dtype)
+  dws, dhs = _grads(static, trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g)
+  return (tuple(None if dw is None else dw.astype(w.dtype) for dw, w in zip(dws, w_s)),
+          tuple(dh.astype(h.dtype) for dh, h in zip(dhs, h_s)), None, None, None, None, None)
 
 
-_sliced.defvjp(_sliced_fwd, _sliced_bwd)
+_sliced.defvjp(_sliced_fwd, _sliced_bwd, symbolic_zeros=True)

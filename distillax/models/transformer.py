@@ -190,12 +190,19 @@ class Transformer(nnx.Module):
       return self.embedder.embedding[...].astype(dt).T
     return self.lm_head[...].astype(dt)
 
-  def output_layer(self) -> tuple[jax.Array, int]:
-    """The output layer's weight as stored and its vocabulary axis: the tied embedding (V, D)
-    and 0, or lm_head (D, V) and 1 (what a loss over slices of the vocabulary reads)."""
-    if self.lm_head is None:
-      return self.embedder.embedding[...], 0
-    return self.lm_head[...], 1
+  def output_operands(self, h_xD: jax.Array) -> list[tuple[jax.Array, jax.Array, int]]:
+    """The output layer's matmuls as the step multiplies them, [(input, weight, vocab axis of
+    the weight)], summed into the logits before the soft-cap: what a loss over vocabulary
+    slices reads instead of whole logits (framework/vocab_slices.py). A plain weight is one
+    matmul of h (cast to the compute dtype); a QAT or LoRA wrapper of it says its own
+    (`output_operands(h, vocab_axis)`: the rounded weight and input, or the base plus the
+    adapter's rank-sized matmul), so a quantized or adapted student's logits stay its own."""
+    var, axis = (self.embedder.embedding, 0) if self.lm_head is None else (self.lm_head, 1)
+    h_xD = h_xD.astype(self.config.jnp_dtype)
+    own = getattr(type(var), "output_operands", None)
+    if own is not None:
+      return own(var, h_xD, axis)
+    return [(h_xD, var[...], axis)]
 
   def logits_from_hidden(self, h_xD: jax.Array) -> jax.Array:
     """Float32 logits (soft-capped if configured) from final hidden states, any leading shape."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from distillax import partitioning as pt
 from distillax.errors import UserError
-from distillax.framework import flops
+from distillax.framework import flops, vocab_slices
 from distillax.framework.hlo import collective_stats
 from distillax.framework.hlo_flops import matmul_flops
 from distillax.framework.state import STUDENT
@@ -43,14 +43,17 @@ def _tree_bytes(abstract, shardings) -> tuple[int, int]:
 
 
 def flops_check(recipe: Recipe, engine, compiled_per_device: float,
-                fused: tuple[str, ...] = (), unchecked: str | None = None) -> dict:
+                fused: tuple[str, ...] = (), unchecked: str | None = None,
+                recompute_merged: bool = False) -> dict:
   """The compiled step's matmul FLOPs per device against the analytic model's: `ratio` to the
   job's model FLOPs (`recipe.step_flops`, the MFU convention), and `expected_ratio` to what the
   step should run as HLO matmuls (those plus `flops.hlo_matmul_adjustment`: remat's
   recomputation, a frozen base's missing weight gradients, the `fused` parts kernels hide),
   which must lie in FLOPS_CHECK_RANGE (`within`); `warning` is the line to print when it does
   not.
-  `unchecked`: why the compiled figure cannot be judged (`within` is then None)."""
+  `unchecked`: why the compiled figure cannot be judged (`within` is then None).
+  `recompute_merged`: the compiler merged the vocabulary slices' backward recompute of the
+  logits with the forward's (`one_slice_merged`)."""
   devices = int(engine.mesh.devices.size)
   cfg = recipe.model_config
   frozen_base = jax.tree.leaves(engine.layout.abstract.frozen.get(STUDENT, {}))
@@ -61,7 +64,7 @@ def flops_check(recipe: Recipe, engine, compiled_per_device: float,
   expected = (model_flops + flops.hlo_matmul_adjustment(
       cfg, recipe.batch_size, recipe.seq_len, recipe.teacher_model_config,
       remat=str(getattr(cfg, "remat", "none")), fused=fused,
-      sliced=getattr(recipe, "loss_impl", "") == "sliced",
+      sliced=getattr(recipe, "loss_impl", "") == "sliced" and not recompute_merged,
       weights_train=base_trains,
       adapter_params=0 if base_trains else sum(x.size for x in trained))) / devices
   expected_ratio = compiled_per_device / expected
@@ -108,12 +111,22 @@ def analytic_report(recipe: Recipe, engine) -> dict:
   }
 
 
+def one_slice_merged(recipe: Recipe, platform: str) -> bool:
+  """Whether the TPU compiler merges the sliced losses' backward recompute of the logits with
+  the forward's: it does where there is one slice (the tiny lm step's TPU matmuls are then
+  exactly the analytic model's without the recompute; XLA:CPU keeps it)."""
+  return platform == "tpu" and getattr(recipe, "loss_impl", "") == "sliced" and (
+      vocab_slices.slice_count(recipe.batch_size // max(1, recipe.accum_steps) * recipe.seq_len,
+                               recipe.model_config.vocab_size) == 1)
+
+
 def plan_report(recipe: Recipe, engine, fused: tuple[str, ...] = (),
-                unchecked: str | None = None) -> dict:
+                unchecked: str | None = None, platform: str = "cpu") -> dict:
   """Figures of `recipe`'s compiled `engine` (also used by tests and benchmarks): the analytic
   ones and the compiler's. `fused`: the parts of the step a target compile ran in kernels
   (flops.FUSIBLE: splash attention, a fused cross-entropy), whose matmuls the compiled HLO does
-  not show; `unchecked`: why its matmul FLOPs cannot be checked (`flops_check`)."""
+  not show; `unchecked`: why its matmul FLOPs cannot be checked (`flops_check`); `platform`:
+  the compiler's."""
   runner = engine.runner
   stats = dict(runner.stats)
   hlo = runner.compiled_text()
@@ -126,7 +139,8 @@ def plan_report(recipe: Recipe, engine, fused: tuple[str, ...] = (),
       # Dots and convolutions, each times its loops' trip counts (XLA's own figure counts a
       # loop body once).
       "hlo_matmul_flops_per_device": compiled_flops,
-      "flops_check": flops_check(recipe, engine, compiled_flops, fused, unchecked),
+      "flops_check": flops_check(recipe, engine, compiled_flops, fused, unchecked,
+                                 one_slice_merged(recipe, platform)),
       "compile_seconds": runner.compile_seconds,
   }
 

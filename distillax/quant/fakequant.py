@@ -247,6 +247,23 @@ class QuantSiteParam(nnx.Param):
   def quant(self) -> WeightQuant:
     return self.get_metadata()["quant"]
 
+  def output_operands(self, h_xD: jax.Array, vocab_axis: int) -> list:
+    """The output layer's one matmul as `intercepted_einsum` runs it (a loss over vocabulary
+    slices reads these, models/transformer.py): the weight rounded as a read rounds it, and an
+    int8_matmul weight rounded here (its int8 dot multiplies the same grid values); the input
+    rounded per token, tiles along its last axis."""
+    wq = self.quant
+    w = nnx.Param.__getitem__(self, ...)
+    if wq.int8_matmul:
+      w = ste_weight(w, wq)
+    elif self.get_metadata().get("round_on_read", True):
+      w = stored_placement(ste_weight(w, wq), self.get_metadata().get("logical_axes"))
+    if wq.act_qtype is not None:
+      last = h_xD.ndim - 1
+      tiled = ((last, wq.tile_size),) if wq.tile_size else ()
+      h_xD = ste_activation(h_xD, wq.act_qtype, tuple(range(last)), tiled)
+    return [(h_xD, w, vocab_axis)]
+
   def _rounded_operand(self, operands, index) -> list:
     """The operands with the weight rounded here: an int8_matmul weight is read unrounded,
     and a matmul the int8 path does not take multiplies it fake-quantized."""

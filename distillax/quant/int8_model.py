@@ -10,7 +10,7 @@ by an Int8Weight to it; the weight quantizes the matmul's input per token and ru
 int8_dot.py's int8 x int8 -> int32 product. Embedding lookups, norms and everything else stay
 as they were: a tied embedding's lookup gathers its int8 rows and their scales (never the whole
 dequantized table). A read outside a matmul (`w[...]`: a loss that takes the output layer's
-weight, `output_layer()`) gives the dequantized weight, the same values.
+weight, `output_operands`) gives the dequantized weight, the same values.
 
 Frozen only: a gradient through an int8 matmul is refused (int8_dot.frozen_input), and a model
 with LoRA adapters or fake quantization is refused (merge or strip it first).

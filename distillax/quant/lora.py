@@ -163,6 +163,21 @@ class LoRAWeight(nnx.Module):
     intercept.note_read(self, value)
     return value
 
+  def output_operands(self, h_xD: jax.Array, vocab_axis: int) -> list:
+    """The output layer's matmuls as `intercepted_einsum` runs them (a loss over vocabulary
+    slices reads these, models/transformer.py): the frozen base (a QLoRA base dequantized) fed
+    h, and the adapter's B (rank, V) fed scaling * dropout(h) @ A (the same keep mask)."""
+    if self.group_axes or self.call_ndim != 2 or len(self.base_shape) != 2:
+      raise UserError(f"LoRA on {self.site_name}: an output layer is one 2-D weight")
+    base = self.base_value().astype(h_xD.dtype)
+    keep_bits = self._keep_bits(h_xD)
+    x = h_xD
+    if keep_bits is not None:
+      keep = keep_mask.unpack_keep_mask(keep_bits, x.shape[-1])
+      x = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
+    u_xR = self.scaling * jnp.einsum("...D,DR->...R", x, self.lora_a[...].astype(x.dtype))
+    return [(h_xD, base, vocab_axis), (u_xR, self.lora_b[...], 1)]
+
   def _keep_bits(self, x: jax.Array) -> jax.Array | None:
     """This site's packed dropout keep mask for input `x` (None: dropout off)."""
     key = _DROPOUT_KEY.get()

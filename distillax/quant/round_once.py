@@ -15,7 +15,7 @@ weight). The activations' rounding (q8_0 and the rest) stays inside, where the i
 does it. The numbers are those of rounding on read: ggml's blocks and qwix's tiles are per
 layer whatever the leading (stacked) axes, and the cast to the compute dtype is the one the
 model's own `.astype` did. Reads outside `__call__` (a chunked loss's `logits_from_hidden`,
-the sliced loss's `output_layer`) still round on read: they are outside the layer loop.
+the sliced loss's `output_operands`) still round on read: they are outside the layer loop.
 
 Cost: the rounded weights, in the compute dtype, stay alive through the step (the scan's
 backward reads them): one compute-dtype copy of the quantized weights.

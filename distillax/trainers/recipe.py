@@ -30,7 +30,6 @@ from distillax.framework.run.startup import StartupClock
 from distillax.framework.state import Reloaded
 from distillax.framework.step import Objective
 from distillax.framework.token_loss_impl import check_loss_impl, resolve_loss_impl
-from distillax.quant.config import QuantConfig
 from distillax.models.config import TransformerConfig
 from distillax.models.init import abstract_model
 from distillax.trainers import sources as src
@@ -111,23 +110,6 @@ def check_router_losses(train, model_config: TransformerConfig, job: str, suppor
                         f"set --config.train.{name}=0")
 
 
-def sliced_loss_refusal(config) -> str | None:
-  """Why the vocabulary-slice losses, which read the output layer's weight as stored, would not
-  compute this student's logits: adapters on it, or QAT rules that quantize it (the rule for the
-  top module path '', whose matmul is the output layer)."""
-  if config.get("lora") and config.lora.module_regex:
-    return "lora.module_regex adapts the student"
-  if config.get("qat") and (config.qat.rules or config.qat.get("schedule")):
-    qcfg = QuantConfig.from_config(config.qat)
-    for _, stage in qcfg.stages() or ((0, qcfg),):
-      rule = stage.rule_for("")
-      if rule is not None and (rule.weight_qtype or rule.act_qtype):
-        return (f"qat.rules quantize the output layer (the rule for module path '' is "
-                f"{rule.to_dict()}); add ('', None, None, None) first to keep it in full "
-                f"precision")
-  return None
-
-
 class Recipe:
   """The base every recipe specialises (lm.py's LMRecipe is the plainest): one student, no
   frozen extras, the packed train and validation data; a subclass names the objective.
@@ -192,10 +174,8 @@ class Recipe:
           self.sources, student=dataclasses.replace(self.sources.student, cfg=self.model_config))
     src.check_run_shape(self.sources.student, self.model_config)
     check_router_losses(config.train, self.model_config, self.name, self.router_losses)
-    check_loss_impl(config.train.get("loss_impl", "auto"), self.name, sliced=self.sliced_loss,
-                    sliced_why_not=sliced_loss_refusal(config))
-    self.loss_impl = resolve_loss_impl(config.train.get("loss_impl", "auto"), self.sliced_loss,
-                                       sliced_loss_refusal(config))
+    check_loss_impl(config.train.get("loss_impl", "auto"), self.name, sliced=self.sliced_loss)
+    self.loss_impl = resolve_loss_impl(config.train.get("loss_impl", "auto"), self.sliced_loss)
     # Checked with the data before training, or before compiling (checks.model_conflicts).
     self.batch_size, self.seq_len = int(config.train.batch_size), int(config.train.seq_len)
     self.transforms = StudentTransforms.from_config(config)

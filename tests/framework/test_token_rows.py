@@ -1,7 +1,8 @@
 """Token losses over the tokenizer's rows only (framework/token_rows.py, issue 55 point 9): with
 a padded vocabulary, the next-token CE and LogitKD of both vocabulary engines (token chunks and
 vocabulary slices) and of the whole-logits path equal float64 numpy over the first `rows`
-columns, equal each other, and give the padded rows of the output layer no gradient. Outside a
+columns, their gradients equal the whole logits', and the padded rows of the output layer get
+no gradient. Outside a
 recipe's objective (no rows active) nothing changes."""
 
 import jax
@@ -12,8 +13,11 @@ from flax import nnx
 
 from distillax import partitioning as pt
 from distillax.data import batch as batch_spec
-from distillax.distill import LogitKD, make_distill_objective
-from distillax.framework import token_rows, vocab_chunks, vocab_slices
+from distillax.distill import (TEACHER_NLL, TOPK_IDS, TOPK_LOGPROBS, CachedLogitKD, LogitKD,
+                               make_distill_objective)
+from distillax.framework import (losses, token_loss_impl, token_rows, vocab_chunks,
+                                 vocab_slices)
+from distillax.framework.step import ObjectiveOutput
 from distillax.models.presets import get_preset
 from distillax.trainers import lm_objective
 from tests.distill.helpers import (STUDENT_CONFIG, TEACHER_CONFIG, f64, make_batch, make_models,
@@ -56,20 +60,29 @@ def _head_rows(grads):
   return np.asarray(grads["embedder"]["embedding"])
 
 
+def _whole_ce(model, extras, batch, rng):
+  """The reference: the next-token CE of the model's whole logits, the columns past the rows
+  traced now masked, through jax.nn.log_softmax (autodiff's gradients)."""
+  del extras, rng
+  out = model(batch[batch_spec.INPUTS], **losses.model_inputs(batch))
+  logits_BxLxV = token_rows.masked(out.logits_BxLxV, token_rows.active())
+  loss, correct, tokens = losses.cross_entropy_sums(logits_BxLxV, batch[batch_spec.TARGETS],
+                                                    batch[batch_spec.LOSS_MASK])
+  return ObjectiveOutput(loss_sum=loss, tokens=tokens, sums={"accuracy": correct})
+
+
 def test_lm_losses_take_their_softmax_over_the_token_rows():
-  """The tiny model (256 rows) over 200 token rows: the chunk engine (one chunk and 13 chunks),
-  the slices (auto: one slice; and 3 slices of 96 columns, the last one wholly past the tokens)
-  equal numpy's CE and accuracy over the 200 columns; every gradient equal across engines; the
-  56 padded rows of the head get exactly zero. Without rows active, the loss is over all 256
+  """The tiny model (256 rows) over 200 token rows: the chunk engine (13 chunks) and the
+  slices (3 slices of 96 columns, the last one wholly past the tokens)
+  equal numpy's CE and accuracy over the 200 columns; every gradient equals the whole logits';
+  the 56 padded rows of the head get exactly zero. Without rows active, the loss is over all 256
   (numpy's other figure): what the run reported before."""
   model = random_model(get_preset("tiny").replace(num_layers=1), seed=1)
   batch = _batch(B=4, L=13, vocab=ROWS)
   want_nll, want_hits = _numpy_ce(model, batch, ROWS)
-  chunked, grads = _run(lm_objective, model, {}, batch, ROWS)
-  chip.assert_close(chunked.loss_sum, want_nll, rtol=1e-5)
-  assert float(chunked.sums["accuracy"]) == want_hits
+  _, grads = _run(_whole_ce, model, {}, batch, ROWS)
   assert np.all(_head_rows(grads)[ROWS:] == 0) and np.any(_head_rows(grads)[:ROWS] != 0)
-  runs = [_run(lambda *a: lm_objective(*a, loss_impl="sliced"), model, {}, batch, ROWS)]
+  runs = []
   real = vocab_slices.slice_size_for
   try:
     vocab_slices.slice_size_for = lambda tokens, vocab, requested=0: 96
@@ -90,7 +103,7 @@ def test_lm_losses_take_their_softmax_over_the_token_rows():
   everything, _ = _run(lm_objective, model, {}, batch, None)
   all_nll, _ = _numpy_ce(model, batch, 256)
   chip.assert_close(everything.loss_sum, all_nll, rtol=1e-5)
-  assert float(everything.loss_sum) > float(chunked.loss_sum) + 1.0
+  assert float(everything.loss_sum) > float(want_nll) + 1.0
 
 
 def _small_chunks(model, batch):
@@ -123,10 +136,11 @@ def padded_kd():
   return kd, rows, student, {"teacher": teacher}, batch, (np.sum(loss * m), np.sum(div * m))
 
 
-@pytest.mark.parametrize("engine", ["whole", "chunked", "sliced"])
+@pytest.mark.parametrize("engine", ["whole", "chunked"])
 def test_logit_kd_masks_the_same_rows_of_both_models(padded_kd, engine):
-  """Whole logits, the chunk engine and the slices: the KD loss and its divergence equal numpy's
-  over both models' first 40 columns, and the student's padded rows get no gradient."""
+  """Whole logits and the chunk engine: the KD loss and its divergence equal numpy's over both
+  models' first 40 columns, and the student's padded rows get no gradient (the slices equal the
+  whole logits: test_the_sliced_kd_under_fsdp_equals_whole_logits)."""
   kd, rows, student, extras, batch, (want_loss, want_div) = padded_kd
   objective = make_distill_objective(kd, metrics=False, sliced=engine == "sliced",
                                      chunk_size=None if engine == "whole" else vocab_chunks.AUTO)
@@ -136,15 +150,50 @@ def test_logit_kd_masks_the_same_rows_of_both_models(padded_kd, engine):
   assert np.all(_head_rows(grads)[rows:] == 0) and np.any(_head_rows(grads)[:rows] != 0)
 
 
-def test_the_sliced_kd_equals_the_chunk_engine_under_fsdp(padded_kd):
-  """Masked, under fsdp on 8 devices: the slices equal the chunk engine, loss and gradients."""
-  kd, rows, student, extras, batch, _ = padded_kd
-  want_out, want = _run(make_distill_objective(kd, metrics=False), student, extras, batch, rows)
+def test_the_sliced_kd_under_fsdp_equals_whole_logits(padded_kd):
+  """Masked, under fsdp on 8 devices, a jsd of beta 0.3 over the teacher's top 8 and a rest
+  bucket (the slices' second pass): the slices (what ran: vocabulary slices) equal the
+  whole-logits objective on one device (log_softmax, jax.lax.top_k and autodiff), loss, the
+  logit_kd / logit_kd_divergence / hard_ce sums and every gradient."""
+  _, rows, student, extras, batch, _ = padded_kd
+  kd = LogitKD(temperature=2.0, alpha=0.7, divergence="jsd", beta=0.3, top_k=8)
+  whole = make_distill_objective(kd, metrics=False, chunk_size=None)
+  want_out, want = _run(whole, student, extras, batch, rows)
   mesh = pt.create_mesh({"data": 8, "model": 1})
-  with pt.use_rules(mesh, pt.rules_from_config({"strategy": "fsdp"})):
+  with pt.use_rules(mesh, pt.rules_from_config({"strategy": "fsdp"})), \
+       token_loss_impl.recorded_choices() as ran:
     out, got = _run(make_distill_objective(kd, metrics=False, sliced=True), student, extras,
                     batch, rows)
+  assert [k.split(" (")[0] for k in ran] == ["sliced"]
   chip.assert_close(out.loss_sum, want_out.loss_sum, rtol=1e-5)
+  assert sorted(out.sums) == sorted(want_out.sums)
+  for k in out.sums:
+    chip.assert_close(out.sums[k], want_out.sums[k], rtol=1e-5, err_msg=k)
+  for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
+    chip.assert_close(g, w, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  assert np.all(_head_rows(got)[rows:] == 0) and np.any(_head_rows(got)[:rows] != 0)
+
+
+def test_a_cached_top_k_kd_over_slices_equals_whole_logits(padded_kd):
+  """A top-k cache (the teacher's top 8 log-probs at T over its 40 token columns, its NLL) read
+  by CachedLogitKD (reverse KL), with the metrics a cached train step reports: over vocabulary
+  slices the loss, the logit_kd / logit_kd_divergence / hard_ce / teacher_ce / top1_agreement
+  sums and every gradient equal the whole-logits objective's."""
+  _, rows, student, extras, batch, _ = padded_kd
+  t = extras["teacher"](batch["inputs_BxL"], positions_BxL=batch["positions_BxL"],
+                        segment_ids_BxL=batch["segment_ids_BxL"]).logits_BxLxV[..., :rows]
+  top_logp, ids = jax.lax.top_k(jax.nn.log_softmax(t / 2.0, -1), 8)
+  nll = -jnp.take_along_axis(jax.nn.log_softmax(t, -1), batch["targets_BxL"][..., None], -1)
+  cached = {**batch, TOPK_IDS: ids, TOPK_LOGPROBS: top_logp, TEACHER_NLL: nll[..., 0]}
+  kd = CachedLogitKD(temperature=2.0, alpha=0.7, divergence="reverse_kl")
+  want_out, want = _run(make_distill_objective(kd, chunk_size=None), student, {}, cached, rows)
+  with token_loss_impl.recorded_choices() as ran:
+    out, got = _run(make_distill_objective(kd, sliced=True), student, {}, cached, rows)
+  assert [k.split(" (")[0] for k in ran] == ["sliced"]
+  chip.assert_close(out.loss_sum, want_out.loss_sum, rtol=1e-5)
+  assert sorted(out.sums) == sorted(want_out.sums)
+  for k in out.sums:
+    chip.assert_close(out.sums[k], want_out.sums[k], rtol=1e-5, err_msg=k)
   for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
     chip.assert_close(g, w, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 

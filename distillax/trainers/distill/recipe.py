@@ -88,7 +88,7 @@ class DistillRecipe(Recipe):
   rollback_metrics = ("eval_objective", "eval_loss", "eval_perplexity")
   router_losses = True  # an MoE student's, next to the distillation terms
   mix = None  # several teachers' TeacherMix (multi_teacher.py); None: one teacher
-  sliced_loss = True  # train.loss_impl='sliced': a forward-KL LogitKD (make_distill_objective)
+  sliced_loss = True  # train.loss_impl='sliced': one LogitKD, one teacher (any divergence, top_k)
 
   def __init__(self, config, **kwargs):
     super().__init__(config, **kwargs)
@@ -130,7 +130,7 @@ class DistillRecipe(Recipe):
     return self.transforms.train_objective(objective) if train else objective
 
   def sliced_strategy(self) -> bool:
-    """Whether the strategy is the one forward-KL LogitKD that vocabulary slices compute (what
+    """Whether the strategy is the one LogitKD that vocabulary slices compute (what
     train.loss_impl='auto' then runs; an explicit 'sliced' is refused otherwise)."""
     try:
       sliced_leaf([(w, leaf) for w, leaf in self.strategy().leaves() if leaf.needs.logits],
