@@ -1,7 +1,8 @@
 """How fast does the sampler decode, against the HBM roofline of its batch?
 
   python benchmarks/sampler_decode.py [--rows 16,32] [--prompt 512] [--new 256]
-      [--pair real|tiny] [--profile DIR] [--json PATH]
+      [--pair real|tiny] [--cache-dtype int8] [--profile DIR]
+      [--json PATH (default benchmarks/results/sampler_decode.json)]
 
 The student of the accelerator benchmark's pair (benchmarks/lib/lever_grid.py; `real` is the
 Qwen3-0.6B shape) decodes with models/sampler.decode as on-policy distillation runs it: bf16
@@ -37,11 +38,14 @@ from distillax.framework import throughput  # noqa: E402
 from distillax.models.sampler import SamplingConfig, decode, weights_in_compute_dtype  # noqa: E402
 
 
-def program(graphdef, cfg: SamplingConfig):
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def program(graphdef, cfg: SamplingConfig, cache_dtype: str | None):
   """The jitted decode of the model whose state is passed in, weights cast once inside."""
   def run(state, prompt_BxP, lengths_B, key):
     model = weights_in_compute_dtype(nnx.merge(graphdef, state))
-    out = decode(model, prompt_BxP, lengths_B, key, cfg)
+    out = decode(model, prompt_BxP, lengths_B, key, cfg, cache_dtype)
     return out.lengths_B, out.tokens_BxT
   return jax.jit(run)
 
@@ -58,22 +62,23 @@ def timed(fn, args, reps: int) -> float:
 
 
 def measure(graphdef, state, student_cfg, rows: int, prompt: int, new: int, reps: int,
-            profile_dir: str | None) -> dict:
+            profile_dir: str | None, cache_dtype: str | None = None) -> dict:
   V = student_cfg.vocab_size
   rng = np.random.default_rng(0)
   prompt_BxP = jnp.asarray(rng.integers(1, V - 1, (rows, prompt)), jnp.int32)
   args = (state, prompt_BxP, jnp.full((rows,), prompt, jnp.int32), jax.random.key(0))
   base = dict(eos_id=V - 1, vocab_limit=V - 1)
-  prefill_s = timed(program(graphdef, SamplingConfig(1, 1.0, **base)), args, reps)
-  row = {"rows": rows, "prompt": prompt, "new_tokens": new, "prefill_s": prefill_s}
+  prefill_s = timed(program(graphdef, SamplingConfig(1, 1.0, **base), cache_dtype), args, reps)
+  row = {"rows": rows, "prompt": prompt, "new_tokens": new, "prefill_s": prefill_s,
+         "cache_dtype": cache_dtype or student_cfg.dtype}
   for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
-    fn = program(graphdef, SamplingConfig(new, temperature, **base))
+    fn = program(graphdef, SamplingConfig(new, temperature, **base), cache_dtype)
     whole_s = timed(fn, args, reps)
     row[f"{name}_s"] = whole_s
     row[f"{name}_step_ms"] = 1e3 * (whole_s - prefill_s) / (new - 1)
   roof = on_policy_lever.decode_roofline(
       on_policy_lever.decode_weight_bytes(student_cfg),
-      on_policy_lever.kv_bytes_per_position(student_cfg), rows, prompt, new,
+      on_policy_lever.kv_bytes_per_position(student_cfg, cache_dtype), rows, prompt, new,
       throughput.hbm_bandwidth_per_device()[0])
   row.update(roof)
   if roof["roofline_tokens_per_s"]:
@@ -82,7 +87,7 @@ def measure(graphdef, state, student_cfg, rows: int, prompt: int, new: int, reps
     for name in ("greedy", "sampled"):
       row[f"{name}_of_roofline"] = roof_step_ms / row[f"{name}_step_ms"]
   if profile_dir:
-    fn = program(graphdef, SamplingConfig(new, 1.0, **base))
+    fn = program(graphdef, SamplingConfig(new, 1.0, **base), cache_dtype)
     jax.block_until_ready(fn(*args))
     jax.profiler.start_trace(profile_dir)
     try:
@@ -99,8 +104,11 @@ def main(argv=None) -> int:
   parser.add_argument("--new", type=int, default=256)
   parser.add_argument("--pair", default="real", choices=("real", "tiny"))
   parser.add_argument("--reps", type=int, default=2)
+  parser.add_argument("--cache-dtype", default=None, help="the KV cache's: int8, or the compute "
+                      "dtype (default)")
   parser.add_argument("--profile", default="", help="trace the last row count's sampled call")
-  parser.add_argument("--json", default="")
+  parser.add_argument("--json", default=str(RESULTS / "sampler_decode.json"),
+                      help="result file (default: benchmarks/results/sampler_decode.json)")
   parser.add_argument("--devices", default=None, help=argparse.SUPPRESS)  # the prologue's
   args = parser.parse_args(argv)
   student_cfg = lever_grid.pair_configs("real", tiny=args.pair == "tiny")["student"]
@@ -110,11 +118,10 @@ def main(argv=None) -> int:
   for i, n in enumerate(counts):
     profile = args.profile if args.profile and i == len(counts) - 1 else None
     rows.append(measure(graphdef, state, student_cfg, n, args.prompt, args.new, args.reps,
-                        profile))
+                        profile, args.cache_dtype))
     print(json.dumps(rows[-1]), flush=True)
-  if args.json:
-    Path(args.json).write_text(json.dumps({"device": jax.devices()[0].device_kind,
-                                           "argv": sys.argv, "rows": rows}, indent=1) + "\n")
+  Path(args.json).write_text(json.dumps({"device": jax.devices()[0].device_kind,
+                                         "argv": sys.argv, "rows": rows}, indent=1) + "\n")
   return 0
 
 
