@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from distillax.partitioning import active_rules
+
 _MASKED = -1e30
 _BLOCKS = (1024, 512, 256, 128)  # slots per key block, the largest that divides the cache
 # Bytes of one key block: keys and values, each double-buffered, stay within the 16 MiB of
@@ -139,3 +141,30 @@ def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_B
       interpret=interpret,
   )(sref, q_BxKGxH, k_rows, v_rows, valid_Bx1xSK, *scales)
   return out.reshape(B, K, G, H)
+
+
+def per_device(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled, *scales,
+               kernel=stacked_decode_attention, **kwargs) -> jax.Array | None:
+  """`kernel` (stacked_decode_attention) on each device's rows and kv heads: under rules over a
+  mesh of several devices, inside a shard_map (the compiler cannot partition a Pallas call);
+  None where the rules split what a device's kernel needs whole (the layers, the slots, the
+  features; or, with an int8 cache's scales, the kv heads), so the caller attends otherwise."""
+  active = active_rules()
+  if active is None or active.mesh.size == 1:
+    return kernel(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled, *scales,
+                  **kwargs)
+  def spec(logical, x):
+    resolved = tuple(active.rules.resolve(logical, x.shape, active.mesh, "the decode kernel"))
+    return resolved + (None,) * (x.ndim - len(resolved))
+  q_spec = spec(("batch", "kv_heads", None, None), q_BxKxGxH)
+  kv_spec = spec(("layers", "batch", "length", "kv_heads", "head_dim"), k_NxBxSxKxH)
+  layers, rows, slots, heads, features = kv_spec
+  if layers or slots or features or q_spec[:2] != (rows, heads) or (scales and heads):
+    return None
+  P = jax.sharding.PartitionSpec
+  local = lambda *args: kernel(*args, **kwargs)
+  return jax.shard_map(
+      local, mesh=active.mesh, check_vma=False, out_specs=P(*q_spec),
+      in_specs=(P(*q_spec), P(*kv_spec), P(*kv_spec), P(), P(rows, None), P(),
+                *[P(None, rows, None, None)] * len(scales)),
+  )(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled, *scales)

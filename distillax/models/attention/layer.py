@@ -28,12 +28,13 @@ from distillax.models.config import TransformerConfig
 from distillax.models.attention.blockwise import blockwise_attention
 from distillax.models.attention.cache_slot import StackedSlot
 from distillax.models.attention.decode import key_block, stacked_decode_attention
+from distillax.models.attention.decode import per_device as decode_per_device
 from distillax.models.attention.kv_cache import KVCache, kv_cache_bytes_per_token  # noqa: F401
 from distillax.models.attention.fused import cudnn_attention, splash_attention
 from distillax.models.attention.tokamax import tokamax_attention
 from distillax.models.layers import RMSNorm, apply_rope, normal_param
 from distillax.models.layers import softcap as _softcap
-from distillax.partitioning import active_rules, constrain
+from distillax.partitioning import constrain
 
 _MASKED = -1e30  # finite, so a fully masked row can never produce NaNs
 
@@ -145,9 +146,6 @@ def attend_stacked(cfg: TransformerConfig, q_Bx1xKxGxH, slot: StackedSlot, maski
       dtype=cfg.dtype, head_dim=Dh, sinks=sinks,
       stacked_cache=(k_stack.shape[3:] == (K, Dh)
                      and key_block(S, K * Dh * k_stack.dtype.itemsize) is not None))
-  active = active_rules()
-  if active is not None and active.mesh.size > 1:
-    return None  # a Pallas call the compiler cannot partition: shard_map it first (not yet)
   if attention_impl.resolve(cfg.attention_impl, needs) != "decode":
     return None
   mask_BxS = attention_mask(masking["q_index_BxL"], masking["k_index_BxS"],
@@ -155,10 +153,10 @@ def attend_stacked(cfg: TransformerConfig, q_Bx1xKxGxH, slot: StackedSlot, maski
   mask_BxS = window_mask(mask_BxS, masking["q_index_BxL"], masking["k_index_BxS"],
                          masking["window"])[:, 0]
   k_stack, v_stack, *scales = slot.stacks
-  out_BxKxGxH = stacked_decode_attention(
-      q_Bx1xKxGxH[:, 0], k_stack, v_stack, slot.layer, mask_BxS, cache_index + 1,
-      *scales, scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap)
-  return out_BxKxGxH[:, None]
+  out_BxKxGxH = decode_per_device(
+      q_Bx1xKxGxH[:, 0], k_stack, v_stack, slot.layer, mask_BxS, cache_index + 1, *scales,
+      kernel=stacked_decode_attention, scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap)
+  return None if out_BxKxGxH is None else out_BxKxGxH[:, None]
 
 
 class Attention(nnx.Module):

@@ -8,6 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+
+from distillax import partitioning as pt
 
 from distillax.errors import UserError
 from distillax.models.attention import impl as attention_impl
@@ -17,10 +20,11 @@ from distillax.models.attention.decode import key_block, stacked_decode_attentio
 from distillax.models.attention.impl import AttentionNeeds, choose
 from distillax.models.attention.kv_cache import KVCache
 from distillax.models.attention.layer import reference_attention
+from distillax.models.init import model_shardings
 from distillax.models.presets import get_preset
 from distillax.models.sampler import SamplingConfig, decode, generate
 from distillax.models.transformer import with_layer_layout
-from tests.models.test_sampler import _uncached_greedy
+from tests.models.test_sampler import LENGTHS, PROMPTS, _uncached_greedy
 from tests.support import chip
 from tests.support.models import random_model
 
@@ -187,3 +191,47 @@ def _first_step_logits(model, prompts, cache_dtype):
   step = model(jnp.asarray(prompts[:, -1:]), positions_BxL=jnp.full((B, 1), P, jnp.int32),
                cache=out.cache)
   return np.asarray(step.logits_BxLxV[:, 0], np.float32)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, "int8"])
+def test_a_sharded_model_decodes_through_the_kernel_per_device_like_one_device(
+    cache_dtype, monkeypatch):
+  """Rows over the data axis and kv heads over the model axis (fsdp_tp on 4 x 2 devices): the
+  kernel runs inside a shard_map on each device's rows and heads, and the tokens are one
+  device's. An int8 cache's scales interleave the heads, so with heads split it attends by the
+  reference path (the kernel is not called) and still decodes the same tokens."""
+  model = with_layer_layout(random_model(get_preset("tiny"), seed=4), True)
+  prompts = np.tile(PROMPTS, (3, 1))[:8]
+  lengths = np.tile(LENGTHS, 3)[:8]
+  run = lambda **mesh: np.asarray(decode_sharded(model, prompts, lengths, cache_dtype, **mesh))
+  plain = run()
+  calls = []
+
+  def kernel(*args, **kwargs):
+    calls.append(1)
+    return stacked_decode_attention(*args, **kwargs, interpret=chip.interpret())
+
+  monkeypatch.setattr(attention_impl, "decode_unsupported",
+                      lambda requested, platform, needs: None if needs.stacked_cache else "no")
+  monkeypatch.setattr(attention_layer, "stacked_decode_attention", kernel)
+  mesh = pt.create_mesh({"data": 4, "model": 2})
+  np.testing.assert_array_equal(run(mesh=mesh, rules=pt.rules_from_config(
+      {"strategy": "fsdp_tp"})), plain)
+  assert bool(calls) == (cache_dtype is None)
+
+
+def decode_sharded(model, prompts, lengths, cache_dtype, mesh=None, rules=None):
+  steps = 10  # 6 + 10 = 16 slots
+  if mesh is None:
+    return decode(model, jnp.asarray(prompts), jnp.asarray(lengths), jax.random.key(0),
+                  SamplingConfig(steps), cache_dtype=cache_dtype).tokens_BxT
+  shardings = model_shardings(model, mesh, rules)
+  graphdef, state = nnx.split(model)
+  placed = nnx.merge(graphdef, jax.tree.map(jax.device_put, nnx.to_pure_dict(state), shardings))
+
+  @jax.jit
+  def run(state, prompts, lengths):
+    with pt.use_rules(mesh, rules):
+      return decode(nnx.merge(graphdef, state), prompts, lengths, jax.random.key(0),
+                    SamplingConfig(steps), cache_dtype=cache_dtype).tokens_BxT
+  return run(nnx.state(placed), jnp.asarray(prompts), jnp.asarray(lengths))
