@@ -164,13 +164,7 @@ def test_the_sliced_kd_under_fsdp_equals_whole_logits(padded_kd):
        token_loss_impl.recorded_choices() as ran:
     out, got = _run(make_distill_objective(kd, metrics=False, sliced=True), student, extras,
                     batch, rows)
-  assert [k.split(" (")[0] for k in ran] == ["sliced"]
-  chip.assert_close(out.loss_sum, want_out.loss_sum, rtol=1e-5)
-  assert sorted(out.sums) == sorted(want_out.sums)
-  for k in out.sums:
-    chip.assert_close(out.sums[k], want_out.sums[k], rtol=1e-5, err_msg=k)
-  for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
-    chip.assert_close(g, w, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  _assert_sliced_equals_whole(ran, out, got, want_out, want)
   assert np.all(_head_rows(got)[rows:] == 0) and np.any(_head_rows(got)[:rows] != 0)
 
 
@@ -189,13 +183,7 @@ def test_a_cached_top_k_kd_over_slices_equals_whole_logits(padded_kd):
   want_out, want = _run(make_distill_objective(kd, chunk_size=None), student, {}, cached, rows)
   with token_loss_impl.recorded_choices() as ran:
     out, got = _run(make_distill_objective(kd, sliced=True), student, {}, cached, rows)
-  assert [k.split(" (")[0] for k in ran] == ["sliced"]
-  chip.assert_close(out.loss_sum, want_out.loss_sum, rtol=1e-5)
-  assert sorted(out.sums) == sorted(want_out.sums)
-  for k in out.sums:
-    chip.assert_close(out.sums[k], want_out.sums[k], rtol=1e-5, err_msg=k)
-  for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
-    chip.assert_close(g, w, atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  _assert_sliced_equals_whole(ran, out, got, want_out, want)
 
 
 def test_logit_metrics_read_the_token_columns_alone(padded_kd):
@@ -213,3 +201,15 @@ def test_logit_metrics_read_the_token_columns_alone(padded_kd):
   chip.assert_close(out.sums["teacher_ce"], np.sum(teacher_nll * m), rtol=1e-5)
   chip.assert_close(out.sums["logit_cosine"], np.sum(cosine * m), rtol=1e-5)
   assert float(out.sums["top1_agreement"]) == np.sum((s.argmax(-1) == t.argmax(-1)) * m)
+
+
+def _assert_sliced_equals_whole(ran, out, got, want_out, want):
+  """The objective ran over vocabulary slices, and its loss, sums and every gradient equal the
+  whole-logits objective's."""
+  assert [k.split(" (")[0] for k in ran] == ["sliced"]
+  chip.assert_close(out.loss_sum, want_out.loss_sum, rtol=1e-5)
+  assert sorted(out.sums) == sorted(want_out.sums)
+  for k in out.sums:
+    chip.assert_close(out.sums[k], want_out.sums[k], rtol=1e-5, err_msg=k)
+  for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
+    chip.assert_close(g, w, atol=1e-5, err_msg=jax.tree_util.keystr(path))
