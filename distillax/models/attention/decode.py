@@ -51,7 +51,7 @@ def key_block(length: int, row_bytes: int = 0) -> int | None:
 
 
 def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, *rest, scale: float, softcap: float | None,
-            K: int, G: int, quantized: bool):
+            K: int, G: int, R: int, quantized: bool):
   if quantized:  # int8 codes with one scale per (slot, head) row
     ks_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref = rest
   else:
@@ -66,40 +66,51 @@ def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, *rest, scale: float, softcap: 
 
   @pl.when(s < sref[1])
   def _block():
-    # Column j of the block is slot j // K, kv head j % K: query row r (head r // G) keeps
-    # its own head's columns of the slots it may attend.
-    q = q_ref[0]
-    k = k_ref[0, 0].astype(q.dtype) if quantized else k_ref[0, 0]
-    scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32) * scale  # (K*G, blk*K)
-    if quantized:
-      scores = scores * ks_ref[0, 0]
-    if softcap is not None:
-      scores = softcap * jnp.tanh(scores / softcap)
-    row_head = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, scores.shape, 0), G)
-    col_head = jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1), K)
-    keep = (row_head == col_head) & (valid_ref[0] > 0)
-    scores = jnp.where(keep, scores, _MASKED)
-    m_prev = m_ref[...]
-    m_new = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
-    p = jnp.where(keep, jnp.exp(scores - m_new), 0.0)
-    alpha = jnp.exp(m_prev - m_new)
-    l_ref[...] = alpha * l_ref[...] + p.sum(axis=1, keepdims=True)
-    v = v_ref[0, 0].astype(q.dtype) if quantized else v_ref[0, 0]
-    weights = p * vs_ref[0, 0] if quantized else p
-    acc_ref[...] = alpha * acc_ref[...] + jnp.dot(weights.astype(v.dtype), v,
-                                                  preferred_element_type=jnp.float32)
-    m_ref[...] = m_new
+    for r in range(R):  # the grid step's rows, one after another
+      _attend_row(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref,
+                  (ks_ref, vs_ref) if quantized else None, scale=scale, softcap=softcap, K=K,
+                  G=G)
 
   @pl.when(s == pl.num_programs(1) - 1)
   def _out():
-    o_ref[0] = (acc_ref[...] / jnp.maximum(l_ref[...], 1e-30)).astype(o_ref.dtype)
+    o_ref[...] = (acc_ref[...] / jnp.maximum(l_ref[...], 1e-30)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret"))
+def _attend_row(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_refs, *,
+                scale, softcap, K, G):
+  """One row's online-softmax update over the block. Column j of the block is slot j // K, kv
+  head j % K: query row i (head i // G) keeps its own head's columns of the slots it may
+  attend."""
+  q = q_ref[r]
+  k = k_ref[0, r].astype(q.dtype) if scale_refs else k_ref[0, r]
+  scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32) * scale  # (K*G, blk*K)
+  if scale_refs:
+    scores = scores * scale_refs[0][0, r]
+  if softcap is not None:
+    scores = softcap * jnp.tanh(scores / softcap)
+  row_head = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, scores.shape, 0), G)
+  col_head = jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1), K)
+  keep = (row_head == col_head) & (valid_ref[r] > 0)
+  scores = jnp.where(keep, scores, _MASKED)
+  m_prev = m_ref[r]
+  m_new = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
+  p = jnp.where(keep, jnp.exp(scores - m_new), 0.0)
+  alpha = jnp.exp(m_prev - m_new)
+  l_ref[r] = alpha * l_ref[r] + p.sum(axis=1, keepdims=True)
+  v = v_ref[0, r].astype(q.dtype) if scale_refs else v_ref[0, r]
+  weights = p * scale_refs[1][0, r] if scale_refs else p
+  acc_ref[r] = alpha * acc_ref[r] + jnp.dot(weights.astype(v.dtype), v,
+                                            preferred_element_type=jnp.float32)
+  m_ref[r] = m_new
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "block",
+                                             "rows_per_step"))
 def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled,
                              k_scale_NxBx1xSK=None, v_scale_NxBx1xSK=None, *, scale: float,
-                             softcap: float | None = None, interpret: bool = False) -> jax.Array:
+                             softcap: float | None = None, interpret: bool = False,
+                             block: int | None = None, rows_per_step: int = 1) -> jax.Array:
   """(B, K, G, H) attention outputs (float32) of one query position per row against layer
   `layer` of the stacks. valid_BxS: which slots each row attends; filled: how many slots from
   the start may be valid (the blocks past it are neither read nor computed). An int8 cache
@@ -107,8 +118,11 @@ def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_B
   their own dtype against the codes, each row's product times its scale."""
   N, B, S, K, H = k_NxBxSxKxH.shape
   G = q_BxKxGxH.shape[2]
-  block = key_block(S, K * H * k_NxBxSxKxH.dtype.itemsize)
-  if block is None:
+  R = rows_per_step
+  if B % R:
+    raise ValueError(f"rows_per_step={R} must divide the {B} rows")
+  block = block or key_block(S, R * K * H * k_NxBxSxKxH.dtype.itemsize)
+  if block is None or S % block:
     raise ValueError(f"no key block divides a cache of {S} slots")
   blocks_needed = jnp.clip((filled + block - 1) // block, 1, S // block)
   sref = jnp.stack([jnp.asarray(layer, jnp.int32), blocks_needed.astype(jnp.int32)])
@@ -121,21 +135,22 @@ def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_B
   q_BxKGxH = q_BxKxGxH.astype(q_dtype).reshape(B, K * G, H)
   last = lambda s, sref: jnp.minimum(s, sref[1] - 1)
   rows = block * K
-  cache_spec = pl.BlockSpec((1, 1, rows, H), lambda b, s, sref: (sref[0], b, last(s, sref), 0))
-  scale_spec = pl.BlockSpec((1, 1, 1, rows), lambda b, s, sref: (sref[0], b, 0, last(s, sref)))
+  cache_spec = pl.BlockSpec((1, R, rows, H), lambda b, s, sref: (sref[0], b, last(s, sref), 0))
+  scale_spec = pl.BlockSpec((1, R, 1, rows), lambda b, s, sref: (sref[0], b, 0, last(s, sref)))
   scales = (k_scale_NxBx1xSK, v_scale_NxBx1xSK) if quantized else ()
   out = pl.pallas_call(
-      functools.partial(_kernel, scale=scale, softcap=softcap, K=K, G=G, quantized=quantized),
+      functools.partial(_kernel, scale=scale, softcap=softcap, K=K, G=G, R=R,
+                        quantized=quantized),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=(B, S // block),
-          in_specs=[pl.BlockSpec((1, K * G, H), lambda b, s, sref: (b, 0, 0)),
+          num_scalar_prefetch=1, grid=(B // R, S // block),
+          in_specs=[pl.BlockSpec((R, K * G, H), lambda b, s, sref: (b, 0, 0)),
                     cache_spec, cache_spec,
-                    pl.BlockSpec((1, 1, rows), lambda b, s, sref: (b, 0, last(s, sref))),
+                    pl.BlockSpec((R, 1, rows), lambda b, s, sref: (b, 0, last(s, sref))),
                     *[scale_spec] * len(scales)],
-          out_specs=pl.BlockSpec((1, K * G, H), lambda b, s, sref: (b, 0, 0)),
-          scratch_shapes=[pltpu.VMEM((K * G, 1), jnp.float32),
-                          pltpu.VMEM((K * G, 1), jnp.float32),
-                          pltpu.VMEM((K * G, H), jnp.float32)]),
+          out_specs=pl.BlockSpec((R, K * G, H), lambda b, s, sref: (b, 0, 0)),
+          scratch_shapes=[pltpu.VMEM((R, K * G, 1), jnp.float32),
+                          pltpu.VMEM((R, K * G, 1), jnp.float32),
+                          pltpu.VMEM((R, K * G, H), jnp.float32)]),
       out_shape=jax.ShapeDtypeStruct((B, K * G, H), jnp.float32),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,

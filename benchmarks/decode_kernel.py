@@ -1,0 +1,145 @@
+"""How close does the decode kernel come to reading its cache at HBM speed, per layout?
+
+  python benchmarks/decode_kernel.py [--rows 32] [--slots 1024] [--filled 768,1024]
+      [--variants 'bf16:0:1,int8:0:1,...'] [--json PATH (default
+      benchmarks/results/decode_kernel.json)]
+
+The kernel alone (models/attention/decode.stacked_decode_attention), at the real student's
+attention shape (Qwen3-0.6B: 28 layers, 8 kv heads of 128, 2 queries a head), as one decode
+step of the sampler calls it: once per layer of the stacked cache, every layer in one program.
+A variant is `dtype:block:rows_per_step` (block 0: the kernel's own choice). Each variant's time
+per step is set against what it reads (the cache blocks up to the filled slot, keys and values,
+with an int8 cache's scales) at the chip's HBM bandwidth, and against the default variant of
+its dtype in the same run. On a CPU it runs in Pallas' interpreter at a tiny size (--quick), a
+check of the bookkeeping only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+from benchmarks.lib import prologue  # noqa: E402
+
+prologue.start(__name__, default_devices=1)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from distillax.framework import throughput  # noqa: E402
+from distillax.models.attention.cache_slot import quantize_rows  # noqa: E402
+from distillax.models.attention.decode import key_block, stacked_decode_attention  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REAL = dict(layers=28, kv_heads=8, groups=2, head_dim=128)
+QUICK = dict(layers=2, kv_heads=2, groups=2, head_dim=128)
+DEFAULT_VARIANTS = ("bf16:0:1,bf16:256:1,bf16:512:2,bf16:256:4,bf16:128:8,int8:0:1,int8:256:1,"
+                    "int8:1024:2,int8:512:4,int8:256:4,int8:256:8,int8:128:8")
+
+
+def caches(shape: dict, rows: int, slots: int, dtype: str, seed: int = 0):
+  """Random keys and values (and an int8 cache's codes and scales), stacked as the model holds
+  them: (layers, rows, slots, kv heads, head dim)."""
+  N, K, H = shape["layers"], shape["kv_heads"], shape["head_dim"]
+  k_key, v_key = jax.random.split(jax.random.key(seed))
+  k = jax.random.normal(k_key, (N, rows, slots, K, H), jnp.bfloat16)
+  v = jax.random.normal(v_key, (N, rows, slots, K, H), jnp.bfloat16)
+  if dtype == "bf16":
+    return k, v, ()
+  (k8, ks), (v8, vs) = quantize_rows(k), quantize_rows(v)
+  as_rows = lambda scale_NxBxSxK: scale_NxBxSxK.reshape(N, rows, 1, slots * K)
+  return k8, v8, (as_rows(ks), as_rows(vs))
+
+
+def step_program(block: int, rows_per_step: int, interpret: bool, layers: int):
+  """Every layer's kernel call of one decode step, the outputs summed so nothing is dropped."""
+  def run(q, k, v, valid, filled, *scales):
+    def body(layer, total):
+      out = stacked_decode_attention(q, k, v, layer, valid, filled, *scales, scale=0.088,
+                                     interpret=interpret, block=block or None,
+                                     rows_per_step=rows_per_step)
+      return total + out.sum()
+    return jax.lax.fori_loop(0, layers, body, jnp.float32(0))
+  return jax.jit(run)
+
+
+def bytes_read(shape: dict, rows: int, slots: int, filled: int, block: int, dtype: str) -> int:
+  """What the kernel fetches: every row's blocks up to the filled slot, keys and values."""
+  K, H, N = shape["kv_heads"], shape["head_dim"], shape["layers"]
+  read_slots = min(slots, -(-filled // block) * block)
+  per_slot = K * H + K * 4 if dtype == "int8" else K * H * 2  # codes and a float32 scale a head
+  return 2 * N * rows * read_slots * per_slot
+
+
+def timed(fn, args, reps: int) -> float:
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def measure(variant: str, shape: dict, rows: int, slots: int, filled: int, reps: int,
+            interpret: bool, bandwidth: float | None) -> dict:
+  dtype, block, rows_per_step = variant.split(":")
+  block, rows_per_step = int(block), int(rows_per_step)
+  k, v, scales = caches(shape, rows, slots, dtype)
+  K, G, H = shape["kv_heads"], shape["groups"], shape["head_dim"]
+  q = jax.random.normal(jax.random.key(1), (rows, K, G, H), jnp.bfloat16)
+  valid = jnp.broadcast_to(jnp.arange(slots) < filled, (rows, slots))
+  chosen = block or key_block(slots, rows_per_step * K * H * k.dtype.itemsize)
+  row = {"variant": variant, "dtype": dtype, "block": chosen, "rows_per_step": rows_per_step,
+         "rows": rows, "slots": slots, "filled": filled}
+  try:
+    fn = step_program(block, rows_per_step, interpret, shape["layers"])
+    seconds = timed(fn, (q, k, v, valid, jnp.int32(filled), *scales), reps)
+  except Exception as e:  # noqa: BLE001 - a layout the chip refuses (e.g. VMEM) is a result
+    return {**row, "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+  read = bytes_read(shape, rows, slots, filled, chosen, dtype)
+  row.update(status="ok", step_ms=seconds * 1e3, bytes_read=read, read_gb_per_s=read / seconds / 1e9)
+  if bandwidth:
+    row["of_hbm"] = read / seconds / bandwidth
+  return row
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--rows", type=int, default=32)
+  parser.add_argument("--slots", type=int, default=1024)
+  parser.add_argument("--filled", default="768,1024")
+  parser.add_argument("--variants", default=DEFAULT_VARIANTS)
+  parser.add_argument("--reps", type=int, default=20)
+  parser.add_argument("--quick", action="store_true", help="a tiny size (the CPU's check)")
+  parser.add_argument("--json", default=str(RESULTS / "decode_kernel.json"))
+  parser.add_argument("--devices", default=None, help=argparse.SUPPRESS)  # the prologue's
+  args = parser.parse_args(argv)
+  on_tpu = jax.default_backend() == "tpu"
+  shape = REAL if on_tpu and not args.quick else QUICK
+  rows, slots = (args.rows, args.slots) if on_tpu and not args.quick else (4, 256)
+  bandwidth = throughput.hbm_bandwidth_per_device(jax.devices()[0])[0] if on_tpu else None
+  results = []
+  for filled in (int(f) for f in args.filled.split(",")):
+    filled = min(filled, slots)
+    for variant in args.variants.split(","):
+      row = measure(variant, shape, rows, slots, filled, 2 if not on_tpu else args.reps,
+                    not on_tpu, bandwidth)
+      base = next((r for r in results if r["filled"] == filled and r["dtype"] == row["dtype"]
+                   and r["variant"].endswith(":0:1") and r["status"] == "ok"), None)
+      if base and row["status"] == "ok":
+        row["speedup_vs_default"] = base["step_ms"] / row["step_ms"]
+      results.append(row)
+      print(json.dumps(row), flush=True)
+  Path(args.json).write_text(json.dumps({"backend": jax.default_backend(), "shape": shape,
+                                         "argv": sys.argv[1:], "rows": results}, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
