@@ -7,10 +7,11 @@
 The kernel alone (models/attention/decode.stacked_decode_attention), at the real student's
 attention shape (Qwen3-0.6B: 28 layers, 8 kv heads of 128, 2 queries a head), as one decode
 step of the sampler calls it: once per layer of the stacked cache, every layer in one program.
-A variant is `dtype:block:rows_per_step` (block 0: the kernel's own choice). Each variant's time
-per step is set against what it reads (the cache blocks up to the filled slot, keys and values,
-with an int8 cache's scales) at the chip's HBM bandwidth, and against the default variant of
-its dtype in the same run. On a CPU it runs in Pallas' interpreter at a tiny size (--quick), a
+A variant is `dtype:block:rows_per_step` (0: the kernel's own choice, decode.layout; `dtype:0:1`
+is one row a step in the largest block, the kernel's first layout and each dtype's baseline).
+Each variant's time per step is set against what it reads (the cache blocks up to the filled
+slot, keys and values, with an int8 cache's scales) at the chip's HBM bandwidth, and against
+its dtype's baseline in the same run. On a CPU it runs in Pallas' interpreter at a tiny size (--quick), a
 check of the bookkeeping only.
 """
 
@@ -33,13 +34,14 @@ import numpy as np  # noqa: E402
 
 from distillax.framework import throughput  # noqa: E402
 from distillax.models.attention.cache_slot import quantize_rows  # noqa: E402
-from distillax.models.attention.decode import key_block, stacked_decode_attention  # noqa: E402
+from distillax.models.attention.decode import (key_block, layout,  # noqa: E402
+                                               stacked_decode_attention)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REAL = dict(layers=28, kv_heads=8, groups=2, head_dim=128)
 QUICK = dict(layers=2, kv_heads=2, groups=2, head_dim=128)
-DEFAULT_VARIANTS = ("bf16:0:1,bf16:256:1,bf16:512:2,bf16:256:4,bf16:128:8,int8:0:1,int8:256:1,"
-                    "int8:1024:2,int8:512:4,int8:256:4,int8:256:8,int8:128:8")
+DEFAULT_VARIANTS = ("bf16:0:1,bf16:0:0,bf16:256:1,bf16:512:2,bf16:256:4,bf16:128:8,int8:0:1,"
+                    "int8:0:0,int8:256:1,int8:1024:2,int8:512:4,int8:256:4,int8:256:8,int8:128:8")
 
 
 def caches(shape: dict, rows: int, slots: int, dtype: str, seed: int = 0):
@@ -94,15 +96,20 @@ def measure(variant: str, shape: dict, rows: int, slots: int, filled: int, reps:
   K, G, H = shape["kv_heads"], shape["groups"], shape["head_dim"]
   q = jax.random.normal(jax.random.key(1), (rows, K, G, H), jnp.bfloat16)
   valid = jnp.broadcast_to(jnp.arange(slots) < filled, (rows, slots))
-  chosen = block or key_block(slots, rows_per_step * K * H * k.dtype.itemsize)
-  row = {"variant": variant, "dtype": dtype, "block": chosen, "rows_per_step": rows_per_step,
+  row_bytes = K * H * k.dtype.itemsize
+  chosen_block, chosen_rows = layout(rows, slots, row_bytes)
+  rows_per_step = rows_per_step or chosen_rows
+  if not block:
+    block = chosen_block if not int(variant.split(":")[2]) else key_block(
+        slots, rows_per_step * row_bytes)
+  row = {"variant": variant, "dtype": dtype, "block": block, "rows_per_step": rows_per_step,
          "rows": rows, "slots": slots, "filled": filled}
   try:
     fn = step_program(block, rows_per_step, interpret, shape["layers"])
     seconds = timed(fn, (q, k, v, valid, jnp.int32(filled), *scales), reps)
   except Exception as e:  # noqa: BLE001 - a layout the chip refuses (e.g. VMEM) is a result
     return {**row, "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-  read = bytes_read(shape, rows, slots, filled, chosen, dtype)
+  read = bytes_read(shape, rows, slots, filled, block, dtype)
   row.update(status="ok", step_ms=seconds * 1e3, bytes_read=read, read_gb_per_s=read / seconds / 1e9)
   if bandwidth:
     row["of_hbm"] = read / seconds / bandwidth

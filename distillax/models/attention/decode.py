@@ -50,6 +50,21 @@ def key_block(length: int, row_bytes: int = 0) -> int | None:
   return length if length <= fits[0] and length % 8 == 0 else None
 
 
+def layout(rows: int, length: int, row_bytes: int) -> tuple[int, int]:
+  """(slots per key block, rows per grid step): the most rows a step (8 at most) whose blocks
+  still fit the bytes, each block as large as they allow. Measured on the v5e at the real
+  student's shape (32 rows of 1,024 slots, 768 filled; benchmarks/results/tpu/
+  decode_kernel_call13.json): 8 rows of 128-slot blocks took 0.84x the time of one row of
+  1,024-slot blocks in bf16, 8 rows of 256 slots 0.94x in int8. Small blocks let the kernel
+  skip the unfilled tail of the cache; several rows a step pay the grid's per-step cost once."""
+  for per_step in (8, 4, 2):
+    if rows % per_step == 0:
+      block = key_block(length, per_step * row_bytes)
+      if block is not None and block * per_step * row_bytes <= _BLOCK_BYTES:
+        return block, per_step
+  return key_block(length, row_bytes), 1
+
+
 def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, *rest, scale: float, softcap: float | None,
             K: int, G: int, R: int, quantized: bool):
   if quantized:  # int8 codes with one scale per (slot, head) row
@@ -110,18 +125,22 @@ def _attend_row(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_
 def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled,
                              k_scale_NxBx1xSK=None, v_scale_NxBx1xSK=None, *, scale: float,
                              softcap: float | None = None, interpret: bool = False,
-                             block: int | None = None, rows_per_step: int = 1) -> jax.Array:
+                             block: int | None = None,
+                             rows_per_step: int | None = None) -> jax.Array:
   """(B, K, G, H) attention outputs (float32) of one query position per row against layer
   `layer` of the stacks. valid_BxS: which slots each row attends; filled: how many slots from
   the start may be valid (the blocks past it are neither read nor computed). An int8 cache
   passes its codes as the stacks and its scales (kv_cache.KVCache); the queries then run in
-  their own dtype against the codes, each row's product times its scale."""
+  their own dtype against the codes, each row's product times its scale. `block` and
+  `rows_per_step` override layout()'s choice (benchmarks/decode_kernel.py measures them)."""
   N, B, S, K, H = k_NxBxSxKxH.shape
   G = q_BxKxGxH.shape[2]
-  R = rows_per_step
+  row_bytes = K * H * k_NxBxSxKxH.dtype.itemsize
+  chosen_block, R = layout(B, S, row_bytes)
+  R = rows_per_step or R
   if B % R:
     raise ValueError(f"rows_per_step={R} must divide the {B} rows")
-  block = block or key_block(S, R * K * H * k_NxBxSxKxH.dtype.itemsize)
+  block = block or (chosen_block if rows_per_step is None else key_block(S, R * row_bytes))
   if block is None or S % block:
     raise ValueError(f"no key block divides a cache of {S} slots")
   blocks_needed = jnp.clip((filled + block - 1) // block, 1, S // block)

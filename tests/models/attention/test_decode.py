@@ -16,7 +16,7 @@ from distillax.errors import UserError
 from distillax.models.attention import impl as attention_impl
 from distillax.models.attention import layer as attention_layer
 from distillax.models.attention.cache_slot import dequantize_rows, quantize_rows
-from distillax.models.attention.decode import key_block, stacked_decode_attention
+from distillax.models.attention.decode import key_block, layout, stacked_decode_attention
 from distillax.models.attention.impl import AttentionNeeds, choose
 from distillax.models.attention.kv_cache import KVCache
 from distillax.models.attention.layer import reference_attention
@@ -73,6 +73,15 @@ def test_key_blocks_divide_the_cache_within_their_bytes_or_refuse():
   assert [key_block(n, bf16_rows) for n in (1024, 1536, 384, 13, 16, 4096)] == [
       1024, 512, 128, None, 16, 1024]
   assert key_block(1024, 2 * bf16_rows) == 512  # float32: 1,024 slots would be 4 MiB a block
+
+
+def test_layout_takes_the_most_rows_a_step_whose_blocks_fit_two_mib():
+  bf16_rows = 8 * 128 * 2
+  assert layout(32, 1024, bf16_rows) == (128, 8)  # 8 rows x 128 slots x 2 KiB = 2 MiB
+  assert layout(32, 1024, bf16_rows // 2) == (256, 8)  # int8 codes: 1 KiB a slot
+  assert layout(32, 1024, 2 * bf16_rows) == (128, 4)  # float32: 8 rows would need 64 slots
+  assert layout(6, 1024, bf16_rows) == (512, 2)  # 6 rows: 2 a step
+  assert layout(3, 1024, bf16_rows) == (1024, 1)
 
 
 def test_decode_is_chosen_on_a_tpu_for_a_stacked_cache_only():
