@@ -32,6 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.lib import common  # noqa: E402
 from distillax.framework import throughput  # noqa: E402
 from distillax.models.attention.cache_slot import quantize_rows  # noqa: E402
 from distillax.models.attention.decode import (key_block, layout,  # noqa: E402
@@ -85,7 +86,7 @@ def timed(fn, args, reps: int) -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
-  return float(np.median(times))
+  return common.median(times)
 
 
 def measure(variant: str, shape: dict, rows: int, slots: int, filled: int, reps: int,
@@ -143,8 +144,9 @@ def main(argv=None) -> int:
         row["speedup_vs_default"] = base["step_ms"] / row["step_ms"]
       results.append(row)
       print(json.dumps(row), flush=True)
-  Path(args.json).write_text(json.dumps({"backend": jax.default_backend(), "shape": shape,
-                                         "argv": sys.argv[1:], "rows": results}, indent=1))
+  out = Path(args.json)
+  common.write_json(out.parent, out.stem, {"backend": jax.default_backend(), "shape": shape,
+                                           "argv": sys.argv[1:], "rows": results})
   return 0
 
 
