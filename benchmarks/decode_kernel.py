@@ -30,6 +30,7 @@ prologue.start(__name__, default_devices=1)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 from benchmarks.lib import common  # noqa: E402
 from distillax.framework import throughput  # noqa: E402

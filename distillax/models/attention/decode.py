@@ -31,7 +31,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from distillax.models.attention.cache_slot import quantize_rows
 from distillax.partitioning import active_rules
 
 _MASKED = -1e30
@@ -68,8 +67,8 @@ def layout(rows: int, length: int, row_bytes: int) -> tuple[int, int]:
 
 def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, *rest, scale: float, softcap: float | None,
             K: int, G: int, R: int, quantized: bool):
-  if quantized:  # int8 codes with one scale per query row and per (slot, head) row
-    qs_ref, ks_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref = rest
+  if quantized:  # int8 codes with one scale per (slot, head) row
+    ks_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref = rest
   else:
     o_ref, m_ref, l_ref, acc_ref = rest
   s = pl.program_id(1)
@@ -84,8 +83,8 @@ def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, *rest, scale: float, softcap: 
   def _block():
     for r in range(R):  # the grid step's rows, one after another
       _attend_row(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref,
-                  (qs_ref, ks_ref, vs_ref) if quantized else None, scale=scale,
-                  softcap=softcap, K=K, G=G)
+                  (ks_ref, vs_ref) if quantized else None, scale=scale, softcap=softcap, K=K,
+                  G=G)
 
   @pl.when(s == pl.num_programs(1) - 1)
   def _out():
@@ -97,15 +96,12 @@ def _attend_row(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_
   """One row's online-softmax update over the block. Column j of the block is slot j // K, kv
   head j % K: query row i (head i // G) keeps its own head's columns of the slots it may
   attend."""
-  contract_features = (((1,), (1,)), ((), ()))
-  if scale_refs:  # int8 queries against the int8 codes: the MXU's int8 path, no key converted
-    qs_ref, ks_ref, vs_ref = scale_refs
-    codes = jax.lax.dot_general(q_ref[r], k_ref[0, r], contract_features,
-                                preferred_element_type=jnp.int32)  # (query rows padded, blk*K)
-    scores = codes[:K * G].astype(jnp.float32) * qs_ref[r] * ks_ref[0, r]
-  else:
-    scores = jax.lax.dot_general(q_ref[r], k_ref[0, r], contract_features,
-                                 preferred_element_type=jnp.float32) * scale
+  q = q_ref[r]
+  k = k_ref[0, r].astype(q.dtype) if scale_refs else k_ref[0, r]
+  scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32) * scale  # (K*G, blk*K)
+  if scale_refs:
+    scores = scores * scale_refs[0][0, r]
   if softcap is not None:
     scores = softcap * jnp.tanh(scores / softcap)
   row_head = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, scores.shape, 0), G)
@@ -117,8 +113,8 @@ def _attend_row(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_
   p = jnp.where(keep, jnp.exp(scores - m_new), 0.0)
   alpha = jnp.exp(m_prev - m_new)
   l_ref[r] = alpha * l_ref[r] + p.sum(axis=1, keepdims=True)
-  v = v_ref[0, r].astype(jnp.bfloat16) if scale_refs else v_ref[0, r]
-  weights = p * vs_ref[0, r] if scale_refs else p
+  v = v_ref[0, r].astype(q.dtype) if scale_refs else v_ref[0, r]
+  weights = p * scale_refs[1][0, r] if scale_refs else p
   acc_ref[r] = alpha * acc_ref[r] + jnp.dot(weights.astype(v.dtype), v,
                                             preferred_element_type=jnp.float32)
   m_ref[r] = m_new
@@ -134,10 +130,8 @@ def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_B
   """(B, K, G, H) attention outputs (float32) of one query position per row against layer
   `layer` of the stacks. valid_BxS: which slots each row attends; filled: how many slots from
   the start may be valid (the blocks past it are neither read nor computed). An int8 cache
-  passes its codes as the stacks and its scales (kv_cache.KVCache); each query head is then
-  coded to int8 as the cache's rows are, so the scores run on the MXU's int8 path with no key
-  converted (on the v5e, converting every key was what bound the int8 kernel), and the values
-  are converted to bf16 for their product. `block` and
+  passes its codes as the stacks and its scales (kv_cache.KVCache); the queries then run in
+  their own dtype against the codes, each row's product times its scale. `block` and
   `rows_per_step` override layout()'s choice (benchmarks/decode_kernel.py measures them)."""
   N, B, S, K, H = k_NxBxSxKxH.shape
   G = q_BxKxGxH.shape[2]
@@ -156,27 +150,22 @@ def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_B
   v_rows = v_NxBxSxKxH.reshape(N, B, S * K, H)
   valid_Bx1xSK = jnp.repeat(valid_BxS.astype(jnp.int32), K, axis=1)[:, None, :]
   quantized = k_scale_NxBx1xSK is not None
+  q_dtype = q_BxKxGxH.dtype if quantized else k_NxBxSxKxH.dtype
+  q_BxKGxH = q_BxKxGxH.astype(q_dtype).reshape(B, K * G, H)
   last = lambda s, sref: jnp.minimum(s, sref[1] - 1)
   rows = block * K
   cache_spec = pl.BlockSpec((1, R, rows, H), lambda b, s, sref: (sref[0], b, last(s, sref), 0))
   scale_spec = pl.BlockSpec((1, R, 1, rows), lambda b, s, sref: (sref[0], b, 0, last(s, sref)))
-  if quantized:
-    q_rows, q_scale_BxKGx1 = _int8_queries(q_BxKxGxH, scale)
-    scales = (q_scale_BxKGx1, k_scale_NxBx1xSK, v_scale_NxBx1xSK)
-    scale_specs = [pl.BlockSpec((R, K * G, 1), lambda b, s, sref: (b, 0, 0)),
-                   scale_spec, scale_spec]
-  else:
-    q_rows = q_BxKxGxH.astype(k_NxBxSxKxH.dtype).reshape(B, K * G, H)
-    scales, scale_specs = (), []
+  scales = (k_scale_NxBx1xSK, v_scale_NxBx1xSK) if quantized else ()
   out = pl.pallas_call(
       functools.partial(_kernel, scale=scale, softcap=softcap, K=K, G=G, R=R,
                         quantized=quantized),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1, grid=(B // R, S // block),
-          in_specs=[pl.BlockSpec((R,) + q_rows.shape[1:], lambda b, s, sref: (b, 0, 0)),
+          in_specs=[pl.BlockSpec((R, K * G, H), lambda b, s, sref: (b, 0, 0)),
                     cache_spec, cache_spec,
                     pl.BlockSpec((R, 1, rows), lambda b, s, sref: (b, 0, last(s, sref))),
-                    *scale_specs],
+                    *[scale_spec] * len(scales)],
           out_specs=pl.BlockSpec((R, K * G, H), lambda b, s, sref: (b, 0, 0)),
           scratch_shapes=[pltpu.VMEM((R, K * G, 1), jnp.float32),
                           pltpu.VMEM((R, K * G, 1), jnp.float32),
@@ -184,18 +173,8 @@ def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_B
       out_shape=jax.ShapeDtypeStruct((B, K * G, H), jnp.float32),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
-  )(sref, q_rows, k_rows, v_rows, valid_Bx1xSK, *scales)
+  )(sref, q_BxKGxH, k_rows, v_rows, valid_Bx1xSK, *scales)
   return out.reshape(B, K, G, H)
-
-
-def _int8_queries(q_BxKxGxH, scale: float):
-  """Each query head coded to int8 as the cache's rows are (cache_slot.quantize_rows), its rows
-  padded to the int8 tile's 32 with zero codes; and each row's scale times the softmax's."""
-  B, K, G, H = q_BxKxGxH.shape
-  codes, scale_BxKxG = quantize_rows(q_BxKxGxH)
-  padded = -(-K * G // 32) * 32
-  codes = jnp.pad(codes.reshape(B, K * G, H), ((0, 0), (0, padded - K * G), (0, 0)))
-  return codes, (scale_BxKxG * scale).reshape(B, K * G, 1)
 
 
 def per_device(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled, *scales,

@@ -125,8 +125,7 @@ def test_scanned_model_decoding_through_the_kernel_equals_uncached_greedy(
 def test_int8_cache_kernel_matches_reference_on_its_dequantized_values():
   """An int8 cache's codes and per-(slot, head) scales through the kernel against the reference
   attention over the same codes dequantized: the kernel's scaling after its products is the
-  reference's before them. The kernel codes each bf16 query head to int8 as the cache's rows
-  are (its scores run on the int8 MXU), so the reference takes those queries dequantized."""
+  reference's before them (bf16 queries, as a decode step runs)."""
   N, B, S, K, G, H = chip.pick(cpu=(2, 2, 256, 2, 2, 128), tpu=(2, 4, 1024, 8, 2, 128))
   rng = np.random.default_rng(2)
   raw = [jnp.asarray(rng.normal(size=(N, B, S, K, H)) * rng.uniform(0.1, 3, (N, B, S, K, 1)),
@@ -142,9 +141,7 @@ def test_int8_cache_kernel_matches_reference_on_its_dequantized_values():
                                    interpret=chip.interpret())
   deq = lambda codes, scale: dequantize_rows(codes[1], scale[1].reshape(B, S, K), jnp.float32)
   index = jnp.broadcast_to(jnp.arange(S), (B, S))
-  q_codes, q_scale = quantize_rows(q.astype(jnp.float32))
-  q_coded = dequantize_rows(q_codes, q_scale, jnp.float32)
-  want, _ = reference_attention(q_coded[:, None], deq(k, ks), deq(v, vs),
+  want, _ = reference_attention(q.astype(jnp.float32)[:, None], deq(k, ks), deq(v, vs),
                                 q_index_BxL=jnp.full((B, 1), filled - 1), k_index_BxS=index,
                                 scale=H ** -0.5)
   chip.assert_bf16(np.asarray(got), np.asarray(want[:, 0]))
