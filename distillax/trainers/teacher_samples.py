@@ -119,6 +119,7 @@ class TeacherSamples:
       samples, stats = generate_samples(writer, prompts, r.tokenizer, sc, mesh=r.mesh,
                                         rules=r.rules, seed=seed, on_batch=on_batch)
     write_jsonl(path, samples)
+    self._reuse_said = True  # what this session wrote it reads again without saying so
     logging.info("%d %s samples (%d generated tokens, %s NLL %.3f per token) in %s",
                  stats["samples"], self.who, stats["generated_tokens"], self.who,
                  stats["teacher_nll_per_token"], path)
