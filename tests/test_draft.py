@@ -1,31 +1,65 @@
 """The EAGLE-3 draft job end to end, on one tiny run: what training keeps frozen, `eval --draft`,
 `export --format speculators` loaded by speculators' own eagle3 model with the same draft logits,
-and the one-line refusals."""
+and the one-line refusals.
+
+The run regenerates its data (`draft.regenerate`: the target answers the train prompts first,
+greedily here, and the head trains on the answers), so the same seconds of training also check
+that path: the answers against an argmax loop over full forward passes (no KV cache, no
+sampler), one load of the target for both, and a resume that trains on the same file. The data
+as it is is trained end to end by tests/test_configs.py (draft_eagle3.py:tiny) and the demo's
+draft stage.
+"""
 
 import json
 import os
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from distillax.data import PromptCompletion, batch as batch_spec
+from distillax.data.chat import encode_prompt_completion
 from distillax.distill.draft import shifted
+from distillax.distill.sequence_kd import stop_ids, take_prompt_records
 from distillax.main import main
-from distillax.trainers.draft import frequent_ids, load_draft_run
+from distillax.trainers import teacher_samples
+from distillax.trainers.distill.recipe import DistillRecipe
+from distillax.trainers.draft import DraftRecipe, frequent_ids, load_draft_run
+from distillax.trainers.sources import load_run_config
+from tests.support.models import greedy_tokens
 from tests.support.speculators import import_speculators_eagle3
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRAFT = f"{ROOT}/distillax/configs/draft_eagle3.py:tiny"
+PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 8, 12
+REGENERATE = ["--config.draft.regenerate=True", "--config.sequence_kd.temperature=0",
+              f"--config.sequence_kd.num_prompts={PROMPTS}",
+              f"--config.sequence_kd.prompt_len={PROMPT_LEN}",
+              f"--config.sequence_kd.max_new_tokens={NEW_TOKENS}"]
+
+
+def _train(workdir, steps: int) -> int:
+  return main(["distillax", "train", "--config", DRAFT, "--workdir", str(workdir),
+               f"--config.train.steps={steps}", "--config.train.eval_every=2",
+               "--config.checkpoint.every_steps=2", "--config.optimizer.warmup_steps=1",
+               *REGENERATE])
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def trained(tmp_path_factory):
+  """A two-step run on the target's answers, and how many times it loaded the target."""
   workdir = tmp_path_factory.mktemp("draft") / "run"
-  assert main(["distillax", "train", "--config", DRAFT, "--workdir", str(workdir),
-               "--config.train.steps=2", "--config.train.eval_every=2",
-               "--config.checkpoint.every_steps=2", "--config.optimizer.warmup_steps=1"]) == 0
-  return str(workdir)
+  with mock.patch.object(DistillRecipe, "load_teacher", autospec=True,
+                         side_effect=DistillRecipe.load_teacher) as load:
+    assert _train(workdir, 2) == 0
+  return str(workdir), load.call_count
+
+
+@pytest.fixture(scope="module")
+def run(trained):
+  return trained[0]
 
 
 @pytest.fixture(scope="module")
@@ -130,12 +164,16 @@ def test_export_speculators_loads_in_speculators_with_the_same_draft_logits(run,
     ("--config.draft.aux_layers=(1,1,2)", "must be distinct hidden-state indices"),
     ("--config.draft.vocab_size=300", "more than the tokenizer's 259 ids"),
     ("--config.draft.ttt_steps=0", "draft.ttt_steps=0 must be >= 1"),
+    ("--config.draft.regenerate=True --config.sequence_kd.max_new_tokens=0",
+     "draft.regenerate=True: sequence_kd.max_new_tokens=0 must be >= 1"),
+    ("--config.draft.regenerate=True --config.sequence_kd.prompt_len=120",
+     "exceeds the target's max_seq_len=128"),
 ])
 def test_a_bad_draft_job_is_refused_in_one_line_before_anything_is_written(run, tmp_path, capsys,
                                                                            override, says):
   capsys.readouterr()
   assert main(["distillax", "train", "--config", DRAFT, "--workdir", str(tmp_path / "run"),
-               override.format(run=run)]) == 2
+               *override.format(run=run).split()]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and says in err[0], err
   assert not (tmp_path / "run").exists()
@@ -153,3 +191,64 @@ def test_export_speculators_refuses_a_run_that_is_not_a_draft(tmp_path, capsys, 
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "not a draft run" in err[0]
   assert not (tmp_path / "out").exists()
+
+
+def _expected_documents(recipe):
+  """(ids, loss mask) of each prompt and the target's greedy answer, as training encodes them
+  (text samples: what the head reads is the decoded answer encoded again)."""
+  tokenizer = recipe.tokenizer
+  prompts = take_prompt_records(recipe.config.data, tokenizer, count=PROMPTS,
+                                prompt_len=PROMPT_LEN, seed=0)
+  prompt_ids = np.stack([p.tokens for p in prompts])
+  answers = greedy_tokens(recipe.load_teacher(), prompt_ids, NEW_TOKENS, tokenizer.vocab_size)
+  stops, documents = stop_ids(tokenizer), []
+  for ids, answer in zip(prompt_ids, answers.tolist()):
+    answer = answer[:next((i for i, t in enumerate(answer) if t in stops), len(answer))]
+    record = PromptCompletion(tokenizer.decode(ids[1:].tolist()), tokenizer.decode(answer))
+    documents.append((record, encode_prompt_completion(record, tokenizer, add_bos=True)))
+  return documents
+
+
+def _places(ids, documents):
+  """(loss mask, offset) of every place `ids` stand in one of the (ids, loss mask) documents."""
+  return [(mask, o) for doc, mask in documents for o in range(len(doc) - len(ids) + 1)
+          if np.array_equal(doc[o:o + len(ids)], ids)]
+
+
+def test_the_head_trains_on_the_targets_greedy_answers_to_the_prompts(run):
+  recipe = DraftRecipe(load_run_config(run), workdir=run)
+  documents = _expected_documents(recipe)
+  with open(os.path.join(run, teacher_samples.SAMPLES_FILE), encoding="utf-8") as f:
+    samples = [json.loads(line) for line in f]
+  assert samples == [{"prompt": r.prompt, "completion": r.completion} for r, _ in documents]
+  # What the step reads: every packed piece is a span of a prompt and the target's answer
+  # (pieces continue across rows), and its kept targets are the answer's (and its EOS) alone.
+  batch = {k: np.asarray(v) for k, v in next(recipe.train_iterator()).items()}
+  pieces = 0
+  for row, segments in enumerate(batch[batch_spec.SEGMENT_IDS]):
+    for segment in set(segments[segments > 0].tolist()):
+      at = segments == segment
+      ids = np.append(batch[batch_spec.INPUTS][row][at], batch[batch_spec.TARGETS][row][at][-1])
+      kept = batch[batch_spec.LOSS_MASK][row][at]
+      assert any(np.array_equal(mask[o + 1:o + len(ids)], kept)
+                 for mask, o in _places(ids, [d for _, d in documents])), ids
+      pieces += 1
+  assert pieces >= batch[batch_spec.INPUTS].shape[0] and batch[batch_spec.LOSS_MASK].sum() > 0
+
+
+def test_the_target_that_writes_the_answers_is_the_one_the_step_runs(trained):
+  assert trained[1] == 1  # loaded once: to write the samples, then handed to the step
+
+
+def test_a_resumed_run_trains_on_the_same_answers_without_regenerating(run, monkeypatch):
+  """Last in the module: it trains the module's run one step further."""
+  path = os.path.join(run, teacher_samples.SAMPLES_FILE)
+  before = open(path, "rb").read()
+
+  def regenerate(*args, **kwargs):
+    raise AssertionError("a resumed run regenerated its samples")
+
+  monkeypatch.setattr(teacher_samples, "generate_samples", regenerate)
+  assert _train(run, 3) == 0
+  assert open(path, "rb").read() == before
+  assert json.load(open(os.path.join(run, "summary.json")))["step"] == 3

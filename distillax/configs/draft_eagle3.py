@@ -8,6 +8,11 @@ docs/guides/drafts.md.
 Target from an earlier run of distillax/configs/lm.py with the demo_teacher model:
   distillax train --config distillax/configs/draft_eagle3.py --workdir runs/draft \
       --config.teacher.workdir=runs/teacher
+On the target's own answers: it first continues 1024 train prompts (the sequence_kd section's
+settings), written to runs/draft_regen/teacher_samples.jsonl and reused on resume:
+  distillax train --config distillax/configs/draft_eagle3.py --workdir runs/draft_regen \
+      --config.teacher.workdir=runs/teacher --config.draft.regenerate=True \
+      --config.sequence_kd.num_prompts=1024
 A seconds-long run against a fresh tiny target:
   distillax train --config distillax/configs/draft_eagle3.py:tiny --workdir runs/draft_tiny
   distillax eval --draft runs/draft_tiny
@@ -32,6 +37,9 @@ def draft_section() -> ml_collections.ConfigDict:
   c.vocab_size = 0  # draft vocabulary: the most frequent target ids in the data (0 = all)
   c.vocab_batches = 64  # train batches counted to pick the draft vocabulary
   c.train_lm_head = False  # False: the LM head stays the target's columns, frozen (EAGLE-3)
+  # True: before training the target answers the train prompts (the sequence_kd section: how
+  # many, how long, how sampled) and the head trains on its answers; False: the data as it is.
+  c.regenerate = False
   return c
 
 
@@ -42,6 +50,7 @@ def get_config(arg: str | None = None):
   c.teacher = sections.teacher_section()
   c.student = sections.student_section()
   c.draft = draft_section()
+  c.sequence_kd = sections.sequence_kd_section()  # read with draft.regenerate=True only
   c.optimizer.learning_rate = 1e-3  # one layer from scratch: EAGLE-3's heads train at 1e-4..1e-3
   c.optimizer.weight_decay = 0.0
   c.optimizer.grad_clip_norm = 0.5

@@ -259,6 +259,8 @@ def cache_section() -> ml_collections.ConfigDict:
 
 
 def sequence_kd_section() -> ml_collections.ConfigDict:
+  # The samples a frozen model writes before training: sequence_kd's teacher, or a draft job's
+  # target with draft.regenerate=True (trainers/teacher_samples.py).
   c = ml_collections.ConfigDict()
   c.num_prompts = 256  # train documents whose beginnings become prompts
   # Prompt tokens per text document (BOS included; shorter documents give less). Chat and
@@ -269,7 +271,9 @@ def sequence_kd_section() -> ml_collections.ConfigDict:
   c.top_k = 0  # sample from the teacher's top-k tokens only (0 = off)
   c.top_p = 1.0  # nucleus sampling mass (1 = off)
   c.batch_size = 32  # prompts per generation call (rounded up to the data-parallel size)
-  c.include_prompt = True  # each sample's text starts with its prompt (False: continuation only)
+  # Each text sample starts with its prompt (False: continuation only); a draft's samples are
+  # always a prompt and its answer.
+  c.include_prompt = True
   c.output = ""  # the JSONL written ('' = <workdir>/teacher_samples.jsonl)
   return c
 

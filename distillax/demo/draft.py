@@ -40,6 +40,8 @@ def stage_config(c, demo, workdir: str):
   c.draft = draft_section()
   for key in c.draft:
     c.draft[key] = d[key]
+  if d.regenerate:  # the teacher's own answers, sequence_kd's defaults (off in the demo)
+    c.sequence_kd = sections.sequence_kd_section()
   c.train.steps = d.steps
   c.optimizer.learning_rate = d.learning_rate
   c.optimizer.warmup_steps = min(c.optimizer.warmup_steps, max(int(d.steps) // 10, 1))

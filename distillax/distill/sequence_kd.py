@@ -21,7 +21,9 @@ recipe is trainers/sequence_kd.py):
 
 The teacher is loaded as every distillation job loads it (`teacher` section) and dropped before
 training starts. A finished sample file is reused on resume (it is written to a temporary name
-and renamed at the end), so a restarted run trains on the same data.
+and renamed at the end), so a restarted run trains on the same data (trainers/teacher_samples.py,
+shared with the draft job's `draft.regenerate`, which writes every sample as a prompt and its
+answer: `answer_prompts`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import os
 import jax
 import numpy as np
 
+from distillax import interrupts
 from distillax.errors import UserError
 
 
@@ -188,9 +191,21 @@ def sample_record(prompt: Prompt, continuation: list[int], tokenizer, include_pr
   return {"prompt": prompt.context, "completion": answer}
 
 
+def answer_prompts(prompts: list[Prompt], tokenizer) -> list[Prompt]:
+  """`prompts` with each text document's beginning made a plain-text prompt (its decoded text,
+  BOS left to the data pipeline), so that its sample is {"prompt", "completion"} and only the
+  teacher's continuation is trained; chat and prompt/completion prompts are already so."""
+  specials = {t for t in (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id) if t is not None}
+  return [dataclasses.replace(p, kind="prompt_completion", context=tokenizer.decode(
+      [t for t in p.tokens.tolist() if t not in specials])) if p.kind == "text" else p
+          for p in prompts]
+
+
 def generate_samples(teacher, prompts: list[Prompt], tokenizer, sc, *, mesh=None, rules=None,
-                     seed: int = 0) -> tuple[list[dict], dict[str, float]]:
-  """Teacher continuations of `prompts` as sample records, and a few statistics of them."""
+                     seed: int = 0, on_batch=None) -> tuple[list[dict], dict[str, float]]:
+  """Teacher continuations of `prompts` as sample records, and a few statistics of them.
+  `on_batch(prompts, generated tokens)` is called after each sampler call (progress lines: a
+  large regeneration runs for hours); Ctrl-C is honoured between calls."""
   from distillax.models.sampler import Sampler
   sampler = Sampler(teacher, mesh=mesh, rules=rules)
   data_parallel = int(mesh.shape.get("data", 1)) if mesh is not None else 1
@@ -216,6 +231,9 @@ def generate_samples(teacher, prompts: list[Prompt], tokenizer, sc, *, mesh=None
       samples.append(sample_record(prompt, continuation, tokenizer, bool(sc.include_prompt)))
       generated += int(lengths_B[i])
       logprob_sum += float(np.sum(logprobs_BxT[i, :lengths_B[i]]))
+    if on_batch is not None:
+      on_batch(len(chunk), int(np.sum(lengths_B[:len(chunk)])))
+    interrupts.check()
   stats = {"samples": len(samples), "generated_tokens": generated,
            "teacher_nll_per_token": -logprob_sum / max(generated, 1)}
   return samples, stats
@@ -231,5 +249,5 @@ def write_jsonl(path: str, samples: list[dict]) -> None:
   os.replace(tmp, path)
 
 
-__all__ = ["Prompt", "generate_samples", "sample_record", "stop_ids", "take_prompt_records",
-           "take_prompts", "write_jsonl"]
+__all__ = ["Prompt", "answer_prompts", "generate_samples", "sample_record", "stop_ids",
+           "take_prompt_records", "take_prompts", "write_jsonl"]

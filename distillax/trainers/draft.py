@@ -8,8 +8,13 @@ default) its LM head are the target's, copied at the start and frozen; the draft
 the `draft.vocab_size` tokens most frequent among the training data's targets (counted over
 `draft.vocab_batches` batches of the train iterator, ids below the tokenizer's size only),
 stored with the head in its checkpoints so eval and export read the map the head trained with.
-The data is the job's data as it is (the target's own completions are not regenerated: see
-docs/guides/drafts.md).
+
+The data is the job's data as it is, or with `draft.regenerate` the target's own answers: before
+training the target continues the train prompts (the `sequence_kd` section says how many, how
+long and how sampled), each sample a prompt and the target's answer, trained on the answer, as
+EAGLE-3 and SpecForge regenerate theirs so the head learns the text it will verify. The file is
+sequence-level KD's (trainers/teacher_samples.py: written once, reused on resume); the target
+that writes it is the one the step then runs, loaded once.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from distillax.models.init import INIT_COMPILE_OPTIONS
 from distillax.trainers import sources as src
 from distillax.trainers.distill.recipe import DistillRecipe
 from distillax.trainers.registry import register
+from distillax.trainers.teacher_samples import TeacherSamples, check_sample_settings
 
 
 def frequent_ids(batches, vocab: int, limit: int) -> np.ndarray:
@@ -92,6 +98,16 @@ class DraftRecipe(DistillRecipe):
                         f"use at most {tokens} (0 = all of them)")
     self.head_config = Eagle3Config.for_target(self.teacher_model_config, tuple(c.aux_layers),
                                                vocab, bool(c.train_lm_head))
+    self.regenerated = None  # with draft.regenerate: the sample file the target writes first
+    self._written_by = None  # the target that wrote it in this session, until the step takes it
+    if bool(c.get("regenerate", False)):  # a run saved before the field: its data as it is
+      if "sequence_kd" not in config:
+        raise ConfigError("draft.regenerate=True reads the sequence_kd section (how many prompts "
+                          "the target continues, and how): use distillax/configs/draft_eagle3.py")
+      check_sample_settings(config.sequence_kd, self.teacher_model_config,
+                            "draft.regenerate=True", who="target")
+      self.regenerated = TeacherSamples(self, who="target", answers_only=True)
+      self.data_splits = ("eval",)  # data's train split holds prompts: answers are the target's
 
   def objective(self, *, train: bool = False) -> Objective:
     del train
@@ -106,6 +122,23 @@ class DraftRecipe(DistillRecipe):
 
   def trainable(self):
     return nnx.Param
+
+  def train_iterator(self):
+    if self.regenerated is None:
+      return super().train_iterator()
+    return self.regenerated.train_iterator(self._target_for_samples)
+
+  def _target_for_samples(self):
+    """The target, loaded to write the samples and kept for the step (`load_teacher`), so a
+    regenerating run loads it once."""
+    self._written_by = super().load_teacher()
+    return self._written_by
+
+  def load_teacher(self):
+    """The frozen target: the one that wrote the samples in this session (handed over once),
+    else loaded from its source."""
+    target, self._written_by = self._written_by, None
+    return target if target is not None else super().load_teacher()
 
   def draft_ids(self) -> np.ndarray:
     """The draft vocabulary's target ids (all tokenizer ids when it is not reduced)."""

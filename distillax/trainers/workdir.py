@@ -211,6 +211,10 @@ ADDED_LATER: dict[str, Any] = {
     "student.from_teacher.experts": [], "distill.router.weight": 0.0,
     "qat.schedule": [],
     "train.early_stop_evals": 0,
+    # The draft job's regeneration (off), and the sequence_kd section its config gained with it.
+    "draft.regenerate": False, "sequence_kd.num_prompts": 256, "sequence_kd.prompt_len": 32,
+    "sequence_kd.max_new_tokens": 96, "sequence_kd.temperature": 1.0, "sequence_kd.top_k": 0,
+    "sequence_kd.top_p": 1.0, "sequence_kd.batch_size": 32, "sequence_kd.include_prompt": True,
 }
 
 

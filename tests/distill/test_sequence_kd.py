@@ -8,8 +8,6 @@ import json
 import math
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -21,6 +19,7 @@ from distillax.distill.sequence_kd import take_prompts
 from distillax.trainers import SequenceKDRecipe
 from distillax.models.presets import get_preset
 from distillax.models.init import create_model
+from tests.support.models import greedy_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "distillax/configs/sequence_kd.py") + ":tiny"
@@ -58,15 +57,10 @@ def test_samples_are_the_teachers_greedy_continuations(run):
                                   prompt_len=sc.prompt_len, seed=0))
   # The teacher the distillation trainer builds from teacher.preset: fresh weights, seed + 1000.
   teacher = create_model(get_preset("tiny").replace(vocab_size=384), seed=1000)
-  total = sc.prompt_len + sc.max_new_tokens
-  logits_fn = jax.jit(lambda tokens: teacher(tokens).logits_BxLxV)
-  tokens = np.zeros((len(prompts), total), np.int32)
-  tokens[:, :sc.prompt_len] = prompts
   # Greedy among the tokenizer's 259 ids: the teacher's 384 rows past them are padding, which
   # its fresh weights would otherwise pick in every row (151 of these 640 tokens).
-  for n in range(sc.prompt_len, total):  # causal: padding after position n - 1 cannot matter
-    logits = logits_fn(jnp.asarray(tokens))[:, n - 1, :tokenizer.vocab_size]
-    tokens[:, n] = np.asarray(jnp.argmax(logits, -1))
+  tokens = np.concatenate([prompts, greedy_tokens(teacher, prompts, sc.max_new_tokens,
+                                                  tokenizer.vocab_size)], axis=1)
   for row, text in zip(tokens, texts):
     eos = np.flatnonzero(row[sc.prompt_len:] == tokenizer.eos_id)
     end = sc.prompt_len + (eos[0] + 1 if eos.size else sc.max_new_tokens)
@@ -80,7 +74,7 @@ def test_the_student_trains_on_the_samples(run):
   assert math.isfinite(summary["loss"]) and math.isfinite(summary["eval_loss"])
   # Train batches come from the sample file; eval stays on the original data's validation split.
   trainer = SequenceKDRecipe(config, workdir=workdir)
-  it = make_train_iterator(trainer.samples_data_config(), global_batch_size=8, seq_len=32, seed=0)
+  it = make_train_iterator(trainer.samples.data_config(), global_batch_size=8, seq_len=32, seed=0)
   row = next(it)
   first = row["inputs_BxL"][0][row["segment_ids_BxL"][0] == row["segment_ids_BxL"][0][0]]
   piece = make_tokenizer("byte").decode(first)

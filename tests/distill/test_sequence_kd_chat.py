@@ -90,7 +90,7 @@ def test_the_student_trains_on_the_answers_alone(run):
   workdir, config, _, samples, hf_tok = run
   summary = json.load(open(os.path.join(workdir, "summary.json")))
   assert summary["finished"] and np.isfinite(summary["loss"])
-  data = SequenceKDRecipe(config, workdir=workdir).samples_data_config()
+  data = SequenceKDRecipe(config, workdir=workdir).samples.data_config()
   data.num_epochs, data.shuffle_buffer = 1, 0
   trained = 0
   for batch in make_train_iterator(data, global_batch_size=8, seq_len=32, seed=0):

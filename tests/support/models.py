@@ -144,6 +144,20 @@ def _logits(graphdef, state, tokens_BxL, gelu):
     return nnx.merge(graphdef, state)(tokens_BxL).logits_BxLxV
 
 
+def greedy_tokens(model, prompts_BxP, new_tokens: int, vocab_limit: int) -> np.ndarray:
+  """Greedy continuations (B, new_tokens) of equal-length prompts, by one full causal forward per
+  token over a fixed-length buffer (later slots cannot change earlier logits): no KV cache, no
+  sampler. The argmax is among the first `vocab_limit` ids (a padded vocabulary's rows, which
+  fresh weights would otherwise pick, are never drawn, as the samplers draw)."""
+  prompts = np.asarray(prompts_BxP, np.int32)
+  B, P = prompts.shape
+  tokens = np.zeros((B, P + new_tokens), np.int32)
+  tokens[:, :P] = prompts
+  for n in range(P, P + new_tokens):
+    tokens[:, n] = np.argmax(np.asarray(logits(model, tokens)[:, n - 1, :vocab_limit]), -1)
+  return tokens[:, P:]
+
+
 @functools.partial(nnx.jit, static_argnames=("return_hidden_states", "return_attention"))
 def forward(model, tokens_BxL, positions_BxL=None, segment_ids_BxL=None, cache=None,
             return_hidden_states=False, return_attention=False):
