@@ -168,6 +168,9 @@ def test_export_speculators_loads_in_speculators_with_the_same_draft_logits(run,
      "draft.regenerate=True: sequence_kd.max_new_tokens=0 must be >= 1"),
     ("--config.draft.regenerate=True --config.sequence_kd.prompt_len=120",
      "exceeds the target's max_seq_len=128"),
+    (" ".join(REGENERATE[:-1]) + " --config.sequence_kd.max_new_tokens=13"
+     " --config.sequence_kd.output={run}/teacher_samples.jsonl",  # samples of other settings
+     f"written with sequence_kd.max_new_tokens={NEW_TOKENS}, and this run asks 13"),
 ])
 def test_a_bad_draft_job_is_refused_in_one_line_before_anything_is_written(run, tmp_path, capsys,
                                                                            override, says):

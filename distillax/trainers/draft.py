@@ -107,6 +107,7 @@ class DraftRecipe(DistillRecipe):
       check_sample_settings(config.sequence_kd, self.teacher_model_config,
                             "draft.regenerate=True", who="target")
       self.regenerated = TeacherSamples(self, who="target", answers_only=True)
+      self.regenerated.check_existing()
       self.data_splits = ("eval",)  # data's train split holds prompts: answers are the target's
 
   def objective(self, *, train: bool = False) -> Objective:

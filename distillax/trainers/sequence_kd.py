@@ -29,6 +29,7 @@ class SequenceKDRecipe(LMRecipe):
                                                                self.model_config.vocab_size)
     check_sample_settings(config.sequence_kd, self.teacher_config, "trainer='sequence_kd'")
     self.samples = TeacherSamples(self)
+    self.samples.check_existing()
 
   def train_iterator(self):
     return self.samples.train_iterator(self._load_teacher)

@@ -8,13 +8,16 @@ distill/sequence_kd.py generates.
 What makes such a file safe to train on is the same for both jobs, so it lives here once: it is
 written whole to a temporary name and renamed (a crash mid-generation leaves no file that could
 pass for finished), and a finished file is reused as it is, so a resumed or restarted run trains
-on the same data and never pays for the generation twice. The train split of `data` then holds
+on the same data and never pays for the generation twice. What wrote it (the writer's section,
+the sampling settings, the data and seed) is kept beside it (`<file>.settings.json`): a run whose
+settings differ is refused rather than trained on samples it did not ask for. The train split of `data` then holds
 only prompts; eval stays on its validation split, so the figures compare with any run on that
 data.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
@@ -24,6 +27,7 @@ from absl import logging
 from distillax.data import make_train_iterator
 from distillax.distill.sequence_kd import (answer_prompts, generate_samples, take_prompt_records,
                                            write_jsonl)
+from distillax import jsonio
 from distillax.errors import ConfigError, UserError
 from distillax.framework.run import runtime
 from distillax.framework.run.progress import ProgressBar
@@ -99,6 +103,7 @@ class TeacherSamples:
     """Writes the samples unless a finished file is already there; returns its path."""
     path, sc, r = self.path, self.settings, self.recipe
     if os.path.exists(path):
+      self._check_settings(path)
       if not self._reuse_said:  # a job may open its data more than once (a draft's vocabulary)
         logging.info("reusing the %s samples in %s", self.who, path)
         self._reuse_said = True
@@ -118,12 +123,67 @@ class TeacherSamples:
     with _GenerationProgress(f"{self.who} samples", len(prompts), r.config.train) as on_batch:
       samples, stats = generate_samples(writer, prompts, r.tokenizer, sc, mesh=r.mesh,
                                         rules=r.rules, seed=seed, on_batch=on_batch)
+    _write_settings(path, self.written_with())
     write_jsonl(path, samples)
     self._reuse_said = True  # what this session wrote it reads again without saying so
     logging.info("%d %s samples (%d generated tokens, %s NLL %.3f per token) in %s",
                  stats["samples"], self.who, stats["generated_tokens"], self.who,
                  stats["teacher_nll_per_token"], path)
     return path
+
+
+  def written_with(self) -> dict:
+    """What decides the samples: the writer's section, how it samples, what it continues."""
+    config, sc = self.recipe.config, self.settings
+    sampling = {k: v for k, v in sc.to_dict().items() if k not in ("output", "batch_size")}
+    return json.loads(jsonio.dumps({
+        "writer": config.teacher.to_dict() if "teacher" in config else None,
+        "sequence_kd": sampling, "answers_only": self.answers_only, "seed": int(config.seed),
+        "data": {k: config.data[k] for k in ("source", "format", "layout", "text_field",
+                                             "messages_field") if k in config.data}}))
+
+  def check_existing(self) -> None:
+    """Up front, before anything is written: a finished file from other settings is refused."""
+    if (self.settings.output or self.recipe.workdir) and os.path.exists(self.path):
+      self._check_settings(self.path)
+
+  def _check_settings(self, path: str) -> None:
+    """A finished file written with other settings is refused (one written before the settings
+    were kept, or named by hand in sequence_kd.output without them, is taken as it is)."""
+    record = path + SETTINGS_SUFFIX
+    if not os.path.exists(record):
+      return
+    with open(record, encoding="utf-8") as f:
+      then = json.load(f)
+    now = self.written_with()
+    changed = _first_difference(then, now)
+    if changed is not None:
+      key, was, asked = changed
+      raise UserError(f"{path} holds the {self.who}'s samples written with {key}={was!r}, and "
+                      f"this run asks {asked!r}: delete the file (and {os.path.basename(record)})"
+                      f" to write new samples, or run with the settings it was written with")
+
+
+SETTINGS_SUFFIX = ".settings.json"
+
+
+def _write_settings(path: str, settings: dict) -> None:
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  tmp = path + SETTINGS_SUFFIX + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    jsonio.dump(settings, f, indent=1)
+  os.replace(tmp, path + SETTINGS_SUFFIX)
+
+
+def _first_difference(then, now, key: str = ""):
+  """(dotted key, then, now) of the first setting that differs, or None."""
+  if isinstance(then, dict) and isinstance(now, dict):
+    for k in sorted(set(then) | set(now)):
+      found = _first_difference(then.get(k), now.get(k), f"{key}.{k}" if key else k)
+      if found is not None:
+        return found
+    return None
+  return None if then == now else (key, then, now)
 
 
 class _GenerationProgress:
