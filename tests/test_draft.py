@@ -83,10 +83,26 @@ def test_training_keeps_the_targets_parts_frozen_and_moves_the_rest(loaded):
   np.testing.assert_array_equal(head.embedding[...], target.embedder.embedding[...])
   np.testing.assert_array_equal(head.lm_head[...],
                                 np.asarray(target.output_weight_DxV())[:, d2t])
-  fresh = recipe.build(abstract=False)[0]  # the head as the run's first step had it
+  recipe.vocab_from_checkpoint = False  # the head as the run's first step built it: from data
+  try:
+    fresh = recipe.build(abstract=False)[0]
+  finally:
+    recipe.vocab_from_checkpoint = True
   np.testing.assert_array_equal(fresh.d2t[...], d2t)
   assert not np.allclose(fresh.fc[...], head.fc[...])
   assert not np.allclose(fresh.q[...], head.q[...])
+
+
+def test_a_restored_head_reads_its_vocabulary_from_the_checkpoint_not_the_data(run, loaded,
+                                                                              monkeypatch):
+  """eval --draft and export restore the head: they neither read the train data to count the
+  vocabulary again nor regenerate samples that are gone."""
+  def no_data(self):
+    raise AssertionError("a restored head read the train data")
+
+  monkeypatch.setattr(DraftRecipe, "train_iterator", no_data)
+  head = load_draft_run(run)[0]
+  np.testing.assert_array_equal(head.d2t[...], loaded[0].d2t[...])
 
 
 def test_eval_draft_prints_acceptance_lengths_for_each_proposal_count(run, capsys):

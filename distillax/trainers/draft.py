@@ -71,6 +71,7 @@ class DraftRecipe(DistillRecipe):
   rollback_metrics = ("eval_loss", "eval_objective")
   router_losses = False
   sliced_loss = False
+  vocab_from_checkpoint = False  # load_draft_run: the restored map replaces draft_ids()
 
   def __init__(self, config, **kwargs):
     if "draft" not in config:
@@ -142,9 +143,11 @@ class DraftRecipe(DistillRecipe):
     return target if target is not None else super().load_teacher()
 
   def draft_ids(self) -> np.ndarray:
-    """The draft vocabulary's target ids (all tokenizer ids when it is not reduced)."""
+    """The draft vocabulary's target ids (all tokenizer ids when it is not reduced). A head
+    restored for eval or export reads its map from the checkpoint: the ids here are only its
+    shape, so no train data is read (nor regenerated, were the sample file gone)."""
     cfg, tokens = self.head_config, int(self.tokenizer.vocab_size)
-    if cfg.draft_vocab_size >= tokens:
+    if cfg.draft_vocab_size >= tokens or self.vocab_from_checkpoint:
       return np.arange(cfg.draft_vocab_size, dtype=np.int32)
     batches = itertools.islice(self.train_iterator(), int(self.config.draft.vocab_batches))
     return frequent_ids(batches, cfg.draft_vocab_size, tokens)
@@ -179,6 +182,7 @@ def load_draft_run(workdir: str, field: str = "--workdir", *, mesh=None, rules=N
     raise UserError(f"{field} {workdir} is a trainer={config.get('trainer')!r} run, not an "
                     f"EAGLE-3 head (trainer='draft', distillax/configs/draft_eagle3.py)")
   recipe = DraftRecipe(config, workdir=workdir, mesh=mesh, rules=rules)
+  recipe.vocab_from_checkpoint = True
   engine = recipe.build_engines(compile_now=False).main
   state = restore_run_state(workdir, recipe, engine)
   head, extras = engine.layout.defs.merge(state.params, state.frozen)
