@@ -11,8 +11,8 @@ A variant is `dtype:block:rows_per_step` (0: the kernel's own choice, decode.lay
 is one row a step in the largest block, the kernel's first layout and each dtype's baseline).
 Each variant's time per step is set against what it reads (the cache blocks up to the filled
 slot, keys and values, with an int8 cache's scales) at the chip's HBM bandwidth, and against
-its dtype's baseline in the same run. On a CPU it runs in Pallas' interpreter at a tiny size (--quick), a
-check of the bookkeeping only.
+its dtype's baseline in the same run. On a CPU it runs in Pallas' interpreter at a tiny size
+(as --quick does anywhere), a check of the bookkeeping only.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
@@ -79,16 +78,6 @@ def bytes_read(shape: dict, rows: int, slots: int, filled: int, block: int, dtyp
   return 2 * N * rows * read_slots * per_slot
 
 
-def timed(fn, args, reps: int) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return common.median(times)
-
-
 def measure(variant: str, shape: dict, rows: int, slots: int, filled: int, reps: int,
             interpret: bool, bandwidth: float | None) -> dict:
   dtype, block, rows_per_step = variant.split(":")
@@ -107,11 +96,13 @@ def measure(variant: str, shape: dict, rows: int, slots: int, filled: int, reps:
          "rows": rows, "slots": slots, "filled": filled}
   try:
     fn = step_program(block, rows_per_step, interpret, shape["layers"])
-    seconds = timed(fn, (q, k, v, valid, jnp.int32(filled), *scales), reps)
+    args = (q, k, v, valid, jnp.int32(filled), *scales)
+    seconds = common.median_call_seconds(fn, args, reps)
   except Exception as e:  # noqa: BLE001 - a layout the chip refuses (e.g. VMEM) is a result
     return {**row, "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
   read = bytes_read(shape, rows, slots, filled, block, dtype)
-  row.update(status="ok", step_ms=seconds * 1e3, bytes_read=read, read_gb_per_s=read / seconds / 1e9)
+  row.update(status="ok", step_ms=seconds * 1e3, bytes_read=read,
+             read_gb_per_s=read / seconds / 1e9)
   if bandwidth:
     row["of_hbm"] = read / seconds / bandwidth
   return row

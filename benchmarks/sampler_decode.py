@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
@@ -33,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from benchmarks.lib import lever_grid, on_policy_lever  # noqa: E402
+from benchmarks.lib import common, lever_grid, on_policy_lever  # noqa: E402
 from distillax.framework import throughput  # noqa: E402
 from distillax.models.sampler import SamplingConfig, decode, weights_in_compute_dtype  # noqa: E402
 
@@ -50,17 +49,6 @@ def program(graphdef, cfg: SamplingConfig, cache_dtype: str | None):
   return jax.jit(run)
 
 
-def timed(fn, args, reps: int) -> float:
-  """Median seconds of `reps` calls after one untimed call (the compile)."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times))
-
-
 def measure(graphdef, state, student_cfg, rows: int, prompt: int, new: int, reps: int,
             profile_dir: str | None, cache_dtype: str | None = None) -> dict:
   V = student_cfg.vocab_size
@@ -68,12 +56,13 @@ def measure(graphdef, state, student_cfg, rows: int, prompt: int, new: int, reps
   prompt_BxP = jnp.asarray(rng.integers(1, V - 1, (rows, prompt)), jnp.int32)
   args = (state, prompt_BxP, jnp.full((rows,), prompt, jnp.int32), jax.random.key(0))
   base = dict(eos_id=V - 1, vocab_limit=V - 1)
-  prefill_s = timed(program(graphdef, SamplingConfig(1, 1.0, **base), cache_dtype), args, reps)
+  prefill = program(graphdef, SamplingConfig(1, 1.0, **base), cache_dtype)
+  prefill_s = common.median_call_seconds(prefill, args, reps)
   row = {"rows": rows, "prompt": prompt, "new_tokens": new, "prefill_s": prefill_s,
          "cache_dtype": cache_dtype or student_cfg.dtype}
   for name, temperature in (("greedy", 0.0), ("sampled", 1.0)):
     fn = program(graphdef, SamplingConfig(new, temperature, **base), cache_dtype)
-    whole_s = timed(fn, args, reps)
+    whole_s = common.median_call_seconds(fn, args, reps)
     row[f"{name}_s"] = whole_s
     row[f"{name}_step_ms"] = 1e3 * (whole_s - prefill_s) / (new - 1)
   roof = on_policy_lever.decode_roofline(

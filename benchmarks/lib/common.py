@@ -182,6 +182,17 @@ def median(xs: Sequence[float]) -> float:
   return float(statistics.median(xs)) if xs else float("nan")
 
 
+def median_call_seconds(fn: Callable, args: tuple, reps: int) -> float:
+  """Median seconds of `reps` calls of fn(*args) after one untimed call (the compile)."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return median(times)
+
+
 def timed_rounds(steppers: Mapping[str, Callable], rows: Mapping[str, dict], *, reps: int,
                  steps_per_rep: int, warmup_steps: int, tokens_per_step: int,
                  reference: str) -> None:
