@@ -102,17 +102,20 @@ def _metrics(results: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _no_git_probe():
+def _no_provenance_probes():
   """simple_evaluate records the git commit of the current directory by running `git describe`
   with the terminal as its stderr: outside a repository the user reads "fatal: not a git
-  repository". distillax keeps only the metrics, so lm-eval's probe answers None meanwhile."""
+  repository". distillax keeps only the metrics, so lm-eval's probe answers None meanwhile, and
+  the environment report it adds to its results (torch's collect_env: `pip list` and other
+  subprocesses, ~0.35 s a call) is not gathered."""
   from lm_eval import evaluator
-  probe = evaluator.get_git_commit_hash
+  probe, env_info = evaluator.get_git_commit_hash, evaluator.add_env_info
   evaluator.get_git_commit_hash = lambda: None
+  evaluator.add_env_info = lambda results: None
   try:
     yield
   finally:
-    evaluator.get_git_commit_hash = probe
+    evaluator.get_git_commit_hash, evaluator.add_env_info = probe, env_info
 
 
 def run_tasks(loaded, tasks: str, *, num_fewshot: int | None = None, limit: int | None = None,
@@ -132,7 +135,7 @@ def run_tasks(loaded, tasks: str, *, num_fewshot: int | None = None, limit: int 
   specs, manager = task_specs(tasks)
   check_task_data(tasks, specs, manager)
   try:
-    with _no_git_probe():
+    with _no_provenance_probes():
       results = simple_evaluate(model=DistillaxLM(loaded, batch_size=batch_size), tasks=specs,
                                 task_manager=manager, num_fewshot=num_fewshot, limit=limit,
                                 log_samples=False, bootstrap_iters=0)

@@ -34,10 +34,18 @@ def concrete_rngs(seed) -> nnx.Rngs:
     return nnx.Rngs(seed)
 
 
+# One jitted function per shape: a model's creation (traced twice, by nnx.eval_shape and by the
+# init jit) stages one call of it per parameter instead of counter_normal's ~40 primitives, and
+# the traces of its few shapes are cached for every later model. The init program is the same
+# (XLA inlines the call: the same values bit for bit, the same per-device iotas under a mesh);
+# abstract_model of the demo's tiny teacher: 0.10 s -> 0.025 s.
+_counter_normal = jax.jit(counter_normal, static_argnums=1)
+
+
 def normal_param(rngs: nnx.Rngs, shape, stddev: float, dtype, logical_axes) -> nnx.Param:
   """N(0, stddev) values from the next `params` key (counter_normal.py: cheap to compile, the
   same bits on every backend), stored in `dtype`."""
-  value = counter_normal(next_params_key(rngs), shape) * stddev
+  value = _counter_normal(next_params_key(rngs), tuple(int(d) for d in shape)) * stddev
   return nnx.Param(value.astype(dtype), logical_axes=tuple(logical_axes))
 
 
