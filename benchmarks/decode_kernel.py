@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from benchmarks.lib import common  # noqa: E402
 from distillax.framework import throughput  # noqa: E402
 from distillax.models.attention.cache_slot import quantize_rows  # noqa: E402
-from distillax.models.attention.decode import (key_block, layout,  # noqa: E402
+from distillax.models.attention.decode import (resolve_layout,  # noqa: E402
                                                stacked_decode_attention)
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -86,12 +86,8 @@ def measure(variant: str, shape: dict, rows: int, slots: int, filled: int, reps:
   K, G, H = shape["kv_heads"], shape["groups"], shape["head_dim"]
   q = jax.random.normal(jax.random.key(1), (rows, K, G, H), jnp.bfloat16)
   valid = jnp.broadcast_to(jnp.arange(slots) < filled, (rows, slots))
-  row_bytes = K * H * k.dtype.itemsize
-  chosen_block, chosen_rows = layout(rows, slots, row_bytes)
-  rows_per_step = rows_per_step or chosen_rows
-  if not block:
-    block = chosen_block if not int(variant.split(":")[2]) else key_block(
-        slots, rows_per_step * row_bytes)
+  block, rows_per_step = resolve_layout(rows, slots, K * H * k.dtype.itemsize, block or None,
+                                        rows_per_step or None)
   row = {"variant": variant, "dtype": dtype, "block": block, "rows_per_step": rows_per_step,
          "rows": rows, "slots": slots, "filled": filled}
   try:

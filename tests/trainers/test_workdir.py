@@ -13,12 +13,12 @@ import socket
 
 import pytest
 
-from distillax.configs import distill, lm, sequence_kd
+from distillax.configs import distill, draft_eagle3, lm, sections, sequence_kd
 from distillax.errors import UserError
 from distillax.framework.run.workdir_lock import LOCK_FILE
 from distillax.main import main
-from distillax.trainers.workdir import (JOB_FILE, NOT_JOB_IDENTITY, check_workdir, job_identity,
-                                        read_summary, write_summary)
+from distillax.trainers.workdir import (ADDED_LATER, JOB_FILE, NOT_JOB_IDENTITY, check_workdir,
+                                        job_identity, read_summary, write_summary)
 
 from tests.support.lock_holder import holding
 
@@ -382,3 +382,14 @@ def test_the_processes_of_one_job_share_its_lock_and_end_together_when_refused(r
   assert last[1] == (f"distillax train: error: process 0 could not take the lock of workdir "
                      f"{run_copy}; its line says why"), last
   assert _snapshot(run_copy) == before
+
+
+def test_the_draft_fields_added_later_are_their_sections_defaults():
+  """ADDED_LATER repeats the defaults of the fields a draft config gained with draft.regenerate
+  (the trainers floor cannot import the config sections): they must stay those defaults, or an
+  older draft run would read as another job."""
+  added = {k: v for k, v in ADDED_LATER.items() if k.startswith(("sequence_kd.", "draft."))}
+  defaults = {f"sequence_kd.{k}": v for k, v in sections.sequence_kd_section().items()
+              if k != "output"}
+  defaults["draft.regenerate"] = draft_eagle3.draft_section().regenerate
+  assert added == defaults

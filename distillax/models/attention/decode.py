@@ -65,6 +65,17 @@ def layout(rows: int, length: int, row_bytes: int) -> tuple[int, int]:
   return key_block(length, row_bytes), 1
 
 
+def resolve_layout(rows: int, length: int, row_bytes: int, block: int | None = None,
+                   rows_per_step: int | None = None) -> tuple[int | None, int]:
+  """(block, rows per step) a call runs: layout()'s choice, or the given ones (a given row
+  count takes the largest block that fits it)."""
+  if rows_per_step is None:
+    chosen_block, rows_per_step = layout(rows, length, row_bytes)
+  else:
+    chosen_block = key_block(length, rows_per_step * row_bytes)
+  return block or chosen_block, rows_per_step
+
+
 def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, *rest, scale: float, softcap: float | None,
             K: int, G: int, R: int, quantized: bool):
   if quantized:  # int8 codes with one scale per (slot, head) row
@@ -132,15 +143,12 @@ def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_B
   the start may be valid (the blocks past it are neither read nor computed). An int8 cache
   passes its codes as the stacks and its scales (kv_cache.KVCache); the queries then run in
   their own dtype against the codes, each row's product times its scale. `block` and
-  `rows_per_step` override layout()'s choice (benchmarks/decode_kernel.py measures them)."""
+  `rows_per_step` override layout()'s choice (resolve_layout) (benchmarks/decode_kernel.py measures them)."""
   N, B, S, K, H = k_NxBxSxKxH.shape
   G = q_BxKxGxH.shape[2]
-  row_bytes = K * H * k_NxBxSxKxH.dtype.itemsize
-  chosen_block, R = layout(B, S, row_bytes)
-  R = rows_per_step or R
+  block, R = resolve_layout(B, S, K * H * k_NxBxSxKxH.dtype.itemsize, block, rows_per_step)
   if B % R:
     raise ValueError(f"rows_per_step={R} must divide the {B} rows")
-  block = block or (chosen_block if rows_per_step is None else key_block(S, R * row_bytes))
   if block is None or S % block:
     raise ValueError(f"no key block divides a cache of {S} slots")
   blocks_needed = jnp.clip((filled + block - 1) // block, 1, S // block)

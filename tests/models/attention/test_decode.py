@@ -16,7 +16,8 @@ from distillax.errors import UserError
 from distillax.models.attention import impl as attention_impl
 from distillax.models.attention import layer as attention_layer
 from distillax.models.attention.cache_slot import dequantize_rows, quantize_rows
-from distillax.models.attention.decode import key_block, layout, stacked_decode_attention
+from distillax.models.attention.decode import (key_block, layout, resolve_layout,
+                                               stacked_decode_attention)
 from distillax.models.attention.impl import AttentionNeeds, choose
 from distillax.models.attention.kv_cache import KVCache
 from distillax.models.attention.layer import reference_attention
@@ -82,6 +83,9 @@ def test_layout_takes_the_most_rows_a_step_whose_blocks_fit_two_mib():
   assert layout(32, 1024, 2 * bf16_rows) == (128, 4)  # float32: 8 rows would need 64 slots
   assert layout(6, 1024, bf16_rows) == (512, 2)  # 6 rows: 2 a step
   assert layout(3, 1024, bf16_rows) == (1024, 1)
+  assert resolve_layout(32, 1024, bf16_rows) == (128, 8)
+  assert resolve_layout(32, 1024, bf16_rows, rows_per_step=1) == (1024, 1)  # the first layout
+  assert resolve_layout(32, 1024, bf16_rows, block=512, rows_per_step=2) == (512, 2)
 
 
 def test_decode_is_chosen_on_a_tpu_for_a_stacked_cache_only():
