@@ -7,8 +7,15 @@
 The kernel alone (models/attention/decode.stacked_decode_attention), at the real student's
 attention shape (Qwen3-0.6B: 28 layers, 8 kv heads of 128, 2 queries a head), as one decode
 step of the sampler calls it: once per layer of the stacked cache, every layer in one program.
-A variant is `dtype:block:rows_per_step` (0: the kernel's own choice, decode.layout; `dtype:0:1`
-is one row a step in the largest block, the kernel's first layout and each dtype's baseline).
+A variant is `dtype:block:rows_per_step[:schedule]` (0: the kernel's own choice, decode.layout;
+`dtype:0:1` is one row a step in the largest block, the kernel's first layout and each dtype's
+baseline). The schedule is the kernel's default unless named: `earlier` (the previous one: each
+row group's first block fetched at its start, masks by select) or `prefetch` (the next group's
+first block fetched under this group's last compute, masks by select); a variant is also set
+against its `earlier` twin of the same run. Three ablations of the default find what bounds it
+(their outputs are wrong by design): `no-compute` (the blocks fetched, nothing computed: the
+schedule's DMA time), `no-qk` (no key products or key converts), `no-pv` (no value products or
+value converts).
 Each variant's time per step is set against what it reads (the cache blocks up to the filled
 slot, keys and values, with an int8 cache's scales) at the chip's HBM bandwidth, and against
 its dtype's baseline in the same run. On a CPU it runs in Pallas' interpreter at a tiny size
@@ -27,21 +34,67 @@ from benchmarks.lib import prologue  # noqa: E402
 
 prologue.start(__name__, default_devices=1)
 
+import contextlib  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.lib import common  # noqa: E402
 from distillax.framework import throughput  # noqa: E402
+from distillax.models.attention import decode as decode_module  # noqa: E402
 from distillax.models.attention.cache_slot import quantize_rows  # noqa: E402
-from distillax.models.attention.decode import (resolve_layout,  # noqa: E402
-                                               stacked_decode_attention)
+from distillax.models.attention.decode import resolve_layout  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REAL = dict(layers=28, kv_heads=8, groups=2, head_dim=128)
 QUICK = dict(layers=2, kv_heads=2, groups=2, head_dim=128)
-DEFAULT_VARIANTS = ("bf16:0:1,bf16:0:0,bf16:256:1,bf16:512:2,bf16:256:4,bf16:128:8,int8:0:1,"
-                    "int8:0:0,int8:256:1,int8:1024:2,int8:512:4,int8:256:4,int8:256:8,int8:128:8")
+DEFAULT_VARIANTS = ("bf16:0:1,bf16:0:0:earlier,bf16:0:0:prefetch,bf16:0:0,int8:0:1,"
+                    "int8:0:0:earlier,int8:0:0:prefetch,int8:0:0")
+SCHEDULES = {"": {}, "earlier": dict(prefetch_next_rows=False, bias_mask=False),
+             "prefetch": dict(prefetch_next_rows=True, bias_mask=False),
+             "no-compute": {}, "no-qk": {}, "no-pv": {}}
+
+
+def _ablated_row(what: str):
+  """decode._attend_row_biased without a part (`what`), for the ablations."""
+  def row(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_refs, *,
+          head_bias_ref, scale, softcap, K, G):
+    if what == "no-compute":
+      return
+    q = q_ref[r]
+    rows = k_ref.shape[2]
+    if what == "no-qk":
+      scores = jnp.broadcast_to(q[:, :1].astype(jnp.float32), (q.shape[0], rows)) * scale
+    else:
+      k = k_ref[0, r].astype(q.dtype) if scale_refs else k_ref[0, r]
+      scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32) * scale
+    scores = scores + head_bias_ref[...] + valid_ref[r]
+    m_new = jnp.maximum(m_ref[r], scores.max(axis=1, keepdims=True))
+    p = jnp.exp(scores - m_new)
+    l_ref[r] = l_ref[r] + p.sum(axis=1, keepdims=True)
+    if what == "no-pv":
+      acc_ref[r] = acc_ref[r] + p[:, :acc_ref.shape[-1]]
+    else:
+      v = v_ref[0, r].astype(q.dtype) if scale_refs else v_ref[0, r]
+      acc_ref[r] = acc_ref[r] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    m_ref[r] = m_new
+  return row
+
+
+@contextlib.contextmanager
+def _kernel_for(schedule: str):
+  """The kernel as `schedule` runs it: an ablation swaps the row update while tracing."""
+  if schedule not in ("no-compute", "no-qk", "no-pv"):
+    yield decode_module.stacked_decode_attention
+    return
+  saved = decode_module._attend_row_biased
+  decode_module._attend_row_biased = _ablated_row(schedule)
+  try:
+    yield decode_module.stacked_decode_attention.__wrapped__  # traced anew, not from jit's cache
+  finally:
+    decode_module._attend_row_biased = saved
 
 
 def caches(shape: dict, rows: int, slots: int, dtype: str, seed: int = 0):
@@ -58,13 +111,13 @@ def caches(shape: dict, rows: int, slots: int, dtype: str, seed: int = 0):
   return k8, v8, (as_rows(ks), as_rows(vs))
 
 
-def step_program(block: int, rows_per_step: int, interpret: bool, layers: int):
+def step_program(block: int, rows_per_step: int, interpret: bool, layers: int, schedule: str):
   """Every layer's kernel call of one decode step, the outputs summed so nothing is dropped."""
   def run(q, k, v, valid, filled, *scales):
     def body(layer, total):
-      out = stacked_decode_attention(q, k, v, layer, valid, filled, *scales, scale=0.088,
-                                     interpret=interpret, block=block or None,
-                                     rows_per_step=rows_per_step)
+      with _kernel_for(schedule) as kernel:
+        out = kernel(q, k, v, layer, valid, filled, *scales, scale=0.088, interpret=interpret,
+                     block=block or None, rows_per_step=rows_per_step, **SCHEDULES[schedule])
       return total + out.sum()
     return jax.lax.fori_loop(0, layers, body, jnp.float32(0))
   return jax.jit(run)
@@ -80,7 +133,7 @@ def bytes_read(shape: dict, rows: int, slots: int, filled: int, block: int, dtyp
 
 def measure(variant: str, shape: dict, rows: int, slots: int, filled: int, reps: int,
             interpret: bool, bandwidth: float | None) -> dict:
-  dtype, block, rows_per_step = variant.split(":")
+  dtype, block, rows_per_step, schedule = (variant.split(":") + [""])[:4]
   block, rows_per_step = int(block), int(rows_per_step)
   k, v, scales = caches(shape, rows, slots, dtype)
   K, G, H = shape["kv_heads"], shape["groups"], shape["head_dim"]
@@ -89,9 +142,9 @@ def measure(variant: str, shape: dict, rows: int, slots: int, filled: int, reps:
   block, rows_per_step = resolve_layout(rows, slots, K * H * k.dtype.itemsize, block or None,
                                         rows_per_step or None)
   row = {"variant": variant, "dtype": dtype, "block": block, "rows_per_step": rows_per_step,
-         "rows": rows, "slots": slots, "filled": filled}
+         "schedule": schedule or "default", "rows": rows, "slots": slots, "filled": filled}
   try:
-    fn = step_program(block, rows_per_step, interpret, shape["layers"])
+    fn = step_program(block, rows_per_step, interpret, shape["layers"], schedule)
     args = (q, k, v, valid, jnp.int32(filled), *scales)
     seconds = common.median_call_seconds(fn, args, reps)
   except Exception as e:  # noqa: BLE001 - a layout the chip refuses (e.g. VMEM) is a result
@@ -129,6 +182,10 @@ def main(argv=None) -> int:
                    and r["variant"].endswith(":0:1") and r["status"] == "ok"), None)
       if base and row["status"] == "ok":
         row["speedup_vs_default"] = base["step_ms"] / row["step_ms"]
+      twin = next((r for r in results if r["filled"] == filled and r["status"] == "ok"
+                   and r["variant"] == ":".join(variant.split(":")[:3] + ["earlier"])), None)
+      if twin and row["status"] == "ok" and twin is not row:
+        row["speedup_vs_earlier"] = twin["step_ms"] / row["step_ms"]
       results.append(row)
       print(json.dumps(row), flush=True)
   out = Path(args.json)

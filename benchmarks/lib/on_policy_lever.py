@@ -22,7 +22,10 @@ must read the student's weights once for all rows and each row's KV cache up to 
 so on a chip of HBM bandwidth BW the sampler cannot beat
   rows * BW / (weight bytes + rows * KV bytes per position * mean context)
 tokens/s, the mean context being P + (T - 1) / 2 over the T tokens (the prefill's compute and
-every FLOP ignored: an upper bound). Weight bytes are a parameter's at the narrower of its
+every FLOP ignored: an upper bound). `roofline_fraction_with_prefill` adds to that bound's
+time what the prefill needs at the chip's peak FLOPs (its matmuls over the B x P prompt tokens,
+the output layer left out), since the timed sampling includes the prefill; both are reported,
+and `roofline_fraction` is the stricter. Weight bytes are a parameter's at the narrower of its
 stored and compute dtypes (the real student's fp32 master weights count 2 bytes, bf16: the
 sampling program compiled for a v5e, 4.98 GiB at 6 rows and 5.53 at 8, extrapolates to 3.3 GiB
 at none, the fp32 weights' 2.2 and 1.1 more, a bf16 copy's size: cast once, outside the decode
@@ -44,7 +47,7 @@ from distillax.distill.on_policy.eval import prompt_arrays
 from distillax.distill.on_policy.losses import on_policy_strategy
 from distillax.distill.on_policy.objective import (PROMPT_LENGTHS, PROMPT_TOKENS, ROW_IDS,
                                                    OnPolicySettings, make_on_policy_objective)
-from distillax.framework import backends, throughput
+from distillax.framework import backends, flops, throughput
 from distillax.framework.vocab_chunks import AUTO
 from distillax.models import param_count
 from distillax.models.attention.kv_cache import kv_cache_bytes_per_token
@@ -189,6 +192,12 @@ def figures(low, sampling: list[float], whole: list[float], sampled: list[int],
   roof = decode_roofline(decode_weight_bytes(cfg), kv_bytes_per_position(cfg, cache_dtype(v)),
                          v.batch, P, T, bandwidth)
   rate = tokens / sampling_s
+  prefill = flops.forward_flops_breakdown(cfg, v.batch, P)
+  prefill_flops = prefill["total"] - prefill["logits"]
+  with_prefill = None
+  if bandwidth and peak_flops:
+    bound_s = prefill_flops / peak_flops + tokens / roof["roofline_tokens_per_s"]
+    with_prefill = bound_s / sampling_s
   return {"sampling_batch": v.batch, "micro_batch": micro_batch(v),
           "accum_steps": accum_steps(v), "sampler_memory": sampler_memory(low),
           "step_s": step_s, "step_s_all": whole, "sampling_s": sampling_s,
@@ -197,5 +206,6 @@ def figures(low, sampling: list[float], whole: list[float], sampled: list[int],
           "tokens_per_s": tokens / step_s, "sampled_tokens_per_s": rate,
           **roof, "hbm_source": source,
           "roofline_fraction": None if bandwidth is None else rate / roof["roofline_tokens_per_s"],
+          "prefill_flops": prefill_flops, "roofline_fraction_with_prefill": with_prefill,
           "model_flops": model_flops, "tflops_per_s": model_flops / step_s / 1e12,
           "mfu_causal": throughput.mfu(model_flops, step_s, 1, peak_flops), **extra}

@@ -77,11 +77,11 @@ def resolve_layout(rows: int, length: int, row_bytes: int, block: int | None = N
 
 
 def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, *rest, scale: float, softcap: float | None,
-            K: int, G: int, R: int, quantized: bool):
-  if quantized:  # int8 codes with one scale per (slot, head) row
-    ks_ref, vs_ref, o_ref, m_ref, l_ref, acc_ref = rest
-  else:
-    o_ref, m_ref, l_ref, acc_ref = rest
+            K: int, G: int, R: int, quantized: bool, bias_mask: bool):
+  rest = list(rest)
+  head_bias_ref = rest.pop(0) if bias_mask else None
+  scale_refs = (rest.pop(0), rest.pop(0)) if quantized else None  # int8 codes' (slot, head)
+  o_ref, m_ref, l_ref, acc_ref = rest
   s = pl.program_id(1)
 
   @pl.when(s == 0)
@@ -92,10 +92,10 @@ def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, *rest, scale: float, softcap: 
 
   @pl.when(s < sref[1])
   def _block():
+    attend = _attend_row_biased if bias_mask else _attend_row
     for r in range(R):  # the grid step's rows, one after another
-      _attend_row(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref,
-                  (ks_ref, vs_ref) if quantized else None, scale=scale, softcap=softcap, K=K,
-                  G=G)
+      attend(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_refs,
+             head_bias_ref=head_bias_ref, scale=scale, softcap=softcap, K=K, G=G)
 
   @pl.when(s == pl.num_programs(1) - 1)
   def _out():
@@ -103,10 +103,11 @@ def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, *rest, scale: float, softcap: 
 
 
 def _attend_row(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_refs, *,
-                scale, softcap, K, G):
+                head_bias_ref, scale, softcap, K, G):
   """One row's online-softmax update over the block. Column j of the block is slot j // K, kv
   head j % K: query row i (head i // G) keeps its own head's columns of the slots it may
   attend."""
+  del head_bias_ref
   q = q_ref[r]
   k = k_ref[0, r].astype(q.dtype) if scale_refs else k_ref[0, r]
   scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
@@ -131,19 +132,64 @@ def _attend_row(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_
   m_ref[r] = m_new
 
 
+def _attend_row_biased(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_refs, *,
+                       head_bias_ref, scale, softcap, K, G):
+  """_attend_row with fewer elementwise passes over the (K*G, blk*K) scores, K-fold larger
+  than what a query keeps: masks come as -inf biases added to them (the other heads' columns,
+  one constant block read once a call; the row's unattended slots), so the exponential is 0
+  there without a select, and an int8 block's key scales and the softmax scale are one product.
+  The running max starts finite (-1e30), so a query none of whose slots were valid yet gets
+  exp(-inf) = 0, never exp(0)."""
+  del K, G
+  q = q_ref[r]
+  k = k_ref[0, r].astype(q.dtype) if scale_refs else k_ref[0, r]
+  scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)  # (K*G, blk*K)
+  scores = scores * (scale_refs[0][0, r] * scale if scale_refs else scale)
+  if softcap is not None:
+    scores = softcap * jnp.tanh(scores / softcap)
+  scores = scores + head_bias_ref[...] + valid_ref[r]
+  m_prev = m_ref[r]
+  m_new = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
+  p = jnp.exp(scores - m_new)
+  alpha = jnp.exp(m_prev - m_new)
+  l_ref[r] = alpha * l_ref[r] + p.sum(axis=1, keepdims=True)
+  v = v_ref[0, r].astype(q.dtype) if scale_refs else v_ref[0, r]
+  weights = p * scale_refs[1][0, r] if scale_refs else p
+  acc_ref[r] = alpha * acc_ref[r] + jnp.dot(weights.astype(v.dtype), v,
+                                            preferred_element_type=jnp.float32)
+  m_ref[r] = m_new
+
+
+def _block_index(b, s, sref, row_groups: int, prefetch_next_rows: bool):
+  """(row group, key block) a grid step (b, s) reads. Steps past the row group's last filled
+  block compute nothing; they name the block read last, which is not fetched again, or (with
+  prefetch_next_rows) the next row group's first block, so its fetch overlaps the compute of
+  this group's last block instead of standing alone at the group's start."""
+  last = jnp.minimum(s, sref[1] - 1)
+  if not prefetch_next_rows:
+    return b, last
+  ahead = (s >= sref[1]) & (b + 1 < row_groups)
+  return jnp.where(ahead, b + 1, b), jnp.where(ahead, 0, last)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "block",
-                                             "rows_per_step"))
+                                             "rows_per_step", "prefetch_next_rows",
+                                             "bias_mask"))
 def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled,
                              k_scale_NxBx1xSK=None, v_scale_NxBx1xSK=None, *, scale: float,
                              softcap: float | None = None, interpret: bool = False,
-                             block: int | None = None,
-                             rows_per_step: int | None = None) -> jax.Array:
+                             block: int | None = None, rows_per_step: int | None = None,
+                             prefetch_next_rows: bool = True,
+                             bias_mask: bool = True) -> jax.Array:
   """(B, K, G, H) attention outputs (float32) of one query position per row against layer
   `layer` of the stacks. valid_BxS: which slots each row attends; filled: how many slots from
   the start may be valid (the blocks past it are neither read nor computed). An int8 cache
   passes its codes as the stacks and its scales (kv_cache.KVCache); the queries then run in
   their own dtype against the codes, each row's product times its scale. `block` and
-  `rows_per_step` override layout()'s choice (resolve_layout) (benchmarks/decode_kernel.py measures them)."""
+  `rows_per_step` override layout()'s choice (resolve_layout); `prefetch_next_rows`
+  (_block_index) and `bias_mask` (_attend_row_biased) off give the kernel's earlier schedule and
+  masking, which benchmarks/decode_kernel.py measures against them."""
   N, B, S, K, H = k_NxBxSxKxH.shape
   G = q_BxKxGxH.shape[2]
   block, R = resolve_layout(B, S, K * H * k_NxBxSxKxH.dtype.itemsize, block, rows_per_step)
@@ -156,23 +202,40 @@ def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_B
   # (slot, head) rows: the stack's own bytes (its (K, H) tiles), so the reshape is free.
   k_rows = k_NxBxSxKxH.reshape(N, B, S * K, H)
   v_rows = v_NxBxSxKxH.reshape(N, B, S * K, H)
-  valid_Bx1xSK = jnp.repeat(valid_BxS.astype(jnp.int32), K, axis=1)[:, None, :]
+  rows = block * K
+  if bias_mask:  # 0 where attended, -inf elsewhere: added to the scores
+    valid_Bx1xSK = jnp.where(jnp.repeat(valid_BxS, K, axis=1), 0.0, -jnp.inf)[:, None, :]
+    own_head = (jnp.arange(K * G)[:, None] // G) == (jnp.arange(rows)[None, :] % K)
+    bias = (jnp.where(own_head, 0.0, -jnp.inf).astype(jnp.float32),)
+  else:
+    valid_Bx1xSK = jnp.repeat(valid_BxS.astype(jnp.int32), K, axis=1)[:, None, :]
+    bias = ()
   quantized = k_scale_NxBx1xSK is not None
   q_dtype = q_BxKxGxH.dtype if quantized else k_NxBxSxKxH.dtype
   q_BxKGxH = q_BxKxGxH.astype(q_dtype).reshape(B, K * G, H)
-  last = lambda s, sref: jnp.minimum(s, sref[1] - 1)
-  rows = block * K
-  cache_spec = pl.BlockSpec((1, R, rows, H), lambda b, s, sref: (sref[0], b, last(s, sref), 0))
-  scale_spec = pl.BlockSpec((1, R, 1, rows), lambda b, s, sref: (sref[0], b, 0, last(s, sref)))
+  index = functools.partial(_block_index, row_groups=B // R,
+                            prefetch_next_rows=prefetch_next_rows)
+  def cache_map(b, s, sref):
+    b, s = index(b, s, sref)
+    return sref[0], b, s, 0
+  def scale_map(b, s, sref):
+    b, s = index(b, s, sref)
+    return sref[0], b, 0, s
+  def valid_map(b, s, sref):
+    b, s = index(b, s, sref)
+    return b, 0, s
+  cache_spec = pl.BlockSpec((1, R, rows, H), cache_map)
+  scale_spec = pl.BlockSpec((1, R, 1, rows), scale_map)
   scales = (k_scale_NxBx1xSK, v_scale_NxBx1xSK) if quantized else ()
   out = pl.pallas_call(
       functools.partial(_kernel, scale=scale, softcap=softcap, K=K, G=G, R=R,
-                        quantized=quantized),
+                        quantized=quantized, bias_mask=bias_mask),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1, grid=(B // R, S // block),
           in_specs=[pl.BlockSpec((R, K * G, H), lambda b, s, sref: (b, 0, 0)),
                     cache_spec, cache_spec,
-                    pl.BlockSpec((R, 1, rows), lambda b, s, sref: (b, 0, last(s, sref))),
+                    pl.BlockSpec((R, 1, rows), valid_map),
+                    *[pl.BlockSpec((K * G, rows), lambda b, s, sref: (0, 0))] * len(bias),
                     *[scale_spec] * len(scales)],
           out_specs=pl.BlockSpec((R, K * G, H), lambda b, s, sref: (b, 0, 0)),
           scratch_shapes=[pltpu.VMEM((R, K * G, 1), jnp.float32),
@@ -181,7 +244,7 @@ def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_B
       out_shape=jax.ShapeDtypeStruct((B, K * G, H), jnp.float32),
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
       interpret=interpret,
-  )(sref, q_BxKGxH, k_rows, v_rows, valid_Bx1xSK, *scales)
+  )(sref, q_BxKGxH, k_rows, v_rows, valid_Bx1xSK, *bias, *scales)
   return out.reshape(B, K, G, H)
 
 

@@ -36,13 +36,20 @@ CASES = {  # dtype, soft-cap, window (slots back), filled slots of the cache
 }
 
 
+# The kernel's schedule and masking (decode.stacked_decode_attention's defaults), and the earlier
+# ones benchmarks/decode_kernel.py measures them against.
+SCHEDULES = {"default": {}, "earlier": dict(prefetch_next_rows=False, bias_mask=False)}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("case", list(CASES))
-def test_decode_kernel_matches_reference(case):
+def test_decode_kernel_matches_reference(case, schedule):
   """One query per row against layer 1 of a 3-layer stack: rows whose first slots are prompt
   padding (segment 0), a causal limit inside the cache (the blocks past it neither read nor
-  computed: 3 blocks of 128 on CPU, the last skipped), GQA (2 query heads a kv head), a window
-  and a soft-cap. float32 against the reference's float32; bfloat16 against the float32
-  reference of the same rounded inputs (tests/support/chip.py)."""
+  computed: 3 blocks of 128 on CPU, the last skipped, where the next row's first block is
+  fetched), GQA (2 query heads a kv head), a window and a soft-cap. float32 against the
+  reference's float32; bfloat16 against the float32 reference of the same rounded inputs
+  (tests/support/chip.py)."""
   dtype_name, softcap, window, filled = CASES[case]
   N, B, S, K, G, H = chip.pick(cpu=(3, 3, 384, 2, 2, 128), tpu=(3, 4, 1024, 8, 2, 128))
   filled = S if filled is None else chip.pick(filled, 3 * filled)
@@ -60,7 +67,7 @@ def test_decode_kernel_matches_reference(case):
     valid &= (q_index - k_index) < window
   with chip.precision(dtype):
     got = stacked_decode_attention(q, k, v, 1, valid, filled, scale=H ** -0.5, softcap=softcap,
-                                   interpret=chip.interpret())
+                                   interpret=chip.interpret(), **SCHEDULES[schedule])
   f32 = lambda x: x.astype(jnp.float32)
   want, _ = reference_attention(f32(q)[:, None], f32(k[1]), f32(v[1]), q_index_BxL=q_index,
                                 k_index_BxS=k_index, q_segment_BxL=q_segment,
@@ -126,10 +133,13 @@ def test_scanned_model_decoding_through_the_kernel_equals_uncached_greedy(
   np.testing.assert_array_equal(np.asarray(got.tokens_BxT), want)
 
 
-def test_int8_cache_kernel_matches_reference_on_its_dequantized_values():
+@pytest.mark.parametrize("rows_per_step", [None, 1])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_int8_cache_kernel_matches_reference_on_its_dequantized_values(schedule, rows_per_step):
   """An int8 cache's codes and per-(slot, head) scales through the kernel against the reference
   attention over the same codes dequantized: the kernel's scaling after its products is the
-  reference's before them (bf16 queries, as a decode step runs)."""
+  reference's before them (bf16 queries, as a decode step runs). The cache is filled to under
+  half, so blocks are skipped, after one group of rows or, one row a step, between groups."""
   N, B, S, K, G, H = chip.pick(cpu=(2, 2, 256, 2, 2, 128), tpu=(2, 4, 1024, 8, 2, 128))
   rng = np.random.default_rng(2)
   raw = [jnp.asarray(rng.normal(size=(N, B, S, K, H)) * rng.uniform(0.1, 3, (N, B, S, K, 1)),
@@ -138,11 +148,12 @@ def test_int8_cache_kernel_matches_reference_on_its_dequantized_values():
   k, v = k.reshape(N, B, S, K, H), v.reshape(N, B, S, K, H)
   ks, vs = ks.reshape(N, B, 1, S * K), vs.reshape(N, B, 1, S * K)
   q = jnp.asarray(rng.normal(size=(B, K, G, H)), jnp.bfloat16)
-  filled = S - 37
+  filled = S // 2 - 37
   valid = jnp.broadcast_to(jnp.arange(S) < filled, (B, S))
   with chip.precision(jnp.bfloat16):
     got = stacked_decode_attention(q, k, v, 1, valid, filled, ks, vs, scale=H ** -0.5,
-                                   interpret=chip.interpret())
+                                   interpret=chip.interpret(), rows_per_step=rows_per_step,
+                                   **SCHEDULES[schedule])
   deq = lambda codes, scale: dequantize_rows(codes[1], scale[1].reshape(B, S, K), jnp.float32)
   index = jnp.broadcast_to(jnp.arange(S), (B, S))
   want, _ = reference_attention(q.astype(jnp.float32)[:, None], deq(k, ks), deq(v, vs),
