@@ -161,6 +161,13 @@ def _attend_row_biased(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref,
   m_ref[r] = m_new
 
 
+def _vmem_limit(cache_bytes: int) -> int | None:
+  """A VMEM limit above the default (16 MiB) only where the key and value blocks, each double
+  buffered, need it (blocks over layout()'s 2 MiB, given by the caller): theirs and 16 MiB for
+  the queries, masks, scales, scores and scratch (less failed to compile on the v5e)."""
+  return None if cache_bytes <= 4 * _BLOCK_BYTES else cache_bytes + 16 * 2 ** 20
+
+
 def _block_index(b, s, sref, row_groups: int, prefetch_next_rows: bool):
   """(row group, key block) a grid step (b, s) reads. Steps past the row group's last filled
   block compute nothing; they name the block read last, which is not fetched again, or (with
@@ -242,7 +249,9 @@ def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_B
                           pltpu.VMEM((R, K * G, 1), jnp.float32),
                           pltpu.VMEM((R, K * G, H), jnp.float32)]),
       out_shape=jax.ShapeDtypeStruct((B, K * G, H), jnp.float32),
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "arbitrary"),
+          vmem_limit_bytes=_vmem_limit(4 * R * rows * H * k_rows.dtype.itemsize)),
       interpret=interpret,
   )(sref, q_BxKGxH, k_rows, v_rows, valid_Bx1xSK, *bias, *scales)
   return out.reshape(B, K, G, H)
