@@ -7,7 +7,8 @@
 The kernel alone (models/attention/decode.stacked_decode_attention), at the real student's
 attention shape (Qwen3-0.6B: 28 layers, 8 kv heads of 128, 2 queries a head), as one decode
 step of the sampler calls it: once per layer of the stacked cache, every layer in one program.
-A variant is `dtype:block:rows_per_step[:schedule]` (0: the kernel's own choice, decode.layout;
+A variant is `dtype:block:rows_per_step[:schedule]` (0: the kernel's own choice, decode.layout,
+with decode.finer_layout where it reads fewer blocks, as `finer_layout` in the row says;
 `dtype:0:1` is one row a step in the largest block, the kernel's first layout and each dtype's
 baseline). The schedule is the kernel's default unless named: `earlier` (the previous one: each
 row group's first block fetched at its start, masks by select) or `prefetch` (the next group's
@@ -44,7 +45,8 @@ from benchmarks.lib import common  # noqa: E402
 from distillax.framework import throughput  # noqa: E402
 from distillax.models.attention import decode as decode_module  # noqa: E402
 from distillax.models.attention.cache_slot import quantize_rows  # noqa: E402
-from distillax.models.attention.decode import resolve_layout  # noqa: E402
+from distillax.models.attention.decode import (finer_layout, finer_reads_less,  # noqa: E402
+                                               resolve_layout)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REAL = dict(layers=28, kv_heads=8, groups=2, head_dim=128)
@@ -161,7 +163,9 @@ def measure(variant: str, shape: dict, rows: int, slots: int, filled: int, reps:
   valid = jnp.broadcast_to(jnp.arange(slots) < filled, (rows, slots))
   block, rows_per_step = resolve_layout(rows, slots, K * H * k.dtype.itemsize, block or None,
                                         rows_per_step or None)
+  own_choice = variant.split(":")[1:3] == ["0", "0"]
   row = {"variant": variant, "dtype": dtype, "block": block, "rows_per_step": rows_per_step,
+         "finer_layout": finer_layout(rows, block, rows_per_step) if own_choice else None,
          "schedule": schedule or "default", "rows": rows, "slots": slots, "filled": filled}
   try:
     fn = step_program(block, rows_per_step, interpret, shape["layers"], schedule)
@@ -169,7 +173,9 @@ def measure(variant: str, shape: dict, rows: int, slots: int, filled: int, reps:
     seconds = common.median_call_seconds(fn, args, reps)
   except Exception as e:  # noqa: BLE001 - a layout the chip refuses (e.g. VMEM) is a result
     return {**row, "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-  read = bytes_read(shape, rows, slots, filled, block, dtype)
+  finer = row["finer_layout"]
+  runs_finer = finer is not None and bool(finer_reads_less(filled, finer[0]))
+  read = bytes_read(shape, rows, slots, filled, finer[0] if runs_finer else block, dtype)
   row.update(status="ok", step_ms=seconds * 1e3, bytes_read=read,
              read_gb_per_s=read / seconds / 1e9)
   if bandwidth:

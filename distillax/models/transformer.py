@@ -100,12 +100,15 @@ class Block(nnx.Module):
     self.returns_kv = layer in {config.kv_source_layer(j) for j in range(config.num_layers)}
 
   def __call__(self, x_BxLxD, ctx: dict, window=None, cache_kv=None, return_probs=False,
-               return_router_logits=False, extras=None):
+               return_router_logits=False, fresh_cache=False, extras=None):
     """(x, new cache, probs, router stats, the (k, v) it attended if later layers share them).
-    extras (Gemma 4): 'per_layer_input' (B, L, P), 'shared_kv' (an earlier layer's k, v)."""
+    extras (Gemma 4): 'per_layer_input' (B, L, P), 'shared_kv' (an earlier layer's k, v).
+    fresh_cache: the cache held nothing before this call (KVCache.empty)."""
     extras = extras or {}
     h = x_BxLxD if self.attn_norm is None else self.attn_norm(x_BxLxD)
     kv_args = {"return_kv": True} if self.returns_kv else {}
+    if fresh_cache and isinstance(self.attn, Attention):
+      kv_args["fresh_cache"] = True
     if extras.get("shared_kv") is not None:
       kv_args["shared_kv"] = extras["shared_kv"]
     q_seg, k_seg = (ctx["chunk_segments"] if self.chunked
@@ -266,7 +269,8 @@ class Transformer(nnx.Module):
     cache_kv = None if cache is None else cache.layer_caches(cfg)
     run = self._run_scanned if cfg.scan_layers else self._run_unrolled
     x_BxLxD, per_layer_x, new_kv, probs, stats = run(
-        x_BxLxD, ctx, cache_kv, return_hidden_states, (return_attention, return_router_logits))
+        x_BxLxD, ctx, cache_kv, return_hidden_states,
+        (return_attention, return_router_logits, cache is not None and cache.empty))
     stats, router_logits = _without_router_logits(stats)
 
     final_hidden_BxLxD = self.final_norm(x_BxLxD)
@@ -280,9 +284,9 @@ class Transformer(nnx.Module):
     return ModelOutput(logits, final_hidden_BxLxD, hidden_states, probs, new_cache, stats,
                        router_logits)
 
-  def _block_fn(self, graphdef, wants: tuple[bool, bool]):
+  def _block_fn(self, graphdef, wants: tuple[bool, bool, bool]):
     """A pure (state, x, ctx, window, cache_kv) -> outputs function of one block, remat-wrapped;
-    `wants`: (attention probabilities, router logits)."""
+    `wants`: (attention probabilities, router logits, the cache empty before this call)."""
 
     def apply(state, x_BxLxD, ctx, window, cache_kv, extras=None):
       block = nnx.merge(graphdef, state)

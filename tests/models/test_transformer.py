@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from distillax.models.attention import impl as attention_impl
 from distillax.models.attention.layer import KVCache
 from distillax.models.presets import get_preset
 from distillax.models.transformer import ModelOutput, with_config, with_layer_layout
@@ -155,6 +156,29 @@ def test_kv_cache_prefill_then_decode_matches_full_forward(name, scan):
     pieces.append(out.logits_BxLxV)
     cache = out.cache
   np.testing.assert_allclose(jnp.concatenate(pieces, axis=1), full, atol=2e-5)
+
+
+@pytest.mark.parametrize("name,scan", [("tiny", True), ("tiny_qwen_mistral", False)])
+def test_a_prefill_into_an_empty_cache_attends_its_own_tokens_and_a_later_one_the_cache(name,
+                                                                                        scan):
+  """A fresh cache's prefill runs the uncached attention a training forward runs (blockwise on
+  CPU: its tokens only, not every slot of the cache); a second multi-token call, into the cache
+  that prefill left, attends the cache. Both against one uncached forward of all the tokens."""
+  model = with_layer_layout(_model(name, seed=7), scan)
+  tokens = jax.random.randint(jax.random.key(5), (2, 13), 0, 256)
+  full = forward(model, tokens).logits_BxLxV
+  cache = KVCache.zeros(model.config, batch=2, length=16)
+  assert cache.empty
+  with attention_impl.recorded_choices() as first_choices:
+    first = forward(model, tokens[:, :8], cache=cache)
+  assert not first.cache.empty
+  with attention_impl.recorded_choices() as later_choices:
+    later = forward(model, tokens[:, 8:], cache=first.cache)
+  assert {why for _, _, why in first_choices}.isdisjoint(
+      {why for _, _, why in later_choices}), (first_choices, later_choices)
+  assert all("KV-cache prefill" in why for _, _, why in later_choices), later_choices
+  got = jnp.concatenate([first.logits_BxLxV, later.logits_BxLxV], axis=1)
+  np.testing.assert_allclose(got, full, atol=2e-5)
 
 
 def test_compute_dtype_bfloat16_close_to_float32():

@@ -15,8 +15,10 @@ decided in one pure function, so models never look at the platform themselves.
   otherwise; the reference when probabilities are asked for. Decode steps against a KV cache
   (one query per row) run decode.py's Pallas kernel on a TPU when the cache is a scanned
   stack (it reads the stack in place), the reference elsewhere: their scores are (B, H, 1, S),
-  small; a cache prefill runs blockwise (the fused kernels here assume queries and keys start
-  at the same index).
+  small; a prefill into an empty cache (KVCache.empty) attends only its own tokens, by what a
+  training forward of them runs (layer.Attention._attend_own), and a later multi-token call
+  into a cache runs blockwise (the fused kernels here assume queries and keys start at the
+  same index).
 """
 
 from __future__ import annotations

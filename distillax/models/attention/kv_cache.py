@@ -41,6 +41,10 @@ class KVCache:
   state_NxBxHxKxV: jax.Array | None = None  # float32 delta-rule state per value head
   k_scale_NxBx1xSK: jax.Array | None = None  # an int8 cache's key scales
   v_scale_NxBx1xSK: jax.Array | None = None  # ... and value scales
+  # Known while tracing: nothing written yet (zeros() makes it, any call's update clears it),
+  # so a prefill's queries attend only its own keys, by the fused kernel a training forward
+  # uses, instead of every slot of the cache.
+  empty: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @classmethod
   def zeros(cls, config: TransformerConfig, batch: int, length: int, dtype=None) -> "KVCache":
@@ -52,7 +56,7 @@ class KVCache:
       axes = ("layers", "batch", "length", None, None)
       return cls(constrain(jnp.zeros(lead + (config.kv_lora_rank,), dtype), axes),
                  constrain(jnp.zeros(lead + (config.qk_rope_head_dim,), dtype), axes),
-                 jnp.zeros((batch, length), jnp.int32), jnp.zeros((), jnp.int32))
+                 jnp.zeros((batch, length), jnp.int32), jnp.zeros((), jnp.int32), empty=True)
     linear = config.num_linear_layers
     owners = [i for i in range(config.num_layers)
               if config.layer_owns_kv(i) and not config.layer_is_linear(i)]
@@ -72,7 +76,7 @@ class KVCache:
                                    config.linear_value_head_dim), jnp.float32),
                         ("layers", "batch", "heads", None, None))
     return cls(k, v, jnp.zeros((batch, length), jnp.int32), jnp.zeros((), jnp.int32),
-               conv, state)
+               conv, state, empty=True)
 
   @classmethod
   def _int8_zeros(cls, config: TransformerConfig, batch: int, length: int) -> "KVCache":
@@ -87,7 +91,7 @@ class KVCache:
                constrain(jnp.zeros(shape, jnp.int8), axes),
                jnp.zeros((batch, length), jnp.int32), jnp.zeros((), jnp.int32),
                k_scale_NxBx1xSK=jnp.zeros(scales, jnp.float32),
-               v_scale_NxBx1xSK=jnp.zeros(scales, jnp.float32))
+               v_scale_NxBx1xSK=jnp.zeros(scales, jnp.float32), empty=True)
 
   @property
   def length(self) -> int:
@@ -121,7 +125,8 @@ class KVCache:
       scales = {} if len(layer_caches) == 2 else dict(k_scale_NxBx1xSK=layer_caches[2],
                                                        v_scale_NxBx1xSK=layer_caches[3])
       return dataclasses.replace(self, k_NxBxSxKxH=layer_caches[0], v_NxBxSxKxH=layer_caches[1],
-                                 segment_ids_BxS=segment_ids_BxS, end_index=end_index, **scales)
+                                 segment_ids_BxS=segment_ids_BxS, end_index=end_index,
+                                 empty=False, **scales)
     kinds = [config.layer_is_linear(i) for i in range(config.num_layers)]
     kinds, layer_caches = zip(*[(kind, c) for kind, c in zip(kinds, layer_caches)
                                 if c is not None])  # sharing layers cache nothing

@@ -234,18 +234,34 @@ class Attention(nnx.Module):
     if cache_kv is None:
       return k_BxLxKxH, v_BxLxKxH, None
     dt = self.config.jnp_dtype
+    new_cache = self._written(k_BxLxKxH, v_BxLxKxH, cache_kv, cache_index)
     if isinstance(cache_kv, StackedSlot):  # a scan over the layers carries the whole stack
-      new_cache = cache_kv.with_tokens(k_BxLxKxH, v_BxLxKxH, cache_index)
       k_cache, v_cache = new_cache.keys_values(dt)
     else:
-      k_cache, v_cache = cache_kv
-      start = (0, cache_index, 0, 0)
-      k_cache = jax.lax.dynamic_update_slice(k_cache, k_BxLxKxH.astype(k_cache.dtype), start)
-      v_cache = jax.lax.dynamic_update_slice(v_cache, v_BxLxKxH.astype(v_cache.dtype), start)
-      new_cache = (k_cache, v_cache)
+      k_cache, v_cache = new_cache
     # A cache as wide as its widest layer (Gemma 4) holds ours first, heads and features.
     K, Dh = self.num_kv_heads, self.head_dim
     return k_cache[..., :K, :Dh].astype(dt), v_cache[..., :K, :Dh].astype(dt), new_cache
+
+  @staticmethod
+  def _written(k_BxLxKxH, v_BxLxKxH, cache_kv, cache_index):
+    """The cache with this call's keys and values written at cache_index."""
+    if isinstance(cache_kv, StackedSlot):
+      return cache_kv.with_tokens(k_BxLxKxH, v_BxLxKxH, cache_index)
+    k_cache, v_cache = cache_kv
+    start = (0, cache_index, 0, 0)
+    return (jax.lax.dynamic_update_slice(k_cache, k_BxLxKxH.astype(k_cache.dtype), start),
+            jax.lax.dynamic_update_slice(v_cache, v_BxLxKxH.astype(v_cache.dtype), start))
+
+  def _attend_own(self, q_BxLxKxGxH, k_BxLxKxH, v_BxLxKxH, masking: dict):
+    """A prefill into an empty cache: its queries attend only this call's keys (the slots after
+    them are empty, masked anyway), by whatever a training forward of these L tokens runs (a
+    fused kernel), not a pass over every slot of the cache."""
+    own = dict(masking, k_index_BxS=masking["q_index_BxL"],
+               k_segment_BxS=masking["q_segment_BxL"])
+    out, _ = self._attend(q_BxLxKxGxH, k_BxLxKxH, v_BxLxKxH, own, cached=False,
+                          return_probs=False)
+    return out
 
   def _attend(self, q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking: dict, *, cached: bool,
               return_probs: bool):
@@ -257,14 +273,15 @@ class Attention(nnx.Module):
   def __call__(self, x_BxLxD, *, sin_cos, q_index_BxL, k_index_BxS, q_segment_BxL=None,
                k_segment_BxS=None, window=None, cache_kv=None, cache_index=None,
                return_probs: bool = False, shared_kv=None, return_kv: bool = False,
-               positions_BxL=None):
+               positions_BxL=None, fresh_cache: bool = False):
     """Returns (out_BxLxD, new (k, v) cache slices or None, probs_BxHxLxS or None), and with
     return_kv the (k_BxSxKxH, v_BxSxKxH) it attended (Gemma 4's later layers share them).
 
     Without a cache, keys are this call's tokens (S = L). With `cache_kv=(k_BxSxKxH, v_...)`,
     this call's keys/values are written at `cache_index` and the queries attend the whole cache.
     With `shared_kv` (another layer's return_kv), this layer computes no keys/values and
-    attends those. Segment ids None: one document (no segment masking).
+    attends those. Segment ids None: one document (no segment masking). fresh_cache: the cache
+    held nothing before this call (_attend_own).
     """
     cfg = self.config
     dt = cfg.jnp_dtype
@@ -286,7 +303,10 @@ class Attention(nnx.Module):
       (k_BxSxKxH, v_BxSxKxH), new_cache = shared_kv, None
     else:
       own_kv = self._own_keys_values(x_BxLxD, sin_cos)
-      if isinstance(cache_kv, StackedSlot) and L == 1 and not return_probs and not return_kv:
+      if fresh_cache and cache_kv is not None and not return_probs and not return_kv:
+        new_cache = self._written(*own_kv, cache_kv, cache_index)
+        decoded = self._attend_own(q_BxLxKxGxH, *own_kv, masking)
+      elif isinstance(cache_kv, StackedSlot) and L == 1 and not return_probs and not return_kv:
         new_cache = cache_kv.with_tokens(*own_kv, cache_index)
         decoded = attend_stacked(cfg, q_BxLxKxGxH, new_cache, masking, cache_index,
                                  sinks=self.sinks is not None)
