@@ -234,7 +234,10 @@ def finer_layout(rows: int, block: int, rows_per_step: int) -> tuple[int, int] |
   unfilled tail more finely, where both fit (blocks of 128 slots at least, 16 rows a step at
   most). Measured on the v5e, 48 rows of the real student's int8 cache (benchmarks/results/
   tpu/decode_kernel_call16.json): 128-slot blocks of 16 rows took 0.91x the time of 256-slot
-  blocks of 8 with 640 slots filled (they read 640 slots, not 768), 1.05x with all 1,024."""
+  blocks of 8 with 640 slots filled (they read 640 slots, not 768), 1.05x with all 1,024.
+  Chosen by the fill inside the call (lax.cond), as stacked_decode_attention does, the kernel
+  measured 1.00x at 640 and 0.98x at 1,024 (decode_kernel_call17.json): why the choice does
+  not give the finer layout's own time is not yet known."""
   half, twice = block // 2, rows_per_step * 2
   if half < _BLOCKS[-1] or twice > 16 or rows % twice:
     return None
