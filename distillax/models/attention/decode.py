@@ -127,10 +127,16 @@ def _attend_row(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_
   scores = jnp.where(keep, scores, _MASKED)
   m_prev = m_ref[r]
   m_new = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
-  p = jnp.where(keep, jnp.exp(scores - m_new), 0.0)
+  _accumulate(r, jnp.where(keep, jnp.exp(scores - m_new), 0.0), m_prev, m_new, q.dtype, v_ref,
+              m_ref, l_ref, acc_ref, scale_refs)
+
+
+def _accumulate(r, p, m_prev, m_new, q_dtype, v_ref, m_ref, l_ref, acc_ref, scale_refs):
+  """The online softmax's running sums of row r, given the block's weights p (against the new
+  running max m_new; m_prev the one before) and the block's values."""
   alpha = jnp.exp(m_prev - m_new)
   l_ref[r] = alpha * l_ref[r] + p.sum(axis=1, keepdims=True)
-  v = v_ref[0, r].astype(q.dtype) if scale_refs else v_ref[0, r]
+  v = v_ref[0, r].astype(q_dtype) if scale_refs else v_ref[0, r]
   weights = p * scale_refs[1][0, r] if scale_refs else p
   acc_ref[r] = alpha * acc_ref[r] + jnp.dot(weights.astype(v.dtype), v,
                                             preferred_element_type=jnp.float32)
@@ -156,14 +162,8 @@ def _attend_row_biased(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref,
   scores = scores + head_bias_ref[...] + valid_ref[r]
   m_prev = m_ref[r]
   m_new = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
-  p = jnp.exp(scores - m_new)
-  alpha = jnp.exp(m_prev - m_new)
-  l_ref[r] = alpha * l_ref[r] + p.sum(axis=1, keepdims=True)
-  v = v_ref[0, r].astype(q.dtype) if scale_refs else v_ref[0, r]
-  weights = p * scale_refs[1][0, r] if scale_refs else p
-  acc_ref[r] = alpha * acc_ref[r] + jnp.dot(weights.astype(v.dtype), v,
-                                            preferred_element_type=jnp.float32)
-  m_ref[r] = m_new
+  _accumulate(r, jnp.exp(scores - m_new), m_prev, m_new, q.dtype, v_ref, m_ref, l_ref, acc_ref,
+              scale_refs)
 
 
 def _vmem_limit(cache_bytes: int) -> int | None:
