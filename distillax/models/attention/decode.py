@@ -267,19 +267,7 @@ def _pallas_decode(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled
   quantized = k_scale_NxBx1xSK is not None
   q_dtype = q_BxKxGxH.dtype if quantized else k_NxBxSxKxH.dtype
   q_BxKGxH = q_BxKxGxH.astype(q_dtype).reshape(B, K * G, H)
-  index = functools.partial(_block_index, row_groups=B // R,
-                            prefetch_next_rows=prefetch_next_rows)
-  def cache_map(b, s, sref):
-    b, s = index(b, s, sref)
-    return sref[0], b, s, 0
-  def scale_map(b, s, sref):
-    b, s = index(b, s, sref)
-    return sref[0], b, 0, s
-  def valid_map(b, s, sref):
-    b, s = index(b, s, sref)
-    return b, 0, s
-  cache_spec = pl.BlockSpec((1, R, rows, H), cache_map)
-  scale_spec = pl.BlockSpec((1, R, 1, rows), scale_map)
+  cache_spec, scale_spec, valid_spec = _stream_specs(R, rows, H, B // R, prefetch_next_rows)
   scales = (k_scale_NxBx1xSK, v_scale_NxBx1xSK) if quantized else ()
   out = pl.pallas_call(
       functools.partial(_kernel, scale=scale, softcap=softcap, K=K, G=G, R=R,
@@ -288,7 +276,7 @@ def _pallas_decode(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled
           num_scalar_prefetch=1, grid=(B // R, S // block),
           in_specs=[pl.BlockSpec((R, K * G, H), lambda b, s, sref: (b, 0, 0)),
                     cache_spec, cache_spec,
-                    pl.BlockSpec((R, 1, rows), valid_map),
+                    valid_spec,
                     *[pl.BlockSpec((K * G, rows), lambda b, s, sref: (0, 0))] * len(bias),
                     *[scale_spec] * len(scales)],
           out_specs=pl.BlockSpec((R, K * G, H), lambda b, s, sref: (b, 0, 0)),
@@ -302,6 +290,24 @@ def _pallas_decode(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled
       interpret=interpret,
   )(sref, q_BxKGxH, k_rows, v_rows, valid_Bx1xSK, *bias, *scales)
   return out.reshape(B, K, G, H)
+
+
+def _stream_specs(R: int, rows: int, H: int, row_groups: int, prefetch_next_rows: bool):
+  """The BlockSpecs of what streams through the grid, each step's block per _block_index: the
+  cache's (slot, head) rows, an int8 cache's scales, and the valid mask."""
+  index = functools.partial(_block_index, row_groups=row_groups,
+                            prefetch_next_rows=prefetch_next_rows)
+  def cache_map(b, s, sref):
+    b, s = index(b, s, sref)
+    return sref[0], b, s, 0
+  def scale_map(b, s, sref):
+    b, s = index(b, s, sref)
+    return sref[0], b, 0, s
+  def valid_map(b, s, sref):
+    b, s = index(b, s, sref)
+    return b, 0, s
+  return (pl.BlockSpec((1, R, rows, H), cache_map), pl.BlockSpec((1, R, 1, rows), scale_map),
+          pl.BlockSpec((R, 1, rows), valid_map))
 
 
 def per_device(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled, *scales,

@@ -298,26 +298,9 @@ class Attention(nnx.Module):
     q_BxLxKxGxH = q_BxLxHxK.reshape(B, L, K, G, Dh)
     masking = dict(q_index_BxL=q_index_BxL, k_index_BxS=k_index_BxS, q_segment_BxL=q_segment_BxL,
                    k_segment_BxS=k_segment_BxS, window=window)
-    decoded = None
-    if shared_kv is not None:
-      (k_BxSxKxH, v_BxSxKxH), new_cache = shared_kv, None
-    else:
-      own_kv = self._own_keys_values(x_BxLxD, sin_cos)
-      if fresh_cache and cache_kv is not None and not return_probs and not return_kv:
-        new_cache = self._written(*own_kv, cache_kv, cache_index)
-        decoded = self._attend_own(q_BxLxKxGxH, *own_kv, masking)
-      elif isinstance(cache_kv, StackedSlot) and L == 1 and not return_probs and not return_kv:
-        new_cache = cache_kv.with_tokens(*own_kv, cache_index)
-        decoded = attend_stacked(cfg, q_BxLxKxGxH, new_cache, masking, cache_index,
-                                 sinks=self.sinks is not None)
-      if decoded is None:
-        k_BxSxKxH, v_BxSxKxH, new_cache = self._keys_values(*own_kv, cache_kv, cache_index)
-    if decoded is not None:
-      attn_BxLxKxGxH, probs_BxKxGxLxS = decoded, None
-    else:
-      attn_BxLxKxGxH, probs_BxKxGxLxS = self._attend(
-          q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking, cached=cache_index is not None,
-          return_probs=return_probs)
+    attn_BxLxKxGxH, probs_BxKxGxLxS, new_cache, kv = self._attention(
+        x_BxLxD, q_BxLxKxGxH, sin_cos, masking, cache_kv, cache_index, shared_kv=shared_kv,
+        fresh_cache=fresh_cache, return_probs=return_probs, return_kv=return_kv)
     attn_BxLxHxK = constrain(attn_BxLxKxGxH.astype(dt).reshape(B, L, K * G, Dh),
                              ("batch", "length", "heads", "head_dim"))
     if self.out_gate is not None:
@@ -332,5 +315,31 @@ class Attention(nnx.Module):
       probs = probs_BxKxGxLxS.reshape(B, K * G, L, S)
     out_BxLxD = constrain(out_BxLxD, ("batch", "residual_length", "embed"))
     if return_kv:
-      return out_BxLxD, new_cache, probs, (k_BxSxKxH, v_BxSxKxH)
+      return out_BxLxD, new_cache, probs, kv
     return out_BxLxD, new_cache, probs
+
+  def _attention(self, x_BxLxD, q_BxLxKxGxH, sin_cos, masking: dict, cache_kv, cache_index, *,
+                 shared_kv, fresh_cache: bool, return_probs: bool, return_kv: bool):
+    """(attention out, probs or None, new cache or None, the (k, v) attended or None): by the
+    decode kernel, over this call's own keys (an empty cache's prefill), or over what
+    _keys_values gives (a cache, another layer's keys, or this call's)."""
+    decoded, kv = None, None
+    if shared_kv is not None:
+      kv, new_cache = shared_kv, None
+    else:
+      own_kv = self._own_keys_values(x_BxLxD, sin_cos)
+      plain = not return_probs and not return_kv
+      if fresh_cache and cache_kv is not None and plain:
+        new_cache = self._written(*own_kv, cache_kv, cache_index)
+        decoded = self._attend_own(q_BxLxKxGxH, *own_kv, masking)
+      elif isinstance(cache_kv, StackedSlot) and q_BxLxKxGxH.shape[1] == 1 and plain:
+        new_cache = cache_kv.with_tokens(*own_kv, cache_index)
+        decoded = attend_stacked(self.config, q_BxLxKxGxH, new_cache, masking, cache_index,
+                                 sinks=self.sinks is not None)
+      if decoded is None:
+        *kv, new_cache = self._keys_values(*own_kv, cache_kv, cache_index)
+    if decoded is not None:
+      return decoded, None, new_cache, None
+    out, probs = self._attend(q_BxLxKxGxH, *kv, masking, cached=cache_index is not None,
+                              return_probs=return_probs)
+    return out, probs, new_cache, tuple(kv)
