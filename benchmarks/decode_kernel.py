@@ -7,13 +7,12 @@
 The kernel alone (models/attention/decode.stacked_decode_attention), at the real student's
 attention shape (Qwen3-0.6B: 28 layers, 8 kv heads of 128, 2 queries a head), as one decode
 step of the sampler calls it: once per layer of the stacked cache, every layer in one program.
-A variant is `dtype:block:rows_per_step[:schedule]` (0: the kernel's own choice, decode.layout,
-with decode.finer_layout where it reads fewer blocks, as `finer_layout` in the row says;
+A variant is `dtype:block:rows_per_step[:schedule]` (0: the kernel's own choice, decode.layout;
 `dtype:0:1` is one row a step in the largest block, the kernel's first layout and each dtype's
-baseline). The schedule is the kernel's default unless named: `earlier` (the previous one: each
-row group's first block fetched at its start, masks by select) or `prefetch` (the next group's
-first block fetched under this group's last compute, masks by select); a variant is also set
-against its `earlier` twin of the same run. Three ablations of the default find what bounds it
+baseline). The schedule is the kernel's default unless named: `earlier` (each row group's first
+block fetched at its start, not under the previous group's last compute); a variant is also set
+against its `earlier` twin of the same run. (Call 15's `earlier` and `prefetch` rows also
+masked by compares and selects, since replaced by the default's bias masks.) Three ablations of the default find what bounds it
 (their outputs are wrong by design): `no-compute` (the blocks fetched, nothing computed: the
 schedule's DMA time), `no-qk` (no key products or key converts), `no-pv` (no value products or
 value converts).
@@ -45,23 +44,20 @@ from benchmarks.lib import common  # noqa: E402
 from distillax.framework import throughput  # noqa: E402
 from distillax.models.attention import decode as decode_module  # noqa: E402
 from distillax.models.attention.cache_slot import quantize_rows  # noqa: E402
-from distillax.models.attention.decode import (finer_layout, finer_reads_less,  # noqa: E402
-                                               resolve_layout)
+from distillax.models.attention.decode import resolve_layout  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REAL = dict(layers=28, kv_heads=8, groups=2, head_dim=128)
 QUICK = dict(layers=2, kv_heads=2, groups=2, head_dim=128)
-DEFAULT_VARIANTS = ("bf16:0:1,bf16:0:0:earlier,bf16:0:0:prefetch,bf16:0:0,int8:0:1,"
-                    "int8:0:0:earlier,int8:0:0:prefetch,int8:0:0")
-SCHEDULES = {"": {}, "earlier": dict(prefetch_next_rows=False, bias_mask=False),
-             "prefetch": dict(prefetch_next_rows=True, bias_mask=False),
+DEFAULT_VARIANTS = "bf16:0:1,bf16:0:0:earlier,bf16:0:0,int8:0:1,int8:0:0:earlier,int8:0:0"
+SCHEDULES = {"": {}, "earlier": dict(prefetch_next_rows=False),
              "no-compute": {}, "no-qk": {}, "no-pv": {}}
 
 
 def _ablated_row(what: str):
-  """decode._attend_row_biased without a part (`what`), for the ablations."""
-  def row(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_refs, *,
-          head_bias_ref, scale, softcap, K, G):
+  """decode._attend_row without a part (`what`), for the ablations."""
+  def row(r, q_ref, k_ref, v_ref, valid_ref, head_bias_ref, m_ref, l_ref, acc_ref, scale_refs,
+          *, scale, softcap):
     if what == "no-compute":
       return
     q = q_ref[r]
@@ -91,12 +87,12 @@ def _kernel_for(schedule: str):
   if schedule not in ("no-compute", "no-qk", "no-pv"):
     yield decode_module.stacked_decode_attention
     return
-  saved = decode_module._attend_row_biased
-  decode_module._attend_row_biased = _ablated_row(schedule)
+  saved = decode_module._attend_row
+  decode_module._attend_row = _ablated_row(schedule)
   try:
     yield decode_module.stacked_decode_attention.__wrapped__  # traced anew, not from jit's cache
   finally:
-    decode_module._attend_row_biased = saved
+    decode_module._attend_row = saved
 
 
 _CACHES: dict = {}
@@ -163,9 +159,7 @@ def measure(variant: str, shape: dict, rows: int, slots: int, filled: int, reps:
   valid = jnp.broadcast_to(jnp.arange(slots) < filled, (rows, slots))
   block, rows_per_step = resolve_layout(rows, slots, K * H * k.dtype.itemsize, block or None,
                                         rows_per_step or None)
-  own_choice = variant.split(":")[1:3] == ["0", "0"]
   row = {"variant": variant, "dtype": dtype, "block": block, "rows_per_step": rows_per_step,
-         "finer_layout": finer_layout(rows, block, rows_per_step) if own_choice else None,
          "schedule": schedule or "default", "rows": rows, "slots": slots, "filled": filled}
   try:
     fn = step_program(block, rows_per_step, interpret, shape["layers"], schedule)
@@ -173,9 +167,7 @@ def measure(variant: str, shape: dict, rows: int, slots: int, filled: int, reps:
     seconds = common.median_call_seconds(fn, args, reps)
   except Exception as e:  # noqa: BLE001 - a layout the chip refuses (e.g. VMEM) is a result
     return {**row, "status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-  finer = row["finer_layout"]
-  runs_finer = finer is not None and bool(finer_reads_less(filled, finer[0]))
-  read = bytes_read(shape, rows, slots, filled, finer[0] if runs_finer else block, dtype)
+  read = bytes_read(shape, rows, slots, filled, block, dtype)
   row.update(status="ok", step_ms=seconds * 1e3, bytes_read=read,
              read_gb_per_s=read / seconds / 1e9)
   if bandwidth:

@@ -22,7 +22,7 @@ Masking is what reference_attention's is (causal, segments, window), computed ou
 int8 cache on a v5e the kernel takes 1.01-1.04x the time of its block fetches alone
 (benchmarks/results/tpu/decode_kernel_call16.json): the next group of rows' first block is
 fetched under the current group's last compute (_block_index), and masks are biases added to
-the scores (_attend_row_biased); before both it took 1.2x as long at 640 and 768 filled slots
+the scores (_attend_row); before both it took 1.2x as long at 640 and 768 filled slots
 (decode_kernel_call15.json). Soft-capped logits are supported;
 attention sinks are not (the caller falls back to the reference).
 """
@@ -81,10 +81,9 @@ def resolve_layout(rows: int, length: int, row_bytes: int, block: int | None = N
   return block or chosen_block, rows_per_step
 
 
-def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, *rest, scale: float, softcap: float | None,
-            K: int, G: int, R: int, quantized: bool, bias_mask: bool):
+def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, head_bias_ref, *rest, scale: float,
+            softcap: float | None, R: int, quantized: bool):
   rest = list(rest)
-  head_bias_ref = rest.pop(0) if bias_mask else None
   scale_refs = (rest.pop(0), rest.pop(0)) if quantized else None  # int8 codes' (slot, head)
   o_ref, m_ref, l_ref, acc_ref = rest
   s = pl.program_id(1)
@@ -97,61 +96,25 @@ def _kernel(sref, q_ref, k_ref, v_ref, valid_ref, *rest, scale: float, softcap: 
 
   @pl.when(s < sref[1])
   def _block():
-    attend = _attend_row_biased if bias_mask else _attend_row
     for r in range(R):  # the grid step's rows, one after another
-      attend(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_refs,
-             head_bias_ref=head_bias_ref, scale=scale, softcap=softcap, K=K, G=G)
+      _attend_row(r, q_ref, k_ref, v_ref, valid_ref, head_bias_ref, m_ref, l_ref, acc_ref,
+                  scale_refs, scale=scale, softcap=softcap)
 
   @pl.when(s == pl.num_programs(1) - 1)
   def _out():
     o_ref[...] = (acc_ref[...] / jnp.maximum(l_ref[...], 1e-30)).astype(o_ref.dtype)
 
 
-def _attend_row(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_refs, *,
-                head_bias_ref, scale, softcap, K, G):
+def _attend_row(r, q_ref, k_ref, v_ref, valid_ref, head_bias_ref, m_ref, l_ref, acc_ref,
+                scale_refs, *, scale, softcap):
   """One row's online-softmax update over the block. Column j of the block is slot j // K, kv
   head j % K: query row i (head i // G) keeps its own head's columns of the slots it may
-  attend."""
-  del head_bias_ref
-  q = q_ref[r]
-  k = k_ref[0, r].astype(q.dtype) if scale_refs else k_ref[0, r]
-  scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32) * scale  # (K*G, blk*K)
-  if scale_refs:
-    scores = scores * scale_refs[0][0, r]
-  if softcap is not None:
-    scores = softcap * jnp.tanh(scores / softcap)
-  row_head = jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, scores.shape, 0), G)
-  col_head = jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1), K)
-  keep = (row_head == col_head) & (valid_ref[r] > 0)
-  scores = jnp.where(keep, scores, _MASKED)
-  m_prev = m_ref[r]
-  m_new = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
-  _accumulate(r, jnp.where(keep, jnp.exp(scores - m_new), 0.0), m_prev, m_new, q.dtype, v_ref,
-              m_ref, l_ref, acc_ref, scale_refs)
-
-
-def _accumulate(r, p, m_prev, m_new, q_dtype, v_ref, m_ref, l_ref, acc_ref, scale_refs):
-  """The online softmax's running sums of row r, given the block's weights p (against the new
-  running max m_new; m_prev the one before) and the block's values."""
-  alpha = jnp.exp(m_prev - m_new)
-  l_ref[r] = alpha * l_ref[r] + p.sum(axis=1, keepdims=True)
-  v = v_ref[0, r].astype(q_dtype) if scale_refs else v_ref[0, r]
-  weights = p * scale_refs[1][0, r] if scale_refs else p
-  acc_ref[r] = alpha * acc_ref[r] + jnp.dot(weights.astype(v.dtype), v,
-                                            preferred_element_type=jnp.float32)
-  m_ref[r] = m_new
-
-
-def _attend_row_biased(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref, scale_refs, *,
-                       head_bias_ref, scale, softcap, K, G):
-  """_attend_row with fewer elementwise passes over the (K*G, blk*K) scores, K-fold larger
-  than what a query keeps: masks come as -inf biases added to them (the other heads' columns,
-  one constant block read once a call; the row's unattended slots), so the exponential is 0
-  there without a select, and an int8 block's key scales and the softmax scale are one product.
-  The running max starts finite (-1e30), so a query none of whose slots were valid yet gets
-  exp(-inf) = 0, never exp(0)."""
-  del K, G
+  attend. The masks are -inf biases added to the scores (the other heads' columns, one constant
+  block read once a call; the row's unattended slots), so the exponential is 0 there without a
+  select; an int8 block's key scales and the softmax scale are one product. The running max
+  starts finite (-1e30), so a query none of whose slots were valid yet gets exp(-inf) = 0,
+  never exp(0). Compares and selects instead took 1.03x the time at 48 int8 rows on the v5e
+  (benchmarks/results/tpu/decode_kernel_call15.json, `prefetch` against the default)."""
   q = q_ref[r]
   k = k_ref[0, r].astype(q.dtype) if scale_refs else k_ref[0, r]
   scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
@@ -162,8 +125,14 @@ def _attend_row_biased(r, q_ref, k_ref, v_ref, valid_ref, m_ref, l_ref, acc_ref,
   scores = scores + head_bias_ref[...] + valid_ref[r]
   m_prev = m_ref[r]
   m_new = jnp.maximum(m_prev, scores.max(axis=1, keepdims=True))
-  _accumulate(r, jnp.exp(scores - m_new), m_prev, m_new, q.dtype, v_ref, m_ref, l_ref, acc_ref,
-              scale_refs)
+  p = jnp.exp(scores - m_new)
+  alpha = jnp.exp(m_prev - m_new)
+  l_ref[r] = alpha * l_ref[r] + p.sum(axis=1, keepdims=True)
+  v = v_ref[0, r].astype(q.dtype) if scale_refs else v_ref[0, r]
+  weights = p * scale_refs[1][0, r] if scale_refs else p
+  acc_ref[r] = alpha * acc_ref[r] + jnp.dot(weights.astype(v.dtype), v,
+                                            preferred_element_type=jnp.float32)
+  m_ref[r] = m_new
 
 
 def _vmem_limit(cache_bytes: int) -> int | None:
@@ -186,68 +155,35 @@ def _block_index(b, s, sref, row_groups: int, prefetch_next_rows: bool):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "softcap", "interpret", "block",
-                                             "rows_per_step", "prefetch_next_rows",
-                                             "bias_mask"))
+                                             "rows_per_step", "prefetch_next_rows"))
 def stacked_decode_attention(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled,
                              k_scale_NxBx1xSK=None, v_scale_NxBx1xSK=None, *, scale: float,
                              softcap: float | None = None, interpret: bool = False,
                              block: int | None = None, rows_per_step: int | None = None,
-                             prefetch_next_rows: bool = True,
-                             bias_mask: bool = True) -> jax.Array:
+                             prefetch_next_rows: bool = True) -> jax.Array:
   """(B, K, G, H) attention outputs (float32) of one query position per row against layer
   `layer` of the stacks. valid_BxS: which slots each row attends; filled: how many slots from
   the start may be valid (the blocks past it are neither read nor computed). An int8 cache
   passes its codes as the stacks and its scales (kv_cache.KVCache); the queries then run in
   their own dtype against the codes, each row's product times its scale. `block` and
-  `rows_per_step` override layout()'s choice (resolve_layout); without them, a decode whose
-  filled slots a finer layout reads in fewer blocks runs that one (finer_layout); `prefetch_next_rows`
-  (_block_index) and `bias_mask` (_attend_row_biased) off give the kernel's earlier schedule and
-  masking, which benchmarks/decode_kernel.py measures against them."""
+  `rows_per_step` override layout()'s choice (resolve_layout); `prefetch_next_rows` off gives
+  the kernel's earlier schedule (_block_index), which benchmarks/decode_kernel.py measures."""
   N, B, S, K, H = k_NxBxSxKxH.shape
-  given = block is not None or rows_per_step is not None
-  row_bytes = K * H * k_NxBxSxKxH.dtype.itemsize
-  block, R = resolve_layout(B, S, row_bytes, block, rows_per_step)
+  block, R = resolve_layout(B, S, K * H * k_NxBxSxKxH.dtype.itemsize, block, rows_per_step)
   if B % R:
     raise ValueError(f"rows_per_step={R} must divide the {B} rows")
   if block is None or S % block:
     raise ValueError(f"no key block divides a cache of {S} slots")
-  call = functools.partial(
-      _pallas_decode, q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled,
-      k_scale_NxBx1xSK, v_scale_NxBx1xSK, scale=scale, softcap=softcap, interpret=interpret,
-      prefetch_next_rows=prefetch_next_rows, bias_mask=bias_mask)
-  finer = None if given else finer_layout(B, block, R)
-  if finer is None:
-    return call(block=block, R=R)
-  return jax.lax.cond(finer_reads_less(filled, finer[0]),
-                      lambda: call(block=finer[0], R=finer[1]), lambda: call(block=block, R=R))
-
-
-def finer_reads_less(filled, finer_block: int):
-  """Whether blocks of `finer_block` slots read fewer slots than blocks twice their size, up to
-  `filled`: where the filled slots end in the first half of a full-size block (elsewhere both
-  read the same slots, and the full-size blocks are faster)."""
-  return ((filled + finer_block - 1) // finer_block) % 2 == 1
-
-
-def finer_layout(rows: int, block: int, rows_per_step: int) -> tuple[int, int] | None:
-  """(half the block, twice the rows a step): the same bytes a step in blocks that skip the
-  unfilled tail more finely, where both fit (blocks of 128 slots at least, 16 rows a step at
-  most). Measured on the v5e, 48 rows of the real student's int8 cache (benchmarks/results/
-  tpu/decode_kernel_call16.json): 128-slot blocks of 16 rows took 0.91x the time of 256-slot
-  blocks of 8 with 640 slots filled (they read 640 slots, not 768), 1.05x with all 1,024.
-  Chosen by the fill inside the call (lax.cond), as stacked_decode_attention does, the kernel
-  measured 1.00x at 640 and 0.98x at 1,024 (decode_kernel_call17.json): why the choice does
-  not give the finer layout's own time is not yet known."""
-  half, twice = block // 2, rows_per_step * 2
-  if half < _BLOCKS[-1] or twice > 16 or rows % twice:
-    return None
-  return half, twice
+  return _pallas_decode(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled,
+                        k_scale_NxBx1xSK, v_scale_NxBx1xSK, block=block, R=R, scale=scale,
+                        softcap=softcap, interpret=interpret,
+                        prefetch_next_rows=prefetch_next_rows)
 
 
 def _pallas_decode(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled,
                    k_scale_NxBx1xSK, v_scale_NxBx1xSK, *, block: int, R: int, scale: float,
-                   softcap: float | None, interpret: bool, prefetch_next_rows: bool,
-                   bias_mask: bool) -> jax.Array:
+                   softcap: float | None, interpret: bool,
+                   prefetch_next_rows: bool) -> jax.Array:
   """The kernel's call at one layout (block slots, R rows a grid step)."""
   N, B, S, K, H = k_NxBxSxKxH.shape
   G = q_BxKxGxH.shape[2]
@@ -257,27 +193,23 @@ def _pallas_decode(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled
   k_rows = k_NxBxSxKxH.reshape(N, B, S * K, H)
   v_rows = v_NxBxSxKxH.reshape(N, B, S * K, H)
   rows = block * K
-  if bias_mask:  # 0 where attended, -inf elsewhere: added to the scores
-    valid_Bx1xSK = jnp.where(jnp.repeat(valid_BxS, K, axis=1), 0.0, -jnp.inf)[:, None, :]
-    own_head = (jnp.arange(K * G)[:, None] // G) == (jnp.arange(rows)[None, :] % K)
-    bias = (jnp.where(own_head, 0.0, -jnp.inf).astype(jnp.float32),)
-  else:
-    valid_Bx1xSK = jnp.repeat(valid_BxS.astype(jnp.int32), K, axis=1)[:, None, :]
-    bias = ()
+  # 0 where attended, -inf elsewhere: added to the scores (_attend_row).
+  valid_Bx1xSK = jnp.where(jnp.repeat(valid_BxS, K, axis=1), 0.0, -jnp.inf)[:, None, :]
+  own_head = (jnp.arange(K * G)[:, None] // G) == (jnp.arange(rows)[None, :] % K)
+  head_bias = jnp.where(own_head, 0.0, -jnp.inf).astype(jnp.float32)
   quantized = k_scale_NxBx1xSK is not None
   q_dtype = q_BxKxGxH.dtype if quantized else k_NxBxSxKxH.dtype
   q_BxKGxH = q_BxKxGxH.astype(q_dtype).reshape(B, K * G, H)
   cache_spec, scale_spec, valid_spec = _stream_specs(R, rows, H, B // R, prefetch_next_rows)
   scales = (k_scale_NxBx1xSK, v_scale_NxBx1xSK) if quantized else ()
   out = pl.pallas_call(
-      functools.partial(_kernel, scale=scale, softcap=softcap, K=K, G=G, R=R,
-                        quantized=quantized, bias_mask=bias_mask),
+      functools.partial(_kernel, scale=scale, softcap=softcap, R=R, quantized=quantized),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1, grid=(B // R, S // block),
           in_specs=[pl.BlockSpec((R, K * G, H), lambda b, s, sref: (b, 0, 0)),
                     cache_spec, cache_spec,
                     valid_spec,
-                    *[pl.BlockSpec((K * G, rows), lambda b, s, sref: (0, 0))] * len(bias),
+                    pl.BlockSpec((K * G, rows), lambda b, s, sref: (0, 0)),
                     *[scale_spec] * len(scales)],
           out_specs=pl.BlockSpec((R, K * G, H), lambda b, s, sref: (b, 0, 0)),
           scratch_shapes=[pltpu.VMEM((R, K * G, 1), jnp.float32),
@@ -288,7 +220,7 @@ def _pallas_decode(q_BxKxGxH, k_NxBxSxKxH, v_NxBxSxKxH, layer, valid_BxS, filled
           dimension_semantics=("parallel", "arbitrary"),
           vmem_limit_bytes=_vmem_limit(4 * R * rows * H * k_rows.dtype.itemsize)),
       interpret=interpret,
-  )(sref, q_BxKGxH, k_rows, v_rows, valid_Bx1xSK, *bias, *scales)
+  )(sref, q_BxKGxH, k_rows, v_rows, valid_Bx1xSK, head_bias, *scales)
   return out.reshape(B, K, G, H)
 
 

@@ -13,7 +13,6 @@ from flax import nnx
 from distillax import partitioning as pt
 
 from distillax.errors import UserError
-from distillax.models.attention import decode as decode_kernel
 from distillax.models.attention import impl as attention_impl
 from distillax.models.attention import layer as attention_layer
 from distillax.models.attention.cache_slot import dequantize_rows, quantize_rows
@@ -37,9 +36,9 @@ CASES = {  # dtype, soft-cap, window (slots back), filled slots of the cache
 }
 
 
-# The kernel's schedule and masking (decode.stacked_decode_attention's defaults), and the earlier
-# ones benchmarks/decode_kernel.py measures them against.
-SCHEDULES = {"default": {}, "earlier": dict(prefetch_next_rows=False, bias_mask=False)}
+# The kernel's schedule (decode.stacked_decode_attention's default), and the earlier one
+# benchmarks/decode_kernel.py measures it against.
+SCHEDULES = {"default": {}, "earlier": dict(prefetch_next_rows=False)}
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -159,50 +158,6 @@ def test_int8_cache_kernel_matches_reference_on_its_dequantized_values(schedule,
   index = jnp.broadcast_to(jnp.arange(S), (B, S))
   want, _ = reference_attention(q.astype(jnp.float32)[:, None], deq(k, ks), deq(v, vs),
                                 q_index_BxL=jnp.full((B, 1), filled - 1), k_index_BxS=index,
-                                scale=H ** -0.5)
-  chip.assert_bf16(np.asarray(got), np.asarray(want[:, 0]))
-
-
-def test_the_finer_layout_is_chosen_where_it_reads_fewer_slots():
-  """16 rows of 128-slot blocks against 8 rows of 256 (hand-counted): 100 filled slots are one
-  fine block against one coarse one (128 slots read, not 256); 200 are two against one (256
-  either way); 300 three against two (384, not 512); 256 two against one."""
-  assert layout(16, 256, 2 * 128) == (256, 8)
-  assert decode_kernel.finer_layout(16, 256, 8) == (128, 16)
-  assert decode_kernel.finer_layout(8, 256, 8) is None  # 16 rows a step need 16 rows
-  assert decode_kernel.finer_layout(32, 128, 8) is None  # no 64-slot blocks
-  assert [bool(decode_kernel.finer_reads_less(f, 128)) for f in (100, 200, 300, 256, 129)] == [
-      True, False, True, False, False]
-
-
-@pytest.mark.parametrize("filled", [100, 200])
-def test_both_layouts_of_the_choice_match_the_reference(filled):
-  """16 rows of an int8 cache, rows of different lengths, through the kernel as a decode step
-  calls it (the layout chosen on the traced fill, both built): the reference's outputs, where
-  the finer layout runs (100 slots filled) and where the coarser one does (200)."""
-  N, B, S, K, G, H = 2, 16, 256, 2, 2, 128
-  rng = np.random.default_rng(3)
-  raw = [jnp.asarray(rng.normal(size=(N, B, S, K, H)), jnp.float32) for _ in range(2)]
-  (k, ks), (v, vs) = (quantize_rows(x.reshape(N * B, S, K, H)) for x in raw)
-  k, v = k.reshape(N, B, S, K, H), v.reshape(N, B, S, K, H)
-  ks, vs = ks.reshape(N, B, 1, S * K), vs.reshape(N, B, 1, S * K)
-  q = jnp.asarray(rng.normal(size=(B, K, G, H)), jnp.bfloat16)
-  lengths_B = jnp.asarray(rng.integers(filled // 2, filled + 1, B))
-  valid = jnp.arange(S)[None] < lengths_B[:, None]
-  built = []
-  def counted(*args, **kwargs):
-    built.append((kwargs["block"], kwargs["R"]))
-    return pallas_decode(*args, **kwargs)
-  pallas_decode = decode_kernel._pallas_decode
-  with pytest.MonkeyPatch.context() as m, chip.precision(jnp.bfloat16):
-    m.setattr(decode_kernel, "_pallas_decode", counted)
-    got = jax.jit(lambda f: stacked_decode_attention.__wrapped__(
-        q, k, v, 1, valid, f, ks, vs, scale=H ** -0.5, interpret=chip.interpret()))(filled)
-  assert sorted(built) == [(128, 16), (256, 8)]
-  deq = lambda codes, scale: dequantize_rows(codes[1], scale[1].reshape(B, S, K), jnp.float32)
-  index = jnp.broadcast_to(jnp.arange(S), (B, S))
-  want, _ = reference_attention(q.astype(jnp.float32)[:, None], deq(k, ks), deq(v, vs),
-                                q_index_BxL=(lengths_B - 1)[:, None], k_index_BxS=index,
                                 scale=H ** -0.5)
   chip.assert_bf16(np.asarray(got), np.asarray(want[:, 0]))
 
