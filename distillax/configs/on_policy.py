@@ -69,6 +69,10 @@ def on_policy_section() -> ml_collections.ConfigDict:
   c.eval_seed = 0  # sampling seed of the eval completions (the same at every eval)
   c.samples_to_write = 4  # eval completions written to <workdir>/on_policy_samples/ per eval
   c.time_sampling = True  # time a sampling-only program once per log interval (metrics)
+  # Devices kept for the sampler (the last this many; one host): the trainer's mesh (`mesh`)
+  # takes the others, and each step's weights go to the sampler device to device. 0: the
+  # trainer's devices sample inside the step. See docs/guides/on-policy.md.
+  c.sampler_devices = 0
   return c
 
 

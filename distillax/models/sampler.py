@@ -159,8 +159,15 @@ def weights_in_compute_dtype(model: Transformer) -> Transformer:
   the weights every layer casts to the compute dtype where it uses them (vectors such as norm
   scales, and _KEPT_WIDE, stay as stored). A plain Transformer only: a fake-quantized or adapted
   model quantizes or adds to its stored weights, which this would change."""
-  dtype = jnp.dtype(model.config.dtype)
   graph, state = nnx.split(model)
+  return nnx.merge(graph, matmul_weights_in(state, model.config.dtype))
+
+
+def matmul_weights_in(state, dtype):
+  """`state` (a model's nnx state or pure dict) with the weights weights_in_compute_dtype casts
+  in `dtype`: what an on-policy sampler on devices of its own receives
+  (trainers/on_policy/sampler_devices.py), half the bytes of fp32 master weights."""
+  dtype = jnp.dtype(dtype)
 
   def cast(path, x):
     wide = (jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2
@@ -168,7 +175,7 @@ def weights_in_compute_dtype(model: Transformer) -> Transformer:
     named = {str(getattr(k, "key", k)) for k in path}
     return x.astype(dtype) if wide and not named & _KEPT_WIDE else x
 
-  return nnx.merge(graph, jax.tree_util.tree_map_with_path(cast, state))
+  return jax.tree_util.tree_map_with_path(cast, state)
 
 
 def decode(model: Transformer, prompt_BxP: jax.Array, lengths_B: jax.Array, key: jax.Array,

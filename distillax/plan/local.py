@@ -60,7 +60,7 @@ def flops_check(recipe: Recipe, engine, compiled_per_device: float,
   trained = jax.tree.leaves(engine.layout.abstract.params)
   # A LoRA or QLoRA student: its frozen base outweighs what trains (the adapters).
   base_trains = sum(x.size for x in frozen_base) <= sum(x.size for x in trained)
-  model_flops = recipe.step_flops()
+  model_flops = recipe.step_flops() - recipe.step_flops_elsewhere
   expected = (model_flops + flops.hlo_matmul_adjustment(
       cfg, recipe.batch_size, recipe.seq_len, recipe.teacher_model_config,
       remat=str(getattr(cfg, "remat", "none")), fused=fused,

@@ -135,6 +135,9 @@ class Recipe:
   # (self, plan report) -> lines `plan` prints about the job's own batches after its figures
   # (on-policy's sampling and update batches); None: no such lines.
   plan_lines = None
+  # Model FLOPs of step_flops() that a program other than the compiled train step runs (an
+  # on-policy sampler on devices of its own): plan checks the step's HLO against the rest.
+  step_flops_elsewhere: float = 0.0
   # The eval figures the rollback guard may watch (train.rollback_metric), each with a direction
   # in framework/eval_rules.py; the first is the job's own (the default): the figure its
   # objective lowers. Next-token training lowers the CE, so its perplexity. eval.generate adds
@@ -252,6 +255,7 @@ class Recipe:
     """Model FLOPs of one train step (forward + backward, a frozen teacher's forward)."""
     return flops.train_step_flops(self.model_config, self.batch_size, self.seq_len,
                                   teacher_cfg=self.teacher_model_config)["total"]
+
 
   def _engine(self, learning_rate: float, quantize: bool = True,
               compile_now: bool | str = "background", stage: int | None = None) -> Engine:

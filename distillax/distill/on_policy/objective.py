@@ -372,5 +372,6 @@ ROW_KEYS = (LENGTH_ROWS, ENDED_ROWS, REAL_ROWS, SAMPLED_ROWS)
 
 
 __all__ = ["OnPolicySettings", "PROMPT_KEYS", "PROMPT_LENGTHS", "PROMPT_TEACHER", "PROMPT_TOKENS",
-           "ROLLOUT", "ROW_IDS", "Rollout", "completion_rows", "completion_stats", "frozen_copy", "make_on_policy_objective",
-           "route_scoring_batch", "row_keys", "sample_rollout", "score_rollout", "scoring_batch"]
+           "ROLLOUT", "ROW_IDS", "Rollout", "completion_rows", "completion_stats", "frozen_copy",
+           "make_on_policy_objective", "make_prepare", "route_scoring_batch", "row_keys",
+           "sample_rollout", "score_rollout", "scoring_batch"]

@@ -102,8 +102,8 @@ class MultiTeacherOnPolicyRecipe(OnPolicyRecipe, MultiTeacherDistillRecipe):
                                 pad_id=self.tokenizer.pad_id, process_index=jax.process_index(),
                                 process_count=jax.process_count())
 
-  def batch_shapes(self):
-    shapes = dict(super().batch_shapes())
+  def prompt_shapes(self) -> dict:
+    shapes = super().prompt_shapes()
     if self.routes is not None:
       shapes[PROMPT_TEACHER] = jax.ShapeDtypeStruct((self.batch_size,), np.int32)
     return shapes

@@ -13,6 +13,7 @@ watches, and writes a few completions to <workdir>/on_policy_samples/.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -21,7 +22,8 @@ from absl import logging
 from distillax import quant
 from distillax.distill import TEACHER, make_distill_objective
 from distillax.distill.on_policy.objective import (PROMPT_LENGTHS, PROMPT_TOKENS, ROW_IDS,
-                                         OnPolicySettings, make_on_policy_objective)
+                                                   OnPolicySettings, make_on_policy_objective,
+                                                   make_prepare)
 from distillax.distill.on_policy.eval import OnPolicyEvaluator
 from distillax.distill.on_policy.losses import on_policy_strategy
 from distillax.distill.sequence_kd import NoPromptFits, stop_ids, take_prompt_records
@@ -32,6 +34,8 @@ from distillax.framework.step import Objective
 from distillax.models.attention.layer import kv_cache_bytes_per_token
 from distillax.trainers.distill.recipe import DistillRecipe
 from distillax.trainers.on_policy.parts import OnPolicyIterator, SamplingClock, write_samples
+from distillax.trainers.on_policy.sampler_devices import (SamplerRunner, rollout_shapes,
+                                                          split_devices)
 from distillax.trainers.registry import register
 
 
@@ -133,8 +137,13 @@ class OnPolicyRecipe(DistillRecipe):
   rollback_metrics = ("eval_on_policy_reverse_kl", "eval_on_policy_teacher_nll",
                       "eval_objective", "eval_loss", "eval_perplexity")
 
-  def __init__(self, config, **kwargs):
-    super().__init__(config, **kwargs)
+  def __init__(self, config, *, mesh=None, **kwargs):
+    # on_policy.sampler_devices > 0: the trainer's mesh leaves those devices to the sampler.
+    self.sampler_devices = split_devices(config, mesh)
+    if self.sampler_devices is not None:
+      mesh = self.sampler_devices.trainer_mesh
+      logging.info("on_policy: %s", self.sampler_devices.describe())
+    super().__init__(config, mesh=mesh, **kwargs)
     c = config.on_policy
     self.settings = settings_from_config(c, self.tokenizer)
     self.prompt_len = int(c.prompt_len)
@@ -145,6 +154,10 @@ class OnPolicyRecipe(DistillRecipe):
     # A plain student samples from its matmul weights cast to bf16 once, before the decode loop.
     plain = self.transforms.qat is None and self.transforms.lora is None
     self.settings = dataclasses.replace(self.settings, cast_weights=plain)
+    if self.sampler_devices is not None:  # the sampler's devices run the step's decode
+      width = self.prompt_len + self.settings.max_new_tokens - 1
+      self.step_flops_elsewhere = flops.forward_flops(self.model_config, self.sampling_batch,
+                                                      width)
     if self.teacher_model_config is None:
       raise ConfigError("on_policy needs a teacher model (teacher.workdir, teacher.hf_path or "
                         "teacher.preset), not an offline cache: the teacher scores the "
@@ -152,6 +165,10 @@ class OnPolicyRecipe(DistillRecipe):
 
   def plan_lines(self, report: dict) -> list[str]:
     """The two batches and what the sampler holds per device while it runs."""
+    if self.sampler_devices is not None:
+      return [sampler_devices_plan_line(self.model_config, self.sampling_batch, self.accum_steps,
+                                        self.prompt_len, self.settings, report,
+                                        self.sampler_devices.sampler_mesh.devices.size)]
     data = int(self.mesh.shape.get(backends.DATA_AXIS, 1)) if self.mesh is not None else 1
     return [sampling_plan_line(self.model_config, self.sampling_batch, self.accum_steps,
                                self.prompt_len, self.settings, report, data)]
@@ -166,19 +183,32 @@ class OnPolicyRecipe(DistillRecipe):
                                  router_loss_weights=weights, teachers=self.mix)
     leaf = on_policy_strategy(str(c.divergence), beta=float(c.beta),
                               temperature=float(c.temperature))
-    # Adapter dropout is for the learner's forward, not for sampling.
-    context = (lambda: quant.lora_dropout(None)) if self.transforms.lora is not None else None
     on = make_on_policy_objective(leaf, self.settings, off_policy=off,
-                                  chunk_size=self.chunk_size(), sampling_context=context,
+                                  chunk_size=self.chunk_size(),
+                                  sampling_context=sampling_context(self.transforms),
                                   router_loss_weights=weights, teachers=self.mix)
-    return self.transforms.train_objective(on)  # the wrapper keeps on's rng_per_worker
+    on = self.transforms.train_objective(on)  # the wrapper keeps on's rng_per_worker
+    if self.sampler_devices is not None:  # the sampler's devices run its prepare
+      on = dataclasses.replace(on, prepare=None)
+    return on
+
+
+  def prompt_shapes(self) -> dict:
+    """The step's prompts (a routed recipe adds each prompt's teacher)."""
+    B, i32 = self.batch_size, jax.numpy.int32
+    return {PROMPT_TOKENS: jax.ShapeDtypeStruct((B, self.prompt_len), i32),
+            PROMPT_LENGTHS: jax.ShapeDtypeStruct((B,), i32),
+            ROW_IDS: jax.ShapeDtypeStruct((B,), i32)}
 
   def batch_shapes(self):
-    shapes = dict(super().batch_shapes())
-    B = self.batch_size
-    shapes[PROMPT_TOKENS] = jax.ShapeDtypeStruct((B, self.prompt_len), jax.numpy.int32)
-    shapes[PROMPT_LENGTHS] = jax.ShapeDtypeStruct((B,), jax.numpy.int32)
-    shapes[ROW_IDS] = jax.ShapeDtypeStruct((B,), jax.numpy.int32)
+    """The loop's batch; with sampler_devices > 0 also the arrays the sampler hands the step."""
+    shapes = {**super().batch_shapes(), **self.prompt_shapes()}
+    if self.sampler_devices is not None:  # what the sampler hands the step (computed once)
+      if "_rollout_shapes" not in self.__dict__:
+        self._rollout_shapes = rollout_shapes(self.build_student(abstract=True),
+                                              self.prompt_shapes(), make_prepare(
+                                                  self.settings, sampling_context(self.transforms)))
+      shapes.update(self._rollout_shapes)
     return shapes
 
   def prompts(self, split: str = "train") -> list:
@@ -209,14 +239,19 @@ class OnPolicyRecipe(DistillRecipe):
 
   def build_engines(self, learning_rate: float | None = None, *, compile_now: bool = True):
     engines = super().build_engines(learning_rate, compile_now=compile_now)
-    return engines.wrap(self._on_policy_engine)
+    timed, every = bool(self.config.on_policy.time_sampling), int(self.config.train.log_every)
 
-  def _on_policy_engine(self, engine):
-    if bool(self.config.on_policy.time_sampling) and self.settings.lmbda > 0:
-      engine.runner = SamplingClock(engine, self.settings,
-                                    int(self.config.train.log_every)).runner()
-    # The one evaluation route adds the on-policy figures (and writes the samples).
-    return with_extra_eval(engine, self._eval_fn())
+    def on_policy_engine(engine):
+      if self.sampler_devices is not None:
+        dtype = self.model_config.dtype if self.settings.cast_weights else None
+        prepare = make_prepare(self.settings, sampling_context(self.transforms))
+        engine.runner = SamplerRunner(engine, prepare, self.sampler_devices, compute_dtype=dtype,
+                                      every=every if timed else 0).runner()
+      elif timed and self.settings.lmbda > 0:
+        engine.runner = SamplingClock(engine, self.settings, every).runner()
+      # The one evaluation route adds the on-policy figures (and writes the samples).
+      return with_extra_eval(engine, self._eval_fn())
+    return engines.wrap(on_policy_engine)
 
   def _eval_fn(self):
     """(engine, state) -> the on-policy figure on held-out prompts; writes the samples."""
@@ -246,6 +281,13 @@ class OnPolicyRecipe(DistillRecipe):
                                 self.settings.max_new_tokens)
 
 
+def sampling_context(transforms):
+  """What sampling runs under: adapter dropout is for the learner's forward, not sampling."""
+  if transforms.lora is None:
+    return contextlib.nullcontext
+  return lambda: quant.lora_dropout(None)
+
+
 def sampling_memory(model_config, rows: int, width: int, params_bytes: int,
                     settings: OnPolicySettings) -> dict[str, int]:
   """Bytes the sampler holds while it decodes `rows` samples of `width` positions: its KV cache
@@ -272,6 +314,24 @@ def sampling_plan_line(model_config, sampling_batch: int, accum: int, prompt_len
           f"{copy} per device, before the update), update micro-batch "
           f"{sampling_batch // accum} completions x {accum} per step (in the compiled step's "
           f"peak)")
+
+
+def sampler_devices_plan_line(model_config, sampling_batch: int, accum: int, prompt_len: int,
+                              settings: OnPolicySettings, report: dict, devices: int) -> str:
+  """plan's line about the two batches when the sampler has devices of its own: there, each
+  device holds a whole copy of the student's weights and its share of the KV cache."""
+  width = prompt_len + settings.max_new_tokens
+  # The student's trained and frozen parts (a LoRA base), not the frozen extras (the teacher).
+  extras = sum(int(total) for total, _ in report.get("frozen_models", {}).values())
+  whole = int(report["params_total_bytes"]) + int(report["frozen_total_bytes"]) - extras
+  memory = sampling_memory(model_config, -(-sampling_batch // devices), width, whole, settings)
+  weights = memory["weights_copy_bytes"] or whole
+  gib = lambda n: f"{n / 2**30:.3g} GiB"
+  return (f"on-policy batches: sampling {sampling_batch} completions of {prompt_len} + "
+          f"{settings.max_new_tokens} tokens at once on the sampler's {devices} devices (per "
+          f"device: the student's weights {gib(weights)} + KV cache "
+          f"{gib(memory['kv_cache_bytes'])}), update micro-batch {sampling_batch // accum} "
+          f"completions x {accum} per step on the trainer's (in the compiled step's peak)")
 
 
 def on_policy_step_flops(model_config, teacher_config, rows: int, prompt_len: int,
