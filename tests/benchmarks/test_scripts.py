@@ -96,3 +96,12 @@ def test_backends(out_dir):
   # while under jit/dp each device holds an eighth.
   assert rows["vmap"]["temp_bytes"] > rows["jit/dp"]["temp_bytes"]
 
+
+
+def test_q8_0_activation(out_dir):
+  """Every formulation of the q8_0 activation rounding gives the current one's values."""
+  res = run_script("q8_0_activation", out_dir)
+  variants = {r["variant"]: r for r in res["rows"]}
+  assert {"v0_current", "floor_x2", "onehot_bf16max", "transposed"} <= set(variants)
+  assert all(r["value_equal"] for name, r in variants.items() if name != "floor_x2")
+  assert variants["v0_current"]["bitwise_equal"]
