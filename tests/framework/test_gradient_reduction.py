@@ -27,10 +27,12 @@ TIED = dataclasses.replace(TINY, tie_embeddings=True, vocab_size=1024)
 
 
 def _engine(strategy, mesh_shape, backend="jit", accum_steps=1, cfg=None, batch=32, seq=16,
-            reduction="auto"):
+            reduction="auto", compile_now="background"):
+  """`compile_now=False` where a test reads only the mode the runner chose: nothing compiles."""
   mesh, rules = mesh_and_rules(strategy, *mesh_shape)
   return tiny_engine(abstract_model(cfg or TIED), packed_batches(1, batch=batch, seq_len=seq)[0],
-                     mesh, rules, backend, accum_steps=accum_steps, gradient_reduction=reduction)
+                     mesh, rules, backend, accum_steps=accum_steps, gradient_reduction=reduction,
+                     compile_now=compile_now)
 
 
 def _all_reduce_bytes(engine):
@@ -70,14 +72,14 @@ def test_auto_keeps_per_use_reductions_where_nothing_is_saved():
   assert not reduces_once("auto", 1, untied, None, "jit", platform="gpu")
   assert reduces_once("auto", 1, untied, None, "jit", platform="cpu")
   assert reduces_once("auto", 4, untied, None, "jit", platform="tpu")
-  assert _engine("dp", (8, 1), cfg=TINY).runner.gradient_reduction == "per_step"
-  assert _engine("fsdp", (8, 1), accum_steps=4).runner.gradient_reduction == "per_use"
-  assert _engine("dp", (8, 1), cfg=TINY, reduction="per_use").runner.gradient_reduction == (
-      "per_use")
+  mode = lambda *a, **k: _engine(*a, compile_now=False, **k).runner.gradient_reduction
+  assert mode("dp", (8, 1), cfg=TINY) == "per_step"
+  assert mode("fsdp", (8, 1), accum_steps=4) == "per_use"
+  assert mode("dp", (8, 1), cfg=TINY, reduction="per_use") == "per_use"
   with pytest.raises(ConfigError, match="gradient_reduction=per_step needs parameters"):
-    _engine("fsdp", (8, 1), reduction="per_step")
+    mode("fsdp", (8, 1), reduction="per_step")
   with pytest.raises(ConfigError, match="gradient_reduction='sometimes' is unknown"):
-    _engine("dp", (8, 1), reduction="sometimes")
+    mode("dp", (8, 1), reduction="sometimes")
 
 
 # Untied, its output layer 1024 x 64 (256 KiB of fp32 gradient).
