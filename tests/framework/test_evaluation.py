@@ -35,7 +35,7 @@ def _uneven_eval():
   for batch, keep in zip(batches, (1.0, 0.5, 0.1)):
     rows = int(len(batch["loss_mask_BxL"]) * keep) or 1
     batch["loss_mask_BxL"][rows:] = 0.0
-  engine = tiny_engine(model, batches[0], mesh, rules)
+  engine = tiny_engine(model, batches[0], mesh, rules, compile_now=False)  # no train step runs
   return model, engine, batches
 
 
@@ -135,7 +135,7 @@ def test_per_token_values_count_the_rows_the_objective_counts():
   model = create_model(TINY, mesh=mesh, rules=rules, seed=3)
   batches = packed_batches(2, seed=5, vocab=100)
   engine = tiny_engine(model, batches[0], mesh, rules,
-                       objective=token_rows.over_token_rows(lm_objective, 100))
+                       objective=token_rows.over_token_rows(lm_objective, 100), compile_now=False)
   means, tokens = evaluation.evaluate(engine, engine.init_state(model, {}, seed=0), batches,
                                       per_token=True)
   total = 0.0
