@@ -8,7 +8,8 @@ DEFAULT_CPU_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
 # XLA:CPU's own defaults for everything tests/conftest.py makes cheaper: the program a user's
 # JAX builds, at its full compile cost and run speed.
 DEFAULT_CPU_COMPILE = {**DEFAULT_CPU_EMITTERS, "xla_backend_optimization_level": 3,
-                       "xla_llvm_disable_expensive_passes": False}
+                       "xla_llvm_disable_expensive_passes": False,
+                       "xla_cpu_parallel_codegen_split_count": 32}
 
 
 class _WithOptions:
