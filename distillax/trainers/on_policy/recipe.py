@@ -158,6 +158,10 @@ class OnPolicyRecipe(DistillRecipe):
       width = self.prompt_len + self.settings.max_new_tokens - 1
       self.step_flops_elsewhere = flops.forward_flops(self.model_config, self.sampling_batch,
                                                       width)
+      # What the sampler runs each step, and the arrays it hands the step (their shapes).
+      self.sampler_prepare = make_prepare(self.settings, sampling_context(self.transforms))
+      self.rollout_shapes = rollout_shapes(self.build_student(abstract=True),
+                                           self.prompt_shapes(), self.sampler_prepare)
     if self.teacher_model_config is None:
       raise ConfigError("on_policy needs a teacher model (teacher.workdir, teacher.hf_path or "
                         "teacher.preset), not an offline cache: the teacher scores the "
@@ -192,7 +196,6 @@ class OnPolicyRecipe(DistillRecipe):
       on = dataclasses.replace(on, prepare=None)
     return on
 
-
   def prompt_shapes(self) -> dict:
     """The step's prompts (a routed recipe adds each prompt's teacher)."""
     B, i32 = self.batch_size, jax.numpy.int32
@@ -203,12 +206,8 @@ class OnPolicyRecipe(DistillRecipe):
   def batch_shapes(self):
     """The loop's batch; with sampler_devices > 0 also the arrays the sampler hands the step."""
     shapes = {**super().batch_shapes(), **self.prompt_shapes()}
-    if self.sampler_devices is not None:  # what the sampler hands the step (computed once)
-      if "_rollout_shapes" not in self.__dict__:
-        self._rollout_shapes = rollout_shapes(self.build_student(abstract=True),
-                                              self.prompt_shapes(), make_prepare(
-                                                  self.settings, sampling_context(self.transforms)))
-      shapes.update(self._rollout_shapes)
+    if self.sampler_devices is not None:
+      shapes.update(self.rollout_shapes)
     return shapes
 
   def prompts(self, split: str = "train") -> list:
@@ -244,8 +243,8 @@ class OnPolicyRecipe(DistillRecipe):
     def on_policy_engine(engine):
       if self.sampler_devices is not None:
         dtype = self.model_config.dtype if self.settings.cast_weights else None
-        prepare = make_prepare(self.settings, sampling_context(self.transforms))
-        engine.runner = SamplerRunner(engine, prepare, self.sampler_devices, compute_dtype=dtype,
+        engine.runner = SamplerRunner(engine, self.sampler_prepare, self.sampler_devices,
+                                      self.rollout_shapes, compute_dtype=dtype,
                                       every=every if timed else 0).runner()
       elif timed and self.settings.lmbda > 0:
         engine.runner = SamplingClock(engine, self.settings, every).runner()

@@ -114,9 +114,9 @@ class SamplerRunner:
   sampling and the update are timed apart, blocking on each, as parts.SamplingClock does for
   the shared-device step: `sampled_tokens_per_s` and `sampling_share` in the metrics."""
 
-  def __init__(self, engine: Engine, prepare: Callable, devices: SamplerDevices, *,
-               compute_dtype: str | None, every: int = 0,
-               clock: Callable[[], float] = time.perf_counter):
+  def __init__(self, engine: Engine, prepare: Callable, devices: SamplerDevices,
+               rollout: Mapping[str, jax.ShapeDtypeStruct], *, compute_dtype: str | None,
+               every: int = 0, clock: Callable[[], float] = time.perf_counter):
     self.engine, self.inner, self.devices = engine, engine.runner, devices
     self.every, self.clock, self.calls, self.figures = int(every), clock, 0, {}
     defs, trainer, sampler = engine.layout.defs, devices.trainer_mesh, devices.sampler_mesh
@@ -137,19 +137,14 @@ class SamplerRunner:
         return prepare(student, {}, prompts, step_rng)
     self.sample = jax.jit(sample, out_shardings=NamedSharding(sampler, P()))
     self.place_prompts = backends.global_batch_placer(sampler, self.sampler_rules)
-    self.split_rows = {}  # by the rollout's keys and shapes: the program that lays rows out
+    # 3: the samples copied whole to the trainer's devices, then laid out as the step's batch.
+    self.to_trainer = replicated(trainer, rollout)
+    self.split_rows = jax.jit(lambda t: t, out_shardings={
+        k: backends.batch_sharding(trainer, engine.rules, len(v.shape), v.shape)
+        for k, v in rollout.items()})
 
   def place_batch(self, host_batch):
     return host_batch  # placed in __call__, beside the samples
-
-  def _rows_program(self, rollout: Mapping[str, jax.Array]):
-    """The identity on the trainer's devices, from whole arrays to the step's batch layout."""
-    key = tuple((k, v.shape, str(v.dtype)) for k, v in sorted(rollout.items()))
-    if key not in self.split_rows:
-      mesh, rules = self.devices.trainer_mesh, self.engine.rules
-      out = {k: backends.batch_sharding(mesh, rules, v.ndim, v.shape) for k, v in rollout.items()}
-      self.split_rows[key] = jax.jit(lambda t: t, out_shardings=out)
-    return self.split_rows[key]
 
   def samples(self, state, host_batch) -> dict[str, jax.Array]:
     """The step's samples, laid out for its train step on the trainer's devices."""
@@ -158,8 +153,7 @@ class SamplerRunner:
     keys = PROMPT_KEYS + ((PROMPT_TEACHER,) if PROMPT_TEACHER in host_batch else ())
     prompts = self.place_prompts({k: np.asarray(host_batch[k]) for k in keys})
     rollout = self.sample(*jax.device_put(sent, self.to_sampler), prompts)
-    rollout = jax.device_put(rollout, replicated(self.devices.trainer_mesh, rollout))
-    return self._rows_program(rollout)(rollout)
+    return self.split_rows(jax.device_put(rollout, self.to_trainer))
 
   def __call__(self, state, host_batch):
     measure = self.every > 0 and self.calls % self.every == 0
