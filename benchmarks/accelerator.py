@@ -65,9 +65,19 @@ class Row:
 S = ":loss_impl=sliced"  # what train.loss_impl='auto' runs for these jobs
 _OP_LEVERS = ":opt_state_dtype=bfloat16:teacher_int8=True"  # on-policy: bf16 moments, int8 teacher
 ROWS = (
-    Row("train", "real", (f"train:full:8{S}", f"train:save_dots_no_batch:4{S}",
+    # Deviceless v5e compiles (benchmarks/compile_sizes.py): full remat 13.84 GiB at 8 rows,
+    # 13.03 at 6; save_attention (models/remat.py: splash's output and statistics kept, its
+    # forward not run again) 16.26 at 8 (does not fit), 15.07 at 6, 13.95 at 4;
+    # save_attention_qkv 15.47 at 4 (does not fit).
+    Row("train", "real", (f"train:full:8{S}", f"train:save_attention:6{S}",
+                          f"train:save_attention:4{S}", f"train:save_dots_no_batch:4{S}",
                           f"train:full:12{S}"),
         "the student's next-token training step"),
+    # save_attention at 8 rows fits with Adam's moments in bf16: 14.30 GiB.
+    Row("train_bf16_moments", "real", (f"train:save_attention:8{S}:opt_state_dtype=bfloat16",
+                                       f"train:full:8{S}:opt_state_dtype=bfloat16"),
+        "the train step with Adam's two moments stored in bf16 (optimizer.state_dtype; fp32 "
+        "master weights kept): the memory it frees lets the step keep splash's output"),
     Row("train_bf16", "real", (f"train:full:8{S}:param_dtype=bfloat16",
                                f"train:save_dots_no_batch:4{S}:param_dtype=bfloat16",
                                f"train:save_dots_no_batch:2{S}:param_dtype=bfloat16",
@@ -137,13 +147,14 @@ ROWS = (
     # chunked: the sliced loss refuses an adapted student (trainers/recipe.py), so 'auto' runs
     # the chunk engine. The nf4 base holds no fp32 weights or Adam state: 16 x 2048 compiles to
     # 6.4 GiB for a v5e (deviceless, as the on-policy row's figures).
-    Row("qlora", "real", ("train:full:32:lora=qlora", "train:full:16:lora=qlora",
-                          "train:full:8:lora=qlora"),
+    Row("qlora", "real", ("train:full:32:lora=qlora", "train:save_attention:16:lora=qlora",
+                          "train:full:16:lora=qlora"),
         "QLoRA next-token training as configs/qlora.py runs it (frozen nf4 base in tiles of 32, "
         "rank-8 adapters on the attention and MLP matmuls, dropout 0.1); MFU counts the full "
         "6N model FLOPs, though the frozen base computes no weight gradients"),
-    Row("lora", "real", ("train:full:16:lora=lora", "train:full:8:lora=lora",
-                         "train:full:32:lora=lora"),
+    # save_attention at 16 rows: 12.94 GiB (deviceless); QLoRA's at 32, 17.73 (does not fit).
+    Row("lora", "real", ("train:full:16:lora=lora", "train:save_attention:16:lora=lora",
+                         "train:full:8:lora=lora"),
         "LoRA next-token training as configs/lora.py runs it (a frozen bf16-computed fp32 base, "
         "rank-8 adapters on the attention and MLP matmuls, dropout 0.1): QLoRA's peer without "
         "the nf4 base"),
@@ -170,6 +181,11 @@ ROWS = (
         "the student's training step at 8k and 16k tokens (splash attention; at 16k with fp32 "
         "master weights and bf16 Adam moments (optimizer.state_dtype), or bf16 weights and "
         "Adam state)"),
+    # 32k: bf16 weights with fp32 Adam moments compile to 16.36 GiB; bf16 moments too, 14.43.
+    Row("long_context_32k", "real", (
+        f"train:full:1:seq_len=32768{S}:param_dtype=bfloat16:opt_state_dtype=bfloat16",),
+        "the student's training step at 32k tokens (splash attention, bf16 weights and Adam "
+        "moments: fp32 master weights do not fit one v5e at 32k)"),
     # The EAGLE-3 head (configs/draft_eagle3.py's job) against the frozen Qwen3-1.7B-shaped
     # teacher: 3 TTT steps, a 32k draft vocabulary; the target's forward is most of the FLOPs.
     # Deviceless v5e compiles: 8 x 2048 needs 17.5 GB of temporaries (does not fit), 4 x 2048

@@ -271,7 +271,9 @@ def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cf
     activations each, always take two.
   - Rematerialisation recomputes forward matmuls in the backward: `remat='full'` every layer's
     (not the output projection: the vocabulary-chunk engine forms its gradients in the
-    forward), 'save_dots_no_batch' the attention products; 'save_dots' and 'none' nothing.
+    forward), 'save_dots_no_batch' the attention products, 'save_attention' every layer's but
+    the attention products, 'save_attention_qkv' those less the q, k, v projections too;
+    'save_dots' and 'none' nothing.
   - The chunked Gated DeltaNet form runs more than the recurrence it computes
     (`chunked_linear_attention_extra`), forward and both gradients.
   - `fused` (of FUSIBLE): parts that run inside a kernel, a custom call whose work the HLO does
@@ -286,12 +288,14 @@ def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cf
   """
   s = forward_flops_breakdown(student_cfg, batch, seq_len, causal=causal)
   attention = s["attn_scores"] + s["attn_values"]
-  recomputed = {"full": s["total"] - s["logits"], "save_dots_no_batch": attention}.get(remat, 0.0)
+  block = s["total"] - s["logits"]
+  recomputed = {"full": block, "save_dots_no_batch": attention, "save_attention": block - attention,
+                "save_attention_qkv": block - attention - s["qkv_proj"]}.get(remat, 0.0)
   out = recomputed + 6.0 * batch * seq_len * adapter_params
   if not weights_train:
     out -= s["total"] - attention
   out += chunked_linear_attention_extra(student_cfg, batch, seq_len) * (
-      4 if remat == "full" else 3)
+      4 if remat in ("full", "save_attention", "save_attention_qkv") else 3)
   once = 3 if weights_train else 2  # forward, input gradient, weight gradient
   if "attention" in fused:
     out -= attention * (4 if remat in ("full", "save_dots_no_batch") else 3)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distillax.errors import ConfigError
-from distillax.models import layer_scope
+from distillax.models import layer_scope, remat
 from distillax.models.attention.cache_slot import StackedSlot
 from distillax.models.attention.chunked import chunk_segments
 from distillax.models.attention.layer import Attention, KVCache
@@ -29,13 +29,6 @@ from distillax.models.moe.layer import MoE, RouterStats
 from distillax.models.moe.gemma4 import Gemma4MoE
 from distillax.models.per_layer_inputs import PerLayerGate, PerLayerInputs
 from distillax.partitioning import constrain
-
-_REMAT_POLICIES = {
-    "full": None,  # save nothing: recompute the whole block in the backward pass
-    "save_dots": jax.checkpoint_policies.checkpoint_dots,
-    "save_dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-}
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +287,7 @@ class Transformer(nnx.Module):
 
     if self.config.remat == "none":
       return apply
-    return jax.checkpoint(apply, policy=_REMAT_POLICIES[self.config.remat],
+    return jax.checkpoint(apply, policy=remat.POLICIES[self.config.remat],
                           prevent_cse=not self.config.scan_layers)
 
   def _run_unrolled(self, x_BxLxD, ctx, cache_kv, want_hidden, wants):

@@ -399,6 +399,10 @@ def test_hlo_matmul_adjustment_by_hand():
   assert adjust(remat="full") == 1176 - 240  # every layer's forward again, not the logits
   assert adjust(remat="save_dots_no_batch") == 72
   assert adjust(remat="save_dots") == 0
+  # The attention kept: the layer's forward again less its products (72), and with the q, k, v
+  # kept, less their projections too (2 x 3 tokens x 4 x 8 wide = 192).
+  assert adjust(remat="save_attention") == 1176 - 240 - 72
+  assert adjust(remat="save_attention_qkv") == 1176 - 240 - 72 - 192
   # A frozen base: no weight-gradient matmuls (all but the attention products'), and 6 FLOPs
   # per token for each of 10 adapter parameters.
   assert adjust(weights_train=False, adapter_params=10) == -(1176 - 72) + 6 * 3 * 10
@@ -406,6 +410,7 @@ def test_hlo_matmul_adjustment_by_hand():
   # forward under remat), and the teacher's forward.
   assert adjust(fused=("attention",)) == -3 * 72
   assert adjust(fused=("attention",), remat="full") == 1176 - 240 - 4 * 72
+  assert adjust(fused=("attention",), remat="save_attention") == 1176 - 240 - 72 - 3 * 72
   assert flops.hlo_matmul_adjustment(TINY, 1, 3, TINY, fused=("attention",)) == -4 * 72
   # tokamax's fused cross-entropy: the logits, their input and weight gradients.
   assert adjust(fused=("logits",)) == -3 * 240

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distillax.models import remat
 from distillax.models.config import GLOBAL_WINDOW
 
 BLOCK_Q = 512  # queries per block
@@ -162,7 +163,8 @@ def _attention(q, k, v, qi, ki, qs, ks, window, sinks, static):
 
 
 def _attention_fwd(q, k, v, qi, ki, qs, ks, window, sinks, static):
-  out, lse_blocks = _forward(q, k, v, qi, ki, qs, ks, window, sinks, static)
+  out, lse_blocks = remat.name_attention_out(*_forward(q, k, v, qi, ki, qs, ks, window, sinks,
+                                                        static))
   return out, (q, k, v, qi, ki, qs, ks, window, sinks, out, lse_blocks)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from distillax.models import remat
 from distillax.models.config import GLOBAL_WINDOW
 from distillax.partitioning import active_rules
 
@@ -103,7 +104,8 @@ def _splash_kernel(length: int, groups: int, window, softcap, interpret: bool,
                         block_kv_dkv=kv, block_kv_dkv_compute=kv_compute,
                         use_fused_bwd_kernel=fused_bwd, **dq)
   return sa.make_splash_mqa(sa.MultiHeadMask([one] * groups), block_sizes=sizes, head_shards=1,
-                            q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
+                            q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret,
+                            residual_checkpoint_name=remat.ATTENTION_OUT)
 
 
 def _splash_local(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, qs_BxL, ks_BxS, window, windows, scale,

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from distillax.models import remat
 from distillax.models.attention import impl as attention_impl
 from distillax.models.config import TransformerConfig
 from distillax.models.attention.blockwise import blockwise_attention
@@ -267,6 +268,7 @@ class Attention(nnx.Module):
               return_probs: bool):
     sinks_KxG = None if self.sinks is None else self.sinks[...].reshape(
         q_BxLxKxGxH.shape[2], q_BxLxKxGxH.shape[3])
+    q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH = remat.name_qkv(q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH)
     return attend(self.config, q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking, cached=cached,
                   return_probs=return_probs, sinks_KxG=sinks_KxG)
 

@@ -1,0 +1,43 @@
+"""What a decoder block keeps for its backward pass (`model.remat`), as jax.checkpoint policies.
+
+- `full`: nothing; the backward pass runs the block's forward again.
+- `save_dots` / `save_dots_no_batch`: JAX's policies, every matmul output / those without a
+  batch dimension (the weight products).
+- `save_attention`: the attention kernel's output and its softmax statistics (splash's on a
+  TPU, named by its `residual_checkpoint_name`; the blockwise path's), so the backward pass runs the
+  projections, norms and MLP again but not the attention forward. Why: on a TPU the splash
+  forward is the largest part of what `full` recomputes (54 of 135 ms in the 0.6B student's
+  8 x 2048 train step), for one (tokens, heads x head_dim) array a layer.
+- `save_attention_qkv`: that, and the rotated queries, keys and values the attention backward
+  reads, so the q, k, v projections and their RoPE are not run again either.
+
+Other attention paths (the reference, cuDNN) are recomputed under both, as under `full`.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+ATTENTION_OUT = "attention_out"  # an attention kernel's output and softmax statistics
+ATTENTION_QKV = ("attention_q", "attention_k", "attention_v")
+
+POLICIES = {
+    "full": None,  # save nothing: recompute the whole block in the backward pass
+    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+    "save_dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "save_attention": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT),
+    "save_attention_qkv": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT,
+                                                                         *ATTENTION_QKV),
+}
+SAVES_ATTENTION = ("save_attention", "save_attention_qkv")
+
+
+def name_attention_out(*arrays):
+  """The blockwise kernel's residuals, named for `save_attention`'s policy."""
+  return tuple(checkpoint_name(a, ATTENTION_OUT) for a in arrays)
+
+
+def name_qkv(q, k, v):
+  """The rotated queries, keys and values, named for `save_attention_qkv`'s policy."""
+  return tuple(checkpoint_name(a, n) for a, n in zip((q, k, v), ATTENTION_QKV))
