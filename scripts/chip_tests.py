@@ -49,6 +49,11 @@ SELECTION = (
      "splash attention's Mosaic kernel (tiles 1024/1024/512 fused, the default; 512/1024/512 "
      "fused; 512/512/512 two-kernel backward) against the reference: f32 and bf16, causal, "
      "window, traced window, packed segments, GQA, soft-cap"),
+    ("tests/models/test_remat.py::"
+     "test_saving_policies_keep_splash_output_and_do_not_run_its_forward_again",
+     "model.remat='save_attention' / 'save_attention_qkv' over splash's Mosaic kernel: the "
+     "values and gradients of full remat, with the kernel run twice in the compiled step, not "
+     "three times"),
     ("tests/models/moe/test_kernels.py::test_grouped_matmul_equals_dense_in_values_and_gradients",
      "the grouped matmul ('ragged': the TPU's ragged_dot; 'tokamax': its Mosaic kernel) "
      "against the dense experts, f32 and bf16, values and gradients"),
