@@ -173,7 +173,7 @@ class LoRAWeight(nnx.Module):
     keep_bits = self._keep_bits(h_xD)
     x = h_xD
     if keep_bits is not None:
-      keep = keep_mask.unpack_keep_mask(keep_bits, x.shape)
+      keep = keep_mask.unpack_keep_mask(keep_bits, x.shape[-1])
       x = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
     u_xR = self.scaling * jnp.einsum("...D,DR->...R", x, self.lora_a[...].astype(x.dtype))
     return [(h_xD, base, vocab_axis), (u_xR, self.lora_b[...], 1)]
@@ -231,7 +231,7 @@ class LoRAWeight(nnx.Module):
     y_MxN = dot(x_MxK, base, group_sizes_G, **kwargs)
     keep_bits = self._keep_bits(x_MxK)
     if keep_bits is not None:
-      keep = keep_mask.unpack_keep_mask(keep_bits, x_MxK.shape)
+      keep = keep_mask.unpack_keep_mask(keep_bits, x_MxK.shape[-1])
       x_MxK = jnp.where(keep, x_MxK / (1.0 - self.dropout), jnp.zeros_like(x_MxK))
     h_MxR = dot(x_MxK, self.lora_a[...].astype(x_MxK.dtype), group_sizes_G, **kwargs)
     delta_MxN = dot(h_MxR, self.lora_b[...].astype(h_MxR.dtype), group_sizes_G, **kwargs)

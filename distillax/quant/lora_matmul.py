@@ -64,7 +64,7 @@ class AdaptedMatmul:
   def dropped(self, x, keep_bits):
     if keep_bits is None:
       return x
-    keep = unpack_keep_mask(keep_bits, x.shape)
+    keep = unpack_keep_mask(keep_bits, x.shape[-1])
     return jnp.where(keep, x / self.keep, jnp.zeros_like(x))
 
   def dropped_again(self, x, keep_bits, zero):
@@ -76,7 +76,7 @@ class AdaptedMatmul:
     once, and per-site copies of x stay alive across the step's memory peak. (The same goes
     for a QLoRA base dequantized again: see `Dequantizer`.)
     """
-    keep = unpack_keep_mask(keep_bits, x.shape)
+    keep = unpack_keep_mask(keep_bits, x.shape[-1])
     return jnp.where(keep, x + zero.astype(x.dtype), jnp.zeros_like(x)) / self.keep
 
   def hidden(self, x, lora_a, keep_bits):
