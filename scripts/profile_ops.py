@@ -9,7 +9,8 @@ with xprof's converter (`pip install xprof`, not a distillax dependency: run it 
 environment) into per-HLO-op self times, and sorts every op into a part by the source line JAX
 recorded for it (framework/losses.py and vocab_slices.py: the loss; models/attention: the
 projections, or the Pallas kernel; models/layers.py's matmuls: the MLP; distillax/quant: QAT's
-rounding, int8 matmuls, QLoRA's dequantization and adapted matmuls; optax: the optimizer),
+rounding, int8 matmuls, QLoRA's dequantization and adapted matmuls, LoRA's dropout masks;
+optax: the optimizer),
 and into forward, recomputation (remat) and backward by its name scope.
 """
 
@@ -60,6 +61,8 @@ def part_of(op: dict) -> tuple[str, str]:
     return "output layer + vocabulary loss", phase
   if "pallas" in name or "splash" in frame or "tokamax" in frame:
     return "Pallas/Mosaic kernels (attention, grouped matmul)", phase
+  if "keep_mask" in frame:  # LoRA's dropout: Threefry blocks, the mask packed for the backward
+    return "LoRA dropout keep masks (quant/keep_mask.py)", phase
   if "/quant/" in frame:  # QAT's rounding, int8 matmuls, nf4 dequantization, LoRA's matmuls
     return ("quantized / adapted matmuls (quant/)" if matmul
             else "quantization: rounding, int8 codes, nf4 dequantization (quant/)"), phase

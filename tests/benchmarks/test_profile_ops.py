@@ -30,3 +30,8 @@ def test_quant_ops_have_their_own_parts():
                                "(quant/)", "forward")
   assert part_of(int8_dot) == ("quantized / adapted matmuls (quant/)", "remat")
   assert part_of(mlp) == ("MLP matmuls", "forward")
+  keep_mask = {"Framework op name": "jit(train_step)/transpose(jvp())/while/body/checkpoint/"
+                                    "rematted_computation/stack",
+               "Source Info": "/work/distillax/quant/lora.py:187 "
+                              "/work/distillax/quant/keep_mask.py:44"}
+  assert part_of(keep_mask) == ("LoRA dropout keep masks (quant/keep_mask.py)", "remat")
