@@ -48,7 +48,7 @@ prologue.start(__name__, default_devices=1)
 import jax  # noqa: E402
 
 from benchmarks import tpu_levers  # noqa: E402
-from benchmarks.lib import accelerator_table, subproc  # noqa: E402
+from benchmarks.lib import accelerator_table, common, subproc  # noqa: E402
 from benchmarks.lib.accelerator_measure import check_platform  # noqa: E402
 
 REFUSED_EXIT = 3
@@ -99,7 +99,8 @@ ROWS = (
     Row("qat_kd_weights", "real", (f"kd:full:4{S}:qat=q4_0_weights",),
         "the KD step with only the student's weights fake-quantized to q4_0 (activations left "
         "in bf16): what the activations' q8_0 rounding costs"),
-    Row("train_int8", "real", (f"train:full:8{S}:qat=int8",
+    # save_attention at 6 rows: 14.95 GiB (deviceless v5e compile).
+    Row("train_int8", "real", (f"train:save_attention:6{S}:qat=int8", f"train:full:8{S}:qat=int8",
                                f"train:save_dots_no_batch:4{S}:qat=int8",
                                f"train:full:12{S}:qat=int8"),
         "the train step as int8 QAT whose matmuls run in int8 (qat.int8_matmul: int8 weights "
@@ -168,7 +169,10 @@ ROWS = (
         "tokamax's Mosaic kernel)"),
     Row("moe_kd_int8_teacher", "moe", (f"kd:full:4{S}:teacher_moe_impl=ragged:teacher_int8=True",),
         "KD from the 16-expert teacher with its matmuls in int8 (teacher.int8)"),
-    Row("moe_train", "moe_student", (f"train:full:8{S}:moe_impl=ragged",
+    # save_attention at 8 rows: 11.82 GiB (deviceless v5e compile). For the MoE KD pair it
+    # does not fit at 4 or 3 rows (16.38, 15.43 GiB).
+    Row("moe_train", "moe_student", (f"train:save_attention:8{S}:moe_impl=ragged",
+                                     f"train:full:8{S}:moe_impl=ragged",
                                      f"train:full:8{S}:moe_impl=tokamax",
                                      f"train:full:16{S}:moe_impl=ragged:param_dtype=bfloat16",
                                      f"train:full:4{S}:moe_impl=ragged"),
@@ -178,12 +182,12 @@ ROWS = (
     # weights 15.77 GiB with fp32 Adam moments, 13.55 GiB with bf16 ones; 32k 18.03 GiB with
     # bf16 moments, 16.36 GiB with bf16 weights and moments (the candidate limit: 15.27 GiB).
     Row("long_context", "real", (f"train:full:1:seq_len=16384{S}:opt_state_dtype=bfloat16",
-                                 f"train:full:2:seq_len=8192{S}",
-                                 f"train:full:1:seq_len=16384{S}:param_dtype=bfloat16",
-                                 f"train:full:1:seq_len=8192{S}"),
-        "the student's training step at 8k and 16k tokens (splash attention; at 16k with fp32 "
-        "master weights and bf16 Adam moments (optimizer.state_dtype), or bf16 weights and "
-        "Adam state)"),
+                                 f"train:full:1:seq_len=16384{S}:param_dtype=bfloat16"),
+        "the student's training step at 16k tokens (splash attention; fp32 master weights and "
+        "bf16 Adam moments (optimizer.state_dtype), or bf16 weights and Adam state)"),
+    Row("long_context_8k", "real", (f"train:full:2:seq_len=8192{S}",
+                                    f"train:full:1:seq_len=8192{S}"),
+        "the student's training step at 8k tokens (splash attention, fp32 master weights)"),
     # 32k: bf16 weights with fp32 Adam moments compile to 16.36 GiB; bf16 moments too, 14.43.
     Row("long_context_32k", "real", (
         f"train:full:1:seq_len=32768{S}:param_dtype=bfloat16:opt_state_dtype=bfloat16",),
@@ -236,7 +240,9 @@ def parse_args(argv=None):
   parser.add_argument("--splash-from", default="",
                       help="splash_blocks.json: candidates take its fastest tiles")
   parser.add_argument("--from-levers", default="",
-                      help="summarise this levers.jsonl (a run cut short) instead of running")
+                      help="summarise these levers.jsonl files, comma-separated (a run cut "
+                           "short, or several calls' rows: a later file's row of a name "
+                           "replaces an earlier one's) instead of running")
   parser.add_argument("--profile", default="",
                       help="comma-separated variant-name patterns to profile (a tgz each, "
                            "beside the JSON)")
@@ -255,8 +261,13 @@ def summary(levers: list[dict], chosen: list[Row], names: dict[str, list[str]]) 
   rows = []
   for row in chosen:
     candidates = [r for r in levers if r.get("row") in names[row.name]]
+    best = best_of(levers, names[row.name])
+    # A row measured in an earlier chip call, at an older commit (--from-levers files whose
+    # rows carry "stale" and "commit"): the docs say the file is partly stale.
     rows.append({"name": row.name, "pair": row.pair, "question": row.question,
-                 "candidates": candidates, "best": best_of(levers, names[row.name])})
+                 "candidates": candidates, "best": best,
+                 **({"stale": True, "commit": best.get("commit")} if best and best.get("stale")
+                    else {})})
   out = {"benchmark": "accelerator", "probe": probe, "rows": rows,
          "inits": [r for r in levers if str(r.get("row", "")).startswith("init/")]}
   by_name = {r["name"]: r["best"] for r in rows}
@@ -271,6 +282,18 @@ def summary(levers: list[dict], chosen: list[Row], names: dict[str, list[str]]) 
   return out
 
 
+def _newest_rows(levers: list[dict]) -> list[dict]:
+  """Lever rows with a later row of the same name (a later file of --from-levers, or a rerun)
+  replacing an earlier one; the first probe kept unless a current (not stale) one comes."""
+  out: dict[str, dict] = {}
+  for r in levers:
+    name = r.get("row")
+    if name == "probe" and name in out and r.get("stale") and not out[name].get("stale"):
+      continue
+    out[name] = r
+  return list(out.values())
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   path = Path(args.json or Path(args.out) / "accelerator.json")
@@ -281,11 +304,14 @@ def main(argv=None) -> int:
                                 "probe": platform, "rows": []}, indent=1) + "\n")
     print(f"accelerator.py: FAIL: {platform['refused']}", file=sys.stderr)
     return REFUSED_EXIT
-  quick = args.quick or jax.default_backend() not in ("tpu", "gpu")
+  # Rows read back from lever files are as quick as the run that measured them said.
+  quick = args.quick or (not args.from_levers and jax.default_backend() not in ("tpu", "gpu"))
   chosen = [r for r in ROWS if not args.rows or r.name in args.rows.split(",")]
   names = {r.name: list(dict.fromkeys(variant_of(r, c, quick) for c in
                                       r.candidates[:args.candidates or None])) for r in chosen}
-  levers_path = Path(args.from_levers or path.with_name(path.stem + "_levers.jsonl"))
+  levers_paths = [Path(p) for p in args.from_levers.split(",")] if args.from_levers else [
+      path.with_name(path.stem + "_levers.jsonl")]
+  levers_path = levers_paths[0]
   if not args.from_levers:  # every candidate's row lands here as it finishes
     levers_path.unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="accelerator-") as tmp:
@@ -296,12 +322,13 @@ def main(argv=None) -> int:
                        "--kinds", args.kinds, "--rows-file", str(levers_path)]
                       + (["--tiny"] if quick else [])
                       + (["--splash-from", args.splash_from] if args.splash_from else []))
-  levers = [json.loads(line) for line in levers_path.read_text().splitlines()]
+  levers = _newest_rows([json.loads(line) for p in levers_paths
+                         for line in p.read_text().splitlines()])
   seq = 64 if quick else 2048
   names = {k: [tpu_levers.lever_grid.Variant.parse(v, seq).name for v in vs]
            for k, vs in names.items()}
   payload = {**summary(levers, chosen, names), "quick": quick, "argv": sys.argv[1:],
-             "status": "done"}
+             "status": "done", "provenance": common.provenance(__file__)}
   path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
   print(accelerator_table.report(payload))
   print(f"wrote {path}")

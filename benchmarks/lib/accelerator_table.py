@@ -93,14 +93,16 @@ def readme_table(payload: dict[str, Any]) -> str:
            "step ms | tokens/s | MFU | compiled peak |", "|---|---|---|---|---|---|"]
   for r in payload["rows"]:
     b = r["best"]
+    # A row carried from an earlier chip call says the commit it was measured at.
+    label = f"{r['name']} ({r['pair']}" + (f"; at {r['commit']}" if r.get("stale") else "") + ")"
     if b:
       extra = "".join(f", {k}={v}" for k, v in b["options"].items()
                       if k not in ("pair", "loss_impl"))
-      lines.append(f"| {r['name']} ({r['pair']}) | {b['batch']} x {b['seq_len']}, {b['remat']}"
+      lines.append(f"| {label} | {b['batch']} x {b['seq_len']}, {b['remat']}"
                    f"{extra} | {_ms(b['step_s'])} | {b['tokens_per_s']:,.0f} | "
                    f"{_pct(b['mfu_causal'])} | {_gb(b['compiled_peak'])} |")
     else:
-      lines.append(f"| {r['name']} ({r['pair']}) | nothing that fits ran | | | | |")
+      lines.append(f"| {label} | nothing that fits ran | | | | |")
   return "\n".join(lines)
 
 

@@ -1,0 +1,51 @@
+"""Several chip calls' accelerator rows as one lever file, for benchmarks/accelerator.py
+--from-levers: the README's TPU table from the newest measurement of every row when no single
+call has the device time to run them all.
+
+  python scripts/merge_chip_rows.py OUT.jsonl FILE@COMMIT[@stale][:ROW,...] ...
+
+Each FILE is an accelerator JSON (its rows' candidates) or a levers .jsonl from
+benchmarks/results/tpu/, given oldest first; `:ROW,...` keeps only those accelerator rows'
+candidates (a JSON) and `@stale` marks its rows as measured by code that has changed since
+(accelerator.py then names their commit in the table and the docs call the file partly stale).
+Every row gets the commit it was measured at.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def rows_of(spec: str) -> list[dict]:
+  """The lever rows of one FILE@COMMIT[@stale][:ROW,...] argument, tagged."""
+  source, _, names = spec.partition(":")
+  path, commit, *flags = source.split("@")
+  text = Path(path).read_text()
+  if path.endswith(".jsonl"):
+    levers = [json.loads(line) for line in text.splitlines() if line.strip()]
+  else:
+    payload = json.loads(text)
+    wanted = set(names.split(",")) if names else None
+    levers = [c for r in payload["rows"] if wanted is None or r["name"] in wanted
+              for c in r["candidates"]]
+    if payload.get("probe"):
+      levers.insert(0, payload["probe"])
+  stale = "stale" in flags
+  return [{**r, "commit": commit, **({"stale": True} if stale else {})} for r in levers]
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) < 2:
+    print(__doc__, file=sys.stderr)
+    return 2
+  out, specs = Path(argv[0]), argv[1:]
+  rows = [r for spec in specs for r in rows_of(spec)]
+  out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  print(f"wrote {len(rows)} rows to {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
