@@ -225,7 +225,8 @@ def test_readme_performance_table_is_the_committed_chip_run():
   table = accelerator_table.readme_table(payload)
   readme = (root / "README.md").read_text()
   assert table in readme
-  assert "| kd (real) | 4 x 2048, full | 625 | 13,097 | 52.9% | 16.4 GB |" in table
+  assert "| kd (real; at 7517bb7) | 4 x 2048, full | 626 | 13,089 | 52.9% | 16.4 GB |" in table
+  assert "| train (real) | 6 x 2048, save_attention | 569 | 21,578 | 46.9% | 16.2 GB |" in table
   # The caveat the docs site's accelerator page shows for the file (stale while the script
   # changed after the figures were committed), said just before the table (issue 55).
   from docs.gen.results_pages import freshness
@@ -252,3 +253,43 @@ def test_summary_sets_the_quantized_rows_against_their_plain_ones():
   assert out["qlora_over_train"] == pytest.approx(230 / 200)
   assert out["lora_over_train"] == pytest.approx(1.3)
   assert out["train_int8_over_train"] == pytest.approx(1.2)
+
+
+def test_rows_from_several_chip_calls_keep_the_newest_and_say_which_are_stale(tmp_path):
+  """scripts/merge_chip_rows.py tags each call's rows with its commit (older calls' as stale);
+  accelerator.py --from-levers keeps a later file's row of a name, marks a row whose best is
+  stale with that commit, and the README table names it."""
+  from benchmarks.lib import accelerator_table
+  sys.path.insert(0, str(ROOT / "scripts"))
+  import merge_chip_rows
+
+  def ok(name, step_s, tokens_per_s):
+    return {"row": name, "status": "ok", "batch": 8, "seq_len": 2048, "remat": "full",
+            "options": {"pair": "real"}, "step_s": step_s, "tokens_per_s": tokens_per_s,
+            "mfu_causal": 0.5, "compiled_peak": 10 ** 10}
+  old = {"probe": {"row": "probe", "backend": "tpu"},
+         "rows": [{"name": "train", "candidates": [ok("t8", 1.0, 100.0)]},
+                  {"name": "kd", "candidates": [ok("k4", 0.5, 50.0)]}]}
+  new = {"probe": {"row": "probe", "backend": "tpu"},
+         "rows": [{"name": "train", "candidates": [ok("t8", 0.9, 90.0), ok("t6", 0.5, 95.0)]}]}
+  (tmp_path / "old.json").write_text(json.dumps(old))
+  (tmp_path / "new.json").write_text(json.dumps(new))
+  merged = tmp_path / "merged.jsonl"
+  assert merge_chip_rows.main([str(merged), f"{tmp_path / 'old.json'}@aaa111@stale",
+                               f"{tmp_path / 'new.json'}@bbb222:train"]) == 0
+  rows = [json.loads(line) for line in merged.read_text().splitlines()]
+  assert [(r["row"], r["commit"], r.get("stale", False)) for r in rows] == [
+      ("probe", "aaa111", True), ("t8", "aaa111", True), ("k4", "aaa111", True),
+      ("probe", "bbb222", False), ("t8", "bbb222", False), ("t6", "bbb222", False)]
+  levers = accelerator._newest_rows(rows)
+  assert [r["row"] for r in levers] == ["probe", "t8", "k4", "t6"]
+  assert not levers[0].get("stale") and levers[1]["tokens_per_s"] == 90.0  # the newer t8
+  chosen = [r for r in accelerator.ROWS if r.name in ("train", "kd")]
+  out = accelerator.summary(levers, chosen, {"train": ["t8", "t6"], "kd": ["k4"]})
+  by_name = {r["name"]: r for r in out["rows"]}
+  assert by_name["train"]["best"]["row"] == "t6" and "stale" not in by_name["train"]
+  assert by_name["kd"]["stale"] and by_name["kd"]["commit"] == "aaa111"
+  out["probe"] = {"device_kind": "TPU v5 lite", "backend": "tpu"}
+  table = accelerator_table.readme_table(out)
+  assert "| kd (real; at aaa111) | 8 x 2048, full | 500 | 50 |" in table
+  assert "| train (real) | 8 x 2048, full | 500 | 95 |" in table
