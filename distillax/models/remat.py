@@ -4,8 +4,8 @@
 - `save_dots` / `save_dots_no_batch`: JAX's policies, every matmul output / those without a
   batch dimension (the weight products).
 - `save_attention`: the attention kernel's output and its softmax statistics (splash's on a
-  TPU, named by its `residual_checkpoint_name`; the blockwise path's), so the backward pass runs the
-  projections, norms and MLP again but not the attention forward. Why: on a TPU the splash
+  TPU, named by its `residual_checkpoint_name`; the blockwise path's), so the backward pass
+  runs the projections, norms and MLP again but not the attention forward. Why: on a TPU the splash
   forward is the largest part of what `full` recomputes (54 of 135 ms in the 0.6B student's
   8 x 2048 train step), for one (tokens, heads x head_dim) array a layer.
 - `save_attention_qkv`: that, and the rotated queries, keys and values the attention backward
@@ -30,7 +30,6 @@ POLICIES = {
     "save_attention_qkv": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT,
                                                                          *ATTENTION_QKV),
 }
-SAVES_ATTENTION = ("save_attention", "save_attention_qkv")
 
 
 def name_attention_out(*arrays):

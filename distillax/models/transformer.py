@@ -30,6 +30,7 @@ from distillax.models.moe.gemma4 import Gemma4MoE
 from distillax.models.per_layer_inputs import PerLayerGate, PerLayerInputs
 from distillax.partitioning import constrain
 
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelOutput:
