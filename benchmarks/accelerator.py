@@ -284,14 +284,8 @@ def summary(levers: list[dict], chosen: list[Row], names: dict[str, list[str]]) 
 
 def _newest_rows(levers: list[dict]) -> list[dict]:
   """Lever rows with a later row of the same name (a later file of --from-levers, or a rerun)
-  replacing an earlier one; the first probe kept unless a current (not stale) one comes."""
-  out: dict[str, dict] = {}
-  for r in levers:
-    name = r.get("row")
-    if name == "probe" and name in out and r.get("stale") and not out[name].get("stale"):
-      continue
-    out[name] = r
-  return list(out.values())
+  replacing an earlier one."""
+  return list({r.get("row"): r for r in levers}.values())
 
 
 def main(argv=None) -> int:

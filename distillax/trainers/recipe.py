@@ -256,7 +256,6 @@ class Recipe:
     return flops.train_step_flops(self.model_config, self.batch_size, self.seq_len,
                                   teacher_cfg=self.teacher_model_config)["total"]
 
-
   def _engine(self, learning_rate: float, quantize: bool = True,
               compile_now: bool | str = "background", stage: int | None = None) -> Engine:
     """`stage`: the first step of a qat.schedule stage whose rules the student takes (every

@@ -1,18 +1,14 @@
-"""The attention-saving remat policies (models/remat.py): the same values and gradients as
-`full`, with the attention forward (and under save_attention_qkv the q, k, v projections) not
-run again in the backward pass."""
+"""The attention-saving remat policies (models/remat.py) over splash: the same values and
+gradients as `full`, with the kernel's forward not run again in the backward pass. The blockwise
+path's (a whole decoder) is in test_transformer.py's remat test."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from distillax.models import remat
 from distillax.models.attention.fused import splash_attention
-from distillax.models.presets import get_preset
-from distillax.models.transformer import with_config, with_layer_layout
 from tests.support import chip
-from tests.support.models import random_model
 
 SAVING = ("save_attention", "save_attention_qkv")
 
@@ -70,34 +66,3 @@ def test_saving_policies_keep_splash_output_and_do_not_run_its_forward_again():
       assert (_splash_forwards(hlo0), _splash_forwards(hlo)) == (3, 2), policy
     else:  # interpret mode: the kernel's work is ordinary HLO, counted
       assert flops < flops0, policy
-
-
-@pytest.mark.parametrize("scan", [True, False])
-def test_saving_policies_on_the_blockwise_path_give_fulls_gradients_with_less_work(scan):
-  """A tiny decoder on CPU (attention_impl='auto': blockwise, a custom VJP whose residuals are
-  named): loss and every gradient as under `full`, and fewer compiled FLOPs (the attention
-  forward, then the q, k, v projections, not run again)."""
-  base = with_layer_layout(random_model(get_preset("tiny"), seed=3), scan)
-  tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, base.config.vocab_size)
-
-  def grads_and_flops(model):
-    from flax import nnx
-    graphdef, state = nnx.split(model)
-
-    def loss(state):
-      logits = nnx.merge(graphdef, state)(tokens[:, :-1]).logits_BxLxV
-      logp = jax.nn.log_softmax(logits)
-      return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
-
-    fn = jax.jit(jax.value_and_grad(loss))
-    cost = fn.lower(state).compile().cost_analysis()
-    return fn(state), (cost[0] if isinstance(cost, list) else cost)["flops"]
-
-  (loss0, g0), flops0 = grads_and_flops(with_config(base, remat="full"))
-  flops = []
-  for policy in SAVING:
-    (loss, g), f = grads_and_flops(with_config(base, remat=policy))
-    np.testing.assert_allclose(loss, loss0, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g, g0)
-    flops.append(f)
-  assert flops0 > flops[0] > flops[1], (flops0, flops)

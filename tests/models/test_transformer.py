@@ -95,17 +95,23 @@ def _grads_and_flops(model, tokens):
     ("tiny_gemma", False, ("full", "save_dots")),
     ("tiny_gemma", True, ("full", "save_dots_no_batch")),
     ("tiny_qwen_mistral", True, ("full",)),
+    # models/remat.py's policies on the blockwise path (a custom VJP naming its residuals).
+    ("tiny", True, ("full", "save_attention", "save_attention_qkv")),
+    ("tiny", False, ("full", "save_attention", "save_attention_qkv")),
 ])
 def test_remat_policies_give_identical_gradients(name, scan, policies):
   tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
   base = with_layer_layout(_model(name, seed=3), scan)
   loss0, g0, flops0 = _grads_and_flops(base, tokens)
+  flops = {}
   for policy in policies:
-    loss1, g1, flops1 = _grads_and_flops(with_config(base, remat=policy), tokens)
+    loss1, g1, flops[policy] = _grads_and_flops(with_config(base, remat=policy), tokens)
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g0)
-    if policy == "full":  # the forward really is recomputed in the backward pass
-      assert flops1 > flops0
+  if "full" in flops:  # the forward really is recomputed in the backward pass
+    assert flops["full"] > flops0
+  if "save_attention" in flops:  # the attention forward, then the q, k, v projections, kept
+    assert flops["full"] > flops["save_attention"] > flops["save_attention_qkv"] > flops0
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_gemma"])
