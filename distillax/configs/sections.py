@@ -113,7 +113,7 @@ def lora_section() -> ml_collections.ConfigDict:
   c.module_regex = ""  # matmul weights that get adapters, e.g. 'layers/(.*/)?attn/.*'; '' = off
   c.rank = 8  # adapter rank
   c.alpha = 16.0  # adapter scaling numerator (scale = alpha / rank)
-  c.dropout = 0.1  # dropout on the adapter input during training
+  c.dropout = 0.0  # dropout on the adapter input during training (0: PEFT's and torchtune's)
   c.base_qtype = ""  # QLoRA: store frozen base weights as nf4 | int4 ('' = full precision)
   c.base_tile_size = 64  # QLoRA: inputs per quantization scale tile
   return c

@@ -262,7 +262,7 @@ def _check_args(rank, alpha, dropout, base_qtype, base_tile_size):
 
 
 def apply_lora(model: nnx.Module, *, module_regex: str, rank: int = 8, alpha: float = 16.0,
-               dropout: float = 0.1, base_qtype: str | None = None,
+               dropout: float = 0.0, base_qtype: str | None = None,
                base_tile_size: int | None = None, adapter_dtype: Any = None, seed: int = 0,
                sample_tokens: jax.Array | None = None) -> nnx.Module:
   """A copy of `model` with adapters on every matmul weight whose path fullmatches

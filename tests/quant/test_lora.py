@@ -52,7 +52,8 @@ def mesh_model():  # fresh per test: the engine donates the state, base weights 
 
 
 def test_lora_trains_only_adapters_which_shard_like_their_weights(mesh_model):
-  lora = apply_lora(mesh_model, module_regex=r"layers/.*/attn/(q|o)|lm_head", rank=4)
+  lora = apply_lora(mesh_model, module_regex=r"layers/.*/attn/(q|o)|lm_head", rank=4,
+                    dropout=0.1)
   engine, before, after = _train(lora)
   trainable = _flat(after.params)
   assert trainable and all(k.endswith(("['lora_a']", "['lora_b']")) for k in trainable)
@@ -81,7 +82,7 @@ def test_qlora_base_stays_bit_identical(mesh_model):
   # The output layer too: the loss engine differentiates the float leaves it reads, the nf4
   # base's scales among them, which stay frozen.
   qlora = apply_lora(mesh_model, module_regex=r"layers/.*|lm_head", rank=4, base_qtype="nf4",
-                     base_tile_size=8)
+                     base_tile_size=8, dropout=0.1)
   # Before training the QLoRA model is the nf4 model (B = 0), computed independently by PTQ
   # (lm_head's module path is the root's, "").
   toks = tokens(2, 8, TINY1.vocab_size)

@@ -163,7 +163,7 @@ def test_a_qlora_moe_student_trains_and_merges(model):
   all: B = 0 is the PTQ model of the same rules; trained adapters move, and the merged model
   computes the adapted forward."""
   adapted = apply_lora(model, module_regex="layers/.*", rank=4, base_qtype="nf4",
-                       base_tile_size=16)
+                       base_tile_size=16, dropout=0.1)
   ptq = quantize_post_training(model, QuantConfig.simple("nf4", None, 16, module_path="layers/.*"))
   np.testing.assert_allclose(logits(adapted, TOKENS), logits(ptq, TOKENS), rtol=0, atol=1e-5)
   assert type(adapted.layers[0].mlp.router.base) is nnx.Param
