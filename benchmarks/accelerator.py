@@ -148,20 +148,20 @@ ROWS = (
         "the on-policy step with bf16 weights and Adam state: the lever that frees for the "
         "sampler's KV cache and the update's micro-batch what fp32 master weights and their "
         "Adam state take"),
-    # chunked: the sliced loss refuses an adapted student (trainers/recipe.py), so 'auto' runs
-    # the chunk engine. The nf4 base holds no fp32 weights or Adam state: 16 x 2048 compiles to
-    # 6.4 GiB for a v5e (deviceless, as the on-policy row's figures).
-    Row("qlora", "real", ("train:full:32:lora=qlora", "train:save_attention:16:lora=qlora",
-                          "train:full:16:lora=qlora"),
+    # The sliced loss, as train.loss_impl='auto' runs it for an adapted student. Deviceless v5e
+    # compiles: save_attention at 24 rows 14.86 GiB, at 32 17.10 (does not fit).
+    Row("qlora", "real", (f"train:full:32:lora=qlora{S}", f"train:save_attention:24:lora=qlora{S}",
+                          f"train:save_attention:16:lora=qlora{S}"),
         "QLoRA next-token training as configs/qlora.py runs it (frozen nf4 base in tiles of 32, "
-        "rank-8 adapters on the attention and MLP matmuls, dropout 0.1); MFU counts the full "
-        "6N model FLOPs, though the frozen base computes no weight gradients"),
-    # save_attention at 16 rows: 12.94 GiB (deviceless); QLoRA's at 32, 17.73 (does not fit).
-    Row("lora", "real", ("train:full:8:lora=lora", "train:full:16:lora=lora",
-                         "train:save_attention:16:lora=lora"),
+        "rank-8 adapters on the attention and MLP matmuls, no adapter dropout as PEFT and "
+        "torchtune ship it); MFU counts the full 6N model FLOPs, though the frozen base computes "
+        "no weight gradients"),
+    # save_attention at 16 rows: 12.77 GiB (deviceless).
+    Row("lora", "real", (f"train:save_attention:16:lora=lora{S}", f"train:full:16:lora=lora{S}",
+                         f"train:full:8:lora=lora{S}"),
         "LoRA next-token training as configs/lora.py runs it (a frozen bf16-computed fp32 base, "
-        "rank-8 adapters on the attention and MLP matmuls, dropout 0.1): QLoRA's peer without "
-        "the nf4 base"),
+        "rank-8 adapters on the attention and MLP matmuls, no adapter dropout): QLoRA's peer "
+        "without the nf4 base"),
     Row("moe_kd", "moe", (f"kd:full:4{S}:teacher_moe_impl=ragged",
                           f"kd:full:2{S}:teacher_moe_impl=ragged",
                           f"kd:full:4{S}:teacher_moe_impl=tokamax"),

@@ -137,9 +137,10 @@ class Variant:
   # Student model fields, or loss_impl / chunk, or the teacher's: teacher_remat, teacher_scan,
   # teacher_int8=True (its matmul weights int8 codes + scales, its matmuls int8: the
   # teacher.int8 of a distill job, quant/int8_model.py); lora=qlora (the student as
-  # configs/qlora.py adapts it); on_policy's new_tokens, micro and kv_int8=True (its sampler's
-  # KV cache in int8; on_policy_lever.py);
-  # opt_state_dtype=bfloat16 (optimizer.state_dtype: Adam's moments in bf16).
+  # configs/qlora.py adapts it), lora_dropout=P (its adapters' dropout instead of the
+  # config's); on_policy's new_tokens, micro and kv_int8=True (its sampler's KV cache in int8;
+  # on_policy_lever.py); opt_state_dtype=bfloat16 (optimizer.state_dtype: Adam's moments in
+  # bf16).
   options: tuple[tuple[str, str], ...] = ()
 
   @classmethod
@@ -170,8 +171,8 @@ class Variant:
 
   def model_fields(self) -> dict[str, Any]:
     special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_moe_impl", "pair",
-               "qat", "teacher_int8", "lora", "new_tokens", "micro", "opt_state_dtype",
-               "kv_int8", "ttt", "draft_vocab")
+               "qat", "teacher_int8", "lora", "lora_dropout", "new_tokens", "micro",
+               "opt_state_dtype", "kv_int8", "ttt", "draft_vocab")
     out = {"remat": self.remat}
     for k, v in self.options:
       if k not in special:
@@ -292,6 +293,8 @@ def lora_transforms(v: Variant, tiny: bool) -> StudentTransforms:
   if not name:
     return StudentTransforms()
   config = LORA_CONFIGS[name]("tiny" if tiny else None)
+  if v.option("lora_dropout") is not None:  # lora_dropout=P: in place of the config's
+    config.lora.dropout = float(v.option("lora_dropout"))
   return StudentTransforms(lora=config.lora, seed=int(config.seed))
 
 
