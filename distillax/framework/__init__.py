@@ -6,13 +6,25 @@ metrics. Most callers need only these names; the modules hold the rest.
     state = engine.init_state(student, extras, seed)
     state, metrics = engine.runner(state, engine.runner.place_batch(batch))
     metrics = evaluate(engine, state, eval_batches)  # exact means over every real token
+
+The names are looked up when first used, so importing a light module of this package (the
+CLI's `run.logs` and `run.runtime`, before the job's imports) does not load flax, optax, orbax
+and grain: the CLI opens the accelerator while those imports run (distillax/main.py).
 """
 
-from distillax.framework.engine import Engine, build_engine
-from distillax.framework.evaluation import PerToken, evaluate
-from distillax.framework.run.progress import format_count
-from distillax.framework.state import STUDENT, TrainState
-from distillax.framework.step import Objective, ObjectiveOutput
+from __future__ import annotations
 
-__all__ = ["Engine", "Objective", "ObjectiveOutput", "PerToken", "STUDENT", "TrainState",
-           "build_engine", "evaluate", "format_count"]
+import importlib
+
+# name -> the module of this package that defines it
+_WHERE = {"Engine": "engine", "build_engine": "engine", "PerToken": "evaluation",
+          "evaluate": "evaluation", "format_count": "run.progress", "STUDENT": "state",
+          "TrainState": "state", "Objective": "step", "ObjectiveOutput": "step"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+  if name in _WHERE:
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
