@@ -8,7 +8,9 @@ nothing is written to an existing workdir before the config has been validated.
 `distillax <command> --help` lists the flags a command reads (distillax/cli/flags.py);
 `distillax --version` says which distillax this is. Nothing imported here imports JAX: `--devices`
 has to reach XLA_FLAGS first. A host without a TPU then runs JAX on the CPU without libtpu's
-start-up lines (distillax/cli/host_platforms.py).
+start-up lines (distillax/cli/host_platforms.py). Then, unless the command line or the
+environment launch several processes, `train` starts JAX's backends in a thread, so the
+accelerator opens while the job's modules import (distillax/cli/devices.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 
 # preset_devices under its old name too: tests/conftest.py sets up its devices through it.
 from distillax import interrupts
+from distillax.cli.devices import opens_devices_early, settle_early_devices
 from distillax.cli.devices import preset_devices as _preset_devices
 from distillax.cli.dispatch import JOBS
 from distillax.cli.error_lines import fail, parse_error_line
@@ -45,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     print(line, file=sys.stderr, flush=True)
     return code
   finally:
+    if not interrupts.pending():  # Ctrl-C leaves at once (interrupts.leave)
+      settle_early_devices()
     interrupts.restore(previous)
 
 
@@ -67,6 +72,9 @@ def _main(argv: list[str]) -> int:
   if command == "plan" and flag_value(rest, "target") is not None:
     prepare_target_environment(flag_value(rest, "target"))
   skip_absent_tpu()  # after XLA_FLAGS: it imports JAX (and starts no backend)
+  if opens_devices_early(command, rest):  # after the platforms too: the backends read them
+    from distillax.framework.run import runtime
+    runtime.open_devices_early()
 
   from distillax.errors import UserError
   from distillax.framework.run import logs

@@ -35,18 +35,19 @@ ABOUT = {
                    "the job's train data, for --model or the --config's teacher; --keep_top N "
                    "prints the student.from_teacher.experts that keeps the N most loaded",
 }
-_DISTRIBUTED = ("coordinator_address", "num_processes", "process_id")
+# The flags that launch a process as one of several (jax.distributed).
+DISTRIBUTED_FLAGS = ("coordinator_address", "num_processes", "process_id")
 # The flags each command reads besides --config and --verbose.
 COMMAND_FLAGS = {
-    "train": ("workdir", "devices") + _DISTRIBUTED,
+    "train": ("workdir", "devices") + DISTRIBUTED_FLAGS,
     "plan": ("devices", "memory_gb", "target", "slices", "nodes", "search"),
-    "export": ("workdir", "output", "format", "quant", "devices") + _DISTRIBUTED,
-    "cache-teacher": ("workdir", "kind", "devices") + _DISTRIBUTED,
-    "demo": ("workdir", "devices") + _DISTRIBUTED,
+    "export": ("workdir", "output", "format", "quant", "devices") + DISTRIBUTED_FLAGS,
+    "cache-teacher": ("workdir", "kind", "devices") + DISTRIBUTED_FLAGS,
+    "demo": ("workdir", "devices") + DISTRIBUTED_FLAGS,
     "generate": ("model", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p",
                  "seed", "full_precision", "devices"),
     "eval": ("model", "tasks", "num_fewshot", "limit", "output", "against", "generate",
-             "max_new_tokens", "draft", "proposals", "temperature", "devices") + _DISTRIBUTED,
+             "max_new_tokens", "draft", "proposals", "temperature", "devices") + DISTRIBUTED_FLAGS,
     "expert-load": ("model", "json", "keep_top", "batches", "devices"),
 }
 # Flags that name a directory: made absolute (from the current directory) before a job sees them.

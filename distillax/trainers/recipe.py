@@ -26,6 +26,7 @@ from distillax.data import batch_shapes, make_eval_iterator, make_tokenizer, mak
 from distillax.errors import ConfigError
 from distillax.framework import eval_rules, flops, token_rows
 from distillax.framework.engine import Engine, build_engine, with_extra_eval
+from distillax.framework.run import runtime
 from distillax.framework.run.startup import StartupClock
 from distillax.framework.state import Reloaded
 from distillax.framework.step import Objective
@@ -154,8 +155,13 @@ class Recipe:
     # The phases of the job's start, said at its first step (the loop marks the rest).
     self.startup = StartupClock()
     self.startup.mark("imports, config and runtime")
-    jax.devices()  # starts JAX's runtime (opens a chip) unless something already has
-    self.startup.mark("devices")
+    opened = runtime.wait_for_early_devices()  # the CLI's start of them, beside the imports
+    if opened is None:
+      jax.devices()  # starts JAX's runtime (opens a chip) unless something already has
+      self.startup.mark("devices")
+    else:
+      self.startup.mark("waiting for the devices")
+      self.startup.beside["the devices opened"] = opened
     config = absolute_paths(config)  # as the CLI makes them: orbax refuses relative paths
     check_run_sections(config)  # the optimizer section's too
     check_data_paths(config.data)

@@ -12,37 +12,31 @@ import os
 import re
 import shutil
 
-import jax
 import pytest
 
 from distillax.configs import lm as lm_config
 from distillax.framework.backends import STEP_NAME
+from distillax.framework.run import runtime
+from distillax.main import main
 from distillax.trainers import Trainer, recipe_for
 from tests.framework.run.test_compile_cache import no_user_cache  # noqa: F401 - a fixture
+from tests.support.compiles import HIT, MISS, Compiles
 
-COMPILE = "/jax/core/compile/backend_compile_duration"  # every compile request, hit or not
-HIT, MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+LM = os.path.join(os.path.dirname(lm_config.__file__), "lm.py")
 PHASES = ("imports, config and runtime", "devices", "sources, mesh and tokenizer", "checks",
           "step lowering",
           "data", "models", "waiting for the step's compile", "memory and workdir", "metrics",
           "first batch", "first step")
 
 
-class _Compiles:
-  """The programs compiled while inside (by name), and the persistent cache's hits and misses."""
-
-  def __enter__(self):
-    self.names, self.events = [], []
-    self._on_event = lambda event, **kw: self.events.append(event)
-    self._on_duration = (lambda event, seconds, **kw: self.names.append(kw.get("fun_name"))
-                         if event == COMPILE else None)
-    jax.monitoring.register_event_listener(self._on_event)
-    jax.monitoring.register_event_duration_secs_listener(self._on_duration)
-    return self
-
-  def __exit__(self, *exc):
-    jax.monitoring.unregister_event_listener(self._on_event)
-    jax.monitoring.unregister_event_duration_listener(self._on_duration)
+def _phases(line: str) -> dict[str, float]:
+  """The phases of a first-step line, checked to add up to its 'step 1 at' figure."""
+  head, body = line.split(";")[0].split(": ", 1)
+  phases = {k: float(v) for k, v in re.findall(r"(?:^|, )([a-z'][a-z' ,]*?) (\d+\.\d) s", body)}
+  total = float(re.match(r"step 1 at (\d+\.\d) s", head).group(1))
+  # The parts are the whole, each rounded to 0.1 s.
+  assert abs(sum(phases.values()) - total) <= 0.05 * (len(phases) + 1) + 0.1, line
+  return phases
 
 
 def test_the_step_compiles_once_and_the_resumed_run_compiles_nothing(tmp_path, caplog,
@@ -50,7 +44,7 @@ def test_the_step_compiles_once_and_the_resumed_run_compiles_nothing(tmp_path, c
   config = lm_config.get_config("tiny")
   config.train.steps, config.train.eval_every, config.optimizer.warmup_steps = 2, 0, 1
   config.checkpoint.every_steps, config.checkpoint.async_save = 1, False
-  with _Compiles() as first, caplog.at_level(logging.INFO):
+  with Compiles() as first, caplog.at_level(logging.INFO):
     Trainer(recipe_for(config), str(tmp_path)).run()
   assert first.names.count(f"jit({STEP_NAME})") == 1, first.names
   cached = os.listdir(tmp_path / "compile_cache")
@@ -59,21 +53,35 @@ def test_the_step_compiles_once_and_the_resumed_run_compiles_nothing(tmp_path, c
 
   lines = [r.getMessage() for r in caplog.records if "since the process started" in r.getMessage()]
   assert len(lines) == 1 and lines[0].startswith("step 1 at "), lines
-  head, body = lines[0].split(";")[0].split(": ", 1)
-  phases = dict(re.findall(r"(?:^|, )([a-z'][a-z' ,]*?) (\d+\.\d) s", body))
-  assert tuple(phases) == PHASES, lines[0]
-  total = float(re.match(r"step 1 at (\d+\.\d) s", head).group(1))
-  # The parts are the whole, each rounded to 0.1 s.
-  assert abs(sum(float(v) for v in phases.values()) - total) <= 0.05 * (len(phases) + 1) + 0.1
-  assert re.search(r"the step compiled in \d+\.\d s beside them$", lines[0])
+  assert tuple(_phases(lines[0])) == PHASES, lines[0]
+  assert re.search(r"; the step compiled in \d+\.\d s beside them$", lines[0])
 
   # As if killed after step 1's checkpoint: the same job (the same programs) resumes from there.
   shutil.rmtree(tmp_path / "checkpoints" / "2")
   os.remove(tmp_path / "summary.json")
-  with _Compiles() as resumed:
+  with Compiles() as resumed:
     summary = Trainer(recipe_for(config), str(tmp_path)).run()
   assert summary["step"] == 2 and summary["finished"]
   assert f"jit({STEP_NAME})" in resumed.names, resumed.names
   assert resumed.events.count(MISS) == 0, resumed.names
   assert resumed.events.count(HIT) == len(resumed.names), resumed.names
   assert sorted(os.listdir(tmp_path / "compile_cache")) == sorted(cached)
+
+
+def test_under_the_cli_the_devices_open_while_the_modules_import(tmp_path, capsys, monkeypatch):
+  """`distillax train` starts JAX's backends in a thread as soon as JAX is imported (main.py,
+  cli/devices.py): the line's devices phase is then the wait for that thread, and how long the
+  devices took to open is said beside the phases, with the step's compile."""
+  for name in runtime.DISTRIBUTED_ENV:  # one process, as a user starts it
+    monkeypatch.delenv(name, raising=False)
+  argv = ["distillax", "train", "--config", f"{LM}:tiny", "--workdir", str(tmp_path),
+          "--config.train.steps=2", "--config.train.eval_every=0",
+          "--config.optimizer.warmup_steps=1"]
+  assert main(argv) == 0
+  lines = [line.split("] ", 1)[1] for line in capsys.readouterr().err.splitlines()
+           if "since the process started" in line]
+  assert len(lines) == 1, lines
+  assert tuple(_phases(lines[0])) == tuple(
+      "waiting for the devices" if p == "devices" else p for p in PHASES), lines[0]
+  assert re.search(r"; the devices opened in \d+\.\d s and the step compiled in \d+\.\d s "
+                   r"beside them$", lines[0]), lines[0]
