@@ -12,7 +12,8 @@ a full one.
 
 `per_token=True` also returns the student's own per-token values (-log p(target) and its top-1
 token) from a second compiled function, so asking for them leaves the compiled sums, and the
-means, exactly as the trainer's.
+means, exactly as the trainer's. A run compiles its first eval's programs while it starts
+(eval_programs.compile_ahead), so that eval compiles nothing.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from distillax import partitioning as pt
 from distillax.data import batch as batch_spec
 from distillax.errors import UserError
-from distillax.framework import backends, losses, token_rows
-from distillax.framework.step import EVAL_RATIOS, make_eval_step
+from distillax.framework import backends, eval_programs, losses, token_rows
+from distillax.framework.step import EVAL_RATIOS
 
 # exp() of anything above this overflows a float64.
 MAX_LOG_PERPLEXITY = math.log(1.7976931348623157e308)
@@ -54,18 +54,6 @@ class PerToken:
 
   nll_BxL: list[np.ndarray]  # -log p(target), float32 (log-softmax of the float32 logits)
   top1_BxL: list[np.ndarray]  # the student's most likely next token (argmax of the logits)
-
-
-def _compiled(engine, name: str, body):
-  """jit(body) under the engine's mesh and rules, compiled once per engine."""
-  if name not in engine.evals:
-    mesh, rules = engine.mesh, engine.rules
-
-    def traced(state, batch):
-      with pt.use_rules(mesh, rules):
-        return body(state, batch)
-    engine.evals[name] = jax.jit(traced)
-  return engine.evals[name]
 
 
 def _token_values(defs, rows: int | None = None):
@@ -112,10 +100,10 @@ def evaluate(engine, state, batches: Iterable[Mapping[str, np.ndarray]], *,
   objective's loss), loss and perplexity (next-token CE), tokens, every metric of the
   objective}. With per_token, (those means, PerToken).
   `engine` is a framework.engine.Engine."""
-  sums = _compiled(engine, "sums", make_eval_step(engine.layout.defs, engine.objective))
+  sums = eval_programs.sums_program(engine)  # compiled ahead of a run's first eval, if asked
   rows = getattr(engine.objective, "token_rows", None)  # as the eval objective counts them
-  values = (_compiled(engine, "per_token", _token_values(engine.layout.defs, rows)) if per_token
-            else None)
+  values = (eval_programs.program(engine, "per_token", _token_values(engine.layout.defs, rows))
+            if per_token else None)
   gstate = engine.global_state(state)
   place = backends.global_batch_placer(engine.mesh, engine.rules)
   totals, nll, top1 = None, [], []

@@ -55,6 +55,14 @@ def wait_for_pending() -> None:
   concurrent.futures.wait(pending)
 
 
+def in_background(fn: Callable[[], Any]) -> concurrent.futures.Future:
+  """`fn()` on the compile workers, waited for by `wait_for_pending` like a step's compile (the
+  eval's programs, compiled ahead of the first eval: framework/eval_programs.py)."""
+  future = _WORKERS.submit(fn)
+  _track(future)
+  return future
+
+
 def _track(future: concurrent.futures.Future) -> None:
   with _PENDING_LOCK:
     _PENDING.add(future)

@@ -37,6 +37,7 @@ from distillax.framework.run.profiling import ProfileWindow
 from distillax.framework.run.progress import ProgressBar
 from distillax.framework.throughput import Throughput, peak_flops_per_device
 from distillax.framework.run.writers import create_writers
+from distillax.trainers.eval_ahead import compile_first_eval
 from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 from distillax.trainers.saved import SOURCES_KEY, check_fingerprints, check_sources_unchanged
 from distillax.trainers.workdir import (check_not_foreign, check_workdir, check_writable,
@@ -152,6 +153,7 @@ class Trainer:
     check_not_foreign(workdir_state)  # after the config's own errors, before checkpoints/
     ckpt = open_checkpointer(self.workdir, c.checkpoint, guard.metric,
                              higher_is_better=guard.direction == HIGHER)
+    compile_first_eval(self.recipe, self.engines, ckpt.latest_step() or 0)  # beside the step's
     startup.mark("data")
     try:
       run = self._start_and_claim(ckpt, train_it, guard, workdir_state)
