@@ -105,6 +105,9 @@ def qat_section() -> ml_collections.ConfigDict:
   # Rules of int8 weights + int8 activations per channel run their forward matmuls as int8
   # dots (s8 x s8 -> s32, the int8 MXU rate on a TPU) instead of fake-quant bf16 ones.
   c.int8_matmul = False
+  # With int8_matmul, the backward's two matmuls (dx, dw) in int8 too, the cotangent rounded
+  # per token or per channel (MaxText's int8 training): every matmul at the int8 rate.
+  c.int8_backward = False
   return c
 
 

@@ -107,12 +107,19 @@ class QuantConfig:
   # codes in their forward (s8 x s8 -> s32 dots; quant/int8_train.py) instead of rounded
   # values in the compute dtype; straight-through backward either way.
   int8_matmul: bool = False
+  # ... and their backward's two matmuls too (dx, dw: the cotangent rounded per token or per
+  # channel, quant/int8_train.py), as MaxText's int8 training; needs int8_matmul.
+  int8_backward: bool = False
 
   def __post_init__(self):
     if not isinstance(self.start_step, int) or self.start_step < 0:
       raise ConfigError(f"qat.start_step={self.start_step!r} must be a non-negative integer")
-    if not isinstance(self.int8_matmul, bool):
-      raise ConfigError(f"qat.int8_matmul={self.int8_matmul!r} must be True or False")
+    for name in ("int8_matmul", "int8_backward"):
+      if not isinstance(getattr(self, name), bool):
+        raise ConfigError(f"qat.{name}={getattr(self, name)!r} must be True or False")
+    if self.int8_backward and not self.int8_matmul:
+      raise ConfigError("qat.int8_backward=True needs qat.int8_matmul=True (the backward's int8 "
+                        "matmuls are those of the int8 forward's); set both")
     object.__setattr__(self, "rules", tuple(self.rules))
     object.__setattr__(self, "schedule", tuple((s, tuple(r)) for s, r in self.schedule))
     if self.schedule:
@@ -133,8 +140,10 @@ class QuantConfig:
   def stages(self) -> tuple[tuple[int, "QuantConfig"], ...]:
     """((first step, that stage's rules as a one-stage QuantConfig), ...) in step order."""
     if not self.schedule:
-      return ((self.start_step, QuantConfig(self.rules, int8_matmul=self.int8_matmul)),)
-    return tuple((step, QuantConfig(rules, int8_matmul=self.int8_matmul))
+      return ((self.start_step, QuantConfig(self.rules, int8_matmul=self.int8_matmul,
+                                            int8_backward=self.int8_backward)),)
+    return tuple((step, QuantConfig(rules, int8_matmul=self.int8_matmul,
+                                    int8_backward=self.int8_backward))
                  for step, rules in self.schedule)
 
   def stage_at(self, step: int) -> "QuantConfig | None":
@@ -146,7 +155,7 @@ class QuantConfig:
     return current
 
   def to_dict(self) -> dict[str, Any]:
-    extra = {"int8_matmul": True} if self.int8_matmul else {}
+    extra = {name: True for name in ("int8_matmul", "int8_backward") if getattr(self, name)}
     if self.schedule:
       return {"rules": [], "start_step": 0,
               "schedule": [[s, [r.to_dict() for r in rules]] for s, rules in self.schedule],
@@ -161,10 +170,11 @@ class QuantConfig:
       return cfg
     if isinstance(cfg, ml_collections.ConfigDict):
       cfg = cfg.to_dict()
-    unknown = sorted(set(cfg) - {"rules", "start_step", "schedule", "int8_matmul"})
+    unknown = sorted(set(cfg) - {"rules", "start_step", "schedule", "int8_matmul",
+                                 "int8_backward"})
     if unknown:
       raise ConfigError(f"unknown qat config field(s) {unknown}; known: rules, start_step, "
-                        f"schedule, int8_matmul")
+                        f"schedule, int8_matmul, int8_backward")
     rules = tuple(_rule(r, f"qat.rules[{i}]") for i, r in enumerate(cfg.get("rules") or ()))
     start_step = int(cfg.get("start_step", 0))
     schedule = _schedule(cfg.get("schedule") or ())
@@ -177,7 +187,8 @@ class QuantConfig:
                         f"stage's step is where fake quantization starts: set "
                         f"--config.qat.start_step=0")
     return cls(rules=rules, start_step=start_step, schedule=schedule,
-               int8_matmul=cfg.get("int8_matmul", False))
+               int8_matmul=cfg.get("int8_matmul", False),
+               int8_backward=cfg.get("int8_backward", False))
 
   @classmethod
   def simple(cls, weight_qtype: str, act_qtype: str | None = None, tile_size: int | None = None,

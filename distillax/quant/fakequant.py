@@ -50,6 +50,7 @@ class WeightQuant:
   # int8 weights and activations multiplied as int8 codes (quant/int8_train.py): the weight is
   # read unrounded and rounded by its matmul (QuantConfig.int8_matmul).
   int8_matmul: bool = False
+  int8_backward: bool = False  # ... and its backward's two matmuls too (QuantConfig.int8_backward)
 
   def axes(self, stored_ndim: int) -> tuple[tuple[int, ...], dict[int, int]]:
     """(channelwise axes, {tiled axis: tile}) for a stored array of rank `stored_ndim`."""
@@ -275,7 +276,7 @@ class QuantSiteParam(nnx.Param):
   def intercepted_einsum(self, spec, operands, index, kwargs):
     wq = self.quant
     if wq.int8_matmul:
-      y = int8_train.einsum(spec, operands, index, kwargs)
+      y = int8_train.einsum(spec, operands, index, kwargs, int8_backward=wq.int8_backward)
       if y is not None:
         return y
       operands = self._rounded_operand(operands, index)

@@ -65,7 +65,7 @@ def weight_quants(qcfg: QuantConfig, sites: list[MatmulSite], compute_dtype: str
       continue
     wq = site.quant(rule.weight_qtype, rule.tile_size, compute_dtype, rule.act_qtype)
     if qcfg.int8_matmul and rule.int8_matmul_eligible:
-      wq = dataclasses.replace(wq, int8_matmul=True)
+      wq = dataclasses.replace(wq, int8_matmul=True, int8_backward=qcfg.int8_backward)
     plans[site.name] = (site, wq)
   return plans
 
@@ -172,6 +172,6 @@ def quantize_post_training(model: nnx.Module, qcfg: QuantConfig | Mapping[str, A
   _, plans = _prepare(model, qcfg, sample_tokens)
   # PTQ's weights are stored rounded: their matmuls multiply the rounded values (rounding them
   # to int8 codes again would move some).
-  plans = {name: (site, dataclasses.replace(wq, int8_matmul=False))
+  plans = {name: (site, dataclasses.replace(wq, int8_matmul=False, int8_backward=False))
            for name, (site, wq) in plans.items()}
   return _mark(model, plans, round_on_read=False, values=rounded_weights(model, plans))

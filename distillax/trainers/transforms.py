@@ -29,7 +29,9 @@ class StudentTransforms:
                                                "start_step": int(qat.start_step),
                                                "schedule": list(qat.get("schedule") or ()),
                                                "int8_matmul": bool(qat.get("int8_matmul",
-                                                                           False))})
+                                                                           False)),
+                                               "int8_backward": bool(qat.get("int8_backward",
+                                                                             False))})
     return cls(lora=lora if lora and lora.module_regex else None, qat=qat_cfg,
                seed=int(config.seed))
 

@@ -29,7 +29,8 @@ def test_the_int8_matmul_is_numpys_with_the_fake_quant_gradient(spec, x_shape, w
   x = rng.normal(size=x_shape).astype(np.float32)
   w = rng.normal(size=w_shape).astype(np.float32)
   ins, out = spec.split("->")
-  f = jax.jit(lambda x, w: int8_trained_einsum(tuple(ins.split(",")), out, 0, "float32", x, w))
+  f = jax.jit(lambda x, w: int8_trained_einsum(tuple(ins.split(",")), out, 0, "float32", False,
+                                                     x, w))
   y = f(jnp.asarray(x), jnp.asarray(w))
   np.testing.assert_array_equal(np.asarray(y), np_int8_matmul(spec, x, w, x_reduce, w_reduce)[0])
   # Straight through: the gradient of the product of the two rounded grids.
@@ -43,6 +44,59 @@ def test_the_int8_matmul_is_numpys_with_the_fake_quant_gradient(spec, x_shape, w
                              atol=1e-5)
   np.testing.assert_allclose(np.asarray(g_w), np.einsum(f"{xt},{out}->{wt}", xq, r), rtol=1e-5,
                              atol=1e-5)
+
+
+def _onto(scale, term, target):
+  """A scale over `term` (1 on the axes it reduced) with its other axes moved onto `target`'s
+  places, 1 on the rest."""
+  kept = "".join(c for c in term if c in target)
+  squeezed = scale.reshape([scale.shape[term.index(c)] for c in kept])
+  order = "".join(c for c in target if c in kept)
+  moved = np.einsum(f"{kept}->{order}", squeezed)
+  return moved.reshape([moved.shape[order.index(c)] if c in order else 1 for c in target])
+
+
+def np_int8_backward(spec, x, w, x_reduce, w_reduce, g):
+  """(dx, dw) of int8_backward written out in numpy: g times the weight's channel scales
+  rounded per token, its codes times the weight's codes; g times the input's token scales
+  rounded per channel, the input's codes times its codes; int64 sums rescaled in float32."""
+  ins, out = spec.split("->")
+  xt, wt = ins.split(",")
+  (cx, sx), (cw, sw) = np_int8(x, x_reduce), np_int8(w, w_reduce)
+  channels = [out.index(c) for c in out if c in wt and c not in xt]
+  tokens = [out.index(c) for c in out if c in xt and c not in wt]
+  cg, sg = np_int8(g * _onto(sw, wt, out), channels)
+  dx = np.einsum(f"{out},{wt}->{xt}", cg.astype(np.int64), cw.astype(np.int64))
+  ch, sh = np_int8(g * _onto(sx, xt, out), tokens)
+  dw = np.einsum(f"{xt},{out}->{wt}", cx.astype(np.int64), ch.astype(np.int64))
+  return dx.astype(np.float32) * _onto(sg, out, xt), dw.astype(np.float32) * _onto(sh, out, wt)
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape,x_reduce,w_reduce", LAYOUTS[:3])
+def test_int8_backward_is_numpys_int8_gradient_near_the_straight_through_one(
+    spec, x_shape, w_shape, x_reduce, w_reduce):
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=x_shape).astype(np.float32)
+  w = rng.normal(size=w_shape).astype(np.float32)
+  ins, out = spec.split("->")
+  terms = tuple(ins.split(","))
+  grads = {}
+  for int8_backward in (False, True):
+    f = jax.jit(lambda x, w, b=int8_backward: int8_trained_einsum(terms, out, 0, "float32", b,
+                                                                   x, w))
+    y = f(jnp.asarray(x), jnp.asarray(w))
+    r = rng.normal(size=y.shape).astype(np.float32) if not grads else r
+    grads[int8_backward] = jax.grad(lambda x, w: jnp.sum(f(x, w) * r), argnums=(0, 1))(
+        jnp.asarray(x), jnp.asarray(w))
+  want_x, want_w = np_int8_backward(spec, x, w, x_reduce, w_reduce, r)
+  got_x, got_w = (np.asarray(a) for a in grads[True])
+  np.testing.assert_allclose(got_x, want_x, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(got_w, want_w, rtol=1e-6, atol=1e-6)
+  # One more rounding of the cotangent, to nearest: a few tenths of a percent of the
+  # straight-through gradient, not a bias.
+  for got, ste in zip((got_x, got_w), grads[False]):
+    ste = np.asarray(ste)
+    assert 0 < np.linalg.norm(got - ste) < 0.01 * np.linalg.norm(ste)
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +154,27 @@ def test_int8_matmul_qat_multiplies_int8_codes_and_trains_like_fake_quant(scanne
     assert rms(a - b) < 0.25 * rms(b - p), jax.tree_util.keystr(path)
 
 
+def test_int8_backward_runs_every_matmul_of_the_step_in_int8(scanned):
+  tok = tokens(2, 16, TINY.vocab_size)
+  _, grads, hlo = _step(quantize_for_training(scanned, {**INT8, "int8_matmul": True,
+                                                        "int8_backward": True}), tok)
+  forward_only = _step(quantize_for_training(scanned, {**INT8, "int8_matmul": True}), tok)
+  # The layer's 7 projections: forward, the remat's recompute, and now dx and dw.
+  assert len(_int8_dots(hlo)) >= len(_int8_dots(forward_only[2])) + 14
+  for (path, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(grads),
+                               jax.tree_util.tree_leaves_with_path(forward_only[1])):
+    a, b = np.asarray(a).ravel(), np.asarray(b).ravel()
+    assert np.linalg.norm(a - b) < 0.05 * np.linalg.norm(b), jax.tree_util.keystr(path)
+
+
 def test_int8_matmul_needs_an_int8_rule_and_round_trips():
   with pytest.raises(ConfigError, match="int8_matmul=True but no qat rule"):
     QuantConfig.from_config({"rules": [(".*", "int4", "int8", None)], "int8_matmul": True})
   qcfg = QuantConfig.from_config({**INT8, "int8_matmul": True})
   assert QuantConfig.from_config(qcfg.to_dict()) == qcfg
   assert all(stage.int8_matmul for _, stage in qcfg.stages())
+  with pytest.raises(ConfigError, match="int8_backward=True needs qat.int8_matmul=True"):
+    QuantConfig.from_config({**INT8, "int8_backward": True})
+  both = QuantConfig.from_config({**INT8, "int8_matmul": True, "int8_backward": True})
+  assert QuantConfig.from_config(both.to_dict()) == both
+  assert all(stage.int8_backward for _, stage in both.stages())
