@@ -107,6 +107,11 @@ ROWS = (
         "per channel and activations per token multiplied as s8 x s8 -> s32 dots in the "
         "forward and the remat's recompute, straight-through backward in bf16); set against "
         "`train`"),
+    Row("train_int8_backward", "real", (f"train:save_attention:6{S}:qat=int8_backward",
+                                        f"train:full:8{S}:qat=int8_backward"),
+        "int8 QAT with every matmul of the step in int8, the backward's too (qat.int8_backward: "
+        "the cotangent rounded per token for dx and per channel for dw, as MaxText's int8 "
+        "training); set against `train`"),
     # Compiled for a v5e without one (libtpu's deviceless compile of lever_grid.lower's step
     # over the tpu:v5e-1 target's device), before issue 53's two batches: 15.53 GiB at 8 rows
     # (past 0.97 of the chip's 15.75 GiB, where run_group stops), 15.07 GiB at 6, so ~0.23 GiB
@@ -275,7 +280,7 @@ def summary(levers: list[dict], chosen: list[Row], names: dict[str, list[str]]) 
     if by_name.get("kd") and by_name.get(name) and (
         by_name["kd"]["batch"] == by_name[name]["batch"]):
       out[f"{name}_over_kd"] = by_name[name]["step_s"] / by_name["kd"]["step_s"]
-  for name in ("qlora", "lora", "train_int8"):  # tokens/s at each one's best batch
+  for name in ("qlora", "lora", "train_int8", "train_int8_backward"):  # at each one's best batch
     if by_name.get("train") and by_name.get(name):
       out[f"{name}_over_train"] = (by_name[name]["tokens_per_s"]
                                    / by_name["train"]["tokens_per_s"])

@@ -276,11 +276,14 @@ def lower(v: Variant, pair: dict, tiny: bool = False, device=None) -> Lowered:
 # qat=q4_0: llama.cpp's q4_0 weights and q8_0 activations everywhere but the output layer (the
 # top module, path ''), as the demo and README train for llama.cpp.
 # qat=int8: int8 weights per channel and activations per token, multiplied as int8 codes
-# (qat.int8_matmul), the output layer kept as it is.
+# (qat.int8_matmul), the output layer kept as it is; qat=int8_backward: the backward's
+# matmuls in int8 too (qat.int8_backward).
 QAT_RULES = {"q4_0": {"rules": [("", None, None, None), (".*", "q4_0", "q8_0", None)]},
              "q4_0_weights": {"rules": [("", None, None, None), (".*", "q4_0", None, None)]},
              "int8": {"rules": [("", None, None, None), (".*", "int8", "int8", None)],
-                      "int8_matmul": True}}
+                      "int8_matmul": True},
+             "int8_backward": {"rules": [("", None, None, None), (".*", "int8", "int8", None)],
+                               "int8_matmul": True, "int8_backward": True}}
 # lora=qlora: the adapters, nf4 base and tiles of configs/qlora.py (its :tiny tiles for the tiny
 # pair, whose head_dim is 16); lora=lora: configs/lora.py's adapters over the full-precision base.
 LORA_CONFIGS = {"qlora": qlora.get_config, "lora": lora_config.get_config}
