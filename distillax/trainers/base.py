@@ -218,7 +218,7 @@ class Trainer:
       bad_loss = loss is not None and not math.isfinite(loss)
       if bad_loss or (eval_every and run.step % eval_every == 0) or run.step == total:
         if not bad_loss and (run.step == total or ckpt.should_save(run.step)):
-          ckpt.copy_to_host_early(self._stored(run.state))  # the save's copy, beside the eval
+          ckpt.copy_to_host_early(_stored(self.engines.main, run.state))  # beside the eval
         tools.logger.pause(block_on=run.state)  # eval and rollback are not step time
         verdict = self._eval_point(run, ckpt, tools, loss if bad_loss else None)
         tools.logger.resume()
@@ -287,13 +287,9 @@ class Trainer:
     tools.logger.flush()
     extra = {**run.meta, "metrics_window": tools.logger.window_state(),
              SOURCES_KEY: self.fingerprints}
-    ckpt.save(run.step, self._stored(run.state), data_state=iterator_state_json(run.train_it),
+    ckpt.save(run.step, _stored(self.engines.main, run.state),
+              data_state=iterator_state_json(run.train_it),
               metrics=metrics, extra=extra, force=True)
-
-  def _stored(self, state):
-    """What a checkpoint of `state` holds (not the frozen models its sources give back)."""
-    engine = self.engines.main
-    return engine.layout.reloaded.stored(engine.runner.fetch_state(state))
 
   # ---- set-up -------------------------------------------------------------------------------
 
@@ -393,6 +389,11 @@ class Trainer:
 
 class Diverged(UserError):
   """Training diverged past train.max_rollbacks: summary.json ends "diverged"."""
+
+
+def _stored(engine, state):
+  """What a checkpoint of `state` holds (not the frozen models its sources give back)."""
+  return engine.layout.reloaded.stored(engine.runner.fetch_state(state))
 
 
 def _scaled_lr(c, rollbacks: int) -> float:
