@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from distillax.errors import UserError
+from distillax.quant import q8_0_kernel
 
 BLOCK = 32
 WEIGHT_QTYPES = ("q8_0", "q4_0")
@@ -204,6 +205,16 @@ def fake_quantize_activation(x: jnp.ndarray, qtype: str,
   """A matmul input rounded to q8_0 blocks along its contracted axes, as the CPU kernel does."""
   if qtype not in ACT_QTYPES:
     raise UserError(f"{qtype!r} is not a ggml activation type; use one of {', '.join(ACT_QTYPES)}")
+  in_blocks = lambda x: activation_in_blocks(x, contract_axes)
+  if not q8_0_kernel.applies(x, contract_axes):
+    return in_blocks(x)
+  # A TPU rounds in the array's own layout (quant/q8_0_kernel.py: the same bits); elsewhere
+  # the blocks are cut by a reshape. Chosen where the program is lowered.
+  return jax.lax.platform_dependent(x, tpu=q8_0_kernel.fake_quantize_rows, default=in_blocks)
+
+
+def activation_in_blocks(x: jnp.ndarray, contract_axes: Sequence[int]) -> jnp.ndarray:
+  """The q8_0 rounding with the blocks cut by a reshape (..., n_blocks, 32), on any backend."""
   rows, layout = _to_rows(x, contract_axes, "q8_0 activation")
   values = dequantize_blocks(*quantize_activation_blocks(rows), "q8_0")
   return _from_rows(values, layout).astype(x.dtype)
