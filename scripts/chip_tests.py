@@ -43,6 +43,12 @@ SELECTION = (
      "int8 QAT with qat.int8_matmul: the TPU's compiled step multiplies s8 x s8 (its int8 "
      "convolutions; a deviceless v5e compile of the tiny train_int8 row has 26), logits and "
      "gradients near fake-quant int8 QAT's"),
+    ("tests/quant/test_int8_train.py::test_int8_backward_runs_every_matmul_of_the_step_in_int8",
+     "qat.int8_backward: the compiled step's backward matmuls s8 x s8 too, gradients near the "
+     "straight-through ones"),
+    ("tests/quant/test_q8_0_kernel.py::test_the_kernel_rounds_the_bits_the_blocks_do",
+     "the q8_0 activation rounding's Mosaic kernel (lane butterflies, roundeven, the TPU's "
+     "division) against the XLA rounding by blocks, bit for bit, at the real model's widths"),
     ("tests/quant/test_qlora_dequant.py::test_nf4_select_dequantize_is_qwix_table_bit_for_bit",
      "QLoRA's nf4 base dequantized by selects against qwix's table gather, bit for bit"),
     ("tests/models/attention/test_impls.py::test_splash_kernel_matches_reference",
