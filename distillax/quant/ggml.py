@@ -206,7 +206,12 @@ def fake_quantize_activation(x: jnp.ndarray, qtype: str,
   if qtype not in ACT_QTYPES:
     raise UserError(f"{qtype!r} is not a ggml activation type; use one of {', '.join(ACT_QTYPES)}")
   in_blocks = lambda x: activation_in_blocks(x, contract_axes)
-  if not q8_0_kernel.applies(x, contract_axes):
+  contract = sorted(a % x.ndim for a in contract_axes)
+  if contract == list(range(x.ndim - len(contract), x.ndim)) and x.shape[-1] % BLOCK == 0:
+    # Trailing axes flattened in order: each block of 32 lies in one row of the last axis
+    # (attention's output input: heads x head_dim), the blocks of that axis alone.
+    contract = [x.ndim - 1]
+  if not q8_0_kernel.applies(x, contract):
     return in_blocks(x)
   # A TPU rounds in the array's own layout (quant/q8_0_kernel.py: the same bits); elsewhere
   # the blocks are cut by a reshape. Chosen where the program is lowered.

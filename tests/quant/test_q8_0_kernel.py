@@ -54,10 +54,15 @@ def test_the_kernel_is_used_only_where_its_blocks_lie_along_whole_lanes():
     assert not q8_0_kernel.applies(x, [1])  # a kernel GSPMD cannot partition
 
 
-def test_fake_quantize_activation_lowers_the_kernel_for_a_tpu_only():
-  x = jnp.asarray(_activations(16, 256, seed=3))
-  round_it = jax.jit(lambda x: ggml.fake_quantize_activation(x, "q8_0", [1]))
+@pytest.mark.parametrize("shape,contract", [((16, 256), [1]), ((2, 8, 2, 128), [2, 3])])
+def test_fake_quantize_activation_lowers_the_kernel_for_a_tpu_only(shape, contract):
+  """Also for attention's output input, (tokens, heads, head_dim) contracting the last two:
+  blocks of 32 over heads x head_dim in order are the blocks of head_dim alone."""
+  x = jnp.asarray(_activations(16, 256, seed=3).reshape(shape))
+  round_it = jax.jit(lambda x: ggml.fake_quantize_activation(x, "q8_0", contract))
   assert "tpu_custom_call" in round_it.trace(x).lower(lowering_platforms=("tpu",)).as_text()
   assert "tpu_custom_call" not in round_it.trace(x).lower(lowering_platforms=("cpu",)).as_text()
-  np.testing.assert_array_equal(np.asarray(round_it(x)),
-                                np.asarray(ggml.activation_in_blocks(x, [1])))
+  want = ggml.activation_in_blocks(x, contract)
+  np.testing.assert_array_equal(np.asarray(round_it(x)), np.asarray(want))
+  np.testing.assert_array_equal(
+      np.asarray(q8_0_kernel.fake_quantize_rows(x, interpret=True)), np.asarray(want))
