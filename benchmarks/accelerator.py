@@ -156,8 +156,8 @@ ROWS = (
     # The sliced loss, as train.loss_impl='auto' runs it for an adapted student. Deviceless v5e
     # compiles: save_attention at 24 rows 14.86 GiB, at 32 17.10 (does not fit);
     # save_dots_no_batch at 8, 13.03; save_attention_qkv at 16, 15.96 (does not fit).
-    Row("qlora", "real", (f"train:save_attention:16:lora=qlora{S}",
-                          f"train:save_dots_no_batch:8:lora=qlora{S}",
+    Row("qlora", "real", (f"train:save_dots_no_batch:8:lora=qlora{S}",
+                          f"train:save_attention:16:lora=qlora{S}",
                           f"train:save_attention:8:lora=qlora{S}", f"train:full:8:lora=qlora{S}",
                           f"train:full:32:lora=qlora{S}", f"train:save_attention:24:lora=qlora{S}"),
         "QLoRA next-token training as configs/qlora.py runs it (frozen nf4 base in tiles of 32, "
@@ -165,8 +165,8 @@ ROWS = (
         "torchtune ship it); MFU counts the full 6N model FLOPs, though the frozen base computes "
         "no weight gradients"),
     # save_attention at 16 rows: 12.77 GiB (deviceless); save_dots_no_batch at 8, 15.03.
-    Row("lora", "real", (f"train:full:8:lora=lora{S}", f"train:save_dots_no_batch:8:lora=lora{S}",
-                         f"train:save_attention:8:lora=lora{S}",
+    Row("lora", "real", (f"train:save_attention:8:lora=lora{S}", f"train:full:8:lora=lora{S}",
+                         f"train:save_dots_no_batch:8:lora=lora{S}",
                          f"train:save_attention:16:lora=lora{S}", f"train:full:16:lora=lora{S}"),
         "LoRA next-token training as configs/lora.py runs it (a frozen bf16-computed fp32 base, "
         "rank-8 adapters on the attention and MLP matmuls, no adapter dropout): QLoRA's peer "

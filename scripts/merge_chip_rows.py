@@ -8,7 +8,9 @@ Each FILE is an accelerator JSON (its rows' candidates) or a levers .jsonl from
 benchmarks/results/tpu/, given oldest first; `:ROW,...` keeps only those accelerator rows'
 candidates (a JSON) and `@stale` marks its rows as measured by code that has changed since
 (accelerator.py then names their commit in the table and the docs call the file partly stale).
-Every row gets the commit it was measured at.
+Every row gets the commit it was measured at. FILE@keep (an earlier merge) keeps the commit
+and staleness each of its rows already carries, so a merge can extend the last one; OUT may
+be one of the inputs (every input is read before OUT is written).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def rows_of(spec: str) -> list[dict]:
               for c in r["candidates"]]
     if payload.get("probe"):
       levers.insert(0, payload["probe"])
+  if commit == "keep":
+    return levers
   stale = "stale" in flags
   return [{**r, "commit": commit, **({"stale": True} if stale else {})} for r in levers]
 

@@ -281,6 +281,14 @@ def test_rows_from_several_chip_calls_keep_the_newest_and_say_which_are_stale(tm
   assert [(r["row"], r["commit"], r.get("stale", False)) for r in rows] == [
       ("probe", "aaa111", True), ("t8", "aaa111", True), ("k4", "aaa111", True),
       ("probe", "bbb222", False), ("t8", "bbb222", False), ("t6", "bbb222", False)]
+  # An earlier merge extended: its rows keep their own commits and staleness.
+  again = tmp_path / "again.jsonl"
+  assert merge_chip_rows.main([str(again), f"{merged}@keep",
+                               f"{tmp_path / 'old.json'}@ccc333:kd"]) == 0
+  extended = [json.loads(line) for line in again.read_text().splitlines()]
+  assert extended[:6] == rows
+  assert [(r["row"], r["commit"], r.get("stale", False)) for r in extended[6:]] == [
+      ("probe", "ccc333", False), ("k4", "ccc333", False)]
   levers = accelerator._newest_rows(rows)
   assert [r["row"] for r in levers] == ["probe", "t8", "k4", "t6"]
   assert not levers[0].get("stale") and levers[1]["tokens_per_s"] == 90.0  # the newer t8
