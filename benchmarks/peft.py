@@ -9,7 +9,7 @@ a quantized base, shardings by the recipe's rules):
 
   full   distillax/configs/lm.py     fp32, every parameter trains
   lora   distillax/configs/lora.py   rank-8 adapters on the attention and MLP matmuls (as
-                                     shipped: alpha 16, adapter dropout 0.1), fp32 base frozen
+                                     shipped: alpha 16, no adapter dropout), fp32 base frozen
   qlora  distillax/configs/qlora.py  the same adapters over a frozen nf4 base (tiles of 32)
 
 Models (Llama-shaped: multi-head attention, SwiGLU, tied embeddings, vocab 384):
@@ -149,7 +149,7 @@ def parse_args():
   parser.add_argument("--reps", type=int, default=None, help="interleaved rounds")
   parser.add_argument("--steps-per-rep", dest="steps_per_rep", type=int, default=None)
   parser.add_argument("--dropout", type=float, default=None,
-                      help="adapter dropout (default: the configs' 0.1)")
+                      help="adapter dropout (default: the configs' 0)")
   parser.add_argument("--remat", default=None, choices=("none", "full", "save_dots"),
                       help="model.remat of every variant (default: the configs', none)")
   parser.add_argument("--scan-layers", dest="scan_layers", action="store_true",

@@ -10,7 +10,7 @@ quantization applied, sharded by the recipe's rules). Variants:
   plain      lm.py: full-precision fp32 training, every parameter trains
   qat_int8   qat.py with int8 weights and int8 activations (embedding kept full precision)
   qat_int4   qat.py as shipped: int4 weights, int8 activations
-  lora       lora.py: rank-8 adapters on the attention and MLP matmuls (dropout 0.1)
+  lora       lora.py: rank-8 adapters on the attention and MLP matmuls (no dropout)
   qlora_nf4  qlora.py: the same adapters over frozen nf4 base weights (tiles of 32)
 
 Each variant warms up, then the rounds go plain, qat_int8, ..., plain, qat_int8, ...; the ratio
