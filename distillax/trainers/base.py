@@ -31,13 +31,8 @@ from distillax.framework.run.checkpoint import Checkpointer
 from distillax.framework.eval_rules import HIGHER, ROLLBACK, STOP, EvalGuard
 from distillax.framework.evaluation import evaluate
 from distillax.framework.run.memory import check_step_fits
-from distillax.framework.run.metrics import MetricLogger
-from distillax.framework.run.preemption import PreemptionGuard
-from distillax.framework.run.profiling import ProfileWindow
-from distillax.framework.run.progress import ProgressBar
-from distillax.framework.throughput import Throughput, peak_flops_per_device
-from distillax.framework.run.writers import create_writers
 from distillax.trainers.eval_ahead import compile_first_eval
+from distillax.trainers.loop_tools import Tools, log_first_step, make_tools
 from distillax.trainers.recipe import Engines, Recipe, check_recipe_data
 from distillax.trainers.saved import SOURCES_KEY, check_fingerprints, check_sources_unchanged
 from distillax.trainers.workdir import (check_not_foreign, check_workdir, check_writable,
@@ -75,22 +70,6 @@ class _Run:
     if metric == self.metric:
       self.guard.best = extra.get("best", extra.get("best_eval_perplexity"))
       self.guard.stale = int(extra.get("stale_evals", 0))
-
-
-@dataclasses.dataclass
-class _Tools:
-  logger: MetricLogger
-  guard: PreemptionGuard
-  profile: ProfileWindow
-  progress: ProgressBar
-
-  def close(self, state, ckpt: Checkpointer, *, finished: bool) -> None:
-    """The signal handlers go last: a Ctrl-C while the last save completes is still caught."""
-    self.profile.close(block_on=state)
-    self.logger.close(log_partial=finished)
-    self.progress.close()
-    ckpt.close()
-    self.guard.close()
 
 
 class Trainer:
@@ -160,7 +139,7 @@ class Trainer:
     except BaseException:
       ckpt.close()
       raise
-    tools = _make_tools(self.recipe, self.workdir, self.primary, run)
+    tools = make_tools(self.recipe, self.workdir, self.primary, run.step, run.window)
     startup.mark("metrics")
     self._log_plan()
     # summary.json is written however the session ends (_summary), except when it failed
@@ -198,7 +177,7 @@ class Trainer:
     startup.mark("memory and workdir")
     return run
 
-  def _train(self, run: _Run, ckpt: Checkpointer, tools: _Tools) -> None:
+  def _train(self, run: _Run, ckpt: Checkpointer, tools: Tools) -> None:
     total, eval_every = int(self.config.train.steps), int(self.config.train.eval_every)
     tokens = self.recipe.batch_size * self.recipe.seq_len
     first = run.step
@@ -211,7 +190,7 @@ class Trainer:
       run.state, metrics = runner(run.state, runner.place_batch(batch))
       run.step += 1
       if run.step == first + 1:
-        _log_first_step(self.recipe, runner, metrics, run.step, self.primary)
+        log_first_step(self.recipe, runner, metrics, run.step, self.primary)
       row = tools.logger.record(run.step, metrics)
       loss = row.get("loss") if row else None
       tools.progress.update(tokens=tokens, loss=loss)
@@ -242,7 +221,7 @@ class Trainer:
         self._save(run, ckpt, tools)
         break
 
-  def _eval_point(self, run: _Run, ckpt: Checkpointer, tools: _Tools, bad_loss) -> str:
+  def _eval_point(self, run: _Run, ckpt: Checkpointer, tools: Tools, bad_loss) -> str:
     """Evaluates (unless the loss is already not finite) and judges the watched figure: rolls
     back when the run diverged; the guard's verdict (eval_rules CONTINUE, ROLLBACK or STOP)."""
     tools.logger.flush()
@@ -281,7 +260,7 @@ class Trainer:
   def _evaluate(self, state, step: int) -> dict[str, float]:
     return evaluate(self.engines.at(step), state, self.recipe.eval_iterator())
 
-  def _save(self, run: _Run, ckpt: Checkpointer, tools: _Tools, metrics=None) -> None:
+  def _save(self, run: _Run, ckpt: Checkpointer, tools: Tools, metrics=None) -> None:
     """Saves the step with the open metrics window; the finished windows' rows are written
     first, so a run killed after this save resumes with every row up to this step on disk."""
     tools.logger.flush()
@@ -320,7 +299,7 @@ class Trainer:
       restore_iterator_state(train_it, data_state)
     return run
 
-  def _rollback(self, ckpt: Checkpointer, run: _Run, tools: _Tools, reason: str, *,
+  def _rollback(self, ckpt: Checkpointer, run: _Run, tools: Tools, reason: str, *,
                 diverged: bool) -> None:
     """Restores the best checkpoint and continues with a smaller learning rate; marks the
     abandoned rows of metrics.jsonl and writes the rollback's own row (one line on the console
@@ -400,23 +379,7 @@ def _scaled_lr(c, rollbacks: int) -> float:
   return float(c.optimizer.learning_rate) * float(c.train.rollback_lr_factor) ** rollbacks
 
 
-def _make_tools(recipe: Recipe, workdir: str, primary: bool, run: _Run) -> _Tools:
-  c = recipe.config
-  tools = _Tools(
-      MetricLogger(create_writers(workdir, is_primary=primary, resume_step=run.step,
-                                  console=not c.train.progress),
-                   log_every=int(c.train.log_every), throughput=_throughput(recipe)),
-      PreemptionGuard(),
-      ProfileWindow(workdir, max(int(c.profile.start_step), 0),
-                    int(c.profile.num_steps) if int(c.profile.start_step) >= 0 else 0,
-                    enabled=primary),
-      ProgressBar(int(c.train.steps), desc=recipe.name, initial=run.step,
-                  enabled=bool(c.train.progress) and primary))
-  tools.logger.restore_window(run.window)
-  return tools
-
-
-def _summary(run: _Run, total: int, tools: _Tools, failure: BaseException | None) -> dict:
+def _summary(run: _Run, total: int, tools: Tools, failure: BaseException | None) -> dict:
   """summary.json: where the session ended and `ended`, how: finished (train.steps),
   early_stopped (train.early_stop_evals), stopped (a signal; the step is saved), diverged (out
   of rollbacks), interrupted (Ctrl-C outside the steps) or failed, with the error as
@@ -435,20 +398,3 @@ def _summary(run: _Run, total: int, tools: _Tools, failure: BaseException | None
   if run.early_stopped:
     summary["early_stopped"] = True
   return summary
-
-
-def _throughput(recipe: Recipe) -> Throughput:
-  peak, source = peak_flops_per_device()
-  logging.info("MFU peak per device: %s", source)
-  return Throughput(recipe.batch_size * recipe.seq_len, recipe.step_flops(), jax.device_count(),
-                    peak)
-
-
-def _log_first_step(recipe: Recipe, runner, metrics, step: int, primary: bool) -> None:
-  """The line that says where the time to this session's first step went (waits for it)."""
-  jax.block_until_ready(metrics)
-  recipe.startup.mark("first step")
-  if primary:
-    program = runner.program
-    logging.info("%s", recipe.startup.line(step, None if program is None
-                                            else program.compile_seconds))
