@@ -19,7 +19,7 @@ from distillax.errors import ConfigError
 from distillax.framework.run.preemption import PreemptionGuard
 from distillax.quant import QuantConfig
 from distillax.trainers import Trainer, recipe_for
-from distillax.trainers import base as trainer_base
+from distillax.trainers import loop_tools
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -71,7 +71,7 @@ def _saved_params(workdir, step):
 
 def test_schedule_switches_at_its_steps_and_resumes_across_a_switch(tmp_path, monkeypatch):
   with monkeypatch.context() as patch:
-    patch.setattr(trainer_base, "PreemptionGuard", _StopAt)
+    patch.setattr(loop_tools, "PreemptionGuard", _StopAt)
     stopped = Trainer(recipe_for(_config(schedule=SCHEDULE)), str(tmp_path)).run()
   assert not stopped["finished"] and stopped["step"] == _StopAt.STOP  # inside the int8 stage
   resumed = Trainer(recipe_for(_config(schedule=SCHEDULE)), str(tmp_path))
