@@ -59,14 +59,16 @@ def _f16_rounded_nonnegative(d):
 def _block_max(a):
   """Every lane's maximum over its aligned group of 32 lanes (a (rows, K) tile)."""
   lanes = a.shape[1]
-  lane = jax.lax.broadcasted_iota(jnp.int32, a.shape, 1)
+  # Which rotation holds each lane's partner depends on the lane alone, so it is worked out
+  # on one row and broadcast over the tile's rows: per element, each exchange is then two
+  # rotations, a select and a max (worked out per element, the masks cost as much again).
+  lane = jax.lax.broadcasted_iota(jnp.int32, (1, lanes), 1)
   for step in (1, 2, 4, 8, 16):
     # Both rotations, and which lane each position then reads (rolled with them): the partner
     # lane ^ step is one of the two, whichever direction the rotation runs.
     ahead, behind = pltpu.roll(a, step, 1), pltpu.roll(a, lanes - step, 1)
-    source = pltpu.roll(lane, step, 1)
-    partner = jnp.where(source == (lane ^ step), ahead, behind)
-    a = jnp.maximum(a, partner)
+    takes_ahead = pltpu.roll(lane, step, 1) == (lane ^ step)
+    a = jnp.maximum(a, jnp.where(takes_ahead, ahead, behind))
   return a
 
 
