@@ -26,7 +26,7 @@ from distillax.framework.vocab_chunks import AUTO
 from distillax.models import abstract_model, get_preset, param_count
 from distillax.models.config import COMPUTE, TransformerConfig, fields_of_kind
 from distillax.models.transformer import Transformer
-from distillax.quant import quantize_for_training
+from distillax.quant import lora_matmul, quantize_for_training
 from distillax.quant.int8_model import abstract_int8_model, int8_model
 from distillax.trainers import lm_objective
 from distillax.trainers.transforms import StudentTransforms
@@ -138,7 +138,8 @@ class Variant:
   # teacher_int8=True (its matmul weights int8 codes + scales, its matmuls int8: the
   # teacher.int8 of a distill job, quant/int8_model.py); lora=qlora (the student as
   # configs/qlora.py adapts it), lora_dropout=P (its adapters' dropout instead of the
-  # config's); on_policy's new_tokens, micro and kv_int8=True (its sampler's KV cache in int8;
+  # config's), lora_bwd=two (their frozen base's backward as two matmuls, as before
+  # quant/lora_matmul.BACKWARD_ONE_MATMUL); on_policy's new_tokens, micro and kv_int8=True (its sampler's KV cache in int8;
   # on_policy_lever.py); opt_state_dtype=bfloat16 (optimizer.state_dtype: Adam's moments in
   # bf16).
   options: tuple[tuple[str, str], ...] = ()
@@ -172,7 +173,7 @@ class Variant:
   def model_fields(self) -> dict[str, Any]:
     special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_moe_impl", "pair",
                "qat", "teacher_int8", "lora", "lora_dropout", "new_tokens", "micro",
-               "opt_state_dtype", "kv_int8", "ttt", "draft_vocab")
+               "opt_state_dtype", "kv_int8", "ttt", "draft_vocab", "lora_bwd")
     out = {"remat": self.remat}
     for k, v in self.options:
       if k not in special:
@@ -265,7 +266,12 @@ def lower(v: Variant, pair: dict, tiny: bool = False, device=None) -> Lowered:
   abstract_batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=backends.batch_sharding(
       mesh, rules, len(s.shape), s.shape)) for k, s in shapes.items()}
   abstract_state = backends.sharded_abstract_state(engine.layout)
-  lowered = engine.runner.call.lower(abstract_state, abstract_batch)
+  one_matmul = lora_matmul.BACKWARD_ONE_MATMUL
+  lora_matmul.BACKWARD_ONE_MATMUL = v.option("lora_bwd", "one") == "one"
+  try:
+    lowered = engine.runner.call.lower(abstract_state, abstract_batch)
+  finally:
+    lora_matmul.BACKWARD_ONE_MATMUL = one_matmul
   sampler = (on_policy_lever.lower_sampler(engine, v, student_cfg.vocab_size, abstract_state,
                                            abstract_batch)
              if v.kind == on_policy_lever.KIND else None)

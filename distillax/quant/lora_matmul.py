@@ -91,8 +91,9 @@ class AdaptedMatmul:
   def _extra(self):
     return {k: v for k, v in self.kwargs if k in ("precision", "preferred_element_type")}
 
-  def adapter_grads(self, x, lora_a, lora_b, keep_bits, h, g):
-    """(dx, dA, dB) of the adapter path for the output cotangent g.
+  def adapter_grads(self, x, lora_a, lora_b, keep_bits, h, g, g_h=None):
+    """(dx, dA, dB) of the adapter path for the output cotangent g (and g_h = g @ (s B)^T,
+    where the backward's one matmul computed it beside the base's dx).
 
     The rank-sized matmuls are written with the small operand first: a contraction over the
     tokens then transposes h or dh (rank-sized) rather than g or x, whose transposed copies,
@@ -102,7 +103,8 @@ class AdaptedMatmul:
     precision = {k: v for k, v in self.kwargs if k == "precision"}
     g = g.astype(h.dtype)
     g_b = self.scaling * jnp.einsum(b_spec, h, g, **precision)
-    g_h = jnp.einsum(h_spec, g, (self.scaling * lora_b).astype(h.dtype), **precision)
+    if g_h is None:
+      g_h = jnp.einsum(h_spec, g, (self.scaling * lora_b).astype(h.dtype), **precision)
     _, dropped_vjp = jax.vjp(lambda x_: self.dropped(x_, keep_bits), x)
     (g_x,) = dropped_vjp(jnp.einsum(x_spec, g_h, lora_a.astype(x.dtype), **precision))
     x_dropped = x
@@ -111,6 +113,27 @@ class AdaptedMatmul:
       x_dropped = self.dropped_again(x, keep_bits, zero)
     g_a = jnp.moveaxis(jnp.einsum(a_spec, g_h, x_dropped, **precision), 0, -1)
     return g_x, g_a.astype(lora_a.dtype), g_b.astype(lora_b.dtype)
+
+  def base_and_hidden_grads(self, x, w, lora_b, g):
+    """(the base's dx, g_h) from one matmul of g and [W ; s B]^T, the forward's one matmul
+    transposed: g is read once for both (as two matmuls, the rank-sized one reads all of g
+    again for a rank-wide output, an HBM-bound pass per site on a TPU)."""
+    free_x = tuple(x.shape[i] for i in self.x_perm[:x.ndim - self.n_contract])
+    contracted = tuple(x.shape[i] for i in self.x_perm[x.ndim - self.n_contract:])
+    free_w = tuple(w.shape[i] for i in self.w_perm[self.n_contract:])
+    w_flat = jnp.transpose(w, self.w_perm).reshape((-1,) + free_w)
+    lora_b = self.laid_out(lora_b, lambda s: (None,) + s[self.n_contract:])  # (rank, free)
+    scaled_b = (self.scaling * lora_b).astype(w.dtype).reshape((-1,) + free_w)
+    w_aug = jnp.concatenate([w_flat, scaled_b], axis=0)
+    operands, out = self.flat_spec.split("->")
+    x_aug_term, w_aug_term = operands.split(",")  # x_free + flat, flat + free
+    precision = {k: v for k, v in self.kwargs if k == "precision"}
+    g_aug = jnp.einsum(f"{out},{w_aug_term}->{x_aug_term}", g.astype(w.dtype), w_aug,
+                       **precision)
+    k = math.prod(contracted)
+    g_x = g_aug[..., :k].reshape(free_x + contracted)
+    g_x = jnp.transpose(g_x, tuple(self.x_perm.index(i) for i in range(x.ndim)))
+    return g_x.astype(x.dtype), g_aug[..., k:]
 
   @property
   def one_matmul(self) -> bool:
@@ -147,6 +170,12 @@ class AdaptedMatmul:
     return jnp.einsum(self.flat_spec, x_aug, w_aug, **dict(self.kwargs)), h
 
 
+# The frozen base's backward as one matmul of g and [W ; s B]^T (`base_and_hidden_grads`).
+# False: two (g @ W^T, then g @ (s B)^T), as before it; benchmarks/lib/lever_grid.py's
+# lora_bwd=two traces a step so, to hold the two against each other on a chip.
+BACKWARD_ONE_MATMUL = True
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def adapted_matmul(m: AdaptedMatmul, x, base_arrays, lora_a, lora_b, keep_bits):
   return m.forward(x, base_arrays, lora_a, lora_b, keep_bits)[0]
@@ -168,6 +197,13 @@ def _adapted_bwd(m, res, g):
   x, base_arrays, lora_a, lora_b, keep_bits, h, base_trains = res
   if isinstance(g, custom_derivatives.SymbolicZero):
     g = jnp.zeros(g.shape, g.dtype)
+  if base_trains is None and m.one_matmul and BACKWARD_ONE_MATMUL:
+    # The base is read again through an exact zero taken from the cotangent (`dropped_again`).
+    zero = 0.0 * g[(0,) * g.ndim].astype(jnp.float32)
+    w = m.weight(base_arrays, zero=zero)
+    g_x_base, g_h = m.base_and_hidden_grads(x, w, lora_b, g)
+    g_x_adapter, g_a, g_b = m.adapter_grads(x, lora_a, lora_b, keep_bits, h, g, g_h=g_h)
+    return g_x_base + g_x_adapter, jax.tree.map(lambda _: None, base_arrays), g_a, g_b, None
   g_x_adapter, g_a, g_b = m.adapter_grads(x, lora_a, lora_b, keep_bits, h, g)
   # The base is read again through an exact zero taken from dB (see `dropped_again`).
   zero = jnp.expand_dims(0.0 * g_b[0].astype(jnp.float32), m.w_perm[:m.n_contract])

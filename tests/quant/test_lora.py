@@ -17,6 +17,7 @@ from distillax.errors import ConfigError, UserError
 from distillax.quant import (LoRAParam, LoRAWeight, QuantConfig, apply_lora, load_adapters,
                              lora_dropout, merge_lora, quantize_post_training, save_adapters,
                              with_lora_dropout)
+from distillax.quant import lora_matmul
 from distillax.quant.keep_mask import keep_mask_bits, unpack_keep_mask
 from distillax.quant.weights import QuantizedValue
 from distillax.trainers import lm_objective
@@ -193,14 +194,17 @@ def _site_and_reference(wrapper, spec, key, trainable):
   return site, reference, params
 
 
-@pytest.mark.parametrize("site_name,base_qtype,dropout,trains_base", [
-    ("o", None, 0.25, False),  # two contracted dims (heads, head_dim)
-    ("down", "nf4", 0.25, False),  # QLoRA base, dequantized in both passes
-    ("q", None, 0.0, True),  # no dropout; the base trains too (trainable=nnx.Param)
-    ("lm_head", None, 0.25, False),  # the model's '...D,DV->...V': an ellipsis on x
+@pytest.mark.parametrize("site_name,base_qtype,dropout,trains_base,one_matmul_backward", [
+    ("o", None, 0.25, False, True),  # two contracted dims (heads, head_dim)
+    ("down", "nf4", 0.25, False, True),  # QLoRA base, dequantized in both passes
+    ("down", "nf4", 0.25, False, False),  # the backward's base and adapter matmuls apart
+    ("q", None, 0.0, True, True),  # no dropout; the base trains too (trainable=nnx.Param)
+    ("lm_head", None, 0.25, False, True),  # the model's '...D,DV->...V': an ellipsis on x
 ])
 def test_adapted_matmul_is_the_lora_formula_with_its_gradients(site_name, base_qtype, dropout,
-                                                                trains_base):
+                                                                trains_base, one_matmul_backward,
+                                                                monkeypatch):
+  monkeypatch.setattr(lora_matmul, "BACKWARD_ONE_MATMUL", one_matmul_backward)
   model = random_model(TINY1, seed=4, init=FAN_IN)
   lora = apply_lora(model, module_regex=r".*/(q|o|down)|lm_head", rank=4, alpha=8.0,
                     dropout=dropout,
