@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from distillax.main import main
+from tests.support.xla import env_for_a_child_that_sizes_its_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -114,8 +115,7 @@ def test_plan_sizes_llama_8b_on_64_simulated_devices():
   """Llama 3.1 8B at 16 x 32768 tokens under fsdp_tp on 8 x 8: it fits 95 GiB only because
   attention never holds (L, S) scores (blockwise on CPU) and the loss never holds (B, L, V)
   logits; with them the peak was 155 GiB per device."""
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env = env_for_a_child_that_sizes_its_devices(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   out = subprocess.run(
       [sys.executable, "-m", "distillax", "plan", "--config",
        f"{ROOT}/distillax/configs/llama3_8b.py", "--devices", "64", "--memory_gb", "95",
