@@ -138,10 +138,10 @@ class Variant:
   # teacher_int8=True (its matmul weights int8 codes + scales, its matmuls int8: the
   # teacher.int8 of a distill job, quant/int8_model.py); lora=qlora (the student as
   # configs/qlora.py adapts it), lora_dropout=P (its adapters' dropout instead of the
-  # config's), lora_bwd=two (their frozen base's backward as two matmuls, as before
-  # quant/lora_matmul.BACKWARD_ONE_MATMUL); on_policy's new_tokens, micro and kv_int8=True (its sampler's KV cache in int8;
-  # on_policy_lever.py); opt_state_dtype=bfloat16 (optimizer.state_dtype: Adam's moments in
-  # bf16).
+  # config's), lora_bwd=two (dx of their frozen base and of the adapter apart, not through
+  # W + s A B: quant/lora_matmul.BACKWARD_MERGED); on_policy's new_tokens, micro and
+  # kv_int8=True (its sampler's KV cache in int8; on_policy_lever.py);
+  # opt_state_dtype=bfloat16 (optimizer.state_dtype: Adam's moments in bf16).
   options: tuple[tuple[str, str], ...] = ()
 
   @classmethod
@@ -266,12 +266,12 @@ def lower(v: Variant, pair: dict, tiny: bool = False, device=None) -> Lowered:
   abstract_batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=backends.batch_sharding(
       mesh, rules, len(s.shape), s.shape)) for k, s in shapes.items()}
   abstract_state = backends.sharded_abstract_state(engine.layout)
-  one_matmul = lora_matmul.BACKWARD_ONE_MATMUL
-  lora_matmul.BACKWARD_ONE_MATMUL = v.option("lora_bwd", "one") == "one"
+  merged = lora_matmul.BACKWARD_MERGED
+  lora_matmul.BACKWARD_MERGED = v.option("lora_bwd", "one") == "one"
   try:
     lowered = engine.runner.call.lower(abstract_state, abstract_batch)
   finally:
-    lora_matmul.BACKWARD_ONE_MATMUL = one_matmul
+    lora_matmul.BACKWARD_MERGED = merged
   sampler = (on_policy_lever.lower_sampler(engine, v, student_cfg.vocab_size, abstract_state,
                                            abstract_batch)
              if v.kind == on_policy_lever.KIND else None)

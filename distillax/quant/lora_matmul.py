@@ -41,7 +41,9 @@ class AdaptedMatmul:
   The forward is one matmul of [x | scaling * h] and [W ; B] (h = dropout(x) @ A, rank-sized),
   so y comes out of a single dot: with two dots and an add, XLA fuses the add into y's
   consumers and keeps both output-sized addends alive until the backward. The backward
-  (`_adapted_bwd`) takes the three matmuls apart again and keeps between the passes only x
+  (`_adapted_bwd`) takes the three matmuls apart again (x's cotangent, without adapter
+  dropout, through one matmul with W + s A B: `merged_weight`) and keeps between the passes
+  only x
   (shared by every site that reads it; the frozen base needs nothing else), the base as
   stored (a QLoRA base is dequantized again, never kept in full precision), the adapters,
   the packed keep mask and h.
@@ -54,6 +56,7 @@ class AdaptedMatmul:
   h_spec: str  # dropout(x), A -> h
   delta_spec: str  # h, B -> y
   flat_spec: str  # [x | h] (contracted dims flattened), [W ; B] -> y
+  merge_spec: str  # A, B -> A B, laid out as W
   grad_specs: tuple[str, ...]  # (h, g -> dB), (g, B -> dh), (dh, A -> dx), (dh, x -> dA)
   n_contract: int  # contracted dims of W
   layout: tuple  # (one matmul?, W's PartitionSpec entries for it or None): `matmul_layout`
@@ -91,9 +94,9 @@ class AdaptedMatmul:
   def _extra(self):
     return {k: v for k, v in self.kwargs if k in ("precision", "preferred_element_type")}
 
-  def adapter_grads(self, x, lora_a, lora_b, keep_bits, h, g, g_h=None):
-    """(dx, dA, dB) of the adapter path for the output cotangent g (and g_h = g @ (s B)^T,
-    where the backward's one matmul computed it beside the base's dx).
+  def adapter_grads(self, x, lora_a, lora_b, keep_bits, h, g, dx=True):
+    """(dx, dA, dB) of the adapter path for the output cotangent g (dx None with dx=False:
+    `merged_weight` carried it).
 
     The rank-sized matmuls are written with the small operand first: a contraction over the
     tokens then transposes h or dh (rank-sized) rather than g or x, whose transposed copies,
@@ -103,10 +106,11 @@ class AdaptedMatmul:
     precision = {k: v for k, v in self.kwargs if k == "precision"}
     g = g.astype(h.dtype)
     g_b = self.scaling * jnp.einsum(b_spec, h, g, **precision)
-    if g_h is None:
-      g_h = jnp.einsum(h_spec, g, (self.scaling * lora_b).astype(h.dtype), **precision)
-    _, dropped_vjp = jax.vjp(lambda x_: self.dropped(x_, keep_bits), x)
-    (g_x,) = dropped_vjp(jnp.einsum(x_spec, g_h, lora_a.astype(x.dtype), **precision))
+    g_h = jnp.einsum(h_spec, g, (self.scaling * lora_b).astype(h.dtype), **precision)
+    g_x = None
+    if dx:
+      _, dropped_vjp = jax.vjp(lambda x_: self.dropped(x_, keep_bits), x)
+      (g_x,) = dropped_vjp(jnp.einsum(x_spec, g_h, lora_a.astype(x.dtype), **precision))
     x_dropped = x
     if keep_bits is not None:
       zero = jnp.expand_dims(0.0 * g_h[..., 0], self.x_perm[x.ndim - self.n_contract:])
@@ -114,26 +118,18 @@ class AdaptedMatmul:
     g_a = jnp.moveaxis(jnp.einsum(a_spec, g_h, x_dropped, **precision), 0, -1)
     return g_x, g_a.astype(lora_a.dtype), g_b.astype(lora_b.dtype)
 
-  def base_and_hidden_grads(self, x, w, lora_b, g):
-    """(the base's dx, g_h) from one matmul of g and [W ; s B]^T, the forward's one matmul
-    transposed: g is read once for both (as two matmuls, the rank-sized one reads all of g
-    again for a rank-wide output, an HBM-bound pass per site on a TPU)."""
-    free_x = tuple(x.shape[i] for i in self.x_perm[:x.ndim - self.n_contract])
-    contracted = tuple(x.shape[i] for i in self.x_perm[x.ndim - self.n_contract:])
-    free_w = tuple(w.shape[i] for i in self.w_perm[self.n_contract:])
-    w_flat = jnp.transpose(w, self.w_perm).reshape((-1,) + free_w)
-    lora_b = self.laid_out(lora_b, lambda s: (None,) + s[self.n_contract:])  # (rank, free)
-    scaled_b = (self.scaling * lora_b).astype(w.dtype).reshape((-1,) + free_w)
-    w_aug = jnp.concatenate([w_flat, scaled_b], axis=0)
-    operands, out = self.flat_spec.split("->")
-    x_aug_term, w_aug_term = operands.split(",")  # x_free + flat, flat + free
-    precision = {k: v for k, v in self.kwargs if k == "precision"}
-    g_aug = jnp.einsum(f"{out},{w_aug_term}->{x_aug_term}", g.astype(w.dtype), w_aug,
-                       **precision)
-    k = math.prod(contracted)
-    g_x = g_aug[..., :k].reshape(free_x + contracted)
-    g_x = jnp.transpose(g_x, tuple(self.x_perm.index(i) for i in range(x.ndim)))
-    return g_x.astype(x.dtype), g_aug[..., k:]
+  def merged_weight(self, w, lora_a, lora_b, zero):
+    """W + s A B in W's dtype and layout, for the backward's dx: one matmul of g and it
+    instead of g @ W^T plus (g @ (s B)^T) @ A^T, an HBM-bound pass over g for a rank-wide
+    output and another writing dx-sized addends. The merged sum is rounded to W's dtype once
+    (in float32 first): the adapter's part of dx then moves by at most half an ulp of W per
+    weight entry, the precision a matmul in W's dtype has anyway. The forward, and dA and dB,
+    keep the two paths apart. `zero` (an exact 0 known only in the backward, as for
+    `dropped_again`) keeps XLA from merging every layer's weight at once, before the backward
+    needs the first: a plain base does not depend on the cotangent otherwise."""
+    delta = jnp.einsum(self.merge_spec, lora_a.astype(jnp.float32) + zero,
+                       lora_b.astype(jnp.float32))
+    return (w.astype(jnp.float32) + self.scaling * delta).astype(w.dtype)
 
   @property
   def one_matmul(self) -> bool:
@@ -170,10 +166,11 @@ class AdaptedMatmul:
     return jnp.einsum(self.flat_spec, x_aug, w_aug, **dict(self.kwargs)), h
 
 
-# The frozen base's backward as one matmul of g and [W ; s B]^T (`base_and_hidden_grads`).
-# False: two (g @ W^T, then g @ (s B)^T), as before it; benchmarks/lib/lever_grid.py's
-# lora_bwd=two traces a step so, to hold the two against each other on a chip.
-BACKWARD_ONE_MATMUL = True
+# A frozen base's dx (no adapter dropout) as one matmul of g and W + s A B
+# (`AdaptedMatmul.merged_weight`). False: the base's and the adapter's dx apart, as before it;
+# benchmarks/lib/lever_grid.py's lora_bwd=two traces a step so, to hold the two against each
+# other on a chip.
+BACKWARD_MERGED = True
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -197,13 +194,14 @@ def _adapted_bwd(m, res, g):
   x, base_arrays, lora_a, lora_b, keep_bits, h, base_trains = res
   if isinstance(g, custom_derivatives.SymbolicZero):
     g = jnp.zeros(g.shape, g.dtype)
-  if base_trains is None and m.one_matmul and BACKWARD_ONE_MATMUL:
+  if base_trains is None and keep_bits is None and m.one_matmul and BACKWARD_MERGED:
     # The base is read again through an exact zero taken from the cotangent (`dropped_again`).
     zero = 0.0 * g[(0,) * g.ndim].astype(jnp.float32)
-    w = m.weight(base_arrays, zero=zero)
-    g_x_base, g_h = m.base_and_hidden_grads(x, w, lora_b, g)
-    g_x_adapter, g_a, g_b = m.adapter_grads(x, lora_a, lora_b, keep_bits, h, g, g_h=g_h)
-    return g_x_base + g_x_adapter, jax.tree.map(lambda _: None, base_arrays), g_a, g_b, None
+    w = m.merged_weight(m.weight(base_arrays, zero=zero), lora_a, lora_b, zero)
+    _, merged_vjp = jax.vjp(lambda x_: jnp.einsum(m.spec, x_, w, **dict(m.kwargs)), x)
+    (g_x,) = merged_vjp(g)
+    _, g_a, g_b = m.adapter_grads(x, lora_a, lora_b, None, h, g, dx=False)
+    return g_x, jax.tree.map(lambda _: None, base_arrays), g_a, g_b, None
   g_x_adapter, g_a, g_b = m.adapter_grads(x, lora_a, lora_b, keep_bits, h, g)
   # The base is read again through an exact zero taken from dB (see `dropped_again`).
   zero = jnp.expand_dims(0.0 * g_b[0].astype(jnp.float32), m.w_perm[:m.n_contract])
@@ -243,6 +241,7 @@ def for_einsum(x_term: str, w_term: str, out: str, contract: str, x_ndim: int,
       h_spec=f"{x_term},{contract}{rank}->{x_free}{rank}",
       delta_spec=f"{x_free}{rank},{rank}{free}->{out}",
       flat_spec=f"{x_free}{flat},{flat}{free}->{out}",
+      merge_spec=f"{contract}{rank},{rank}{free}->{w_term}",
       grad_specs=(f"{x_free}{rank},{out}->{rank}{free}", f"{out},{rank}{free}->{x_free}{rank}",
                   f"{x_free}{rank},{contract}{rank}->{x_term}",
                   f"{x_free}{rank},{x_term}->{rank}{contract}"),

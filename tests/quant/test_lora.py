@@ -194,17 +194,20 @@ def _site_and_reference(wrapper, spec, key, trainable):
   return site, reference, params
 
 
-@pytest.mark.parametrize("site_name,base_qtype,dropout,trains_base,one_matmul_backward", [
+@pytest.mark.parametrize("site_name,base_qtype,dropout,trains_base,merged_backward", [
     ("o", None, 0.25, False, True),  # two contracted dims (heads, head_dim)
+    ("o", None, 0.0, False, True),  # the same, dx through W + s A B (no dropout)
     ("down", "nf4", 0.25, False, True),  # QLoRA base, dequantized in both passes
-    ("down", "nf4", 0.25, False, False),  # the backward's base and adapter matmuls apart
+    ("down", "nf4", 0.0, False, True),  # dx through the dequantized W + s A B
+    ("down", "nf4", 0.0, False, False),  # dx through the base and the adapter apart
     ("q", None, 0.0, True, True),  # no dropout; the base trains too (trainable=nnx.Param)
     ("lm_head", None, 0.25, False, True),  # the model's '...D,DV->...V': an ellipsis on x
+    ("lm_head", None, 0.0, False, True),
 ])
 def test_adapted_matmul_is_the_lora_formula_with_its_gradients(site_name, base_qtype, dropout,
-                                                                trains_base, one_matmul_backward,
+                                                                trains_base, merged_backward,
                                                                 monkeypatch):
-  monkeypatch.setattr(lora_matmul, "BACKWARD_ONE_MATMUL", one_matmul_backward)
+  monkeypatch.setattr(lora_matmul, "BACKWARD_MERGED", merged_backward)
   model = random_model(TINY1, seed=4, init=FAN_IN)
   lora = apply_lora(model, module_regex=r".*/(q|o|down)|lm_head", rank=4, alpha=8.0,
                     dropout=dropout,
