@@ -74,24 +74,60 @@ def _block_max(a):
 
 def _kernel(x_ref, o_ref):
   x = x_ref[...].astype(jnp.float32)
-  amax = _block_max(jnp.abs(x))
+  o_ref[...] = _rounded(x, _block_max(jnp.abs(x))).astype(o_ref.dtype)
+
+
+def _rounded(x, amax):
+  """x rounded on the grid of its block's largest magnitude amax (broadcast against x)."""
   zero = amax == 0.0
   multiplier = jnp.where(zero, 0.0, 127.0 / jnp.where(zero, 1.0, amax))
-  codes = jnp.round(x * multiplier)  # to nearest even (Mosaic's roundeven)
   scale = _f16_rounded_nonnegative(amax / 127.0)
-  o_ref[...] = (scale * codes).astype(o_ref.dtype)
+  return scale * jnp.round(x * multiplier)  # to nearest even (Mosaic's roundeven)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tile_rows"))
+def _transposed_kernel(x_ref, o_ref):
+  """The tile a lane chunk at a time, turned so that K runs down the sublanes: a block of 32
+  is then 4 whole vectors, its largest magnitude an elementwise max and a max down the
+  sublanes (no lane rotations), and the block's multiplier and float16 scale (two divisions
+  and the float16 rounding, most of the arithmetic) are worked out once per block rather than
+  once per element. The same operations on the same values as `_kernel`: the same bits."""
+  for chunk in range(x_ref.shape[1] // LANES):
+    lanes = slice(chunk * LANES, (chunk + 1) * LANES)
+    x_t = x_ref[:, lanes].astype(jnp.float32).T  # (128 of K, rows)
+    blocks = []
+    for b in range(LANES // BLOCK):
+      x_b = x_t[b * BLOCK:(b + 1) * BLOCK]
+      blocks.append(_rounded(x_b, jnp.max(jnp.abs(x_b), axis=0, keepdims=True)))
+    o_ref[:, lanes] = jnp.concatenate(blocks, axis=0).T.astype(o_ref.dtype)
+
+
+# Which kernel fake_quantize_rows runs: 'lanes' (`_kernel`, blocks along the lanes) or
+# 'transposed' (`_transposed_kernel`). benchmarks/lib/lever_grid.py's q8_0_kernel=NAME
+# traces a step with either, to hold the two against each other on a chip.
+KERNEL = "lanes"
+
+
 def fake_quantize_rows(x: jax.Array, interpret: bool = False,
-                       tile_rows: int | None = None) -> jax.Array:
+                       tile_rows: int | None = None, kernel: str | None = None) -> jax.Array:
   """x (..., K) rounded to q8_0 blocks of 32 along K, in x's dtype (`applies` holds); rows
-  `tile_rows` at a time (default: TILE_ELEMENTS worth, a multiple of bf16's 16 sublanes)."""
+  `tile_rows` at a time (default: TILE_ELEMENTS worth, a multiple of bf16's 16 sublanes; the
+  transposed kernel turns whole lane chunks of them: a multiple of 128 rows). `kernel`:
+  KERNEL's when None, read when the caller is traced."""
+  return _fake_quantize_rows(x, interpret, tile_rows, kernel or KERNEL)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _fake_quantize_rows(x, interpret, tile_rows, kernel):
   rows_by_k = x.reshape(-1, x.shape[-1])
   n, k = rows_by_k.shape
-  tile = min(n, tile_rows or max(16, TILE_ELEMENTS // k // 16 * 16))
+  if n < LANES:  # fewer rows than one turned chunk
+    kernel = "lanes"
+  multiple = LANES if kernel == "transposed" else 16
+  tile = tile_rows or max(multiple, TILE_ELEMENTS // k // multiple * multiple)
+  tile = min(tile, n) if kernel == "lanes" else tile
+  body = {"lanes": _kernel, "transposed": _transposed_kernel}[kernel]
   out = pl.pallas_call(
-      _kernel, grid=(pl.cdiv(n, tile),),
+      body, grid=(pl.cdiv(n, tile),),
       in_specs=[pl.BlockSpec((tile, k), lambda i: (i, 0))],
       out_specs=pl.BlockSpec((tile, k), lambda i: (i, 0)),
       out_shape=jax.ShapeDtypeStruct((n, k), x.dtype), interpret=interpret)(rows_by_k)

@@ -27,12 +27,17 @@ def _activations(rows: int, k: int, seed: int) -> np.ndarray:
   return x
 
 
-@pytest.mark.parametrize("k,dtype,tile_rows", [(128, jnp.float32, 16), (384, jnp.bfloat16, None),
-                                               (1024, jnp.bfloat16, None)])
-def test_the_kernel_rounds_the_bits_the_blocks_do(k, dtype, tile_rows):
-  rows = chip.pick(40, 2048)  # tiles of 16 rows: the last one ragged; the chip: real sizes
+@pytest.mark.parametrize("k,dtype,tile_rows,kernel", [
+    (128, jnp.float32, 16, "lanes"), (384, jnp.bfloat16, None, "lanes"),
+    (1024, jnp.bfloat16, None, "lanes"),
+    (128, jnp.float32, None, "transposed"), (384, jnp.bfloat16, None, "transposed"),
+    (1024, jnp.bfloat16, None, "transposed")])
+def test_the_kernel_rounds_the_bits_the_blocks_do(k, dtype, tile_rows, kernel):
+  # Tiles of 16 rows (lanes) or 128 (transposed): the last one ragged; the chip: real sizes.
+  rows = chip.pick(40 if kernel == "lanes" else 328, 2048)
   x = jnp.asarray(_activations(rows, k, seed=k), dtype).reshape(2, rows // 2, k)
-  got = q8_0_kernel.fake_quantize_rows(x, interpret=chip.interpret(), tile_rows=tile_rows)
+  got = q8_0_kernel.fake_quantize_rows(x, interpret=chip.interpret(), tile_rows=tile_rows,
+                                       kernel=kernel)
   want = jax.jit(lambda x: ggml.activation_in_blocks(x, [2]))(x)
   assert got.dtype == want.dtype and got.shape == want.shape
   got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
