@@ -156,23 +156,22 @@ ROWS = (
     # The sliced loss, as train.loss_impl='auto' runs it for an adapted student. Deviceless v5e
     # compiles: save_attention at 24 rows 14.86 GiB, at 32 17.10 (does not fit);
     # save_dots_no_batch at 8, 13.03; save_attention_qkv at 16, 15.96 (does not fit).
-    # save_dots_no_batch at 6 rows 9.96 GiB, at 12 17.89 (does not fit); save_dots at 8 and 4,
-    # 13.03 and 7.19 GiB; the chunk engine's loss at 8, 13.03.
-    Row("qlora", "real", (f"train:save_dots_no_batch:8:lora=qlora{S}",
+    # Deviceless v5e compiles: save_dots at 4 rows 7.19 GiB, at 8 13.03; save_dots_no_batch at 6
+    # 9.96, at 8 13.24, at 12 17.89 (does not fit). On the chip (call 29) save_dots at 4 ran
+    # fastest, and the chunk engine's loss was slower than the sliced one's.
+    Row("qlora", "real", (f"train:save_dots:4:lora=qlora{S}",
                           f"train:save_dots_no_batch:6:lora=qlora{S}",
-                          "train:save_dots_no_batch:8:lora=qlora",
-                          f"train:save_dots:4:lora=qlora{S}",
-                          f"train:save_attention:16:lora=qlora{S}",
+                          f"train:save_dots_no_batch:8:lora=qlora{S}",
                           f"train:save_attention:8:lora=qlora{S}", f"train:full:8:lora=qlora{S}",
-                          f"train:full:32:lora=qlora{S}", f"train:save_attention:24:lora=qlora{S}"),
+                          f"train:save_attention:16:lora=qlora{S}"),
         "QLoRA next-token training as configs/qlora.py runs it (frozen nf4 base in tiles of 32, "
         "rank-8 adapters on the attention and MLP matmuls, no adapter dropout as PEFT and "
         "torchtune ship it); MFU counts the full 6N model FLOPs, though the frozen base computes "
         "no weight gradients"),
-    # save_attention at 16 rows: 12.77 GiB (deviceless); save_dots_no_batch at 8, 15.03.
-    Row("lora", "real", (f"train:save_attention:8:lora=lora{S}", "train:save_attention:8:lora=lora",
-                         f"train:full:8:lora=lora{S}",
-                         f"train:save_dots_no_batch:8:lora=lora{S}",
+    # save_attention at 16 rows: 12.77 GiB (deviceless); save_dots_no_batch at 8, 15.03; on the chip
+    # save_dots at 4 (9.86 GiB compiled there) ran fastest (call 30).
+    Row("lora", "real", (f"train:save_dots:4:lora=lora{S}", f"train:save_attention:8:lora=lora{S}",
+                         f"train:full:8:lora=lora{S}", f"train:save_dots_no_batch:8:lora=lora{S}",
                          f"train:save_attention:16:lora=lora{S}", f"train:full:16:lora=lora{S}"),
         "LoRA next-token training as configs/lora.py runs it (a frozen bf16-computed fp32 base, "
         "rank-8 adapters on the attention and MLP matmuls, no adapter dropout): QLoRA's peer "

@@ -4,14 +4,23 @@
 rounds each block: (..., K) -> (..., K/32, 32). A TPU lays the minor axis over 128 lanes, so
 that reshape is a relayout copy, and every elementwise step after it runs on a quarter-full
 vector: the call-4 profile of q4_0 QAT KD on a v5e spends 135 of its 758 ms there, for
-arrays the chip reads and writes in a few milliseconds. Here each tile of rows stays (rows, K)
-in vector registers: a block's largest magnitude reaches its 32 lanes by five exchanges with
-the lane 1, 2, 4, 8 and 16 away (a butterfly: after them every lane holds the maximum of its
-aligned group of 32), then every lane rounds itself. The arithmetic is `ggml`'s, operation for
-operation: 127 / amax as the multiplier (0 for an all-zero block), round to nearest even, the
-scale amax / 127 rounded to float16 in integer arithmetic, their product in the input's dtype.
-So the values are the same bits (tests/quant/test_q8_0_kernel.py: in interpret mode on a CPU,
-and the Mosaic kernel on the chip against the XLA path).
+arrays the chip reads and writes in a few milliseconds. Here each tile of rows is read as it
+lies, (rows, K), in one of two forms (`KERNEL`):
+
+- 'transposed' (the default): each chunk of 128 lanes is turned so that K runs down the
+  sublanes. A block of 32 is then 4 whole vectors: its largest magnitude is an elementwise max
+  and a max down the sublanes, and the block's multiplier and scale are worked out once per
+  block instead of once per element.
+- 'lanes': a block's largest magnitude reaches its 32 lanes by five exchanges with the lane
+  1, 2, 4, 8 and 16 away (a butterfly: after them every lane holds the maximum of its aligned
+  group of 32), then every lane rounds itself. On the chip this was ~39 ms per pass of the
+  q4_0 QAT KD step at 4 x 2048 (call 28).
+
+The arithmetic is `ggml`'s, operation for operation: 127 / amax as the multiplier (0 for an
+all-zero block), round to nearest even, the scale amax / 127 rounded to float16 in integer
+arithmetic, their product in the input's dtype. So the values are the same bits
+(tests/quant/test_q8_0_kernel.py: both forms in interpret mode on a CPU, and as Mosaic kernels
+on the chip against the XLA path).
 
 Used for a minor-axis contraction of a multiple of 128 inputs, lowered for a TPU, where no
 partitioning rules are active or their mesh is one device (a kernel the compiler cannot
@@ -101,10 +110,10 @@ def _transposed_kernel(x_ref, o_ref):
     o_ref[:, lanes] = jnp.concatenate(blocks, axis=0).T.astype(o_ref.dtype)
 
 
-# Which kernel fake_quantize_rows runs: 'lanes' (`_kernel`, blocks along the lanes) or
-# 'transposed' (`_transposed_kernel`). benchmarks/lib/lever_grid.py's q8_0_kernel=NAME
+# Which kernel fake_quantize_rows runs: 'transposed' (`_transposed_kernel`) or 'lanes'
+# (`_kernel`, blocks along the lanes). benchmarks/lib/lever_grid.py's q8_0_kernel=NAME
 # traces a step with either, to hold the two against each other on a chip.
-KERNEL = "lanes"
+KERNEL = "transposed"
 
 
 def fake_quantize_rows(x: jax.Array, interpret: bool = False,
