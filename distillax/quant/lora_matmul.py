@@ -118,6 +118,18 @@ class AdaptedMatmul:
     g_a = jnp.moveaxis(jnp.einsum(a_spec, g_h, x_dropped, **precision), 0, -1)
     return g_x, g_a.astype(lora_a.dtype), g_b.astype(lora_b.dtype)
 
+  def merge_pays(self, x, lora_b) -> bool:
+    """Whether the merged weight costs less than the adapter's dx path it replaces: merging is
+    rank x W's size of work, the path rank x the tokens x W's inputs, so it pays where a
+    device holds at least as many tokens as W has outputs (on one v5e at 8 x 2048, QLoRA's
+    step 790 -> 745 ms; at benchmarks/qat.py's 256 tokens per device against 512 outputs on
+    CPU, the LoRA step went from 0.86x to 0.94x of full fine-tuning's)."""
+    tokens = math.prod(x.shape[i] for i in self.x_perm[:x.ndim - self.n_contract])
+    active = pt.active_rules()
+    if active is not None and isinstance(active.mesh, jax.sharding.Mesh):
+      tokens //= active.mesh.size  # at most this many per device, whatever the layout
+    return tokens >= math.prod(lora_b.shape[1:])
+
   def merged_weight(self, w, lora_a, lora_b, zero):
     """W + s A B in W's dtype and layout, for the backward's dx: one matmul of g and it
     instead of g @ W^T plus (g @ (s B)^T) @ A^T, an HBM-bound pass over g for a rank-wide
@@ -173,6 +185,33 @@ class AdaptedMatmul:
 BACKWARD_MERGED = True
 
 
+# On a CPU the merged weight did not pay at benchmarks/qat.py's sizes (LoRA's step 0.82-0.85x
+# of full fine-tuning's with the paths apart, 0.89-0.92x merged): a CPU keeps them apart unless
+# this says otherwise (the tests, to check the merged form's numbers on a CPU).
+MERGED_ON_CPU = False
+
+
+def _merged_grads(m, x, base_arrays, lora_a, lora_b, h, g):
+  """(dx, dA, dB) of a frozen base without adapter dropout, dx through W + s A B."""
+  # The base is read again through an exact zero taken from the cotangent (`dropped_again`).
+  zero = 0.0 * g[(0,) * g.ndim].astype(jnp.float32)
+  w = m.merged_weight(m.weight(base_arrays, zero=zero), lora_a, lora_b, zero)
+  _, merged_vjp = jax.vjp(lambda x_: jnp.einsum(m.spec, x_, w, **dict(m.kwargs)), x)
+  (g_x,) = merged_vjp(g)
+  _, g_a, g_b = m.adapter_grads(x, lora_a, lora_b, None, h, g, dx=False)
+  return g_x, g_a, g_b
+
+
+def _apart_grads(m, x, base_arrays, lora_a, lora_b, h, g):
+  """The same, the base's dx and the adapter's apart."""
+  g_x_adapter, g_a, g_b = m.adapter_grads(x, lora_a, lora_b, None, h, g)
+  zero = jnp.expand_dims(0.0 * g_b[0].astype(jnp.float32), m.w_perm[:m.n_contract])
+  w = m.weight(base_arrays, zero=zero)
+  _, base_vjp = jax.vjp(lambda x_: jnp.einsum(m.spec, x_, w, **dict(m.kwargs)), x)
+  (g_x_base,) = base_vjp(g)
+  return g_x_base + g_x_adapter, g_a, g_b
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def adapted_matmul(m: AdaptedMatmul, x, base_arrays, lora_a, lora_b, keep_bits):
   return m.forward(x, base_arrays, lora_a, lora_b, keep_bits)[0]
@@ -194,13 +233,13 @@ def _adapted_bwd(m, res, g):
   x, base_arrays, lora_a, lora_b, keep_bits, h, base_trains = res
   if isinstance(g, custom_derivatives.SymbolicZero):
     g = jnp.zeros(g.shape, g.dtype)
-  if base_trains is None and keep_bits is None and m.one_matmul and BACKWARD_MERGED:
-    # The base is read again through an exact zero taken from the cotangent (`dropped_again`).
-    zero = 0.0 * g[(0,) * g.ndim].astype(jnp.float32)
-    w = m.merged_weight(m.weight(base_arrays, zero=zero), lora_a, lora_b, zero)
-    _, merged_vjp = jax.vjp(lambda x_: jnp.einsum(m.spec, x_, w, **dict(m.kwargs)), x)
-    (g_x,) = merged_vjp(g)
-    _, g_a, g_b = m.adapter_grads(x, lora_a, lora_b, None, h, g, dx=False)
+  if (base_trains is None and keep_bits is None and m.one_matmul and BACKWARD_MERGED
+      and m.merge_pays(x, lora_b)):
+    merged = functools.partial(_merged_grads, m)
+    if not MERGED_ON_CPU:  # a CPU keeps the paths apart (see MERGED_ON_CPU)
+      merged = functools.partial(jax.lax.platform_dependent, default=merged,
+                                 cpu=functools.partial(_apart_grads, m))
+    g_x, g_a, g_b = merged(x, base_arrays, lora_a, lora_b, h, g)
     return g_x, jax.tree.map(lambda _: None, base_arrays), g_a, g_b, None
   g_x_adapter, g_a, g_b = m.adapter_grads(x, lora_a, lora_b, keep_bits, h, g)
   # The base is read again through an exact zero taken from dB (see `dropped_again`).

@@ -194,20 +194,25 @@ def _site_and_reference(wrapper, spec, key, trainable):
   return site, reference, params
 
 
-@pytest.mark.parametrize("site_name,base_qtype,dropout,trains_base,merged_backward", [
-    ("o", None, 0.25, False, True),  # two contracted dims (heads, head_dim)
-    ("o", None, 0.0, False, True),  # the same, dx through W + s A B (no dropout)
-    ("down", "nf4", 0.25, False, True),  # QLoRA base, dequantized in both passes
-    ("down", "nf4", 0.0, False, True),  # dx through the dequantized W + s A B
-    ("down", "nf4", 0.0, False, False),  # dx through the base and the adapter apart
-    ("q", None, 0.0, True, True),  # no dropout; the base trains too (trainable=nnx.Param)
-    ("lm_head", None, 0.25, False, True),  # the model's '...D,DV->...V': an ellipsis on x
-    ("lm_head", None, 0.0, False, True),
+@pytest.mark.parametrize("site_name,base_qtype,dropout,trains_base,backward", [
+    ("o", None, 0.25, False, "merged"),  # two contracted dims (heads, head_dim)
+    ("o", None, 0.0, False, "merged"),  # the same, dx through W + s A B (no dropout)
+    ("down", "nf4", 0.25, False, "merged"),  # QLoRA base, dequantized in both passes
+    ("down", "nf4", 0.0, False, "merged"),  # dx through the dequantized W + s A B
+    ("down", "nf4", 0.0, False, "apart"),  # dx through the base and the adapter apart
+    ("down", "nf4", 0.0, False, "by_platform"),  # the merged form on a TPU: apart here
+    ("q", None, 0.0, True, "merged"),  # no dropout; the base trains too (trainable=nnx.Param)
+    ("lm_head", None, 0.25, False, "merged"),  # the model's '...D,DV->...V': an ellipsis on x
+    ("lm_head", None, 0.0, False, "merged"),
 ])
 def test_adapted_matmul_is_the_lora_formula_with_its_gradients(site_name, base_qtype, dropout,
-                                                                trains_base, merged_backward,
+                                                                trains_base, backward,
                                                                 monkeypatch):
-  monkeypatch.setattr(lora_matmul, "BACKWARD_MERGED", merged_backward)
+  monkeypatch.setattr(lora_matmul, "BACKWARD_MERGED", backward != "apart")
+  # These few tokens would not pay for merging (merge_pays), nor would a CPU (MERGED_ON_CPU):
+  # the merged form is taken anyway ("merged"), or chosen by the platform ("by_platform").
+  monkeypatch.setattr(lora_matmul.AdaptedMatmul, "merge_pays", lambda self, x, b: True)
+  monkeypatch.setattr(lora_matmul, "MERGED_ON_CPU", backward == "merged")
   model = random_model(TINY1, seed=4, init=FAN_IN)
   lora = apply_lora(model, module_regex=r".*/(q|o|down)|lm_head", rank=4, alpha=8.0,
                     dropout=dropout,
@@ -233,6 +238,19 @@ def test_adapted_matmul_is_the_lora_formula_with_its_gradients(site_name, base_q
   for k in flat:
     assert np.abs(flat_ref[k]).max() > 0, k
     np.testing.assert_allclose(flat[k], flat_ref[k], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def test_the_merged_weight_is_taken_where_a_device_holds_as_many_tokens_as_outputs():
+  """W + s A B costs rank x W's size, the adapter's dx path rank x tokens x W's inputs."""
+  m = lora_matmul.for_einsum("BLD", "DF", "BLF", "D", 3, base=None, layout=(True, None),
+                             scaling=2.0, keep=1.0, kwargs=())
+  lora_b = jnp.zeros((8, 96))
+  assert m.merge_pays(jnp.zeros((2, 48, 32)), lora_b)  # 96 tokens, 96 outputs
+  assert not m.merge_pays(jnp.zeros((2, 47, 32)), lora_b)
+  mesh = pt.create_mesh({"data": 4, "model": 2})
+  with pt.use_rules(mesh, pt.rules_from_config({"strategy": "fsdp"})):
+    assert not m.merge_pays(jnp.zeros((2, 48, 32)), lora_b)  # 12 tokens a device at most
+    assert m.merge_pays(jnp.zeros((8, 96, 32)), lora_b)
 
 
 def test_row_parallel_sites_keep_two_matmuls_under_tensor_parallelism():
