@@ -153,12 +153,11 @@ ROWS = (
         "the on-policy step with bf16 weights and Adam state: the lever that frees for the "
         "sampler's KV cache and the update's micro-batch what fp32 master weights and their "
         "Adam state take"),
-    # The sliced loss, as train.loss_impl='auto' runs it for an adapted student. Deviceless v5e
-    # compiles: save_attention at 24 rows 14.86 GiB, at 32 17.10 (does not fit);
-    # save_dots_no_batch at 8, 13.03; save_attention_qkv at 16, 15.96 (does not fit).
-    # Deviceless v5e compiles: save_dots at 4 rows 7.19 GiB, at 8 13.03; save_dots_no_batch at 6
-    # 9.96, at 8 13.24, at 12 17.89 (does not fit). On the chip (call 29) save_dots at 4 ran
-    # fastest, and the chunk engine's loss was slower than the sliced one's.
+    # The sliced loss, as train.loss_impl='auto' runs it for an adapted student (on the chip the
+    # chunk engine's loss was slower: call 29). Deviceless v5e compiles: save_dots at 4 rows
+    # 7.19 GiB, at 8 13.03; save_dots_no_batch at 6 9.96, at 8 13.24, at 12 17.89 (does not
+    # fit); save_attention at 24 14.86, at 32 17.10 (does not fit); save_attention_qkv at 16
+    # 15.96 (does not fit). save_dots at 4 ran fastest on the chip (calls 29, 30).
     Row("qlora", "real", (f"train:save_dots:4:lora=qlora{S}",
                           f"train:save_dots_no_batch:6:lora=qlora{S}",
                           f"train:save_dots_no_batch:8:lora=qlora{S}",

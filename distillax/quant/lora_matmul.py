@@ -121,9 +121,8 @@ class AdaptedMatmul:
   def merge_pays(self, x, lora_b) -> bool:
     """Whether the merged weight costs less than the adapter's dx path it replaces: merging is
     rank x W's size of work, the path rank x the tokens x W's inputs, so it pays where a
-    device holds at least as many tokens as W has outputs (on one v5e at 8 x 2048, QLoRA's
-    step 790 -> 745 ms; at benchmarks/qat.py's 256 tokens per device against 512 outputs on
-    CPU, the LoRA step went from 0.86x to 0.94x of full fine-tuning's)."""
+    device holds at least as many tokens as W has outputs (as on one v5e at 4-8 x 2048, where
+    QLoRA's step went from 790 to 745 ms at 8 rows)."""
     tokens = math.prod(x.shape[i] for i in self.x_perm[:x.ndim - self.n_contract])
     active = pt.active_rules()
     if active is not None and isinstance(active.mesh, jax.sharding.Mesh):
@@ -202,9 +201,11 @@ def _merged_grads(m, x, base_arrays, lora_a, lora_b, h, g):
   return g_x, g_a, g_b
 
 
-def _apart_grads(m, x, base_arrays, lora_a, lora_b, h, g):
-  """The same, the base's dx and the adapter's apart."""
-  g_x_adapter, g_a, g_b = m.adapter_grads(x, lora_a, lora_b, None, h, g)
+def _apart_grads(m, keep_bits, x, base_arrays, lora_a, lora_b, h, g):
+  """(dx, dA, dB) of a frozen base, the base's dx (as autodiff computes it) and the adapter's
+  apart."""
+  g_x_adapter, g_a, g_b = m.adapter_grads(x, lora_a, lora_b, keep_bits, h, g)
+  # The base is read again through an exact zero taken from dB (see `dropped_again`).
   zero = jnp.expand_dims(0.0 * g_b[0].astype(jnp.float32), m.w_perm[:m.n_contract])
   w = m.weight(base_arrays, zero=zero)
   _, base_vjp = jax.vjp(lambda x_: jnp.einsum(m.spec, x_, w, **dict(m.kwargs)), x)
@@ -233,27 +234,21 @@ def _adapted_bwd(m, res, g):
   x, base_arrays, lora_a, lora_b, keep_bits, h, base_trains = res
   if isinstance(g, custom_derivatives.SymbolicZero):
     g = jnp.zeros(g.shape, g.dtype)
-  if (base_trains is None and keep_bits is None and m.one_matmul and BACKWARD_MERGED
-      and m.merge_pays(x, lora_b)):
-    merged = functools.partial(_merged_grads, m)
-    if not MERGED_ON_CPU:  # a CPU keeps the paths apart (see MERGED_ON_CPU)
-      merged = functools.partial(jax.lax.platform_dependent, default=merged,
-                                 cpu=functools.partial(_apart_grads, m))
-    g_x, g_a, g_b = merged(x, base_arrays, lora_a, lora_b, h, g)
+  if base_trains is None:  # the frozen base: no gradient, nothing weight-sized computed
+    grads = functools.partial(_apart_grads, m, keep_bits)
+    if keep_bits is None and m.one_matmul and BACKWARD_MERGED and m.merge_pays(x, lora_b):
+      merged = functools.partial(_merged_grads, m)
+      # A CPU keeps the paths apart (see MERGED_ON_CPU); the platform lowered for decides.
+      grads = merged if MERGED_ON_CPU else functools.partial(
+          jax.lax.platform_dependent, default=merged, cpu=grads)
+    g_x, g_a, g_b = grads(x, base_arrays, lora_a, lora_b, h, g)
     return g_x, jax.tree.map(lambda _: None, base_arrays), g_a, g_b, None
+  # Only a plain base (one array) trains.
   g_x_adapter, g_a, g_b = m.adapter_grads(x, lora_a, lora_b, keep_bits, h, g)
-  # The base is read again through an exact zero taken from dB (see `dropped_again`).
-  zero = jnp.expand_dims(0.0 * g_b[0].astype(jnp.float32), m.w_perm[:m.n_contract])
-  w = m.weight(base_arrays, zero=zero)
-  if base_trains is None:
-    _, base_vjp = jax.vjp(lambda x_: jnp.einsum(m.spec, x_, w, **dict(m.kwargs)), x)
-    (g_x_base,) = base_vjp(g)
-    g_base = jax.tree.map(lambda _: None, base_arrays)
-  else:  # only a plain base (one array) can train
-    _, base_vjp = jax.vjp(lambda x_, w_: jnp.einsum(m.spec, x_, w_, **dict(m.kwargs)), x, w)
-    g_x_base, g_w = base_vjp(g)
-    g_base = (g_w.astype(base_arrays[0].dtype),)
-  return g_x_base + g_x_adapter, g_base, g_a, g_b, None
+  w = m.weight(base_arrays)
+  _, base_vjp = jax.vjp(lambda x_, w_: jnp.einsum(m.spec, x_, w_, **dict(m.kwargs)), x, w)
+  g_x_base, g_w = base_vjp(g)
+  return g_x_base + g_x_adapter, (g_w.astype(base_arrays[0].dtype),), g_a, g_b, None
 
 
 adapted_matmul.defvjp(_adapted_fwd, _adapted_bwd, symbolic_zeros=True)
