@@ -40,6 +40,7 @@ import datetime
 import json
 import logging
 import math
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -142,6 +143,7 @@ class Checkpointer:
       for step in self.all_steps():
         self._load_metric(step)
     self._closed = False
+    self._writing: tuple[int, float] | None = None  # (step, when its save started)
 
   # ---- queries ------------------------------------------------------------------------------
 
@@ -205,6 +207,7 @@ class Checkpointer:
     saved = self._manager.save(step, args=args, force=True)
     if saved:
       _info_once("checkpoint: saving step %d to %s", step, self.directory)
+      self._writing = (step, time.monotonic())
     return bool(saved)
 
   def copy_to_host_early(self, state: TrainState) -> int:
@@ -239,12 +242,23 @@ class Checkpointer:
     """Blocks until every started save is committed (and raises if one failed)."""
     self._manager.wait_until_finished()
     self._manager.check_for_errors()
+    self._log_written()
 
   def close(self) -> None:
     if not self._closed:
       self._manager.wait_until_finished()
+      self._log_written()
       self._manager.close()
       self._closed = True
+
+  def _log_written(self) -> None:
+    """How long the last save took to commit: at a run's end the user waits for it (on the lent
+    v5e the copies off the chip are most of it)."""
+    if self._writing is not None:
+      step, started = self._writing
+      self._writing = None
+      _info_once("checkpoint: step %d committed %.1f s after its save started", step,
+                 time.monotonic() - started)
 
   def __enter__(self) -> "Checkpointer":
     return self
