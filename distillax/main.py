@@ -27,6 +27,7 @@ from distillax.cli.error_lines import fail, parse_error_line
 from distillax.cli.flags import (COMMAND_FLAGS, COMMANDS, CONFIG_OPTIONAL, FLAGS, PATH_FLAGS,
                                  USAGE, flag_value)
 from distillax.cli.interrupted import interrupted
+from distillax.cli.ipython_probe import import_flax_without_ipython_probe
 from distillax.cli.help_text import command_help, overview_help, version_line
 from distillax.cli.model_preset import split_model_preset, with_model_preset
 from distillax.cli.run_base import RUN_FLAG, has_overrides, run_config_base
@@ -75,6 +76,7 @@ def _main(argv: list[str]) -> int:
   if opens_devices_early(command, rest):  # after the platforms too: the backends read them
     from distillax.framework.run import runtime
     runtime.open_devices_early()
+  import_flax_without_ipython_probe()  # while the devices open
 
   from distillax.errors import UserError
   from distillax.framework.run import logs

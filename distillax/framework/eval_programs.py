@@ -80,18 +80,12 @@ def sums_program(engine) -> EvalProgram:
   return program(engine, "sums", make_eval_step(engine.layout.defs, engine.objective))
 
 
-def compile_ahead(engine, batches: Callable[[], Iterable[Mapping[str, np.ndarray]]],
-                  after: Callable[[], Any] | None = None) -> None:
+def compile_ahead(engine, batches: Callable[[], Iterable[Mapping[str, np.ndarray]]]) -> None:
   """Compiles `engine`'s eval programs in the background for the first batch of `batches()`
-  (host numpy batches, as `evaluate` takes them): see the module's doc. Returns at once.
-  `after`: called first, in the background (what the compile should wait for)."""
+  (host numpy batches, as `evaluate` takes them): see the module's doc. Returns at once."""
   sums = sums_program(engine)
   if sums.pending is None and not sums.ahead:
-    def compile_after():
-      if after is not None:
-        after()
-      _compile(engine, sums, batches)
-    sums.pending = step_program.in_background(compile_after)
+    sums.pending = step_program.in_background(lambda: _compile(engine, sums, batches))
 
 
 def _compile(engine, sums: EvalProgram, batches) -> None:

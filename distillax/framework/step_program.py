@@ -118,11 +118,6 @@ class AotStep:
     """Whether the compile has finished (without waiting)."""
     return self._future.done()
 
-  def wait_compiled(self) -> None:
-    """Returns once the compile has ended, well or not (its error and `on_ready` stay with the
-    thread that reads the result): what work that should not compete with it waits for."""
-    concurrent.futures.wait([self._future])
-
   @property
   def executable(self):
     return self._result()[0]

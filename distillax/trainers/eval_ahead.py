@@ -8,13 +8,7 @@ step's background compile, they compile beside it and the first eval runs them.
 
 from __future__ import annotations
 
-import os
-
 from distillax.framework.eval_programs import compile_ahead
-
-# Experiment (chip call 35): the eval's compile waits for the train step's, so the first step's
-# compile does not share the host with it. Resolved by measurement before it is kept or removed.
-AFTER_STEP = os.environ.get("DISTILLAX_EVAL_AHEAD") == "after_step"
 
 
 def first_eval_step(config, start_step: int) -> int | None:
@@ -33,6 +27,4 @@ def compile_first_eval(recipe, engines, start_step: int) -> None:
   newest checkpoint, a rollback), an eval that finds nothing compiled for it compiles as before."""
   at = first_eval_step(recipe.config, start_step)
   if at is not None:
-    program = engines.main.runner.program if AFTER_STEP else None
-    compile_ahead(engines.at(at), recipe.eval_iterator,
-                  after=program.wait_compiled if program is not None else None)
+    compile_ahead(engines.at(at), recipe.eval_iterator)
