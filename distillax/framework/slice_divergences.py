@@ -51,7 +51,7 @@ def lse_step(m, l, z_NxS):
   return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z_NxS - m_new[:, None]), axis=-1)
 
 
-def _weighted_step(m, l, a, z_NxS, x_NxS):
+def weighted_step(m, l, a, z_NxS, x_NxS):
   """lse_step, and a = sum of exp(z - m) x carried with it."""
   m_new = jnp.maximum(m, jnp.max(z_NxS, axis=-1))
   keep, w = jnp.exp(m - m_new), jnp.exp(z_NxS - m_new[:, None])
@@ -63,14 +63,14 @@ def step(divergence: str, carry, s_NxS, t_NxS, new_NxS, T: float) -> dict[str, j
   c = dict(carry)
   if divergence == "forward_kl":
     diff = jnp.where(new_NxS, (t_NxS - s_NxS) / T, 0.0)
-    c["mt"], c["lt"], c["a"] = _weighted_step(carry["mt"], carry["lt"], carry["a"], t_NxS / T,
-                                              diff)
+    c["mt"], c["lt"], c["a"] = weighted_step(carry["mt"], carry["lt"], carry["a"], t_NxS / T,
+                                             diff)
   else:
     c["mt"], c["lt"] = lse_step(carry["mt"], carry["lt"], t_NxS / T)
   if divergence == "reverse_kl":
     diff = jnp.where(new_NxS, (s_NxS - t_NxS) / T, 0.0)
-    c["mq"], c["lq"], c["a"] = _weighted_step(carry["mq"], carry["lq"], carry["a"], s_NxS / T,
-                                              diff)
+    c["mq"], c["lq"], c["a"] = weighted_step(carry["mq"], carry["lq"], carry["a"], s_NxS / T,
+                                             diff)
   else:
     c["mq"], c["lq"] = lse_step(carry["mq"], carry["lq"], s_NxS / T)
   return c

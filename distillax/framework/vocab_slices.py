@@ -2,7 +2,13 @@
 a time, for the losses that need only per-token normalisers and sums over the vocabulary:
 next-token cross-entropy and logit distillation (LogitKD's forward KL, reverse KL or jsd at a
 temperature, slice_divergences.py; over the teacher's top-k and a rest bucket, slice_buckets.py,
-the top-k found over the teacher's slices or read from an offline cache).
+the top-k found over the teacher's slices or read from an offline cache; on-policy
+GeneralizedJSD as a divergence with no hard-label term), a per-token function of both models'
+target log-probabilities (on-policy SampledTokenKL, slice_targets.py), and the metrics an eval
+or on-policy scoring reports of both models' logits (slice_metrics.py: no gradient). The head's
+matmuls and the slices' geometry are slice_heads.py's. What still runs on the token chunks of
+vocab_chunks.py, and why, its docstring says: cross-tokenizer ULD (it sorts each row's whole
+distribution), several teachers and several logit terms (not moved yet).
 
 Why a second schedule beside the token chunks of vocab_chunks.py. A token chunk sees the whole
 vocabulary for a few hundred positions, so the output layer's weight gradient, a (V, D) fp32
@@ -18,7 +24,8 @@ backward pass recomputes each slice's logits from the saved log-sum-exps, so not
 Per token (fp32), s and t the student's and teacher's logits, y the target, T the temperature:
   nll = logsumexp(s) - s_y
   loss = kd_weight * D(softmax(t / T), softmax(s / T)) + ce_weight * nll
-         (masked; LogitKD: kd_weight = alpha T^2; D and its gradient: slice_divergences.py)
+         (masked; LogitKD: kd_weight = alpha T^2; D and its gradient: slice_divergences.py,
+         or Spec.target_term's f of the target's log-probabilities: slice_targets.py)
 and d loss / d s_v = kd_weight d D / d s_v + ce_weight (softmax(s)_v - [v = y]). The output
 layer: logits = softcap(h @ W + sum_i x_i @ B_i) with W the
 tied embedding (V, D) or the head (D, V), read as the step multiplies it (a QAT head's rounded
@@ -45,48 +52,10 @@ import jax
 import jax.numpy as jnp
 from jax import custom_derivatives
 
-from distillax.framework import slice_buckets, slice_divergences
-
-SLICE_BUDGET_BYTES = 256 * 2**20  # fp32 logits of one model for one slice, all positions
-
-
-@dataclasses.dataclass(frozen=True)
-class Head:
-  """A plain output layer: `weight` (V, D) when `vocab_axis` is 0 (a tied embedding), (D, V)
-  when 1; logits in fp32 from operands cast to `dtype`, then soft-capped when `softcap`."""
-
-  weight: jax.Array
-  vocab_axis: int
-  dtype: str
-  softcap: float | None = None
-  # The tokenizer's ids: columns at or past it are a padded vocabulary's, left out of every
-  # softmax (framework/token_rows.py); None: every column is a token.
-  token_rows: int | None = None
-  # Further matmuls summed into the logits before the soft-cap: (input (N, K), weight (K, V))
-  # pairs, e.g. a LoRA adapter's (scaling * dropout(h) @ A, B). Their inputs are flat like h.
-  more: tuple = ()
-
-  @property
-  def vocab(self) -> int:
-    return self.weight.shape[self.vocab_axis]
-
-  @property
-  def columns(self) -> int:
-    """How many columns the losses count: the token rows, at most the vocabulary."""
-    return self.vocab if self.token_rows is None else min(self.vocab, int(self.token_rows))
-
-
-def _logits(weight_slices, hs, vocab_axes, dtype, softcap):
-  """fp32 logits of one slice: softcap(sum of each part's h @ weight slice)."""
-  dt = jnp.dtype(dtype)
-  z = None
-  for w, h, axis in zip(weight_slices, hs, vocab_axes):
-    eq = "ND,SD->NS" if axis == 0 else "ND,DS->NS"
-    z_i = jnp.einsum(eq, h.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
-    z = z_i if z is None else z + z_i
-  if softcap is not None:
-    z = softcap * jnp.tanh(z / softcap)
-  return z
+from distillax.framework import slice_buckets, slice_divergences, slice_metrics, slice_targets
+from distillax.framework.slice_heads import (SLICE_BUDGET_BYTES, Head, new_columns, parts,
+                                             slice_count, slice_size_for, sliced_parts, slices)
+from distillax.framework.slice_heads import logits as slice_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,30 +73,11 @@ class Spec:
   top_k: int = 0
   bucket_divergence: Any = None
   accuracy: bool = False  # also count argmax hits (the first maximum, as jnp.argmax)
+  metrics: bool = False  # also sum slice_metrics.METRICS (needs the teacher's head; accuracy too)
+  # Not None: the KD term is `target_term(log q_T(y), log p_T(y), x)` per token instead of the
+  # divergence (slice_targets.py; x: token_sums' target_input_N).
+  target_term: Any = None
   slice_size: int = 0  # columns per slice; 0: from SLICE_BUDGET_BYTES
-
-
-def _parts(head: Head, h_NxD):
-  """(weights, inputs, vocab axes) of the head's matmuls, the main one first."""
-  weights = (head.weight,) + tuple(w for _, w in head.more)
-  inputs = (h_NxD,) + tuple(x for x, _ in head.more)
-  return weights, inputs, (head.vocab_axis,) + (1,) * len(head.more)
-
-
-def _sliced_parts(ws, start, size, axes):
-  return tuple(jax.lax.dynamic_slice_in_dim(w, start, size, a) for w, a in zip(ws, axes))
-
-
-def slice_size_for(tokens: int, vocab: int, requested: int = 0) -> int:
-  """Columns per slice: `requested`, or the most whose fp32 logits for `tokens` positions fit the
-  budget, a multiple of 128 (a TPU lane tile), at most the vocabulary."""
-  size = requested or max(128, SLICE_BUDGET_BYTES // (4 * max(tokens, 1)) // 128 * 128)
-  return int(min(size, vocab))
-
-
-def slice_count(tokens: int, vocab: int, requested: int = 0) -> int:
-  """How many slices the losses over `tokens` positions and `vocab` columns take."""
-  return math.ceil(vocab / slice_size_for(tokens, vocab, requested))
 
 
 def describe(spec: Spec, head: Head, tokens: int) -> str:
@@ -137,23 +87,9 @@ def describe(spec: Spec, head: Head, tokens: int) -> str:
           f"{tokens} positions)")
 
 
-def _slices(vocab: int, size: int):
-  """(count, starts): the last slice is shifted back to end at `vocab` (no padding copy); the
-  columns it shares with the one before are masked out of it."""
-  count = math.ceil(vocab / size)
-  starts = jnp.minimum(jnp.arange(count) * size, vocab - size)
-  return count, starts
-
-
-def _new_columns(j, start, size, columns: int):
-  """Which columns of slice j (starting at `start`) count: no earlier slice covered them, and
-  they are below `columns` (a padded vocabulary's columns past the tokens never count)."""
-  cols = start + jnp.arange(size)
-  return (cols >= j * size) & (cols < columns)
-
-
 def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
-               teacher: Head | None = None, h_t_NxD=None, teacher_top=None):
+               teacher: Head | None = None, h_t_NxD=None, teacher_top=None,
+               target_input_N=None):
   """(loss, sums): loss = sum over masked tokens of the weighted terms (differentiable in the
   student's weight and hidden states); sums of 'nll', 'divergence' (with a teacher) and
   'correct' (with spec.accuracy; 'agreement' too with a top-k teacher: the student's argmax is
@@ -167,23 +103,30 @@ def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
     raise ValueError("spec.top_k takes the teacher's head or its given top-k, one of them")
   if spec.top_k and spec.bucket_divergence is None:
     raise ValueError("top_k > 0 needs a bucket_divergence")
+  if spec.metrics and (teacher is None or not spec.accuracy):
+    raise ValueError("spec.metrics needs the teacher's head and spec.accuracy")
+  if spec.target_term is not None and (teacher is None or spec.top_k or target_input_N is None):
+    raise ValueError("spec.target_term needs the teacher's head, no top_k and a target_input_N")
   size = slice_size_for(h_s_NxD.shape[0], student.vocab, spec.slice_size)
-  w_s, h_s, axes = _parts(student, h_s_NxD)
+  w_s, h_s, axes = parts(student, h_s_NxD)
   w_t = h_t = t_static = None
   if teacher is not None:
-    w_t, h_t, t_axes = _parts(teacher, h_t_NxD)
+    w_t, h_t, t_axes = parts(teacher, h_t_NxD)
     w_t, h_t = jax.lax.stop_gradient((w_t, h_t))
     t_static = (t_axes, teacher.dtype, teacher.softcap)
   static = (spec, size, axes, student.dtype, student.softcap, student.columns, t_static)
   top = None if not given else (teacher_top[0].astype(jnp.int32),
                                 jax.lax.stop_gradient(teacher_top[1].astype(jnp.float32)))
-  loss, sums = _sliced(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N.astype(jnp.float32))
+  x_N = None if target_input_N is None else jax.lax.stop_gradient(
+      target_input_N.astype(jnp.float32))
+  loss, sums = _sliced(static, w_s, h_s, w_t, h_t, top, x_N, targets_N,
+                       mask_N.astype(jnp.float32))
   return loss, jax.tree.map(jax.lax.stop_gradient, sums)
 
 
 # ---- the forward pass: one scan over the slices, online statistics per token -------------------
 
-def _forward(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N):
+def _forward(static, w_s, h_s, w_t, h_t, top, x_N, targets_N, mask_N):
   """(loss, sums, what the backward pass reads per token) after the passes over the slices: one,
   and a second for a jsd (its per-column terms need both normalisers first) or for top-k
   buckets (the student's logits at the teacher's top-k ids, known after the first)."""
@@ -201,6 +144,10 @@ def _forward(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N):
       t_top_logp = st["top"]["top"] - lse["t"][:, None]
       lse["kl"], saved = _bucket_pass(static, w_s, h_s, st["top"]["ids"], t_top_logp, lse)
       lse.update(saved)
+    elif spec.target_term is not None:  # zeros off the mask: x there may be anything
+      lse["kl"], lse["c"] = jax.tree.map(
+          lambda v: jnp.where(mask_N > 0, v, 0.0), slice_targets.value_and_coefficient(
+              spec.target_term, st["target"], st["t_target"], lse, x_N, spec.temperature))
     elif spec.divergence == "jsd":
       lse["kl"], lse["jq"] = _jsd_pass(static, w_s, h_s, w_t, h_t, lse)
     else:
@@ -215,39 +162,46 @@ def _forward(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N):
     sums["correct"] = jnp.sum((st["arg"] == targets_N).astype(jnp.float32) * mask_N)
     if "ids" in lse:
       sums["agreement"] = jnp.sum((st["arg"] == lse["ids"][:, 0]).astype(jnp.float32) * mask_N)
+  if spec.metrics:
+    sums.update(slice_metrics.sums(st["metrics"], st["arg"], mask_N))
   return jnp.sum(loss_N * mask_N), sums, lse
 
 
 def _slice_logits(static, w_s, h_s, w_t, h_t, start):
   """(student, teacher or None) fp32 logits of the slice starting at `start`."""
   _, size, axes, dtype, cap, _, t_static = static
-  s = _logits(_sliced_parts(w_s, start, size, axes), h_s, axes, dtype, cap)
+  s = slice_logits(sliced_parts(w_s, start, size, axes), h_s, axes, dtype, cap)
   if t_static is None:
     return s, None
   t_axes, t_dtype, t_cap = t_static
-  return s, _logits(_sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
+  return s, slice_logits(sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
 
 
 def _stats(static, w_s, h_s, w_t, h_t, targets_N):
   """Per-token statistics after one pass over every slice."""
   spec, size, axes, _, _, columns, t_static = static
-  count, starts = _slices(w_s[0].shape[axes[0]], size)
+  count, starts = slices(w_s[0].shape[axes[0]], size)
   N = h_s[0].shape[0]
   neg = jnp.full((N,), -jnp.inf, jnp.float32)
   zero = jnp.zeros((N,), jnp.float32)
   init = {"m1": neg, "l1": zero, "target": zero}
   if spec.accuracy:
     init.update(best=neg, arg=jnp.zeros((N,), jnp.int32))
+  normalisers_only = spec.top_k or spec.target_term is not None
   if t_static is not None:
-    init["kd"] = slice_divergences.init("normalisers" if spec.top_k else spec.divergence, N)
+    init["kd"] = slice_divergences.init("normalisers" if normalisers_only else spec.divergence, N)
+    if spec.target_term is not None:
+      init["t_target"] = zero
     if spec.top_k:
       init["top"] = slice_buckets.top_init(N, spec.top_k)
+    if spec.metrics:
+      init["metrics"] = slice_metrics.init(N)
   elif spec.top_k:  # the teacher's top-k given: the student's normaliser at T alone
     init["kd"] = {"mq": neg, "lq": zero}
 
   def body(carry, xs):
     j, start = xs
-    new = _new_columns(j, start, size, columns)
+    new = new_columns(j, start, size, columns)
     s, t = _slice_logits(static, w_s, h_s, w_t, h_t, start)
     s = jnp.where(new, s, -jnp.inf)
     c = dict(carry)
@@ -263,10 +217,14 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
       c["arg"] = jnp.where(better, arg_j, carry["arg"])
     if t is not None:
       t = jnp.where(new, t, -jnp.inf)
-      kind = "normalisers" if spec.top_k else spec.divergence
+      kind = "normalisers" if normalisers_only else spec.divergence
       c["kd"] = slice_divergences.step(kind, carry["kd"], s, t, new, spec.temperature)
+      if spec.target_term is not None:
+        c["t_target"] = carry["t_target"] + jnp.sum(jnp.where(hit, t, 0.0), axis=-1)
       if spec.top_k:
         c["top"] = slice_buckets.top_step(carry["top"], t / spec.temperature, start)
+      if spec.metrics:
+        c["metrics"] = slice_metrics.step(carry["metrics"], s, t, new, targets_N, start)
     elif spec.top_k:
       c["kd"] = dict(zip(("mq", "lq"), slice_divergences.lse_step(
           carry["kd"]["mq"], carry["kd"]["lq"], s / spec.temperature)))
@@ -280,13 +238,13 @@ def _bucket_pass(static, w_s, h_s, ids_NxK, t_top_logp_NxK, lse):
   over the student's slices only, gathers its logits at the teacher's top-k ids and the rest's
   log-sum-exp."""
   spec, size, axes, dtype, cap, columns, _ = static
-  count, starts = _slices(w_s[0].shape[axes[0]], size)
+  count, starts = slices(w_s[0].shape[axes[0]], size)
   T = spec.temperature
 
   def body(carry, xs):
     j, start = xs
-    s = _logits(_sliced_parts(w_s, start, size, axes), h_s, axes, dtype, cap)
-    new = _new_columns(j, start, size, columns)
+    s = slice_logits(sliced_parts(w_s, start, size, axes), h_s, axes, dtype, cap)
+    new = new_columns(j, start, size, columns)
     return slice_buckets.gather_step(carry, s, new, ids_NxK, j, start, size, columns, T), None
 
   init = slice_buckets.gather_init(*ids_NxK.shape)
@@ -300,12 +258,12 @@ def _bucket_pass(static, w_s, h_s, ids_NxK, t_top_logp_NxK, lse):
 def _jsd_pass(static, w_s, h_s, w_t, h_t, lse):
   """(jsd, (1 - beta) KL(Q || M)) per token: the second pass over the slices."""
   spec, size, axes, _, _, columns, _ = static
-  count, starts = _slices(w_s[0].shape[axes[0]], size)
+  count, starts = slices(w_s[0].shape[axes[0]], size)
 
   def body(carry, xs):
     j, start = xs
     s, t = _slice_logits(static, w_s, h_s, w_t, h_t, start)
-    terms = slice_divergences.jsd_terms(s, t, _new_columns(j, start, size, columns), lse,
+    terms = slice_divergences.jsd_terms(s, t, new_columns(j, start, size, columns), lse,
                                         spec.temperature, spec.beta)
     return tuple(a + b for a, b in zip(carry, terms)), None
 
@@ -319,21 +277,21 @@ def _grads(static, trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g):
   """(d loss / d each trained weight part (None for the others), d loss / d each input part),
   in fp32, for a loss cotangent g. `trained`: which weight parts the caller differentiates."""
   spec, size, axes, dtype, cap, columns, t_static = static
-  count, starts = _slices(w_s[0].shape[axes[0]], size)
+  count, starts = slices(w_s[0].shape[axes[0]], size)
   scale_N = g * mask_N
   on = [i for i, t in enumerate(trained) if t]
 
   def body(carry, xs):
     dws, dhs = carry
     j, start = xs
-    new = _new_columns(j, start, size, columns)
-    w_j = _sliced_parts(w_s, start, size, axes)
+    new = new_columns(j, start, size, columns)
+    w_j = sliced_parts(w_s, start, size, axes)
 
     def logits(w_on, hs):
-      parts = list(w_j)
+      operands = list(w_j)
       for i, w in zip(on, w_on):
-        parts[i] = w
-      return _logits(parts, hs, axes, dtype, cap)
+        operands[i] = w
+      return slice_logits(operands, hs, axes, dtype, cap)
 
     s, back = jax.vjp(logits, [w_j[i] for i in on], h_s)
     cols = start + jnp.arange(size)
@@ -342,9 +300,12 @@ def _grads(static, trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g):
     if spec.top_k:
       dz = dz + spec.kd_weight * slice_buckets.logit_grad(lse, s, lse["ids"], j, start, size,
                                                           columns, spec.temperature)
+    elif spec.target_term is not None:
+      dz = dz + spec.kd_weight * slice_targets.logit_grad(lse["c"], s, targets_N, start, lse,
+                                                          spec.temperature)
     elif t_static is not None:
       t_axes, t_dtype, t_cap = t_static
-      t = _logits(_sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
+      t = slice_logits(sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
       dz = dz + spec.kd_weight * slice_divergences.logit_grad(spec.divergence, spec.beta, s, t,
                                                               lse, spec.temperature)
     dz = jnp.where(new, dz * scale_N[:, None], 0.0)
@@ -371,16 +332,17 @@ def _write_slice(dw, dw_j, start, size, axis, new):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sliced(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N):
-  return _forward(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N)[:2]
+def _sliced(static, w_s, h_s, w_t, h_t, top, x_N, targets_N, mask_N):
+  return _forward(static, w_s, h_s, w_t, h_t, top, x_N, targets_N, mask_N)[:2]
 
 
-def _sliced_fwd(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N):
+def _sliced_fwd(static, w_s, h_s, w_t, h_t, top, x_N, targets_N, mask_N):
   # symbolic zeros: which weight parts the caller differentiates (a frozen one gets no dw)
   trained = tuple(w.perturbed for w in w_s)
-  w_s, h_s, w_t, h_t, top, targets_N, mask_N = custom_derivatives.custom_vjp_primal_tree_values(
-      (w_s, h_s, w_t, h_t, top, targets_N, mask_N))
-  loss, sums, lse = _forward(static, w_s, h_s, w_t, h_t, top, targets_N, mask_N)
+  w_s, h_s, w_t, h_t, top, x_N, targets_N, mask_N = (
+      custom_derivatives.custom_vjp_primal_tree_values(
+          (w_s, h_s, w_t, h_t, top, x_N, targets_N, mask_N)))
+  loss, sums, lse = _forward(static, w_s, h_s, w_t, h_t, top, x_N, targets_N, mask_N)
   return (loss, sums), (trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse)
 
 
@@ -391,7 +353,8 @@ def _sliced_bwd(static, res, cotangents):
     g = jnp.zeros(g.shape, g.dtype)
   dws, dhs = _grads(static, trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g)
   return (tuple(None if dw is None else dw.astype(w.dtype) for dw, w in zip(dws, w_s)),
-          tuple(dh.astype(h.dtype) for dh, h in zip(dhs, h_s)), None, None, None, None, None)
+          tuple(dh.astype(h.dtype) for dh, h in zip(dhs, h_s)), None, None, None, None, None,
+          None)
 
 
 _sliced.defvjp(_sliced_fwd, _sliced_bwd, symbolic_zeros=True)
