@@ -25,7 +25,6 @@ from distillax.framework import backends, build_engine, flops, throughput
 from distillax.framework.vocab_chunks import AUTO
 from distillax.models import abstract_model, get_preset, param_count
 from distillax.models.config import COMPUTE, TransformerConfig, fields_of_kind
-from distillax.models.moe import megablox
 from distillax.models.transformer import Transformer
 from distillax.quant import lora_matmul, q8_0_kernel, quantize_for_training
 from distillax.quant.int8_model import abstract_int8_model, int8_model
@@ -143,9 +142,7 @@ class Variant:
   # W + s A B: quant/lora_matmul.BACKWARD_MERGED); on_policy's new_tokens, micro and
   # kv_int8=True (its sampler's KV cache in int8; on_policy_lever.py);
   # opt_state_dtype=bfloat16 (optimizer.state_dtype: Adam's moments in bf16);
-  # q8_0_kernel=NAME (QAT's q8_0 activation kernel on a TPU: quant/q8_0_kernel.KERNEL);
-  # megablox_tiling=TMxTKxTN (moe_impl=megablox's tiles, 0 the whole dimension:
-  # models/moe/megablox.TILING).
+  # q8_0_kernel=NAME (QAT's q8_0 activation kernel on a TPU: quant/q8_0_kernel.KERNEL).
   options: tuple[tuple[str, str], ...] = ()
 
   @classmethod
@@ -178,7 +175,7 @@ class Variant:
     special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_moe_impl", "pair",
                "qat", "teacher_int8", "lora", "lora_dropout", "new_tokens", "micro",
                "opt_state_dtype", "kv_int8", "ttt", "draft_vocab", "lora_bwd",
-               "q8_0_kernel", "megablox_tiling")
+               "q8_0_kernel")
     out = {"remat": self.remat}
     for k, v in self.options:
       if k not in special:
@@ -271,19 +268,16 @@ def lower(v: Variant, pair: dict, tiny: bool = False, device=None) -> Lowered:
   abstract_batch = {k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=backends.batch_sharding(
       mesh, rules, len(s.shape), s.shape)) for k, s in shapes.items()}
   abstract_state = backends.sharded_abstract_state(engine.layout)
-  merged, kernel, tiling = lora_matmul.BACKWARD_MERGED, q8_0_kernel.KERNEL, megablox.TILING
+  merged, kernel = lora_matmul.BACKWARD_MERGED, q8_0_kernel.KERNEL
   lora_matmul.BACKWARD_MERGED = v.option("lora_bwd", "one") == "one"
   q8_0_kernel.KERNEL = v.option("q8_0_kernel", kernel)
-  if v.option("megablox_tiling"):
-    megablox.TILING = tuple(int(t) for t in v.option("megablox_tiling").split("x"))
-  swapped = q8_0_kernel.KERNEL != kernel or megablox.TILING != tiling
+  swapped = q8_0_kernel.KERNEL != kernel
   if swapped:  # the activations' custom VJP keeps its traced kernel in JAX's caches
     jax.clear_caches()
   try:
     lowered = engine.runner.call.lower(abstract_state, abstract_batch)
   finally:
     lora_matmul.BACKWARD_MERGED, q8_0_kernel.KERNEL = merged, kernel
-    megablox.TILING = tiling
     if swapped:
       jax.clear_caches()
   sampler = (on_policy_lever.lower_sampler(engine, v, student_cfg.vocab_size, abstract_state,

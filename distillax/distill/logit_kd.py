@@ -194,11 +194,12 @@ def _extra_metric_values(logits: TokenLogits) -> dict[str, jax.Array]:
   return out
 
 
-def sliced_leaf(token_leaves, teachers, metrics: bool) -> tuple[float, "LogitKD"]:
+def sliced_leaf(token_leaves, teachers) -> tuple[float, "LogitKD"]:
   """The one (weight, LogitKD or CachedLogitKD) that train.loss_impl='sliced' computes, or a
   one-line refusal: any divergence, over the whole vocabulary or a top-k, one teacher (live or a
-  top-k cache); train objectives, whose metrics a cached one reports too (hard_ce, and the
-  cache's teacher_ce and top-1 agreement: no teacher logits needed)."""
+  top-k cache), with the metrics of train and eval objectives (hard_ce; a live teacher's
+  teacher_ce, top1_agreement and logit_cosine from slice_metrics; a cache's teacher_ce and
+  top-1 agreement)."""
   ok = len(token_leaves) == 1 and isinstance(token_leaves[0][1], (LogitKD, CachedLogitKD))
   if not ok or teachers is not None:
     names = ", ".join(f"{type(leaf).__name__}({leaf.name})" for _, leaf in token_leaves)
@@ -206,10 +207,6 @@ def sliced_leaf(token_leaves, teachers, metrics: bool) -> tuple[float, "LogitKD"
                       f"job has {names or 'no logit term'}"
                       f"{' and several teachers' if teachers is not None else ''}; set "
                       f"--config.train.loss_impl=chunked")
-  if metrics and not isinstance(token_leaves[0][1], CachedLogitKD):
-    raise ConfigError("train.loss_impl='sliced' reports no metrics of a teacher's logits "
-                      "(teacher_ce, top1_agreement, logit_cosine); set "
-                      "--config.train.loss_impl=chunked")
   return token_leaves[0]
 
 
@@ -224,8 +221,9 @@ def _sliced_teacher(leaf, inputs, student_vocab: int):
                         f"--config.train.loss_impl=chunked")
     return None, (ids, logp), ids.shape[-1]
   if inputs.teacher_model is None or not hasattr(inputs.teacher_model, "output_operands"):
-    raise ConfigError("train.loss_impl='sliced' needs a live teacher model (not a hidden-state "
-                      "cache or a teacher set); set --config.train.loss_impl=chunked")
+    raise ConfigError("train.loss_impl='sliced' needs one teacher's output layer (a model or a "
+                      "hidden-state cache's head, not a teacher set); set "
+                      "--config.train.loss_impl=chunked")
   head = losses.sliced_head(inputs.teacher_model, inputs.teacher.final_hidden_BxLxD)
   return head, None, leaf.top_k if leaf.top_k is not None and leaf.top_k < student_vocab else 0
 
@@ -233,7 +231,8 @@ def _sliced_teacher(leaf, inputs, student_vocab: int):
 def sliced_loss_and_sums(weight: float, leaf, inputs, metrics: bool = False
                          ) -> tuple[jax.Array, dict]:
   """The LogitKD's weighted loss and its sums (the chunked path's names) over vocabulary
-  slices; with metrics (a cached LogitKD) the cache's teacher_ce and top1_agreement too."""
+  slices; with metrics also teacher_ce and top1_agreement (a cache's, or a live teacher's
+  with its logit_cosine: slice_metrics.py)."""
   T, a = float(leaf.temperature), float(leaf.alpha)
   mask_BxL = inputs.batch[batch_spec.LOSS_MASK]
   flat = losses.flat_tokens
@@ -243,7 +242,8 @@ def sliced_loss_and_sums(weight: float, leaf, inputs, metrics: bool = False
                               student.vocab) if top_k else None
   spec = vocab_slices.Spec(kd_weight=weight * a * T * T, ce_weight=weight * (1.0 - a),
                            temperature=T, divergence=leaf.divergence, beta=float(leaf.beta),
-                           top_k=top_k, bucket_divergence=buckets, accuracy=metrics)
+                           top_k=top_k, bucket_divergence=buckets, accuracy=metrics,
+                           metrics=metrics and teacher is not None)
   loss, sums = vocab_slices.token_sums(
       spec, student, h_s, flat(inputs.batch[batch_spec.TARGETS]), flat(mask_BxL),
       *(teacher or (None, None)), teacher_top=given)
@@ -253,7 +253,9 @@ def sliced_loss_and_sums(weight: float, leaf, inputs, metrics: bool = False
          f"{leaf.name}_divergence": div, "hard_ce": sums["nll"]}
   if metrics:
     out["top1_agreement"] = sums["agreement"]
-    if TEACHER_NLL in inputs.batch:
+    if teacher is not None:
+      out.update(teacher_ce=sums["teacher_nll"], logit_cosine=sums["cosine"])
+    elif TEACHER_NLL in inputs.batch:
       nll = inputs.batch[TEACHER_NLL].astype(jnp.float32)
       out["teacher_ce"] = jnp.sum(jnp.where(mask_BxL > 0, nll, 0.0))
   return loss, out

@@ -118,7 +118,7 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
   teachers: several teachers (multi_teacher.py), passed as extras under `teachers.keys` and
     folded into one teacher per token (mixture or routing); logit strategies only.
   sliced: the logit term over vocabulary slices (framework/vocab_slices.py; train.loss_impl
-    'sliced'): one LogitKD (any divergence, top_k or not), one teacher, train objectives.
+    'sliced'): one LogitKD (any divergence, top_k or not), one teacher, with its metrics.
   """
   if not isinstance(strategy, Strategy):
     raise ConfigError(f"make_distill_objective needs a distillation strategy, got {strategy!r}")
@@ -127,7 +127,7 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
   token_leaves = [(w, leaf) for w, leaf in leaves if leaf.needs.logits]
   other_leaves = [(w, leaf) for w, leaf in leaves if not leaf.needs.logits]
   weights = {leaf.name: w for w, leaf in token_leaves}
-  sliced_term = sliced_leaf(token_leaves, teachers, metrics) if sliced else None
+  sliced_term = sliced_leaf(token_leaves, teachers) if sliced else None
   if sliced_term is not None and chunk_size is None:
     chunk_size = vocab_chunks.AUTO  # the forward passes return hidden states, not logits
   if teachers is not None and other_leaves:

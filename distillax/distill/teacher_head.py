@@ -5,9 +5,9 @@ states (after the final norm) per position; `TeacherHead` is the rest of the tea
 projection to the vocabulary with everything the model applies there (a tied embedding or an
 untied lm_head, the compute dtype, Gemma's final logit soft-cap). It stands where the teacher
 model stands (extras['teacher']) and answers the same calls the distillation objective makes:
-`config.vocab_size`, `logits_from_hidden` (the vocabulary-chunk engine's per-chunk logits) and a
-forward that returns the cached hidden states of the batch, so every logit strategy reads its
-logits as from a live teacher.
+`config.vocab_size`, `logits_from_hidden` (the vocabulary-chunk engine's per-chunk logits),
+`output_operands` (the vocabulary slices' matmul) and a forward that returns the cached hidden
+states of the batch, so every logit strategy reads its logits as from a live teacher.
 
 The head is saved once beside the cache (HEAD_FILE, safetensors) with a fingerprint: a SHA-256
 of its weight bytes and its settings, so a training job can check that a configured teacher is
@@ -72,6 +72,12 @@ class TeacherHead(nnx.Module):
     if logits.ndim == 3:
       logits = constrain(logits, ("batch", "length", "vocab"))
     return logits
+
+  def output_operands(self, h_xD: jax.Array) -> list[tuple[jax.Array, jax.Array, int]]:
+    """The head's one matmul as vocabulary slices read it, [(input in the compute dtype, weight,
+    its vocab axis)] (Transformer.output_operands): the same logits as `logits_from_hidden`."""
+    return [(h_xD.astype(self.config.jnp_dtype), self.weight[...],
+             0 if self.config.layout == "VxD" else 1)]
 
   def output(self, hidden_BxLxD: jax.Array, *, return_logits: bool = True) -> ModelOutput:
     """The teacher's forward on a batch whose final hidden states came from the cache."""

@@ -65,15 +65,24 @@ def cached_strategy(distill_cfg, info: CacheInfo, vocab_size: int) -> Strategy:
                                        beta=float(lc.beta), weight=float(lc.weight))
 
 
-def hard_ce_objective(student, extras, batch, rng, *, chunk_size=vocab_chunks.AUTO):
-  """Student-only next-token CE with the distillation metric names (loss = hard_ce)."""
+def hard_ce_objective(student, extras, batch, rng, *, chunk_size=vocab_chunks.AUTO,
+                      sliced: bool = False):
+  """Student-only next-token CE with the distillation metric names (loss = hard_ce), of a
+  batch without cache columns (the validation split's); `sliced`: over vocabulary slices."""
   del extras, rng
   model, _ = unwrap_student(student)
   tokens_BxL = batch[batch_spec.INPUTS]
   vocab_chunks.check_chunk_size(chunk_size)
-  out = model(tokens_BxL, **losses.model_inputs(batch), return_logits=chunk_size is None)
+  out = model(tokens_BxL, **losses.model_inputs(batch),
+              return_logits=chunk_size is None and not sliced)
   inputs = DistillInputs(batch=batch, student=out, student_model=model, chunk_size=chunk_size)
-  loss, sums = inputs.loss_and_sums(logit_metric_values, {"hard_ce": 1.0})
+  if sliced:
+    loss = losses.model_cross_entropy_sums(model, out.final_hidden_BxLxD,
+                                           batch[batch_spec.TARGETS], inputs.mask_BxL,
+                                           sliced=True)[0]
+    sums = {"hard_ce": jax.lax.stop_gradient(loss)}
+  else:
+    loss, sums = inputs.loss_and_sums(logit_metric_values, {"hard_ce": 1.0})
   tokens, ratios = jnp.sum(inputs.mask_BxL), {}
   if out.router_stats is not None:  # an MoE student's router losses and loads, unweighted
     _, router_sums, ratios = moe.objective_terms(out.router_stats, tokens, 0.0, 0.0)
@@ -92,7 +101,8 @@ def cached_objective(strategy: Strategy, *, chunk_size: int | None = vocab_chunk
   The cache's teacher_ce and top-1 come with the batch, so a cached train step reports them
   with metrics=True at the cost of one argmax over the student's logits (the validation split
   has no cache columns: they are reported nowhere else). `teachers`: several teachers, one of
-  them the cache (multi_teacher.py). `sliced`: the cached LogitKD over vocabulary slices
+  them the cache (multi_teacher.py). `sliced`: the LogitKD (a top-k cache's, or a hidden
+  cache's through its head) and the eval batches' hard CE over vocabulary slices
   (make_distill_objective's `sliced`)."""
   distill = make_distill_objective(strategy, chunk_size=chunk_size, metrics=metrics,
                                    router_loss_weights=router_loss_weights, teachers=teachers,
@@ -101,7 +111,7 @@ def cached_objective(strategy: Strategy, *, chunk_size: int | None = vocab_chunk
   def objective(student, extras, batch, rng):
     if TOPK_IDS in batch or TEACHER_HIDDEN in batch:
       return distill(student, extras, batch, rng)
-    return hard_ce_objective(student, extras, batch, rng, chunk_size=chunk_size)
+    return hard_ce_objective(student, extras, batch, rng, chunk_size=chunk_size, sliced=sliced)
 
   return objective
 

@@ -216,8 +216,7 @@ class TransformerConfig(DerivedQuantities):
   splash_blocks: tuple[int, int, int] = _compute((1024, 1024, 512))
   splash_fused_bwd: bool = _compute(True)
   # ragged (dropless grouped matmul, the default) | dense (every expert on every token; the
-  # reference the tests hold ragged to) | tokamax (tokamax's grouped matmul: moe/kernels.py) |
-  # megablox (JAX's Pallas TPU grouped matmul, tiles tuned on a v5e: moe/megablox.py).
+  # reference the tests hold ragged to) | tokamax (tokamax's grouped matmul: moe/kernels.py).
   moe_impl: str = _compute("ragged")
   # Expert capacity: each expert takes at most ceil(factor * tokens * k / num_experts) of a layer
   # call's assignments, the rest dropped (models/moe/layer.py); None = dropless. A training-time limit,

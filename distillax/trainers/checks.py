@@ -175,7 +175,7 @@ def _vmap_moe_conflicts(recipe) -> list[str]:
   models = [("model", recipe.model_config), ("teacher", recipe.teacher_model_config)]
   out = []
   for name, mc in models:
-    if mc is not None and mc.num_experts and mc.moe_impl in ("ragged", "tokamax", "megablox"):
+    if mc is not None and mc.num_experts and mc.moe_impl in ("ragged", "tokamax"):
       fix = ("or --config.model.moe_impl=dense" if name == "model"
              else "(the teacher's experts run ragged)")
       out.append(f"backend='vmap' cannot batch the {name}'s {mc.moe_impl} expert matmul "

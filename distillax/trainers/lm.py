@@ -44,12 +44,16 @@ class LMRecipe(Recipe):
 
   router_losses = True
   sliced_loss = True
-  # Its eval objective (lm_objective, chunked) also reports the argmax accuracy.
+  # Its eval objective (lm_objective) also reports the argmax accuracy.
   rollback_metrics = ("eval_perplexity", "eval_loss", "eval_objective", "eval_accuracy")
 
   def objective(self, *, train: bool = False) -> Objective:
+    """Train: the CE with the router losses train weighs; eval: the CE and the accuracy
+    unweighted. Both through the engine train.loss_impl resolved to."""
     if not train:
-      return lm_objective
+      if self.loss_impl == "chunked":
+        return lm_objective
+      return functools.partial(lm_objective, loss_impl=self.loss_impl)
     weights = {name: float(self.config.train.get(name, 0.0))
                for name in ("moe_aux_loss", "router_z_loss")}
     options = {k: v for k, v in weights.items() if v}

@@ -171,24 +171,35 @@ def test_cache_teacher_refuses_an_existing_cache(runs, capsys):
   assert "already holds a teacher cache" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("chunk", [None, 5])
-def test_eval_objective_is_the_lm_cross_entropy(chunk):
-  """Without the cached arrays (validation batches) the objective is plain next-token CE."""
+@pytest.mark.parametrize("chunk,sliced", [(None, False), (5, False), (5, True)])
+def test_eval_objective_is_the_lm_cross_entropy(chunk, sliced):
+  """Without the cached arrays (validation batches) the objective is plain next-token CE, its
+  value the LM objective's (the chunk engine's): through whole logits, token chunks, or
+  vocabulary slices (`sliced`, 1e-5 relative: another order of the same sums; its gradient the
+  LM objective's too, where the other two report the CE as a metric, with none)."""
   student, _ = h.make_models(3)
   batch = h.to_jnp(h.make_batch(seed=4))
   graph, state = nnx.split(student)
-  objective = cached_objective(LogitKD(top_k=4), chunk_size=chunk)
+  objective = cached_objective(LogitKD(top_k=4), chunk_size=chunk, sliced=sliced)
+  rtol = 1e-5 if sliced else 1e-6
 
   @jax.jit
   def both(state):
-    model = nnx.merge(graph, state)
-    return objective(model, {}, batch, None), lm_objective(model, {}, batch, None)
+    run = lambda fn: jax.value_and_grad(
+        lambda s: (lambda o: (o.loss_sum, o))(fn(nnx.merge(graph, s), {}, batch, None)),
+        has_aux=True)(state)
+    return run(objective), run(lm_objective)
 
-  got, want = both(state)
-  np.testing.assert_allclose(float(got.loss_sum), float(want.loss_sum), rtol=1e-6)
-  np.testing.assert_allclose(float(got.sums["hard_ce"]), float(want.loss_sum), rtol=1e-6)
+  ((_, got), got_grads), ((_, want), want_grads) = both(state)
+  np.testing.assert_allclose(float(got.loss_sum), float(want.loss_sum), rtol=rtol)
+  np.testing.assert_allclose(float(got.sums["hard_ce"]), float(want.loss_sum), rtol=rtol)
   assert float(got.tokens) == float(jnp.sum(batch["loss_mask_BxL"]))
   assert set(got.sums) == {"hard_ce"}
+  for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    if sliced:
+      np.testing.assert_allclose(g, w, atol=1e-5 * max(float(jnp.max(jnp.abs(w))), 1e-6))
+    else:
+      assert not np.any(g)
 
 
 def test_eval_of_an_moe_student_reports_its_router_losses_and_loads():

@@ -15,6 +15,7 @@ from distillax import partitioning as pt
 from distillax.data import batch as batch_spec
 from distillax.distill import (TEACHER_NLL, TOPK_IDS, TOPK_LOGPROBS, CachedLogitKD, LogitKD,
                                make_distill_objective)
+from distillax.distill.teacher_head import TEACHER_HIDDEN, head_of
 from distillax.framework import (losses, token_loss_impl, token_rows, vocab_chunks,
                                  vocab_slices)
 from distillax.framework.step import ObjectiveOutput
@@ -186,12 +187,16 @@ def test_a_cached_top_k_kd_over_slices_equals_whole_logits(padded_kd):
   _assert_sliced_equals_whole(ran, out, got, want_out, want)
 
 
-def test_logit_metrics_read_the_token_columns_alone(padded_kd):
-  """The eval objective's logit metrics over both models' first 40 columns: teacher_ce,
-  top1_agreement and logit_cosine equal numpy's there (the cosine read the masked columns as
-  raw logits, a square of -1e30: NaN in the demo's eval)."""
+@pytest.mark.parametrize("engine", ["chunked", "sliced"])
+def test_logit_metrics_read_the_token_columns_alone(padded_kd, engine):
+  """The eval objective's logit metrics over both models' first 40 columns, through either
+  engine: teacher_ce, top1_agreement and logit_cosine equal numpy's there (the cosine read the
+  masked columns as raw logits, a square of -1e30: NaN in the demo's eval)."""
   kd, rows, student, extras, batch, _ = padded_kd
-  out, _ = _run(make_distill_objective(kd, metrics=True), student, extras, batch, rows)
+  objective = make_distill_objective(kd, metrics=True, sliced=engine == "sliced")
+  with token_loss_impl.recorded_choices() as ran:
+    out, _ = _run(objective, student, extras, batch, rows)
+  assert [k.split(" (")[0] for k in ran] == [engine]
   forward = lambda m: f64(m(batch["inputs_BxL"], positions_BxL=batch["positions_BxL"],
                             segment_ids_BxL=batch["segment_ids_BxL"]).logits_BxLxV)[..., :rows]
   s, t = forward(student), forward(extras["teacher"])
@@ -201,6 +206,43 @@ def test_logit_metrics_read_the_token_columns_alone(padded_kd):
   chip.assert_close(out.sums["teacher_ce"], np.sum(teacher_nll * m), rtol=1e-5)
   chip.assert_close(out.sums["logit_cosine"], np.sum(cosine * m), rtol=1e-5)
   assert float(out.sums["top1_agreement"]) == np.sum((s.argmax(-1) == t.argmax(-1)) * m)
+
+
+@pytest.mark.parametrize("kd", [
+    LogitKD(temperature=2.0, alpha=0.7),
+    LogitKD(temperature=1.5, alpha=0.4, divergence="reverse_kl", top_k=8),
+], ids=["forward_kl", "reverse_kl_top8"])
+def test_the_sliced_eval_objective_equals_whole_logits(padded_kd, kd):
+  """An eval objective (metrics=True) over vocabulary slices, whose teacher_ce, top1_agreement
+  and logit_cosine ride the slices (framework/slice_metrics.py): its loss, every sum and every
+  gradient equal the whole-logits objective's over the 40 token columns."""
+  _, rows, student, extras, batch, _ = padded_kd
+  want_out, want = _run(make_distill_objective(kd, chunk_size=None), student, extras, batch,
+                        rows)
+  with token_loss_impl.recorded_choices() as ran:
+    out, got = _run(make_distill_objective(kd, sliced=True), student, extras, batch, rows)
+  assert {"teacher_ce", "top1_agreement", "logit_cosine"} <= set(out.sums)
+  _assert_sliced_equals_whole(ran, out, got, want_out, want)
+
+
+def test_a_hidden_cache_heads_kd_over_slices_equals_whole_logits(padded_kd):
+  """A hidden-state cache's teacher (its TeacherHead and the batch's cached final hidden
+  states) read over vocabulary slices through the head's output_operands: train and eval
+  objectives equal the whole-logits ones, loss, sums and every gradient."""
+  _, rows, student, extras, batch, _ = padded_kd
+  teacher = extras["teacher"]
+  hidden = teacher(batch["inputs_BxL"], positions_BxL=batch["positions_BxL"],
+                   segment_ids_BxL=batch["segment_ids_BxL"], return_logits=False)
+  cached = {**batch, TEACHER_HIDDEN: hidden.final_hidden_BxLxD}
+  head = {"teacher": head_of(teacher)}
+  kd = LogitKD(temperature=2.0, alpha=0.7, divergence="jsd", beta=0.3)
+  for metrics in (False, True):
+    want_out, want = _run(make_distill_objective(kd, chunk_size=None, metrics=metrics),
+                          student, head, cached, rows)
+    with token_loss_impl.recorded_choices() as ran:
+      out, got = _run(make_distill_objective(kd, sliced=True, metrics=metrics), student, head,
+                      cached, rows)
+    _assert_sliced_equals_whole(ran, out, got, want_out, want)
 
 
 def _assert_sliced_equals_whole(ran, out, got, want_out, want):

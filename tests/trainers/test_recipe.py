@@ -35,9 +35,14 @@ def test_each_trainer_name_is_its_recipe():
   assert recipe_class(sequence_kd.get_config("tiny")) is SequenceKDRecipe
   assert issubclass(SequenceKDRecipe, LMRecipe)  # next-token training on the teacher's text
   recipe = recipe_for(lm.get_config("tiny"))
-  assert recipe.name == "lm" and recipe.objective() is lm_objective
+  assert recipe.name == "lm"
   train = recipe.objective(train=True)  # no LoRA dropout in this config; the default
   assert train.func is lm_objective and train.keywords == {"loss_impl": "sliced"}  # loss: auto
+  evaluate = recipe.objective()  # the eval objective runs the engine training runs
+  assert evaluate.func is lm_objective and evaluate.keywords == {"loss_impl": "sliced"}
+  config = lm.get_config("tiny")
+  config.train.loss_impl = "chunked"
+  assert recipe_for(config).objective() is lm_objective
 
 
 def test_a_recipe_that_names_no_objective_says_so():

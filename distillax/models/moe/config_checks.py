@@ -12,7 +12,7 @@ from distillax.models.field_checks import check_choice, check_ints
 
 # models/moe/layer.py: how a token's router logits pick and weight its experts, and how they run.
 ROUTERS = ("softmax_topk", "topk_softmax", "gemma4", "sigmoid")
-MOE_IMPLS = ("ragged", "dense", "tokamax", "megablox")
+MOE_IMPLS = ("ragged", "dense", "tokamax")
 
 
 def check_moe(cfg):

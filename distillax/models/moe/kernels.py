@@ -10,8 +10,6 @@
   compile (`plan --target tpu:...` from a CPU host) takes the XLA path, which the TPU compiler
   lowers to its own Mosaic ragged-dot, as for 'ragged' (measured: "Unsupported TPU device kind:
   cpu"). Its Triton kernel does compile for a GPU target from a CPU host.
-- 'megablox' uses JAX's Pallas TPU grouped matmul with tiles chosen for the shapes
-  (models/moe/megablox.py); jax.lax.ragged_dot off a TPU.
 - 'dense' (the reference) uses no grouped matmul.
 """
 
@@ -24,7 +22,6 @@ import jax.numpy as jnp
 
 from distillax.models import layer_scope, tokamax_support
 from distillax.models.attention.impl import compile_platform
-from distillax.models.moe.megablox import megablox_ragged_dot
 
 RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -64,15 +61,12 @@ def describe(impl: str) -> str:
     platform = compile_platform()
     tried = ", ".join(TOKAMAX_IMPLEMENTATIONS.get(platform, ("xla",)))
     return f"tokamax (on {platform}: the first of {tried} that takes the call)"
-  if impl == "megablox":
-    return ("megablox (Pallas grouped matmul)" if compile_platform() == "tpu"
-            else "megablox (off a TPU: jax.lax.ragged_dot)")
   return {"ragged": "ragged (jax.lax.ragged_dot)"}.get(impl, impl)
 
 
 def ragged_dot_for(impl: str) -> RaggedDot | None:
   """None: `grouped_ffn`'s default, jax.lax.ragged_dot."""
-  return {"tokamax": tokamax_ragged_dot, "megablox": megablox_ragged_dot}.get(impl)
+  return tokamax_ragged_dot if impl == "tokamax" else None
 
 
 def grouped_ffn(xs_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,

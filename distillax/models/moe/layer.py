@@ -15,8 +15,7 @@ Dispatch is switched by `moe_impl`:
   work is T*k rows whatever the routing and no token is ever dropped;
 - 'dense': every expert runs on every token and the outputs are weighted by the (mostly zero)
   routing weights. E/k times the work; it is the reference the ragged path is tested against.
-- 'tokamax': the ragged dispatch with tokamax's grouped matmul (models/moe/kernels.py);
-- 'megablox': the ragged dispatch with JAX's Pallas TPU grouped matmul (models/moe/megablox.py).
+- 'tokamax': the ragged dispatch with tokamax's grouped matmul (models/moe/kernels.py).
 When the rules split 'expert' over mesh axes (fsdp_ep, ep_tp), ragged and tokamax exchange the
 tokens with the devices holding their experts (models/moe/parallel.py).
 
@@ -38,7 +37,6 @@ from flax import nnx
 from distillax.models.config import TransformerConfig
 from distillax.models.layers import activations, normal_param
 from distillax.models.moe.kernels import tokamax_ragged_dot
-from distillax.models.moe.megablox import megablox_ragged_dot
 from distillax.models.moe.parallel import routed_experts, run_experts
 from distillax.models.moe.routing import (Routing, SigmoidGroups, expert_capacity,  # noqa: F401
                                           route, with_capacity)
@@ -71,8 +69,7 @@ def dense_experts(x_TxD, routing: Routing, gate_ExDxF, up_ExDxF, down_ExFxD, act
 
 
 _DISPATCH = {"ragged": routed_experts, "dense": dense_experts,
-             "tokamax": functools.partial(routed_experts, ragged_dot=tokamax_ragged_dot),
-             "megablox": functools.partial(routed_experts, ragged_dot=megablox_ragged_dot)}
+             "tokamax": functools.partial(routed_experts, ragged_dot=tokamax_ragged_dot)}
 
 
 @jax.tree_util.register_dataclass

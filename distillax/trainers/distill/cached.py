@@ -24,7 +24,7 @@ from distillax.trainers.sources.cache_head import CacheHeadSource
 class CachedDistillRecipe(DistillRecipe):
   """`trainer='distill'` with `teacher.cache_dir` set."""
 
-  sliced_loss = True  # a top-k cache's CachedLogitKD (sliced_strategy)
+  sliced_loss = True  # a top-k cache's CachedLogitKD, a hidden cache's LogitKD (sliced_strategy)
   router_losses = True  # an MoE student's, on the cached train batches
 
   data_splits = ("eval",)  # the train batches come from the cache
@@ -50,7 +50,7 @@ class CachedDistillRecipe(DistillRecipe):
 
   def objective(self, *, train: bool = False) -> Objective:
     # metrics on in training too: the cache's teacher_ce and top-1 exist on train batches only
-    sliced = train and self.loss_impl == "sliced" and (
+    sliced = self.loss_impl == "sliced" and (
         self.config.train.get("loss_impl", "auto") == "sliced" or self.sliced_strategy())
     objective = cached_objective(self.strategy(), chunk_size=self.chunk_size(), metrics=True,
                                  router_loss_weights=self.router_loss_weights(train),
@@ -58,10 +58,10 @@ class CachedDistillRecipe(DistillRecipe):
     return self.transforms.train_objective(objective) if train else objective
 
   def sliced_strategy(self) -> bool:
-    """A top-k cache of fewer ids than the vocabulary: its CachedLogitKD and the metrics the
-    cache carries are the slices'. A hidden-state cache's eval metrics read the teacher's
-    logits: that job keeps the chunk engine."""
-    return (not self.hidden and self.cache_info.top_k < self.model_config.vocab_size
+    """A top-k cache of fewer ids than the vocabulary (its CachedLogitKD and the metrics the
+    cache carries), or a hidden-state cache (LogitKD through the cache's head, with the
+    teacher's metrics from slice_metrics): the slices'."""
+    return ((self.hidden or self.cache_info.top_k < self.model_config.vocab_size)
             and super().sliced_strategy())
 
   def build(self, *, abstract: bool, quantize: bool = True):

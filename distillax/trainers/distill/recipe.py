@@ -122,7 +122,7 @@ class DistillRecipe(Recipe):
   def objective(self, *, train: bool = False) -> Objective:
     """Train: the loss terms and hard_ce; eval adds the logit metrics that cost extra passes
     over the vocabulary (teacher_ce, top1_agreement, logit_cosine)."""
-    sliced = train and self.loss_impl == "sliced" and (
+    sliced = self.loss_impl == "sliced" and (
         self.config.train.get("loss_impl", "auto") == "sliced" or self.sliced_strategy())
     objective = make_distill_objective(self.strategy(), chunk_size=self.chunk_size(),
                                        metrics=not train, sliced=sliced,
@@ -134,7 +134,7 @@ class DistillRecipe(Recipe):
     train.loss_impl='auto' then runs; an explicit 'sliced' is refused otherwise)."""
     try:
       sliced_leaf([(w, leaf) for w, leaf in self.strategy().leaves() if leaf.needs.logits],
-                  None, metrics=False)
+                  None)
     except ConfigError:
       return False
     return True

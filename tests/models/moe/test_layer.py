@@ -102,7 +102,7 @@ def test_moe_model_ragged_equals_dense_and_scanned_layers_stack_the_experts():
 @pytest.mark.parametrize("field,value,message", [
     ("num_experts_per_tok", 5, "model.num_experts_per_tok=5 must be an integer from 1 to "
                                "model.num_experts=4"),
-    ("moe_impl", "gmm", "model.moe_impl='gmm'; choose one of ragged, dense, tokamax, megablox"),
+    ("moe_impl", "megablox", "model.moe_impl='megablox'; choose one of ragged, dense"),
     ("router", "sparsemixer", "model.router='sparsemixer'; choose one of softmax_topk, "
                               "topk_softmax, gemma4, sigmoid"),
     ("num_experts", -1, "model.num_experts=-1 must be a non-negative integer"),
