@@ -260,7 +260,8 @@ def chunked_linear_attention_extra(cfg: Any, batch: int, seq_len: int) -> float:
 def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cfg: Any = None,
                           *, causal: bool = True, remat: str = "none",
                           weights_train: bool = True, adapter_params: int = 0,
-                          fused: tuple[str, ...] = (), sliced: bool = False) -> float:
+                          fused: tuple[str, ...] = (), sliced: bool = False,
+                          sliced_shape: tuple[int, int] | None = None) -> float:
   """What a compiled train step runs as HLO matmuls minus what `train_step_flops` counts (the
   model-FLOPs convention of MFU): the figure `plan` adds to a job's model FLOPs to check the
   compiled step's matmuls against.
@@ -285,6 +286,8 @@ def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cf
     with them counted, 0.87x without). Not where the compiler merges the recompute with the
     forward's logits: the TPU compiler does over one slice (plan/local.one_slice_merged; the
     tiny LoRA step's TPU matmuls are then the same over one slice as over token chunks).
+    `sliced_shape`: the (rows, positions) those losses score where they are not the step's
+    batch (on-policy scoring: its samples' prompts and completions).
   """
   s = forward_flops_breakdown(student_cfg, batch, seq_len, causal=causal)
   attention = s["attn_scores"] + s["attn_values"]
@@ -302,7 +305,8 @@ def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cf
   if "logits" in fused:
     out -= s["logits"] * once
   if sliced:
-    out += s["logits"]
+    out += s["logits"] if sliced_shape is None else forward_flops_breakdown(
+        student_cfg, *sliced_shape, causal=causal)["logits"]
   if teacher_cfg is not None:
     t = forward_flops_breakdown(teacher_cfg, batch, seq_len, causal=causal)
     out += chunked_linear_attention_extra(teacher_cfg, batch, seq_len)

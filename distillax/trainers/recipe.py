@@ -257,6 +257,10 @@ class Recipe:
       engines.add_extra_eval(self.generation_eval)
     return engines
 
+  def loss_shape(self) -> tuple[int, int]:
+    """(rows, positions) one step's token losses score: its batch."""
+    return self.batch_size, self.seq_len
+
   def step_flops(self) -> float:
     """Model FLOPs of one train step (forward + backward, a frozen teacher's forward)."""
     return flops.train_step_flops(self.model_config, self.batch_size, self.seq_len,

@@ -414,6 +414,10 @@ def test_hlo_matmul_adjustment_by_hand():
   assert flops.hlo_matmul_adjustment(TINY, 1, 3, TINY, fused=("attention",)) == -4 * 72
   # tokamax's fused cross-entropy: the logits, their input and weight gradients.
   assert adjust(fused=("logits",)) == -3 * 240
+  # The vocabulary slices recompute the logits (80 per token) of the positions they score: the
+  # batch's, or another shape's (on-policy scoring: 2 x 5 positions).
+  assert adjust(sliced=True) == 240
+  assert adjust(sliced=True, sliced_shape=(2, 5)) == 80 * 2 * 5
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,7 +63,8 @@ class OnPolicyEval:
 
 
 @functools.lru_cache(maxsize=16)
-def _program(settings: OnPolicySettings, chunk_size, teachers, mesh, rules, s_graph, t_graph):
+def _program(settings: OnPolicySettings, chunk_size, teachers, mesh, rules, s_graph, t_graph,
+             sliced: bool = False):
   """The jitted eval program of these static facts, shared process-wide: every trainer eval
   and every demo row with the same models' structure, settings and mesh reuses one traced and
   lowered program (jit's own cache keys on the function object, so a fresh `jax.jit` per
@@ -76,7 +77,7 @@ def _program(settings: OnPolicySettings, chunk_size, teachers, mesh, rules, s_gr
     rollout = sample_rollout(unwrap_student(student)[0], batch, key, settings)
     scoring = route_scoring_batch(scoring_batch(rollout, settings.pad_id), batch, 1)
     out = score_rollout(leaf, student, {"teacher": teacher}, scoring, chunk_size=chunk_size,
-                        teachers=teachers)
+                        teachers=teachers, sliced=sliced)
     ratios = {**out.ratios, **completion_stats(rollout, settings.stops)}
     return ratios, rollout.generated.tokens_BxT, rollout.generated.lengths_B, out.tokens
 
@@ -92,12 +93,14 @@ def _program(settings: OnPolicySettings, chunk_size, teachers, mesh, rules, s_gr
 class OnPolicyEvaluator:
   """`evaluate_on_policy` over programs compiled once per model structure, settings and mesh
   (`_program`, shared by every evaluator of the process). `teachers`: the teacher is a
-  TeacherSet of several, mixed (at T = 1) or routed per prompt."""
+  TeacherSet of several, mixed (at T = 1) or routed per prompt. `sliced`: scored over
+  vocabulary slices (one teacher: sliced.py), as train.loss_impl='sliced' scores training's."""
 
   def __init__(self, settings: OnPolicySettings, *, mesh=None, rules=None,
-               chunk_size: int | None = vocab_chunks.AUTO, teachers: TeacherMix | None = None):
+               chunk_size: int | None = vocab_chunks.AUTO, teachers: TeacherMix | None = None,
+               sliced: bool = False):
     self.settings = dataclasses.replace(settings, num_samples=1)
-    self.mesh, self.rules, self.chunk_size = mesh, rules, chunk_size
+    self.mesh, self.rules, self.chunk_size, self.sliced = mesh, rules, chunk_size, sliced
     self.teachers = None if teachers is None else dataclasses.replace(teachers, temperature=1.0)
 
   def __call__(self, student, teacher, prompts, *, seed: int = 0,
@@ -106,7 +109,7 @@ class OnPolicyEvaluator:
     s_graph, s_state = nnx.split(student)
     t_graph, t_state = nnx.split(teacher)
     program = _program(self.settings, self.chunk_size, self.teachers, self.mesh, self.rules,
-                       s_graph, t_graph)
+                       s_graph, t_graph, self.sliced)
     rows = len(prompts)
     if self.mesh is not None:  # whole rows per data-parallel worker
       data = int(self.mesh.shape.get("data", 1))

@@ -72,6 +72,7 @@ from distillax.distill.logits import STUDENT, TEACHER, TokenLogits
 from distillax.distill.multi_teacher import TEACHER_INDEX, TeacherMix, teacher_set
 from distillax.distill.objective import TEACHER as TEACHER_KEY, run_models
 from distillax.distill.on_policy.losses import SAMPLE_LOGPROBS
+from distillax.distill.on_policy.sliced import sliced_score_sums, sliced_scoring
 from distillax.distill.student import unwrap_student
 from distillax.errors import ConfigError
 from distillax.data import batch as batch_spec
@@ -248,12 +249,17 @@ def score_values(leaf: Strategy, logits: TokenLogits) -> dict[str, jax.Array]:
 def score_rollout(leaf: Strategy, student, extras, batch, *, chunk_size=vocab_chunks.AUTO,
                   teacher_key: str = TEACHER_KEY,
                   router_loss_weights: tuple[float, float] = (0.0, 0.0),
-                  teachers: TeacherMix | None = None) -> ObjectiveOutput:
+                  teachers: TeacherMix | None = None, sliced: bool = False) -> ObjectiveOutput:
   """Teacher and student on a scoring batch: the leaf's loss over the completion tokens; for a
   mixture-of-experts student also its router losses (weighted by `router_loss_weights`, per
   completion token like every term) and expert loads, from the routing of the scoring forward
   over the real tokens (prompt and completion). `teachers`: the teacher at `teacher_key` is a
-  TeacherSet, whose side-by-side logits `teachers.combine` folds into one per chunk."""
+  TeacherSet, whose side-by-side logits `teachers.combine` folds into one per chunk. `sliced`:
+  over vocabulary slices where they score the leaf (sliced.py: either loss, one teacher), else
+  the chunk engine."""
+  sliced = sliced and sliced_scoring(leaf, teachers)
+  if sliced and chunk_size is None:
+    chunk_size = vocab_chunks.AUTO  # the forward passes return hidden states, not logits
   inputs = run_models(leaf, student, extras, batch, chunk_size=chunk_size,
                       teacher_key=teacher_key)
 
@@ -262,7 +268,8 @@ def score_rollout(leaf: Strategy, student, extras, batch, *, chunk_size=vocab_ch
       t = teachers.combine(t, tok)
     return score_values(leaf, TokenLogits(s, t, tok))
 
-  loss_sum, sums = inputs.loss_and_sums(values, {leaf.name: float(leaf.weight)})
+  loss_sum, sums = (sliced_score_sums(leaf, inputs) if sliced else
+                    inputs.loss_and_sums(values, {leaf.name: float(leaf.weight)}))
   tokens = jnp.sum(inputs.mask_BxL)
   ratios = {k: (sums.pop(k), tokens) for k in TOKEN_METRICS}
   if inputs.student.router_stats is not None:
@@ -319,13 +326,15 @@ def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
                              teacher_key: str = TEACHER_KEY,
                              sampling_context: Callable | None = None,
                              router_loss_weights: tuple[float, float] = (0.0, 0.0),
-                             teachers: TeacherMix | None = None) -> Objective:
+                             teachers: TeacherMix | None = None, sliced: bool = False
+                             ) -> Objective:
   """The step objective (see the module doc). `leaf`: GeneralizedJSD or SampledTokenKL;
   `off_policy`: the teacher-forced objective of the (1 - lmbda) share (needed when lmbda < 1);
   `sampling_context`: a context manager factory sampling runs under (e.g. adapter dropout off);
   `router_loss_weights`: (Switch load-balancing, router z-loss) weights of an MoE student;
   `teachers`: several teachers (their extras under `teachers.keys`), mixed or routed per prompt
-  at the leaf's temperature."""
+  at the leaf's temperature; `sliced`: score over vocabulary slices where they compute the leaf
+  (score_rollout)."""
   sampling_context = sampling_context or contextlib.nullcontext
   vocab_chunks.check_chunk_size(chunk_size)
   if settings.lmbda < 1.0 and off_policy is None:
@@ -348,7 +357,7 @@ def make_on_policy_objective(leaf: Strategy, settings: OnPolicySettings, *,
       extras = {**extras, teacher_key: teacher_set(extras, teachers, model.config.vocab_size)}
     out = score_rollout(leaf, student, extras, scoring, chunk_size=chunk_size,
                         teacher_key=teacher_key, router_loss_weights=router_loss_weights,
-                        teachers=teachers)
+                        teachers=teachers, sliced=sliced)
     out.ratios.update(stats_of_rows(batch))
     return out
 

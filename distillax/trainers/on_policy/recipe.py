@@ -128,7 +128,10 @@ def sample_width(prompt_len: int, settings: OnPolicySettings, model_config) -> i
 class OnPolicyRecipe(DistillRecipe):
   """The student learns from its own samples, graded token by token by the teacher."""
 
-  sliced_loss = False  # its objective is not make_distill_objective's one LogitKD
+  # train.loss_impl='sliced' scores its samples (either divergence, one teacher:
+  # distill/on_policy/sliced.py); its off-policy share and eval objective take the slices where
+  # its strategy is one LogitKD (DistillRecipe.sliced_strategy).
+  sliced_loss = True
   prompt_splits = ("train", "eval")  # checked with the data: a prompt_len no prompt fits
   router_losses = True  # an MoE student's, from its forward over its own samples
 
@@ -183,14 +186,16 @@ class OnPolicyRecipe(DistillRecipe):
       return super().objective(train=False)
     c = self.config.on_policy
     weights = self.router_loss_weights(train=True)
+    sliced = self.loss_impl == "sliced"
     off = make_distill_objective(self.strategy(), chunk_size=self.chunk_size(), metrics=False,
-                                 router_loss_weights=weights, teachers=self.mix)
+                                 router_loss_weights=weights, teachers=self.mix,
+                                 sliced=sliced and self.sliced_strategy())
     leaf = on_policy_strategy(str(c.divergence), beta=float(c.beta),
                               temperature=float(c.temperature))
     on = make_on_policy_objective(leaf, self.settings, off_policy=off,
                                   chunk_size=self.chunk_size(),
                                   sampling_context=sampling_context(self.transforms),
-                                  router_loss_weights=weights, teachers=self.mix)
+                                  router_loss_weights=weights, teachers=self.mix, sliced=sliced)
     on = self.transforms.train_objective(on)  # the wrapper keeps on's rng_per_worker
     if self.sampler_devices is not None:  # the sampler's devices run its prepare
       on = dataclasses.replace(on, prepare=None)
@@ -255,7 +260,8 @@ class OnPolicyRecipe(DistillRecipe):
   def _eval_fn(self):
     """(engine, state) -> the on-policy figure on held-out prompts; writes the samples."""
     evaluator = OnPolicyEvaluator(self.settings, mesh=self.mesh, rules=self.rules,
-                                  chunk_size=self.chunk_size(), teachers=self.mix)
+                                  chunk_size=self.chunk_size(), teachers=self.mix,
+                                  sliced=self.loss_impl == "sliced")
     prompts, c = None, self.config.on_policy
 
     def run(engine, state):
@@ -273,6 +279,11 @@ class OnPolicyRecipe(DistillRecipe):
         logging.info("on_policy: %d eval completions in %s", len(records), path)
       return result.figures
     return run
+
+  def loss_shape(self) -> tuple[int, int]:
+    """The samples scored in a step: prompt + completion, less the last token's position."""
+    return (self.batch_size * self.settings.num_samples,
+            self.prompt_len + self.settings.max_new_tokens - 1)
 
   def step_flops(self) -> float:
     return on_policy_step_flops(self.model_config, self.teacher_model_config,

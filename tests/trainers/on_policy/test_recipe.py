@@ -14,6 +14,7 @@ from distillax.configs import distill as distill_config
 from distillax.configs import on_policy as op_config
 from distillax.data import default_data_config, make_tokenizer
 from distillax.distill.on_policy.objective import PROMPT_KEYS
+from distillax.framework import token_loss_impl
 from distillax.trainers import recipe_for
 from tests.data import chat_testing as ct
 
@@ -52,10 +53,7 @@ def _batches(config, n=2):
 
 def test_lmbda_0_is_the_distill_step_bit_for_bit():
   op = _small(op_config.get_config("tiny"), lmbda=0.0)
-  kd = distill_config.get_config("tiny")
-  # The on-policy objective runs the chunk engine (its recipe's sliced_loss is False); the
-  # distill job's 'auto' would take the sliced one, equal only to float rounding.
-  kd.train.loss_impl = "chunked"
+  kd = distill_config.get_config("tiny")  # both jobs' 'auto': the vocabulary slices
   batches = _batches(op, 1)
   op_rows, op_params = _steps(op, batches, 1)
   kd_rows, kd_params = _steps(kd, [{k: v for k, v in b.items() if k not in PROMPT_KEYS}
@@ -65,6 +63,19 @@ def test_lmbda_0_is_the_distill_step_bit_for_bit():
     np.testing.assert_array_equal(op_rows[0][k], v, err_msg=k)
   for a, b in zip(jax.tree.leaves(op_params), jax.tree.leaves(kd_params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("divergence", ["gjsd", "sampled_kl"])
+def test_auto_scores_either_divergence_over_vocabulary_slices(divergence):
+  """train.loss_impl='auto': either on-policy loss from one teacher is the slices' (its
+  off-policy and eval objectives too, the strategy being one LogitKD): the traced step's token
+  losses ran over vocabulary slices only."""
+  recipe = recipe_for(_small(op_config.get_config("tiny"), divergence=divergence))
+  assert recipe.loss_impl == "sliced" and recipe.sliced_strategy()
+  with token_loss_impl.recorded_choices() as ran:
+    jax.eval_shape(recipe.objective(train=True), *recipe.build(abstract=True),
+                   recipe.batch_shapes(), jax.random.key(0))
+  assert ran and {k.split(" (")[0] for k in ran} == {"sliced"}
 
 
 # (backend, partitioning strategy, mesh model axis)
