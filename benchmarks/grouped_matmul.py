@@ -41,6 +41,7 @@ prologue.start(__name__, default_devices=1)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops  # noqa: E402
 
 from benchmarks.lib import common  # noqa: E402
 
@@ -59,7 +60,6 @@ def group_sizes(tokens: int, k: int, experts: int, seed: int = 0) -> np.ndarray:
 
 
 def _megablox(tiling, interpret: bool):
-  from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops  # noqa: PLC0415
   def grouped(lhs_MxK, rhs_ExKxN, sizes_E):
     tm, tk, tn = (min(t or d, d) for t, d in zip(tiling, (lhs_MxK.shape[0], lhs_MxK.shape[1],
                                                           rhs_ExKxN.shape[2])))
@@ -69,7 +69,7 @@ def _megablox(tiling, interpret: bool):
 
 
 def _tokamax():
-  import tokamax  # noqa: PLC0415
+  import tokamax  # noqa: PLC0415 (optional: the tokamax extra)
   return lambda lhs, rhs, sizes: tokamax.ragged_dot(
       lhs, rhs, sizes, preferred_element_type=jnp.float32, implementation=("mosaic_tpu",))
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
 QUESTIONS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem != "__init__")
 # (file, module imported inside a function): each has its reason in a comment beside it.
-LAZY = {("kd_vocab.py", "benchmarks.lib.tunix_kd")}
+LAZY = {("kd_vocab.py", "benchmarks.lib.tunix_kd"), ("grouped_matmul.py", "tokamax")}
 
 
 def readme_rows() -> dict[str, list[str]]:
