@@ -25,6 +25,7 @@ from distillax.data import batch as batch_spec
 from distillax.distill import divergences
 from distillax.distill.base import LogitStrategy, check_common
 from distillax.distill.logits import STUDENT, TEACHER, TokenLogits
+from distillax.distill.sliced_teacher import sliced_teacher
 from distillax.errors import ConfigError
 from distillax.framework import losses, token_rows, vocab_slices
 
@@ -196,22 +197,23 @@ def _extra_metric_values(logits: TokenLogits) -> dict[str, jax.Array]:
 
 def sliced_leaf(token_leaves, teachers) -> tuple[float, "LogitKD"]:
   """The one (weight, LogitKD or CachedLogitKD) that train.loss_impl='sliced' computes, or a
-  one-line refusal: any divergence, over the whole vocabulary or a top-k, one teacher (live or a
-  top-k cache), with the metrics of train and eval objectives (hard_ce; a live teacher's
-  teacher_ce, top1_agreement and logit_cosine from slice_metrics; a cache's teacher_ce and
-  top-1 agreement)."""
-  ok = len(token_leaves) == 1 and isinstance(token_leaves[0][1], (LogitKD, CachedLogitKD))
-  if not ok or teachers is not None:
+  one-line refusal: any divergence, over the whole vocabulary or a top-k, from one teacher (live,
+  a hidden-state cache's head or a top-k cache) or several (`teachers`, mixed or routed: a
+  LogitKD), with the metrics of train and eval objectives (hard_ce; a teacher model's
+  teacher_ce, top1_agreement and logit_cosine from slice_metrics; a top-k cache's teacher_ce
+  and top-1 agreement)."""
+  ok = len(token_leaves) == 1 and isinstance(
+      token_leaves[0][1], LogitKD if teachers is not None else (LogitKD, CachedLogitKD))
+  if not ok:
     names = ", ".join(f"{type(leaf).__name__}({leaf.name})" for _, leaf in token_leaves)
-    raise ConfigError(f"train.loss_impl='sliced' computes one LogitKD from one teacher; this "
-                      f"job has {names or 'no logit term'}"
-                      f"{' and several teachers' if teachers is not None else ''}; set "
-                      f"--config.train.loss_impl=chunked")
+    raise ConfigError(f"train.loss_impl='sliced' computes one LogitKD; this job has "
+                      f"{names or 'no logit term'}; set --config.train.loss_impl=chunked")
   return token_leaves[0]
 
 
-def _sliced_teacher(leaf, inputs, student_vocab: int):
-  """(teacher head and its flat input, or None; the teacher's given top-k, or None; top_k)."""
+def _sliced_teacher(leaf, inputs, student_vocab: int, teachers):
+  """(the teacher and its flat input (sliced_teacher.py), or None; the teacher's given top-k, or
+  None; top_k)."""
   flat = losses.flat_tokens
   if isinstance(leaf, CachedLogitKD):
     ids, logp = flat(inputs.batch[TOPK_IDS]), flat(inputs.batch[TOPK_LOGPROBS])
@@ -220,24 +222,24 @@ def _sliced_teacher(leaf, inputs, student_vocab: int):
                         f"vocabulary; this one keeps {ids.shape[-1]}: set "
                         f"--config.train.loss_impl=chunked")
     return None, (ids, logp), ids.shape[-1]
-  if inputs.teacher_model is None or not hasattr(inputs.teacher_model, "output_operands"):
-    raise ConfigError("train.loss_impl='sliced' needs one teacher's output layer (a model or a "
-                      "hidden-state cache's head, not a teacher set); set "
+  if inputs.teacher_model is None:
+    raise ConfigError("train.loss_impl='sliced' needs the teacher's output layer; set "
                       "--config.train.loss_impl=chunked")
-  head = losses.sliced_head(inputs.teacher_model, inputs.teacher.final_hidden_BxLxD)
+  head = sliced_teacher(inputs.teacher_model, inputs.teacher.final_hidden_BxLxD, teachers,
+                        inputs.batch)
   return head, None, leaf.top_k if leaf.top_k is not None and leaf.top_k < student_vocab else 0
 
 
-def sliced_loss_and_sums(weight: float, leaf, inputs, metrics: bool = False
+def sliced_loss_and_sums(weight: float, leaf, inputs, metrics: bool = False, teachers=None
                          ) -> tuple[jax.Array, dict]:
   """The LogitKD's weighted loss and its sums (the chunked path's names) over vocabulary
-  slices; with metrics also teacher_ce and top1_agreement (a cache's, or a live teacher's
-  with its logit_cosine: slice_metrics.py)."""
+  slices; with metrics also teacher_ce and top1_agreement (a cache's, or a teacher model's
+  with its logit_cosine: slice_metrics.py). `teachers`: several, folded (TeacherMix)."""
   T, a = float(leaf.temperature), float(leaf.alpha)
   mask_BxL = inputs.batch[batch_spec.LOSS_MASK]
   flat = losses.flat_tokens
   student, h_s = losses.sliced_head(inputs.student_model, inputs.student.final_hidden_BxLxD)
-  teacher, given, top_k = _sliced_teacher(leaf, inputs, student.vocab)
+  teacher, given, top_k = _sliced_teacher(leaf, inputs, student.vocab, teachers)
   buckets = functools.partial(_bucket_divergence, leaf.divergence, float(leaf.beta),
                               student.vocab) if top_k else None
   spec = vocab_slices.Spec(kd_weight=weight * a * T * T, ce_weight=weight * (1.0 - a),

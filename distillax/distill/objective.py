@@ -118,7 +118,8 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
   teachers: several teachers (multi_teacher.py), passed as extras under `teachers.keys` and
     folded into one teacher per token (mixture or routing); logit strategies only.
   sliced: the logit term over vocabulary slices (framework/vocab_slices.py; train.loss_impl
-    'sliced'): one LogitKD (any divergence, top_k or not), one teacher, with its metrics.
+    'sliced'): one LogitKD (any divergence, top_k or not), from one teacher or several, with
+    its metrics.
   """
   if not isinstance(strategy, Strategy):
     raise ConfigError(f"make_distill_objective needs a distillation strategy, got {strategy!r}")
@@ -145,7 +146,8 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
     inputs = run_models(strategy, student, extras, batch, chunk_size=chunk_size,
                         teacher_key=teacher_key)
     if sliced_term is not None:
-      loss_sum, sums = sliced_loss_and_sums(*sliced_term, inputs, metrics=metrics)
+      loss_sum, sums = sliced_loss_and_sums(*sliced_term, inputs, metrics=metrics,
+                                            teachers=teachers)
     else:
       loss_sum, sums = inputs.loss_and_sums(per_token, weights)
     return _with_other_terms(inputs, loss_sum, sums, other_leaves, router_loss_weights)

@@ -4,9 +4,9 @@ traced token loss ran, for `plan`.
 - 'chunked': the vocabulary-chunk engine (vocab_chunks.py), which every distillation term can
   use: the logits of a chunk of positions at a time, plus the argmax accuracy.
 - 'sliced': the vocabulary-slice engine (vocab_slices.py), faster on a TPU, for the losses it
-  computes (next-token CE; one LogitKD from a live teacher, a hidden-state cache's head or a
-  top-k cache; on-policy GeneralizedJSD or SampledTokenKL from one teacher), with the metrics of
-  their train and eval objectives, over any student output layer (soft-capped, fake-quantized
+  computes (next-token CE; one LogitKD from a live teacher, a hidden-state cache's head, a
+  top-k cache or several teachers; on-policy GeneralizedJSD or SampledTokenKL), with the
+  metrics of their train and eval objectives, over any student output layer (soft-capped, fake-quantized
   or adapted). vocab_chunks.py's docstring says what stays on the chunk engine, and why.
 - 'auto' (the default): 'sliced' where it may run, else 'chunked'.
 
@@ -40,8 +40,8 @@ def recorded_choices():
 
 def check_loss_impl(value, job: str, sliced: bool = False) -> None:
   """`train.loss_impl`: one of LOSS_IMPLS. 'sliced' (framework/vocab_slices.py) for a job whose
-  train losses it computes (`sliced`: next-token CE, one LogitKD, live or cached, on-policy
-  scoring from one teacher), whatever the student's output layer (plain, fake-quantized or adapted:
+  train losses it computes (`sliced`: next-token CE, one LogitKD, on-policy scoring),
+  whatever the student's output layer (plain, fake-quantized or adapted:
   `Transformer.output_operands`).
   'auto': 'sliced' where it may run, else 'chunked' (resolve_loss_impl)."""
   if value not in LOSS_IMPLS:
@@ -49,8 +49,8 @@ def check_loss_impl(value, job: str, sliced: bool = False) -> None:
     raise ConfigError(f"train.loss_impl={value!r}{why}; choose one of {', '.join(LOSS_IMPLS)}")
   if value == "sliced" and not sliced:
     raise ConfigError(f"train.loss_impl='sliced': the {job} job's train losses are not ones "
-                      f"vocabulary slices compute (next-token CE, one LogitKD with one "
-                      f"teacher, on-policy scoring by one teacher); set "
+                      f"vocabulary slices compute (next-token CE, one LogitKD, on-policy "
+                      f"scoring); set "
                       f"--config.train.loss_impl=chunked")
 
 

@@ -1,6 +1,21 @@
-"""The one vocabulary-chunk engine: every token loss (next-token CE, every distillation term)
-over the output layer's logits, a chunk of positions at a time, so no (tokens, V) fp32 array is
-held whole.
+"""The vocabulary-chunk engine: any token loss (next-token CE, every distillation term) over the
+output layer's logits, a chunk of positions at a time, so no (tokens, V) fp32 array is held
+whole.
+
+Where it still runs. The vocabulary-slice engine (vocab_slices.py) is faster on a TPU v5e at
+every shape measured (train, KD, LoRA, QLoRA) and serves, under train.loss_impl='auto', every
+job whose losses need only per-token normalisers and sums over the vocabulary: next-token CE,
+one LogitKD (live teacher, hidden-state cache head, top-k cache, or several teachers mixed or
+routed), on-policy GeneralizedJSD and SampledTokenKL, with their eval objectives' metrics. This
+engine keeps what a slice cannot see, or what has not been moved yet:
+  - cross-tokenizer distillation (distill/cross_tokenizer/chunked.py): ULD sorts each span
+    group's whole distribution over the vocabulary (the k-th largest of one model against the
+    k-th largest of the other), which no per-token carry over slices gives: a capability reason;
+  - a strategy of several logit terms (a Composite of LogitKDs, each its own temperature), or
+    one with no logit term at all (attention or features alone: the hard_ce metric), or a
+    CachedLogitKD whose cache keeps as many ids as the vocabulary: not moved yet, no capability
+    reason (several divergences are more carries of the same kind);
+  - train.loss_impl='chunked', chosen by hand.
 
 A token function `values_fn(student_logits_NxV, teacher_logits_NxV | None, tokens) -> {name:
 (N,)}` sees the N flattened positions of one chunk; `tokens` holds every per-token entry the

@@ -6,9 +6,10 @@ the top-k found over the teacher's slices or read from an offline cache; on-poli
 GeneralizedJSD as a divergence with no hard-label term), a per-token function of both models'
 target log-probabilities (on-policy SampledTokenKL, slice_targets.py), and the metrics an eval
 or on-policy scoring reports of both models' logits (slice_metrics.py: no gradient). The head's
-matmuls and the slices' geometry are slice_heads.py's. What still runs on the token chunks of
+matmuls and the slices' geometry are slice_heads.py's, the teacher side (one head, or several
+teachers mixed or routed per token) slice_teachers.py's. What still runs on the token chunks of
 vocab_chunks.py, and why, its docstring says: cross-tokenizer ULD (it sorts each row's whole
-distribution), several teachers and several logit terms (not moved yet).
+distribution) and several logit terms (not moved yet).
 
 Why a second schedule beside the token chunks of vocab_chunks.py. A token chunk sees the whole
 vocabulary for a few hundred positions, so the output layer's weight gradient, a (V, D) fp32
@@ -52,7 +53,8 @@ import jax
 import jax.numpy as jnp
 from jax import custom_derivatives
 
-from distillax.framework import slice_buckets, slice_divergences, slice_metrics, slice_targets
+from distillax.framework import (slice_buckets, slice_divergences, slice_metrics, slice_targets,
+                                 slice_teachers)
 from distillax.framework.slice_heads import (SLICE_BUDGET_BYTES, Head, new_columns, parts,
                                              slice_count, slice_size_for, sliced_parts, slices)
 from distillax.framework.slice_heads import logits as slice_logits
@@ -88,13 +90,14 @@ def describe(spec: Spec, head: Head, tokens: int) -> str:
 
 
 def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
-               teacher: Head | None = None, h_t_NxD=None, teacher_top=None,
-               target_input_N=None):
+               teacher=None, h_t_NxD=None, teacher_top=None, target_input_N=None):
   """(loss, sums): loss = sum over masked tokens of the weighted terms (differentiable in the
   student's weight and hidden states); sums of 'nll', 'divergence' (with a teacher) and
   'correct' (with spec.accuracy; 'agreement' too with a top-k teacher: the student's argmax is
-  the teacher's top-1) over the masked tokens, as metrics. teacher_top: the teacher's top-k
-  (ids (N, K), log-probs at T (N, K)) given instead of its head (an offline cache)."""
+  the teacher's top-1) over the masked tokens, as metrics. teacher: a Head (its flat input
+  h_t_NxD) or several folded into one (slice_teachers.Teachers, their inputs inside).
+  teacher_top: the teacher's top-k (ids (N, K), log-probs at T (N, K)) given instead of its
+  head (an offline cache)."""
   given = teacher_top is not None
   if teacher is None and not given and spec.kd_weight:
     raise ValueError("kd_weight > 0 needs a teacher")
@@ -110,10 +113,9 @@ def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
   size = slice_size_for(h_s_NxD.shape[0], student.vocab, spec.slice_size)
   w_s, h_s, axes = parts(student, h_s_NxD)
   w_t = h_t = t_static = None
-  if teacher is not None:
-    w_t, h_t, t_axes = parts(teacher, h_t_NxD)
-    w_t, h_t = jax.lax.stop_gradient((w_t, h_t))
-    t_static = (t_axes, teacher.dtype, teacher.softcap)
+  if teacher is not None:  # one head, or several folded (slice_teachers.py)
+    t_static, w_t, h_t = slice_teachers.operands(teacher, h_t_NxD, size, student.vocab,
+                                                 student.columns)
   static = (spec, size, axes, student.dtype, student.softcap, student.columns, t_static)
   top = None if not given else (teacher_top[0].astype(jnp.int32),
                                 jax.lax.stop_gradient(teacher_top[1].astype(jnp.float32)))
@@ -173,8 +175,7 @@ def _slice_logits(static, w_s, h_s, w_t, h_t, start):
   s = slice_logits(sliced_parts(w_s, start, size, axes), h_s, axes, dtype, cap)
   if t_static is None:
     return s, None
-  t_axes, t_dtype, t_cap = t_static
-  return s, slice_logits(sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
+  return s, slice_teachers.logits(t_static, w_t, h_t, start, size)
 
 
 def _stats(static, w_s, h_s, w_t, h_t, targets_N):
@@ -304,8 +305,7 @@ def _grads(static, trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g):
       dz = dz + spec.kd_weight * slice_targets.logit_grad(lse["c"], s, targets_N, start, lse,
                                                           spec.temperature)
     elif t_static is not None:
-      t_axes, t_dtype, t_cap = t_static
-      t = slice_logits(sliced_parts(w_t, start, size, t_axes), h_t, t_axes, t_dtype, t_cap)
+      t = slice_teachers.logits(t_static, w_t, h_t, start, size)
       dz = dz + spec.kd_weight * slice_divergences.logit_grad(spec.divergence, spec.beta, s, t,
                                                               lse, spec.temperature)
     dz = jnp.where(new, dz * scale_N[:, None], 0.0)

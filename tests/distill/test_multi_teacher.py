@@ -13,6 +13,7 @@ from distillax.distill.multi_teacher import TEACHER_INDEX, TeacherMix
 from distillax.distill.teacher_cache import read_teacher_cache, write_teacher_cache
 from distillax.distill.teacher_head import TEACHER_HIDDEN, load_head
 from distillax.errors import ConfigError
+from distillax.framework import token_loss_impl, token_rows, vocab_slices
 from tests.distill import helpers as h
 from tests.support.models import NORMS_NEAR_ONE, random_model
 
@@ -172,3 +173,86 @@ def test_a_teacher_padded_past_the_students_vocabulary_is_cut_to_it(models):
   with pytest.raises(ConfigError, match=f"student vocabulary \\({h.VOCAB}\\) is wider than the "
                                         f"teacher's \\({h.VOCAB - 8}\\)"):
     SINGLE(student, {"teacher": narrow}, h.to_jnp(batch), None)
+
+
+# ---- several teachers over vocabulary slices (framework/slice_teachers.py) ------------------------
+
+def _value_and_grads(objective, student, extras, batch):
+  """(output, gradients by parameter path) of the loss sum."""
+  graph, state = nnx.split(student)
+
+  def loss(state):
+    out = objective(nnx.merge(graph, state), extras, batch, None)
+    return out.loss_sum, out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+  return out, nnx.to_pure_dict(grads)
+
+
+def _assert_same(got, want):
+  (out, grads), (want_out, want_grads) = got, want
+  np.testing.assert_allclose(out.loss_sum, want_out.loss_sum, rtol=1e-5)
+  assert sorted(out.sums) == sorted(want_out.sums)
+  for k in out.sums:
+    np.testing.assert_allclose(out.sums[k], want_out.sums[k], rtol=1e-5, err_msg=k)
+  for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want_grads),
+                          jax.tree.leaves(grads)):
+    np.testing.assert_allclose(g, w, atol=1e-5 * max(float(np.max(np.abs(w))), 1e-6),
+                               err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("mode,weights", [("mixture", (1.0, 3.0)), ("mixture", (0.0, 2.0)),
+                                          ("routing", ())])
+@pytest.mark.parametrize("metrics", [False, True])
+def test_several_teachers_over_slices_equal_the_chunk_engine(models, mode, weights, metrics,
+                                                             monkeypatch):
+  """Two teachers, mixed (one weight 0: that teacher drops out) or routed per row, over slices
+  of 20 of the 48 columns (the last shifted back): the loss, every sum (an eval's teacher_ce,
+  top1_agreement and logit_cosine too) and every student gradient within 1e-5 of the chunk
+  engine's (every column a token here: outside a recipe)."""
+  student, teacher_a, teacher_b = models
+  monkeypatch.setattr(vocab_slices, "slice_size_for", lambda tokens, vocab, requested=0: 20)
+  mix = TeacherMix(("a", "b"), mode, weights, temperature=KD.temperature)
+  extras = {"teacher:a": teacher_a, "teacher:b": teacher_b}
+  batch = h.to_jnp(routed_batch([1, 0]))
+  want = _value_and_grads(make_distill_objective(KD, chunk_size=CHUNK, metrics=metrics,
+                                                 teachers=mix), student, extras, batch)
+  with token_loss_impl.recorded_choices() as ran:
+    got = _value_and_grads(make_distill_objective(KD, metrics=metrics, teachers=mix,
+                                                  sliced=True), student, extras, batch)
+  assert [k.split(" (")[0] for k in ran] == ["sliced"]
+  _assert_same(got, want)
+
+
+@pytest.mark.parametrize("mode", ["mixture", "routing"])
+def test_several_teachers_over_slices_fold_the_token_columns_alone(models, mode):
+  """Traced over 40 token rows of the 48 (a recipe's padded vocabulary): the KD sums equal
+  float64 numpy's over each teacher's first 40 columns, folded as the mode says (the mixture of
+  weights 1 and 3 of their softmaxes at T, or each row's own teacher)."""
+  student, teacher_a, teacher_b = models
+  rows = 40
+  mix = TeacherMix(("a", "b"), mode, (1.0, 3.0), temperature=KD.temperature)
+  extras = {"teacher:a": teacher_a, "teacher:b": teacher_b}
+  batch = h.to_jnp(routed_batch([1, 0]))
+  batch = {**batch, "targets_BxL": jnp.minimum(batch["targets_BxL"], rows - 1)}
+  objective = make_distill_objective(KD, metrics=True, teachers=mix, sliced=True)
+  with token_rows.limited_to(rows):
+    out = jax.jit(lambda s, e, b: objective(s, e, b, None))(student, extras, batch)
+  cut = lambda m: h.f64(m(batch["inputs_BxL"], positions_BxL=batch["positions_BxL"],
+                          segment_ids_BxL=batch["segment_ids_BxL"]).logits_BxLxV)[..., :rows]
+  s, a, b = (cut(m).reshape(-1, rows) for m in (student, teacher_a, teacher_b))
+  T = KD.temperature
+  if mode == "mixture":
+    p = (np.exp(h.np_log_softmax(a / T)) + 3 * np.exp(h.np_log_softmax(b / T))) / 4
+    t = T * np.log(p)  # logits whose softmax at T is the mixture
+  else:  # row 0 to teacher b, row 1 to teacher a
+    t = np.where(np.repeat([True, False], len(s) // 2)[:, None], b, a)
+  y = np.asarray(batch["targets_BxL"]).reshape(-1)
+  m = h.f64(batch["loss_mask_BxL"]).reshape(-1)
+  loss, div = h.np_logit_kd(s, t, y, temperature=T, alpha=KD.alpha)
+  np.testing.assert_allclose(out.sums["logit_kd"], np.sum(loss * m), rtol=1e-5)
+  np.testing.assert_allclose(out.sums["logit_kd_divergence"], np.sum(div * m), rtol=1e-5)
+  want = h.np_metrics(s, t, y, m)
+  np.testing.assert_allclose(out.sums["teacher_ce"], want["teacher_ce"], rtol=1e-5)
+  np.testing.assert_allclose(out.sums["logit_cosine"], want["logit_cosine"], rtol=1e-5)
+  assert float(out.sums["top1_agreement"]) == want["top1_agreement"]

@@ -117,7 +117,7 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
 def test_sliced_refuses_what_it_does_not_compute():
   """Two logit terms (a weighted sum of LogitKDs) are not one LogitKD."""
   both = LogitKD(name="a") + LogitKD(name="b", temperature=1.0)
-  with pytest.raises(ConfigError, match="computes one LogitKD from one teacher; this job has "
+  with pytest.raises(ConfigError, match="computes one LogitKD; this job has "
                                         r"LogitKD\(a\), LogitKD\(b\)"):
     make_distill_objective(both, metrics=False, sliced=True)
 

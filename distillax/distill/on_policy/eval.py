@@ -94,7 +94,7 @@ class OnPolicyEvaluator:
   """`evaluate_on_policy` over programs compiled once per model structure, settings and mesh
   (`_program`, shared by every evaluator of the process). `teachers`: the teacher is a
   TeacherSet of several, mixed (at T = 1) or routed per prompt. `sliced`: scored over
-  vocabulary slices (one teacher: sliced.py), as train.loss_impl='sliced' scores training's."""
+  vocabulary slices (sliced.py), as train.loss_impl='sliced' scores training's."""
 
   def __init__(self, settings: OnPolicySettings, *, mesh=None, rules=None,
                chunk_size: int | None = vocab_chunks.AUTO, teachers: TeacherMix | None = None,

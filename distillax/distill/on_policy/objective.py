@@ -255,9 +255,9 @@ def score_rollout(leaf: Strategy, student, extras, batch, *, chunk_size=vocab_ch
   completion token like every term) and expert loads, from the routing of the scoring forward
   over the real tokens (prompt and completion). `teachers`: the teacher at `teacher_key` is a
   TeacherSet, whose side-by-side logits `teachers.combine` folds into one per chunk. `sliced`:
-  over vocabulary slices where they score the leaf (sliced.py: either loss, one teacher), else
-  the chunk engine."""
-  sliced = sliced and sliced_scoring(leaf, teachers)
+  over vocabulary slices where they score the leaf (sliced.py: either loss), else the chunk
+  engine."""
+  sliced = sliced and sliced_scoring(leaf)
   if sliced and chunk_size is None:
     chunk_size = vocab_chunks.AUTO  # the forward passes return hidden states, not logits
   inputs = run_models(leaf, student, extras, batch, chunk_size=chunk_size,
@@ -268,7 +268,7 @@ def score_rollout(leaf: Strategy, student, extras, batch, *, chunk_size=vocab_ch
       t = teachers.combine(t, tok)
     return score_values(leaf, TokenLogits(s, t, tok))
 
-  loss_sum, sums = (sliced_score_sums(leaf, inputs) if sliced else
+  loss_sum, sums = (sliced_score_sums(leaf, inputs, teachers) if sliced else
                     inputs.loss_and_sums(values, {leaf.name: float(leaf.weight)}))
   tokens = jnp.sum(inputs.mask_BxL)
   ratios = {k: (sums.pop(k), tokens) for k in TOKEN_METRICS}

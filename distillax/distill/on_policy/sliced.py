@@ -1,13 +1,12 @@
-"""On-policy scoring over vocabulary slices (framework/vocab_slices.py): either loss from one
-teacher, and the figures score_rollout reports beside it, with no (tokens, V) array.
+"""On-policy scoring over vocabulary slices (framework/vocab_slices.py): either loss, from one
+teacher or several (mixed or routed: distill/sliced_teacher.py), and the figures score_rollout
+reports beside it, with no (tokens, V) array.
 
 Each needs per token only normalisers and sums over the vocabulary. GeneralizedJSD is the
 slices' divergence with no hard-label term and no T^2 (beta 0: forward KL, 1: reverse KL,
 between: the jsd and its second pass); SampledTokenKL a function of the two models' target
 log-probabilities at T and the sampler's (slice_targets.py). The reverse KL and the teacher's NLL
-at T = 1 are slice_metrics' carries, the student's NLL the slices' own. What stays on the chunk
-engine (framework/vocab_chunks.py): several teachers, whose mixture or routing folds their
-logits per token (multi_teacher.TeacherMix.combine) before any softmax.
+at T = 1 are slice_metrics' carries, the student's NLL the slices' own.
 """
 
 from __future__ import annotations
@@ -16,15 +15,17 @@ import jax
 
 from distillax.data import batch as batch_spec
 from distillax.distill.base import DistillInputs
+from distillax.distill.multi_teacher import TeacherMix
+from distillax.distill.sliced_teacher import sliced_teacher
 from distillax.distill.on_policy.losses import (SAMPLE_LOGPROBS, GeneralizedJSD, SampledTokenKL,
                                                 sampled_token_surrogate)
 from distillax.errors import ConfigError
 from distillax.framework import losses, token_loss_impl, vocab_slices
 
 
-def sliced_scoring(leaf, teachers) -> bool:
-  """Whether the slices score this leaf: GeneralizedJSD or SampledTokenKL, one teacher."""
-  return isinstance(leaf, (GeneralizedJSD, SampledTokenKL)) and teachers is None
+def sliced_scoring(leaf) -> bool:
+  """Whether the slices score this leaf: GeneralizedJSD or SampledTokenKL."""
+  return isinstance(leaf, (GeneralizedJSD, SampledTokenKL))
 
 
 def divergence_of(beta: float) -> str:
@@ -40,12 +41,15 @@ def _term(leaf) -> dict:
   return {"divergence": divergence, "beta": float(leaf.beta) if divergence == "jsd" else 0.5}
 
 
-def sliced_score_sums(leaf, inputs: DistillInputs) -> tuple[jax.Array, dict[str, jax.Array]]:
+def sliced_score_sums(leaf, inputs: DistillInputs, teachers: TeacherMix | None = None
+                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(weight * the leaf's sum, sums of the leaf and of reverse_kl, teacher_nll, student_nll)
-  over the masked tokens: the chunk engine's names (score_rollout's token values)."""
+  over the masked tokens: the chunk engine's names (score_rollout's token values). `teachers`:
+  the teacher is their TeacherSet, folded per token."""
   flat = losses.flat_tokens
   student, h_s = losses.sliced_head(inputs.student_model, inputs.student.final_hidden_BxLxD)
-  teacher, h_t = losses.sliced_head(inputs.teacher_model, inputs.teacher.final_hidden_BxLxD)
+  teacher, h_t = sliced_teacher(inputs.teacher_model, inputs.teacher.final_hidden_BxLxD,
+                                teachers, inputs.batch)
   spec = vocab_slices.Spec(kd_weight=float(leaf.weight), ce_weight=0.0,
                            temperature=float(leaf.temperature), accuracy=True, metrics=True,
                            **_term(leaf))

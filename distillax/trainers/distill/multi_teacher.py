@@ -44,7 +44,7 @@ MANIFEST = "teachers.json"  # in the workdir: the teachers a run distils from
 class MultiTeacherDistillRecipe(DistillRecipe):
   """`trainer='distill_multi_teacher'`: LogitKD against several teachers at once."""
 
-  sliced_loss = False  # its objective is not make_distill_objective's one LogitKD
+  sliced_loss = True  # one LogitKD from the teachers folded over vocabulary slices
   def __init__(self, config, **kwargs):
     super().__init__(absolute_teacher_paths(config), **kwargs)
 
@@ -77,8 +77,11 @@ class MultiTeacherDistillRecipe(DistillRecipe):
 
   def objective(self, *, train: bool = False) -> Objective:
     make = make_distill_objective if self.cache is None else cached_objective
+    sliced = self.loss_impl == "sliced" and (
+        self.config.train.get("loss_impl", "auto") == "sliced" or self.sliced_strategy())
     objective = make(self.strategy(), chunk_size=self.chunk_size(), metrics=not train,
-                     teachers=self.mix, router_loss_weights=self.router_loss_weights(train))
+                     teachers=self.mix, router_loss_weights=self.router_loss_weights(train),
+                     sliced=sliced)
     return self.transforms.train_objective(objective) if train else objective
 
   def step_flops(self) -> float:

@@ -134,7 +134,7 @@ class DistillRecipe(Recipe):
     train.loss_impl='auto' then runs; an explicit 'sliced' is refused otherwise)."""
     try:
       sliced_leaf([(w, leaf) for w, leaf in self.strategy().leaves() if leaf.needs.logits],
-                  None)
+                  self.mix)
     except ConfigError:
       return False
     return True

@@ -46,8 +46,6 @@ class RoutedPromptIterator(OnPolicyIterator):
 class MultiTeacherOnPolicyRecipe(OnPolicyRecipe, MultiTeacherDistillRecipe):
   """The student learns from its own samples, graded by several teachers (mixed or routed)."""
 
-  sliced_loss = False  # the teachers' logits fold per token (TeacherMix.combine): token chunks
-
   def __init__(self, config, **kwargs):
     self._routed_prompts = {}
     super().__init__(config, **kwargs)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from distillax.distill.multi_teacher import TeacherMix
+from distillax.distill.multi_teacher import TEACHER_INDEX, TeacherMix, teacher_set
 from distillax.distill.on_policy.losses import SAMPLE_LOGPROBS, GeneralizedJSD, SampledTokenKL
 from distillax.distill.on_policy.objective import TOKEN_METRICS, score_rollout
 from distillax.distill.on_policy.sliced import divergence_of, sliced_scoring
@@ -19,6 +19,7 @@ from distillax.framework import token_loss_impl, vocab_chunks, vocab_slices
 from distillax.quant import LoRAParam, apply_lora
 from distillax.quant.lora import lora_weights
 from tests.distill import helpers as h
+from tests.support.models import NORMS_NEAR_ONE, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -102,9 +103,27 @@ def test_a_lora_students_sliced_scoring_equals_whole_logits(models, monkeypatch)
   _assert_same(out, grads, want_out, want)
 
 
+@pytest.mark.parametrize("mode", ["mixture", "routing"])
+@pytest.mark.parametrize("leaf", [GeneralizedJSD(beta=0.3, temperature=1.5), SampledTokenKL()],
+                         ids=["jsd", "sampled_kl"])
+def test_several_teachers_sliced_scoring_equals_the_chunk_engine(models, mode, leaf,
+                                                                 monkeypatch):
+  """Two teachers (the fixture's and another), mixed (weights 1 and 3) or routed per row, fold
+  over slices of 20 as over token chunks: loss, ratios, sums and every gradient within 1e-5."""
+  student, teacher, batch = models
+  other = random_model(h.TEACHER_CONFIG, 321, NORMS_NEAR_ONE)
+  monkeypatch.setattr(vocab_slices, "slice_size_for", lambda tokens, vocab, requested=0: 20)
+  mix = TeacherMix(("a", "b"), mode, (1.0, 3.0), temperature=float(leaf.temperature))
+  both = teacher_set({"teacher:a": teacher, "teacher:b": other}, mix, h.VOCAB)
+  batch = {**batch, TEACHER_INDEX: jnp.repeat(jnp.array([1, 0, 1], jnp.int32)[:, None], 9, 1)}
+  ran, out, grads = _score(leaf, student, both, batch, sliced=True, teachers=mix)
+  assert ran == ["sliced"]
+  _, want_out, want = _score(leaf, student, both, batch, chunk_size=vocab_chunks.AUTO,
+                             teachers=mix)
+  _assert_same(out, grads, want_out, want)
+
+
 def test_what_the_slices_score():
-  """Either loss from one teacher; several teachers keep the chunk engine; beta's end points
-  are the two KLs."""
-  assert sliced_scoring(GeneralizedJSD(), None) and sliced_scoring(SampledTokenKL(), None)
-  assert not sliced_scoring(GeneralizedJSD(), TeacherMix(("a", "b")))
+  """Either loss (one teacher or several); beta's end points are the two KLs."""
+  assert sliced_scoring(GeneralizedJSD()) and sliced_scoring(SampledTokenKL())
   assert [divergence_of(b) for b in (0.0, 0.3, 1.0)] == ["forward_kl", "jsd", "reverse_kl"]
