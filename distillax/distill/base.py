@@ -94,18 +94,22 @@ class DistillInputs:
     # Both models' columns past the tokenizer's ids (a padded vocabulary's) leave every softmax
     # (framework/token_rows.py): the teacher's columns are the student's, so the same ones.
     rows = token_rows.active()
+    # Several teachers side by side (multi_teacher.TeacherSet, K * V logits) cut and mask each
+    # teacher's own columns: the cut and mask of one V-column teacher would drop the others.
+    side_by_side = getattr(self.teacher_model, "side_by_side", False)
     if self.chunk_size is None:
       t_logits = None if self.teacher is None else self.teacher.logits_BxLxV
-      if t_logits is not None:  # a padded teacher: its rows past the student's are cut
+      if t_logits is not None and not side_by_side:  # a padded teacher: cut to the student's
         t_logits = token_rows.masked(t_logits[..., :self.student.logits_BxLxV.shape[-1]], rows)
       return vocab_chunks.whole_sums(fn, weights, tokens, mask_BxL,
                                      token_rows.masked(self.student.logits_BxLxV, rows), t_logits)
     self._check_chunk_inputs()
     teacher = t_hidden = None
     if self.teacher is not None:
-      teacher = student_vocab_layer(vocab_chunks.OutputLayer.of_model(self.teacher_model),
-                                    self.teacher_model.config.vocab_size,
-                                    self.student_model.config.vocab_size).over_token_rows(rows)
+      teacher = vocab_chunks.OutputLayer.of_model(self.teacher_model)
+      if not side_by_side:
+        teacher = student_vocab_layer(teacher, self.teacher_model.config.vocab_size,
+                                      self.student_model.config.vocab_size).over_token_rows(rows)
       t_hidden = self.teacher.final_hidden_BxLxD
     return vocab_chunks.vocab_chunk_sums(
         fn, weights, tokens, mask_BxL,

@@ -36,6 +36,7 @@ from flax import nnx
 
 from distillax.distill.teacher_head import TEACHER_HIDDEN, TeacherHead
 from distillax.errors import ConfigError
+from distillax.framework import token_rows
 from distillax.models.transformer import ModelOutput
 
 TEACHER_INDEX = "teacher_index_BxL"  # int32: the routed teacher of each token's record
@@ -99,7 +100,11 @@ class TeacherMix:
     w = jnp.asarray(self.weights, jnp.float32)
     log_w_K = jnp.log(w / jnp.sum(w))  # a weight of 0 drops its teacher (log 0 = -inf)
     logp_NxKxV = jax.nn.log_softmax(t_NxKxV / T, axis=-1)
-    return T * jax.nn.logsumexp(logp_NxKxV + log_w_K[None, :, None], axis=1)
+    mixed_NxV = T * jax.nn.logsumexp(logp_NxKxV + log_w_K[None, :, None], axis=1)
+    # A padded column (masked in every teacher: token_rows.py) stays one, as a metric over raw
+    # logits (the cosine) finds them.
+    padded_NxV = jnp.all(t_NxKxV == token_rows.MASKED_LOGIT, axis=1)
+    return jnp.where(padded_NxV, token_rows.MASKED_LOGIT, mixed_NxV)
 
 
 class TeacherSet(nnx.Module):
@@ -107,7 +112,11 @@ class TeacherSet(nnx.Module):
   layer maps the concatenated hidden states to the concatenated logits. A member may be a
   hidden-state cache's TeacherHead, whose hidden states the call's `cached_hidden_BxLxD` are.
   Each teacher's logits are cut to `vocab_size` (the student's; default the narrowest
-  teacher's), so a teacher whose table is padded past it stands beside one that is not."""
+  teacher's), so a teacher whose table is padded past it stands beside one that is not, and
+  masked past the token rows of the objective traced now (framework/token_rows.py), each
+  teacher's own: the losses read the K * V columns as they come (`side_by_side`)."""
+
+  side_by_side = True
 
   def __init__(self, teachers: Sequence[nnx.Module], vocab_size: int | None = None):
     vocabs = [t.config.vocab_size for t in teachers]
@@ -136,8 +145,7 @@ class TeacherSet(nnx.Module):
                              return_logits=kwargs.get("return_logits", True)))
     logits = None
     if outs[0].logits_BxLxV is not None:
-      logits = jnp.concatenate([o.logits_BxLxV[..., :self.vocab_size].astype(jnp.float32)
-                                for o in outs], axis=-1)
+      logits = jnp.concatenate([self._cut(o.logits_BxLxV) for o in outs], axis=-1)
     hidden = jnp.concatenate([o.final_hidden_BxLxD.astype(jnp.float32) for o in outs], axis=-1)
     return ModelOutput(logits_BxLxV=logits, final_hidden_BxLxD=hidden)
 
@@ -147,8 +155,13 @@ class TeacherSet(nnx.Module):
     for teacher, dim in zip(self.teachers, self.dims):
       h = h_NxD[..., start:start + dim]
       start += dim
-      out.append(teacher.logits_from_hidden(h)[..., :self.vocab_size].astype(jnp.float32))
+      out.append(self._cut(teacher.logits_from_hidden(h)))
     return jnp.concatenate(out, axis=-1)
+
+  def _cut(self, logits_xV):
+    """One teacher's fp32 logits over the shared vocabulary, its padded columns masked."""
+    return token_rows.masked(logits_xV[..., :self.vocab_size].astype(jnp.float32),
+                             token_rows.active())
 
 
 def teacher_set(extras: Mapping, mix: TeacherMix, vocab_size: int | None = None) -> TeacherSet:

@@ -224,18 +224,23 @@ def test_several_teachers_over_slices_equal_the_chunk_engine(models, mode, weigh
   _assert_same(got, want)
 
 
+@pytest.mark.parametrize("engine", ["sliced", "chunked", "whole"])
 @pytest.mark.parametrize("mode", ["mixture", "routing"])
-def test_several_teachers_over_slices_fold_the_token_columns_alone(models, mode):
-  """Traced over 40 token rows of the 48 (a recipe's padded vocabulary): the KD sums equal
-  float64 numpy's over each teacher's first 40 columns, folded as the mode says (the mixture of
-  weights 1 and 3 of their softmaxes at T, or each row's own teacher)."""
+def test_several_teachers_fold_the_token_columns_alone(models, mode, engine):
+  """Traced over 40 token rows of the 48 (a recipe's padded vocabulary), over vocabulary
+  slices, token chunks or whole logits: the KD sums equal float64 numpy's over each teacher's
+  first 40 columns, folded as the mode says (the mixture of weights 1 and 3 of their softmaxes
+  at T, or each row's own teacher). The chunks masked the teachers' K * V columns as one
+  teacher's (all of teacher b's: a loss of 24,517 for 26.27 here), and whole logits cut them to
+  V columns (a shape error)."""
   student, teacher_a, teacher_b = models
   rows = 40
   mix = TeacherMix(("a", "b"), mode, (1.0, 3.0), temperature=KD.temperature)
   extras = {"teacher:a": teacher_a, "teacher:b": teacher_b}
   batch = h.to_jnp(routed_batch([1, 0]))
   batch = {**batch, "targets_BxL": jnp.minimum(batch["targets_BxL"], rows - 1)}
-  objective = make_distill_objective(KD, metrics=True, teachers=mix, sliced=True)
+  objective = make_distill_objective(KD, metrics=True, teachers=mix, sliced=engine == "sliced",
+                                     chunk_size=None if engine == "whole" else CHUNK)
   with token_rows.limited_to(rows):
     out = jax.jit(lambda s, e, b: objective(s, e, b, None))(student, extras, batch)
   cut = lambda m: h.f64(m(batch["inputs_BxL"], positions_BxL=batch["positions_BxL"],
