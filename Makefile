@@ -80,8 +80,11 @@ $(VENV)/.docs: pyproject.toml constraints.txt | $(BIN)/python
 docs: $(VENV)/.docs
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
+# Bytecode is written even where the environment sets PYTHONDONTWRITEBYTECODE: each xdist
+# worker would otherwise rewrite every test module's asserts anew (~9 s a worker), and each of
+# the suite's CLI and benchmark subprocesses compile distillax's modules from source again.
 test: $(VENV)/.test
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS)
 
 # Newest releases inside pyproject's ranges (no constraints file), without the hf and edge extras
 # (a newer torch is a multi-GB CUDA build; llama-cpp-python compiles). The venv is kept and
