@@ -195,19 +195,22 @@ def _extra_metric_values(logits: TokenLogits) -> dict[str, jax.Array]:
   return out
 
 
-def sliced_leaf(token_leaves, teachers) -> tuple[float, "LogitKD"]:
-  """The one (weight, LogitKD or CachedLogitKD) that train.loss_impl='sliced' computes, or a
-  one-line refusal: any divergence, over the whole vocabulary or a top-k, from one teacher (live,
-  a hidden-state cache's head or a top-k cache) or several (`teachers`, mixed or routed: a
+def sliced_leaf(token_leaves, teachers) -> tuple[float, "LogitKD"] | None:
+  """The one (weight, LogitKD or CachedLogitKD) that train.loss_impl='sliced' computes (None for
+  a strategy with no logit term: its metrics alone, `sliced_metric_sums`), or a one-line
+  refusal: any divergence, over the whole vocabulary or a top-k, from one teacher (live, a
+  hidden-state cache's head or a top-k cache) or several (`teachers`, mixed or routed: a
   LogitKD), with the metrics of train and eval objectives (hard_ce; a teacher model's
   teacher_ce, top1_agreement and logit_cosine from slice_metrics; a top-k cache's teacher_ce
   and top-1 agreement)."""
+  if not token_leaves:
+    return None
   ok = len(token_leaves) == 1 and isinstance(
       token_leaves[0][1], LogitKD if teachers is not None else (LogitKD, CachedLogitKD))
   if not ok:
     names = ", ".join(f"{type(leaf).__name__}({leaf.name})" for _, leaf in token_leaves)
-    raise ConfigError(f"train.loss_impl='sliced' computes one LogitKD; this job has "
-                      f"{names or 'no logit term'}; set --config.train.loss_impl=chunked")
+    raise ConfigError(f"train.loss_impl='sliced' computes one LogitKD; this job has {names}; "
+                      f"set --config.train.loss_impl=chunked")
   return token_leaves[0]
 
 
@@ -261,6 +264,30 @@ def sliced_loss_and_sums(weight: float, leaf, inputs, metrics: bool = False, tea
       nll = inputs.batch[TEACHER_NLL].astype(jnp.float32)
       out["teacher_ce"] = jnp.sum(jnp.where(mask_BxL > 0, nll, 0.0))
   return loss, out
+
+
+def sliced_metric_sums(inputs, metrics: bool, teachers=None) -> tuple[jax.Array, dict]:
+  """(0, the sums an objective with no logit term reports) over vocabulary slices: hard_ce, and
+  with metrics and a teacher's output its teacher_ce, top1_agreement and logit_cosine (the
+  chunked path's names). Metrics only: nothing is differentiated, so no backward pass runs."""
+  mask_BxL = inputs.batch[batch_spec.LOSS_MASK]
+  flat = losses.flat_tokens
+  hidden = jax.lax.stop_gradient(inputs.student.final_hidden_BxLxD)
+  student, h_s = losses.sliced_head(inputs.student_model, hidden)
+  teacher = None
+  if metrics and inputs.teacher is not None:
+    teacher = sliced_teacher(inputs.teacher_model, inputs.teacher.final_hidden_BxLxD, teachers,
+                             inputs.batch)
+  spec = vocab_slices.Spec(ce_weight=0.0, accuracy=teacher is not None,
+                           metrics=teacher is not None)
+  _, sums = vocab_slices.token_sums(spec, student, h_s, flat(inputs.batch[batch_spec.TARGETS]),
+                                    flat(mask_BxL), *(teacher or (None, None)))
+  losses.token_loss_impl.record(vocab_slices.describe(spec, student, mask_BxL.size))
+  out = {"hard_ce": sums["nll"]}
+  if teacher is not None:
+    out.update(teacher_ce=sums["teacher_nll"], top1_agreement=sums["agreement"],
+               logit_cosine=sums["cosine"])
+  return jnp.zeros((), jnp.float32), out
 
 
 def _bucket_divergence(kind: str, beta: float, vocab: int, t_top_logp_NxK, s_buckets_NxK1):

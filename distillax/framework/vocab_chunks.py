@@ -12,9 +12,8 @@ engine keeps what a slice cannot see, or what has not been moved yet:
     group's whole distribution over the vocabulary (the k-th largest of one model against the
     k-th largest of the other), which no per-token carry over slices gives: a capability reason;
   - a strategy of several logit terms (a Composite of LogitKDs, each its own temperature), or
-    one with no logit term at all (attention or features alone: the hard_ce metric), or a
-    CachedLogitKD whose cache keeps as many ids as the vocabulary: not moved yet, no capability
-    reason (several divergences are more carries of the same kind);
+    a CachedLogitKD whose cache keeps as many ids as the vocabulary: not moved yet, no
+    capability reason (several divergences are more carries of the same kind);
   - train.loss_impl='chunked', chosen by hand.
 
 A token function `values_fn(student_logits_NxV, teacher_logits_NxV | None, tokens) -> {name:

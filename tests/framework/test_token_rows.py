@@ -13,8 +13,8 @@ from flax import nnx
 
 from distillax import partitioning as pt
 from distillax.data import batch as batch_spec
-from distillax.distill import (TEACHER_NLL, TOPK_IDS, TOPK_LOGPROBS, CachedLogitKD, LogitKD,
-                               make_distill_objective)
+from distillax.distill import (TEACHER_NLL, TOPK_IDS, TOPK_LOGPROBS, CachedLogitKD,
+                               FeaturePooling, LogitKD, make_distill_objective)
 from distillax.distill.teacher_head import TEACHER_HIDDEN, head_of
 from distillax.framework import (losses, token_loss_impl, token_rows, vocab_chunks,
                                  vocab_slices)
@@ -243,6 +243,22 @@ def test_a_hidden_cache_heads_kd_over_slices_equals_whole_logits(padded_kd):
       out, got = _run(make_distill_objective(kd, sliced=True, metrics=metrics), student, head,
                       cached, rows)
     _assert_sliced_equals_whole(ran, out, got, want_out, want)
+
+
+@pytest.mark.parametrize("metrics", [False, True])
+def test_a_strategy_with_no_logit_term_reports_its_metrics_over_slices(padded_kd, metrics):
+  """Feature distillation alone: the hard_ce it reports (and an eval's teacher_ce,
+  top1_agreement and logit_cosine) over vocabulary slices equal the whole logits' over the 40
+  token columns, and the loss and every gradient are the feature term's alone."""
+  _, rows, student, extras, batch, _ = padded_kd
+  features = FeaturePooling([(2, 3)])
+  want_out, want = _run(make_distill_objective(features, chunk_size=None, metrics=metrics),
+                        student, extras, batch, rows)
+  with token_loss_impl.recorded_choices() as ran:
+    out, got = _run(make_distill_objective(features, sliced=True, metrics=metrics), student,
+                    extras, batch, rows)
+  assert ("teacher_ce" in out.sums) == metrics and "hard_ce" in out.sums
+  _assert_sliced_equals_whole(ran, out, got, want_out, want)
 
 
 def _assert_sliced_equals_whole(ran, out, got, want_out, want):

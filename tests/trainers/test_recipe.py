@@ -45,6 +45,16 @@ def test_each_trainer_name_is_its_recipe():
   assert recipe_for(config).objective() is lm_objective
 
 
+def test_auto_runs_a_distill_jobs_logit_terms_or_their_absence_over_vocabulary_slices():
+  """train.loss_impl='auto': one LogitKD, or feature distillation alone (its hard_ce metric),
+  is the slices' (framework/vocab_slices.py)."""
+  for logit, features in ((1.0, 0.0), (0.0, 0.5)):
+    config = distill.get_config("tiny")
+    config.distill.logit.weight, config.distill.feature_pooling.weight = logit, features
+    recipe = recipe_for(config)
+    assert recipe.loss_impl == "sliced" and recipe.sliced_strategy()
+
+
 def test_a_recipe_that_names_no_objective_says_so():
   class NoObjective(Recipe):
     pass
