@@ -6,8 +6,9 @@ traced token loss ran, for `plan`.
 - 'sliced': the vocabulary-slice engine (vocab_slices.py), faster on a TPU, for the losses it
   computes (next-token CE; one LogitKD from a live teacher, a hidden-state cache's head, a
   top-k cache or several teachers; on-policy GeneralizedJSD or SampledTokenKL), with the
-  metrics of their train and eval objectives, over any student output layer (soft-capped, fake-quantized
-  or adapted). vocab_chunks.py's docstring says what stays on the chunk engine, and why.
+  metrics of their train and eval objectives, over any student output layer (soft-capped,
+  fake-quantized or adapted). vocab_chunks.py's docstring says what stays on the chunk engine,
+  and why.
 - 'auto' (the default): 'sliced' where it may run, else 'chunked'.
 
 'tokamax' (tokamax 0.0.12's fused `linear_softmax_cross_entropy_loss`) was removed: on a TPU v5e

@@ -1,4 +1,6 @@
-"""Several teachers (multi_teacher.py): mixture and routing against single-teacher KD and numpy."""
+"""Several teachers (multi_teacher.py): mixture and routing against single-teacher KD and numpy,
+over vocabulary slices against the chunk engine, and over a recipe's token rows through every
+engine against numpy."""
 
 import functools
 
@@ -175,7 +177,7 @@ def test_a_teacher_padded_past_the_students_vocabulary_is_cut_to_it(models):
     SINGLE(student, {"teacher": narrow}, h.to_jnp(batch), None)
 
 
-# ---- several teachers over vocabulary slices (framework/slice_teachers.py) ------------------------
+# ---- several teachers over vocabulary slices (framework/slice_teachers.py) -----------------------
 
 def _value_and_grads(objective, student, extras, batch):
   """(output, gradients by parameter path) of the loss sum."""

@@ -2,8 +2,9 @@
 a padded vocabulary, the next-token CE and LogitKD of both vocabulary engines (token chunks and
 vocabulary slices) and of the whole-logits path equal float64 numpy over the first `rows`
 columns, their gradients equal the whole logits', and the padded rows of the output layer get
-no gradient. Outside a
-recipe's objective (no rows active) nothing changes."""
+no gradient; so do the eval objectives' logit metrics, a hidden-state cache's head and a
+strategy with no logit term over slices. Outside a recipe's objective (no rows active) nothing
+changes."""
 
 import jax
 import jax.numpy as jnp
