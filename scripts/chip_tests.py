@@ -86,6 +86,16 @@ SELECTION = (
     ("tests/framework/test_token_rows.py::test_logit_kd_masks_the_same_rows_of_both_models",
      "LogitKD over the token columns of both models, whole, chunked and sliced, against float64 "
      "numpy"),
+    ("tests/framework/test_slice_metrics.py::test_metrics_equal_numpy_over_whole_logits",
+     "the metrics that ride the slices' first pass (teacher NLL, argmax agreement, logit cosine, "
+     "KL at T = 1) against float64 numpy over whole logits: the TPU's exp and log"),
+    ("tests/distill/on_policy/test_sliced.py::"
+     "test_sliced_scoring_equals_whole_logits_and_the_chunk_engine",
+     "on-policy scoring over vocabulary slices (auto's engine for it) against whole logits and "
+     "the chunk engine: loss and gradients"),
+    ("tests/distill/test_multi_teacher.py::"
+     "test_several_teachers_over_slices_equal_the_chunk_engine",
+     "several teachers folded per slice (mixture and routing) against the chunk engine"),
 )
 TPU_BUDGET_S = 270.0
 HUNG_S = 180  # a test still running after this long gets its stacks printed
