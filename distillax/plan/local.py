@@ -65,7 +65,7 @@ def flops_check(recipe: Recipe, engine, compiled_per_device: float,
       cfg, recipe.batch_size, recipe.seq_len, recipe.teacher_model_config,
       remat=str(getattr(cfg, "remat", "none")), fused=fused,
       sliced=getattr(recipe, "loss_impl", "") == "sliced" and not recompute_merged,
-      sliced_shape=recipe.loss_shape() if hasattr(recipe, "loss_shape") else None,
+      sliced_shape=getattr(recipe, "loss_shape", None),
       weights_train=base_trains,
       adapter_params=0 if base_trains else sum(x.size for x in trained))) / devices
   expected_ratio = compiled_per_device / expected

@@ -139,6 +139,9 @@ class Recipe:
   # Model FLOPs of step_flops() that a program other than the compiled train step runs (an
   # on-policy sampler on devices of its own): plan checks the step's HLO against the rest.
   step_flops_elsewhere: float = 0.0
+  # (rows, positions) the step's token losses score where they are not its batch (on-policy's
+  # samples: prompt + completion); None: the batch. plan sizes the sliced engine's recompute by it.
+  loss_shape: tuple[int, int] | None = None
   # The eval figures the rollback guard may watch (train.rollback_metric), each with a direction
   # in framework/eval_rules.py; the first is the job's own (the default): the figure its
   # objective lowers. Next-token training lowers the CE, so its perplexity. eval.generate adds
@@ -256,10 +259,6 @@ class Recipe:
     if self.generation_eval is not None:
       engines.add_extra_eval(self.generation_eval)
     return engines
-
-  def loss_shape(self) -> tuple[int, int]:
-    """(rows, positions) one step's token losses score: its batch."""
-    return self.batch_size, self.seq_len
 
   def step_flops(self) -> float:
     """Model FLOPs of one train step (forward + backward, a frozen teacher's forward)."""

@@ -157,6 +157,8 @@ class OnPolicyRecipe(DistillRecipe):
     # A plain student samples from its matmul weights cast to bf16 once, before the decode loop.
     plain = self.transforms.qat is None and self.transforms.lora is None
     self.settings = dataclasses.replace(self.settings, cast_weights=plain)
+    # The samples a step scores: prompt + completion, less the last token's position.
+    self.loss_shape = (self.sampling_batch, self.prompt_len + self.settings.max_new_tokens - 1)
     if self.sampler_devices is not None:  # the sampler's devices run the step's decode
       width = self.prompt_len + self.settings.max_new_tokens - 1
       self.step_flops_elsewhere = flops.forward_flops(self.model_config, self.sampling_batch,
@@ -279,11 +281,6 @@ class OnPolicyRecipe(DistillRecipe):
         logging.info("on_policy: %d eval completions in %s", len(records), path)
       return result.figures
     return run
-
-  def loss_shape(self) -> tuple[int, int]:
-    """The samples scored in a step: prompt + completion, less the last token's position."""
-    return (self.batch_size * self.settings.num_samples,
-            self.prompt_len + self.settings.max_new_tokens - 1)
 
   def step_flops(self) -> float:
     return on_policy_step_flops(self.model_config, self.teacher_model_config,
