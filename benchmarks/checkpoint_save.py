@@ -16,7 +16,6 @@ bytes on disk. On a CPU: a check of the bookkeeping.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -66,10 +65,7 @@ def run(gib: float, n: int, root: Path, jsonl: Path | None) -> list[dict]:
            "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind}
     shutil.rmtree(path, ignore_errors=True)
     rows.append(row)
-    print(json.dumps(row), flush=True)
-    if jsonl is not None:
-      with jsonl.open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    common.emit_row(row, jsonl)
   return rows
 
 

@@ -29,7 +29,6 @@ interpreter: a check of the bookkeeping and the numbers, not of speed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -162,10 +161,7 @@ def run(shapes, tilings, reps: int, quick: bool, out_path: Path | None):
                 _max_rel(g, w) for g, w in zip(jax.tree.leaves(results[name]),
                                                jax.tree.leaves(want)))
         rows.append(row)
-        print(json.dumps(row), flush=True)
-        if out_path is not None:
-          with out_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        common.emit_row(row, out_path)
   return rows
 
 

@@ -21,7 +21,6 @@ Rows: seconds and GB/s. On a CPU the copies are memcpys: a check of the bookkeep
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -66,41 +65,38 @@ def _pinned(arrays):
   return [np.asarray(x) for x in moved]
 
 
-WAYS = {"serial": _serial, "async": _async, "pinned_host": _pinned}
+def _bf16_halves(arrays):
+  """Each fp32 array as its two bf16 halves (hi, lo): the same bytes in twice the arrays."""
+  split = jax.jit(lambda x: tuple(jax.lax.bitcast_convert_type(x, jnp.bfloat16)[..., j]
+                                  for j in (0, 1)))
+  return [h for x in arrays for h in split(x)]
+
+
+# way -> (what is done untimed to the fresh arrays first, the timed copy)
+WAYS = {"serial": (list, _serial), "async": (list, _async), "pinned_host": (list, _pinned),
+        "bf16_pairs": (_bf16_halves, _async)}
 
 
 def run(gib: float, n: int, jsonl: Path | None):
   elems = int(gib * 2**30 / 4 / n)
   total = 4 * elems * n
   rows = []
-  for i, (name, way) in enumerate([*WAYS.items(), ("bf16_pairs", None)]):
-    arrays = _fresh(n, elems, salt=i)
-    got = None
+  for i, (name, (prepare, copy)) in enumerate(WAYS.items()):
+    arrays = jax.block_until_ready(prepare(_fresh(n, elems, salt=i)))
     row = {"way": name, "arrays": n, "bytes": total, "backend": jax.default_backend(),
            "device_kind": jax.devices()[0].device_kind}
     try:
-      if way is None:
-        split = jax.jit(lambda x: tuple(jax.lax.bitcast_convert_type(x, jnp.bfloat16)[..., j]
-                                        for j in (0, 1)))
-        halves = [h for x in arrays for h in split(x)]
-        jax.block_until_ready(halves)
-        del arrays
-        start = time.perf_counter()
-        got = _async(halves)
-      else:
-        start = time.perf_counter()
-        got = way(arrays)
+      start = time.perf_counter()
+      got = copy(arrays)
       seconds = time.perf_counter() - start
       row.update(seconds=seconds, gb_per_s=total / seconds / 1e9,
                  host_bytes=int(sum(g.nbytes for g in got)))
+      del got
     except Exception as e:  # a way this runtime refuses: its row says why
       row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    del arrays
     rows.append(row)
-    print(json.dumps(row), flush=True)
-    if jsonl is not None:
-      with jsonl.open("a") as f:
-        f.write(json.dumps(row) + "\n")
-    got = None
+    common.emit_row(row, jsonl)
   return rows
 
 

@@ -213,6 +213,16 @@ def timed_rounds(steppers: Mapping[str, Callable], rows: Mapping[str, dict], *, 
     r["first_loss"], r["final_loss"] = r["losses"][0], r["losses"][-1]
 
 
+def emit_row(row: Mapping[str, Any], jsonl: str | Path | None = None) -> None:
+  """Prints a finished row as one JSON line and appends it to `jsonl` when given: a chip call
+  cut short keeps the rows it finished."""
+  line = json.dumps(row, default=_json_default)
+  print(line, flush=True)
+  if jsonl is not None:
+    with open(jsonl, "a") as f:
+      f.write(line + "\n")
+
+
 def paired_ratio(times: Mapping[str, list[float]], name: str, reference: str) -> float:
   """Median over rounds of time[name] / time[reference] (same round = same machine noise)."""
   return median([a / b for a, b in zip(times[name], times[reference])])
