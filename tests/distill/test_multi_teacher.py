@@ -17,6 +17,7 @@ from distillax.distill.teacher_head import TEACHER_HIDDEN, load_head
 from distillax.errors import ConfigError
 from distillax.framework import token_loss_impl, token_rows, vocab_slices
 from tests.distill import helpers as h
+from tests.support import chip
 from tests.support.models import NORMS_NEAR_ONE, random_model
 
 KD = LogitKD(temperature=2.0, alpha=0.7)
@@ -193,13 +194,13 @@ def _value_and_grads(objective, student, extras, batch):
 
 def _assert_same(got, want):
   (out, grads), (want_out, want_grads) = got, want
-  np.testing.assert_allclose(out.loss_sum, want_out.loss_sum, rtol=1e-5)
+  chip.assert_close(out.loss_sum, want_out.loss_sum, rtol=1e-5)
   assert sorted(out.sums) == sorted(want_out.sums)
   for k in out.sums:
-    np.testing.assert_allclose(out.sums[k], want_out.sums[k], rtol=1e-5, err_msg=k)
+    chip.assert_close(out.sums[k], want_out.sums[k], rtol=1e-5, err_msg=k)
   for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want_grads),
                           jax.tree.leaves(grads)):
-    np.testing.assert_allclose(g, w, atol=1e-5 * max(float(np.max(np.abs(w))), 1e-6),
+    chip.assert_close(g, w, atol=1e-5 * max(float(np.max(np.abs(w))), 1e-6),
                                err_msg=jax.tree_util.keystr(path))
 
 

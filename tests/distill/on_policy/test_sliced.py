@@ -19,6 +19,7 @@ from distillax.framework import token_loss_impl, vocab_chunks, vocab_slices
 from distillax.quant import LoRAParam, apply_lora
 from distillax.quant.lora import lora_weights
 from tests.distill import helpers as h
+from tests.support import chip
 from tests.support.models import NORMS_NEAR_ONE, random_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -48,18 +49,18 @@ def _score(leaf, student, teacher, batch, trained=nnx.Param, **kwargs):
 
 
 def _assert_same(out, grads, want_out, want_grads):
-  np.testing.assert_allclose(out.loss_sum, want_out.loss_sum, rtol=1e-5)
+  chip.assert_close(out.loss_sum, want_out.loss_sum, rtol=1e-5)
   assert float(out.tokens) == float(want_out.tokens)
   assert sorted(out.ratios) == sorted(want_out.ratios) and set(TOKEN_METRICS) <= set(out.ratios)
   for k in out.ratios:
-    np.testing.assert_allclose(out.ratios[k][0], want_out.ratios[k][0], rtol=1e-5, err_msg=k)
+    chip.assert_close(out.ratios[k][0], want_out.ratios[k][0], rtol=1e-5, err_msg=k)
   assert sorted(out.sums) == sorted(want_out.sums)
   for k in out.sums:
-    np.testing.assert_allclose(out.sums[k], want_out.sums[k], rtol=1e-5, err_msg=k)
+    chip.assert_close(out.sums[k], want_out.sums[k], rtol=1e-5, err_msg=k)
   flat, want_flat = (jax.tree_util.tree_leaves_with_path(g) for g in (grads, want_grads))
   for (path, g), (_, w) in zip(flat, want_flat):
     scale = max(float(np.max(np.abs(w))), 1e-6)
-    np.testing.assert_allclose(g, w, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+    chip.assert_close(g, w, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
   assert len(jax.tree.leaves(grads)) == len(jax.tree.leaves(want_grads)) > 0
 
 
