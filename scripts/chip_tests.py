@@ -89,6 +89,10 @@ SELECTION = (
     ("tests/framework/test_slice_metrics.py::test_metrics_equal_numpy_over_whole_logits",
      "the metrics that ride the slices' first pass (teacher NLL, argmax agreement, logit cosine, "
      "KL at T = 1) against float64 numpy over whole logits: the TPU's exp and log"),
+    ("tests/framework/test_slice_divergences.py",
+     "the jsd's terms over a slice against float64 numpy on a 200,000-column vocabulary with the "
+     "student near its teacher: the TPU's expm1 and log1p (its log/exp lost 3e-4 of the "
+     "gradient's scale in the earlier form, call 39)"),
     ("tests/distill/on_policy/test_sliced.py::"
      "test_sliced_scoring_equals_whole_logits_and_the_chunk_engine",
      "on-policy scoring over vocabulary slices (auto's engine for it) against whole logits and "
