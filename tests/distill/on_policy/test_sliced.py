@@ -60,7 +60,8 @@ def _assert_same(out, grads, want_out, want_grads):
   flat, want_flat = (jax.tree_util.tree_leaves_with_path(g) for g in (grads, want_grads))
   for (path, g), (_, w) in zip(flat, want_flat):
     scale = max(float(np.max(np.abs(w))), 1e-6)
-    chip.assert_close(g, w, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+    chip.assert_close(g, w, atol=1e-5 * scale, tpu=chip.F32_GRADS,
+                      err_msg=jax.tree_util.keystr(path))
   assert len(jax.tree.leaves(grads)) == len(jax.tree.leaves(want_grads)) > 0
 
 
