@@ -48,7 +48,9 @@ COMPILE_ONLY = {"llama3.2-1b": (1, 2048, {"remat": "full"}),
 MEASURED_COUNTS = (1, 2, 4, 8)
 COMPILE_COUNTS = {"llama3.2-1b": (1, 2, 4, 8, 64), "llama3.1-8b": (8, 64)}
 QUICK_MEASURED = {"tiny": (2, 32, {})}
-QUICK_COMPILE = {"demo_student": (1, 64, {})}
+# --quick checks the script (the smoke test): the compile-only path at one of demo_student's
+# six layers compiles in a quarter of the time (0.9 s against 3.9 s here), with the same checks.
+QUICK_COMPILE = {"demo_student": (1, 64, {"num_layers": 1})}
 QUICK_COUNTS = (2,)
 QUICK_COMPILE_STRATEGIES = ("fsdp",)
 
