@@ -98,7 +98,7 @@ def run_checks(rows: dict) -> list[dict]:
 def parse_args():
   parser = subproc.base_parser(__doc__.splitlines()[0])
   parser.add_argument("--model", choices=("tiny", "demo_student"), default=None,
-                      help="model preset (default demo_student; tiny, with one layer, with --quick)")
+                      help="model preset (default demo_student; with --quick, tiny: one layer)")
   parser.add_argument("--batch", type=int, default=None, help="global batch (sequences)")
   parser.add_argument("--seq-len", dest="seq_len", type=int, default=None)
   parser.add_argument("--reps", type=int, default=None, help="interleaved rounds")
