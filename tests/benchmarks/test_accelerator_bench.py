@@ -39,22 +39,13 @@ def forward_per_token(cfg, length: int) -> int:
   return 2 * matmul_params(cfg) + 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length
 
 
-# The suite's one-part XLA:CPU codegen (tests/conftest.py sets it in XLA_FLAGS only where jaxlib
-# knows the flag), which FAST_COMPILE leaves out: the quick run's eleven programs compile in two
-# threads beside the tracing, and their 32-part splits cost it about a quarter of its time here
-# (49-52 s against 33-39 s alone, the same figures).
-_ONE_PART = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if f.startswith("--xla_cpu_parallel_codegen_split_count=")]
-
-
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
   """One --quick run of the train, KD, on-policy, QLoRA and draft rows (one process, one
   probe)."""
   path = tmp_path_factory.mktemp("acc") / "acc.json"
-  flags = " ".join([FAST_COMPILE["XLA_FLAGS"], *_ONE_PART])
   proc = run(["--quick", "--rows", "train,kd,on_policy,qlora,draft", "--json", str(path),
-              "--threads", "2"], env={**os.environ, "XLA_FLAGS": flags})
+              "--threads", "2"], env={**os.environ, **FAST_COMPILE})
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   res = json.loads(path.read_text())
   return proc, res, {r["name"]: r for r in res["rows"]}

@@ -17,8 +17,11 @@ from collections.abc import Mapping
 # scripts also get the rest of the suite's cheap XLA:CPU compile, as tests/conftest.py set it
 # in XLA_FLAGS before this is imported (LLVM's expensive passes off; on jaxlib 0.10 the
 # elemental kernel emitters): attention_memory.py --quick compiled in 8.9 s of CPU instead of
-# 20.9 s. Not the simulated device count: each script sizes its own devices.
-_CHEAP_COMPILE = ("--xla_llvm_disable_expensive_passes", "--xla_cpu_use_fusion_emitters")
+# 20.9 s; and where jaxlib knows it, one codegen part per program instead of 32 (on 2 cores
+# their split only adds work: accelerator.py --quick compiled its eleven programs in 33-39 s
+# instead of 49-52 s). Not the simulated device count: each script sizes its own devices.
+_CHEAP_COMPILE = ("--xla_llvm_disable_expensive_passes", "--xla_cpu_use_fusion_emitters",
+                  "--xla_cpu_parallel_codegen_split_count")
 FAST_COMPILE = {"XLA_FLAGS": " ".join(
     ["--xla_backend_optimization_level=0"]
     + [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] in _CHEAP_COMPILE])}
