@@ -18,12 +18,13 @@ Tolerances on a TPU, and why:
   error expected of float32 arithmetic summed over up to a few thousand terms, and 40x under
   bfloat16's (a kernel that silently ran float32 in one bf16 pass, ~4e-3, fails).
 - A whole model's float32 gradients compared engine against engine (F32_GRADS = 3e-4): each
-  engine on the chip is itself ~1e-4 of each gradient's scale off the CPU's (call 39: on-policy
-  forward KL through the whole logits 1.0e-4, over slices 8.9e-5; the jsd's 4.6e-5 and, over
-  slices, 1.0e-4 after the jsd's terms were formed from the logits' difference, call 40), so two
-  of them differ by up to twice that; the jsd's per-column terms on the TPU's exp, expm1 and
-  log1p alone were 1.1e-4 of the gradient's scale off float64 (call 40). Still 13x under a
-  bfloat16 pass's ~4e-3.
+  engine on the chip is itself up to ~1e-4 of each gradient's scale off the CPU's (call 39:
+  on-policy forward KL through the whole logits 1.0e-4, over slices 8.9e-5; the jsd through the
+  whole logits 4.6e-5), so two of them differ by up to twice that. The jsd over slices against
+  the whole logits on the chip: 1.0e-4 and 1.1e-4 once its terms came from the logits'
+  difference (call 40; 3.0e-4 before); its per-column terms on the TPU's exp, expm1 and log1p
+  alone were 1.1e-4 of the gradient's scale off float64 (call 40). Still 13x under a bfloat16
+  pass's ~4e-3.
 - bfloat16 runs at the default precision, as a training step does: the MXU multiplies bf16
   exactly and sums in float32; what is lost is each rounding to bf16 (probabilities, hidden
   activations, the kernels' outputs: 2^-9 relative each). Compared with the float32 result of
