@@ -7,7 +7,8 @@ BIN := $(VENV)/bin
 WORKDIR ?= runs/demo
 PYTEST_ARGS ?=
 # Two test processes keep both cores of a small machine busy (XLA compiles on one core); whole
-# files go to one worker (--dist loadfile) so module fixtures are built once, and a worker that
+# files go to one worker (--dist loadfile) so module fixtures are built once, the heaviest files
+# first (--no-loadscope-reorder keeps tests/support/schedule.py's order), and a worker that
 # crashes fails the run at once (--max-worker-restart=0) instead of being replaced.
 TEST_WORKERS ?= 2
 
@@ -84,7 +85,7 @@ docs: $(VENV)/.docs
 # worker would otherwise rewrite every test module's asserts anew (~9 s a worker), and each of
 # the suite's CLI and benchmark subprocesses compile distillax's modules from source again.
 test: $(VENV)/.test
-	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0 $(PYTEST_ARGS)
 
 # Newest releases inside pyproject's ranges (no constraints file), without the hf and edge extras
 # (a newer torch is a multi-GB CUDA build; llama-cpp-python compiles). The venv is kept and

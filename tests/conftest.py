@@ -81,3 +81,9 @@ assert not _ON_CPU or _preset_devices(["--devices=8"]) is None
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_modifyitems(config, items):
+  """The heaviest files first (tests/support/schedule.py says why)."""
+  from tests.support.schedule import heaviest_first
+  heaviest_first(items)
