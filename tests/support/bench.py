@@ -64,9 +64,11 @@ def run_script_here(script, argv) -> tuple[int, str]:
   """Runs benchmarks/<script> as `python script *argv` would, inside this test process: its
   prologue accepts the running JAX when the device count is the one the script asks for (the
   suite's 8), so it shares this process's imports and compiled programs instead of starting a
-  new interpreter and JAX. Returns the exit status and what it printed."""
+  new interpreter and JAX; what it changes of argv, sys.path and the environment (variables a
+  script sets for its own children) is put back after it. Returns the exit status and what it
+  printed."""
   printed = io.StringIO()
-  saved_argv, saved_path = sys.argv, list(sys.path)
+  saved_argv, saved_path, saved_env = sys.argv, list(sys.path), dict(os.environ)
   sys.argv = [str(script), *map(str, argv)]
   try:
     with contextlib.redirect_stdout(printed):
@@ -76,4 +78,6 @@ def run_script_here(script, argv) -> tuple[int, str]:
     status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
   finally:
     sys.argv, sys.path[:] = saved_argv, saved_path
+    os.environ.clear()
+    os.environ.update(saved_env)
   return status, printed.getvalue()
