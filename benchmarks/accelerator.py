@@ -89,9 +89,10 @@ ROWS = (
         "frees the memory fp32 master weights and their Adam state take"),
     Row("kd", "real", (f"kd:full:4{S}", f"kd:full:6{S}"),
         "LogitKD (T=2, alpha 0.7) with the teacher in the step"),
-    Row("kd_int8_teacher", "real", (f"kd:full:6{S}:teacher_int8=True",
-                                    "kd:full:6:teacher_int8=True",
-                                    f"kd:full:4{S}:teacher_int8=True"),
+    # 4 rows first: 14,313 tokens/s on the chip against 6 rows' 14,260 (58fbf0d), in less memory.
+    Row("kd_int8_teacher", "real", (f"kd:full:4{S}:teacher_int8=True",
+                                    f"kd:full:6{S}:teacher_int8=True",
+                                    "kd:full:6:teacher_int8=True"),
         "the KD step with the frozen teacher's matmuls in int8 (teacher.int8: per-channel "
         "weights, per-token activations; the sliced loss keeps its head in bf16)"),
     Row("qat_kd", "real", (f"kd:full:4{S}:qat=q4_0",),
