@@ -142,7 +142,9 @@ class Variant:
   # W + s A B: quant/lora_matmul.BACKWARD_MERGED); on_policy's new_tokens, micro and
   # kv_int8=True (its sampler's KV cache in int8; on_policy_lever.py);
   # opt_state_dtype=bfloat16 (optimizer.state_dtype: Adam's moments in bf16);
-  # q8_0_kernel=NAME (QAT's q8_0 activation kernel on a TPU: quant/q8_0_kernel.KERNEL).
+  # q8_0_kernel=NAME (QAT's q8_0 activation kernel on a TPU: quant/q8_0_kernel.KERNEL);
+  # compile_effort=E (XLA's exec_time_optimization_effort for the step, -1..1: what a cheaper
+  # compile costs the step's speed).
   options: tuple[tuple[str, str], ...] = ()
 
   @classmethod
@@ -175,7 +177,7 @@ class Variant:
     special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_moe_impl", "pair",
                "qat", "teacher_int8", "lora", "lora_dropout", "new_tokens", "micro",
                "opt_state_dtype", "kv_int8", "ttt", "draft_vocab", "lora_bwd",
-               "q8_0_kernel")
+               "q8_0_kernel", "compile_effort")
     out = {"remat": self.remat}
     for k, v in self.options:
       if k not in special:
@@ -326,8 +328,10 @@ def transformed(v: Variant, student, tiny: bool = False):
 
 def compile_timed(low: Lowered):
   """The step compiled (timed), and an on-policy variant's sampling program with it."""
+  effort = low.variant.option("compile_effort")
+  options = {"exec_time_optimization_effort": float(effort)} if effort is not None else None
   t0 = time.perf_counter()
-  exe = low.lowered.compile()
+  exe = low.lowered.compile(compiler_options=options)
   seconds = time.perf_counter() - t0
   if low.sampler is not None:
     low.sampler_exe = low.sampler.compile()
