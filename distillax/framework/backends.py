@@ -96,12 +96,6 @@ class StepRunner:
       self.program.executable  # noqa: B018 - reading it waits
     return self
 
-  def wait_compiled(self) -> None:
-    """Returns once the step's compile has ended, raising nothing and logging nothing (the
-    eval's compile ahead waits here: eval_programs.compile_ahead)."""
-    if self.program is not None:
-      self.program.wait_compiled()
-
   def compiled_text(self) -> str:
     """The optimised, partitioned HLO of the step that runs (what plan and the collective
     counts read); an error rather than an empty text when nothing was compiled."""

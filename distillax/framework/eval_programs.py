@@ -6,9 +6,9 @@ teacher metrics are among them) and the eager adds that total those sums over th
 compiles on its first call, so a run's first eval used to compile them there, after everything
 else: on the lent TPU v5e, distill_qwen3.py's eval at step 2 took 21 s, most of it compiling.
 
-`compile_ahead(engine, batches, after)` starts that work on the step compile's worker threads
-(step_program.in_background) when the run starts: once `after()` returns (the trainer passes
-the wait for its first step's compile), it reads the first batch of `batches()`, lowers the sums for the
+`compile_ahead(engine, batches)` starts that work on the step compile's worker threads
+(step_program.in_background) when the run starts, beside the train step's compile and the
+creation of the models: it reads the first batch of `batches()`, lowers the sums for the
 engine's state layout and that batch, compiles them, and (one process) runs the adds once on
 zeros of the sums' shapes and shardings, which is what compiles an eager op. The eval then
 calls the executable compiled ahead whenever its arguments have the shapes, dtypes and
@@ -80,17 +80,12 @@ def sums_program(engine) -> EvalProgram:
   return program(engine, "sums", make_eval_step(engine.layout.defs, engine.objective))
 
 
-def compile_ahead(engine, batches: Callable[[], Iterable[Mapping[str, np.ndarray]]],
-                  after: Callable[[], Any] = lambda: None) -> None:
+def compile_ahead(engine, batches: Callable[[], Iterable[Mapping[str, np.ndarray]]]) -> None:
   """Compiles `engine`'s eval programs in the background for the first batch of `batches()`
-  (host numpy batches, as `evaluate` takes them), once `after()` has returned: see the module's
-  doc. Returns at once."""
+  (host numpy batches, as `evaluate` takes them): see the module's doc. Returns at once."""
   sums = sums_program(engine)
   if sums.pending is None and not sums.ahead:
-    def work():
-      after()
-      _compile(engine, sums, batches)
-    sums.pending = step_program.in_background(work)
+    sums.pending = step_program.in_background(lambda: _compile(engine, sums, batches))
 
 
 def _compile(engine, sums: EvalProgram, batches) -> None:

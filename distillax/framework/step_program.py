@@ -118,11 +118,6 @@ class AotStep:
     """Whether the compile has finished (without waiting)."""
     return self._future.done()
 
-  def wait_compiled(self) -> None:
-    """Returns once the compile has ended, well or not, without reading its result: whatever
-    waits here neither raises its error nor logs its figures (the first reader does)."""
-    concurrent.futures.wait([self._future])
-
   @property
   def executable(self):
     return self._result()[0]

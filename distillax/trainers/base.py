@@ -132,7 +132,7 @@ class Trainer:
     check_not_foreign(workdir_state)  # after the config's own errors, before checkpoints/
     ckpt = open_checkpointer(self.workdir, c.checkpoint, guard.metric,
                              higher_is_better=guard.direction == HIGHER)
-    compile_first_eval(self.recipe, self.engines, ckpt.latest_step() or 0)  # after the step's
+    compile_first_eval(self.recipe, self.engines, ckpt.latest_step() or 0)  # beside the step's
     startup.mark("data")
     try:
       run = self._start_and_claim(ckpt, train_it, guard, workdir_state)

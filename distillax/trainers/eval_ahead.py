@@ -2,11 +2,11 @@
 
 A run evaluates every `train.eval_every` steps and at `train.steps`; its first eval used to
 compile the eval's programs there, after the train step's compile and the models' creation
-(on the lent TPU v5e, 21 s to the end of distill_qwen3.py's eval at step 2). They compile in the
-background once the first step's compile has ended, beside the models' creation and the first
-steps, and the first eval runs them. Not beside the step's compile: XLA's compiles share the
-host's cores, and on the chip's 13 the KD step, 17.6 s alone (tpu_levers, call 44), took 24.7 s
-beside the eval's 15.9 s and the models' init (call 37), all of it before the first step.
+(on the lent TPU v5e, 21 s to the end of distill_qwen3.py's eval at step 2). Started with the
+step's background compile, they compile beside it and the first eval runs them. After it instead
+(chip call 45), the step compiled in 23.0 s rather than 24.7 (17.6 alone: the models' init
+compiles beside it too), but the eval at step 2 then waited 8 s for its own compile: beside it
+stays.
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ def first_eval_step(config, start_step: int) -> int | None:
 
 def compile_first_eval(recipe, engines, start_step: int) -> None:
   """Starts compiling the programs of the session's first eval (on the engine that serves that
-  step, with the recipe's eval batches) in the background, after the compile of the step the
-  session starts with; returns at once. `start_step`: the newest checkpoint's step (0 for a fresh
-  run); should the session start elsewhere (an unreadable newest checkpoint, a rollback), an eval
-  that finds nothing compiled for it compiles as before."""
+  step, with the recipe's eval batches) in the background; returns at once. `start_step`: the
+  newest checkpoint's step (0 for a fresh run); should the session start elsewhere (an unreadable
+  newest checkpoint, a rollback), an eval that finds nothing compiled for it compiles as before."""
   at = first_eval_step(recipe.config, start_step)
   if at is not None:
-    compile_ahead(engines.at(at), recipe.eval_iterator,
-                  after=engines.at(start_step).runner.wait_compiled)
+    compile_ahead(engines.at(at), recipe.eval_iterator)

@@ -1,7 +1,7 @@
 """The eval's programs compiled ahead of the first eval (framework/eval_programs.py): that eval
 compiles nothing and gives, to the last digit, the numbers of an eval that compiles its own
-programs; batches of another shape still evaluate (compiling theirs); a failure ahead of the
-eval is left to the eval; and the compile waits for what it is told to come after."""
+programs; batches of another shape still evaluate (compiling theirs); and a failure ahead of the
+eval is left to the eval."""
 
 import numpy as np
 import pytest
@@ -69,23 +69,3 @@ def test_signature_tells_apart_what_selects_another_executable():
   assert same == eval_programs.signature((state, engine.runner.place_batch(batches[1])))
   other = {**placed, "loss_mask_BxL": placed["loss_mask_BxL"].astype(np.float16)}
   assert same != eval_programs.signature((state, other))
-
-
-def test_the_eval_compiles_after_what_it_is_told_to_wait_for():
-  """The trainer passes the wait for its first step's compile (trainers/eval_ahead.py): the
-  eval's compile starts (reading its first batch) only once that wait has returned."""
-  (engine,), state, batches = _engines_and_state(1)
-  events = []
-
-  def step_compiled():
-    events.append("waited")
-
-  def eval_batches():
-    events.append("eval batches read")
-    return iter(batches)
-  eval_programs.compile_ahead(engine, eval_batches, after=step_compiled)
-  step_program.wait_for_pending()
-  assert events == ["waited", "eval batches read"], events
-  with Compiles() as during:
-    evaluation.evaluate(engine, state, batches)
-  assert during.names == [], during.names
