@@ -305,3 +305,23 @@ def test_rows_from_several_chip_calls_keep_the_newest_and_say_which_are_stale(tm
   table = accelerator_table.readme_table(out)
   assert "| kd (real; at aaa111) | 8 x 2048, full | 500 | 50 |" in table
   assert "| train (real) | 8 x 2048, full | 500 | 95 |" in table
+
+
+def test_the_benchmarks_models_start_from_the_trainers_weights():
+  """lever_grid.ModelFactory compiles its init as models/init.create_model does (least effort,
+  concrete counters): the benchmark's student and teacher are the weights a job of the same
+  config and seed starts from."""
+  import jax
+  from flax import nnx
+
+  from benchmarks.lib import lever_grid
+  from distillax.models.init import create_model
+  pair = lever_grid.pair_configs("real", tiny=True)
+  for cfg in (pair["student"], pair["teacher"]):
+    cfg = lever_grid.init_config(cfg)
+    got = jax.tree.leaves(nnx.to_pure_dict(nnx.state(lever_grid.ModelFactory(cfg).make())))
+    want = jax.tree.leaves(nnx.to_pure_dict(nnx.state(create_model(cfg, seed=0))))
+    assert len(got) == len(want) > 10
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                 rtol=1e-6, atol=1e-7)
