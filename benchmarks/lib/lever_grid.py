@@ -25,9 +25,7 @@ from distillax.framework import backends, build_engine, flops, throughput
 from distillax.framework.vocab_chunks import AUTO
 from distillax.models import abstract_model, get_preset, param_count
 from distillax.models.config import COMPUTE, TransformerConfig, fields_of_kind
-from distillax.models.init import INIT_COMPILE_OPTIONS
-from distillax.models.layers import concrete_rngs
-from distillax.models.transformer import Transformer
+from distillax.models.init import init_program
 from distillax.quant import lora_matmul, q8_0_kernel, quantize_for_training
 from distillax.quant.int8_model import abstract_int8_model, int8_model
 from distillax.trainers import lm_objective
@@ -101,9 +99,8 @@ def one_chip(device=None):
 class ModelFactory:
   """A model's initialiser compiled once (timed: trace + lower, compile, first run), then run
   again for every state that needs fresh weights (a donated state takes its model's buffers).
-  Compiled as the trainer compiles its own (models/init.py: least effort, concrete counters): on
-  the lent v5e the default effort spent 17.8 s (student) and 22.1 s (teacher) of a chip call's
-  time compiling the two (call 44), the same weights."""
+  The trainer's init program (models/init.init_program: least effort): compiled at the default
+  effort, the two models' init had spent 17.8 s (student) and 22.1 s (teacher) of chip call 44."""
 
   def __init__(self, cfg, seed: int = 0):
     mesh, rules = one_chip()
@@ -112,13 +109,9 @@ class ModelFactory:
     shardings = pt.tree_shardings(nnx.to_pure_dict(self.abstract_state),
                                   pt.logical_tree(self.abstract_state), mesh, rules)
 
-    def init_values():
-      return nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=concrete_rngs(seed))))
-
-    lowered = jax.jit(init_values, out_shardings=shardings,
-                      compiler_options=INIT_COMPILE_OPTIONS).lower()
+    lowered = init_program(shardings).lower(cfg, seed)
     t1 = time.perf_counter()
-    self.exe = lowered.compile()
+    self.exe = functools.partial(lowered.compile(), seed)  # the seed is its one argument
     t2 = time.perf_counter()
     jax.block_until_ready(self.exe())
     t3 = time.perf_counter()

@@ -71,6 +71,14 @@ def _init_values(config: TransformerConfig, seed: int) -> dict:
   return nnx.to_pure_dict(nnx.state(Transformer(config, rngs=concrete_rngs(jax.random.key(seed)))))
 
 
+def init_program(shardings=None):
+  """The jit that creates a model's every variable, called as `(config, seed)` (config static,
+  seed traced) and laid out as `shardings` (a pure dict like `_init_values`'s, or None): the one
+  create_model runs, and the one the benchmarks compile once to run again for fresh weights."""
+  return jax.jit(_init_values, static_argnums=0, out_shardings=shardings,
+                 compiler_options=INIT_COMPILE_OPTIONS)
+
+
 def create_model(config: TransformerConfig, *, mesh: Mesh | None = None, rules: RulesLike = None,
                  seed: int = 0) -> Transformer:
   """A freshly initialised model whose parameters are created already sharded on `mesh`.
@@ -83,7 +91,6 @@ def create_model(config: TransformerConfig, *, mesh: Mesh | None = None, rules: 
     shardings = pt.tree_shardings(nnx.to_pure_dict(abstract_state),
                                   pt.logical_tree(abstract_state),
                                   mesh, resolve_rules(rules))
-  values = jax.jit(_init_values, static_argnums=0, out_shardings=shardings,
-                   compiler_options=INIT_COMPILE_OPTIONS)(config, seed)
+  values = init_program(shardings)(config, seed)
   nnx.replace_by_pure_dict(abstract_state, values)
   return nnx.merge(graphdef, abstract_state)
