@@ -74,6 +74,11 @@ SELECTION = (
      "test_adapted_and_fake_quantized_heads_over_slices_equal_their_whole_logits",
      "train.loss_impl='sliced' over LoRA, QLoRA and QAT heads (the TPU's rounding of q4_0/q8_0 "
      "blocks) against the model's own whole logits: loss, trained gradients"),
+    ("tests/framework/test_vocab_stats_kernel.py::"
+     "test_loss_sums_and_gradients_equal_the_xla_pass",
+     "the cross-entropy statistics' Mosaic kernel (the sliced loss's forward on a TPU) at its "
+     "own tiles over Qwen3's 151,936 columns against the XLA pass over slices: loss, sums, "
+     "gradients, f32 and bf16, tied and untied, a padded table"),
     ("tests/framework/test_chunked_loss.py::"
      "test_chunked_lm_loss_equals_unchunked_values_and_gradients",
      "the vocabulary-chunk engine against whole logits: the TPU's f32 arithmetic"),

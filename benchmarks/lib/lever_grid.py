@@ -21,7 +21,7 @@ from distillax import partitioning as pt
 from distillax.configs import lora as lora_config
 from distillax.configs import qlora
 from distillax.distill import LogitKD, make_distill_objective
-from distillax.framework import backends, build_engine, flops, throughput
+from distillax.framework import backends, build_engine, flops, throughput, vocab_stats_kernel
 from distillax.framework.vocab_chunks import AUTO
 from distillax.models import abstract_model, get_preset, param_count
 from distillax.models.config import COMPUTE, TransformerConfig, fields_of_kind
@@ -143,7 +143,9 @@ class Variant:
   # opt_state_dtype=bfloat16 (optimizer.state_dtype: Adam's moments in bf16);
   # q8_0_kernel=NAME (QAT's q8_0 activation kernel on a TPU: quant/q8_0_kernel.KERNEL);
   # compile_effort=E (XLA's exec_time_optimization_effort for the step, -1..1: what a cheaper
-  # compile costs the step's speed).
+  # compile costs the step's speed); stats_kernel=xla|auto (the sliced loss's forward
+  # statistics: the XLA pass over the slices, or the Pallas kernel on a TPU,
+  # framework/vocab_stats_kernel.KERNEL), stats_tiles=ROWSxCOLUMNS (that kernel's tiles).
   options: tuple[tuple[str, str], ...] = ()
 
   @classmethod
@@ -176,7 +178,7 @@ class Variant:
     special = ("loss_impl", "chunk", "teacher_remat", "teacher_scan", "teacher_moe_impl", "pair",
                "qat", "teacher_int8", "lora", "lora_dropout", "new_tokens", "micro",
                "opt_state_dtype", "kv_int8", "ttt", "draft_vocab", "lora_bwd",
-               "q8_0_kernel", "compile_effort")
+               "q8_0_kernel", "compile_effort", "stats_kernel", "stats_tiles")
     out = {"remat": self.remat}
     for k, v in self.options:
       if k not in special:
@@ -270,8 +272,14 @@ def lower(v: Variant, pair: dict, tiny: bool = False, device=None) -> Lowered:
       mesh, rules, len(s.shape), s.shape)) for k, s in shapes.items()}
   abstract_state = backends.sharded_abstract_state(engine.layout)
   merged, kernel = lora_matmul.BACKWARD_MERGED, q8_0_kernel.KERNEL
+  stats = (vocab_stats_kernel.KERNEL, vocab_stats_kernel.TILE_ROWS,
+           vocab_stats_kernel.TILE_COLUMNS)
   lora_matmul.BACKWARD_MERGED = v.option("lora_bwd", "one") == "one"
   q8_0_kernel.KERNEL = v.option("q8_0_kernel", kernel)
+  vocab_stats_kernel.KERNEL = v.option("stats_kernel", stats[0])
+  if v.option("stats_tiles"):
+    vocab_stats_kernel.TILE_ROWS, vocab_stats_kernel.TILE_COLUMNS = (
+        int(t) for t in v.option("stats_tiles").split("x"))
   swapped = q8_0_kernel.KERNEL != kernel
   if swapped:  # the activations' custom VJP keeps its traced kernel in JAX's caches
     jax.clear_caches()
@@ -279,6 +287,8 @@ def lower(v: Variant, pair: dict, tiny: bool = False, device=None) -> Lowered:
     lowered = engine.runner.call.lower(abstract_state, abstract_batch)
   finally:
     lora_matmul.BACKWARD_MERGED, q8_0_kernel.KERNEL = merged, kernel
+    (vocab_stats_kernel.KERNEL, vocab_stats_kernel.TILE_ROWS,
+     vocab_stats_kernel.TILE_COLUMNS) = stats
     if swapped:
       jax.clear_caches()
   sampler = (on_policy_lever.lower_sampler(engine, v, student_cfg.vocab_size, abstract_state,

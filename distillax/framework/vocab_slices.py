@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax import custom_derivatives
 
 from distillax.framework import (slice_buckets, slice_divergences, slice_metrics, slice_targets,
-                                 slice_teachers)
+                                 slice_teachers, vocab_stats_kernel)
 from distillax.framework.slice_heads import (SLICE_BUDGET_BYTES, Head, new_columns, parts,
                                              slice_count, slice_size_for, sliced_parts, slices)
 from distillax.framework.slice_heads import logits as slice_logits
@@ -179,10 +179,14 @@ def _slice_logits(static, w_s, h_s, w_t, h_t, start):
 
 
 def _stats(static, w_s, h_s, w_t, h_t, targets_N):
-  """Per-token statistics after one pass over every slice."""
-  spec, size, axes, _, _, columns, t_static = static
-  count, starts = slices(w_s[0].shape[axes[0]], size)
+  """Per-token statistics after one pass over every slice (for cross-entropy alone, on a TPU:
+  one Pallas kernel over the whole vocabulary, vocab_stats_kernel.py)."""
+  spec, size, axes, dtype, cap, columns, t_static = static
   N = h_s[0].shape[0]
+  if t_static is None and not spec.top_k and vocab_stats_kernel.applies(N, len(w_s), cap):
+    return vocab_stats_kernel.ce_stats(w_s[0], axes[0], h_s[0], dtype, targets_N, columns,
+                                       spec.accuracy)
+  count, starts = slices(w_s[0].shape[axes[0]], size)
   neg = jnp.full((N,), -jnp.inf, jnp.float32)
   zero = jnp.zeros((N,), jnp.float32)
   init = {"m1": neg, "l1": zero, "target": zero}
