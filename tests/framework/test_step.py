@@ -1,10 +1,16 @@
-"""Pieces of the step: the token losses it sums and micro-batch splitting."""
+"""Pieces of the step: the token losses it sums, micro-batch splitting and the update norm it
+reports."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
-from distillax.framework import losses
+from distillax.framework import losses, optim
 from distillax.framework.step import split_microbatches
+from distillax.models.init import create_model
+from tests.support.engines import mesh_and_rules, packed_batches, tiny_engine
+from tests.support.models import TINY
 
 
 def test_cross_entropy_sums_match_numpy():
@@ -28,3 +34,43 @@ def test_microbatches_take_every_kth_row_and_cover_the_batch():
   micro = split_microbatches(batch, 4)
   assert micro["x"].shape == (4, 2, 3)
   np.testing.assert_array_equal(micro["x"][:, :, 0], [[0, 4], [1, 5], [2, 6], [3, 7]])
+
+
+def test_update_norm_is_the_norm_of_the_updates_optax_gives():
+  """The step reports update_norm as the norm of the change the fp32 master weights took (so
+  XLA keeps each parameter's Adam update in one pass, framework/step.py): for AdamW with
+  clipping and masked decay, over parameters of a model's scale (0.02) and updates ~1e-3 of
+  them, that is the norm of optax's own updates within 1e-5 relative."""
+  keys = jax.random.split(jax.random.key(0), 4)
+  params = {"embed": jax.random.normal(keys[0], (512, 64)) * 0.02,
+            "layer": {"w": jax.random.normal(keys[1], (64, 256)) * 0.02,
+                      "norm": jnp.ones((64,))}}
+  grads = jax.tree.map(lambda p, k: jax.random.normal(k, p.shape) * 0.1, params,
+                       {"embed": keys[2], "layer": {"w": keys[3], "norm": keys[3]}})
+  cfg = optim.default_optimizer_config()
+  cfg.warmup_steps = 0
+  tx, _ = optim.make_optimizer(cfg, 10, params)
+  state = tx.init(params)
+  for _ in range(3):  # past the first step, where Adam's update is sign(g)
+    updates, state = tx.update(grads, state, params)
+    new = optax.apply_updates(params, updates)
+    applied = jax.tree.map(jnp.subtract, new, params)
+    np.testing.assert_allclose(optax.tree.norm(applied), optax.tree.norm(updates), rtol=1e-5)
+    params = new
+
+
+def test_the_steps_update_norm_is_the_change_its_parameters_took():
+  """Through the compiled step (8 devices, dp): update_norm equals the norm of the difference
+  between the parameters before and after the step, taken on the host in float64."""
+  batches = packed_batches(3)
+  mesh, rules = mesh_and_rules("dp", 8)
+  model = create_model(TINY, mesh=mesh, rules=rules, seed=0)
+  engine = tiny_engine(model, batches[0], mesh, rules, steps=3)
+  state = engine.init_state(model, {}, seed=0)
+  for batch in batches:
+    before = jax.device_get(engine.runner.fetch_state(state).params)
+    state, metrics = engine.runner(state, engine.runner.place_batch(batch))
+    after = jax.device_get(engine.runner.fetch_state(state).params)
+    change = np.sqrt(sum(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
+                         for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before))))
+    np.testing.assert_allclose(float(metrics["update_norm"]), change, rtol=1e-5)
