@@ -39,7 +39,7 @@ from distillax.models.attention.impl import compile_platform
 
 LANES = 128
 TILE_ROWS = 1024  # positions per row tile (the weight is read once per row tile)
-TILE_COLUMNS = 512  # vocabulary columns per tile
+TILE_COLUMNS = 1024  # vocabulary columns per tile (chip call 48: 545 ms against 550 at 512)
 VMEM_LIMIT_BYTES = 64 * 2**20
 KERNEL = "auto"  # 'auto' (a TPU), 'xla' (never), 'interpret' (anywhere, interpreted)
 _NO_COLUMN = 2**31 - 1
