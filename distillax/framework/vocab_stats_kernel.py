@@ -1,7 +1,6 @@
 """The forward statistics of next-token cross-entropy over the whole vocabulary as one Pallas
-kernel on a TPU: per position, the logits' maximum, the sum of exp(logit - maximum) and (for
-accuracy) the first argmax, without the logits ever leaving the chip's VMEM; the target's logit
-beside it, from the target's row of the weight.
+kernel on a TPU: per position, the logits' maximum, the sum of exp(logit - maximum), the target's
+logit and (for accuracy) the first argmax, without the logits ever leaving the chip's VMEM.
 
 Why. The sliced engine's forward pass (vocab_slices._stats) writes each slice's fp32 logits to
 HBM and reads them back twice, once for the maximum (with its index) and once for the sum of
@@ -66,45 +65,36 @@ def applies(n_rows: int, n_parts: int, softcap) -> bool:
   return one_device and compile_platform() == "tpu"
 
 
-def _kernel(h_ref, w_ref, m_ref, l_ref, a_ref, *, columns, tile_columns, vocab_axis,
-            accuracy):
+def _kernel(h_ref, w_ref, y_ref, m_ref, l_ref, t_ref, a_ref, *, columns, tile_columns,
+            vocab_axis, accuracy):
   j = pl.program_id(1)
 
   @pl.when(j == 0)
   def _():
     m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    t_ref[...] = jnp.zeros(t_ref.shape, jnp.float32)
     a_ref[...] = jnp.zeros(a_ref.shape, jnp.int32)
 
   h = h_ref[...]
   w = w_ref[...].astype(h.dtype)
   contract = ((1,), (1,)) if vocab_axis == 0 else ((1,), (0,))
   z = jax.lax.dot_general(h, w, (contract, ((), ())), preferred_element_type=jnp.float32)
-  col_J = jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)  # the column within this tile
-
-  def update(z):
-    m_old = m_ref[...]  # (rows, 128), every lane the same
-    z_max = jnp.max(z, axis=1, keepdims=True)
-    m_new = jnp.maximum(m_old, z_max)
-    sum_exp = jnp.sum(jnp.exp(z - m_new[:, :1]), axis=1, keepdims=True)
-    l_ref[...] = l_ref[...] * jnp.exp(m_old - m_new) + sum_exp
-    m_ref[...] = m_new
-    if accuracy:  # the first maximum: this tile's earliest, kept if strictly above the last
-      first = jnp.min(jnp.where(z == z_max, col_J, _NO_COLUMN), axis=1, keepdims=True)
-      a_ref[...] = jnp.where(z_max > m_old, first + j * tile_columns, a_ref[...])
-
-  # Only the tiles that reach past `columns` (a padded vocabulary's columns, or the last
-  # tile's reads past the weight) pay for a mask: the others run the epilogue bare, which is
-  # what keeps the vector units behind the MXU.
-  whole = columns // tile_columns
-
-  @pl.when(j < whole)
-  def _():
-    update(z)
-
-  @pl.when(j >= whole)
-  def _():
-    update(jnp.where(col_J < columns - j * tile_columns, z, -jnp.inf))
+  cols = j * tile_columns + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+  # Columns past `columns`: a padded vocabulary's, or the last tile's reads past the weight.
+  valid = cols < columns
+  z = jnp.where(valid, z, -jnp.inf)
+  m_old = m_ref[...]  # (rows, 128), every lane the same
+  z_max = jnp.max(z, axis=1, keepdims=True)
+  m_new = jnp.maximum(m_old, z_max)
+  sum_exp = jnp.sum(jnp.exp(z - m_new[:, :1]), axis=1, keepdims=True)
+  l_ref[...] = l_ref[...] * jnp.exp(m_old - m_new) + sum_exp
+  m_ref[...] = m_new
+  hit = (cols == y_ref[...][:, :1]) & valid
+  t_ref[...] = t_ref[...] + jnp.sum(jnp.where(hit, z, 0.0), axis=1, keepdims=True)
+  if accuracy:  # the first maximum: the earliest column of this tile's, kept if strictly higher
+    first = jnp.min(jnp.where(z == z_max, cols, _NO_COLUMN), axis=1, keepdims=True)
+    a_ref[...] = jnp.where(z_max > m_old, first, a_ref[...])
 
 
 def ce_stats(w, vocab_axis: int, h_NxD, dtype, targets_N, columns: int,
@@ -112,44 +102,36 @@ def ce_stats(w, vocab_axis: int, h_NxD, dtype, targets_N, columns: int,
   """{'m1', 'l1', 'target'} (and 'best', 'arg' with accuracy) per position, as
   vocab_slices._stats carries them: the fp32 logits' maximum over the first `columns` columns,
   the sum of exp(logit - maximum), the target's logit (0 for a target outside them), and the
-  first argmax. w: (V, D) at vocab_axis 0, (D, V) at 1. The target's logit is one row of the
-  weight per position, multiplied outside the kernel: the same bf16 products the matmul sums
-  (in another order), for a fraction of the per-column work a comparison inside would cost."""
+  first argmax. w: (V, D) at vocab_axis 0, (D, V) at 1."""
   V = w.shape[vocab_axis]
-  dt = jnp.dtype(dtype)
-  h_NxD = h_NxD.astype(dt)
-  out = _ce_stats(w, h_NxD, vocab_axis=vocab_axis, columns=columns, accuracy=accuracy,
-                  interpret=KERNEL == "interpret", tn=tile_rows_for(h_NxD.shape[0]),
-                  tv=min(TILE_COLUMNS, -(-V // LANES) * LANES))
-  y_N = targets_N.astype(jnp.int32)
-  rows = jnp.take(w, jnp.clip(y_N, 0, V - 1), axis=vocab_axis, mode="clip")
-  rows_NxD = (rows if vocab_axis == 0 else rows.T).astype(dt).astype(jnp.float32)
-  target_N = jnp.sum(h_NxD.astype(jnp.float32) * rows_NxD, axis=-1)
-  out["target"] = jnp.where((y_N >= 0) & (y_N < columns), target_N, 0.0)
-  return out
+  return _ce_stats(w, h_NxD.astype(jnp.dtype(dtype)), targets_N.astype(jnp.int32),
+                   vocab_axis=vocab_axis, columns=columns, accuracy=accuracy,
+                   interpret=KERNEL == "interpret", tn=tile_rows_for(h_NxD.shape[0]),
+                   tv=min(TILE_COLUMNS, -(-V // LANES) * LANES))
 
 
 @functools.partial(jax.jit, static_argnames=("vocab_axis", "columns", "accuracy", "interpret",
                                              "tn", "tv"))
-def _ce_stats(w, h_NxD, *, vocab_axis, columns, accuracy, interpret, tn, tv):
+def _ce_stats(w, h_NxD, targets_N, *, vocab_axis, columns, accuracy, interpret, tn, tv):
   N, D = h_NxD.shape
   V = w.shape[vocab_axis]
   grid = (N // tn, pl.cdiv(V, tv))
   w_spec = (pl.BlockSpec((tv, D), lambda i, j: (j, 0)) if vocab_axis == 0
             else pl.BlockSpec((D, tv), lambda i, j: (0, j)))
   stat_spec = pl.BlockSpec((tn, LANES), lambda i, j: (i, 0))
-  shapes = [jax.ShapeDtypeStruct((N, LANES), jnp.float32)] * 2 + [
+  shapes = [jax.ShapeDtypeStruct((N, LANES), jnp.float32)] * 3 + [
       jax.ShapeDtypeStruct((N, LANES), jnp.int32)]
   kernel = functools.partial(_kernel, columns=columns, tile_columns=tv, vocab_axis=vocab_axis,
                              accuracy=accuracy)
-  m, l, a = pl.pallas_call(
+  y_NxL = jnp.broadcast_to(targets_N[:, None], (N, LANES))
+  m, l, t, a = pl.pallas_call(
       kernel, grid=grid,
-      in_specs=[pl.BlockSpec((tn, D), lambda i, j: (i, 0)), w_spec],
-      out_specs=[stat_spec] * 3, out_shape=shapes,
+      in_specs=[pl.BlockSpec((tn, D), lambda i, j: (i, 0)), w_spec, stat_spec],
+      out_specs=[stat_spec] * 4, out_shape=shapes,
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                            vmem_limit_bytes=VMEM_LIMIT_BYTES),
-      interpret=interpret)(h_NxD, w)
-  out = {"m1": m[:, 0], "l1": l[:, 0]}
+      interpret=interpret)(h_NxD, w, y_NxL)
+  out = {"m1": m[:, 0], "l1": l[:, 0], "target": t[:, 0]}
   if accuracy:
     out.update(best=out["m1"], arg=a[:, 0])
   return out
