@@ -9,8 +9,9 @@ benchmarks/results/tpu/, given oldest first; `:ROW,...` keeps only those acceler
 candidates (a JSON) and `@stale` marks its rows as measured by code that has changed since
 (accelerator.py then names their commit in the table and the docs call the file partly stale).
 Every row gets the commit it was measured at. FILE@keep (an earlier merge) keeps the commit
-and staleness each of its rows already carries, so a merge can extend the last one; OUT may
-be one of the inputs (every input is read before OUT is written).
+and staleness each of its rows already carries, so a merge can extend the last one
+(FILE@keep@stale keeps each row's commit and marks every one stale: the code under all of them
+changed); OUT may be one of the inputs (every input is read before OUT is written).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def rows_of(spec: str) -> list[dict]:
               for c in r["candidates"]]
     if payload.get("probe"):
       levers.insert(0, payload["probe"])
-  if commit == "keep":
-    return levers
   stale = "stale" in flags
+  if commit == "keep":  # FILE@keep@stale: every row's own commit, all of them now stale
+    return [{**r, "stale": True} for r in levers] if stale else levers
   return [{**r, "commit": commit, **({"stale": True} if stale else {})} for r in levers]
 
 
