@@ -1,0 +1,65 @@
+"""The routed experts' dispatch as the TPU compiler lays it out: a deviceless compile for a v5e
+(libtpu, the aot extra; compile-only devices on this CPU host) of one MoE layer's values and
+gradients. The assignments run slot-major (models/moe/parallel.routed_experts), so the expert
+outputs come back to their tokens as (k, T, D) by splitting the leading axis; token-major rows
+reshaped to (T, k, D) put k on the TPU's sublanes, and the compiler copied every expert output
+into that layout and back (the 0.50B MoE student's step had three such copies per layer)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+from distillax.framework import targets
+from distillax.models.moe.parallel import routed_experts
+from distillax.models.moe.routing import route
+
+
+def _top_level_ops(hlo_text: str):
+  """(opcode, shape) of every instruction outside fused computations."""
+  for comp in re.split(r"\n(?=\S)", hlo_text):
+    head = comp.split("\n", 1)[0]
+    if "fused_computation" in head or head.startswith("%region") or "wrapped" in head:
+      continue
+    for line in comp.split("\n")[1:]:
+      m = re.match(r"\s*(?:ROOT )?%\S+ = (\S+) ([\w-]+)\(", line)
+      if m:
+        yield m.group(2), m.group(1)
+
+
+def test_expert_outputs_reach_their_tokens_without_a_relayout_copy_on_a_tpu():
+  """T = 2048 tokens, 8 experts, k = 4, width 256, bf16: no reshape, copy or transpose of the
+  (T * k, D) expert rows outside a fusion in the compiled forward and backward (the grouped
+  matmuls, gathers and scatters move them; nothing only relays them out)."""
+  device = targets.target_devices(targets.parse_target("tpu:v5e-1"))[0]
+  T, D, E, F, k = 2048, 256, 8, 256, 4
+
+  def loss(x, router, gate, up, down):
+    routing = route(x.astype(jnp.float32) @ router, k, "softmax_topk", True)
+    out = routed_experts(x, routing, gate, up, down, jax.nn.silu)
+    return jnp.sum(out.astype(jnp.float32) ** 2)
+
+  def spec(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=SingleDeviceSharding(device))
+
+  args = (spec(T, D), jax.ShapeDtypeStruct((D, E), jnp.float32,
+                                           sharding=SingleDeviceSharding(device)),
+          spec(E, D, F), spec(E, D, F), spec(E, F, D))
+  # A training step's precision (the suite's 'highest' makes Mosaic refuse bf16 matmuls).
+  with jax.default_matmul_precision("default"):
+    text = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4))).lower(*args).compile().as_text()
+  rows = T * k * D
+  moved = [(op, shape) for op, shape in _top_level_ops(text)
+           if op in ("reshape", "copy", "transpose") and re.match(r"bf16\[([\d,]+)\]", shape)
+           and _elements(shape) == rows]
+  assert moved == [], moved
+  assert any(op == "custom-call" for op, _ in _top_level_ops(text))  # the grouped matmuls
+
+
+def _elements(shape: str) -> int:
+  dims = re.match(r"\w+\[([\d,]*)\]", shape).group(1)
+  n = 1
+  for d in filter(None, dims.split(",")):
+    n *= int(d)
+  return n
