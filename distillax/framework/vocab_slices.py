@@ -85,8 +85,11 @@ class Spec:
 def describe(spec: Spec, head: Head, tokens: int) -> str:
   """How the loss ran, for plan's report."""
   size = slice_size_for(tokens, head.vocab, spec.slice_size)
+  kernel = (not spec.kd_weight and not spec.top_k and spec.target_term is None
+            and vocab_stats_kernel.applies(tokens, 1 + len(head.more), head.softcap))
   return (f"sliced (vocabulary slices: {math.ceil(head.vocab / size)} of {size} columns x "
-          f"{tokens} positions)")
+          f"{tokens} positions" + ("; the forward pass one Pallas kernel over the whole "
+                                   "vocabulary, vocab_stats_kernel.py" if kernel else "") + ")")
 
 
 def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,

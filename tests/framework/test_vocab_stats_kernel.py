@@ -104,3 +104,17 @@ def test_statistics_equal_float64_numpy_with_ties_for_the_argmax(kernel_as):
   np.testing.assert_allclose(got["target"], target, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(got["arg"], np.argmax(z, axis=1))
   assert int(jnp.max(got["arg"])) < 128  # the tie went to the first tile every time
+
+
+def test_plan_says_when_the_kernel_runs(kernel_as):
+  """vocab_slices.describe (what plan reports as the token loss) names the kernel where the CE
+  takes it, and not for KD (a teacher's logits ride the same pass) or where it is off."""
+  head = Head(jnp.zeros((700, 32)), 0, "float32")
+  ce, kd = vocab_slices.Spec(accuracy=True), vocab_slices.Spec(kd_weight=1.0)
+  kernel_as("interpret")
+  assert "Pallas kernel" in vocab_slices.describe(ce, head, 256)
+  assert "Pallas kernel" not in vocab_slices.describe(kd, head, 256)
+  assert "Pallas kernel" not in vocab_slices.describe(ce, head, 100)  # no row tile divides it
+  kernel_as("xla")
+  assert vocab_slices.describe(ce, head, 256) == (
+      "sliced (vocabulary slices: 1 of 700 columns x 256 positions)")
