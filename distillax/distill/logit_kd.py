@@ -252,7 +252,8 @@ def sliced_loss_and_sums(weight: float, leaf, inputs, metrics: bool = False, tea
   loss, sums = vocab_slices.token_sums(
       spec, student, h_s, flat(inputs.batch[batch_spec.TARGETS]), flat(mask_BxL),
       *(teacher or (None, None)), teacher_top=given)
-  losses.token_loss_impl.record(vocab_slices.describe(spec, student, mask_BxL.size))
+  losses.token_loss_impl.record(vocab_slices.describe(spec, student, mask_BxL.size,
+                                                      teacher=teacher is not None))
   div = sums["divergence"]
   out = {leaf.name: a * T * T * div + (1.0 - a) * sums["nll"],
          f"{leaf.name}_divergence": div, "hard_ce": sums["nll"]}
@@ -282,7 +283,8 @@ def sliced_metric_sums(inputs, metrics: bool, teachers=None) -> tuple[jax.Array,
                            metrics=teacher is not None)
   _, sums = vocab_slices.token_sums(spec, student, h_s, flat(inputs.batch[batch_spec.TARGETS]),
                                     flat(mask_BxL), *(teacher or (None, None)))
-  losses.token_loss_impl.record(vocab_slices.describe(spec, student, mask_BxL.size))
+  losses.token_loss_impl.record(vocab_slices.describe(spec, student, mask_BxL.size,
+                                                      teacher=teacher is not None))
   out = {"hard_ce": sums["nll"]}
   if teacher is not None:
     out.update(teacher_ce=sums["teacher_nll"], top1_agreement=sums["agreement"],

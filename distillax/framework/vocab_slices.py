@@ -82,11 +82,16 @@ class Spec:
   slice_size: int = 0  # columns per slice; 0: from SLICE_BUDGET_BYTES
 
 
-def describe(spec: Spec, head: Head, tokens: int) -> str:
-  """How the loss ran, for plan's report."""
+def _kernel_runs(spec: Spec, teacher: bool, tokens: int, parts: int, softcap) -> bool:
+  """Whether the first pass is vocab_stats_kernel's: cross-entropy alone (no teacher's head, no
+  given top-k) over a head the kernel takes."""
+  return not teacher and not spec.top_k and vocab_stats_kernel.applies(tokens, parts, softcap)
+
+
+def describe(spec: Spec, head: Head, tokens: int, teacher: bool = False) -> str:
+  """How the loss ran, for plan's report (`teacher`: a teacher's head rode the slices)."""
   size = slice_size_for(tokens, head.vocab, spec.slice_size)
-  kernel = (not spec.kd_weight and not spec.top_k and spec.target_term is None
-            and vocab_stats_kernel.applies(tokens, 1 + len(head.more), head.softcap))
+  kernel = _kernel_runs(spec, teacher, tokens, 1 + len(head.more), head.softcap)
   return (f"sliced (vocabulary slices: {math.ceil(head.vocab / size)} of {size} columns x "
           f"{tokens} positions" + ("; the forward pass one Pallas kernel over the whole "
                                    "vocabulary, vocab_stats_kernel.py" if kernel else "") + ")")
@@ -186,7 +191,7 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
   one Pallas kernel over the whole vocabulary, vocab_stats_kernel.py)."""
   spec, size, axes, dtype, cap, columns, t_static = static
   N = h_s[0].shape[0]
-  if t_static is None and not spec.top_k and vocab_stats_kernel.applies(N, len(w_s), cap):
+  if _kernel_runs(spec, t_static is not None, N, len(w_s), cap):
     return vocab_stats_kernel.ce_stats(w_s[0], axes[0], h_s[0], dtype, targets_N, columns,
                                        spec.accuracy)
   count, starts = slices(w_s[0].shape[axes[0]], size)

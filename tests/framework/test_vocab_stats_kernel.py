@@ -108,12 +108,16 @@ def test_statistics_equal_float64_numpy_with_ties_for_the_argmax(kernel_as):
 
 def test_plan_says_when_the_kernel_runs(kernel_as):
   """vocab_slices.describe (what plan reports as the token loss) names the kernel where the CE
-  takes it, and not for KD (a teacher's logits ride the same pass) or where it is off."""
+  takes it, and not where a teacher's head rides the same pass (KD, or a KD eval's metrics with
+  no KD weight), a given top-k does, or the kernel is off."""
   head = Head(jnp.zeros((700, 32)), 0, "float32")
-  ce, kd = vocab_slices.Spec(accuracy=True), vocab_slices.Spec(kd_weight=1.0)
+  ce = vocab_slices.Spec(accuracy=True)
+  metrics_only = vocab_slices.Spec(ce_weight=0.0, accuracy=True, metrics=True)
   kernel_as("interpret")
   assert "Pallas kernel" in vocab_slices.describe(ce, head, 256)
-  assert "Pallas kernel" not in vocab_slices.describe(kd, head, 256)
+  assert "Pallas kernel" not in vocab_slices.describe(ce, head, 256, teacher=True)
+  assert "Pallas kernel" not in vocab_slices.describe(metrics_only, head, 256, teacher=True)
+  assert "Pallas kernel" not in vocab_slices.describe(vocab_slices.Spec(top_k=8), head, 256)
   assert "Pallas kernel" not in vocab_slices.describe(ce, head, 100)  # no row tile divides it
   kernel_as("xla")
   assert vocab_slices.describe(ce, head, 256) == (
