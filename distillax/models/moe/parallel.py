@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from distillax import partitioning as pt
+from distillax.models.moe.dispatch_rows import gather_rows
 from distillax.models.moe.kernels import (RaggedDot, describe, grouped_ffn, ragged_dot_for,
                                           record)
 
@@ -76,8 +77,10 @@ def routed_experts(x_TxD, routing, gate_ExDxF, up_ExDxF, down_ExFxD, act, biases
   expert) assignments sorted by expert, each expert's contiguous group through one grouped
   matmul, the sort undone and each token's k weighted outputs summed. An assignment dropped for
   capacity sorts past every group (expert E): no work, and its rows are masked (grouped_ffn)."""
-  # Row gathers take mode='clip': every index is in bounds, and jnp.take's default fill adds a
-  # select over the gathered rows (13 ms of a 0.50B MoE student's 8 x 2048 step on a v5e).
+  # Row gathers through dispatch_rows.gather_rows: mode='clip' (every index is in bounds, and
+  # jnp.take's default fill adds a select over the gathered rows: 13 ms of a 0.50B MoE
+  # student's 8 x 2048 step on a v5e), and gradients that gather through the inverse
+  # permutation instead of scatter-adding.
   # The assignments are slot-major (row j * T + t: token t's j-th choice), so the outputs come
   # back as (k, T, D) by splitting the leading axis, which a TPU's (8, 128) tiles keep as they
   # are; token-major rows reshaped to (T, k, D) put k = 4 on the sublanes, a relayout copy of
@@ -89,12 +92,13 @@ def routed_experts(x_TxD, routing, gate_ExDxF, up_ExDxF, down_ExFxD, act, biases
   if not dropless:
     experts_N = jnp.where(routing.keep_TxK.T.reshape(-1), experts_N, E)
   order_N = jnp.argsort(experts_N, stable=True)
+  inverse_N = jnp.argsort(order_N)
   group_sizes_E = jnp.bincount(experts_N, length=E).astype(jnp.int32)
-  out_NxD = grouped_ffn(jnp.take(x_TxD, order_N % T, axis=0, mode="clip"), group_sizes_E,
+  out_NxD = grouped_ffn(gather_rows(x_TxD, order_N, inverse_N), group_sizes_E,
                         gate_ExDxF, up_ExDxF, down_ExFxD, act, ragged_dot=ragged_dot, biases=biases,
                         up_act=up_act, sorted_experts_N=jnp.take(experts_N, order_N),
                         every_row_grouped=dropless)
-  out_KxTxD = jnp.take(out_NxD, jnp.argsort(order_N), axis=0, mode="clip").reshape(k, T, -1)
+  out_KxTxD = gather_rows(out_NxD, inverse_N, order_N).reshape(k, T, -1)
   weights_KxTx1 = routing.weights_TxK.T.astype(out_KxTxD.dtype)[:, :, None]
   return jnp.sum(out_KxTxD * weights_KxTx1, axis=0)
 

@@ -3,8 +3,11 @@
 gradients. The assignments run slot-major (models/moe/parallel.routed_experts), so the expert
 outputs come back to their tokens as (k, T, D) by splitting the leading axis; token-major rows
 reshaped to (T, k, D) put k on the TPU's sublanes, and the compiler copied every expert output
-into that layout and back (the 0.50B MoE student's step had three such copies per layer)."""
+into that layout and back (the 0.50B MoE student's step had three such copies per layer). And
+the rows' gradients gather through the inverse permutation (models/moe/dispatch_rows.py): no
+scatter of rows in the backward."""
 
+import functools
 import re
 
 import jax
@@ -28,12 +31,14 @@ def _top_level_ops(hlo_text: str):
         yield m.group(2), m.group(1)
 
 
-def test_expert_outputs_reach_their_tokens_without_a_relayout_copy_on_a_tpu():
-  """T = 2048 tokens, 8 experts, k = 4, width 256, bf16: no reshape, copy or transpose of the
-  (T * k, D) expert rows outside a fusion in the compiled forward and backward (the grouped
-  matmuls, gathers and scatters move them; nothing only relays them out)."""
+T, D, E, F, k = 2048, 256, 8, 256, 4
+
+
+@functools.cache
+def _compiled_layer() -> str:
+  """One MoE layer's values and gradients compiled for a v5e: T = 2048 tokens, 8 experts,
+  k = 4, width 256, bf16."""
   device = targets.target_devices(targets.parse_target("tpu:v5e-1"))[0]
-  T, D, E, F, k = 2048, 256, 8, 256, 4
 
   def loss(x, router, gate, up, down):
     routing = route(x.astype(jnp.float32) @ router, k, "softmax_topk", True)
@@ -48,7 +53,14 @@ def test_expert_outputs_reach_their_tokens_without_a_relayout_copy_on_a_tpu():
           spec(E, D, F), spec(E, D, F), spec(E, F, D))
   # A training step's precision (the suite's 'highest' makes Mosaic refuse bf16 matmuls).
   with jax.default_matmul_precision("default"):
-    text = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4))).lower(*args).compile().as_text()
+    return jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4))).lower(*args).compile().as_text()
+
+
+def test_expert_outputs_reach_their_tokens_without_a_relayout_copy_on_a_tpu():
+  """No reshape, copy or transpose of the (T * k, D) expert rows outside a fusion in the
+  compiled forward and backward (the grouped matmuls, gathers and scatters move them; nothing
+  only relays them out)."""
+  text = _compiled_layer()
   rows = T * k * D
   moved = [(op, shape) for op, shape in _top_level_ops(text)
            if op in ("reshape", "copy", "transpose") and re.match(r"bf16\[([\d,]+)\]", shape)
@@ -63,3 +75,13 @@ def _elements(shape: str) -> int:
   for d in filter(None, dims.split(",")):
     n *= int(d)
   return n
+
+
+def test_the_rows_gradients_are_gathers_not_scatters_on_a_tpu():
+  """The dispatch's two row copies (tokens into expert order, outputs back) have gathers for
+  gradients: no scatter of (T, D) or (T * k, D) bf16 rows anywhere in the compiled step (jnp.take's
+  own gradient is a scatter-add, which the TPU runs row by row)."""
+  text = _compiled_layer()
+  scatters = re.findall(r"= (bf16\[[\d,]+\])\S* scatter\(", text)
+  assert [s for s in scatters if _elements(s) in (T * D, T * k * D)] == [], scatters
+  assert len(re.findall(r"= bf16\[[\d,]+\]\S* gather\(", text)) >= 3  # the copies are there
