@@ -37,6 +37,10 @@ from typing import Any
 
 from distillax.errors import ConfigError
 
+# models/remat.py's policies that keep the attention kernel's output (its forward not run again).
+SAVING_ATTENTION = ("save_attention", "save_attention_qkv", "save_attention_up",
+                    "save_attention_mlp")
+
 # Activations whose MLP has a gate matrix next to the up matrix: three matmuls instead of two.
 GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu", "clamped_swiglu")  # the last: gpt-oss
 
@@ -273,7 +277,9 @@ def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cf
   - Rematerialisation recomputes forward matmuls in the backward: `remat='full'` every layer's
     (not the output projection: the vocabulary-chunk engine forms its gradients in the
     forward), 'save_dots_no_batch' the attention products, 'save_attention' every layer's but
-    the attention products, 'save_attention_qkv' those less the q, k, v projections too;
+    the attention products, 'save_attention_qkv' those less the q, k, v projections too,
+    'save_attention_up' / 'save_attention_mlp' less one / two of each MLP's matrices (a MoE's
+    router counted in its MLP: approximate there);
     'save_dots' and 'none' nothing.
   - The chunked Gated DeltaNet form runs more than the recurrence it computes
     (`chunked_linear_attention_extra`), forward and both gradients.
@@ -292,13 +298,16 @@ def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cf
   s = forward_flops_breakdown(student_cfg, batch, seq_len, causal=causal)
   attention = s["attn_scores"] + s["attn_values"]
   block = s["total"] - s["logits"]
+  one_mlp_matrix = s["mlp"] / mlp_matrix_count(getattr(student_cfg, "mlp_activation", "swiglu"))
   recomputed = {"full": block, "save_dots_no_batch": attention, "save_attention": block - attention,
-                "save_attention_qkv": block - attention - s["qkv_proj"]}.get(remat, 0.0)
+                "save_attention_qkv": block - attention - s["qkv_proj"],
+                "save_attention_up": block - attention - one_mlp_matrix,
+                "save_attention_mlp": block - attention - 2 * one_mlp_matrix}.get(remat, 0.0)
   out = recomputed + 6.0 * batch * seq_len * adapter_params
   if not weights_train:
     out -= s["total"] - attention
   out += chunked_linear_attention_extra(student_cfg, batch, seq_len) * (
-      4 if remat in ("full", "save_attention", "save_attention_qkv") else 3)
+      4 if remat in ("full", *SAVING_ATTENTION) else 3)
   once = 3 if weights_train else 2  # forward, input gradient, weight gradient
   if "attention" in fused:
     out -= attention * (4 if remat in ("full", "save_dots_no_batch") else 3)

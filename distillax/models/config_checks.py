@@ -21,7 +21,7 @@ ROPE_SCALING_TYPES = ("llama3", "yarn", "linear", "longrope")
 # Which RoPE a layer turns its queries and keys with (TransformerConfig.layer_ropes).
 ROPE_GLOBAL, ROPE_LOCAL, ROPE_NONE = 0, 1, 2
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch", "save_attention",
-                  "save_attention_qkv")
+                  "save_attention_qkv", "save_attention_mlp", "save_attention_up")
 # models/attention/impl.py: auto picks a fused kernel where the platform has one, else blockwise.
 ATTENTION_IMPLS = ("auto", "reference", "blockwise", "cudnn", "splash", "tokamax")
 # A window no sequence reaches: the value a global-attention layer gets in the per-layer windows.

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from distillax.models.config import TransformerConfig
+from distillax.models import remat
 from distillax.models.counter_normal import counter_normal
 from distillax.partitioning import constrain
 
@@ -133,6 +134,7 @@ class MLP(nnx.Module):
     dt = self.dtype
     gate_BxLxF = jnp.einsum("BLD,DF->BLF", x_BxLxD, self.gate[...].astype(dt))
     up_BxLxF = jnp.einsum("BLD,DF->BLF", x_BxLxD, self.up[...].astype(dt))
+    gate_BxLxF, up_BxLxF = remat.name_mlp_gate_up(gate_BxLxF, up_BxLxF)
     if self.up_act is not None:
       up_BxLxF = self.up_act(up_BxLxF)
     h_BxLxF = constrain(self.act(gate_BxLxF) * up_BxLxF, ("batch", "length", "mlp"))

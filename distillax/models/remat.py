@@ -21,6 +21,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 ATTENTION_OUT = "attention_out"  # an attention kernel's output and softmax statistics
 ATTENTION_QKV = ("attention_q", "attention_k", "attention_v")
+MLP_GATE_UP = ("mlp_gate", "mlp_up")  # a gated MLP's two input products, before the activation
+MOE_ROWS = "moe_rows"  # the MoE dispatch's rows gathered into expert order
 
 POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
@@ -29,6 +31,9 @@ POLICIES = {
     "save_attention": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT),
     "save_attention_qkv": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT,
                                                                          *ATTENTION_QKV),
+    "save_attention_up": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, "mlp_up"),
+    "save_attention_mlp": jax.checkpoint_policies.save_only_these_names(
+        ATTENTION_OUT, *MLP_GATE_UP, MOE_ROWS),
 }
 
 
@@ -40,3 +45,13 @@ def name_attention_out(*arrays):
 def name_qkv(q, k, v):
   """The rotated queries, keys and values, named for `save_attention_qkv`'s policy."""
   return tuple(checkpoint_name(a, n) for a, n in zip((q, k, v), ATTENTION_QKV))
+
+
+def name_moe_rows(rows):
+  """The dispatch's gathered rows, named for `save_attention_mlp`'s policy."""
+  return checkpoint_name(rows, MOE_ROWS)
+
+
+def name_mlp_gate_up(gate, up):
+  """A dense gated MLP's two input products, named for `save_attention_mlp`'s policy."""
+  return tuple(checkpoint_name(a, n) for a, n in zip((gate, up), MLP_GATE_UP))

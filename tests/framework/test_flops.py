@@ -403,6 +403,10 @@ def test_hlo_matmul_adjustment_by_hand():
   # kept, less their projections too (2 x 3 tokens x 4 x 8 wide = 192).
   assert adjust(remat="save_attention") == 1176 - 240 - 72
   assert adjust(remat="save_attention_qkv") == 1176 - 240 - 72 - 192
+  # With the MLP's up product kept, less one of its three matrices (2 x 3 x 4 x 8 = 192); with
+  # the gate's too, less two.
+  assert adjust(remat="save_attention_up") == 1176 - 240 - 72 - 192
+  assert adjust(remat="save_attention_mlp") == 1176 - 240 - 72 - 2 * 192
   # A frozen base: no weight-gradient matmuls (all but the attention products'), and 6 FLOPs
   # per token for each of 10 adapter parameters.
   assert adjust(weights_train=False, adapter_params=10) == -(1176 - 72) + 6 * 3 * 10

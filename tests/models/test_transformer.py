@@ -28,7 +28,8 @@ CONFIGS = {
 
 
 def _model(name, seed=0, **changes):
-  return random_model(CONFIGS[name].replace(**changes), seed=seed)
+  config = CONFIGS[name] if name in CONFIGS else get_preset(name)
+  return random_model(config.replace(**changes), seed=seed)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -96,8 +97,11 @@ def _grads_and_flops(model, tokens):
     ("tiny_gemma", True, ("full", "save_dots_no_batch")),
     ("tiny_qwen_mistral", True, ("full",)),
     # models/remat.py's policies on the blockwise path (a custom VJP naming its residuals).
-    ("tiny", True, ("full", "save_attention", "save_attention_qkv")),
+    ("tiny", True, ("full", "save_attention", "save_attention_qkv", "save_attention_up",
+                    "save_attention_mlp")),
     ("tiny", False, ("full", "save_attention", "save_attention_qkv")),
+    # The MLP names inside the experts' grouped matmuls, and the dispatch's gathered rows.
+    ("tiny_moe", True, ("full", "save_attention", "save_attention_mlp")),
 ])
 def test_remat_policies_give_identical_gradients(name, scan, policies):
   tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, 256)
@@ -110,8 +114,13 @@ def test_remat_policies_give_identical_gradients(name, scan, policies):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), g1, g0)
   if "full" in flops:  # the forward really is recomputed in the backward pass
     assert flops["full"] > flops0
-  if "save_attention" in flops:  # the attention forward, then the q, k, v projections, kept
+  if "save_attention_qkv" in flops:  # the attention forward, then the q, k, v projections, kept
     assert flops["full"] > flops["save_attention"] > flops["save_attention_qkv"] > flops0
+  if "save_attention_mlp" in flops:  # the attention forward, then one or two MLP matrices, kept
+    assert (flops["full"] > flops["save_attention"] > flops.get("save_attention_up", np.inf)
+            > flops["save_attention_mlp"] > flops0) or (
+                "save_attention_up" not in flops
+                and flops["full"] > flops["save_attention"] > flops["save_attention_mlp"] > flops0)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_gemma"])

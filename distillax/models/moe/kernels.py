@@ -20,7 +20,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from distillax.models import layer_scope, tokamax_support
+from distillax.models import layer_scope, remat, tokamax_support
 from distillax.models.attention.impl import compile_platform
 
 RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -91,8 +91,9 @@ def grouped_ffn(xs_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,
     in_groups_Nx1 = (jnp.arange(xs_NxD.shape[0]) < jnp.sum(group_sizes_E))[:, None]
     grouped = lambda lhs, rhs: jnp.where(in_groups_Nx1, ragged_dot(
         jnp.where(in_groups_Nx1, lhs, 0), rhs, group_sizes_E), 0)
-  gate_NxF = grouped(xs_NxD, gate_ExDxF)
-  up_NxF = grouped(xs_NxD, up_ExDxF)
+  xs_NxD = remat.name_moe_rows(xs_NxD)
+  gate_NxF, up_NxF = remat.name_mlp_gate_up(grouped(xs_NxD, gate_ExDxF),
+                                            grouped(xs_NxD, up_ExDxF))
   bias = lambda b_ExX: jnp.take(b_ExX, sorted_experts_N, axis=0, mode="clip")
   if biases is not None:
     gate_NxF, up_NxF = gate_NxF + bias(biases[0]), up_NxF + bias(biases[1])
