@@ -68,14 +68,19 @@ ROWS = (
     # Deviceless v5e compiles (benchmarks/compile_sizes.py): full remat 13.84 GiB at 8 rows,
     # 13.03 at 6; save_attention (models/remat.py: splash's output and statistics kept, its
     # forward not run again) 16.26 at 8 (does not fit), 15.07 at 6, 13.95 at 4;
-    # save_attention_qkv 15.47 at 4 (does not fit).
+    # save_attention_qkv 15.47 at 4 (does not fit); save_attention_up 15.05 at 4 (on the chip
+    # 48.5% against save_attention at 6's 48.9%: call 50), 15.96 at 5 (does not fit).
     Row("train", "real", (f"train:full:8{S}", f"train:save_attention:6{S}",
                           f"train:save_attention:4{S}", f"train:save_dots_no_batch:4{S}",
                           f"train:full:12{S}"),
         "the student's next-token training step"),
     # save_attention at 8 rows fits with Adam's moments in bf16: 14.30 GiB; at 6, 12.85;
-    # save_attention_qkv at 6, 15.28 (past the candidate limit).
-    Row("train_bf16_moments", "real", (f"train:save_attention:6{S}:opt_state_dtype=bfloat16",
+    # save_attention_qkv at 6, 15.28 (past the candidate limit); save_attention_up at 6, 14.67;
+    # save_attention_mlp at 5, 15.26, at 4, 14.17. On the chip (call 50) save_attention_up at 6
+    # ran 525.9 ms against save_attention's 537.7 (save_attention_mlp: 439.0 at 5, 352.6 at 4).
+    Row("train_bf16_moments", "real", (f"train:save_attention_up:6{S}:opt_state_dtype=bfloat16",
+                                       f"train:save_attention:6{S}:opt_state_dtype=bfloat16",
+                                       f"train:save_attention_mlp:5{S}:opt_state_dtype=bfloat16",
                                        f"train:save_attention_qkv:5{S}:opt_state_dtype=bfloat16",
                                        f"train:save_attention:8{S}:opt_state_dtype=bfloat16",
                                        f"train:full:8{S}:opt_state_dtype=bfloat16"),
@@ -184,7 +189,9 @@ ROWS = (
     Row("moe_kd_int8_teacher", "moe", (f"kd:full:4{S}:teacher_moe_impl=ragged:teacher_int8=True",),
         "KD from the 16-expert teacher with its matmuls in int8 (teacher.int8)"),
     # save_attention at 8 rows: 11.82 GiB (deviceless v5e compile). For the MoE KD pair it
-    # does not fit at 4 or 3 rows (16.38, 15.43 GiB).
+    # does not fit at 4 or 3 rows (16.38, 15.43 GiB). save_attention_mlp (the experts' gate and
+    # up products and the gathered rows kept) at 8 rows, 14.46 GiB: on the chip no faster than
+    # save_attention (425.5 ms against 423.2, call 50).
     Row("moe_train", "moe_student", (f"train:save_attention:8{S}:moe_impl=ragged",
                                      f"train:full:8{S}:moe_impl=ragged",
                                      f"train:full:8{S}:moe_impl=tokamax",

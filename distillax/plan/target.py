@@ -44,8 +44,10 @@ _GPU_FUSION_RE = re.compile(r'"kind":"(__(?:triton|cudnn|cublas)[\w$]*)"')
 # How a compile that ran out of memory says so (HBM, or a kernel's VMEM on TPU).
 _OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Ran out of memory", "VmemOom", "out of memory")
 # Remat policies, cheapest to recompute first (`none` recomputes nothing, `full` everything).
-REMAT_BY_COST = ("none", "save_dots", "save_dots_no_batch", "save_attention_qkv", "save_attention",
-                 "full")
+# save_attention_mlp / _up keep two / one of each MLP's three products, save_attention_qkv the
+# q, k, v projections: for Qwen3-0.6B a q, k, v projection is 1.3x one MLP product.
+REMAT_BY_COST = ("none", "save_dots", "save_dots_no_batch", "save_attention_mlp",
+                 "save_attention_qkv", "save_attention_up", "save_attention", "full")
 MAX_PER_DEVICE = 1024  # sequences per data-parallel device: where --search stops doubling
 PROGRESS_EVERY_S = 30.0  # a "still compiling" line this often while a target compile runs
 

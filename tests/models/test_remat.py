@@ -10,7 +10,7 @@ from distillax.models import remat
 from distillax.models.attention.fused import splash_attention
 from tests.support import chip
 
-SAVING = ("save_attention", "save_attention_qkv")
+SAVING = ("save_attention", "save_attention_qkv", "save_attention_up", "save_attention_mlp")
 
 
 def _splash_block(w, x_BxLxD):

@@ -197,7 +197,8 @@ def test_search_finds_a_batch_and_remat_that_compile_and_fit(monkeypatch):
   monkeypatch.setattr(plan_target, "compile_on", compile_on_recorded)
   found = search_fit(_tiny(lm), target, devices, budget, max_per_device=4)
   assert found["batch"] is not None and found["remat"] in (
-      "none", "save_dots", "save_dots_no_batch", "save_attention_qkv", "save_attention", "full")
+      "none", "save_dots", "save_dots_no_batch", "save_attention_mlp", "save_attention_qkv",
+      "save_attention_up", "save_attention", "full")
   # The config it returns is _tiny(lm) with the batch and remat found, and the compiler's own
   # report of that config's compile (the search compiled it: no second compile) fits.
   again = _tiny(lm)
