@@ -182,19 +182,3 @@ def test_a_qlora_moe_student_trains_and_merges(model):
   assert np.abs(ours - np.asarray(logits(adapted, TOKENS))).max() > 1e-3  # it learned
   np.testing.assert_allclose(np.asarray(logits(merge_lora(trained), TOKENS)), ours,
                              rtol=0, atol=1e-4)
-
-
-def _grouped_matmuls(model) -> int:
-  graphdef, state = nnx.split(model)
-  jaxpr = jax.make_jaxpr(lambda s: logits(nnx.merge(graphdef, s), TOKENS))(state)
-  return str(jaxpr).count("ragged_dot_general")
-
-
-def test_plain_experts_fuse_gate_and_up_and_intercepted_ones_keep_them_apart(model):
-  """A plain model runs gate and up as one grouped matmul (models/moe/layer.py's
-  _gate_up_fusible); under QAT, LoRA or QLoRA each weight's own interception must see its own
-  grouped matmul, so the three stay apart (one layer: 2 grouped matmuls against 3; LoRA runs
-  three per weight, the base's and its adapter's two)."""
-  assert _grouped_matmuls(model) == 2
-  assert _grouped_matmuls(quantize_for_training(model, {"rules": Q4_EXPERTS})) == 3
-  assert _grouped_matmuls(apply_lora(model, module_regex="layers/.*", rank=2)) == 3 * 3

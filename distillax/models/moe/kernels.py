@@ -71,17 +71,14 @@ def ragged_dot_for(impl: str) -> RaggedDot | None:
 
 def grouped_ffn(xs_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,
                 ragged_dot: RaggedDot | None = None, biases=None, up_act=None,
-                sorted_experts_N=None, every_row_grouped: bool = False,
-                fuse_gate_up: bool = False):
+                sorted_experts_N=None, every_row_grouped: bool = False):
   """The gated MLP of each expert over its contiguous group of rows (rows past the groups'
   total come out zero): act(gate) * up, or act(gate) * up_act(up) (gpt-oss). `biases`: None or
   (gate_ExF, up_ExF, down_ExD), added to each row by its expert `sorted_experts_N` (rows past
   the groups take the last expert's: their output is never used). `ragged_dot` None: looked up
   as `jax.lax.ragged_dot` when called, so QAT's interception of it (quant/intercept.py) sees
   these matmuls too. every_row_grouped: the caller knows the groups cover every row (a dropless
-  dispatch), so no row needs masking. fuse_gate_up: gate and up as one grouped matmul over
-  their weights side by side (E, D, 2F): the rows are read once and the MXU gets a product
-  twice as wide (the caller knows nothing intercepts the two matmuls, models/moe/layer.py)."""
+  dispatch), so no row needs masking."""
   ragged_dot = ragged_dot or jax.lax.ragged_dot
   # A grouped matmul leaves the rows past the groups' total undefined on a TPU (zeros on the
   # CPU): measured on a v5e, garbage (NaN in bf16) in them, and in the input gradient's (the
@@ -95,13 +92,8 @@ def grouped_ffn(xs_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,
     grouped = lambda lhs, rhs: jnp.where(in_groups_Nx1, ragged_dot(
         jnp.where(in_groups_Nx1, lhs, 0), rhs, group_sizes_E), 0)
   xs_NxD = remat.name_moe_rows(xs_NxD)
-  if fuse_gate_up:
-    F = gate_ExDxF.shape[-1]
-    both_NxG = grouped(xs_NxD, jnp.concatenate([gate_ExDxF, up_ExDxF], axis=-1))
-    gate_NxF, up_NxF = both_NxG[:, :F], both_NxG[:, F:]
-  else:
-    gate_NxF, up_NxF = grouped(xs_NxD, gate_ExDxF), grouped(xs_NxD, up_ExDxF)
-  gate_NxF, up_NxF = remat.name_mlp_gate_up(gate_NxF, up_NxF)
+  gate_NxF, up_NxF = remat.name_mlp_gate_up(grouped(xs_NxD, gate_ExDxF),
+                                            grouped(xs_NxD, up_ExDxF))
   bias = lambda b_ExX: jnp.take(b_ExX, sorted_experts_N, axis=0, mode="clip")
   if biases is not None:
     gate_NxF, up_NxF = gate_NxF + bias(biases[0]), up_NxF + bias(biases[1])

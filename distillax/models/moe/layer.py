@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distillax import partitioning as pt
 from distillax.models.config import TransformerConfig
 from distillax.models.layers import activations, normal_param
 from distillax.models.moe.kernels import tokamax_ragged_dot
@@ -171,15 +170,6 @@ class MoE(nnx.Module):
     self.activation = config.mlp_activation
     self.dtype = config.jnp_dtype
 
-  def _gate_up_fusible(self) -> bool:
-    """Whether the grouped dispatch may run gate and up as one grouped matmul (grouped_ffn's
-    fuse_gate_up): only over plain weights (QAT, LoRA and quantized bases wrap them, and their
-    interception hands each grouped matmul to the weight that fed it) whose expert width the
-    rules keep whole (side by side, two split widths would need a reshuffle)."""
-    return (self.impl != "dense" and type(self.gate) is nnx.Param
-            and type(self.up) is nnx.Param
-            and pt.split_over("mlp", self.gate.shape[-1]) is None)
-
   def routing(self, x_TxD: jax.Array) -> Routing:
     """Router logits in float32 (routing decisions must not flip with the compute dtype)."""
     logits_TxE = jnp.einsum("TD,DE->TE", x_TxD, self.router[...].astype(self.dtype),
@@ -220,10 +210,7 @@ class MoE(nnx.Module):
                   else routing.keep_TxK.astype(routing.weights_TxK.dtype))
       dispatched = dataclasses.replace(routing, weights_TxK=unit_TxK)
     # Experts the rules split (fsdp_ep, ep_tp) exchange tokens in a shard_map region.
-    replicated = _DISPATCH[self.impl]
-    if self._gate_up_fusible():
-      replicated = functools.partial(replicated, fuse_gate_up=True)
-    out_TxD = run_experts(self.impl, replicated, experts_in_TxD, dispatched, weights,
+    out_TxD = run_experts(self.impl, _DISPATCH[self.impl], experts_in_TxD, dispatched, weights,
                           self.act, biases, self.up_act)
     out_BxLxD = out_TxD.reshape(B, L, D)
     if self.shared_expert is not None:

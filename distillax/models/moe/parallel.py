@@ -71,14 +71,12 @@ def _combine(out_NxD, weights_TxK):
 
 
 def routed_experts(x_TxD, routing, gate_ExDxF, up_ExDxF, down_ExFxD, act, biases=None,
-                   up_act=None, *, ragged_dot: RaggedDot | None = None,
-                   fuse_gate_up: bool = False):
+                   up_act=None, *, ragged_dot: RaggedDot | None = None):
   """The dropless grouped-matmul dispatch with every expert on this device (the signature of
   models/moe/layer.py's dispatches; `ragged_dot` None: jax.lax.ragged_dot): the T*k (token,
   expert) assignments sorted by expert, each expert's contiguous group through one grouped
   matmul, the sort undone and each token's k weighted outputs summed. An assignment dropped for
-  capacity sorts past every group (expert E): no work, and its rows are masked (grouped_ffn).
-  fuse_gate_up: grouped_ffn's."""
+  capacity sorts past every group (expert E): no work, and its rows are masked (grouped_ffn)."""
   # Row gathers through dispatch_rows.gather_rows: mode='clip' (every index is in bounds, and
   # jnp.take's default fill adds a select over the gathered rows: 13 ms of a 0.50B MoE
   # student's 8 x 2048 step on a v5e), and gradients that gather through the inverse
@@ -99,7 +97,7 @@ def routed_experts(x_TxD, routing, gate_ExDxF, up_ExDxF, down_ExFxD, act, biases
   out_NxD = grouped_ffn(gather_rows(x_TxD, order_N, inverse_N), group_sizes_E,
                         gate_ExDxF, up_ExDxF, down_ExFxD, act, ragged_dot=ragged_dot, biases=biases,
                         up_act=up_act, sorted_experts_N=jnp.take(experts_N, order_N),
-                        every_row_grouped=dropless, fuse_gate_up=fuse_gate_up)
+                        every_row_grouped=dropless)
   out_KxTxD = gather_rows(out_NxD, inverse_N, order_N).reshape(k, T, -1)
   weights_KxTx1 = routing.weights_TxK.T.astype(out_KxTxD.dtype)[:, :, None]
   return jnp.sum(out_KxTxD * weights_KxTx1, axis=0)

@@ -4,7 +4,6 @@ one line when it is not installed. On CPU tokamax runs its XLA path; its Triton 
 compiled for an H100 by tests/plan/test_target.py; its Mosaic TPU kernel runs on a live TPU in
 the chip run (scripts/chip_tests.sh, tests/support/chip.py)."""
 
-import functools
 import sys
 
 import jax
@@ -43,16 +42,13 @@ def _moe_arrays(dtype):
 
 def _dispatch_and_grads(impl, args, cotangent):
   """The experts' output and the gradients of x, logits, gate, up, down and the biases, with
-  gpt-oss's clamped up activation and capacity drops; and the jitted function. 'ragged_fused':
-  'ragged' with gate and up as one grouped matmul (grouped_ffn's fuse_gate_up)."""
+  gpt-oss's clamped up activation and capacity drops; and the jitted function."""
   _, _, _, _, K, capacity = chip.pick(**SHAPES)
   up_act = lambda u: jnp.clip(u, -7.0, 7.0) + 1.0
-  dispatch = (functools.partial(moe._DISPATCH["ragged"], fuse_gate_up=True)
-              if impl == "ragged_fused" else moe._DISPATCH[impl])
 
   def loss(x, logits, gate, up, down, biases):
     routing = moe.with_capacity(moe.route(logits, K, "topk_softmax", False), capacity, None)
-    out = dispatch(x, routing, gate, up, down, jax.nn.silu, biases, up_act)
+    out = moe._DISPATCH[impl](x, routing, gate, up, down, jax.nn.silu, biases, up_act)
     return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
   fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
@@ -61,7 +57,7 @@ def _dispatch_and_grads(impl, args, cotangent):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("impl", ["ragged", "tokamax", "ragged_fused"])
+@pytest.mark.parametrize("impl", ["ragged", "tokamax"])
 def test_grouped_matmul_equals_dense_in_values_and_gradients(impl, dtype):
   """moe_impl 'ragged' (jax.lax.ragged_dot) and 'tokamax' (its Mosaic kernel on a TPU) against
   the dense reference, with gpt-oss's expert biases and clamped up activation, capacity drops and
