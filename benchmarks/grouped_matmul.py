@@ -14,7 +14,9 @@ experts), the near-balance a trained router keeps.
 
 Kernels:
 - `ragged`: jax.lax.ragged_dot (model.moe_impl='ragged'; the TPU compiler's Mosaic kernel);
-- `ragged_fused_gate_up`: the same with gate and up as one grouped matmul over (E, D, 2F);
+- `ragged_fused_gate_up`: the same with gate and up as one grouped matmul over (E, D, 2F)
+  (on a v5e at the student's shapes slower than `ragged`: 13.86 against 12.02 ms forward and
+  backward, results/tpu/grouped_matmul_call51.jsonl, so the model keeps them apart);
 - `megablox:TMxTKxTN`: the Pallas grouped matmul in jax.experimental.pallas.ops.tpu.megablox
   (MaxText's `gmm`) with those tiles (0: the whole dimension, at most the dimension), its own
   custom VJP (gmm for the input, tgmm for the weights);

@@ -225,11 +225,11 @@ def test_readme_performance_table_is_the_committed_chip_run():
   table = accelerator_table.readme_table(payload)
   readme = (root / "README.md").read_text()
   assert table in readme
-  assert "| kd (real; at 1d706b6) | 4 x 2048, full | 626 | 13,096 | 52.9% | 16.4 GB |" in table
-  assert ("| qat_kd (real; at 1d706b6) | 4 x 2048, full, qat=q4_0 | 672 | 12,182 | 49.2% | "
+  assert "| kd (real) | 4 x 2048, full | 617 | 13,280 | 53.6% | 16.4 GB |" in table
+  assert ("| qat_kd (real) | 4 x 2048, full, qat=q4_0 | 664 | 12,340 | 49.8% | "
           "15.5 GB |") in table
-  assert ("| train_int8_backward (real; at 2906ef9) | 6 x 2048, save_attention, "
-          "qat=int8_backward | 514 | 23,912 | 52.0% | 15.9 GB |") in table
+  assert ("| train_int8_backward (real) | 6 x 2048, save_attention, "
+          "qat=int8_backward | 508 | 24,179 | 52.5% | 15.9 GB |") in table
   assert "| qlora (real) | 4 x 2048, save_dots, lora=qlora | 337 | 24,288 | 52.8% | 7.6 GB |" in table
   assert "| train (real) | 6 x 2048, save_attention | 546 | 22,524 | 48.9% | 16.2 GB |" in table
   # The caveat the docs site's accelerator page shows for the file (stale while the script
