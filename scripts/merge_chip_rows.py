@@ -2,7 +2,7 @@
 --from-levers: the README's TPU table from the newest measurement of every row when no single
 call has the device time to run them all.
 
-  python scripts/merge_chip_rows.py OUT.jsonl FILE@COMMIT[@stale][:ROW,...] ...
+  python scripts/merge_chip_rows.py OUT.jsonl FILE@COMMIT[@stale][@pair=NAME][:ROW,...] ...
 
 Each FILE is an accelerator JSON (its rows' candidates) or a levers .jsonl from
 benchmarks/results/tpu/, given oldest first; `:ROW,...` keeps only those accelerator rows'
@@ -12,6 +12,10 @@ Every row gets the commit it was measured at. FILE@keep (an earlier merge) keeps
 and staleness each of its rows already carries, so a merge can extend the last one
 (FILE@keep@stale keeps each row's commit and marks every one stale: the code under all of them
 changed); OUT may be one of the inputs (every input is read before OUT is written).
+`@pair=NAME` appends `:pair=NAME` to the name of every measured row that has no pair option:
+the rows of `benchmarks/tpu_levers.py --pair NAME`, which names them without it, under the
+names accelerator.py gives the same variants. FILE@COMMIT may also be a levers .jsonl whose rows
+already carry their commits (`@keep`).
 """
 
 from __future__ import annotations
@@ -21,10 +25,22 @@ import sys
 from pathlib import Path
 
 
+def _with_pair(row: dict, pair: str) -> dict:
+  name = row["row"]
+  if name == "probe" or name.startswith("init/") or ":pair=" in name:
+    return row
+  return {**row, "row": f"{name}:pair={pair}"}
+
+
 def rows_of(spec: str) -> list[dict]:
-  """The lever rows of one FILE@COMMIT[@stale][:ROW,...] argument, tagged."""
+  """The lever rows of one FILE@COMMIT[@stale][@pair=NAME][:ROW,...] argument, tagged."""
   source, _, names = spec.partition(":")
   path, commit, *flags = source.split("@")
+  pairs = [f.split("=", 1)[1] for f in flags if f.startswith("pair=")]
+  if pairs:
+    return [_with_pair(r, pairs[-1]) for r in rows_of(
+        "@".join([path, commit, *(f for f in flags if not f.startswith("pair="))])
+        + (f":{names}" if names else ""))]
   text = Path(path).read_text()
   if path.endswith(".jsonl"):
     levers = [json.loads(line) for line in text.splitlines() if line.strip()]

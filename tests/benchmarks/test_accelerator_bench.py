@@ -299,6 +299,15 @@ def test_rows_from_several_chip_calls_keep_the_newest_and_say_which_are_stale(tm
   aged = [json.loads(line) for line in again.read_text().splitlines()]
   assert [(r["row"], r["commit"], r["stale"]) for r in aged] == [
       (r["row"], r["commit"], True) for r in extended]
+  # tpu_levers --pair real names its rows without the pair option: @pair=real adds it.
+  levers_file = tmp_path / "levers.jsonl"
+  levers_file.write_text("".join(json.dumps(r) + "\n" for r in (
+      {"row": "probe"}, {"row": "init/student"}, ok("train:full:8x2048", 0.4, 9.0),
+      ok("kd:full:4x2048:pair=moe", 0.4, 9.0))))
+  assert merge_chip_rows.main([str(again), f"{levers_file}@ddd444@pair=real"]) == 0
+  assert [(r["row"], r["commit"]) for r in map(json.loads, again.read_text().splitlines())] == [
+      ("probe", "ddd444"), ("init/student", "ddd444"), ("train:full:8x2048:pair=real", "ddd444"),
+      ("kd:full:4x2048:pair=moe", "ddd444")]
   levers = accelerator._newest_rows(rows)
   assert [r["row"] for r in levers] == ["probe", "t8", "k4", "t6"]
   assert not levers[0].get("stale") and levers[1]["tokens_per_s"] == 90.0  # the newer t8
