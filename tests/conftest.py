@@ -52,9 +52,9 @@ if _ON_CPU:
 if _ON_CPU:
   # The reference libraries' own thread pools (torch's OpenMP and MKL, numpy's OpenBLAS) get one
   # thread each, here and in every child process: with two test processes on two cores, their
-  # second thread only spins against the other process (measured: tests/models/hf, 2 workers,
-  # 54.8 / 57.8 / 55.2 s -> 47.0 / 48.1 / 50.4 s, CPU 100-106 s -> 85-90 s; one pool alone saved
-  # nothing). Small matrices, the same results; a user's own setting wins.
+  # second thread only competes with the other process (measured: tests/models/hf, 2 workers,
+  # back to back on the shared machine: 54.8-58.3 s -> 49.3-52.4 s, CPU 100-107 s -> 90-95 s).
+  # The same tests and results; a user's own setting wins.
   for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
   try:  # numpy's OpenBLAS is loaded already (a pytest plugin imports numpy): limit it in place
