@@ -37,10 +37,13 @@ def rows_of(spec: str) -> list[dict]:
   source, _, names = spec.partition(":")
   path, commit, *flags = source.split("@")
   pairs = [f.split("=", 1)[1] for f in flags if f.startswith("pair=")]
-  if pairs:
-    return [_with_pair(r, pairs[-1]) for r in rows_of(
-        "@".join([path, commit, *(f for f in flags if not f.startswith("pair="))])
-        + (f":{names}" if names else ""))]
+  rows = _tagged(path, commit, "stale" in flags, names)
+  return [_with_pair(r, pairs[-1]) for r in rows] if pairs else rows
+
+
+def _tagged(path: str, commit: str, stale: bool, names: str) -> list[dict]:
+  """FILE's lever rows (only ROW,...'s candidates of an accelerator JSON when `names`), each
+  with `commit` (or its own, for commit 'keep') and, if `stale`, marked so."""
   text = Path(path).read_text()
   if path.endswith(".jsonl"):
     levers = [json.loads(line) for line in text.splitlines() if line.strip()]
@@ -51,7 +54,6 @@ def rows_of(spec: str) -> list[dict]:
               for c in r["candidates"]]
     if payload.get("probe"):
       levers.insert(0, payload["probe"])
-  stale = "stale" in flags
   if commit == "keep":  # FILE@keep@stale: every row's own commit, all of them now stale
     return [{**r, "stale": True} for r in levers] if stale else levers
   return [{**r, "commit": commit, **({"stale": True} if stale else {})} for r in levers]

@@ -49,7 +49,6 @@ if _ON_CPU:
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-if _ON_CPU:
   # The reference libraries' own thread pools (torch's OpenMP and MKL, numpy's OpenBLAS) get one
   # thread each, here and in every child process: with two test processes on two cores, their
   # second thread only competes with the other process (measured: tests/models/hf, 2 workers,
@@ -60,8 +59,8 @@ if _ON_CPU:
   try:  # numpy's OpenBLAS is loaded already (a pytest plugin imports numpy): limit it in place
     import threadpoolctl  # scikit-learn's dependency (the eval extra); without it, as before
   except ImportError:
-    threadpoolctl = None
-  if threadpoolctl is not None:
+    pass
+  else:
     threadpoolctl.threadpool_limits(int(os.environ["OPENBLAS_NUM_THREADS"]), user_api="blas")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from distillax.models.config import TransformerConfig
 from distillax.models import remat
+from distillax.models.config import TransformerConfig
 from distillax.models.counter_normal import counter_normal
 from distillax.partitioning import constrain
 

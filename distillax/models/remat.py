@@ -37,7 +37,8 @@ POLICIES = {
     "save_attention": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT),
     "save_attention_qkv": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT,
                                                                          *ATTENTION_QKV),
-    "save_attention_up": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT, "mlp_up"),
+    "save_attention_up": jax.checkpoint_policies.save_only_these_names(ATTENTION_OUT,
+                                                                        MLP_GATE_UP[1]),
     "save_attention_mlp": jax.checkpoint_policies.save_only_these_names(
         ATTENTION_OUT, *MLP_GATE_UP, MOE_ROWS),
 }
@@ -59,5 +60,6 @@ def name_moe_rows(rows):
 
 
 def name_mlp_gate_up(gate, up):
-  """A dense gated MLP's two input products, named for `save_attention_mlp`'s policy."""
+  """A gated MLP's two input products (a dense MLP's or the experts'), named for
+  `save_attention_up`'s and `save_attention_mlp`'s policies."""
   return tuple(checkpoint_name(a, n) for a, n in zip((gate, up), MLP_GATE_UP))
