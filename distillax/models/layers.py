@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from distillax.models import remat
@@ -255,20 +256,48 @@ def _global_sin_cos(positions_BxL: jax.Array, config: TransformerConfig):
   return jnp.sin(angles), jnp.cos(angles)
 
 
-def apply_rope(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2, interleaved: bool = False
-               ) -> jax.Array:
+def apply_rope(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2, interleaved: bool = False,
+               swap_on_mxu: bool = False) -> jax.Array:
   """Rotates the two halves of each head (the 'rotate_half' layout of Llama/Gemma checkpoints);
   `interleaved` (DeepSeek's rope_interleave): rotates adjacent pairs (2i, 2i+1) instead and
   returns the turned even features then the odd ones, as transformers does (queries and keys
-  alike, so their products are unchanged)."""
+  alike, so their products are unchanged). swap_on_mxu: the same rotation over whole heads
+  (_rope_whole_heads), what the attention layer asks for on a TPU."""
   rotary = 2 * sin_BxLxK2.shape[-1]
   if rotary < x_BxLxHxK.shape[-1]:  # partial RoPE (Qwen3.5): the head's first features turn
-    turned = apply_rope(x_BxLxHxK[..., :rotary], sin_BxLxK2, cos_BxLxK2, interleaved)
+    turned = apply_rope(x_BxLxHxK[..., :rotary], sin_BxLxK2, cos_BxLxK2, interleaved,
+                        swap_on_mxu)
     return jnp.concatenate([turned, x_BxLxHxK[..., rotary:]], axis=-1)
+  if swap_on_mxu and not interleaved:
+    return _rope_whole_heads(x_BxLxHxK, sin_BxLxK2, cos_BxLxK2)
   x = x_BxLxHxK.astype(jnp.float32)
   x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else jnp.split(x, 2, axis=-1)
   sin, cos = sin_BxLxK2[:, :, None, :], cos_BxLxK2[:, :, None, :]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxLxHxK.dtype)
+
+
+def _rope_whole_heads(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2) -> jax.Array:
+  """apply_rope's products (x1 cos - x2 sin, x2 cos + x1 sin) written over whole heads: the
+  halves swapped, with their signs, by a +-1 permutation matmul (exact: one term per output,
+  accumulated in fp32), then one elementwise pass. Why: on a TPU the split halves are 64
+  features wide at head dim 128, half a lane row each; XLA kept them as separate arrays through
+  the step (RoPE and its gradient about 37 ms of the real student's 545 ms train step, call 47's
+  profile), where this form fuses into the swap's output. The matmul adds 2 x head_dim FLOPs per
+  turned feature, which XLA counts and MFU does not."""
+  x = x_BxLxHxK.astype(jnp.float32)
+  sin, cos = sin_BxLxK2[:, :, None, :], cos_BxLxK2[:, :, None, :]
+  H = x.shape[-1]
+  half = H // 2
+  swap_HxH = np.zeros((H, H), np.float32)
+  swap_HxH[np.arange(half) + half, np.arange(half)] = -1
+  swap_HxH[np.arange(half), np.arange(half) + half] = 1
+  # bf16 operands are exact in one MXU pass; wider ones need the multi-pass product.
+  precision = (jax.lax.Precision.DEFAULT if x_BxLxHxK.dtype == jnp.bfloat16
+               else jax.lax.Precision.HIGHEST)
+  swapped = jnp.einsum("BLNH,HG->BLNG", x_BxLxHxK, swap_HxH.astype(x_BxLxHxK.dtype),
+                       precision=precision, preferred_element_type=jnp.float32)
+  out = x * jnp.concatenate([cos, cos], axis=-1) + swapped * jnp.concatenate([sin, sin], axis=-1)
   return out.astype(x_BxLxHxK.dtype)
 
 
