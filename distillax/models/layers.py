@@ -277,28 +277,79 @@ def apply_rope(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2, interleaved: bool =
   return out.astype(x_BxLxHxK.dtype)
 
 
-def _rope_whole_heads(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2) -> jax.Array:
-  """apply_rope's products (x1 cos - x2 sin, x2 cos + x1 sin) written over whole heads: the
-  halves swapped, with their signs, by a +-1 permutation matmul (exact: one term per output,
-  accumulated in fp32), then one elementwise pass. Why: on a TPU the split halves are 64
-  features wide at head dim 128, half a lane row each; XLA kept them as separate arrays through
-  the step (RoPE and its gradient about 37 ms of the real student's 545 ms train step, call 47's
-  profile), where this form fuses into the swap's output. The matmul adds 2 x head_dim FLOPs per
-  turned feature, which XLA counts and MFU does not."""
-  x = x_BxLxHxK.astype(jnp.float32)
-  sin, cos = sin_BxLxK2[:, :, None, :], cos_BxLxK2[:, :, None, :]
-  H = x.shape[-1]
+def _half_swap(x_BxLxHxK: jax.Array, sign: int) -> jax.Array:
+  """(-x2, x1) for sign 1, (x2, -x1) for sign -1, over each head's halves: a +-1 permutation
+  matmul, exact (one term per output), in x's dtype (bf16 in one MXU pass; wider inputs at
+  HIGHEST precision). Kept in x's dtype rather than fp32: a bf16 swap is still exact, and an
+  fp32 one is a buffer twice the size (64 MB more at the peak of the real KD step's compile)."""
+  H = x_BxLxHxK.shape[-1]
   half = H // 2
   swap_HxH = np.zeros((H, H), np.float32)
-  swap_HxH[np.arange(half) + half, np.arange(half)] = -1
-  swap_HxH[np.arange(half), np.arange(half) + half] = 1
-  # bf16 operands are exact in one MXU pass; wider ones need the multi-pass product.
+  swap_HxH[np.arange(half) + half, np.arange(half)] = -sign
+  swap_HxH[np.arange(half), np.arange(half) + half] = sign
   precision = (jax.lax.Precision.DEFAULT if x_BxLxHxK.dtype == jnp.bfloat16
                else jax.lax.Precision.HIGHEST)
-  swapped = jnp.einsum("BLNH,HG->BLNG", x_BxLxHxK, swap_HxH.astype(x_BxLxHxK.dtype),
-                       precision=precision, preferred_element_type=jnp.float32)
-  out = x * jnp.concatenate([cos, cos], axis=-1) + swapped * jnp.concatenate([sin, sin], axis=-1)
+  return jnp.einsum("BLNH,HG->BLNG", x_BxLxHxK, swap_HxH.astype(x_BxLxHxK.dtype),
+                    precision=precision, preferred_element_type=x_BxLxHxK.dtype)
+
+
+def _full_width(t_BxLxK2: jax.Array) -> jax.Array:
+  return jnp.concatenate([t_BxLxK2, t_BxLxK2], axis=-1)[:, :, None, :]
+
+
+def _halves_summed(t_BxLxNxH: jax.Array, shape) -> jax.Array:
+  """A full-width table's cotangent back to the (B, L, H/2) table it was built from."""
+  t_BxLxH = jnp.sum(t_BxLxNxH, axis=2)
+  half = t_BxLxH.shape[-1] // 2
+  t = t_BxLxH[..., :half] + t_BxLxH[..., half:]
+  return jnp.sum(t, axis=tuple(i for i, n in enumerate(shape) if n == 1 and t.shape[i] != 1),
+                 keepdims=True)
+
+
+@jax.custom_vjp
+def _rope_whole_heads(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2) -> jax.Array:
+  """apply_rope's products (x1 cos - x2 sin, x2 cos + x1 sin) written over whole heads:
+  x cos + (-x2, x1) sin, the swap a matmul (_half_swap), then one elementwise pass. Why: on a TPU
+  the split halves are 64 features wide at head dim 128, half a lane row each; XLA kept them as
+  separate arrays through the step (RoPE and its gradient about 37 ms of the real student's
+  545 ms train step, call 47's profile), where this form fuses into the swap's output. The
+  gradient is the split form's, dx = g cos + (g2, -g1) sin, by the same swap of the incoming
+  bf16 cotangent (the sin table is the same on both halves), rounded once as the split form's
+  (autodiff would swap an fp32 product instead, rounded to bf16 on the MXU), and x kept for it
+  only where the tables' own gradients are asked for: a residual the split form, linear in x,
+  does not keep (62 MB more in the real KD step's compile at 4 x 2048, past the chip). The matmuls add
+  2 x head_dim FLOPs per turned feature, which XLA counts and MFU does not."""
+  return _turned_whole_heads(x_BxLxHxK, sin_BxLxK2, cos_BxLxK2)
+
+
+def _turned_whole_heads(x_BxLxHxK, sin_BxLxK2, cos_BxLxK2):
+  x = x_BxLxHxK.astype(jnp.float32)
+  swapped = _half_swap(x_BxLxHxK, 1).astype(jnp.float32)
+  out = x * _full_width(cos_BxLxK2) + swapped * _full_width(sin_BxLxK2)
   return out.astype(x_BxLxHxK.dtype)
+
+
+def _rope_whole_heads_fwd(x, sin, cos):
+  out = _turned_whole_heads(x.value, sin.value, cos.value)
+  tables_perturbed = sin.perturbed or cos.perturbed
+  return out, (x.value if tables_perturbed else None, sin.value, cos.value)
+
+
+def _rope_whole_heads_bwd(saved, g_BxLxHxK):
+  x_BxLxHxK, sin_BxLxK2, cos_BxLxK2 = saved
+  g = g_BxLxHxK.astype(jnp.float32)
+  swapped = _half_swap(g_BxLxHxK, -1).astype(jnp.float32)
+  dx = g * _full_width(cos_BxLxK2) + swapped * _full_width(sin_BxLxK2)
+  dx = dx.astype(g_BxLxHxK.dtype)  # the output's dtype, x's
+  if x_BxLxHxK is None:  # positions' tables, never differentiated in a step
+    return dx, jnp.zeros_like(sin_BxLxK2), jnp.zeros_like(cos_BxLxK2)
+  x = x_BxLxHxK.astype(jnp.float32)
+  dcos = _halves_summed(g * x, cos_BxLxK2.shape)
+  dsin = _halves_summed(g * _half_swap(x_BxLxHxK, 1).astype(jnp.float32), sin_BxLxK2.shape)
+  return dx, dsin.astype(sin_BxLxK2.dtype), dcos.astype(cos_BxLxK2.dtype)
+
+
+_rope_whole_heads.defvjp(_rope_whole_heads_fwd, _rope_whole_heads_bwd, symbolic_zeros=True)
 
 
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:

@@ -47,7 +47,7 @@ def test_rope_of_bf16_inputs_is_the_fp32_product_rounded_once():
   np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 4e-3)])
 def test_whole_head_rope_gradients_equal_the_split_form(dtype, tol):
   x, sin, cos = _inputs(dtype, seed=1)
   w = jnp.asarray(np.random.default_rng(2).normal(size=x.shape), jnp.float32)
@@ -77,20 +77,16 @@ def test_partial_whole_head_rope_keeps_the_unturned_features():
   np.testing.assert_array_equal(got[..., 8:], np.asarray(x)[..., 8:])
 
 
-def test_the_attention_layer_turns_whole_heads_only_for_a_tpu_compile(monkeypatch):
+def test_the_attention_layer_turns_whole_heads_for_a_tpu_compile_without_full_remat(
+    monkeypatch):
   import distillax.models.attention.layer as attention_layer
   from distillax.models.attention import impl
+  from distillax.models.presets import get_preset
 
-  assert jax.default_backend() == "cpu" and not attention_layer._rope_on_mxu()
+  cfg = get_preset("tiny")
+  assert jax.default_backend() == "cpu"
+  assert not attention_layer._rope_on_mxu(cfg.replace(remat="save_attention"))
   monkeypatch.setattr(impl, "compile_platform", lambda: "tpu")
-  assert attention_layer._rope_on_mxu()
-
-
-def test_interleaved_rope_turns_adjacent_pairs():
-  x, sin, cos = _inputs(jnp.float32, seed=5)
-  got = np.asarray(apply_rope(x, sin, cos, interleaved=True))
-  xn = np.asarray(x, np.float64)
-  s, c = np.asarray(sin)[:, :, None, :], np.asarray(cos)[:, :, None, :]
-  even, odd = xn[..., 0::2], xn[..., 1::2]
-  want = np.concatenate([even * c - odd * s, odd * c + even * s], axis=-1)
-  np.testing.assert_allclose(got, want, atol=1e-6)
+  assert attention_layer._rope_on_mxu(cfg.replace(remat="save_attention"))
+  assert attention_layer._rope_on_mxu(cfg.replace(remat="none"))
+  assert not attention_layer._rope_on_mxu(cfg.replace(remat="full"))

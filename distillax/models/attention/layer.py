@@ -107,10 +107,14 @@ def _temperature_scaled(q_BxLxHxK, positions_BxL, config: TransformerConfig):
   return (q_BxLxHxK.astype(jnp.float32) * scale_BxL[:, :, None, None]).astype(q_BxLxHxK.dtype)
 
 
-def _rope_on_mxu() -> bool:
+def _rope_on_mxu(cfg: TransformerConfig) -> bool:
   """RoPE's halves swapped by a matmul (layers._rope_whole_heads) where the step compiles for a
-  TPU, whose lanes the split halves fill by half; elsewhere the split form, fewer FLOPs."""
-  return attention_impl.compile_platform() == "tpu"
+  TPU, whose lanes the split halves fill by half; elsewhere the split form, fewer FLOPs. Not
+  under full remat, which a job takes when memory is what it is short of: there the whole-head
+  form's backward holds one more query-sized buffer at its peak (the real KD step at 4 x 2048,
+  deviceless v5e compile: 64 MiB more, past what the chip takes), and the forward-only teacher
+  of a KD step, whose remat is not 'full', keeps the faster form."""
+  return attention_impl.compile_platform() == "tpu" and cfg.remat != "full"
 
 
 def attend(cfg: TransformerConfig, q_BxLxKxGxH, k_BxSxKxH, v_BxSxKxH, masking: dict, *,
@@ -230,7 +234,7 @@ class Attention(nnx.Module):
       k_BxLxKxH = self.k_norm(k_BxLxKxH)
     if self.value_norm:
       v_BxLxKxH = _scale_free_norm(v_BxLxKxH, self.config.norm_eps)
-    k_BxLxKxH = apply_rope(k_BxLxKxH, *sin_cos, swap_on_mxu=_rope_on_mxu())
+    k_BxLxKxH = apply_rope(k_BxLxKxH, *sin_cos, swap_on_mxu=_rope_on_mxu(self.config))
     if self.l2_norm_qk:
       k_BxLxKxH = _scale_free_norm(k_BxLxKxH, self.config.norm_eps)
     k_BxLxKxH = constrain(k_BxLxKxH, ("batch", "length", "kv_heads", "head_dim"))
@@ -297,7 +301,7 @@ class Attention(nnx.Module):
     K, Dh = self.num_kv_heads, self.head_dim
     G = cfg.num_heads // K
     q_BxLxHxK = apply_rope(self._project(x_BxLxD, self.q, self.q_bias, self.q_norm), *sin_cos,
-                           swap_on_mxu=_rope_on_mxu())
+                           swap_on_mxu=_rope_on_mxu(self.config))
     if self.l2_norm_qk:
       q_BxLxHxK = _scale_free_norm(q_BxLxHxK, cfg.norm_eps)
     if self.temperature:  # Llama 4's RoPE-free layers
