@@ -55,6 +55,11 @@ SELECTION = (
      "splash attention's Mosaic kernel (tiles 1024/1024/512 fused, the default; 512/1024/512 "
      "fused; 512/512/512 two-kernel backward) against the reference: f32 and bf16, causal, "
      "window, traced window, packed segments, GQA, soft-cap"),
+    ("tests/models/test_rope.py",
+     "RoPE's whole-head form (models/layers._rope_whole_heads: the halves swapped by a +-1 "
+     "matmul, one MXU pass for bf16, HIGHEST precision for fp32) against rotate_half in float64 "
+     "numpy and the split form, values and gradients: the swap is exact only as the chip's "
+     "matmul unit rounds it"),
     ("tests/models/test_remat.py::"
      "test_saving_policies_keep_splash_output_and_do_not_run_its_forward_again",
      "model.remat='save_attention' / 'save_attention_qkv' over splash's Mosaic kernel: the "
