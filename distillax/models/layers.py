@@ -278,10 +278,9 @@ def apply_rope(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2, interleaved: bool =
 
 
 def _half_swap(x_BxLxHxK: jax.Array, sign: int) -> jax.Array:
-  """(-x2, x1) for sign 1, (x2, -x1) for sign -1, over each head's halves: a +-1 permutation
-  matmul, exact (one term per output), in x's dtype (bf16 in one MXU pass; wider inputs at
-  HIGHEST precision). Kept in x's dtype rather than fp32: a bf16 swap is still exact, and an
-  fp32 one is a buffer twice the size (64 MB more at the peak of the real KD step's compile)."""
+  """(-x2, x1) for sign 1, (x2, -x1) for sign -1, over each head's halves, in fp32: a +-1
+  permutation matmul, exact (one term per output; bf16 in one MXU pass, wider inputs at HIGHEST
+  precision), its fp32 output what the elementwise pass fuses into the matmul's."""
   H = x_BxLxHxK.shape[-1]
   half = H // 2
   swap_HxH = np.zeros((H, H), np.float32)
@@ -290,7 +289,7 @@ def _half_swap(x_BxLxHxK: jax.Array, sign: int) -> jax.Array:
   precision = (jax.lax.Precision.DEFAULT if x_BxLxHxK.dtype == jnp.bfloat16
                else jax.lax.Precision.HIGHEST)
   return jnp.einsum("BLNH,HG->BLNG", x_BxLxHxK, swap_HxH.astype(x_BxLxHxK.dtype),
-                    precision=precision, preferred_element_type=x_BxLxHxK.dtype)
+                    precision=precision, preferred_element_type=jnp.float32)
 
 
 def _full_width(t_BxLxK2: jax.Array) -> jax.Array:
@@ -324,7 +323,7 @@ def _rope_whole_heads(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2) -> jax.Array
 
 def _turned_whole_heads(x_BxLxHxK, sin_BxLxK2, cos_BxLxK2):
   x = x_BxLxHxK.astype(jnp.float32)
-  swapped = _half_swap(x_BxLxHxK, 1).astype(jnp.float32)
+  swapped = _half_swap(x_BxLxHxK, 1)
   out = x * _full_width(cos_BxLxK2) + swapped * _full_width(sin_BxLxK2)
   return out.astype(x_BxLxHxK.dtype)
 
@@ -338,14 +337,14 @@ def _rope_whole_heads_fwd(x, sin, cos):
 def _rope_whole_heads_bwd(saved, g_BxLxHxK):
   x_BxLxHxK, sin_BxLxK2, cos_BxLxK2 = saved
   g = g_BxLxHxK.astype(jnp.float32)
-  swapped = _half_swap(g_BxLxHxK, -1).astype(jnp.float32)
+  swapped = _half_swap(g_BxLxHxK, -1)
   dx = g * _full_width(cos_BxLxK2) + swapped * _full_width(sin_BxLxK2)
   dx = dx.astype(g_BxLxHxK.dtype)  # the output's dtype, x's
   if x_BxLxHxK is None:  # positions' tables, never differentiated in a step
     return dx, jnp.zeros_like(sin_BxLxK2), jnp.zeros_like(cos_BxLxK2)
   x = x_BxLxHxK.astype(jnp.float32)
   dcos = _halves_summed(g * x, cos_BxLxK2.shape)
-  dsin = _halves_summed(g * _half_swap(x_BxLxHxK, 1).astype(jnp.float32), sin_BxLxK2.shape)
+  dsin = _halves_summed(g * _half_swap(x_BxLxHxK, 1), sin_BxLxK2.shape)
   return dx, dsin.astype(sin_BxLxK2.dtype), dcos.astype(cos_BxLxK2.dtype)
 
 
