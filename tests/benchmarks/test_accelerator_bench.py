@@ -225,13 +225,14 @@ def test_readme_performance_table_is_the_committed_chip_run():
   table = accelerator_table.readme_table(payload)
   readme = (root / "README.md").read_text()
   assert table in readme
-  assert "| kd (real) | 4 x 2048, full | 617 | 13,280 | 53.6% | 16.4 GB |" in table
-  assert ("| qat_kd (real) | 4 x 2048, full, qat=q4_0 | 664 | 12,340 | 49.8% | "
+  assert "| kd (real) | 4 x 2048, full | 616 | 13,297 | 53.7% | 16.4 GB |" in table
+  assert ("| qat_kd (real; at efc46c4) | 4 x 2048, full, qat=q4_0 | 664 | 12,340 | 49.8% | "
           "15.5 GB |") in table
-  assert ("| train_int8_backward (real) | 6 x 2048, save_attention, "
+  assert ("| train_int8_backward (real; at efc46c4) | 6 x 2048, save_attention, "
           "qat=int8_backward | 508 | 24,179 | 52.5% | 15.9 GB |") in table
-  assert "| qlora (real) | 4 x 2048, save_dots, lora=qlora | 337 | 24,288 | 52.8% | 7.6 GB |" in table
-  assert "| train (real) | 6 x 2048, save_attention | 546 | 22,524 | 48.9% | 16.2 GB |" in table
+  assert ("| qlora (real; at 10020c1) | 4 x 2048, save_dots, lora=qlora | 337 | 24,288 | 52.8% | "
+          "7.6 GB |") in table
+  assert "| train (real) | 6 x 2048, save_attention | 528 | 23,280 | 50.6% | 16.2 GB |" in table
   # The caveat the docs site's accelerator page shows for the file (stale while the script
   # changed after the figures were committed), said just before the table (issue 55).
   from docs.gen.results_pages import freshness
