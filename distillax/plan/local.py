@@ -42,6 +42,11 @@ def _tree_bytes(abstract, shardings) -> tuple[int, int]:
   return total, per_device
 
 
+def _platform(mesh) -> str:
+  """The platform of the mesh's devices (a target compile's too: its topology's devices)."""
+  return str(np.asarray(mesh.devices).flat[0].platform)
+
+
 def flops_check(recipe: Recipe, engine, compiled_per_device: float,
                 fused: tuple[str, ...] = (), unchecked: str | None = None,
                 recompute_merged: bool = False) -> dict:
@@ -67,7 +72,8 @@ def flops_check(recipe: Recipe, engine, compiled_per_device: float,
       sliced=getattr(recipe, "loss_impl", "") == "sliced" and not recompute_merged,
       sliced_shape=getattr(recipe, "loss_shape", None),
       weights_train=base_trains,
-      adapter_params=0 if base_trains else sum(x.size for x in trained))) / devices
+      adapter_params=0 if base_trains else sum(x.size for x in trained),
+      rope_swap=_platform(engine.mesh) == "tpu")) / devices
   expected_ratio = compiled_per_device / expected
   low, high = FLOPS_CHECK_RANGE
   within = None if unchecked else low <= expected_ratio <= high
