@@ -311,13 +311,14 @@ def _rope_whole_heads(x_BxLxHxK: jax.Array, sin_BxLxK2, cos_BxLxK2) -> jax.Array
   x cos + (-x2, x1) sin, the swap a matmul (_half_swap), then one elementwise pass. Why: on a TPU
   the split halves are 64 features wide at head dim 128, half a lane row each; XLA kept them as
   separate arrays through the step (RoPE and its gradient about 37 ms of the real student's
-  545 ms train step, call 47's profile), where this form fuses into the swap's output. The
-  gradient is the split form's, dx = g cos + (g2, -g1) sin, by the same swap of the incoming
-  bf16 cotangent (the sin table is the same on both halves), rounded once as the split form's
-  (autodiff would swap an fp32 product instead, rounded to bf16 on the MXU), and x kept for it
-  only where the tables' own gradients are asked for: a residual the split form, linear in x,
-  does not keep (62 MB more in the real KD step's compile at 4 x 2048, past the chip). The matmuls add
-  2 x head_dim FLOPs per turned feature, which XLA counts and MFU does not."""
+  545 ms train step, call 47's profile), where this form fuses into the swap's output (528 ms,
+  chip call 53). The gradient is the split form's, dx = g cos + (g2, -g1) sin, by the same swap
+  of the incoming bf16 cotangent (the sin table is the same on both halves), rounded once as the
+  split form's; autodiff would swap an fp32 product instead, rounded to bf16 on the MXU (6 ms
+  faster on the chip, 522 ms: the one rounding is kept). x is kept for the backward only where
+  the tables' own gradients are asked for, as the split form, linear in x, keeps none. The
+  matmuls add 2 x head_dim FLOPs per turned feature, which XLA counts and MFU does not
+  (flops.rope_swap_flops)."""
   return _turned_whole_heads(x_BxLxHxK, sin_BxLxK2, cos_BxLxK2)
 
 
