@@ -265,8 +265,7 @@ def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cf
                           *, causal: bool = True, remat: str = "none",
                           weights_train: bool = True, adapter_params: int = 0,
                           fused: tuple[str, ...] = (), sliced: bool = False,
-                          sliced_shape: tuple[int, int] | None = None,
-                          rope_swap: bool = False) -> float:
+                          sliced_shape: tuple[int, int] | None = None) -> float:
   """What a compiled train step runs as HLO matmuls minus what `train_step_flops` counts (the
   model-FLOPs convention of MFU): the figure `plan` adds to a job's model FLOPs to check the
   compiled step's matmuls against.
@@ -295,10 +294,6 @@ def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cf
     tiny LoRA step's TPU matmuls are then the same over one slice as over token chunks).
     `sliced_shape`: the (rows, positions) those losses score where they are not the step's
     batch (on-policy scoring: its samples' prompts and completions).
-  - `rope_swap`: the step compiles for a TPU, where attention turns RoPE over whole heads
-    (models/layers._rope_whole_heads) in every model not under full remat: a +-1 matmul per
-    turned query and key head, `rope_swap_flops`, in the forward, its input gradient, and the
-    recompute of remats that run the q and k projections again; a teacher's forward once.
   """
   s = forward_flops_breakdown(student_cfg, batch, seq_len, causal=causal)
   attention = s["attn_scores"] + s["attn_values"]
@@ -321,15 +316,25 @@ def hlo_matmul_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cf
   if sliced:
     out += s["logits"] if sliced_shape is None else forward_flops_breakdown(
         student_cfg, *sliced_shape, causal=causal)["logits"]
-  if rope_swap and remat != "full":
-    again = remat in ("save_attention", "save_attention_up", "save_attention_mlp")
-    out += rope_swap_flops(student_cfg, batch, seq_len) * (3 if again else 2)
   if teacher_cfg is not None:
     t = forward_flops_breakdown(teacher_cfg, batch, seq_len, causal=causal)
     out += chunked_linear_attention_extra(teacher_cfg, batch, seq_len)
     out -= (t["attn_scores"] + t["attn_values"]) if "attention" in fused else 0.0
-    if rope_swap and getattr(teacher_cfg, "remat", "none") != "full":
-      out += rope_swap_flops(teacher_cfg, batch, seq_len)
+  return out
+
+
+def rope_swap_adjustment(student_cfg: Any, batch: int, seq_len: int, teacher_cfg: Any,
+                         remat: str) -> float:
+  """What a TPU compile runs as HLO matmuls beyond `hlo_matmul_adjustment`'s (plan adds both):
+  the swaps of RoPE over whole heads (models/layers._rope_whole_heads), in every model not under
+  full remat: `rope_swap_flops` in the student's forward and input gradient, again in the
+  recompute of remats that run the q and k projections again; a teacher's forward once."""
+  out = 0.0
+  if remat != "full":
+    again = remat in ("save_attention", "save_attention_up", "save_attention_mlp")
+    out += rope_swap_flops(student_cfg, batch, seq_len) * (3 if again else 2)
+  if teacher_cfg is not None and getattr(teacher_cfg, "remat", "none") != "full":
+    out += rope_swap_flops(teacher_cfg, batch, seq_len)
   return out
 
 

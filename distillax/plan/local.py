@@ -72,8 +72,11 @@ def flops_check(recipe: Recipe, engine, compiled_per_device: float,
       sliced=getattr(recipe, "loss_impl", "") == "sliced" and not recompute_merged,
       sliced_shape=getattr(recipe, "loss_shape", None),
       weights_train=base_trains,
-      adapter_params=0 if base_trains else sum(x.size for x in trained),
-      rope_swap=_platform(engine.mesh) == "tpu")) / devices
+      adapter_params=0 if base_trains else sum(x.size for x in trained))) / devices
+  if _platform(engine.mesh) == "tpu":  # attention's whole-head RoPE there
+    expected += flops.rope_swap_adjustment(
+        cfg, recipe.batch_size, recipe.seq_len, recipe.teacher_model_config,
+        str(getattr(cfg, "remat", "none"))) / devices
   expected_ratio = compiled_per_device / expected
   low, high = FLOPS_CHECK_RANGE
   within = None if unchecked else low <= expected_ratio <= high

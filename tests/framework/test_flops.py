@@ -422,14 +422,19 @@ def test_hlo_matmul_adjustment_by_hand():
   # batch's, or another shape's (on-policy scoring: 2 x 5 positions).
   assert adjust(sliced=True) == 240
   assert adjust(sliced=True, sliced_shape=(2, 5)) == 80 * 2 * 5
-  # RoPE over whole heads (a TPU): a 2 x 2 swap on each of 3 heads (2 query, 1 key) of 3
-  # tokens, 2 x 3 x 3 x 2 x 2 = 72 a pass: forward and input gradient, a third where the remat
-  # runs the projections again, none under full remat; a teacher's forward once.
-  assert adjust(rope_swap=True) == 2 * 72
-  assert adjust(rope_swap=True, remat="save_attention") == 1176 - 240 - 72 + 3 * 72
-  assert adjust(rope_swap=True, remat="save_attention_qkv") == 1176 - 240 - 72 - 192 + 2 * 72
-  assert adjust(rope_swap=True, remat="full") == 1176 - 240
-  assert flops.hlo_matmul_adjustment(TINY, 1, 3, TINY, rope_swap=True) == 3 * 72
+
+
+def test_rope_swap_adjustment_by_hand():
+  """RoPE over whole heads (a TPU): a 2 x 2 swap on each of 3 heads (2 query, 1 key) of 3
+  tokens, 2 x 3 x 3 x 2 x 2 = 72 a pass: forward and input gradient, a third where the remat
+  runs the projections again, none under full remat; a teacher's forward once."""
+  swap = lambda teacher=None, remat="none": flops.rope_swap_adjustment(TINY, 1, 3, teacher, remat)
+  assert flops.rope_swap_flops(TINY, 1, 3) == 72
+  assert swap() == 2 * 72
+  assert swap(remat="save_attention") == swap(remat="save_attention_mlp") == 3 * 72
+  assert swap(remat="save_attention_qkv") == swap(remat="save_dots") == 2 * 72
+  assert swap(remat="full") == 0
+  assert swap(TINY) == 3 * 72 and swap(TINY, remat="full") == 72
 
 
 @dataclasses.dataclass(frozen=True)
