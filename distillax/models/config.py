@@ -203,7 +203,8 @@ class TransformerConfig(DerivedQuantities):
   scan_layers: bool = _storage(False)  # stack layers and run them with lax.scan (flat compile)
   # 'none' | 'full' | 'save_dots' | 'save_dots_no_batch' | 'save_attention' |
   # 'save_attention_qkv' | 'save_attention_up' | 'save_attention_mlp' (models/remat.py). On
-  # XLA:CPU it saves memory only with scan_layers=True (unrolled, XLA schedules the recomputation early; benchmarks/peft.py).
+  # XLA:CPU it saves memory only with scan_layers=True (unrolled, XLA schedules the
+  # recomputation early; benchmarks/peft.py).
   remat: str = _compute("none")
   # auto | reference | blockwise | cudnn | splash | tokamax: how attention runs
   # (models/attention/impl.py; tokamax: its Mosaic GPU flash kernel, the tokamax extra).

@@ -42,14 +42,9 @@ def _tree_bytes(abstract, shardings) -> tuple[int, int]:
   return total, per_device
 
 
-def _platform(mesh) -> str:
-  """The platform of the mesh's devices (a target compile's too: its topology's devices)."""
-  return str(np.asarray(mesh.devices).flat[0].platform)
-
-
 def flops_check(recipe: Recipe, engine, compiled_per_device: float,
                 fused: tuple[str, ...] = (), unchecked: str | None = None,
-                recompute_merged: bool = False) -> dict:
+                recompute_merged: bool = False, platform: str = "cpu") -> dict:
   """The compiled step's matmul FLOPs per device against the analytic model's: `ratio` to the
   job's model FLOPs (`recipe.step_flops`, the MFU convention), and `expected_ratio` to what the
   step should run as HLO matmuls (those plus `flops.hlo_matmul_adjustment`: remat's
@@ -58,7 +53,7 @@ def flops_check(recipe: Recipe, engine, compiled_per_device: float,
   not.
   `unchecked`: why the compiled figure cannot be judged (`within` is then None).
   `recompute_merged`: the compiler merged the vocabulary slices' backward recompute of the
-  logits with the forward's (`one_slice_merged`)."""
+  logits with the forward's (`one_slice_merged`). `platform`: the compiler's (plan_report's)."""
   devices = int(engine.mesh.devices.size)
   cfg = recipe.model_config
   frozen_base = jax.tree.leaves(engine.layout.abstract.frozen.get(STUDENT, {}))
@@ -73,7 +68,7 @@ def flops_check(recipe: Recipe, engine, compiled_per_device: float,
       sliced_shape=getattr(recipe, "loss_shape", None),
       weights_train=base_trains,
       adapter_params=0 if base_trains else sum(x.size for x in trained))) / devices
-  if _platform(engine.mesh) == "tpu":  # attention's whole-head RoPE there
+  if platform == "tpu":  # the compiler's; attention turns RoPE over whole heads there
     expected += flops.rope_swap_adjustment(
         cfg, recipe.batch_size, recipe.seq_len, recipe.teacher_model_config,
         str(getattr(cfg, "remat", "none"))) / devices
@@ -150,7 +145,7 @@ def plan_report(recipe: Recipe, engine, fused: tuple[str, ...] = (),
       # loop body once).
       "hlo_matmul_flops_per_device": compiled_flops,
       "flops_check": flops_check(recipe, engine, compiled_flops, fused, unchecked,
-                                 one_slice_merged(recipe, platform)),
+                                 one_slice_merged(recipe, platform), platform),
       "compile_seconds": runner.compile_seconds,
   }
 
