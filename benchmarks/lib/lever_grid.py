@@ -220,9 +220,9 @@ def objective_for(v: Variant, vocab: int):
   if v.kind == on_policy_lever.KIND:
     return on_policy_lever.objective(v, vocab)
   if v.kind == "train":
-    loss_impl = v.option("loss_impl", "chunked")
-    return functools.partial(lm_objective, loss_impl=loss_impl) if loss_impl != "chunked" \
-        else lm_objective
+    loss_impl, chunk = v.option("loss_impl", "chunked"), v.option("chunk")
+    return functools.partial(lm_objective, loss_impl=loss_impl,
+                             chunk_size=int(chunk) if chunk else AUTO)
   chunk = v.option("chunk")
   return make_distill_objective(LogitKD(temperature=2.0, alpha=0.7),
                                 chunk_size=int(chunk) if chunk else AUTO, metrics=False,

@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 from distillax.data import batch as batch_spec
-from distillax.framework import losses
+from distillax.framework import losses, vocab_chunks
 from distillax.framework.step import Objective, ObjectiveOutput
 from distillax.models.moe import layer as moe
 from distillax.trainers.recipe import Recipe
@@ -19,17 +19,20 @@ from distillax.trainers.registry import register
 
 def lm_objective(student: nnx.Module, extras: Mapping[str, nnx.Module], batch, rng: jax.Array,
                  *, moe_aux_loss: float = 0.0, router_z_loss: float = 0.0,
-                 loss_impl: str = "chunked") -> ObjectiveOutput:
+                 loss_impl: str = "chunked",
+                 chunk_size: int = vocab_chunks.AUTO) -> ObjectiveOutput:
   """Cross-entropy on every target the loss mask keeps (padding and document edges excluded);
   for a mixture of experts also the weighted router losses and the expert-load metrics.
   loss_impl: 'chunked' or 'sliced' (the vocabulary-chunk engine over token chunks or over
-  vocabulary slices; both also sum the argmax accuracy)."""
+  vocabulary slices; both also sum the argmax accuracy); chunk_size: the chunk engine's tokens
+  per chunk (vocab_chunks.AUTO: from its per-device budget)."""
   del extras, rng
   out = student(batch[batch_spec.INPUTS], **losses.model_inputs(batch), return_logits=False)
   targets_BxL, mask_BxL = batch[batch_spec.TARGETS], batch[batch_spec.LOSS_MASK]
   sums, ratios = {}, {}
   loss_sum, sums["accuracy"], tokens = losses.model_cross_entropy_sums(  # never (B, L, V)
-      student, out.final_hidden_BxLxD, targets_BxL, mask_BxL, sliced=loss_impl == "sliced")
+      student, out.final_hidden_BxLxD, targets_BxL, mask_BxL, sliced=loss_impl == "sliced",
+      chunk_size=chunk_size)
   if out.router_stats is not None:
     extra, router_sums, ratios = moe.objective_terms(out.router_stats, tokens, moe_aux_loss,
                                                      router_z_loss)
