@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax import custom_derivatives
 
 from distillax.framework import (slice_buckets, slice_divergences, slice_metrics, slice_targets,
-                                 slice_teachers, vocab_stats_kernel)
+                                 slice_teachers, slice_terms, vocab_stats_kernel)
 from distillax.framework.slice_heads import (SLICE_BUDGET_BYTES, Head, new_columns, parts,
                                              slice_count, slice_size_for, sliced_parts, slices)
 from distillax.framework.slice_heads import logits as slice_logits
@@ -79,6 +79,9 @@ class Spec:
   # Not None: the KD term is `target_term(log q_T(y), log p_T(y), x)` per token instead of the
   # divergence (slice_targets.py; x: token_sums' target_input_N).
   target_term: Any = None
+  # Several KD terms (slice_terms.Term) in one pass instead of the one above (kd_weight 0):
+  # a Composite of LogitKDs (slice_terms.py); sums 'divergences', one per term.
+  terms: tuple = ()
   slice_size: int = 0  # columns per slice; 0: from SLICE_BUDGET_BYTES
 
 
@@ -118,6 +121,10 @@ def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
     raise ValueError("spec.metrics needs the teacher's head and spec.accuracy")
   if spec.target_term is not None and (teacher is None or spec.top_k or target_input_N is None):
     raise ValueError("spec.target_term needs the teacher's head, no top_k and a target_input_N")
+  if spec.terms and (teacher is None or spec.top_k or spec.target_term is not None
+                     or spec.kd_weight):
+    raise ValueError("spec.terms needs the teacher's head, no top_k, target_term or kd_weight")
+  slice_terms.check(spec.terms)
   size = slice_size_for(h_s_NxD.shape[0], student.vocab, spec.slice_size)
   w_s, h_s, axes = parts(student, h_s_NxD)
   w_t = h_t = t_static = None
@@ -148,6 +155,9 @@ def _forward(static, w_s, h_s, w_t, h_t, top, x_N, targets_N, mask_N):
     lse["sT"] = st["kd"]["mq"] + jnp.log(st["kd"]["lq"])
     lse["kl"], saved = _bucket_pass(static, w_s, h_s, top[0], top[1], lse)
     lse.update(saved)
+  elif w_t is not None and spec.terms:
+    lse["terms"] = slice_terms.values(spec.terms, st["kd"], functools.partial(
+        _over_slices, static, w_s, h_s, w_t, h_t))
   elif w_t is not None:
     lse.update(slice_divergences.normalisers(st["kd"]))
     if spec.top_k:
@@ -165,7 +175,10 @@ def _forward(static, w_s, h_s, w_t, h_t, top, x_N, targets_N, mask_N):
   nll = lse["s1"] - st["target"]
   sums = {"nll": jnp.sum(nll * mask_N)}
   loss_N = spec.ce_weight * nll
-  if kd:
+  if kd and spec.terms:
+    kd_N, sums["divergences"] = slice_terms.loss_and_sums(spec.terms, lse["terms"], mask_N)
+    loss_N = loss_N + kd_N
+  elif kd:
     sums["divergence"] = jnp.sum(lse["kl"] * mask_N)
     loss_N = loss_N + spec.kd_weight * lse["kl"]
   if spec.accuracy:
@@ -202,7 +215,8 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
     init.update(best=neg, arg=jnp.zeros((N,), jnp.int32))
   normalisers_only = spec.top_k or spec.target_term is not None
   if t_static is not None:
-    init["kd"] = slice_divergences.init("normalisers" if normalisers_only else spec.divergence, N)
+    init["kd"] = (slice_terms.init(spec.terms, N) if spec.terms else slice_divergences.init(
+        "normalisers" if normalisers_only else spec.divergence, N))
     if spec.target_term is not None:
       init["t_target"] = zero
     if spec.top_k:
@@ -231,7 +245,8 @@ def _stats(static, w_s, h_s, w_t, h_t, targets_N):
     if t is not None:
       t = jnp.where(new, t, -jnp.inf)
       kind = "normalisers" if normalisers_only else spec.divergence
-      c["kd"] = slice_divergences.step(kind, carry["kd"], s, t, new, spec.temperature)
+      c["kd"] = (slice_terms.step(spec.terms, carry["kd"], s, t, new) if spec.terms else
+                 slice_divergences.step(kind, carry["kd"], s, t, new, spec.temperature))
       if spec.target_term is not None:
         c["t_target"] = carry["t_target"] + jnp.sum(jnp.where(hit, t, 0.0), axis=-1)
       if spec.top_k:
@@ -266,6 +281,19 @@ def _bucket_pass(static, w_s, h_s, ids_NxK, t_top_logp_NxK, lse):
   value, grads = slice_buckets.divergence_and_grads(
       spec.bucket_divergence, t_top_logp_NxK, got["s_top"], rest, lse["sT"], T)
   return value, {**grads, "rest": rest, "ids": ids_NxK}
+
+
+def _over_slices(static, w_s, h_s, w_t, h_t, step, init):
+  """A scan over every slice of both models' logits: step(carry, s, t, new) -> carry."""
+  _, size, axes, _, _, columns, _ = static
+  count, starts = slices(w_s[0].shape[axes[0]], size)
+
+  def body(carry, xs):
+    j, start = xs
+    s, t = _slice_logits(static, w_s, h_s, w_t, h_t, start)
+    return step(carry, s, t, new_columns(j, start, size, columns)), None
+
+  return jax.lax.scan(body, init, (jnp.arange(count), starts))[0]
 
 
 def _jsd_pass(static, w_s, h_s, w_t, h_t, lse):
@@ -318,8 +346,9 @@ def _grads(static, trained, w_s, h_s, w_t, h_t, targets_N, mask_N, lse, g):
                                                           spec.temperature)
     elif t_static is not None:
       t = slice_teachers.logits(t_static, w_t, h_t, start, size)
-      dz = dz + spec.kd_weight * slice_divergences.logit_grad(spec.divergence, spec.beta, s, t,
-                                                              lse, spec.temperature)
+      dz = dz + (slice_terms.logit_grad(spec.terms, lse["terms"], s, t) if spec.terms else
+                 spec.kd_weight * slice_divergences.logit_grad(spec.divergence, spec.beta, s, t,
+                                                               lse, spec.temperature))
     dz = jnp.where(new, dz * scale_N[:, None], 0.0)
     dw_on, dh_j = back(dz)
     dws = [_write_slice(dw, dw_j, start, size, axes[i], new)
