@@ -27,7 +27,7 @@ from distillax.distill.base import LogitStrategy, check_common
 from distillax.distill.logits import STUDENT, TEACHER, TokenLogits
 from distillax.distill.sliced_teacher import sliced_teacher
 from distillax.errors import ConfigError
-from distillax.framework import losses, token_rows, vocab_slices
+from distillax.framework import losses, slice_terms, token_rows, vocab_slices
 
 # Batch keys an offline teacher cache adds (teacher_cache.py writes them, CachedLogitKD reads).
 TOPK_IDS = "teacher_topk_ids_BxLxK"  # int32 token ids of the teacher's top-k at temperature T
@@ -195,23 +195,31 @@ def _extra_metric_values(logits: TokenLogits) -> dict[str, jax.Array]:
   return out
 
 
-def sliced_leaf(token_leaves, teachers) -> tuple[float, "LogitKD"] | None:
-  """The one (weight, LogitKD or CachedLogitKD) that train.loss_impl='sliced' computes (None for
-  a strategy with no logit term: its metrics alone, `sliced_metric_sums`), or a one-line
-  refusal: any divergence, over the whole vocabulary or a top-k, from one teacher (live, a
-  hidden-state cache's head or a top-k cache) or several (`teachers`, mixed or routed: a
-  LogitKD), with the metrics of train and eval objectives (hard_ce; a teacher model's
+def sliced_leaves(token_leaves, teachers) -> tuple | None:
+  """The (weight, LogitKD or CachedLogitKD) pairs that train.loss_impl='sliced' computes (None
+  for a strategy with no logit term: its metrics alone, `sliced_metric_sums`), or a one-line
+  refusal. One leaf: any divergence, over the whole vocabulary or a top-k, from one teacher
+  (live, a hidden-state cache's head or a top-k cache) or several (`teachers`, mixed or routed:
+  a LogitKD), with the metrics of train and eval objectives (hard_ce; a teacher model's
   teacher_ce, top1_agreement and logit_cosine from slice_metrics; a top-k cache's teacher_ce
-  and top-1 agreement)."""
+  and top-1 agreement). Several leaves (a Composite of LogitKDs, each its own temperature,
+  divergence, alpha and weight: framework/slice_terms.py): LogitKDs over the whole vocabulary,
+  from the teacher models as one leaf takes them; a top-k or a cache's top-k among several is
+  refused (each would need its own bucket pass)."""
   if not token_leaves:
     return None
-  ok = len(token_leaves) == 1 and isinstance(
-      token_leaves[0][1], LogitKD if teachers is not None else (LogitKD, CachedLogitKD))
-  if not ok:
-    names = ", ".join(f"{type(leaf).__name__}({leaf.name})" for _, leaf in token_leaves)
-    raise ConfigError(f"train.loss_impl='sliced' computes one LogitKD; this job has {names}; "
-                      f"set --config.train.loss_impl=chunked")
-  return token_leaves[0]
+  names = ", ".join(f"{type(leaf).__name__}({leaf.name})" for _, leaf in token_leaves)
+  if len(token_leaves) == 1:
+    if not isinstance(token_leaves[0][1],
+                      LogitKD if teachers is not None else (LogitKD, CachedLogitKD)):
+      raise ConfigError(f"train.loss_impl='sliced' computes LogitKD terms; this job has "
+                        f"{names}: set --config.train.loss_impl=chunked")
+    return tuple(token_leaves)
+  if not all(isinstance(leaf, LogitKD) and leaf.top_k is None for _, leaf in token_leaves):
+    raise ConfigError(f"train.loss_impl='sliced' computes several logit terms as LogitKDs over "
+                      f"the whole vocabulary (no top_k, no cache); this job has {names}: set "
+                      f"--config.train.loss_impl=chunked")
+  return tuple(token_leaves)
 
 
 def _sliced_teacher(leaf, inputs, student_vocab: int, teachers):
@@ -233,30 +241,48 @@ def _sliced_teacher(leaf, inputs, student_vocab: int, teachers):
   return head, None, leaf.top_k if leaf.top_k is not None and leaf.top_k < student_vocab else 0
 
 
-def sliced_loss_and_sums(weight: float, leaf, inputs, metrics: bool = False, teachers=None
+def _spec(leaves, top_k: int, bucket_divergence, metrics: bool, teacher: bool):
+  """One leaf's Spec as it always was; several leaves' terms (slice_terms.Term), whose hard-label
+  weight is the sum of each leaf's weight * (1 - alpha)."""
+  kd = [(w * float(leaf.alpha) * float(leaf.temperature) * float(leaf.temperature),
+         float(leaf.temperature), leaf) for w, leaf in leaves]
+  ce = sum(w * (1.0 - float(leaf.alpha)) for w, leaf in leaves)
+  if len(leaves) > 1:
+    terms = tuple(slice_terms.Term(kd_weight=k, temperature=T, divergence=leaf.divergence,
+                                   beta=float(leaf.beta)) for k, T, leaf in kd)
+    return vocab_slices.Spec(ce_weight=ce, terms=terms, accuracy=metrics,
+                             metrics=metrics and teacher)
+  k, T, leaf = kd[0]
+  return vocab_slices.Spec(kd_weight=k, ce_weight=ce, temperature=T, divergence=leaf.divergence,
+                           beta=float(leaf.beta), top_k=top_k, bucket_divergence=bucket_divergence,
+                           accuracy=metrics, metrics=metrics and teacher)
+
+
+def sliced_loss_and_sums(leaves, inputs, metrics: bool = False, teachers=None
                          ) -> tuple[jax.Array, dict]:
-  """The LogitKD's weighted loss and its sums (the chunked path's names) over vocabulary
-  slices; with metrics also teacher_ce and top1_agreement (a cache's, or a teacher model's
-  with its logit_cosine: slice_metrics.py). `teachers`: several, folded (TeacherMix)."""
-  T, a = float(leaf.temperature), float(leaf.alpha)
+  """The (weight, LogitKD) pairs' weighted loss and their sums (the chunked path's names: each
+  leaf's `{name}` and `{name}_divergence`, hard_ce) over vocabulary slices; with metrics also
+  teacher_ce and top1_agreement (a cache's, or a teacher model's with its logit_cosine:
+  slice_metrics.py). `teachers`: several, folded (TeacherMix)."""
   mask_BxL = inputs.batch[batch_spec.LOSS_MASK]
   flat = losses.flat_tokens
   student, h_s = losses.sliced_head(inputs.student_model, inputs.student.final_hidden_BxLxD)
-  teacher, given, top_k = _sliced_teacher(leaf, inputs, student.vocab, teachers)
+  teacher, given, top_k = _sliced_teacher(leaves[0][1], inputs, student.vocab, teachers)
+  leaf = leaves[0][1]
   buckets = functools.partial(_bucket_divergence, leaf.divergence, float(leaf.beta),
                               student.vocab) if top_k else None
-  spec = vocab_slices.Spec(kd_weight=weight * a * T * T, ce_weight=weight * (1.0 - a),
-                           temperature=T, divergence=leaf.divergence, beta=float(leaf.beta),
-                           top_k=top_k, bucket_divergence=buckets, accuracy=metrics,
-                           metrics=metrics and teacher is not None)
+  spec = _spec(leaves, top_k, buckets, metrics, teacher is not None)
   loss, sums = vocab_slices.token_sums(
       spec, student, h_s, flat(inputs.batch[batch_spec.TARGETS]), flat(mask_BxL),
       *(teacher or (None, None)), teacher_top=given)
   losses.token_loss_impl.record(vocab_slices.describe(spec, student, mask_BxL.size,
                                                       teacher=teacher is not None))
-  div = sums["divergence"]
-  out = {leaf.name: a * T * T * div + (1.0 - a) * sums["nll"],
-         f"{leaf.name}_divergence": div, "hard_ce": sums["nll"]}
+  out = {"hard_ce": sums["nll"]}
+  divs = sums["divergences"] if spec.terms else (sums["divergence"],)
+  for (_, leaf), div in zip(leaves, divs):
+    T, a = float(leaf.temperature), float(leaf.alpha)
+    out.update({leaf.name: a * T * T * div + (1.0 - a) * sums["nll"],
+                f"{leaf.name}_divergence": div})
   if metrics:
     out["top1_agreement"] = sums["agreement"]
     if teacher is not None:

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from distillax.data import batch as batch_spec
 from distillax.framework import vocab_chunks
 from distillax.distill.base import DistillInputs, Strategy
-from distillax.distill.logit_kd import (shared_metric_values, sliced_leaf, sliced_loss_and_sums,
-                                        sliced_metric_sums)
+from distillax.distill.logit_kd import (shared_metric_values, sliced_leaves,
+                                        sliced_loss_and_sums, sliced_metric_sums)
 from distillax.distill.logits import TokenLogits
 from distillax.distill.multi_teacher import TeacherMix, TeacherSet, teacher_set
 from distillax.distill.student import unwrap_student
@@ -118,9 +118,10 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
     student, whose router losses and expert loads are reported whatever the weights.
   teachers: several teachers (multi_teacher.py), passed as extras under `teachers.keys` and
     folded into one teacher per token (mixture or routing); logit strategies only.
-  sliced: the logit term over vocabulary slices (framework/vocab_slices.py; train.loss_impl
-    'sliced'): one LogitKD (any divergence, top_k or not), from one teacher or several, or none,
-    with its metrics.
+  sliced: the logit terms over vocabulary slices (framework/vocab_slices.py; train.loss_impl
+    'sliced'): one LogitKD (any divergence, top_k or not), several over the whole vocabulary in
+    one pass (slice_terms.py), from one teacher or several, or none, with their metrics
+    (logit_kd.sliced_leaves says what it refuses).
   """
   if not isinstance(strategy, Strategy):
     raise ConfigError(f"make_distill_objective needs a distillation strategy, got {strategy!r}")
@@ -129,7 +130,7 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
   token_leaves = [(w, leaf) for w, leaf in leaves if leaf.needs.logits]
   other_leaves = [(w, leaf) for w, leaf in leaves if not leaf.needs.logits]
   weights = {leaf.name: w for w, leaf in token_leaves}
-  sliced_term = sliced_leaf(token_leaves, teachers) if sliced else None
+  sliced_terms = sliced_leaves(token_leaves, teachers) if sliced else None
   if sliced and chunk_size is None:
     chunk_size = vocab_chunks.AUTO  # the forward passes return hidden states, not logits
   if teachers is not None and other_leaves:
@@ -146,8 +147,8 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
       extras = {**extras, teacher_key: teacher_set(extras, teachers, vocab)}
     inputs = run_models(strategy, student, extras, batch, chunk_size=chunk_size,
                         teacher_key=teacher_key)
-    if sliced_term is not None:
-      loss_sum, sums = sliced_loss_and_sums(*sliced_term, inputs, metrics=metrics,
+    if sliced_terms is not None:
+      loss_sum, sums = sliced_loss_and_sums(sliced_terms, inputs, metrics=metrics,
                                             teachers=teachers)
     elif sliced:  # no logit term: the metrics alone
       loss_sum, sums = sliced_metric_sums(inputs, metrics, teachers)

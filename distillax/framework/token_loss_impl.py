@@ -5,10 +5,14 @@ traced token loss ran, for `plan`.
   use: the logits of a chunk of positions at a time, plus the argmax accuracy.
 - 'sliced': the vocabulary-slice engine (vocab_slices.py), faster on a TPU, for the losses it
   computes (next-token CE; one LogitKD from a live teacher, a hidden-state cache's head, a
-  top-k cache or several teachers; on-policy GeneralizedJSD or SampledTokenKL), with the
-  metrics of their train and eval objectives, over any student output layer (soft-capped,
-  fake-quantized or adapted). vocab_chunks.py's docstring says what stays on the chunk engine,
-  and why.
+  top-k cache or several teachers; several LogitKDs over the whole vocabulary in one pass,
+  each its own temperature and divergence; on-policy GeneralizedJSD or SampledTokenKL), with
+  the metrics of their train and eval objectives, over any student output layer (soft-capped,
+  fake-quantized or adapted).
+- What still runs on the chunk engine, and why (vocab_chunks.py's docstring has the list):
+  cross-tokenizer ULD, for a capability reason (it sorts each row's whole distribution);
+  several logit terms of which one reads a top-k or a top-k cache; a top-k cache of as many
+  ids as the vocabulary; and train.loss_impl='chunked', chosen by hand.
 - 'auto' (the default): 'sliced' where it may run, else 'chunked'.
 
 'tokamax' (tokamax 0.0.12's fused `linear_softmax_cross_entropy_loss`) was removed: on a TPU v5e
@@ -41,7 +45,7 @@ def recorded_choices():
 
 def check_loss_impl(value, job: str, sliced: bool = False) -> None:
   """`train.loss_impl`: one of LOSS_IMPLS. 'sliced' (framework/vocab_slices.py) for a job whose
-  train losses it computes (`sliced`: next-token CE, one LogitKD, on-policy scoring),
+  train losses it computes (`sliced`: next-token CE, LogitKDs, on-policy scoring),
   whatever the student's output layer (plain, fake-quantized or adapted:
   `Transformer.output_operands`).
   'auto': 'sliced' where it may run, else 'chunked' (resolve_loss_impl)."""
@@ -50,7 +54,7 @@ def check_loss_impl(value, job: str, sliced: bool = False) -> None:
     raise ConfigError(f"train.loss_impl={value!r}{why}; choose one of {', '.join(LOSS_IMPLS)}")
   if value == "sliced" and not sliced:
     raise ConfigError(f"train.loss_impl='sliced': the {job} job's train losses are not ones "
-                      f"vocabulary slices compute (next-token CE, one LogitKD, on-policy "
+                      f"vocabulary slices compute (next-token CE, LogitKDs, on-policy "
                       f"scoring); set "
                       f"--config.train.loss_impl=chunked")
 

@@ -6,14 +6,16 @@ Where it still runs. The vocabulary-slice engine (vocab_slices.py) is faster on 
 every shape measured (train, KD, LoRA, QLoRA) and serves, under train.loss_impl='auto', every
 job whose losses need only per-token normalisers and sums over the vocabulary: next-token CE,
 one LogitKD (live teacher, hidden-state cache head, top-k cache, or several teachers mixed or
-routed), on-policy GeneralizedJSD and SampledTokenKL, with their eval objectives' metrics. This
-engine keeps what a slice cannot see, or what has not been moved yet:
+routed), several LogitKDs over the whole vocabulary in one pass (a Composite, each its own
+temperature, divergence and alpha: slice_terms.py), on-policy GeneralizedJSD and
+SampledTokenKL, with their eval objectives' metrics. This engine keeps what a slice cannot see,
+and a few combinations not moved:
   - cross-tokenizer distillation (distill/cross_tokenizer/chunked.py): ULD sorts each span
     group's whole distribution over the vocabulary (the k-th largest of one model against the
     k-th largest of the other), which no per-token carry over slices gives: a capability reason;
-  - a strategy of several logit terms (a Composite of LogitKDs, each its own temperature), or
-    a CachedLogitKD whose cache keeps as many ids as the vocabulary: not moved yet, no
-    capability reason (several divergences are more carries of the same kind);
+  - several logit terms of which one reads the teacher's top-k or a top-k cache (each would
+    take its own bucket pass), and a CachedLogitKD whose cache keeps as many ids as the
+    vocabulary: refused by 'sliced' in one line (logit_kd.sliced_leaves, _sliced_teacher);
   - train.loss_impl='chunked', chosen by hand.
 
 A token function `values_fn(student_logits_NxV, teacher_logits_NxV | None, tokens) -> {name:

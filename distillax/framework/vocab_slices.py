@@ -3,13 +3,15 @@ a time, for the losses that need only per-token normalisers and sums over the vo
 next-token cross-entropy and logit distillation (LogitKD's forward KL, reverse KL or jsd at a
 temperature, slice_divergences.py; over the teacher's top-k and a rest bucket, slice_buckets.py,
 the top-k found over the teacher's slices or read from an offline cache; on-policy
-GeneralizedJSD as a divergence with no hard-label term), a per-token function of both models'
-target log-probabilities (on-policy SampledTokenKL, slice_targets.py), and the metrics an eval
-or on-policy scoring reports of both models' logits (slice_metrics.py: no gradient). The head's
-matmuls and the slices' geometry are slice_heads.py's, the teacher side (one head, or several
-teachers mixed or routed per token) slice_teachers.py's. What still runs on the token chunks of
-vocab_chunks.py, and why, its docstring says: cross-tokenizer ULD (it sorts each row's whole
-distribution) and several logit terms (not moved yet).
+GeneralizedJSD as a divergence with no hard-label term), several such terms in one pass (a
+Composite of LogitKDs, each its own temperature: slice_terms.py), a per-token function of both
+models' target log-probabilities (on-policy SampledTokenKL, slice_targets.py), and the metrics
+an eval or on-policy scoring reports of both models' logits (slice_metrics.py: no gradient). The
+head's matmuls and the slices' geometry are slice_heads.py's, the teacher side (one head, or
+several teachers mixed or routed per token) slice_teachers.py's. What still runs on the token
+chunks of vocab_chunks.py, and why, its docstring says: cross-tokenizer ULD for a capability
+reason (it sorts each row's whole distribution), a top-k among several terms, and
+train.loss_impl='chunked' chosen by hand.
 
 Why a second schedule beside the token chunks of vocab_chunks.py. A token chunk sees the whole
 vocabulary for a few hundred positions, so the output layer's weight gradient, a (V, D) fp32
@@ -79,9 +81,7 @@ class Spec:
   # Not None: the KD term is `target_term(log q_T(y), log p_T(y), x)` per token instead of the
   # divergence (slice_targets.py; x: token_sums' target_input_N).
   target_term: Any = None
-  # Several KD terms (slice_terms.Term) in one pass instead of the one above (kd_weight 0):
-  # a Composite of LogitKDs (slice_terms.py); sums 'divergences', one per term.
-  terms: tuple = ()
+  terms: tuple = ()  # several KD terms in one pass, kd_weight 0 (slice_terms.py: 'divergences')
   slice_size: int = 0  # columns per slice; 0: from SLICE_BUDGET_BYTES
 
 
@@ -121,8 +121,7 @@ def token_sums(spec: Spec, student: Head, h_s_NxD, targets_N, mask_N,
     raise ValueError("spec.metrics needs the teacher's head and spec.accuracy")
   if spec.target_term is not None and (teacher is None or spec.top_k or target_input_N is None):
     raise ValueError("spec.target_term needs the teacher's head, no top_k and a target_input_N")
-  if spec.terms and (teacher is None or spec.top_k or spec.target_term is not None
-                     or spec.kd_weight):
+  if spec.terms and (teacher is None or spec.top_k or spec.target_term or spec.kd_weight):
     raise ValueError("spec.terms needs the teacher's head, no top_k, target_term or kd_weight")
   slice_terms.check(spec.terms)
   size = slice_size_for(h_s_NxD.shape[0], student.vocab, spec.slice_size)

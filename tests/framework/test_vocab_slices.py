@@ -115,9 +115,11 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
 
 
 def test_sliced_refuses_what_it_does_not_compute():
-  """Two logit terms (a weighted sum of LogitKDs) are not one LogitKD."""
-  both = LogitKD(name="a") + LogitKD(name="b", temperature=1.0)
-  with pytest.raises(ConfigError, match="computes one LogitKD; this job has "
+  """Two logit terms run over slices (tests/distill/test_sliced_terms.py), but not when one of
+  them asks for the teacher's top-k: each would take its own bucket pass."""
+  both = LogitKD(name="a") + LogitKD(name="b", temperature=1.0, top_k=5)
+  with pytest.raises(ConfigError, match="computes several logit terms as LogitKDs over the whole "
+                                        r"vocabulary \(no top_k, no cache\); this job has "
                                         r"LogitKD\(a\), LogitKD\(b\)"):
     make_distill_objective(both, metrics=False, sliced=True)
 

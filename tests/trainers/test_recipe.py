@@ -55,6 +55,33 @@ def test_auto_runs_a_distill_jobs_logit_terms_or_their_absence_over_vocabulary_s
     assert recipe.loss_impl == "sliced" and recipe.sliced_strategy()
 
 
+def test_auto_runs_several_logit_terms_over_vocabulary_slices(monkeypatch):
+  """train.loss_impl='auto' with a Composite of two LogitKDs (two temperatures, a jsd): the
+  slices' (framework/slice_terms.py), the traced train objective's token loss too; with a top-k
+  among them the chunk engine's, and an explicit 'sliced' then refused in one line."""
+  from distillax.distill import LogitKD
+  from distillax.errors import ConfigError
+  from distillax.framework import token_loss_impl
+  from tests.distill import helpers as h
+  two = (LogitKD(temperature=2.0, alpha=0.7, name="a")
+         + LogitKD(temperature=1.0, alpha=0.5, divergence="jsd", beta=0.3, name="b"))
+  monkeypatch.setattr(DistillRecipe, "strategy", lambda self: two)
+  recipe = recipe_for(distill.get_config("tiny"))
+  assert recipe.loss_impl == "sliced" and recipe.sliced_strategy()
+  student, teacher = h.make_models()
+  with token_loss_impl.recorded_choices() as ran:
+    jax.eval_shape(recipe.objective(train=True), student, {"teacher": teacher},
+                   h.to_jnp(h.make_batch()), jax.random.key(0))
+  assert [k.split(" (")[0] for k in ran] == ["sliced"]
+  top = two + LogitKD(top_k=8, name="c")
+  monkeypatch.setattr(DistillRecipe, "strategy", lambda self: top)
+  assert not recipe_for(distill.get_config("tiny")).sliced_strategy()
+  config = distill.get_config("tiny")
+  config.train.loss_impl = "sliced"
+  with pytest.raises(ConfigError, match="no top_k, no cache"):
+    recipe_for(config).objective(train=True)
+
+
 def test_a_recipe_that_names_no_objective_says_so():
   class NoObjective(Recipe):
     pass

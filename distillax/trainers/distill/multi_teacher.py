@@ -44,7 +44,7 @@ MANIFEST = "teachers.json"  # in the workdir: the teachers a run distils from
 class MultiTeacherDistillRecipe(DistillRecipe):
   """`trainer='distill_multi_teacher'`: LogitKD against several teachers at once."""
 
-  sliced_loss = True  # one LogitKD from the teachers folded over vocabulary slices
+  sliced_loss = True  # its LogitKDs from the teachers folded over vocabulary slices
   def __init__(self, config, **kwargs):
     super().__init__(absolute_teacher_paths(config), **kwargs)
 

@@ -13,7 +13,7 @@ from flax import nnx
 from distillax.distill import (TEACHER, AttentionTransfer, DistillStudent, FeaturePooling,
                                FeatureProjection, LogitKD, RouterKD, Strategy,
                                make_distill_objective, unwrap_student)
-from distillax.distill.logit_kd import sliced_leaf
+from distillax.distill.logit_kd import sliced_leaves
 from distillax.framework.vocab_chunks import chunk_size_from_config
 from distillax.errors import ConfigError
 from distillax.framework.step import Objective
@@ -88,7 +88,7 @@ class DistillRecipe(Recipe):
   rollback_metrics = ("eval_objective", "eval_loss", "eval_perplexity")
   router_losses = True  # an MoE student's, next to the distillation terms
   mix = None  # several teachers' TeacherMix (multi_teacher.py); None: one teacher
-  sliced_loss = True  # train.loss_impl='sliced': one LogitKD, one teacher (any divergence, top_k)
+  sliced_loss = True  # train.loss_impl='sliced': its LogitKDs (sliced_strategy says which)
 
   def __init__(self, config, **kwargs):
     super().__init__(config, **kwargs)
@@ -130,10 +130,11 @@ class DistillRecipe(Recipe):
     return self.transforms.train_objective(objective) if train else objective
 
   def sliced_strategy(self) -> bool:
-    """Whether the strategy is the one LogitKD that vocabulary slices compute (what
-    train.loss_impl='auto' then runs; an explicit 'sliced' is refused otherwise)."""
+    """Whether the strategy's logit terms are ones vocabulary slices compute (one LogitKD, or
+    several over the whole vocabulary: logit_kd.sliced_leaves): what train.loss_impl='auto'
+    then runs; an explicit 'sliced' is refused otherwise."""
     try:
-      sliced_leaf([(w, leaf) for w, leaf in self.strategy().leaves() if leaf.needs.logits],
+      sliced_leaves([(w, leaf) for w, leaf in self.strategy().leaves() if leaf.needs.logits],
                   self.mix)
     except ConfigError:
       return False

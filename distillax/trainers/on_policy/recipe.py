@@ -130,7 +130,7 @@ class OnPolicyRecipe(DistillRecipe):
 
   # train.loss_impl='sliced' scores its samples (either divergence, one teacher:
   # distill/on_policy/sliced.py); its off-policy share and eval objective take the slices where
-  # its strategy is one LogitKD (DistillRecipe.sliced_strategy).
+  # its strategy's LogitKDs are the slices' (DistillRecipe.sliced_strategy).
   sliced_loss = True
   prompt_splits = ("train", "eval")  # checked with the data: a prompt_len no prompt fits
   router_losses = True  # an MoE student's, from its forward over its own samples
