@@ -27,7 +27,7 @@ from distillax.distill.base import LogitStrategy, check_common
 from distillax.distill.logits import STUDENT, TEACHER, TokenLogits
 from distillax.distill.sliced_teacher import sliced_teacher
 from distillax.errors import ConfigError
-from distillax.framework import losses, slice_terms, token_rows, vocab_slices
+from distillax.framework import losses, slice_teachers, slice_terms, token_rows, vocab_slices
 
 # Batch keys an offline teacher cache adds (teacher_cache.py writes them, CachedLogitKD reads).
 TOPK_IDS = "teacher_topk_ids_BxLxK"  # int32 token ids of the teacher's top-k at temperature T
@@ -199,8 +199,8 @@ def sliced_leaves(token_leaves, teachers) -> tuple | None:
   """The (weight, LogitKD or CachedLogitKD) pairs that train.loss_impl='sliced' computes (None
   for a strategy with no logit term: its metrics alone, `sliced_metric_sums`), or a one-line
   refusal. One leaf: any divergence, over the whole vocabulary or a top-k, from one teacher
-  (live, a hidden-state cache's head or a top-k cache) or several (`teachers`, mixed or routed:
-  a LogitKD), with the metrics of train and eval objectives (hard_ce; a teacher model's
+  (live, a hidden-state cache's head or a top-k cache of any K) or several (`teachers`, mixed
+  or routed: a LogitKD), with the metrics of train and eval objectives (hard_ce; a teacher model's
   teacher_ce, top1_agreement and logit_cosine from slice_metrics; a top-k cache's teacher_ce
   and top-1 agreement). Several leaves (a Composite of LogitKDs, each its own temperature,
   divergence, alpha and weight: framework/slice_terms.py): LogitKDs over the whole vocabulary,
@@ -224,15 +224,18 @@ def sliced_leaves(token_leaves, teachers) -> tuple | None:
 
 def _sliced_teacher(leaf, inputs, student_vocab: int, teachers):
   """(the teacher and its flat input (sliced_teacher.py), or None; the teacher's given top-k, or
-  None; top_k)."""
+  None; top_k). A top-k cache of every id is a whole distribution: its log-probs at T are
+  scattered once into vocabulary order (a table the cache's size), times T, as the teacher's
+  logits (slice_teachers.Table), and it is read as a live teacher's over the whole vocabulary."""
   flat = losses.flat_tokens
   if isinstance(leaf, CachedLogitKD):
     ids, logp = flat(inputs.batch[TOPK_IDS]), flat(inputs.batch[TOPK_LOGPROBS])
-    if ids.shape[-1] >= student_vocab:
-      raise ConfigError(f"train.loss_impl='sliced' takes a top-k cache of fewer ids than the "
-                        f"vocabulary; this one keeps {ids.shape[-1]}: set "
-                        f"--config.train.loss_impl=chunked")
-    return None, (ids, logp), ids.shape[-1]
+    if ids.shape[-1] < student_vocab:
+      return None, (ids, logp), ids.shape[-1]
+    rows = jnp.arange(ids.shape[0])[:, None]
+    table = jnp.full((ids.shape[0], student_vocab), token_rows.MASKED_LOGIT, jnp.float32).at[
+        rows, ids].set(float(leaf.temperature) * logp.astype(jnp.float32), mode="drop")
+    return (slice_teachers.Table(table), None), None, 0
   if inputs.teacher_model is None:
     raise ConfigError("train.loss_impl='sliced' needs the teacher's output layer; set "
                       "--config.train.loss_impl=chunked")
@@ -267,8 +270,8 @@ def sliced_loss_and_sums(leaves, inputs, metrics: bool = False, teachers=None
   mask_BxL = inputs.batch[batch_spec.LOSS_MASK]
   flat = losses.flat_tokens
   student, h_s = losses.sliced_head(inputs.student_model, inputs.student.final_hidden_BxLxD)
-  teacher, given, top_k = _sliced_teacher(leaves[0][1], inputs, student.vocab, teachers)
   leaf = leaves[0][1]
+  teacher, given, top_k = _sliced_teacher(leaf, inputs, student.vocab, teachers)
   buckets = functools.partial(_bucket_divergence, leaf.divergence, float(leaf.beta),
                               student.vocab) if top_k else None
   spec = _spec(leaves, top_k, buckets, metrics, teacher is not None)
@@ -283,9 +286,9 @@ def sliced_loss_and_sums(leaves, inputs, metrics: bool = False, teachers=None
     T, a = float(leaf.temperature), float(leaf.alpha)
     out.update({leaf.name: a * T * T * div + (1.0 - a) * sums["nll"],
                 f"{leaf.name}_divergence": div})
-  if metrics:
+  if metrics:  # a cache's: its top-1 (a whole cache's table: its argmax) and its own NLL
     out["top1_agreement"] = sums["agreement"]
-    if teacher is not None:
+    if not isinstance(leaves[0][1], CachedLogitKD):
       out.update(teacher_ce=sums["teacher_nll"], logit_cosine=sums["cosine"])
     elif TEACHER_NLL in inputs.batch:
       nll = inputs.batch[TEACHER_NLL].astype(jnp.float32)

@@ -1,8 +1,9 @@
 """The teacher side of the vocabulary slices (vocab_slices.py): one teacher's head, or several
 teachers' heads folded into one teacher per token, as distill/multi_teacher.TeacherMix folds
-whole logits, one slice of columns at a time:
+whole logits, one slice of columns at a time, or a table of the teacher's logits:
 
   one      t = the head's logits
+  table    t = the table's columns (a top-k cache of every id, in vocabulary order: `Table`)
   routing  t_n = the logits of token n's own teacher (index_N, clipped to the teachers): every
            teacher's slice is made, each row takes its teacher's
   mixture  t = T log sum_i w_i softmax(t_i / T), the logits whose softmax at the mixture's T is
@@ -56,6 +57,16 @@ class Teachers:
 
 
 @dataclasses.dataclass(frozen=True)
+class Table:
+  """A teacher given as its logits (N, V) in vocabulary order rather than a head: a top-k cache
+  that keeps every id, scattered once into a table the size of the cache (its log-probs at T
+  times T are logits whose softmax at T is the cache's distribution). Each slice reads its
+  columns."""
+
+  logits_NxV: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class Static:
   """What the passes read of the teachers beside their arrays (hashable): each head's (vocab
   axes, dtype, soft-cap), the fold, the mixture's temperature and log-weights."""
@@ -70,6 +81,8 @@ def operands(teacher, h_t_NxD, size: int, vocab: int, columns: int):
   """(Static, weights, inputs) of the teacher side, behind stop_gradient: `inputs` holds each
   head's matmul inputs and what the fold reads per token (routing's index, the mixture's
   log-sum-exps, made here over the slices of `size` columns of a `vocab`-column student)."""
+  if isinstance(teacher, Table):
+    return Static((), "table"), (), ((), {"table": jax.lax.stop_gradient(teacher.logits_NxV)})
   if isinstance(teacher, Head):
     teacher = Teachers((teacher,), (h_t_NxD,))
   per = [parts(head, h) for head, h in zip(teacher.heads, teacher.inputs)]
@@ -99,6 +112,8 @@ def _each(static: Static, weights, inputs, start, size: int):
 def logits(static: Static, weights, inputs_and_fold, start, size: int):
   """The one teacher's fp32 logits (N, size) of the slice starting at `start`."""
   inputs, fold = inputs_and_fold
+  if static.mode == "table":
+    return jax.lax.dynamic_slice_in_dim(fold["table"], start, size, axis=1)
   each = _each(static, weights, inputs, start, size)
   if static.mode == "one":
     return each[0]

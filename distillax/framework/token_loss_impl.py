@@ -5,14 +5,14 @@ traced token loss ran, for `plan`.
   use: the logits of a chunk of positions at a time, plus the argmax accuracy.
 - 'sliced': the vocabulary-slice engine (vocab_slices.py), faster on a TPU, for the losses it
   computes (next-token CE; one LogitKD from a live teacher, a hidden-state cache's head, a
-  top-k cache or several teachers; several LogitKDs over the whole vocabulary in one pass,
-  each its own temperature and divergence; on-policy GeneralizedJSD or SampledTokenKL), with
-  the metrics of their train and eval objectives, over any student output layer (soft-capped,
-  fake-quantized or adapted).
+  top-k cache of any K or several teachers; several LogitKDs over the whole vocabulary in one
+  pass, each its own temperature and divergence; on-policy GeneralizedJSD or SampledTokenKL),
+  with the metrics of their train and eval objectives, over any student output layer
+  (soft-capped, fake-quantized or adapted).
 - What still runs on the chunk engine, and why (vocab_chunks.py's docstring has the list):
   cross-tokenizer ULD, for a capability reason (it sorts each row's whole distribution);
-  several logit terms of which one reads a top-k or a top-k cache; a top-k cache of as many
-  ids as the vocabulary; and train.loss_impl='chunked', chosen by hand.
+  several logit terms of which one reads a top-k or a top-k cache (each its own bucket pass);
+  and train.loss_impl='chunked', chosen by hand.
 - 'auto' (the default): 'sliced' where it may run, else 'chunked'.
 
 'tokamax' (tokamax 0.0.12's fused `linear_softmax_cross_entropy_loss`) was removed: on a TPU v5e

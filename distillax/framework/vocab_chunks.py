@@ -5,17 +5,17 @@ whole.
 Where it still runs. The vocabulary-slice engine (vocab_slices.py) is faster on a TPU v5e at
 every shape measured (train, KD, LoRA, QLoRA) and serves, under train.loss_impl='auto', every
 job whose losses need only per-token normalisers and sums over the vocabulary: next-token CE,
-one LogitKD (live teacher, hidden-state cache head, top-k cache, or several teachers mixed or
-routed), several LogitKDs over the whole vocabulary in one pass (a Composite, each its own
-temperature, divergence and alpha: slice_terms.py), on-policy GeneralizedJSD and
-SampledTokenKL, with their eval objectives' metrics. This engine keeps what a slice cannot see,
-and a few combinations not moved:
+one LogitKD (live teacher, hidden-state cache head, top-k cache of any K, one of every id read
+as a table of the teacher's logits, or several teachers mixed or routed), several LogitKDs
+over the whole vocabulary in one pass (a Composite, each its own temperature, divergence and
+alpha: slice_terms.py), on-policy GeneralizedJSD and SampledTokenKL, with their eval
+objectives' metrics. This engine keeps what a slice cannot see, and one combination not moved:
   - cross-tokenizer distillation (distill/cross_tokenizer/chunked.py): ULD sorts each span
     group's whole distribution over the vocabulary (the k-th largest of one model against the
     k-th largest of the other), which no per-token carry over slices gives: a capability reason;
   - several logit terms of which one reads the teacher's top-k or a top-k cache (each would
-    take its own bucket pass), and a CachedLogitKD whose cache keeps as many ids as the
-    vocabulary: refused by 'sliced' in one line (logit_kd.sliced_leaves, _sliced_teacher);
+    take its own bucket pass): refused by 'sliced' in one line (logit_kd.sliced_leaves), run
+    here under 'auto';
   - train.loss_impl='chunked', chosen by hand.
 
 A token function `values_fn(student_logits_NxV, teacher_logits_NxV | None, tokens) -> {name:

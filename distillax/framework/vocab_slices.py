@@ -2,16 +2,16 @@
 a time, for the losses that need only per-token normalisers and sums over the vocabulary:
 next-token cross-entropy and logit distillation (LogitKD's forward KL, reverse KL or jsd at a
 temperature, slice_divergences.py; over the teacher's top-k and a rest bucket, slice_buckets.py,
-the top-k found over the teacher's slices or read from an offline cache; on-policy
-GeneralizedJSD as a divergence with no hard-label term), several such terms in one pass (a
-Composite of LogitKDs, each its own temperature: slice_terms.py), a per-token function of both
-models' target log-probabilities (on-policy SampledTokenKL, slice_targets.py), and the metrics
-an eval or on-policy scoring reports of both models' logits (slice_metrics.py: no gradient). The
-head's matmuls and the slices' geometry are slice_heads.py's, the teacher side (one head, or
-several teachers mixed or routed per token) slice_teachers.py's. What still runs on the token
-chunks of vocab_chunks.py, and why, its docstring says: cross-tokenizer ULD for a capability
-reason (it sorts each row's whole distribution), a top-k among several terms, and
-train.loss_impl='chunked' chosen by hand.
+the top-k found over the teacher's slices or read from an offline cache (one of every id: a
+table of logits); on-policy GeneralizedJSD as a divergence with no hard-label term), several
+such terms in one pass (a Composite of LogitKDs, each its own temperature: slice_terms.py), a
+per-token function of both models' target log-probabilities (on-policy SampledTokenKL,
+slice_targets.py), and the metrics an eval or on-policy scoring reports of both models' logits
+(slice_metrics.py: no gradient). The head's matmuls and the slices' geometry are
+slice_heads.py's, the teacher side (one head, several teachers mixed or routed per token, or a
+table) slice_teachers.py's. What still runs on the token chunks of vocab_chunks.py, and why,
+its docstring says: cross-tokenizer ULD for a capability reason (it sorts each row's whole
+distribution), a top-k among several terms, and train.loss_impl='chunked' chosen by hand.
 
 Why a second schedule beside the token chunks of vocab_chunks.py. A token chunk sees the whole
 vocabulary for a few hundred positions, so the output layer's weight gradient, a (V, D) fp32

@@ -24,7 +24,7 @@ from distillax.trainers.sources.cache_head import CacheHeadSource
 class CachedDistillRecipe(DistillRecipe):
   """`trainer='distill'` with `teacher.cache_dir` set."""
 
-  sliced_loss = True  # a top-k cache's CachedLogitKD, a hidden cache's LogitKD (sliced_strategy)
+  sliced_loss = True  # a top-k cache's CachedLogitKD (any K), a hidden cache's LogitKD
   router_losses = True  # an MoE student's, on the cached train batches
 
   data_splits = ("eval",)  # the train batches come from the cache
@@ -56,13 +56,6 @@ class CachedDistillRecipe(DistillRecipe):
                                  router_loss_weights=self.router_loss_weights(train),
                                  sliced=sliced)
     return self.transforms.train_objective(objective) if train else objective
-
-  def sliced_strategy(self) -> bool:
-    """A top-k cache of fewer ids than the vocabulary (its CachedLogitKD and the metrics the
-    cache carries), or a hidden-state cache (LogitKD through the cache's head, with the
-    teacher's metrics from slice_metrics): the slices'."""
-    return ((self.hidden or self.cache_info.top_k < self.model_config.vocab_size)
-            and super().sliced_strategy())
 
   def build(self, *, abstract: bool, quantize: bool = True):
     student = self.build_student(abstract=abstract, quantize=quantize)
