@@ -110,6 +110,10 @@ SELECTION = (
     ("tests/distill/test_multi_teacher.py::"
      "test_several_teachers_over_slices_equal_the_chunk_engine",
      "several teachers folded per slice (mixture and routing) against the chunk engine"),
+    ("tests/distill/test_tpu_chunks.py::"
+     "test_a_tpu_train_objective_takes_chunks_with_the_slices_numbers",
+     "train.loss_impl='auto' on a TPU: a live teacher's KD over the chunk engine (its chunks "
+     "chosen for the chip) against the slices: loss, sums and gradients"),
 )
 TPU_BUDGET_S = 270.0
 HUNG_S = 180  # a test still running after this long gets its stacks printed

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from distillax.data import batch as batch_spec
 from distillax.framework import vocab_chunks
+from distillax.distill import tpu_chunks
 from distillax.distill.base import DistillInputs, Strategy
 from distillax.distill.logit_kd import (shared_metric_values, sliced_leaves,
                                         sliced_loss_and_sums, sliced_metric_sums)
@@ -105,23 +106,23 @@ def _teacher(extras: Mapping, teacher_key: str):
 def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab_chunks.AUTO,
                            teacher_key: str = TEACHER, metrics: bool = True,
                            router_loss_weights: tuple[float, float] = (0.0, 0.0),
-                           teachers: TeacherMix | None = None, sliced: bool = False
-                           ) -> Objective:
+                           teachers: TeacherMix | None = None, sliced: bool = False,
+                           chunks_on_tpu: bool = False) -> Objective:
   """The step objective of `strategy`.
 
   chunk_size: tokens per logit chunk; vocab_chunks.AUTO (default) picks it from the vocabulary and
     the batch per device (vocab_chunks.auto_chunk_len); None: unchunked full logits.
-  metrics: also report teacher_ce, top1_agreement and logit_cosine, which cost passes over the
-    vocabulary the losses do not need (eval objectives); False reports the loss terms and
-    hard_ce only (train objectives).
+  metrics: also report teacher_ce, top1_agreement and logit_cosine (eval objectives: passes over
+    the vocabulary no loss needs); False: the loss terms and hard_ce only (train objectives).
   router_loss_weights: (Switch load-balancing, router z-loss) weights for a mixture-of-experts
     student, whose router losses and expert loads are reported whatever the weights.
   teachers: several teachers (multi_teacher.py), passed as extras under `teachers.keys` and
     folded into one teacher per token (mixture or routing); logit strategies only.
   sliced: the logit terms over vocabulary slices (framework/vocab_slices.py; train.loss_impl
-    'sliced'): one LogitKD (any divergence, top_k or not), several over the whole vocabulary in
-    one pass (slice_terms.py), from one teacher or several, or none, with their metrics
-    (logit_kd.sliced_leaves says what it refuses).
+    'sliced'): one LogitKD or several, from one teacher or several, or none, with their
+    metrics (logit_kd.sliced_leaves says what it refuses).
+  chunks_on_tpu: train.loss_impl='auto': a live teacher's LogitKDs in a train objective take
+    the chunk engine at large chunks where the step compiles for a TPU (tpu_chunks.py).
   """
   if not isinstance(strategy, Strategy):
     raise ConfigError(f"make_distill_objective needs a distillation strategy, got {strategy!r}")
@@ -139,6 +140,8 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
                       f"layers: set their distill.*.weight to 0")
 
   per_token = _token_values(token_leaves, teachers, metrics)
+  chunks_on_tpu &= sliced_terms is not None and tpu_chunks.may_take_chunks(token_leaves, teachers,
+                                                                          train=not metrics)
 
   def objective(student, extras, batch, rng) -> ObjectiveOutput:
     del rng
@@ -147,7 +150,10 @@ def make_distill_objective(strategy: Strategy, *, chunk_size: int | None = vocab
       extras = {**extras, teacher_key: teacher_set(extras, teachers, vocab)}
     inputs = run_models(strategy, student, extras, batch, chunk_size=chunk_size,
                         teacher_key=teacher_key)
-    if sliced_terms is not None:
+    chunked = tpu_chunks.over_chunks(inputs) if chunks_on_tpu else None
+    if chunked is not None:
+      loss_sum, sums = chunked.loss_and_sums(per_token, weights)
+    elif sliced_terms is not None:
       loss_sum, sums = sliced_loss_and_sums(sliced_terms, inputs, metrics=metrics,
                                             teachers=teachers)
     elif sliced:  # no logit term: the metrics alone

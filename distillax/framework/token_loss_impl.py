@@ -13,7 +13,10 @@ traced token loss ran, for `plan`.
   cross-tokenizer ULD, for a capability reason (it sorts each row's whole distribution);
   several logit terms of which one reads a top-k or a top-k cache (each its own bucket pass);
   and train.loss_impl='chunked', chosen by hand.
-- 'auto' (the default): 'sliced' where it may run, else 'chunked'.
+- 'auto' (the default): 'sliced' where it may run, else 'chunked'; but where a train step
+  compiles for a TPU, the LogitKDs of a teacher run in the step take the chunk engine at
+  ~1,024-token chunks, which the chip measured faster there (the slices make the teacher's
+  logits twice: distill/tpu_chunks.py has the figures).
 
 'tokamax' (tokamax 0.0.12's fused `linear_softmax_cross_entropy_loss`) was removed: on a TPU v5e
 its Mosaic kernel's loss was 4.9% off the chunk engine's with a vocabulary that is not a whole

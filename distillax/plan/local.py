@@ -125,13 +125,22 @@ def one_slice_merged(recipe: Recipe, platform: str) -> bool:
                                recipe.model_config.vocab_size) == 1)
 
 
+def no_slice_recompute(recipe: Recipe, platform: str, losses=None) -> bool:
+  """Whether a step of train.loss_impl='sliced' recomputes no slice's logits: one slice on a
+  TPU (`one_slice_merged`), or token losses that all ran elsewhere (`losses`: the traced step's
+  token_loss_impl choices; a live teacher's KD takes the chunk engine on a TPU,
+  distill/tpu_chunks.py)."""
+  return one_slice_merged(recipe, platform) or bool(
+      losses and not any(choice.startswith("sliced") for choice in losses))
+
+
 def plan_report(recipe: Recipe, engine, fused: tuple[str, ...] = (),
-                unchecked: str | None = None, platform: str = "cpu") -> dict:
+                unchecked: str | None = None, platform: str = "cpu", losses=None) -> dict:
   """Figures of `recipe`'s compiled `engine` (also used by tests and benchmarks): the analytic
   ones and the compiler's. `fused`: the parts of the step a target compile ran in kernels
   (flops.FUSIBLE: splash attention, a fused cross-entropy), whose matmuls the compiled HLO does
   not show; `unchecked`: why its matmul FLOPs cannot be checked (`flops_check`); `platform`:
-  the compiler's."""
+  the compiler's; `losses`: how its token losses ran (token_loss_impl's choices)."""
   runner = engine.runner
   stats = dict(runner.stats)
   hlo = runner.compiled_text()
@@ -145,7 +154,7 @@ def plan_report(recipe: Recipe, engine, fused: tuple[str, ...] = (),
       # loop body once).
       "hlo_matmul_flops_per_device": compiled_flops,
       "flops_check": flops_check(recipe, engine, compiled_flops, fused, unchecked,
-                                 one_slice_merged(recipe, platform), platform),
+                                 no_slice_recompute(recipe, platform, losses), platform),
       "compile_seconds": runner.compile_seconds,
   }
 

@@ -162,7 +162,8 @@ def compile_on(config, target: targets.Target, devices: list, model_overrides=No
       return {"recipe": recipe, "out_of_memory": line}
   kernels = fused_kernels(engine.runner.compiled_text())
   report = plan_report(recipe, engine, fused=_fused_parts(choices),
-                       unchecked=_experts_in_kernels(experts, kernels), platform=target.platform)
+                       unchecked=_experts_in_kernels(experts, kernels), platform=target.platform,
+                       losses=token_losses)
   report.update(recipe=recipe, target=target.name, platform=target.platform,
                 memory_bytes_per_device=target.memory_bytes, kernels=kernels,
                 attention=dict(collections.Counter(f"{impl} ({why})"

@@ -116,8 +116,11 @@ def test_tiny_jobs_compile_for_a_tpu_with_splash(job):
   assert report["by_layer"] == BY_LAYER[job], report["by_layer"]
   (loss, n), = report["loss"].items()  # the student's token losses: one traced call
   # train.loss_impl='auto': the vocabulary slices (framework/vocab_slices.py), one slice here,
-  # for every job's losses and output layer (LoRA's and QAT's too, the on-policy scoring's)
-  assert loss.startswith("sliced (vocabulary slices: 1 of "), loss
+  # for every job's losses and output layer (LoRA's and QAT's too, the on-policy scoring's),
+  # but a live teacher's KD, which takes the chunk engine on a TPU (distill/tpu_chunks.py)
+  want = "chunked (vocabulary-chunk engine, 1 chunk(s)" if job == "distill" else \
+      "sliced (vocabulary slices: 1 of "
+  assert loss.startswith(want), loss
   assert not any("cross_entropy" in k for k in report["kernels"]), report["kernels"]
   if job == "moe":  # the experts' grouped matmuls lower to Mosaic's ragged-dot kernels
     assert any(k.startswith("mosaic:ragged-dot") for k in report["kernels"]), report["kernels"]

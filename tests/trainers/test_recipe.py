@@ -82,6 +82,32 @@ def test_auto_runs_several_logit_terms_over_vocabulary_slices(monkeypatch):
     recipe_for(config).objective(train=True)
 
 
+def test_auto_takes_the_chunk_engine_for_a_live_teachers_kd_on_a_tpu_only(monkeypatch):
+  """distill/tpu_chunks.py: under 'auto' the tiny distill job's traced train objective runs the
+  chunk engine where the step compiles for a TPU, the slices for a CPU and for its eval
+  objective; an explicit 'sliced' keeps the slices."""
+  from distillax.framework import token_loss_impl
+  from distillax.models.attention import impl
+  from tests.distill import helpers as h
+  student, teacher = h.make_models()
+
+  def engines(recipe, train=True):
+    with token_loss_impl.recorded_choices() as ran:
+      jax.eval_shape(recipe.objective(train=train), student, {"teacher": teacher},
+                     h.to_jnp(h.make_batch()), jax.random.key(0))
+    return [k.split(" (")[0] for k in ran]
+
+  recipe = recipe_for(distill.get_config("tiny"))
+  monkeypatch.setattr(impl, "compile_platform", lambda: "cpu")
+  assert engines(recipe) == ["sliced"]
+  monkeypatch.setattr(impl, "compile_platform", lambda: "tpu")
+  assert engines(recipe) == ["chunked"] and engines(recipe, train=False) == ["sliced"]
+  config = distill.get_config("tiny")
+  config.train.loss_impl = "sliced"
+  by_hand = recipe_for(config)
+  assert engines(by_hand) == ["sliced"]
+
+
 def test_a_recipe_that_names_no_objective_says_so():
   class NoObjective(Recipe):
     pass

@@ -126,7 +126,9 @@ class DistillRecipe(Recipe):
         self.config.train.get("loss_impl", "auto") == "sliced" or self.sliced_strategy())
     objective = make_distill_objective(self.strategy(), chunk_size=self.chunk_size(),
                                        metrics=not train, sliced=sliced,
-                                       router_loss_weights=self.router_loss_weights(train))
+                                       router_loss_weights=self.router_loss_weights(train),
+                                       chunks_on_tpu=self.config.train.get("loss_impl",
+                                                                           "auto") == "auto")
     return self.transforms.train_objective(objective) if train else objective
 
   def sliced_strategy(self) -> bool:
