@@ -63,6 +63,9 @@ class Row:
 
 
 S = ":loss_impl=sliced"  # what train.loss_impl='auto' runs for these jobs
+# ... but for KD from a teacher run in the step on a TPU: the chunk engine at the chunks
+# distill/tpu_chunks.py sizes, 1,024 tokens at 4 rows (levers_call55_kd_chunks.jsonl)
+K = ":loss_impl=chunked:chunk=1024"
 _OP_LEVERS = ":opt_state_dtype=bfloat16:teacher_int8=True"  # on-policy: bf16 moments, int8 teacher
 ROWS = (
     # Deviceless v5e compiles (benchmarks/compile_sizes.py): full remat 13.84 GiB at 8 rows,
@@ -92,17 +95,19 @@ ROWS = (
                                f"train:full:16{S}:param_dtype=bfloat16"),
         "the train step with bf16 weights and Adam state (no fp32 master copy): the lever that "
         "frees the memory fp32 master weights and their Adam state take"),
-    Row("kd", "real", (f"kd:full:4{S}", f"kd:full:6{S}"),
+    Row("kd", "real", (f"kd:full:4{K}", f"kd:full:4{S}", f"kd:full:6{S}"),
         "LogitKD (T=2, alpha 0.7) with the teacher in the step"),
     # 4 rows first: 14,313 tokens/s on the chip against 6 rows' 14,260 (58fbf0d), in less memory.
-    Row("kd_int8_teacher", "real", (f"kd:full:4{S}:teacher_int8=True",
+    Row("kd_int8_teacher", "real", (f"kd:full:4{K}:teacher_int8=True",
+                                    f"kd:full:4{S}:teacher_int8=True",
                                     f"kd:full:6{S}:teacher_int8=True",
                                     "kd:full:6:teacher_int8=True"),
         "the KD step with the frozen teacher's matmuls in int8 (teacher.int8: per-channel "
         "weights, per-token activations; the sliced loss keeps its head in bf16)"),
-    Row("qat_kd", "real", (f"kd:full:4{S}:qat=q4_0",),
+    Row("qat_kd", "real", (f"kd:full:4{K}:qat=q4_0", f"kd:full:4{S}:qat=q4_0"),
         "the KD step with the student fake-quantized to llama.cpp's q4_0 (q8_0 activations)"),
-    Row("qat_kd_weights", "real", (f"kd:full:4{S}:qat=q4_0_weights",),
+    Row("qat_kd_weights", "real", (f"kd:full:4{K}:qat=q4_0_weights",
+                                   f"kd:full:4{S}:qat=q4_0_weights"),
         "the KD step with only the student's weights fake-quantized to q4_0 (activations left "
         "in bf16): what the activations' q8_0 rounding costs"),
     # save_attention at 6 rows: 14.95 GiB (deviceless v5e compile).
@@ -181,7 +186,8 @@ ROWS = (
         "LoRA next-token training as configs/lora.py runs it (a frozen bf16-computed fp32 base, "
         "rank-8 adapters on the attention and MLP matmuls, no adapter dropout): QLoRA's peer "
         "without the nf4 base"),
-    Row("moe_kd", "moe", (f"kd:full:4{S}:teacher_moe_impl=ragged",
+    Row("moe_kd", "moe", (f"kd:full:4{K}:teacher_moe_impl=ragged",
+                          f"kd:full:4{S}:teacher_moe_impl=ragged",
                           f"kd:full:2{S}:teacher_moe_impl=ragged",
                           f"kd:full:4{S}:teacher_moe_impl=tokamax"),
         "KD from a 16-expert Qwen3-MoE-shaped teacher (grouped matmul: XLA's ragged_dot or "
