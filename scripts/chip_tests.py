@@ -110,6 +110,10 @@ SELECTION = (
     ("tests/distill/test_multi_teacher.py::"
      "test_several_teachers_over_slices_equal_the_chunk_engine",
      "several teachers folded per slice (mixture and routing) against the chunk engine"),
+    ("tests/distill/test_sliced_terms.py::"
+     "test_several_logit_terms_over_slices_equal_the_chunk_engine",
+     "several LogitKDs in one pass over the slices (slice_terms.py: two temperatures, a jsd, a "
+     "reverse KL) against the chunk engine, train and eval objectives: loss, sums, gradients"),
     ("tests/distill/test_tpu_chunks.py::"
      "test_a_tpu_train_objective_takes_chunks_with_the_slices_numbers",
      "train.loss_impl='auto' on a TPU: a live teacher's KD over the chunk engine (its chunks "
