@@ -37,7 +37,7 @@ TPU_CHUNK_BUDGET_BYTES = 640 * 2**20
 def may_take_chunks(token_leaves, teachers, train: bool) -> bool:
   """Whether the objective's logit terms are ones the rule covers (static: its strategy)."""
   return train and teachers is None and bool(token_leaves) and all(
-      type(leaf) is LogitKD and leaf.top_k is None for _, leaf in token_leaves)
+      isinstance(leaf, LogitKD) and leaf.top_k is None for _, leaf in token_leaves)
 
 
 def chunk_tokens(inputs) -> int | None:

@@ -48,17 +48,23 @@ def init(divergence: str, N: int) -> dict[str, jax.Array]:
   return carry
 
 
+def online_step(m, l, z_NxS):
+  """One slice more of an online log-sum-exp: (running max, sum of exp(z - max), the old sum's
+  rescale exp(m - max), this slice's exp(z - max)), the last two for sums carried beside it."""
+  m_new = jnp.maximum(m, jnp.max(z_NxS, axis=-1))
+  keep, w = jnp.exp(m - m_new), jnp.exp(z_NxS - m_new[:, None])
+  return m_new, l * keep + jnp.sum(w, axis=-1), keep, w
+
+
 def lse_step(m, l, z_NxS):
   """One slice more of an online log-sum-exp (max m, sum of exp(z - m) l)."""
-  m_new = jnp.maximum(m, jnp.max(z_NxS, axis=-1))
-  return m_new, l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z_NxS - m_new[:, None]), axis=-1)
+  return online_step(m, l, z_NxS)[:2]
 
 
 def weighted_step(m, l, a, z_NxS, x_NxS):
   """lse_step, and a = sum of exp(z - m) x carried with it."""
-  m_new = jnp.maximum(m, jnp.max(z_NxS, axis=-1))
-  keep, w = jnp.exp(m - m_new), jnp.exp(z_NxS - m_new[:, None])
-  return m_new, l * keep + jnp.sum(w, axis=-1), a * keep + jnp.sum(w * x_NxS, axis=-1)
+  m_new, l_new, keep, w = online_step(m, l, z_NxS)
+  return m_new, l_new, a * keep + jnp.sum(w * x_NxS, axis=-1)
 
 
 def step(divergence: str, carry, s_NxS, t_NxS, new_NxS, T: float) -> dict[str, jax.Array]:

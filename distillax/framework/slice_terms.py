@@ -50,19 +50,12 @@ def init(terms, N: int) -> dict:
           "a": tuple(None if term.divergence == "jsd" else zero for term in terms)}
 
 
-def _online(m, l, z_NxS):
-  """(running max, sum of exponentials, the old sums' rescale, this slice's exp(z - max))."""
-  m_new = jnp.maximum(m, jnp.max(z_NxS, axis=-1))
-  keep, w = jnp.exp(m - m_new), jnp.exp(z_NxS - m_new[:, None])
-  return m_new, l * keep + jnp.sum(w, axis=-1), keep, w
-
-
 def step(terms, carry, s_NxS, t_NxS, new_NxS) -> dict:
   """The carries after one more slice; s and t are -inf in the columns that do not count."""
   norm, weights = [], {}
   for T, c in zip(temperatures(terms), carry["norm"]):
-    mq, lq, keep_s, w_s = _online(c["mq"], c["lq"], s_NxS / T)
-    mt, lt, keep_t, w_t = _online(c["mt"], c["lt"], t_NxS / T)
+    mq, lq, keep_s, w_s = slice_divergences.online_step(c["mq"], c["lq"], s_NxS / T)
+    mt, lt, keep_t, w_t = slice_divergences.online_step(c["mt"], c["lt"], t_NxS / T)
     norm.append({"mq": mq, "lq": lq, "mt": mt, "lt": lt})
     weights[T] = {"forward_kl": (keep_t, w_t), "reverse_kl": (keep_s, w_s)}
   a = []

@@ -11,7 +11,8 @@ import pytest
 
 from distillax.framework import slice_terms, vocab_slices
 from tests.distill.helpers import f64, np_log_softmax
-from tests.framework.test_vocab_slices import _divergence
+from tests.framework.test_vocab_slices import (OPERANDS_N, OPERANDS_V, _divergence,
+                                               random_operands)
 from tests.support import chip
 
 # (temperature, divergence, beta, kd weight) of each term
@@ -34,16 +35,10 @@ def test_several_terms_equal_the_whole_logits_formulas(case, slice_size, vocab_a
   tokens of which about a fifth are masked out: each term's divergence sum within 1e-5 of
   float64 numpy, the loss within 1e-5 and both gradients within 1e-5 of their scale of
   autodiff through whole logits."""
-  N, D, Dt, V, ce = 37, 16, 24, 300, 0.45
+  N, V, ce = OPERANDS_N, OPERANDS_V, 0.45
   terms = tuple(slice_terms.Term(kd_weight=w, temperature=T, divergence=d, beta=b)
                 for T, d, b, w in CASES[case])
-  k = jax.random.split(jax.random.key(1), 6)
-  w = jax.random.normal(k[0], (V, D) if vocab_axis == 0 else (D, V)) * 0.3
-  h = jax.random.normal(k[1], (N, D))
-  w_t = jax.random.normal(k[2], (Dt, V + 20)) * 0.3
-  h_t = jax.random.normal(k[3], (N, Dt))
-  y = jax.random.randint(k[4], (N,), 0, V)
-  mask = (jax.random.uniform(k[5], (N,)) > 0.2).astype(jnp.float32)
+  w, h, w_t, h_t, y, mask = random_operands(1, vocab_axis)
   assert 0 < float(jnp.sum(mask)) < N
   spec = vocab_slices.Spec(ce_weight=ce, terms=terms, slice_size=slice_size, accuracy=True)
   cap = (lambda z: z) if softcap is None else (lambda z: softcap * jnp.tanh(z / softcap))

@@ -52,6 +52,24 @@ def _buckets(kind, beta, V, t_top_logp, s_buckets):
                                 beta)
 
 
+OPERANDS_N, OPERANDS_V = 37, 300
+
+
+def random_operands(seed: int, vocab_axis: int):
+  """A (V, D) or (D, V) student head of V = 300 columns over N = 37 hidden states of width 16, a
+  teacher head 20 columns wider over hidden states of width 24, targets, and a mask of about
+  four fifths of the tokens."""
+  N, D, Dt, V = OPERANDS_N, 16, 24, OPERANDS_V
+  k = jax.random.split(jax.random.key(seed), 6)
+  w = jax.random.normal(k[0], (V, D) if vocab_axis == 0 else (D, V)) * 0.3
+  h = jax.random.normal(k[1], (N, D))
+  w_t = jax.random.normal(k[2], (Dt, V + 20)) * 0.3
+  h_t = jax.random.normal(k[3], (N, Dt))
+  y = jax.random.randint(k[4], (N,), 0, V)
+  mask = (jax.random.uniform(k[5], (N,)) > 0.2).astype(jnp.float32)
+  return w, h, w_t, h_t, y, mask
+
+
 @pytest.mark.parametrize("slice_size,vocab_axis,softcap,divergence,top_k", [
     (128, 0, None, "forward_kl", 0), (96, 1, 5.0, "reverse_kl", 0), (128, 1, None, "jsd", 0),
     (1000, 0, None, "forward_kl", 0), (128, 1, 5.0, "jsd", 150)])
@@ -65,14 +83,8 @@ def test_sums_and_gradients_equal_the_whole_logits_formulas(slice_size, vocab_ax
   whole-logits one, distill/divergences.py; a top-k read from a cache: test_token_rows.py); the
   weight and hidden-state gradients within 1e-5 of jax.grad through whole logits
   (jax.nn.log_softmax)."""
-  N, D, Dt, V, T, beta = 37, 16, 24, 300, 2.0, 0.3
-  k = jax.random.split(jax.random.key(0), 6)
-  w = jax.random.normal(k[0], (V, D) if vocab_axis == 0 else (D, V)) * 0.3
-  h = jax.random.normal(k[1], (N, D))
-  w_t = jax.random.normal(k[2], (Dt, V + 20)) * 0.3
-  h_t = jax.random.normal(k[3], (N, Dt))
-  y = jax.random.randint(k[4], (N,), 0, V)
-  mask = (jax.random.uniform(k[5], (N,)) > 0.2).astype(jnp.float32)
+  N, V, T, beta = OPERANDS_N, OPERANDS_V, 2.0, 0.3
+  w, h, w_t, h_t, y, mask = random_operands(0, vocab_axis)
   bucket_fn = functools.partial(_buckets, divergence, beta, V) if top_k else None
   spec = vocab_slices.Spec(kd_weight=0.7 * T * T, ce_weight=0.3, temperature=T, accuracy=True,
                            slice_size=slice_size, divergence=divergence, beta=beta, top_k=top_k,
