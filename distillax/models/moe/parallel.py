@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from distillax import partitioning as pt
-from distillax.models.moe.dispatch_rows import gather_rows
+from distillax.models.moe.dispatch_rows import combine_rows, gather_rows, group_sizes
 from distillax.models.moe.kernels import (RaggedDot, describe, grouped_ffn, ragged_dot_for,
                                           record)
 
@@ -55,9 +55,8 @@ def _local_experts(rows_MxD, expert_M, E_local: int, weights, act, ragged_dot, b
   """Rows through the experts their ids name (expert_M = E_local marks a row for none: an
   empty slot or a dropped assignment), returned in their own order."""
   order_M = jnp.argsort(expert_M, stable=True)
-  group_sizes_E = jnp.sum(expert_M[:, None] == jnp.arange(E_local)[None, :], axis=0,
-                          dtype=jnp.int32)
-  out_MxD = grouped_ffn(jnp.take(rows_MxD, order_M, axis=0, mode="clip"), group_sizes_E,
+  out_MxD = grouped_ffn(jnp.take(rows_MxD, order_M, axis=0, mode="clip"),
+                        group_sizes(expert_M, E_local),
                         *weights, act, ragged_dot=ragged_dot, biases=biases, up_act=up_act,
                         sorted_experts_N=jnp.take(expert_M, order_M))
   return jnp.take(out_MxD, jnp.argsort(order_M), axis=0, mode="clip")
@@ -80,27 +79,24 @@ def routed_experts(x_TxD, routing, gate_ExDxF, up_ExDxF, down_ExFxD, act, biases
   # Row gathers through dispatch_rows.gather_rows: mode='clip' (every index is in bounds, and
   # jnp.take's default fill adds a select over the gathered rows: 13 ms of a 0.50B MoE
   # student's 8 x 2048 step on a v5e), and gradients that gather through the inverse
-  # permutation instead of scatter-adding.
+  # permutation instead of scatter-adding; dispatch_rows.combine_rows brings the outputs back
+  # and takes its gradient from the tokens' cotangent, and group_sizes counts without a scatter.
   # The assignments are slot-major (row j * T + t: token t's j-th choice), so the outputs come
   # back as (k, T, D) by splitting the leading axis, which a TPU's (8, 128) tiles keep as they
   # are; token-major rows reshaped to (T, k, D) put k = 4 on the sublanes, a relayout copy of
   # every expert output there and back (deviceless v5e compile of the MoE student's step).
   E = gate_ExDxF.shape[0]
-  T, k = routing.experts_TxK.shape
   experts_N = routing.experts_TxK.T.reshape(-1)  # N = k*T assignments, slot-major
   dropless = routing.keep_TxK is None
   if not dropless:
     experts_N = jnp.where(routing.keep_TxK.T.reshape(-1), experts_N, E)
   order_N = jnp.argsort(experts_N, stable=True)
   inverse_N = jnp.argsort(order_N)
-  group_sizes_E = jnp.bincount(experts_N, length=E).astype(jnp.int32)
-  out_NxD = grouped_ffn(gather_rows(x_TxD, order_N, inverse_N), group_sizes_E,
+  out_NxD = grouped_ffn(gather_rows(x_TxD, order_N, inverse_N), group_sizes(experts_N, E),
                         gate_ExDxF, up_ExDxF, down_ExFxD, act, ragged_dot=ragged_dot, biases=biases,
                         up_act=up_act, sorted_experts_N=jnp.take(experts_N, order_N),
                         every_row_grouped=dropless)
-  out_KxTxD = gather_rows(out_NxD, inverse_N, order_N).reshape(k, T, -1)
-  weights_KxTx1 = routing.weights_TxK.T.astype(out_KxTxD.dtype)[:, :, None]
-  return jnp.sum(out_KxTxD * weights_KxTx1, axis=0)
+  return combine_rows(out_NxD, routing.weights_TxK, order_N, inverse_N)
 
 
 def _exchange(x_TxD, weights_TxK, experts_TxK, gate, up, down, biases, *, axes, n, act, up_act,
