@@ -197,8 +197,11 @@ ROWS = (
     # save_attention at 8 rows: 11.82 GiB (deviceless v5e compile). For the MoE KD pair it
     # does not fit at 4 or 3 rows (16.38, 15.43 GiB). save_attention_mlp (the experts' gate and
     # up products and the gathered rows kept) at 8 rows, 14.46 GiB: on the chip no faster than
-    # save_attention (425.5 ms against 423.2, call 50).
-    Row("moe_train", "moe_student", (f"train:save_attention:8{S}:moe_impl=ragged",
+    # save_attention (425.5 ms against 423.2, call 50). At 12 and 16 rows with fp32 master weights
+    # and moments: 13.42 and 14.58 GiB compiled on the chip (call 58), the fastest per token.
+    Row("moe_train", "moe_student", (f"train:save_attention:16{S}:moe_impl=ragged",
+                                     f"train:save_attention:12{S}:moe_impl=ragged",
+                                     f"train:save_attention:8{S}:moe_impl=ragged",
                                      f"train:full:8{S}:moe_impl=ragged",
                                      f"train:full:8{S}:moe_impl=tokamax",
                                      f"train:full:16{S}:moe_impl=ragged:param_dtype=bfloat16",
