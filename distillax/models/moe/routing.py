@@ -30,6 +30,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from distillax.models.moe.dispatch_rows import group_sizes
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +124,7 @@ def with_capacity(routing: Routing, capacity: int, mask_T: jax.Array | None) -> 
   real_N = jnp.ones((T * k,), bool) if mask_T is None else jnp.repeat(mask_T.astype(bool), k)
   key_N = jnp.where(real_N, routing.experts_TxK.reshape(-1), E)  # padding sorts last
   order_N = jnp.argsort(key_N, stable=True)  # by expert, then token order
-  counts = jnp.bincount(key_N, length=E + 1)
+  counts = group_sizes(key_N, E + 1)
   starts = jnp.cumsum(counts) - counts
   rank_sorted_N = jnp.arange(T * k) - starts[key_N[order_N]]
   rank_N = jnp.zeros((T * k,), rank_sorted_N.dtype).at[order_N].set(rank_sorted_N)

@@ -122,13 +122,12 @@ class DistillRecipe(Recipe):
   def objective(self, *, train: bool = False) -> Objective:
     """Train: the loss terms and hard_ce; eval adds the logit metrics that cost extra passes
     over the vocabulary (teacher_ce, top1_agreement, logit_cosine)."""
-    sliced = self.loss_impl == "sliced" and (
-        self.config.train.get("loss_impl", "auto") == "sliced" or self.sliced_strategy())
+    asked = self.config.train.get("loss_impl", "auto")
+    sliced = self.loss_impl == "sliced" and (asked == "sliced" or self.sliced_strategy())
     objective = make_distill_objective(self.strategy(), chunk_size=self.chunk_size(),
                                        metrics=not train, sliced=sliced,
                                        router_loss_weights=self.router_loss_weights(train),
-                                       chunks_on_tpu=self.config.train.get("loss_impl",
-                                                                           "auto") == "auto")
+                                       chunks_on_tpu=asked == "auto")
     return self.transforms.train_objective(objective) if train else objective
 
   def sliced_strategy(self) -> bool:
