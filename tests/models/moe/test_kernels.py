@@ -139,3 +139,69 @@ def test_rows_a_tpu_leaves_undefined_never_reach_values_or_gradients(monkeypatch
   for name, got, want in zip(names, [out, *jax.tree.leaves(grads)],
                              [want_out, *jax.tree.leaves(want_grads)], strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_gate_and_up_as_one_grouped_matmul_equal_two(capacity):
+  """grouped_ffn's fuse_gate_up (one grouped matmul against gate and up side by side) against
+  the two matmuls it replaces: the output and every gradient, dropless (no row masked) and with
+  capacity drops (rows past the groups masked), with gpt-oss's biases and up activation."""
+  x, logits, gate, up, down, biases, cotangent = _moe_arrays(jnp.float32)
+  K = 2
+  up_act = lambda u: jnp.clip(u, -7.0, 7.0) + 1.0
+
+  def loss(fuse, x, logits, gate, up, down, biases):
+    routing = moe.route(logits, K, "topk_softmax", False)
+    if capacity is not None:
+      routing = moe.with_capacity(routing, capacity, None)
+    out = moe.routed_experts(x, routing, gate, up, down, jax.nn.silu, biases, up_act,
+                             fuse_gate_up=fuse)
+    return jnp.sum(out * cotangent), out
+
+  grads = lambda fuse: jax.jit(jax.value_and_grad(
+      lambda *a: loss(fuse, *a), argnums=(0, 1, 2, 3, 4, 5), has_aux=True))(
+          x, logits, gate, up, down, biases)
+  (_, got_out), got = grads(True)
+  (_, want_out), want = grads(False)
+  names = ["out", "x", "logits", "gate", "up", "down", "gate_b", "up_b", "down_b"]
+  for name, g, w in zip(names, [got_out, *jax.tree.leaves(got)],
+                        [want_out, *jax.tree.leaves(want)], strict=True):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+  assert float(jnp.abs(got[3]).max()) > 0.0
+
+
+def _grouped_widths(model, tokens):
+  """The output widths of the grouped matmuls in the model's forward pass (its jaxpr)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  graphdef, state = nnx.split(model)
+  jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens).logits_BxLxV)(state)
+  widths = []
+
+  def walk(jxpr):
+    for eqn in jxpr.eqns:
+      if eqn.primitive.name == "ragged_dot_general":
+        widths.append(eqn.outvars[0].aval.shape[-1])
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr)
+  return sorted(set(widths))
+
+
+def test_the_layer_joins_gate_and_up_only_over_plain_weights():
+  """A plain MoE model's layers run gate and up as one grouped matmul (width 2F); under QAT
+  (its weights are QuantSiteParams, each matmul intercepted with its own weight) they stay two
+  (width F), and so does the dense reference."""
+  from distillax.models.presets import get_preset  # pylint: disable=import-outside-toplevel
+  from distillax.models.transformer import with_config  # pylint: disable=import-outside-toplevel
+  from distillax.quant import qat  # pylint: disable=import-outside-toplevel
+  from tests.support.models import random_model  # pylint: disable=import-outside-toplevel
+  config = get_preset("tiny", num_experts=4, num_experts_per_tok=2, moe_mlp_dim=96,
+                      scan_layers=False)
+  model = random_model(config)
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  D = config.embed_dim
+  assert _grouped_widths(model, tokens) == sorted([D, 192])
+  quantized = qat.quantize_for_training(model, {"rules": ((".*", "q8_0", None, None),)})
+  assert _grouped_widths(quantized, tokens) == sorted([D, 96])
+  assert _grouped_widths(with_config(model, moe_impl="dense"), tokens) == []
