@@ -19,7 +19,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from distillax.models import layer_scope, remat, tokamax_support
 from distillax.models.attention.impl import compile_platform
@@ -72,16 +71,14 @@ def ragged_dot_for(impl: str) -> RaggedDot | None:
 
 def grouped_ffn(xs_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,
                 ragged_dot: RaggedDot | None = None, biases=None, up_act=None,
-                sorted_experts_N=None, every_row_grouped: bool = False,
-                fuse_gate_up: bool = False):
+                sorted_experts_N=None, every_row_grouped: bool = False):
   """The gated MLP of each expert over its contiguous group of rows (rows past the groups'
   total come out zero): act(gate) * up, or act(gate) * up_act(up) (gpt-oss). `biases`: None or
   (gate_ExF, up_ExF, down_ExD), added to each row by its expert `sorted_experts_N` (rows past
   the groups take the last expert's: their output is never used). `ragged_dot` None: looked up
   as `jax.lax.ragged_dot` when called, so QAT's interception of it (quant/intercept.py) sees
   these matmuls too. every_row_grouped: the caller knows the groups cover every row (a dropless
-  dispatch), so no row needs masking. fuse_gate_up: the gate and up products as one grouped
-  matmul against the two weights side by side (E, D, 2F) (`gate_up_in_one`)."""
+  dispatch), so no row needs masking."""
   ragged_dot = ragged_dot or jax.lax.ragged_dot
   # A grouped matmul leaves the rows past the groups' total undefined on a TPU (zeros on the
   # CPU): measured on a v5e, garbage (NaN in bf16) in them, and in the input gradient's (the
@@ -95,13 +92,8 @@ def grouped_ffn(xs_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,
     grouped = lambda lhs, rhs: jnp.where(in_groups_Nx1, ragged_dot(
         jnp.where(in_groups_Nx1, lhs, 0), rhs, group_sizes_E), 0)
   xs_NxD = remat.name_moe_rows(xs_NxD)
-  if fuse_gate_up:
-    F = gate_ExDxF.shape[-1]
-    gate_up_NxF2 = grouped(xs_NxD, jnp.concatenate([gate_ExDxF, up_ExDxF], axis=-1))
-    gate_NxF, up_NxF = gate_up_NxF2[:, :F], gate_up_NxF2[:, F:]
-  else:
-    gate_NxF, up_NxF = grouped(xs_NxD, gate_ExDxF), grouped(xs_NxD, up_ExDxF)
-  gate_NxF, up_NxF = remat.name_mlp_gate_up(gate_NxF, up_NxF)
+  gate_NxF, up_NxF = remat.name_mlp_gate_up(grouped(xs_NxD, gate_ExDxF),
+                                            grouped(xs_NxD, up_ExDxF))
   bias = lambda b_ExX: jnp.take(b_ExX, sorted_experts_N, axis=0, mode="clip")
   if biases is not None:
     gate_NxF, up_NxF = gate_NxF + bias(biases[0]), up_NxF + bias(biases[1])
@@ -109,21 +101,6 @@ def grouped_ffn(xs_NxD, group_sizes_E, gate_ExDxF, up_ExDxF, down_ExFxD, act,
     up_NxF = up_act(up_NxF)
   out_NxD = grouped(act(gate_NxF) * up_NxF, down_ExFxD)
   return out_NxD if biases is None else out_NxD + bias(biases[2])
-
-
-def gate_up_in_one(impl: str, gate, up, split_mlp) -> bool:
-  """Whether the experts' gate and up products run as one grouped matmul (grouped_ffn's
-  fuse_gate_up): for moe_impl 'ragged', over plain weights whose width (the 'mlp' axis) the
-  rules keep whole on each device (`split_mlp`: pt.split_over's answer for it).
-
-  Why: a grouped matmul is a custom call XLA fuses nothing into. As two, the backward pass adds
-  their two (rows, D) input gradients in a pass of its own (4.9 ms of the 0.50B MoE student's
-  8 x 2048 train step on a v5e), and each reads the rows again; as one the MXU sums both in
-  its accumulator. Weights a quantizer or an adapter reads (QAT's, int8's, LoRA's: subclasses
-  of Param or modules) keep two matmuls, each intercepted with its own weight; a width split
-  over devices would have to be gathered to be joined."""
-  plain = type(gate) is nnx.Param and type(up) is nnx.Param
-  return impl == "ragged" and plain and split_mlp is None
 
 
 # ---- what ran: one entry per traced MoE call (a scanned layer stack is traced once) ----------

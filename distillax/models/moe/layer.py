@@ -36,12 +36,12 @@ from flax import nnx
 
 from distillax.models.config import TransformerConfig
 from distillax.models.layers import activations, normal_param
-from distillax.models.moe.kernels import gate_up_in_one, tokamax_ragged_dot
+from distillax.models.moe.kernels import tokamax_ragged_dot
 from distillax.models.moe.parallel import routed_experts, run_experts
 from distillax.models.moe.routing import (Routing, SigmoidGroups, expert_capacity,  # noqa: F401
                                           route, with_capacity)
 from distillax.models.moe.shared import SharedExpert
-from distillax.partitioning import constrain, split_over
+from distillax.partitioning import constrain
 
 
 # The ragged dispatch and tokamax's are one function (models/moe/parallel.py) over two grouped
@@ -210,10 +210,7 @@ class MoE(nnx.Module):
                   else routing.keep_TxK.astype(routing.weights_TxK.dtype))
       dispatched = dataclasses.replace(routing, weights_TxK=unit_TxK)
     # Experts the rules split (fsdp_ep, ep_tp) exchange tokens in a shard_map region.
-    dispatch = _DISPATCH[self.impl]
-    if gate_up_in_one(self.impl, self.gate, self.up, split_over("mlp", self.gate.shape[-1])):
-      dispatch = functools.partial(routed_experts, fuse_gate_up=True)
-    out_TxD = run_experts(self.impl, dispatch, experts_in_TxD, dispatched, weights,
+    out_TxD = run_experts(self.impl, _DISPATCH[self.impl], experts_in_TxD, dispatched, weights,
                           self.act, biases, self.up_act)
     out_BxLxD = out_TxD.reshape(B, L, D)
     if self.shared_expert is not None:

@@ -70,8 +70,7 @@ def _combine(out_NxD, weights_TxK):
 
 
 def routed_experts(x_TxD, routing, gate_ExDxF, up_ExDxF, down_ExFxD, act, biases=None,
-                   up_act=None, *, ragged_dot: RaggedDot | None = None,
-                   fuse_gate_up: bool = False):
+                   up_act=None, *, ragged_dot: RaggedDot | None = None):
   """The dropless grouped-matmul dispatch with every expert on this device (the signature of
   models/moe/layer.py's dispatches; `ragged_dot` None: jax.lax.ragged_dot): the T*k (token,
   expert) assignments sorted by expert, each expert's contiguous group through one grouped
@@ -96,7 +95,7 @@ def routed_experts(x_TxD, routing, gate_ExDxF, up_ExDxF, down_ExFxD, act, biases
   out_NxD = grouped_ffn(gather_rows(x_TxD, order_N, inverse_N), group_sizes(experts_N, E),
                         gate_ExDxF, up_ExDxF, down_ExFxD, act, ragged_dot=ragged_dot, biases=biases,
                         up_act=up_act, sorted_experts_N=jnp.take(experts_N, order_N),
-                        every_row_grouped=dropless, fuse_gate_up=fuse_gate_up)
+                        every_row_grouped=dropless)
   return combine_rows(out_NxD, routing.weights_TxK, order_N, inverse_N)
 
 
