@@ -118,10 +118,6 @@ SELECTION = (
      "test_a_tpu_train_objective_takes_chunks_with_the_slices_numbers",
      "train.loss_impl='auto' on a TPU: a live teacher's KD over the chunk engine (its chunks "
      "chosen for the chip) against the slices: loss, sums and gradients"),
-    ("tests/distill/test_tpu_chunks.py::"
-     "test_at_the_default_precision_the_logits_gradient_is_written_in_bfloat16",
-     "the chunk engine's logit gradient written in bfloat16 at the default precision: the same "
-     "gradients as fp32 on a TPU, whose MXU reads an fp32 operand as bfloat16 there"),
 )
 TPU_BUDGET_S = 270.0
 HUNG_S = 180  # a test still running after this long gets its stacks printed

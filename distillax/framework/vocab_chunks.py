@@ -43,16 +43,12 @@ student's hidden states and to the output-layer parameters is formed inside the 
 while the chunk's logits are at hand; the backward pass only scales them by the loss's cotangent.
 Neither model's logits are computed twice, and only the parameters the output layer reads (found
 from its jaxpr) and the caller differentiates carry a gradient accumulator, not the whole model
-nor a frozen base. Compiled for a TPU at the default matmul precision, each chunk's gradient of
-the student's logits is written in bfloat16 (`logits_cotangent_dtype`): the MXU reads that fp32
-operand as bfloat16 there anyway, and the one bf16 array is what both of the output layer's
-matmuls read.
+nor a frozen base.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Callable, Mapping
 
@@ -64,7 +60,6 @@ from jax import custom_derivatives
 from distillax import partitioning as pt
 from distillax.errors import ConfigError
 from distillax.framework import token_loss_impl, token_rows
-from distillax.models.attention import impl
 
 AUTO = -1  # chunk_size: sized per device from the vocabulary, the batch and the rules
 CHUNK_BUDGET_BYTES = 128 * 2**20  # fp32 logits of one model for one chunk, on one device
@@ -204,32 +199,6 @@ def _split(params, h_BxCxD, logits_fn):
   return diff, rest, join
 
 
-def logits_cotangent_dtype() -> str | None:
-  """The dtype `vocab_chunk_sums` writes each chunk's gradient of the student's logits in:
-  'bfloat16' for a TPU compile at the default matmul precision, where the MXU reads an fp32
-  operand of the output layer's two backward matmuls as bfloat16 anyway (the same values, half
-  the bytes written and read twice); None (the logits' fp32) elsewhere and under a higher
-  jax_default_matmul_precision, which the matmuls would honour."""
-  if impl.compile_platform() != "tpu":
-    return None
-  precision = jax.config.jax_default_matmul_precision
-  return "bfloat16" if precision in (None, "default", "fastest", "bfloat16") else None
-
-
-def rounded_cotangent(x, dtype):
-  """`x`, whose cotangent is rounded to `dtype` on its way back (values unchanged)."""
-  return _rounded_cotangent(jnp.dtype(dtype), x)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _rounded_cotangent(dtype, x):
-  return x
-
-
-_rounded_cotangent.defvjp(lambda dtype, x: (x, None),
-                          lambda dtype, _, g: (g.astype(dtype).astype(g.dtype),))
-
-
 def vocab_chunk_sums(values_fn: ValuesFn, weights: Mapping[str, float],
                      tokens: Mapping[str, jax.Array], mask_BxL: jax.Array,
                      student: OutputLayer, student_hidden_BxLxD: jax.Array,
@@ -237,8 +206,7 @@ def vocab_chunk_sums(values_fn: ValuesFn, weights: Mapping[str, float],
                      chunk_size: int = AUTO) -> tuple[jax.Array, dict[str, jax.Array]]:
   """(loss, sums) of `values_fn` over the logits of `student` (and `teacher`), chunk by chunk.
 
-  tokens: per-token entries shaped (B, L, ...); mask_BxL: which positions count (> 0). Each
-  chunk's gradient of the student's logits is written in `logits_cotangent_dtype()`."""
+  tokens: per-token entries shaped (B, L, ...); mask_BxL: which positions count (> 0)."""
   B, L = mask_BxL.shape
   vocab = jax.eval_shape(student.logits_fn, student.params,
                          student_hidden_BxLxD[:, :1]).shape[-1]
@@ -251,7 +219,6 @@ def vocab_chunk_sums(values_fn: ValuesFn, weights: Mapping[str, float],
     chunks["teacher_h"] = jax.lax.stop_gradient(_to_chunks(teacher_hidden_BxLxD, n))
   t_params = None if teacher is None else jax.lax.stop_gradient(teacher.params)
   h_chunks = _to_chunks(student_hidden_BxLxD, n)
-  cotangent_dtype = logits_cotangent_dtype()
   diff, rest, join = _split(student.params, h_chunks[0], student.logits_fn)
 
   # The output layers see each chunk as (B*C, D) rows: XLA:CPU runs the 2-D matmul 1.2x faster
@@ -259,8 +226,6 @@ def vocab_chunk_sums(values_fn: ValuesFn, weights: Mapping[str, float],
   # batch's sharding in its major part.
   def chunk_value(diff, h_BxCxD, rest, t_params, chunk):
     s_NxV = student.logits_fn(join(diff, rest), _flat(h_BxCxD))
-    if cotangent_dtype is not None:
-      s_NxV = rounded_cotangent(s_NxV, cotangent_dtype)
     t_NxV = None
     if teacher is not None:
       t_NxV = jax.lax.stop_gradient(teacher.logits_fn(t_params, _flat(chunk["teacher_h"])))

@@ -14,7 +14,6 @@ from distillax.distill.teacher_head import TeacherHead
 from distillax.framework import token_loss_impl, vocab_chunks
 from distillax.models.attention import impl
 from tests.distill import helpers as h
-from tests.support import chip
 from tests.distill.test_multi_teacher import _assert_same, _value_and_grads
 
 STRATEGY = LogitKD(temperature=2.0, alpha=0.7) + LogitKD(temperature=1.0, alpha=0.5,
@@ -90,51 +89,3 @@ def test_the_chunk_the_chip_measured(monkeypatch):
   assert tokens == 4 * 276
   n = math.ceil(2048 / vocab_chunks.chunk_len(tokens, 4, 2048, 151936))
   assert (n, math.ceil(2048 / n)) == (8, 256)
-
-
-def test_rounded_cotangent_rounds_the_gradient_only():
-  """The value passes unchanged; the cotangent comes back rounded to bfloat16 (1 + 2**-10 is
-  not a bfloat16: it rounds to 1; 1 + 2**-7 is one)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  x = jnp.asarray([0.3, -2.0, 5.0], jnp.float32)
-  value, vjp = jax.vjp(lambda a: vocab_chunks.rounded_cotangent(a, "bfloat16"), x)
-  assert value.dtype == jnp.float32 and np.array_equal(np.asarray(value), np.asarray(x))
-  (g,) = vjp(jnp.asarray([1 + 2**-10, 1 + 2**-7, -3 - 2**-12], jnp.float32))
-  assert g.dtype == jnp.float32
-  assert np.asarray(g).tolist() == [1.0, 1 + 2**-7, -3.0]
-
-
-def test_at_the_default_precision_the_logits_gradient_is_written_in_bfloat16(monkeypatch):
-  """The chunk engine's cotangent dtype (framework/vocab_chunks.py): bfloat16 on a TPU compile
-  at the default matmul precision, fp32 under a higher one (the suite's 'highest') and on a CPU
-  compile. At the default precision, the
-  bfloat16 gradient against the fp32 one: the same loss and sums, and gradients the same on a
-  TPU (its MXU reads an fp32 operand as bfloat16 there: the claim that makes it the default,
-  checked in the chip run) and within bfloat16's rounding on CPU (whose fp32 matmuls are
-  fp32), where they differ: the rounding ran."""
-  import jax  # pylint: disable=import-outside-toplevel
-  student, teacher = h.make_models(0)
-  batch = h.to_jnp(h.make_batch(B=4, L=9))
-  with jax.default_matmul_precision("default"):
-    assert vocab_chunks.logits_cotangent_dtype() is None  # a CPU compile
-  monkeypatch.setattr(impl, "compile_platform", lambda: "tpu")
-  assert vocab_chunks.logits_cotangent_dtype() is None  # tests/conftest.py: 'highest'
-  with jax.default_matmul_precision("default"):
-    assert vocab_chunks.logits_cotangent_dtype() == "bfloat16"
-    got, ran = _run(STRATEGY, student, {"teacher": teacher}, batch, metrics=False,
-                    chunks_on_tpu=True)
-    monkeypatch.setattr(vocab_chunks, "logits_cotangent_dtype", lambda: None)
-    want, ran_f32 = _run(STRATEGY, student, {"teacher": teacher}, batch, metrics=False,
-                         chunks_on_tpu=True)
-  assert ran == ran_f32 == ["chunked"]
-  (out, grads), (want_out, want_grads) = got, want
-  np.testing.assert_allclose(out.loss_sum, want_out.loss_sum, rtol=1e-6)
-  for k in want_out.sums:
-    np.testing.assert_allclose(out.sums[k], want_out.sums[k], rtol=1e-6, err_msg=k)
-  differs = False
-  for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want_grads),
-                          jax.tree.leaves(grads), strict=True):
-    chip.assert_scaled(g, w, chip.pick(cpu=2**-7, tpu=1e-5), jax.tree_util.keystr(path))
-    differs |= bool(np.any(np.asarray(g) != np.asarray(w)))
-  assert differs or chip.on_tpu()
