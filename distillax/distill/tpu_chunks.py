@@ -15,6 +15,10 @@ levers_call55_real.jsonl, levers_call55_kd_chunks.jsonl). Next-token CE alone ha
 logits to save and stays on the slices: the chunk engine at 2,048-token chunks was slower there
 (544.6 against 527.8 ms for the 0.6B student's train step, levers_call54_real.jsonl).
 
+Writing each chunk's gradient of the student's logits in bfloat16 (the MXU reads it so at the
+default precision) was slower on the chip: 610.3 against 607.3 ms, the MoE teacher's 519.3
+against 517.3 (levers_call60_real.jsonl, levers_call60_moe.jsonl).
+
 So the rule covers what was measured: a train objective (an eval's metrics stay on the slices)
 of LogitKDs over the whole vocabulary from one teacher model run in the step, compiled for a
 TPU. A top-k, a cache, several teachers and an explicit train.loss_impl='sliced' keep the slices.
